@@ -1,0 +1,67 @@
+"""The array backend: NumPy on the CPU, CuPy on the GPU.
+
+Layers write their math once against `xp` (the array module of their
+inputs, found with get_array_module) in the style of Chainer; a cuDNN path
+is a separate, explicit branch where cuDNN has the op.
+"""
+import numpy
+
+from caffeplus.errors import CaffeplusError
+
+CPU, GPU = 'cpu', 'gpu'
+_state = {'mode': CPU, 'device': 0, 'xp': numpy}
+
+
+def mode():
+    return _state['mode']
+
+
+def xp():
+    """The array module of the current mode."""
+    return _state['xp']
+
+
+def set_mode_cpu():
+    _state.update(mode=CPU, xp=numpy)
+
+
+def set_mode_gpu(device=None):
+    try:
+        import cupy
+    except ImportError as exc:
+        raise CaffeplusError(
+            'GPU mode needs CuPy, which is not installed (%s). Install it with '
+            "`pip install caffeplus[gpu]` or `pip install cupy-cuda12x`." % exc)
+    if device is not None:
+        _state['device'] = int(device)
+    try:
+        cupy.cuda.Device(_state['device']).use()
+    except Exception as exc:  # CUDA driver errors come in several types
+        raise CaffeplusError('cannot use GPU %d: %s' % (_state['device'], exc))
+    _state.update(mode=GPU, xp=cupy)
+
+
+def set_device(device):
+    _state['device'] = int(device)
+    if _state['mode'] == GPU:
+        set_mode_gpu(device)
+
+
+def device():
+    return _state['device']
+
+
+def get_array_module(*arrays):
+    """numpy or cupy, whichever the given arrays live in."""
+    for a in arrays:
+        mod = type(a).__module__
+        if mod.startswith('cupy'):
+            import cupy
+            return cupy
+    return numpy
+
+
+def to_numpy(a):
+    if type(a).__module__.startswith('cupy'):
+        return a.get()
+    return numpy.asarray(a)

@@ -1,0 +1,79 @@
+"""Caffe's weight fillers (FillerParameter): constant, uniform, gaussian
+(with sparse), positive_unitball, xavier, msra, bilinear.
+
+Values come from caffeplus.rng, so a seeded net is repeatable; they are not
+Caffe's own random numbers (boost's generators are not reproduced).
+"""
+import math
+
+import numpy
+
+from caffeplus import rng
+from caffeplus.errors import NetError
+
+
+def _fans(shape):
+    count = int(numpy.prod(shape)) if len(shape) else 1
+    fan_in = count // shape[0] if len(shape) >= 1 and shape[0] else count
+    fan_out = count // shape[1] if len(shape) > 1 and shape[1] else count
+    return fan_in, fan_out
+
+
+def _variance_n(param, shape):
+    from caffeplus.proto import caffe_pb2
+    fan_in, fan_out = _fans(shape)
+    if param.variance_norm == caffe_pb2.FillerParameter.AVERAGE:
+        return (fan_in + fan_out) / 2.0
+    if param.variance_norm == caffe_pb2.FillerParameter.FAN_OUT:
+        return fan_out
+    return fan_in
+
+
+def fill_array(param, shape):
+    """A float32 array of `shape` filled as FillerParameter `param` says."""
+    shape = tuple(shape)
+    g = rng.get()
+    kind = param.type
+    if kind == 'constant':
+        out = numpy.full(shape, param.value, dtype=numpy.float32)
+    elif kind == 'uniform':
+        out = g.uniform(param.min, param.max, size=shape)
+    elif kind == 'gaussian':
+        out = g.normal(param.mean, param.std, size=shape)
+        if param.sparse >= 0:
+            if len(shape) < 1:
+                raise NetError('sparse gaussian filler needs a blob with at least one axis')
+            num_outputs = shape[0]
+            prob = param.sparse / float(num_outputs)
+            out = out * (g.random(size=shape) < prob)
+    elif kind == 'positive_unitball':
+        out = g.uniform(0, 1, size=shape)
+        num = shape[0] if shape else 1
+        flat = out.reshape(num, -1)
+        flat /= flat.sum(axis=1, keepdims=True)
+        out = flat.reshape(shape)
+    elif kind == 'xavier':
+        scale = math.sqrt(3.0 / _variance_n(param, shape))
+        out = g.uniform(-scale, scale, size=shape)
+    elif kind == 'msra':
+        std = math.sqrt(2.0 / _variance_n(param, shape))
+        out = g.normal(0.0, std, size=shape)
+    elif kind == 'bilinear':
+        if len(shape) != 4 or shape[2] != shape[3]:
+            raise NetError('bilinear filler needs a 4-D blob with square kernels, got %s'
+                           % (shape,))
+        width = shape[3]
+        f = math.ceil(width / 2.0)
+        c = (2 * f - 1 - f % 2) / (2.0 * f)
+        idx = numpy.arange(int(numpy.prod(shape)))
+        x = idx % width
+        y = (idx // width) % shape[2]
+        out = ((1 - numpy.abs(x / f - c)) * (1 - numpy.abs(y / f - c))).reshape(shape)
+    else:
+        raise NetError("Unknown filler name: '%s'" % kind)
+    return numpy.asarray(out, dtype=numpy.float32)
+
+
+def fill(blob, param):
+    """Fill a Blob's data in place."""
+    blob.data = fill_array(param, blob.shape)

@@ -1,0 +1,117 @@
+"""Net weights: .caffemodel (binary NetParameter) and Caffe's HDF5 layout.
+
+HDF5 layout, as Caffe writes it: group `data` with one group per layer
+(named as the layer) holding datasets `0`, `1`, ... (float32, the blob
+shape); `diff` likewise when diffs are written. Shared parameters are
+stored only under their owner.
+"""
+import os
+
+import numpy
+
+from caffeplus import log
+from caffeplus.blob import shape_string, proto_shape
+from caffeplus.errors import FormatError, NetError
+from caffeplus.io.atomic import atomic_path, atomic_write
+from caffeplus.io.prototxt import read_net_param_binary
+
+
+def copy_trained_layers_from(net, filename):
+    if filename.endswith('.h5'):
+        copy_from_hdf5(net, filename)
+    else:
+        copy_from_net_param(net, read_net_param_binary(filename), filename)
+
+
+def copy_from_net_param(net, param, source='weights'):
+    layer_names = net._layer_names
+    for src in param.layer:
+        if src.name not in layer_names:
+            log.info('Ignoring source layer %s', src.name)
+            continue
+        target = net.layers[layer_names.index(src.name)].blobs
+        if len(target) != len(src.blobs):
+            raise NetError('%s: Incompatible number of blobs for layer %s (the net has %d, '
+                           'the file %d)' % (source, src.name, len(target), len(src.blobs)))
+        for j, (blob, proto) in enumerate(zip(target, src.blobs)):
+            if not blob.shape_equals(proto):
+                raise NetError("%s: Cannot copy param %d weights from layer '%s'; shape "
+                               "mismatch.  Source param shape is %s; target param shape is %s. "
+                               "To learn this layer's parameters from scratch rather than "
+                               "copying from a saved net, rename the layer."
+                               % (source, j, src.name, shape_string(proto_shape(proto)),
+                                  blob.shape_string()))
+            try:
+                blob.from_proto(proto, reshape=False)
+            except FormatError as exc:
+                raise FormatError('%s: layer %s param %d: %s' % (source, src.name, j, exc))
+
+
+def write_caffemodel(net, filename, write_diff=False):
+    data = net.to_proto(write_diff).SerializeToString()
+    with atomic_write(filename, 'wb') as f:
+        f.write(data)
+
+
+def _h5py():
+    try:
+        import h5py
+    except ImportError:
+        raise FormatError('HDF5 files need the h5py package: pip install h5py')
+    return h5py
+
+
+def write_hdf5(net, filename, write_diff=False):
+    h5py = _h5py()
+    with atomic_path(filename) as tmp:
+        with h5py.File(tmp, 'w') as f:
+            data = f.create_group('data')
+            diff = f.create_group('diff') if write_diff else None
+            for layer_id, (name, layer) in enumerate(zip(net._layer_names, net.layers)):
+                g_data = data.create_group(name)
+                g_diff = diff.create_group(name) if diff is not None else None
+                for j, net_param_id in enumerate(net.param_id_vecs[layer_id]):
+                    if net.param_owners[net_param_id] != -1:
+                        continue
+                    blob = layer.blobs[j]
+                    g_data.create_dataset(str(j), data=numpy.asarray(blob.data, numpy.float32))
+                    if g_diff is not None:
+                        g_diff.create_dataset(str(j), data=numpy.asarray(blob.diff, numpy.float32))
+
+
+def copy_from_hdf5(net, filename):
+    h5py = _h5py()
+    if not os.path.exists(filename):
+        raise FormatError('weights file not found: %s' % filename)
+    try:
+        f = h5py.File(filename, 'r')
+    except OSError as exc:
+        raise FormatError('%s: not a readable HDF5 file (%s)' % (filename, exc))
+    with f:
+        if 'data' not in f:
+            raise FormatError("%s: no 'data' group: not a Caffe HDF5 weights file" % filename)
+        data = f['data']
+        for layer_name in data:
+            if layer_name not in net._layer_names:
+                log.info('Ignoring source layer %s', layer_name)
+                continue
+            layer_id = net._layer_names.index(layer_name)
+            target = net.layers[layer_id].blobs
+            group = data[layer_name]
+            if len(group) > len(target):
+                raise NetError('%s: Incompatible number of blobs for layer %s'
+                               % (filename, layer_name))
+            for j, blob in enumerate(target):
+                key = str(j)
+                if key not in group:
+                    if net.param_owners[net.param_id_vecs[layer_id][j]] != -1:
+                        continue  # shared: the owner carries it
+                    raise NetError('%s: Incompatible number of blobs for layer %s'
+                                   % (filename, layer_name))
+                ds = group[key]
+                if tuple(ds.shape) != blob.shape:
+                    raise NetError("%s: Cannot copy param %d weights from layer '%s'; shape "
+                                   "mismatch.  Source param shape is %s; target param shape "
+                                   "is %s." % (filename, j, layer_name, shape_string(ds.shape),
+                                               blob.shape_string()))
+                blob.data = numpy.asarray(ds[...], dtype=numpy.float32)

@@ -1,0 +1,222 @@
+"""The layer interface and the registry of layer types.
+
+A layer follows Caffe's four steps: layer_setup (once: read parameters,
+create learnable blobs), reshape (shape tops from bottoms), _forward and
+_backward (the math). The base class adds what every layer shares: the
+bottom/top count checks, loss weights, and the loss a forward returns.
+
+Each layer class also declares, for the memory planner:
+  backward_reads  which arrays its backward reads: a subset of
+                  {'bottom_data', 'top_data'} (internal buffers, such as a
+                  pooling mask, are the layer's own and always kept)
+  inplace_ok      whether top may be the same blob as bottom
+"""
+import numpy
+
+from caffeplus import backend
+from caffeplus.blob import Blob
+from caffeplus.errors import NetError, UnknownLayerError
+from caffeplus.proto import caffe_pb2
+
+_REGISTRY = {}
+
+
+def register(cls):
+    """Class decorator: make `cls` the implementation of `cls.type`."""
+    names = cls.type if isinstance(cls.type, (list, tuple)) else [cls.type]
+    for name in names:
+        _REGISTRY[name] = cls
+    return cls
+
+
+def layer_types():
+    _load_layers()
+    return sorted(_REGISTRY)
+
+
+def layer_class(type_name):
+    _load_layers()
+    return _REGISTRY.get(type_name)
+
+
+def create_layer(layer_param):
+    """Instantiate the layer a LayerParameter describes."""
+    cls = layer_class(layer_param.type)
+    if cls is None:
+        raise UnknownLayerError(
+            "Unknown layer type: '%s' (layer '%s'). Known types: %s"
+            % (layer_param.type, layer_param.name, ', '.join(layer_types())))
+    return cls(layer_param)
+
+
+def _load_layers():
+    # Importing the family modules registers their classes.
+    import caffeplus.layers  # noqa: F401
+
+
+class Layer:
+    type = None
+    exact_num_bottom = -1
+    min_num_bottom = -1
+    max_num_bottom = -1
+    exact_num_top = -1
+    min_num_top = -1
+    max_num_top = -1
+    equal_num_bottom_top = False
+    auto_top_blobs = False
+    backward_reads = frozenset(('bottom_data', 'top_data'))
+    inplace_ok = False
+    # Layers that have no backward at all (Accuracy, ArgMax, data layers).
+    has_backward = True
+
+    def __init__(self, layer_param):
+        self.layer_param = caffe_pb2.LayerParameter()
+        self.layer_param.CopyFrom(layer_param)
+        self.phase = self.layer_param.phase
+        self.blobs = []
+        for i, bp in enumerate(self.layer_param.blobs):
+            b = Blob(name='%s.%d' % (self.layer_param.name, i))
+            b.from_proto(bp, reshape=True)
+            self.blobs.append(b)
+        self.param_propagate_down = []
+        self.loss_weights = []
+
+    # -- Caffe's SetUp -------------------------------------------------------
+    @property
+    def name(self):
+        return self.layer_param.name
+
+    def setup(self, bottom, top):
+        self.check_blob_counts(bottom, top)
+        self.layer_setup(bottom, top)
+        self.reshape(bottom, top)
+        self.set_loss_weights(top)
+
+    def layer_setup(self, bottom, top):
+        pass
+
+    def reshape(self, bottom, top):
+        raise NotImplementedError
+
+    def check_blob_counts(self, bottom, top):
+        name, kind = self.layer_param.name, self.layer_param.type
+
+        def fail(what):
+            raise NetError('layer %s (%s) %s' % (name, kind, what))
+        nb, nt = len(bottom), len(top)
+        if self.exact_num_bottom >= 0 and nb != self.exact_num_bottom:
+            fail('takes %d bottom blob(s) as input, got %d' % (self.exact_num_bottom, nb))
+        if self.min_num_bottom >= 0 and nb < self.min_num_bottom:
+            fail('takes at least %d bottom blob(s) as input, got %d' % (self.min_num_bottom, nb))
+        if self.max_num_bottom >= 0 and nb > self.max_num_bottom:
+            fail('takes at most %d bottom blob(s) as input, got %d' % (self.max_num_bottom, nb))
+        if self.exact_num_top >= 0 and nt != self.exact_num_top:
+            fail('produces %d top blob(s) as output, got %d' % (self.exact_num_top, nt))
+        if self.min_num_top >= 0 and nt < self.min_num_top:
+            fail('produces at least %d top blob(s) as output, got %d' % (self.min_num_top, nt))
+        if self.max_num_top >= 0 and nt > self.max_num_top:
+            fail('produces at most %d top blob(s) as output, got %d' % (self.max_num_top, nt))
+        if self.equal_num_bottom_top and nb != nt:
+            fail('produces one top blob as output for each bottom blob input')
+
+    def set_loss_weights(self, top):
+        weights = list(self.layer_param.loss_weight)
+        if weights and len(weights) != len(top):
+            raise NetError('layer %s: loss_weight must be unspecified or specified once per '
+                           'top blob (%d given for %d tops)'
+                           % (self.layer_param.name, len(weights), len(top)))
+        self.loss_weights = [0.0] * len(top)
+        for i, w in enumerate(weights):
+            if w == 0:
+                continue
+            self.loss_weights[i] = w
+            top[i].diff[...] = w
+
+    def loss(self, top_index):
+        return top_index < len(self.loss_weights) and self.loss_weights[top_index] != 0
+
+    def allow_force_backward(self, bottom_index):
+        return True
+
+    def set_param_propagate_down(self, index, value):
+        while len(self.param_propagate_down) <= index:
+            self.param_propagate_down.append(True)
+        self.param_propagate_down[index] = value
+
+    def param_needs_backward(self, index):
+        return index >= len(self.param_propagate_down) or self.param_propagate_down[index]
+
+    # -- Caffe's Forward/Backward -------------------------------------------
+    def forward(self, bottom, top):
+        """Run the layer; return its weighted loss (0 for non-loss layers)."""
+        self._forward(bottom, top)
+        loss = 0.0
+        for i, w in enumerate(self.loss_weights):
+            if w:
+                xp = backend.get_array_module(top[i].data)
+                loss += float(xp.dot(top[i].data.ravel(), top[i].diff.ravel()))
+        return loss
+
+    def backward(self, top, propagate_down, bottom):
+        self._backward(top, propagate_down, bottom)
+
+    def _forward(self, bottom, top):
+        raise NotImplementedError
+
+    def _backward(self, top, propagate_down, bottom):
+        if any(propagate_down):
+            raise NetError('layer %s (%s) cannot back-propagate'
+                           % (self.layer_param.name, self.layer_param.type))
+
+    # -- workspace, for the memory planner -----------------------------------
+    def workspace_bytes(self):
+        """Scratch bytes the layer needs during one call (0: none)."""
+        return 0
+
+    def to_proto(self, write_diff=False):
+        param = caffe_pb2.LayerParameter()
+        param.CopyFrom(self.layer_param)
+        del param.blobs[:]
+        for b in self.blobs:
+            b.to_proto(param.blobs.add(), write_diff)
+        return param
+
+    def __repr__(self):
+        return '<%s layer %s>' % (self.layer_param.type, self.layer_param.name)
+
+
+class LossLayer(Layer):
+    """Caffe's LossLayer: two bottoms by default, a scalar top, weight 1."""
+    exact_num_bottom = 2
+    exact_num_top = 1
+
+    def setup(self, bottom, top):
+        if len(self.layer_param.loss_weight) == 0:
+            self.layer_param.loss_weight.append(1.0)
+        super().setup(bottom, top)
+
+    def allow_force_backward(self, bottom_index):
+        # Labels never take a gradient.
+        return bottom_index != 1
+
+    def reshape(self, bottom, top):
+        if bottom[0].shape[:1] != bottom[1].shape[:1]:
+            raise NetError('layer %s: the data and label should have the same first '
+                           'dimension (%s vs %s)' % (self.layer_param.name,
+                                                    bottom[0].shape_string(), bottom[1].shape_string()))
+        top[0].reshape(())
+
+
+class NeuronLayer(Layer):
+    """One bottom, one top of the same shape, may run in place."""
+    exact_num_bottom = 1
+    exact_num_top = 1
+    inplace_ok = True
+
+    def reshape(self, bottom, top):
+        top[0].reshape(bottom[0].shape)
+
+
+def float32(x):
+    """Round a Python float to the nearest float32, as Caffe's Dtype does."""
+    return float(numpy.float32(x))

@@ -1,0 +1,1 @@
+"""caffeplus.memory."""

@@ -1,0 +1,19 @@
+from setuptools import setup
+
+setup(
+    name='caffeplus',
+    version='0.1.0',
+    description='Caffe-compatible deep-learning training with far less GPU memory',
+    python_requires='>=3.10',
+    packages=['caffeplus', 'caffeplus.proto', 'caffeplus.io', 'caffeplus.backend',
+              'caffeplus.solver', 'caffeplus.memory', 'caffeplus.cudnn', 'caffeplus.layers',
+              'caffeplus.tools'],
+    package_dir={'caffeplus.layers': 'layers', 'caffeplus.tools': 'tools'},
+    install_requires=['numpy>=1.23', 'protobuf>=5.26,<8', 'lmdb', 'h5py', 'Pillow'],
+    extras_require={
+        'gpu': ['cupy-cuda12x', 'nvidia-cudnn-cu12'],
+        'gpu13': ['cupy-cuda13x', 'nvidia-cudnn-cu13'],
+        'dev': ['pytest', 'hypothesis', 'grpcio-tools', 'scikit-learn', 'matplotlib', 'pydot'],
+    },
+    entry_points={'console_scripts': ['caffeplus = caffeplus.cli:main']},
+)

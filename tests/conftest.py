@@ -1,0 +1,46 @@
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.environ.get('CAFFEPLUS_SHARED', os.path.join(os.path.dirname(ROOT), 'shared'))
+REFERENCE = os.path.join(SHARED, 'reference')
+ZOO = os.path.join(SHARED, 'zoo')
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+    config.addinivalue_line('markers', 'gpu: needs a CUDA GPU with CuPy (skipped without one)')
+    config.addinivalue_line('markers', 'slow: takes more than a few seconds')
+
+
+def _have_gpu():
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _have_gpu():
+        return
+    skip = pytest.mark.skip(reason='no CUDA GPU with CuPy on this machine')
+    for item in items:
+        if 'gpu' in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_mode_and_seed():
+    import caffeplus
+    caffeplus.set_mode_cpu()
+    caffeplus.set_random_seed(1701)
+    yield
+
+
+def need(path):
+    if not os.path.exists(path):
+        pytest.skip('reference data not found: %s' % path)
+    return path
