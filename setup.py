@@ -6,7 +6,7 @@ setup(
     description='Caffe-compatible deep-learning training with far less GPU memory',
     python_requires='>=3.10',
     packages=['caffeplus', 'caffeplus.proto', 'caffeplus.io', 'caffeplus.backend',
-              'caffeplus.solver', 'caffeplus.memory', 'caffeplus.cudnn', 'caffeplus.layers',
+              'caffeplus.solver', 'caffeplus.memory', 'caffeplus.cudnn', 'caffeplus.commands', 'caffeplus.layers',
               'caffeplus.tools'],
     package_dir={'caffeplus.layers': 'layers', 'caffeplus.tools': 'tools'},
     install_requires=['numpy>=1.23', 'protobuf>=5.26,<8', 'lmdb', 'h5py', 'Pillow'],

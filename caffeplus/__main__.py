@@ -1,0 +1,5 @@
+import sys
+
+from caffeplus.cli import main
+
+sys.exit(main())
