@@ -1,0 +1,308 @@
+"""Typed wrappers over cuDNN: handles, descriptors and the calls layers use.
+
+Descriptors are owned objects: created in __init__, destroyed when the owner
+lets go of them (layers build them at reshape, never per call).
+"""
+import ctypes
+
+from caffeplus.cudnn.lib import BwdDataPerf, BwdFilterPerf, FwdPerf, call, library
+
+FLOAT = 0                  # CUDNN_DATA_FLOAT
+NCHW = 0                   # CUDNN_TENSOR_NCHW
+CROSS_CORRELATION = 1      # Caffe's convolution is a cross-correlation
+DEFAULT_MATH, TENSOR_OP_MATH, TENSOR_OP_MATH_ALLOW_CONVERSION, FMA_MATH = 0, 1, 2, 3
+POOL_MAX, POOL_AVG_INCLUDE_PAD, POOL_AVG_EXCLUDE_PAD, POOL_MAX_DETERMINISTIC = 0, 1, 2, 3
+ACT_SIGMOID, ACT_RELU, ACT_TANH, ACT_CLIPPED_RELU, ACT_ELU = 0, 1, 2, 3, 4
+SOFTMAX_ACCURATE, SOFTMAX_MODE_CHANNEL = 1, 1
+LRN_CROSS_CHANNEL = 0
+NOT_PROPAGATE_NAN = 0
+DETERMINISTIC = 1
+
+FWD_ALGO_NAMES = ['IMPLICIT_GEMM', 'IMPLICIT_PRECOMP_GEMM', 'GEMM', 'DIRECT', 'FFT',
+                  'FFT_TILING', 'WINOGRAD', 'WINOGRAD_NONFUSED']
+BWD_DATA_ALGO_NAMES = ['ALGO_0', 'ALGO_1', 'FFT', 'FFT_TILING', 'WINOGRAD', 'WINOGRAD_NONFUSED']
+BWD_FILTER_ALGO_NAMES = ['ALGO_0', 'ALGO_1', 'FFT', 'ALGO_3', 'WINOGRAD', 'WINOGRAD_NONFUSED',
+                         'FFT_TILING']
+ALGO_COUNTS = {'fwd': 8, 'bwd_data': 6, 'bwd_filter': 7}
+
+_ONE = ctypes.c_float(1.0)
+_ZERO = ctypes.c_float(0.0)
+ONE, ZERO = ctypes.addressof(_ONE), ctypes.addressof(_ZERO)
+
+
+def ptr(array):
+    """Device pointer of a CuPy array (or None for 0)."""
+    return ctypes.c_void_p(array.data.ptr) if array is not None else None
+
+
+def _ints(values):
+    values = [int(v) for v in values]
+    return (ctypes.c_int * len(values))(*values)
+
+
+class _Owned:
+    _create = _destroy = None
+
+    def __init__(self):
+        self.value = ctypes.c_void_p()
+        call(self._create, ctypes.byref(self.value))
+        self._lib = library()
+
+    def __del__(self):
+        v = getattr(self, 'value', None)
+        if v is not None and v.value:
+            try:
+                getattr(self._lib, self._destroy)(v)
+            except Exception:
+                pass
+            self.value = None
+
+    @property
+    def _as_parameter_(self):
+        return self.value
+
+
+class Handle(_Owned):
+    _create, _destroy = 'cudnnCreate', 'cudnnDestroy'
+
+    def bind(self, stream_ptr):
+        call('cudnnSetStream', self.value, ctypes.c_void_p(stream_ptr))
+        return self
+
+
+_handles = {}
+
+
+def handle():
+    """The cuDNN handle of the current device, bound to CuPy's current stream."""
+    import cupy
+    dev = cupy.cuda.Device().id
+    h = _handles.get(dev)
+    if h is None:
+        h = _handles[dev] = Handle()
+    return h.bind(cupy.cuda.get_current_stream().ptr)
+
+
+class TensorDesc(_Owned):
+    _create, _destroy = 'cudnnCreateTensorDescriptor', 'cudnnDestroyTensorDescriptor'
+
+    def __init__(self, shape, strides=None):
+        super().__init__()
+        shape = [int(d) for d in shape]
+        while len(shape) < 4:           # cuDNN wants at least 4 dims
+            shape.append(1)
+        if strides is None:
+            strides, acc = [], 1
+            for d in reversed(shape):
+                strides.insert(0, acc)
+                acc *= d
+        self.shape = tuple(shape)
+        call('cudnnSetTensorNdDescriptor', self.value, FLOAT, len(shape), _ints(shape), _ints(strides))
+
+
+class FilterDesc(_Owned):
+    _create, _destroy = 'cudnnCreateFilterDescriptor', 'cudnnDestroyFilterDescriptor'
+
+    def __init__(self, shape):
+        super().__init__()
+        shape = [int(d) for d in shape]
+        while len(shape) < 4:
+            shape.append(1)
+        self.shape = tuple(shape)
+        call('cudnnSetFilterNdDescriptor', self.value, FLOAT, NCHW, len(shape), _ints(shape))
+
+
+class ConvDesc(_Owned):
+    _create, _destroy = 'cudnnCreateConvolutionDescriptor', 'cudnnDestroyConvolutionDescriptor'
+
+    def __init__(self, pad, stride, dilation, groups=1, math=FMA_MATH):
+        super().__init__()
+        pad, stride, dilation = list(pad), list(stride), list(dilation)
+        if len(pad) == 1:   # cuDNN needs 2 spatial dims at least
+            pad, stride, dilation = pad + [0], stride + [1], dilation + [1]
+        call('cudnnSetConvolutionNdDescriptor', self.value, len(pad), _ints(pad), _ints(stride),
+             _ints(dilation), CROSS_CORRELATION, FLOAT)
+        if groups > 1:
+            call('cudnnSetConvolutionGroupCount', self.value, int(groups))
+        call('cudnnSetConvolutionMathType', self.value, int(math))
+
+
+class PoolDesc(_Owned):
+    _create, _destroy = 'cudnnCreatePoolingDescriptor', 'cudnnDestroyPoolingDescriptor'
+
+    def __init__(self, mode, window, pad, stride):
+        super().__init__()
+        call('cudnnSetPoolingNdDescriptor', self.value, int(mode), NOT_PROPAGATE_NAN, len(window),
+             _ints(window), _ints(pad), _ints(stride))
+
+
+class ActivationDesc(_Owned):
+    _create, _destroy = 'cudnnCreateActivationDescriptor', 'cudnnDestroyActivationDescriptor'
+
+    def __init__(self, mode, coef=0.0):
+        super().__init__()
+        call('cudnnSetActivationDescriptor', self.value, int(mode), NOT_PROPAGATE_NAN, float(coef))
+
+
+class LRNDesc(_Owned):
+    _create, _destroy = 'cudnnCreateLRNDescriptor', 'cudnnDestroyLRNDescriptor'
+
+    def __init__(self, n, alpha, beta, k):
+        super().__init__()
+        call('cudnnSetLRNDescriptor', self.value, int(n), float(alpha), float(beta), float(k))
+
+
+# -- convolution algorithms ---------------------------------------------------
+_KIND = {
+    'fwd': ('cudnnGetConvolutionForwardAlgorithm_v7', 'cudnnFindConvolutionForwardAlgorithmEx',
+            'cudnnGetConvolutionForwardWorkspaceSize', FwdPerf, FWD_ALGO_NAMES),
+    'bwd_data': ('cudnnGetConvolutionBackwardDataAlgorithm_v7',
+                 'cudnnFindConvolutionBackwardDataAlgorithmEx',
+                 'cudnnGetConvolutionBackwardDataWorkspaceSize', BwdDataPerf, BWD_DATA_ALGO_NAMES),
+    'bwd_filter': ('cudnnGetConvolutionBackwardFilterAlgorithm_v7',
+                   'cudnnFindConvolutionBackwardFilterAlgorithmEx',
+                   'cudnnGetConvolutionBackwardFilterWorkspaceSize', BwdFilterPerf,
+                   BWD_FILTER_ALGO_NAMES),
+}
+
+
+class AlgoChoice:
+    """One candidate algorithm of one call site: id, workspace bytes, time."""
+    __slots__ = ('kind', 'algo', 'memory', 'time', 'deterministic', 'math')
+
+    def __init__(self, kind, algo, memory, time, deterministic, math):
+        self.kind, self.algo, self.memory, self.time = kind, algo, memory, time
+        self.deterministic, self.math = deterministic, math
+
+    @property
+    def name(self):
+        return _KIND[self.kind][4][self.algo]
+
+    def __repr__(self):
+        return '<%s %s ws=%d t=%.3fms>' % (self.kind, self.name, self.memory, self.time)
+
+
+def _descs(kind, x, w, conv, y):
+    """The descriptor order each cuDNN query takes."""
+    if kind == 'fwd':
+        return (x, w, conv, y)
+    if kind == 'bwd_data':
+        return (w, y, conv, x)
+    return (x, y, conv, w)
+
+
+def heuristic_algorithms(kind, x, w, conv, y):
+    """Candidates from cuDNN's heuristics (no timing), best first."""
+    get_name, _, ws_name, perf_t, _ = _KIND[kind]
+    count = ALGO_COUNTS[kind]
+    perfs = (perf_t * count)()
+    returned = ctypes.c_int()
+    h = handle()
+    call(get_name, h.value, *[d.value for d in _descs(kind, x, w, conv, y)], count,
+         ctypes.byref(returned), perfs)
+    out = []
+    for p in perfs[:returned.value]:
+        if p.status != 0:
+            continue
+        out.append(AlgoChoice(kind, p.algo, workspace_size(kind, x, w, conv, y, p.algo),
+                              p.time, p.determinism == DETERMINISTIC, p.mathType))
+    return out
+
+
+def timed_algorithms(kind, x, w, conv, y, xa, wa, ya, workspace, workspace_bytes):
+    """Candidates timed by cuDNN on real buffers (FindEx), fastest first.
+    Writes into the output buffer (ya for fwd, xa for bwd_data, wa for bwd_filter)."""
+    _, find_name, _, perf_t, _ = _KIND[kind]
+    count = ALGO_COUNTS[kind]
+    perfs = (perf_t * count)()
+    returned = ctypes.c_int()
+    h = handle()
+    if kind == 'fwd':
+        args = (x.value, ptr(xa), w.value, ptr(wa), conv.value, y.value, ptr(ya))
+    elif kind == 'bwd_data':
+        args = (w.value, ptr(wa), y.value, ptr(ya), conv.value, x.value, ptr(xa))
+    else:
+        args = (x.value, ptr(xa), y.value, ptr(ya), conv.value, w.value, ptr(wa))
+    call(find_name, h.value, *args, count, ctypes.byref(returned), perfs,
+         ptr(workspace) if workspace is not None else None, ctypes.c_size_t(workspace_bytes))
+    return [AlgoChoice(kind, p.algo, p.memory, p.time, p.determinism == DETERMINISTIC, p.mathType)
+            for p in perfs[:returned.value] if p.status == 0]
+
+
+def workspace_size(kind, x, w, conv, y, algo):
+    _, _, ws_name, _, _ = _KIND[kind]
+    size = ctypes.c_size_t()
+    call(ws_name, handle().value, *[d.value for d in _descs(kind, x, w, conv, y)], int(algo),
+         ctypes.byref(size))
+    return size.value
+
+
+def conv_forward(x, xa, w, wa, conv, algo, ws, ws_bytes, y, ya, beta=0.0):
+    b = ctypes.c_float(beta)
+    call('cudnnConvolutionForward', handle().value, ONE, x.value, ptr(xa), w.value, ptr(wa),
+         conv.value, int(algo), ptr(ws) if ws is not None else None, ctypes.c_size_t(ws_bytes),
+         ctypes.byref(b), y.value, ptr(ya))
+
+
+def conv_backward_data(w, wa, y, dya, conv, algo, ws, ws_bytes, x, dxa, beta=0.0):
+    b = ctypes.c_float(beta)
+    call('cudnnConvolutionBackwardData', handle().value, ONE, w.value, ptr(wa), y.value, ptr(dya),
+         conv.value, int(algo), ptr(ws) if ws is not None else None, ctypes.c_size_t(ws_bytes),
+         ctypes.byref(b), x.value, ptr(dxa))
+
+
+def conv_backward_filter(x, xa, y, dya, conv, algo, ws, ws_bytes, w, dwa, beta=1.0):
+    b = ctypes.c_float(beta)
+    call('cudnnConvolutionBackwardFilter', handle().value, ONE, x.value, ptr(xa), y.value, ptr(dya),
+         conv.value, int(algo), ptr(ws) if ws is not None else None, ctypes.c_size_t(ws_bytes),
+         ctypes.byref(b), w.value, ptr(dwa))
+
+
+def conv_backward_bias(y, dya, bias, dba, beta=1.0):
+    b = ctypes.c_float(beta)
+    call('cudnnConvolutionBackwardBias', handle().value, ONE, y.value, ptr(dya), ctypes.byref(b),
+         bias.value, ptr(dba))
+
+
+def add_tensor(bias, ba, y, ya):
+    call('cudnnAddTensor', handle().value, ONE, bias.value, ptr(ba), ONE, y.value, ptr(ya))
+
+
+def pooling_forward(pool, x, xa, y, ya):
+    call('cudnnPoolingForward', handle().value, pool.value, ONE, x.value, ptr(xa), ZERO, y.value,
+         ptr(ya))
+
+
+def pooling_backward(pool, y, ya, dya, x, xa, dxa):
+    call('cudnnPoolingBackward', handle().value, pool.value, ONE, y.value, ptr(ya), y.value,
+         ptr(dya), x.value, ptr(xa), ZERO, x.value, ptr(dxa))
+
+
+def activation_forward(act, x, xa, ya):
+    call('cudnnActivationForward', handle().value, act.value, ONE, x.value, ptr(xa), ZERO, x.value,
+         ptr(ya))
+
+
+def activation_backward(act, x, ya, dya, xa, dxa):
+    call('cudnnActivationBackward', handle().value, act.value, ONE, x.value, ptr(ya), x.value,
+         ptr(dya), x.value, ptr(xa), ZERO, x.value, ptr(dxa))
+
+
+def softmax_forward(x, xa, ya):
+    call('cudnnSoftmaxForward', handle().value, SOFTMAX_ACCURATE, SOFTMAX_MODE_CHANNEL, ONE,
+         x.value, ptr(xa), ZERO, x.value, ptr(ya))
+
+
+def softmax_backward(x, ya, dya, dxa):
+    call('cudnnSoftmaxBackward', handle().value, SOFTMAX_ACCURATE, SOFTMAX_MODE_CHANNEL, ONE,
+         x.value, ptr(ya), x.value, ptr(dya), ZERO, x.value, ptr(dxa))
+
+
+def lrn_forward(lrn, x, xa, ya):
+    call('cudnnLRNCrossChannelForward', handle().value, lrn.value, LRN_CROSS_CHANNEL, ONE, x.value,
+         ptr(xa), ZERO, x.value, ptr(ya))
+
+
+def lrn_backward(lrn, x, ya, dya, xa, dxa):
+    call('cudnnLRNCrossChannelBackward', handle().value, lrn.value, LRN_CROSS_CHANNEL, ONE,
+         x.value, ptr(ya), x.value, ptr(dya), x.value, ptr(xa), ZERO, x.value, ptr(dxa))
