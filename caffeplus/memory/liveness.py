@@ -1,0 +1,86 @@
+"""When each activation buffer is live during one training iteration.
+
+Time runs over 2L steps for a net of L layers: forward of layer i is step i,
+backward of layer i is step 2L-1-i. A buffer is a blob's data or diff
+Storage; blobs that share one (in-place tops, Split outputs, Reshape) are one
+buffer. Its interval runs from its first write to its last read, using each
+layer's declared `backward_reads`; buffers a user must still read after the
+iteration (net outputs, losses, inputs, `keep` names) live to the end.
+"""
+import collections
+
+Buffer = collections.namedtuple('Buffer', 'key kind blobs nbytes start end')
+
+FLOAT_BYTES = 4
+
+
+def _steps(net):
+    L = len(net.layers)
+    return L, (lambda i: i), (lambda i: 2 * L - 1 - i)
+
+
+def buffers(net, keep=(), training=True):
+    """List of Buffer for every data and diff Storage the iteration touches."""
+    L, fwd, bwd = _steps(net)
+    end_of_iteration = 2 * L if training else L
+    keep = set(keep) | set(net.outputs) | set(net.inputs)
+    intervals = {}      # (kind, id(storage)) -> [start, end, set(blob names), nbytes]
+
+    def touch(kind, blob, name, step):
+        storage = blob.data_storage if kind == 'data' else blob.diff_storage
+        key = (kind, id(storage))
+        nbytes = blob.count * FLOAT_BYTES
+        entry = intervals.get(key)
+        if entry is None:
+            intervals[key] = [step, step, {name}, nbytes]
+        else:
+            entry[0] = min(entry[0], step)
+            entry[1] = max(entry[1], step)
+            entry[2].add(name)
+            entry[3] = max(entry[3], nbytes)
+
+    names = net._blob_names
+    for i, layer in enumerate(net.layers):
+        reads = layer.backward_reads
+        does_backward = training and net.layer_need_backward[i]
+        for blob, blob_id in zip(net.bottom_vecs[i], net.bottom_id_vecs[i]):
+            touch('data', blob, names[blob_id], fwd(i))
+            if does_backward and 'bottom_data' in reads:
+                touch('data', blob, names[blob_id], bwd(i))
+        for k, (blob, blob_id) in enumerate(zip(net.top_vecs[i], net.top_id_vecs[i])):
+            touch('data', blob, names[blob_id], fwd(i))
+            if does_backward and 'top_data' in reads:
+                touch('data', blob, names[blob_id], bwd(i))
+            if training and layer.loss(k):
+                # The loss weight sits in the top's diff from setup on.
+                touch('diff', blob, names[blob_id], 0)
+                touch('diff', blob, names[blob_id], end_of_iteration)
+        if not does_backward:
+            continue
+        # Backward reads the top diffs and writes the bottom diffs it propagates to.
+        for blob, blob_id in zip(net.top_vecs[i], net.top_id_vecs[i]):
+            touch('diff', blob, names[blob_id], bwd(i))
+        for blob, blob_id, prop in zip(net.bottom_vecs[i], net.bottom_id_vecs[i],
+                                       net.bottom_need_backward[i]):
+            if prop:
+                touch('diff', blob, names[blob_id], bwd(i))
+
+    out = []
+    for (kind, _), (start, end, blob_names, nbytes) in intervals.items():
+        if kind == 'data' and blob_names & keep:
+            start, end = min(start, 0), end_of_iteration
+        if kind == 'diff' and blob_names & keep and any(n in net.inputs for n in blob_names):
+            end = end_of_iteration
+        out.append(Buffer((kind, tuple(sorted(blob_names))), kind, tuple(sorted(blob_names)),
+                          nbytes, start, end))
+    out.sort(key=lambda b: (b.start, b.key))
+    return out
+
+
+def live_bytes_by_step(bufs, steps):
+    """Bytes live at each step (a buffer counts at start..end inclusive)."""
+    live = [0] * (steps + 1)
+    for b in bufs:
+        for t in range(max(b.start, 0), min(b.end, steps) + 1):
+            live[t] += b.nbytes
+    return live

@@ -1,0 +1,85 @@
+"""Which feature maps go to host memory between forward and backward (vDNN).
+
+A buffer is worth offloading when it is read again only in backward: after
+its last forward use it can wait in pinned host memory and come back just
+before the first backward step that reads it. On the device it is then two
+short lives instead of one long one.
+
+Policies: 'conv' (the inputs of convolution layers, vDNN's conv policy),
+'all' (every such buffer), or a list of blob names.
+"""
+from caffeplus.errors import CaffeplusError
+from caffeplus.memory.liveness import Buffer
+
+CONV_TYPES = ('Convolution', 'Deconvolution')
+
+
+def _uses(net, buf):
+    """Forward and backward steps at which a data buffer is used."""
+    L = len(net.layers)
+    names = set(buf.blobs)
+    fwd, bwd = [], []
+    for i, layer in enumerate(net.layers):
+        bottoms = {net._blob_names[b] for b in net.bottom_id_vecs[i]}
+        tops = {net._blob_names[b] for b in net.top_id_vecs[i]}
+        if names & (bottoms | tops):
+            fwd.append(i)
+        if not net.layer_need_backward[i]:
+            continue
+        if ('bottom_data' in layer.backward_reads and names & bottoms) or \
+                ('top_data' in layer.backward_reads and names & tops):
+            bwd.append(2 * L - 1 - i)
+    return fwd, bwd
+
+
+def choose(net, bufs, policy, keep=()):
+    """Keys of the data buffers to offload under `policy`."""
+    keep = set(keep) | set(net.outputs) | set(net.inputs)
+    if isinstance(policy, str) and policy not in ('conv', 'all'):
+        policy = [n for n in policy.split(',') if n]
+    if not isinstance(policy, str):
+        known = set(net._blob_names)
+        missing = [n for n in policy if n not in known]
+        if missing:
+            raise CaffeplusError('offload: no blob named %s in net %s'
+                                 % (', '.join(repr(n) for n in missing), net.name))
+    conv_inputs = set()
+    for i, layer in enumerate(net.layers):
+        if layer.layer_param.type in CONV_TYPES:
+            conv_inputs.update(net._blob_names[b] for b in net.bottom_id_vecs[i])
+    chosen = []
+    for buf in bufs:
+        if buf.kind != 'data' or set(buf.blobs) & keep:
+            continue
+        fwd, bwd = _uses(net, buf)
+        if not bwd or not fwd or max(fwd) + 1 >= min(bwd):
+            continue   # not needed by backward, or no idle gap to save
+        if policy == 'conv' and not set(buf.blobs) & conv_inputs:
+            continue
+        if not isinstance(policy, str) and not set(buf.blobs) & set(policy):
+            continue
+        chosen.append(buf.key)
+    return tuple(chosen)
+
+
+def shorten(bufs, offloaded, net, lookahead=1):
+    """Replace each offloaded buffer by its two device lives: until its last
+    forward use, and from `lookahead` layers before its first backward use."""
+    offloaded = set(offloaded)
+    out = []
+    for buf in bufs:
+        if buf.key not in offloaded:
+            out.append(buf)
+            continue
+        fwd, bwd = _uses(net, buf)
+        first_back = min(bwd)
+        out.append(Buffer(buf.key + ('forward',), buf.kind, buf.blobs, buf.nbytes,
+                          buf.start, max(fwd)))
+        out.append(Buffer(buf.key + ('backward',), buf.kind, buf.blobs, buf.nbytes,
+                          max(first_back - lookahead, max(fwd) + 1), buf.end))
+    return out
+
+
+def host_bytes(bufs, offloaded):
+    offloaded = set(offloaded)
+    return sum(b.nbytes for b in bufs if b.key in offloaded)

@@ -1,0 +1,114 @@
+"""Memory plans as data: where every buffer lives and what the peak is.
+
+Plans users pick:
+  stock    what BVLC Caffe 1.0 does: every blob's data and (touched) diff kept
+           for the whole run; every cuDNN convolution owns its workspace
+  arena    stock blobs, one net-level workspace arena
+  shared   the arena, plus data and diff buffers reused once dead (liveness)
+  offload  shared, with feature maps moved to pinned host memory between
+           their forward and backward use
+  auto     the fastest plan that fits a budget
+
+A plan is computed from the built net without running it; `breakdown` holds
+bytes per category (parameters, parameter_diffs, solver_history,
+activations, activation_diffs, workspace, other).
+"""
+import collections
+import json
+
+from caffeplus.errors import CaffeplusError
+from caffeplus.memory import liveness, placement
+
+PLANS = ('stock', 'arena', 'shared', 'offload', 'auto')
+CATEGORIES = ('parameters', 'parameter_diffs', 'solver_history', 'activations',
+              'activation_diffs', 'workspace', 'other')
+# Solver history blobs per learnable parameter (Caffe's solvers).
+HISTORY_COPIES = {'SGD': 1, 'Nesterov': 1, 'AdaGrad': 1, 'RMSProp': 1, 'AdaDelta': 2, 'Adam': 2}
+
+
+def check_plan_name(name):
+    if name not in PLANS:
+        raise CaffeplusError("unknown memory plan '%s': choose one of %s"
+                             % (name, ', '.join(PLANS)))
+    return name
+
+
+class MemoryPlan:
+    def __init__(self, name, breakdown, buffers=(), offsets=None, arena_bytes=0,
+                 offloaded=(), estimated=True, steps=0):
+        self.name = name
+        self.breakdown = collections.OrderedDict((c, int(breakdown.get(c, 0))) for c in CATEGORIES)
+        self.buffers = list(buffers)
+        self.offsets = dict(offsets or {})
+        self.arena_bytes = arena_bytes
+        self.offloaded = tuple(offloaded)
+        self.estimated = estimated
+        self.steps = steps
+
+    @property
+    def peak_bytes(self):
+        return sum(self.breakdown.values())
+
+    def to_dict(self):
+        return {'peak_bytes': self.peak_bytes, 'breakdown': dict(self.breakdown),
+                'arena_bytes': self.arena_bytes, 'estimated': self.estimated,
+                'offloaded': list(self.offloaded)}
+
+    def to_json(self):
+        return json.dumps(self.to_dict(), indent=1)
+
+    def live_curve(self):
+        """Activation bytes live at each of the 2L steps (forward then backward)."""
+        return liveness.live_bytes_by_step(self.buffers, self.steps)
+
+
+def _param_bytes(net):
+    return sum(p.count for p in net.learnable_params) * liveness.FLOAT_BYTES
+
+
+def _stock_workspace(net):
+    return sum(getattr(layer, 'stock_workspace_bytes', lambda: 0)() for layer in net.layers)
+
+
+def _arena_workspace(net):
+    return max([layer.workspace_bytes() for layer in net.layers] + [0])
+
+
+def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_policy='conv',
+              other_bytes=0):
+    """Compute plan `name` for a built net."""
+    check_plan_name(name)
+    if name == 'auto':
+        raise CaffeplusError("plan 'auto' needs a budget: use caffeplus.memory.budget.plan_for_budget")
+    bufs = liveness.buffers(net, keep=keep, training=training)
+    steps = 2 * len(net.layers) if training else len(net.layers)
+    params = _param_bytes(net)
+    breakdown = {
+        'parameters': params,
+        'parameter_diffs': params if training else 0,
+        'solver_history': params * HISTORY_COPIES.get(solver_type, 1) if training else 0,
+        'other': other_bytes,
+    }
+    data = [b for b in bufs if b.kind == 'data']
+    diff = [b for b in bufs if b.kind == 'diff']
+    if name in ('stock', 'arena'):
+        breakdown['activations'] = sum(b.nbytes for b in data)
+        breakdown['activation_diffs'] = sum(b.nbytes for b in diff)
+        breakdown['workspace'] = _stock_workspace(net) if name == 'stock' else _arena_workspace(net)
+        whole = [liveness.Buffer(b.key, b.kind, b.blobs, b.nbytes, 0, steps) for b in bufs]
+        return MemoryPlan(name, breakdown, whole, steps=steps)
+    offloaded = ()
+    if name == 'offload':
+        from caffeplus.memory import offload
+        offloaded = offload.choose(net, bufs, offload_policy, keep)
+        bufs = offload.shorten(bufs, offloaded, net)
+    offsets, arena = placement.place(bufs)
+    # Split the arena's bytes between data and diff by their share of the peak.
+    live = liveness.live_bytes_by_step(bufs, steps)
+    peak_step = max(range(len(live)), key=live.__getitem__) if live else 0
+    data_at_peak = sum(b.nbytes for b in bufs if b.kind == 'data' and b.start <= peak_step <= b.end)
+    total_at_peak = max(live[peak_step] if live else 0, 1)
+    breakdown['activations'] = int(arena * data_at_peak / total_at_peak)
+    breakdown['activation_diffs'] = arena - breakdown['activations']
+    breakdown['workspace'] = _arena_workspace(net)
+    return MemoryPlan(name, breakdown, bufs, offsets, arena, offloaded, steps=steps)
