@@ -177,8 +177,8 @@ class _Problems:
 
 def _layer_label(index, name):
     if name:
-        return "layer '%s' (#%d)" % (name, index)
-    return 'layer #%d (no name)' % index
+        return "layer '%s'" % name
+    return 'layer #%d (unnamed)' % index
 
 
 # ---------------------------------------------------------------------------
