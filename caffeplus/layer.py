@@ -51,7 +51,12 @@ def create_layer(layer_param):
 
 def _load_layers():
     # Importing the family modules registers their classes.
-    import caffeplus.layers  # noqa: F401
+    import caffeplus.layers
+    if getattr(caffeplus.layers, '__file__', None) is None:
+        # A stray caffeplus/layers/ folder shadows the real package (layers/).
+        raise ImportError('caffeplus.layers resolved to a namespace package %s: layer '
+                          'modules belong in the top-level layers/ folder'
+                          % list(caffeplus.layers.__path__))
 
 
 class Layer:
