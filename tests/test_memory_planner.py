@@ -33,9 +33,12 @@ def test_liveness_follows_declared_backward_reads():
     # h1 is read by Softmax's forward only (Softmax's backward reads its top):
     h1 = bufs[('h1',)]
     assert h1.kind == 'data' and h1.end == net.layer_index('sm1')
-    # s1 is read by ip2's backward (InnerProduct needs its bottom data):
+    # s1 is read by ip2's backward (InnerProduct needs its bottom data) and,
+    # later, by sm1's backward (Softmax needs its top):
     s1 = bufs[('s1',)]
-    assert s1.end == 2 * L - 1 - net.layer_index('ip2')
+    assert s1.end == 2 * L - 1 - net.layer_index('sm1')
+    # label is an input: kept for the whole iteration.
+    assert bufs[('label',)].end == 2 * L
 
 
 def test_placement_never_overlaps_live_buffers():
