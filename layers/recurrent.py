@@ -54,13 +54,14 @@ def _sigmoid(xp, x):
     return 1.0 / (1.0 + xp.exp(-x))
 
 
-def _lstm_cell(xp, c_prev, gates, cont):
+def _lstm_cell(xp, c_prev, gates, cont, acts=None):
     """One LSTM step for a batch: c_prev (N, H), gates (N, 4H), cont (N,).
 
-    Returns (acts, c, tanh_c, h) where acts (N, 4H) holds i, f, o, g (f
-    already multiplied by cont)."""
+    Returns (acts, c, tanh_c, h) where acts (N, 4H, written into `acts` when
+    given) holds i, f, o, g, f already multiplied by cont."""
     hdim = c_prev.shape[-1]
-    acts = xp.empty_like(gates)
+    if acts is None:
+        acts = xp.empty_like(gates)
     acts[:, :3 * hdim] = _sigmoid(xp, gates[:, :3 * hdim])
     acts[:, hdim:2 * hdim] *= cont[:, None]
     acts[:, 3 * hdim:] = xp.tanh(gates[:, 3 * hdim:])
@@ -92,13 +93,6 @@ def _lstm_cell_backward(xp, acts, c_prev, tanh_c, dc, dh, dgates):
 
 def _shape_str(shape):
     return '(%s)' % ', '.join(str(int(d)) for d in shape)
-
-
-def _count(shape):
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 # -- RNN and LSTM ------------------------------------------------------------------
@@ -279,8 +273,7 @@ class LSTMLayer(_RecurrentLayer):
             gates = h_cont[t] @ w_h.T + pre_x[t]
             if pre_s is not None:
                 gates += pre_s
-            a, c, tc, h = _lstm_cell(xp, cells[t], gates, cont[t])
-            acts[t] = a
+            _, c, tc, h = _lstm_cell(xp, cells[t], gates, cont[t], acts[t])
             cells[t + 1] = c
             tanh_c[t] = tc
             out[t] = h
