@@ -1,0 +1,321 @@
+"""Convolution arithmetic shared by Convolution, Deconvolution and Im2col.
+
+Everything here is written against `xp` (numpy or cupy, whichever the
+arrays belong to), works for any number of spatial axes, and never loops
+over pixels or batch items:
+
+* im2col is one strided copy out of a (zero-padded) window view of the
+  input, built with as_strided;
+* the product with the filters is ONE batched matmul per call, shaped
+  (G, M/G, K) x (G, K, N*P), so BLAS sees the whole batch at once;
+* col2im (the adjoint) accumulates the column buffer back into the image
+  one kernel offset at a time (prod(kernel) vectorised adds).
+
+Layouts (G = group, N = batch, P = prod(output spatial), Kg = C/G*prod(kernel)):
+  image            (N, C, *spatial)
+  gemm columns     (G, Kg, N*P)  i.e. (C, *kernel, N, *out) flattened
+  grouped image    (G, C/G, N*P) i.e. (C, N, *out)
+Caffe's own per-image column buffer is (C*prod(kernel), *out); the Im2col
+layer exposes exactly that (see im2col_forward).
+
+Scratch arrays on the CPU come from a small per-thread pool so the large
+column buffers are not page-faulted in afresh on every call; on the GPU,
+CuPy's memory pool plays that role.
+"""
+import collections
+import threading
+
+import numpy
+
+from caffeplus import backend
+
+FLOAT = numpy.float32
+
+
+# -- geometry ----------------------------------------------------------------
+def c_div(a, b):
+    """Integer division truncating toward zero, as C++ does."""
+    q = abs(a) // abs(b)
+    return q if (a >= 0) == (b > 0) else -q
+
+
+class ConvGeometry(collections.namedtuple('ConvGeometry', 'kernel stride pad dilation')):
+    """Per-spatial-axis kernel, stride, pad and dilation (tuples of ints)."""
+    __slots__ = ()
+
+    @property
+    def nd(self):
+        return len(self.kernel)
+
+    def extent(self, i):
+        return self.dilation[i] * (self.kernel[i] - 1) + 1
+
+    @property
+    def kernel_count(self):
+        n = 1
+        for k in self.kernel:
+            n *= k
+        return n
+
+    def conv_out_shape(self, in_shape):
+        """Caffe's rule: (in + 2p - extent) / s + 1, C integer division."""
+        return tuple(c_div(in_shape[i] + 2 * self.pad[i] - self.extent(i), self.stride[i]) + 1
+                     for i in range(self.nd))
+
+    def deconv_out_shape(self, in_shape):
+        """The inverse of the convolution rule: s*(in - 1) + extent - 2p."""
+        return tuple(self.stride[i] * (in_shape[i] - 1) + self.extent(i) - 2 * self.pad[i]
+                     for i in range(self.nd))
+
+    @property
+    def is_1x1(self):
+        return all(k == 1 for k in self.kernel) and all(s == 1 for s in self.stride) and \
+            all(p == 0 for p in self.pad)
+
+
+def _prod(shape):
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+# -- scratch -----------------------------------------------------------------
+_local = threading.local()
+
+
+def scratch(xp, shape, slot, zero=False):
+    """A float32 array of `shape` for temporary use inside one call.
+
+    On the CPU it is a view of a per-thread buffer named `slot` (grown as
+    needed and reused), so two arrays in use at once must use two slots."""
+    shape = tuple(int(d) for d in shape)
+    if xp is not numpy:
+        return xp.zeros(shape, FLOAT) if zero else xp.empty(shape, FLOAT)
+    pool = getattr(_local, 'pool', None)
+    if pool is None:
+        pool = _local.pool = {}
+    n = _prod(shape)
+    buf = pool.get(slot)
+    if buf is None or buf.size < n:
+        buf = pool[slot] = numpy.empty(max(n, 1), FLOAT)
+    out = buf[:n].reshape(shape)
+    if zero:
+        out.fill(0)
+    return out
+
+
+def release_scratch():
+    """Drop this thread's cached scratch buffers."""
+    _local.pool = {}
+
+
+def scratch_bytes():
+    pool = getattr(_local, 'pool', None) or {}
+    return sum(b.nbytes for b in pool.values())
+
+
+# -- im2col / col2im ---------------------------------------------------------
+def _padded(x, geom, slot):
+    """x (N, C, *S) with `geom.pad` zeros around each spatial axis."""
+    if not any(geom.pad):
+        return x
+    xp = backend.get_array_module(x)
+    nd = geom.nd
+    shape = x.shape[:2] + tuple(x.shape[2 + i] + 2 * geom.pad[i] for i in range(nd))
+    out = scratch(xp, shape, slot, zero=True)
+    out[(slice(None), slice(None)) + tuple(slice(p, p + s) for p, s in
+                                           zip(geom.pad, x.shape[2:]))] = x
+    return out
+
+
+def window_view(xpad, geom, out_shape):
+    """A read-only (N, C, *kernel, *out) view: element [n, c, k.., o..] is
+    xpad[n, c, o*stride + k*dilation] (per axis); no copy."""
+    xp = backend.get_array_module(xpad)
+    nd = geom.nd
+    st = xpad.strides
+    for i in range(nd):
+        last = (geom.kernel[i] - 1) * geom.dilation[i] + (out_shape[i] - 1) * geom.stride[i]
+        if out_shape[i] < 1 or last >= xpad.shape[2 + i] or last < 0:
+            raise ValueError('window out of range on spatial axis %d' % i)
+    shape = tuple(xpad.shape[:2]) + tuple(geom.kernel) + tuple(out_shape)
+    strides = tuple(st[:2]) + tuple(st[2 + i] * geom.dilation[i] for i in range(nd)) + \
+        tuple(st[2 + i] * geom.stride[i] for i in range(nd))
+    return xp.lib.stride_tricks.as_strided(xpad, shape=shape, strides=strides)
+
+
+def unfold(x, geom, out_shape, group, slot='col'):
+    """im2col in gemm layout: (G, Kg, N*P) for x (N, C, *S)."""
+    xp = backend.get_array_module(x)
+    n, c = x.shape[:2]
+    nd = geom.nd
+    view = window_view(_padded(x, geom, 'pad'), geom, out_shape)   # (N, C, *k, *o)
+    col = scratch(xp, (c,) + tuple(geom.kernel) + (n,) + tuple(out_shape), slot)
+    # view axes (N, C, k.., o..) -> (C, k.., N, o..)
+    perm = (1,) + tuple(range(2, 2 + nd)) + (0,) + tuple(range(2 + nd, 2 + 2 * nd))
+    col[...] = view.transpose(perm)
+    return col.reshape(group, (c // group) * geom.kernel_count, n * _prod(out_shape))
+
+
+def fold(col, x_shape, geom, out_shape, out=None, slot='pad'):
+    """col2im, the adjoint of unfold: col (G, Kg, N*P) summed back into an
+    (N, C, *S) image. Written into `out` (overwritten) if given."""
+    n, c = x_shape[:2]
+    nd = geom.nd
+    colv = col.reshape((c,) + tuple(geom.kernel) + (n,) + tuple(out_shape))
+    # -> (N, C, *k, *o) view
+    perm = (1 + nd, 0) + tuple(range(1, 1 + nd)) + tuple(range(2 + nd, 2 + 2 * nd))
+    return fold_view(colv.transpose(perm), x_shape, geom, out_shape, out, slot)
+
+
+def fold_view(colv, x_shape, geom, out_shape, out=None, slot='pad'):
+    """col2im from an (N, C, *kernel, *out) view (any strides)."""
+    xp = backend.get_array_module(colv)
+    nd = geom.nd
+    padded = any(geom.pad)
+    if out is None:
+        out = xp.empty(tuple(x_shape), FLOAT)
+    if padded:
+        pshape = tuple(x_shape[:2]) + tuple(x_shape[2 + i] + 2 * geom.pad[i] for i in range(nd))
+        acc = scratch(xp, pshape, slot, zero=True)
+    else:
+        acc = out
+        acc.fill(0)
+    lead = (slice(None), slice(None))
+    for idx in numpy.ndindex(*geom.kernel):
+        dst = lead + tuple(slice(idx[i] * geom.dilation[i],
+                                 idx[i] * geom.dilation[i] + (out_shape[i] - 1) * geom.stride[i] + 1,
+                                 geom.stride[i]) for i in range(nd))
+        acc[dst] += colv[lead + idx]
+    if padded:
+        out[...] = acc[lead + tuple(slice(p, p + s) for p, s in zip(geom.pad, x_shape[2:]))]
+    return out
+
+
+def to_groups(y, group, slot):
+    """(N, C, *S) -> (G, C/G, N*P) copy (the layout of a gemm result)."""
+    xp = backend.get_array_module(y)
+    n, c = y.shape[:2]
+    p = _prod(y.shape[2:])
+    if n == 1:
+        return y.reshape(group, c // group, p)
+    out = scratch(xp, (c, n, p), slot)
+    out[...] = y.reshape(n, c, p).transpose(1, 0, 2)
+    return out.reshape(group, c // group, n * p)
+
+
+def from_groups(yg, y, bias=None):
+    """Write a gemm result yg (G, C/G, N*P) into y (N, C, *S), adding bias (C,)."""
+    xp = backend.get_array_module(y)
+    n, c = y.shape[:2]
+    p = _prod(y.shape[2:])
+    src = yg.reshape(c, n, p).transpose(1, 0, 2)
+    dst = y.reshape(n, c, p)
+    if bias is None:
+        dst[...] = src
+    else:
+        xp.add(src, bias.reshape(1, c, 1), out=dst)
+    return y
+
+
+def _matmul(a, b, out):
+    xp = backend.get_array_module(a)
+    return xp.matmul(a, b, out=out)
+
+
+# -- convolution -------------------------------------------------------------
+def conv_forward(x, w, b, geom, group, y):
+    """y[...] = conv(x, w) + b. x (N, C, *S), w (M, C/G, *k), b (M,) or None,
+    y (N, M, *O) with O = geom.conv_out_shape(S)."""
+    xp = backend.get_array_module(x)
+    n = x.shape[0]
+    m = w.shape[0]
+    out_shape = y.shape[2:]
+    col = unfold(x, geom, out_shape, group)                       # (G, Kg, N*P)
+    wg = w.reshape(group, m // group, -1)
+    yg = scratch(xp, (group, m // group, col.shape[2]), 'gemm')
+    _matmul(wg, col, yg)
+    return from_groups(yg, y, b)
+
+
+def conv_backward(x, w, dy, geom, group, dx=None, dw=None, db=None):
+    """Gradients of conv_forward. dx (overwritten), dw and db (accumulated,
+    as Caffe's param diffs) are computed only when given."""
+    xp = backend.get_array_module(dy)
+    m = w.shape[0]
+    out_shape = dy.shape[2:]
+    if db is not None:
+        db += dy.reshape(dy.shape[0], m, -1).sum(axis=(0, 2), dtype=FLOAT)
+    if dw is None and dx is None:
+        return
+    dyg = to_groups(dy, group, 'dy')                              # (G, M/G, N*P)
+    if dw is not None:
+        col = unfold(x, geom, out_shape, group)
+        dwg = xp.matmul(dyg, col.transpose(0, 2, 1))              # (G, M/G, Kg)
+        dw += dwg.reshape(dw.shape)
+    if dx is not None:
+        wg = w.reshape(group, m // group, -1)
+        kg = wg.shape[2]
+        dcol = scratch(xp, (group, kg, dyg.shape[2]), 'col')
+        _matmul(wg.transpose(0, 2, 1), dyg, dcol)
+        fold(dcol, x.shape, geom, out_shape, out=dx)
+
+
+def deconv_forward(x, w, b, geom, group, y):
+    """Caffe's Deconvolution: the transpose of conv. x (N, C, *S),
+    w (C, M/G, *k), y (N, M, *O) with O = geom.deconv_out_shape(S)."""
+    xp = backend.get_array_module(x)
+    c = x.shape[1]
+    xg = to_groups(x, group, 'dy')                                # (G, C/G, N*P)
+    wg = w.reshape(group, c // group, -1)                         # (G, C/G, Kg)
+    col = scratch(xp, (group, wg.shape[2], xg.shape[2]), 'col')
+    _matmul(wg.transpose(0, 2, 1), xg, col)
+    fold(col, y.shape, geom, x.shape[2:], out=y)
+    if b is not None:
+        y += b.reshape((1, -1) + (1,) * geom.nd)
+    return y
+
+
+def deconv_backward(x, w, dy, geom, group, dx=None, dw=None, db=None):
+    xp = backend.get_array_module(dy)
+    c = x.shape[1]
+    m = dy.shape[1]
+    if db is not None:
+        db += dy.reshape(dy.shape[0], m, -1).sum(axis=(0, 2), dtype=FLOAT)
+    if dw is None and dx is None:
+        return
+    col = unfold(dy, geom, x.shape[2:], group)                    # (G, Kg, N*P)
+    if dw is not None:
+        xg = to_groups(x, group, 'dy')
+        dwg = xp.matmul(xg, col.transpose(0, 2, 1))               # (G, C/G, Kg)
+        dw += dwg.reshape(dw.shape)
+    if dx is not None:
+        wg = w.reshape(group, c // group, -1)
+        dxg = scratch(xp, (group, c // group, col.shape[2]), 'gemm')
+        _matmul(wg, col, dxg)
+        from_groups(dxg, dx)
+
+
+# -- Caffe's column buffer (the Im2col layer) --------------------------------
+def im2col_forward(x, geom, y):
+    """y (N, C*prod(k), *O) = Caffe's per-image im2col of x (N, C, *S)."""
+    n, c = x.shape[:2]
+    out_shape = y.shape[2:]
+    view = window_view(_padded(x, geom, 'pad'), geom, out_shape)
+    y.reshape((n, c) + tuple(geom.kernel) + tuple(out_shape))[...] = view
+    return y
+
+
+def im2col_backward(dy, geom, dx):
+    """col2im of dy (N, C*prod(k), *O) into dx (N, C, *S) (overwritten)."""
+    n, c = dx.shape[:2]
+    out_shape = dy.shape[2:]
+    colv = dy.reshape((n, c) + tuple(geom.kernel) + tuple(out_shape))
+    return fold_view(colv, dx.shape, geom, out_shape, out=dx)
+
+
+def conv_workspace_bytes(x_shape, out_shape, geom, channels_im):
+    """Bytes of the column buffer for one call (batch included)."""
+    n = x_shape[0]
+    return 4 * channels_im * geom.kernel_count * n * _prod(out_shape)

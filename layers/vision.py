@@ -1,0 +1,906 @@
+"""Vision layers: Convolution, Deconvolution, Pooling, SPP, LRN, Im2col, Crop.
+
+Semantics follow stock Caffe (output-size rules, defaults, which gradients
+are computed, param diffs accumulating); the arithmetic is vectorised with
+`xp` (numpy or cupy) and never loops over pixels or batch items. The pure
+functions (pooling, LRN) live at module level so other backends can reuse
+them; convolution arithmetic is in caffeplus.im2col.
+"""
+import collections
+import math
+
+import numpy
+
+from caffeplus import backend, rng
+from caffeplus.errors import NetError
+from caffeplus.fillers import fill_array
+from caffeplus.im2col import (ConvGeometry, FLOAT, conv_backward, conv_forward,
+                              conv_workspace_bytes, deconv_backward, deconv_forward,
+                              im2col_backward, im2col_forward, scratch)
+from caffeplus.blob import Blob
+from caffeplus.layer import Layer, register
+from caffeplus.proto import caffe_pb2
+
+FLT_MAX = float(numpy.finfo(numpy.float32).max)
+FLT_MIN = float(numpy.finfo(numpy.float32).tiny)
+
+PoolMethod = caffe_pb2.PoolingParameter
+MAX, AVE, STOCHASTIC = PoolMethod.MAX, PoolMethod.AVE, PoolMethod.STOCHASTIC
+
+
+def _fail(layer, what):
+    raise NetError('layer %s (%s): %s' % (layer.layer_param.name, layer.layer_param.type, what))
+
+
+def _prod(shape):
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+# =============================================================================
+# Convolution geometry from a ConvolutionParameter
+# =============================================================================
+def conv_geometry(layer, cp, num_spatial):
+    """kernel/stride/pad/dilation per spatial axis, checked as Caffe does."""
+    def per_axis(field, h_field, w_field, default, positive):
+        has_hw = cp.HasField(h_field) or cp.HasField(w_field)
+        values = list(getattr(cp, field))
+        if has_hw:
+            if num_spatial != 2:
+                _fail(layer, '%s & %s can only be used for 2D convolution '
+                      '(convolution_param.%s)' % (h_field, w_field, h_field))
+            if values:
+                _fail(layer, 'either %s or %s/%s should be specified; not both '
+                      '(convolution_param.%s)' % (field, h_field, w_field, field))
+            out = (getattr(cp, h_field), getattr(cp, w_field))
+        else:
+            if field == 'kernel_size' and not values and num_spatial > 0:
+                _fail(layer, 'kernel_size must be given (convolution_param.kernel_size)')
+            if len(values) not in (0, 1, num_spatial):
+                _fail(layer, '%s must be specified once, or once per spatial dimension '
+                      '(convolution_param.%s specified %d times; %d spatial dims)'
+                      % (field, field, len(values), num_spatial))
+            if not values:
+                out = (default,) * num_spatial
+            else:
+                out = tuple(values[0 if len(values) == 1 else i] for i in range(num_spatial))
+        if positive and any(v <= 0 for v in out):
+            _fail(layer, '%s dimensions must be nonzero (convolution_param.%s)'
+                  % ('filter' if field == 'kernel_size' else field, field))
+        return tuple(int(v) for v in out)
+
+    kernel = per_axis('kernel_size', 'kernel_h', 'kernel_w', None, True)
+    stride = per_axis('stride', 'stride_h', 'stride_w', 1, True)
+    pad = per_axis('pad', 'pad_h', 'pad_w', 0, False)
+    dil = list(cp.dilation)
+    if len(dil) not in (0, 1, num_spatial):
+        _fail(layer, 'dilation must be specified once, or once per spatial dimension '
+              '(convolution_param.dilation specified %d times; %d spatial dims)'
+              % (len(dil), num_spatial))
+    dilation = tuple(int(dil[0 if len(dil) == 1 else i]) if dil else 1
+                     for i in range(num_spatial))
+    return ConvGeometry(kernel, stride, pad, dilation)
+
+
+# =============================================================================
+# Convolution / Deconvolution
+# =============================================================================
+class _BaseConvolution(Layer):
+    min_num_bottom = 1
+    min_num_top = 1
+    equal_num_bottom_top = True
+    backward_reads = frozenset(('bottom_data',))
+    inplace_ok = False
+    reverse = False
+
+    def layer_setup(self, bottom, top):
+        cp = self.layer_param.convolution_param
+        b0 = bottom[0]
+        self.channel_axis = b0.canonical_axis_index(cp.axis)
+        self.first_spatial = self.channel_axis + 1
+        self.num_spatial = b0.num_axes - self.first_spatial
+        self.geom = conv_geometry(self, cp, self.num_spatial)
+        self.channels = b0.shape[self.channel_axis]
+        self.num_output = int(cp.num_output)
+        if self.num_output <= 0:
+            _fail(self, 'num_output must be positive (convolution_param.num_output)')
+        self.group = int(cp.group)
+        if self.group <= 0:
+            _fail(self, 'group must be positive (convolution_param.group)')
+        if self.channels % self.group:
+            _fail(self, 'the number of input channels (%d) must be a multiple of group (%d) '
+                  '(convolution_param.group)' % (self.channels, self.group))
+        if self.num_output % self.group:
+            _fail(self, 'num_output (%d) should be a multiple of group (%d) '
+                  '(convolution_param.num_output)' % (self.num_output, self.group))
+        if self.reverse:
+            w_shape = (self.channels, self.num_output // self.group) + self.geom.kernel
+        else:
+            w_shape = (self.num_output, self.channels // self.group) + self.geom.kernel
+        self.bias_term = bool(cp.bias_term)
+        shapes = [w_shape] + ([(self.num_output,)] if self.bias_term else [])
+        if self.blobs:
+            if len(self.blobs) != len(shapes):
+                _fail(self, 'incorrect number of weight blobs (%d given, %d expected)'
+                      % (len(self.blobs), len(shapes)))
+            for what, b, s in zip(('weight', 'bias'), self.blobs, shapes):
+                if tuple(b.shape) != tuple(s):
+                    _fail(self, 'incorrect %s shape: expected shape %s; instead, shape was %s'
+                          % (what, Blob(s).shape_string(), b.shape_string()))
+        else:
+            fillers = [cp.weight_filler, cp.bias_filler]
+            for i, s in enumerate(shapes):
+                b = Blob(s, name='%s.%d' % (self.name, i))
+                b.data = fill_array(fillers[i], s)
+                self.blobs.append(b)
+
+    def reshape(self, bottom, top):
+        b0 = bottom[0]
+        if b0.num_axes != self.first_spatial + self.num_spatial:
+            _fail(self, 'bottom num_axes may not change (was %d, now %d)'
+                  % (self.first_spatial + self.num_spatial, b0.num_axes))
+        if b0.shape[self.channel_axis] != self.channels:
+            _fail(self, 'input size incompatible with convolution kernel: %d channels, '
+                  'weights expect %d' % (b0.shape[self.channel_axis], self.channels))
+        for i, b in enumerate(bottom[1:], 1):
+            if b.shape != b0.shape:
+                _fail(self, 'shape mismatch - bottom[0]: %s vs. bottom[%d]: %s'
+                      % (b0.shape_string(), i, b.shape_string()))
+        self.num = b0.count_axes(0, self.channel_axis)
+        self.in_spatial = tuple(b0.shape[self.first_spatial:])
+        if self.reverse:
+            self.out_spatial = self.geom.deconv_out_shape(self.in_spatial)
+        else:
+            self.out_spatial = self.geom.conv_out_shape(self.in_spatial)
+        if any(o <= 0 for o in self.out_spatial):
+            _fail(self, 'output spatial shape %s is empty for input %s (kernel %s, stride %s, '
+                  'pad %s, dilation %s)' % (self.out_spatial, self.in_spatial, self.geom.kernel,
+                                            self.geom.stride, self.geom.pad, self.geom.dilation))
+        out_shape = tuple(b0.shape[:self.channel_axis]) + (self.num_output,) + self.out_spatial
+        for t in top:
+            t.reshape(out_shape)
+
+    def _views(self, blob_array, channels, spatial):
+        return blob_array.reshape((self.num, channels) + tuple(spatial))
+
+    def _forward(self, bottom, top):
+        w = self.blobs[0].data
+        b = self.blobs[1].data if self.bias_term else None
+        fwd = deconv_forward if self.reverse else conv_forward
+        for bb, tt in zip(bottom, top):
+            x = self._views(bb.data, self.channels, self.in_spatial)
+            y = self._views(tt.data, self.num_output, self.out_spatial)
+            fwd(x, w, b, self.geom, self.group, y)
+
+    def _backward(self, top, propagate_down, bottom):
+        w = self.blobs[0]
+        dw = w.diff if self.param_needs_backward(0) else None
+        db = self.blobs[1].diff if self.bias_term and self.param_needs_backward(1) else None
+        bwd = deconv_backward if self.reverse else conv_backward
+        for i, (bb, tt) in enumerate(zip(bottom, top)):
+            dx = self._views(bb.diff, self.channels, self.in_spatial) \
+                if propagate_down[i] else None
+            if dx is None and dw is None and db is None:
+                continue
+            x = self._views(bb.data, self.channels, self.in_spatial)
+            dy = self._views(tt.diff, self.num_output, self.out_spatial)
+            bwd(x, w.data, dy, self.geom, self.group, dx=dx, dw=dw, db=db)
+
+    def workspace_bytes(self):
+        im_spatial = self.out_spatial if self.reverse else self.in_spatial
+        col_spatial = self.in_spatial if self.reverse else self.out_spatial
+        im_channels = self.num_output if self.reverse else self.channels
+        col = conv_workspace_bytes((self.num,) + im_spatial, col_spatial, self.geom, im_channels)
+        return col
+
+
+@register
+class ConvolutionLayer(_BaseConvolution):
+    """Caffe's Convolution: weights (num_output, C/group, *kernel)."""
+    type = 'Convolution'
+    reverse = False
+
+
+@register
+class DeconvolutionLayer(_BaseConvolution):
+    """Caffe's Deconvolution (the transpose of Convolution): weights
+    (C, num_output/group, *kernel), output s*(in-1) + extent - 2p."""
+    type = 'Deconvolution'
+    reverse = True
+
+
+# =============================================================================
+# Im2col
+# =============================================================================
+@register
+class Im2colLayer(Layer):
+    """Top = Caffe's column buffer: (N, C*prod(kernel), *out)."""
+    type = 'Im2col'
+    exact_num_bottom = 1
+    exact_num_top = 1
+    backward_reads = frozenset()
+    inplace_ok = False
+
+    def layer_setup(self, bottom, top):
+        cp = self.layer_param.convolution_param
+        b0 = bottom[0]
+        self.channel_axis = b0.canonical_axis_index(cp.axis)
+        self.first_spatial = self.channel_axis + 1
+        self.num_spatial = b0.num_axes - self.first_spatial
+        if self.num_spatial < 1:
+            _fail(self, 'needs at least one spatial axis after the channel axis '
+                  '(convolution_param.axis)')
+        self.geom = conv_geometry(self, cp, self.num_spatial)
+
+    def reshape(self, bottom, top):
+        b0 = bottom[0]
+        if b0.num_axes != self.first_spatial + self.num_spatial:
+            _fail(self, 'bottom num_axes may not change')
+        self.channels = b0.shape[self.channel_axis]
+        self.num = b0.count_axes(0, self.channel_axis)
+        self.in_spatial = tuple(b0.shape[self.first_spatial:])
+        self.out_spatial = self.geom.conv_out_shape(self.in_spatial)
+        if any(o <= 0 for o in self.out_spatial):
+            _fail(self, 'output spatial shape %s is empty for input %s'
+                  % (self.out_spatial, self.in_spatial))
+        top[0].reshape(tuple(b0.shape[:self.channel_axis]) +
+                       (self.channels * self.geom.kernel_count,) + self.out_spatial)
+
+    def _shapes(self):
+        return ((self.num, self.channels) + self.in_spatial,
+                (self.num, self.channels * self.geom.kernel_count) + self.out_spatial)
+
+    def _forward(self, bottom, top):
+        xs, ys = self._shapes()
+        im2col_forward(bottom[0].data.reshape(xs), self.geom, top[0].data.reshape(ys))
+
+    def _backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        xs, ys = self._shapes()
+        im2col_backward(top[0].diff.reshape(ys), self.geom, bottom[0].diff.reshape(xs))
+
+
+# =============================================================================
+# Pooling: pure functions
+# =============================================================================
+class PoolGeometry(collections.namedtuple('PoolGeometry', 'kernel stride pad')):
+    """(h, w) pairs of kernel, stride and pad."""
+    __slots__ = ()
+
+
+def pool_output_size(size, kernel, stride, pad, ceil_mode=True):
+    """Caffe's pooled size for one axis (before the padding correction)."""
+    q = float(numpy.float32(size + 2 * pad - kernel) / numpy.float32(stride))
+    return int(math.ceil(q) if ceil_mode else math.floor(q)) + 1
+
+
+def pool_output_shape(height, width, geom, ceil_mode=True):
+    """(pooled_h, pooled_w) as Caffe: ceil (or floor) rule, then one less on
+    an axis whose last window would start in the padding (only with pad)."""
+    (kh, kw), (sh, sw), (ph, pw) = geom
+    oh = pool_output_size(height, kh, sh, ph, ceil_mode)
+    ow = pool_output_size(width, kw, sw, pw, ceil_mode)
+    if ph or pw:
+        if (oh - 1) * sh >= height + ph:
+            oh -= 1
+        if (ow - 1) * sw >= width + pw:
+            ow -= 1
+    return oh, ow
+
+
+def _pool_source(x, geom, out_hw, fill, slot='pool'):
+    """x padded so that every window offset is a plain strided slice: rows
+    -pad .. (out-1)*stride - pad + kernel - 1 (and likewise columns)."""
+    n, c, h, w = x.shape
+    (kh, kw), (sh, sw), (ph, pw) = geom
+    oh, ow = out_hw
+    hp = ph + max(h, (oh - 1) * sh - ph + kh)
+    wp = pw + max(w, (ow - 1) * sw - pw + kw)
+    if hp == h and wp == w:
+        return x
+    xp = backend.get_array_module(x)
+    src = scratch(xp, (n, c, hp, wp), slot)
+    src.fill(fill)
+    src[:, :, ph:ph + h, pw:pw + w] = x
+    return src
+
+
+def _offsets(geom, out_hw):
+    """(offset number, (i, j), slice tuple) of every kernel offset, row-major."""
+    (kh, kw), (sh, sw), _ = geom
+    oh, ow = out_hw
+    out = []
+    for i in range(kh):
+        for j in range(kw):
+            out.append((i * kw + j, (slice(None), slice(None),
+                                     slice(i, i + (oh - 1) * sh + 1, sh),
+                                     slice(j, j + (ow - 1) * sw + 1, sw))))
+    return out
+
+
+def pool_sizes(x_hw, geom, out_hw):
+    """AVE pooling's divisor per output cell: the window clipped to H+pad."""
+    (kh, kw), (sh, sw), (ph, pw) = geom
+    h, w = x_hw
+    oh, ow = out_hw
+    hs = numpy.arange(oh) * sh - ph
+    ws = numpy.arange(ow) * sw - pw
+    hsz = numpy.minimum(hs + kh, h + ph) - hs
+    wsz = numpy.minimum(ws + kw, w + pw) - ws
+    return (hsz[:, None] * wsz[None, :]).astype(FLOAT)
+
+
+def max_pool_forward(x, geom, y, arg):
+    """y = window max, arg = kernel offset (row-major, -1 if none) of the
+    first maximum in scan order (strict >, as Caffe)."""
+    xp = backend.get_array_module(x)
+    out_hw = y.shape[2:]
+    src = _pool_source(x, geom, out_hw, -numpy.inf)
+    y.fill(-FLT_MAX)
+    arg.fill(-1)
+    better = xp.empty(y.shape, dtype=bool)
+    for o, sl in _offsets(geom, out_hw):
+        v = src[sl]
+        xp.greater(v, y, out=better)
+        xp.copyto(y, v, where=better)
+        xp.copyto(arg, o, where=better)
+    return y, arg
+
+
+def max_pool_mask(arg, geom, x_hw):
+    """Caffe's mask: the flat index h*W + w of the max within its plane."""
+    xp = backend.get_array_module(arg)
+    (kh, kw), (sh, sw), (ph, pw) = geom
+    oh, ow = arg.shape[2:]
+    width = x_hw[1]
+    hs = xp.arange(oh, dtype=numpy.int64)[:, None] * sh - ph
+    ws = xp.arange(ow, dtype=numpy.int64)[None, :] * sw - pw
+    a = arg.astype(numpy.int64)
+    idx = (hs + a // kw) * width + (ws + a % kw)
+    return xp.where(arg < 0, -1, idx)
+
+
+def _scatter_back(dy, arg, geom, x_shape, dx):
+    """dx[...] = sum over windows of dy routed to the offset in arg."""
+    xp = backend.get_array_module(dy)
+    out_hw = dy.shape[2:]
+    acc = _grad_buffer(dx, geom, out_hw)
+    tmp = xp.empty(dy.shape, dtype=FLOAT)
+    sel = xp.empty(dy.shape, dtype=bool)
+    # reverse offset order adds each cell's contributions in the order of
+    # the windows (row-major), the order Caffe's loops add them in
+    for o, sl in reversed(_offsets(geom, out_hw)):
+        xp.equal(arg, o, out=sel)
+        xp.multiply(dy, sel, out=tmp)
+        acc[sl] += tmp
+    _grad_finish(acc, dx, geom)
+    return dx
+
+
+def _grad_buffer(dx, geom, out_hw):
+    n, c, h, w = dx.shape
+    (kh, kw), (sh, sw), (ph, pw) = geom
+    oh, ow = out_hw
+    hp = ph + max(h, (oh - 1) * sh - ph + kh)
+    wp = pw + max(w, (ow - 1) * sw - pw + kw)
+    if hp == h and wp == w:
+        dx.fill(0)
+        return dx
+    return scratch(backend.get_array_module(dx), (n, c, hp, wp), 'poolgrad', zero=True)
+
+
+def _grad_finish(acc, dx, geom):
+    if acc is dx:
+        return
+    (ph, pw) = geom.pad
+    h, w = dx.shape[2:]
+    dx[...] = acc[:, :, ph:ph + h, pw:pw + w]
+
+
+def max_pool_backward(dy, arg, geom, dx):
+    return _scatter_back(dy, arg, geom, dx.shape, dx)
+
+
+def ave_pool_forward(x, geom, y):
+    out_hw = y.shape[2:]
+    xp = backend.get_array_module(x)
+    src = _pool_source(x, geom, out_hw, 0.0)
+    y.fill(0)
+    for _, sl in _offsets(geom, out_hw):
+        y += src[sl]
+    y /= xp.asarray(pool_sizes(x.shape[2:], geom, out_hw))
+    return y
+
+
+def ave_pool_backward(dy, geom, dx):
+    xp = backend.get_array_module(dy)
+    out_hw = dy.shape[2:]
+    g = dy / xp.asarray(pool_sizes(dx.shape[2:], geom, out_hw))
+    acc = _grad_buffer(dx, geom, out_hw)
+    for _, sl in reversed(_offsets(geom, out_hw)):
+        acc[sl] += g
+    _grad_finish(acc, dx, geom)
+    return dx
+
+
+def stochastic_pool_forward(x, geom, y, arg, train, uniform=None):
+    """TRAIN: sample one cell per window with probability proportional to its
+    value (inputs are expected non-negative); arg = its offset. TEST: the
+    probability-weighted average sum(x^2)/sum(x). Caffe's GPU semantics
+    (its CPU version is not implemented)."""
+    xp = backend.get_array_module(x)
+    out_hw = y.shape[2:]
+    src = _pool_source(x, geom, out_hw, 0.0)
+    offs = _offsets(geom, out_hw)
+    if not train:
+        total = xp.full(y.shape, FLT_MIN, dtype=FLOAT)
+        y.fill(0)
+        for _, sl in offs:
+            v = src[sl]
+            total += v
+            y += v * v
+        y /= total
+        if arg is not None:
+            arg.fill(-1)
+        return y
+    total = xp.zeros(y.shape, dtype=FLOAT)
+    for _, sl in offs:
+        total += src[sl]
+    if uniform is None:
+        uniform = rng.get().random(size=y.shape, dtype=numpy.float32)
+    thres = xp.asarray(uniform, dtype=FLOAT) * total
+    cum = xp.zeros(y.shape, dtype=FLOAT)
+    y.fill(0)
+    arg.fill(-1)
+    hit = xp.empty(y.shape, dtype=bool)
+    for o, sl in offs:
+        v = src[sl]
+        cum += v
+        xp.greater_equal(cum, thres, out=hit)
+        hit &= arg < 0
+        xp.copyto(arg, o, where=hit)
+        xp.copyto(y, v, where=hit)
+    return y
+
+
+def stochastic_pool_backward(dy, arg, geom, dx):
+    return _scatter_back(dy, arg, geom, dx.shape, dx)
+
+
+def pool_forward(method, x, geom, y, arg=None, train=True):
+    if method == MAX:
+        return max_pool_forward(x, geom, y, arg)
+    if method == AVE:
+        return ave_pool_forward(x, geom, y)
+    return stochastic_pool_forward(x, geom, y, arg, train)
+
+
+def pool_backward(method, dy, geom, dx, arg=None):
+    if method == AVE:
+        return ave_pool_backward(dy, geom, dx)
+    return _scatter_back(dy, arg, geom, dx.shape, dx)
+
+
+def pooling_geometry(layer, pp, height, width):
+    """Kernel/stride/pad from a PoolingParameter, checked as Caffe does."""
+    if pp.global_pooling:
+        if pp.HasField('kernel_size') or pp.HasField('kernel_h') or pp.HasField('kernel_w'):
+            _fail(layer, 'with global_pooling: true filter size cannot be specified '
+                  '(pooling_param.kernel_size)')
+    else:
+        has_hw = pp.HasField('kernel_h') and pp.HasField('kernel_w')
+        if pp.HasField('kernel_size') and (pp.HasField('kernel_h') or pp.HasField('kernel_w')):
+            _fail(layer, 'filter size is kernel_size OR kernel_h and kernel_w; not both '
+                  '(pooling_param.kernel_size)')
+        if not pp.HasField('kernel_size') and not has_hw:
+            if pp.HasField('kernel_h') or pp.HasField('kernel_w'):
+                _fail(layer, 'for non-square filters both kernel_h and kernel_w are required '
+                      '(pooling_param.kernel_h/kernel_w)')
+            _fail(layer, 'kernel_size must be given (pooling_param.kernel_size)')
+    if pp.HasField('pad_h') or pp.HasField('pad_w'):
+        if pp.HasField('pad') or not (pp.HasField('pad_h') and pp.HasField('pad_w')):
+            _fail(layer, 'pad is pad OR pad_h and pad_w are required (pooling_param.pad)')
+    if pp.HasField('stride_h') or pp.HasField('stride_w'):
+        if pp.HasField('stride') or not (pp.HasField('stride_h') and pp.HasField('stride_w')):
+            _fail(layer, 'stride is stride OR stride_h and stride_w are required '
+                  '(pooling_param.stride)')
+    if pp.global_pooling:
+        kernel = (height, width)
+    elif pp.HasField('kernel_size'):
+        kernel = (pp.kernel_size, pp.kernel_size)
+    else:
+        kernel = (pp.kernel_h, pp.kernel_w)
+    if kernel[0] <= 0 or kernel[1] <= 0:
+        _fail(layer, 'filter dimensions cannot be zero (pooling_param.kernel_size)')
+    pad = (pp.pad_h, pp.pad_w) if pp.HasField('pad_h') else (pp.pad, pp.pad)
+    stride = (pp.stride_h, pp.stride_w) if pp.HasField('stride_h') else (pp.stride, pp.stride)
+    if stride[0] <= 0 or stride[1] <= 0:
+        _fail(layer, 'stride must be positive (pooling_param.stride)')
+    if pp.global_pooling and (pad != (0, 0) or stride != (1, 1)):
+        _fail(layer, 'with global_pooling: true only pad = 0 and stride = 1 are allowed '
+              '(pooling_param.pad/stride)')
+    if pad != (0, 0):
+        if pp.pool not in (MAX, AVE):
+            _fail(layer, 'padding implemented only for average and max pooling '
+                  '(pooling_param.pad)')
+        if pad[0] >= kernel[0] or pad[1] >= kernel[1]:
+            _fail(layer, 'pad (%d, %d) must be smaller than the kernel (%d, %d) '
+                  '(pooling_param.pad)' % (pad + kernel))
+    return PoolGeometry(tuple(int(k) for k in kernel), tuple(int(s) for s in stride),
+                        tuple(int(p) for p in pad))
+
+
+class _Pool:
+    """One pooling operation with its size rule and internal argmax state."""
+
+    def __init__(self, layer, pp, x_shape):
+        if len(x_shape) != 4:
+            _fail(layer, 'input must have 4 axes, corresponding to (num, channels, height, '
+                  'width), got shape %s' % (x_shape,))
+        self.method = pp.pool
+        self.geom = pooling_geometry(layer, pp, x_shape[2], x_shape[3])
+        ceil_mode = pp.round_mode != caffe_pb2.PoolingParameter.FLOOR
+        oh, ow = pool_output_shape(x_shape[2], x_shape[3], self.geom, ceil_mode)
+        (sh, sw), (ph, pw) = self.geom.stride, self.geom.pad
+        if (ph or pw) and ((oh - 1) * sh >= x_shape[2] + ph or (ow - 1) * sw >= x_shape[3] + pw):
+            _fail(layer, 'the last pooling window starts in the padding (pooling_param.pad)')
+        if oh <= 0 or ow <= 0:
+            _fail(layer, 'pooled output %dx%d is empty for input %dx%d'
+                  % (oh, ow, x_shape[2], x_shape[3]))
+        self.x_shape = tuple(x_shape)
+        self.out_shape = tuple(x_shape[:2]) + (oh, ow)
+        self.arg = None
+
+    def forward(self, x, y, train):
+        xp = backend.get_array_module(x)
+        if self.method in (MAX, STOCHASTIC):
+            if self.arg is None or self.arg.shape != y.shape or \
+                    backend.get_array_module(self.arg) is not xp:
+                self.arg = xp.empty(y.shape, dtype=numpy.int32)
+        return pool_forward(self.method, x, self.geom, y, self.arg, train)
+
+    def backward(self, dy, dx):
+        if self.method != AVE and self.arg is None:
+            dx[...] = 0
+            return dx
+        return pool_backward(self.method, dy, self.geom, dx, self.arg)
+
+    def mask(self):
+        return max_pool_mask(self.arg, self.geom, self.x_shape[2:])
+
+
+# =============================================================================
+# Pooling layer
+# =============================================================================
+@register
+class PoolingLayer(Layer):
+    """MAX (optional second top: the argmax mask), AVE, STOCHASTIC pooling."""
+    type = 'Pooling'
+    exact_num_bottom = 1
+    min_num_top = 1
+    max_num_top = 2
+    backward_reads = frozenset()
+    inplace_ok = False
+
+    def __init__(self, layer_param):
+        super().__init__(layer_param)
+        if self.layer_param.pooling_param.pool != MAX:
+            self.max_num_top = 1
+
+    def layer_setup(self, bottom, top):
+        self.pool = None
+
+    def reshape(self, bottom, top):
+        self.pool = _Pool(self, self.layer_param.pooling_param, bottom[0].shape)
+        for t in top:
+            t.reshape(self.pool.out_shape)
+
+    def _forward(self, bottom, top):
+        self.pool.forward(bottom[0].data, top[0].data, self.phase == caffe_pb2.TRAIN)
+        if len(top) > 1:
+            top[1].data[...] = self.pool.mask()
+
+    def _backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        self.pool.backward(top[0].diff, bottom[0].diff)
+
+
+# =============================================================================
+# SPP
+# =============================================================================
+def spp_pooling_param(level, height, width, pool):
+    """Caffe's pooling parameter for pyramid level `level` (2**level bins)."""
+    bins = 2 ** level
+    kh = int(math.ceil(height / float(bins)))
+    kw = int(math.ceil(width / float(bins)))
+    pp = caffe_pb2.PoolingParameter()
+    pp.pool = pool
+    pp.kernel_h, pp.kernel_w = kh, kw
+    pp.stride_h, pp.stride_w = kh, kw
+    pp.pad_h = (kh * bins - height + 1) // 2
+    pp.pad_w = (kw * bins - width + 1) // 2
+    return pp
+
+
+@register
+class SPPLayer(Layer):
+    """Spatial pyramid pooling: levels 0..h-1 pooled to 2**l bins each,
+    flattened and concatenated (N, sum C*bins_h*bins_w); with
+    pyramid_height 1 the single pooling's (N, C, 1, 1) output as Caffe."""
+    type = 'SPP'
+    exact_num_bottom = 1
+    exact_num_top = 1
+    backward_reads = frozenset()
+    inplace_ok = False
+
+    def layer_setup(self, bottom, top):
+        sp = self.layer_param.spp_param
+        self.height_levels = int(sp.pyramid_height)
+        if self.height_levels < 1:
+            _fail(self, 'pyramid_height must be at least 1 (spp_param.pyramid_height)')
+        self.pools = []
+        self.shape = None
+
+    def reshape(self, bottom, top):
+        b = bottom[0]
+        if b.num_axes != 4:
+            _fail(self, 'input must have 4 axes, corresponding to (num, channels, height, '
+                  'width), got %s' % b.shape_string())
+        n, c, h, w = b.shape
+        if h <= 0 or w <= 0:
+            _fail(self, 'input dimensions cannot be zero')
+        pool = self.layer_param.spp_param.pool
+        self.pools = [_Pool(self, spp_pooling_param(l, h, w, pool), b.shape)
+                      for l in range(self.height_levels)]
+        if self.height_levels == 1:
+            top[0].reshape(self.pools[0].out_shape)
+        else:
+            top[0].reshape((n, sum(_prod(p.out_shape[1:]) for p in self.pools)))
+
+    def _forward(self, bottom, top):
+        x = bottom[0].data
+        train = self.phase == caffe_pb2.TRAIN
+        n = x.shape[0]
+        if self.height_levels == 1:
+            self.pools[0].forward(x, top[0].data, train)
+            return
+        y = top[0].data
+        xp = backend.get_array_module(x)
+        start = 0
+        for p in self.pools:
+            size = _prod(p.out_shape[1:])
+            out = xp.empty(p.out_shape, dtype=FLOAT)
+            p.forward(x, out, train)
+            y[:, start:start + size] = out.reshape(n, size)
+            start += size
+
+    def _backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dx = bottom[0].diff
+        if self.height_levels == 1:
+            self.pools[0].backward(top[0].diff, dx)
+            return
+        xp = backend.get_array_module(dx)
+        dy = top[0].diff
+        n = dy.shape[0]
+        start = 0
+        part = xp.empty(dx.shape, dtype=FLOAT)
+        for i, p in enumerate(self.pools):
+            size = _prod(p.out_shape[1:])
+            g = xp.ascontiguousarray(dy[:, start:start + size]).reshape(p.out_shape)
+            start += size
+            if i == 0:
+                p.backward(g, dx)
+            else:
+                p.backward(g, part)
+                dx += part
+
+
+# =============================================================================
+# LRN: pure functions
+# =============================================================================
+def lrn_across_scale(x, size, alpha, k, scale):
+    """scale = k + alpha/size * sum of x^2 over `size` channels centred on
+    each channel (zero beyond the ends)."""
+    c = x.shape[1]
+    pre = (size - 1) // 2
+    sq = x * x
+    sq *= numpy.float32(alpha) / numpy.float32(size)
+    scale.fill(k)
+    for o in range(size):
+        d = o - pre
+        if d < 0:
+            if c + d > 0:
+                scale[:, -d:] += sq[:, :c + d]
+        elif d > 0:
+            if c - d > 0:
+                scale[:, :c - d] += sq[:, d:]
+        else:
+            scale += sq
+    return scale
+
+
+def lrn_across_forward(x, size, alpha, beta, k, y, scale):
+    xp = backend.get_array_module(x)
+    lrn_across_scale(x, size, alpha, k, scale)
+    xp.power(scale, numpy.float32(-beta), out=y)
+    y *= x
+    return y
+
+
+def lrn_across_backward(x, dy, scale, size, alpha, beta, dx):
+    """Caffe's exact backward: dx = dy*scale^-beta
+    - 2*alpha*beta/size * x * sum_window(dy * y / scale)."""
+    xp = backend.get_array_module(x)
+    c = x.shape[1]
+    pre = (size - 1) // 2
+    p = xp.power(scale, numpy.float32(-beta))
+    ratio = x * p           # the forward top
+    ratio *= dy
+    ratio /= scale
+    accum = xp.zeros(x.shape, dtype=FLOAT)
+    for o in range(size):
+        d = o - pre
+        if d < 0:
+            if c + d > 0:
+                accum[:, -d:] += ratio[:, :c + d]
+        elif d > 0:
+            if c - d > 0:
+                accum[:, :c - d] += ratio[:, d:]
+        else:
+            accum += ratio
+    accum *= x
+    accum *= numpy.float32(2.0 * float(numpy.float32(alpha)) * float(numpy.float32(beta)) / size)
+    xp.multiply(p, dy, out=dx)
+    dx -= accum
+    return dx
+
+
+def _within_geom(size):
+    pre = (size - 1) // 2
+    return PoolGeometry((size, size), (1, 1), (pre, pre))
+
+
+def lrn_within_forward(x, size, alpha, beta, y, scale):
+    """Caffe's WITHIN_CHANNEL: scale = 1 + alpha * avepool(x^2) (size x size,
+    pad (size-1)/2), y = x * scale^-beta (k is not used)."""
+    xp = backend.get_array_module(x)
+    sq = x * x
+    ave_pool_forward(sq, _within_geom(size), scale)
+    scale *= numpy.float32(alpha)
+    scale += numpy.float32(1)
+    xp.power(scale, numpy.float32(-beta), out=y)
+    y *= x
+    return y
+
+
+def lrn_within_backward(x, dy, scale, size, alpha, beta, dx):
+    xp = backend.get_array_module(x)
+    p = xp.power(scale, numpy.float32(-beta))
+    # through the power layer: d/davg = (-beta*alpha) * p / scale * (x * dy)
+    g = p / scale
+    g *= numpy.float32(numpy.float32(-beta) * numpy.float32(alpha))
+    g *= x * dy
+    dsq = xp.empty(x.shape, dtype=FLOAT)
+    ave_pool_backward(g, _within_geom(size), dsq)
+    # through the square: 2x * dsq; plus the product's direct path p * dy
+    dsq *= x * numpy.float32(2)
+    xp.multiply(p, dy, out=dx)
+    dx += dsq
+    return dx
+
+
+@register
+class LRNLayer(Layer):
+    """Local response normalisation, ACROSS_CHANNELS or WITHIN_CHANNEL."""
+    type = 'LRN'
+    exact_num_bottom = 1
+    exact_num_top = 1
+    backward_reads = frozenset(('bottom_data',))
+    inplace_ok = False
+
+    def layer_setup(self, bottom, top):
+        p = self.layer_param.lrn_param
+        self.size = int(p.local_size)
+        if self.size % 2 != 1:
+            _fail(self, 'LRN only supports odd values for local_size (lrn_param.local_size)')
+        self.alpha = float(numpy.float32(p.alpha))
+        self.beta = float(numpy.float32(p.beta))
+        self.k = float(numpy.float32(p.k))
+        self.region = p.norm_region
+        self.scale = None
+
+    def reshape(self, bottom, top):
+        if bottom[0].num_axes != 4:
+            _fail(self, 'input must have 4 axes, corresponding to (num, channels, height, '
+                  'width), got %s' % bottom[0].shape_string())
+        top[0].reshape(bottom[0].shape)
+
+    def _forward(self, bottom, top):
+        x = bottom[0].data
+        xp = backend.get_array_module(x)
+        if self.scale is None or self.scale.shape != x.shape or \
+                backend.get_array_module(self.scale) is not xp:
+            self.scale = xp.empty(x.shape, dtype=FLOAT)
+        if self.region == caffe_pb2.LRNParameter.ACROSS_CHANNELS:
+            lrn_across_forward(x, self.size, self.alpha, self.beta, self.k, top[0].data,
+                               self.scale)
+        else:
+            lrn_within_forward(x, self.size, self.alpha, self.beta, top[0].data, self.scale)
+
+    def _backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        x = bottom[0].data
+        if self.region == caffe_pb2.LRNParameter.ACROSS_CHANNELS:
+            lrn_across_backward(x, top[0].diff, self.scale, self.size, self.alpha, self.beta,
+                                bottom[0].diff)
+        else:
+            lrn_within_backward(x, top[0].diff, self.scale, self.size, self.alpha, self.beta,
+                                bottom[0].diff)
+
+
+# =============================================================================
+# Crop
+# =============================================================================
+@register
+class CropLayer(Layer):
+    """Crop bottom 0 to the shape of bottom 1 from axis `axis` on, at the
+    given offsets (one for all axes, or one per cropped axis)."""
+    type = 'Crop'
+    exact_num_bottom = 2
+    exact_num_top = 1
+    backward_reads = frozenset()
+    inplace_ok = False
+
+    def allow_force_backward(self, bottom_index):
+        return bottom_index != 1
+
+    def layer_setup(self, bottom, top):
+        p = self.layer_param.crop_param
+        nd = bottom[0].num_axes
+        self.start_axis = bottom[0].canonical_axis_index(p.axis)
+        if self.start_axis >= nd:
+            _fail(self, 'crop axis bigger than input dim (crop_param.axis)')
+        if len(p.offset) > 1 and self.start_axis + len(p.offset) != nd:
+            _fail(self, 'number of offset values specified must be equal to the number of '
+                  'dimensions following axis (crop_param.offset: %d given for %d axes)'
+                  % (len(p.offset), nd - self.start_axis))
+
+    def reshape(self, bottom, top):
+        p = self.layer_param.crop_param
+        a, b = bottom[0], bottom[1]
+        if b.num_axes != a.num_axes:
+            _fail(self, 'bottoms must have the same number of axes (%s vs %s)'
+                  % (a.shape_string(), b.shape_string()))
+        shape, slices = [], []
+        for i in range(a.num_axes):
+            off, size = 0, a.shape[i]
+            if i >= self.start_axis:
+                size = b.shape[i]
+                if len(p.offset) == 1:
+                    off = p.offset[0]
+                elif len(p.offset) > 1:
+                    off = p.offset[i - self.start_axis]
+                if a.shape[i] - off < b.shape[i]:
+                    _fail(self, 'invalid crop parameters in dimension: %d (crop_param.offset)'
+                          % i)
+            shape.append(size)
+            slices.append(slice(off, off + size))
+        self.slices = tuple(slices)
+        top[0].reshape(tuple(shape))
+
+    def _forward(self, bottom, top):
+        top[0].data[...] = bottom[0].data[self.slices]
+
+    def _backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        d = bottom[0].diff
+        d[...] = 0
+        d[self.slices] = top[0].diff
