@@ -595,3 +595,43 @@ def test_backward_only_where_asked():
 
 def test_caffeplus_error_type():
     assert issubclass(NetError, CaffeplusError)
+
+
+# -- CuPy ------------------------------------------------------------------------
+GPU_CASES = [
+    ('SoftmaxWithLoss', 'softmax_param { axis: 2 } loss_param { ignore_label: 3 }',
+     lambda r: [r.normal(size=(2, 3, 3, 2)), labels_for(r, (2, 3, 2), 3, ignore=3)]),
+    ('SigmoidCrossEntropyLoss', 'loss_param { ignore_label: -1 normalization: VALID }',
+     lambda r: [r.normal(size=(2, 5)), numpy.where(r.random((2, 5)) < 0.3, -1, r.random((2, 5)))]),
+    ('EuclideanLoss', '', lambda r: [r.normal(size=(3, 4)), r.normal(size=(3, 4))]),
+    ('HingeLoss', 'hinge_loss_param { norm: L2 }',
+     lambda r: [r.normal(size=(4, 3)), r.integers(0, 3, size=4)]),
+    ('ContrastiveLoss', 'contrastive_loss_param { margin: 2 }',
+     lambda r: [r.normal(size=(4, 3)), r.normal(size=(4, 3)), [[1], [0], [0], [1]]]),
+    ('InfogainLoss', 'loss_param { ignore_label: 0 normalization: FULL }',
+     lambda r: [r.normal(size=(3, 4, 2)), r.integers(0, 4, size=(3, 2)), r.random((4, 4))]),
+    ('MultinomialLogisticLoss', '', lambda r: [r.uniform(0.1, 1, size=(3, 4)), [[1], [0], [3]]]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('type_name,params,make', GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_cupy_matches_numpy(type_name, params, make):
+    import caffeplus
+    from caffeplus import backend
+    arrays = make(numpy.random.default_rng(3))
+    results = []
+    for gpu in (False, True):
+        caffeplus.set_mode_gpu() if gpu else caffeplus.set_mode_cpu()
+        ret, value, diffs, top = run(make_layer(type_name, params), blobs(*arrays),
+                                     top_diff=0.7)
+        assert (backend.get_array_module(top[0].data).__name__ == 'cupy') == gpu
+        results.append((ret, value, [None if d is None else backend.to_numpy(d) for d in diffs]))
+    caffeplus.set_mode_cpu()
+    (r0, v0, d0), (r1, v1, d1) = results
+    close(v1, v0)
+    close(r1, r0)
+    for a, b in zip(d0, d1):
+        assert (a is None) == (b is None)
+        if a is not None:
+            close(b, a)
