@@ -2,7 +2,7 @@
 HingeLoss, ContrastiveLoss, InfogainLoss and MultinomialLogisticLoss.
 
 Every layer reproduces stock Caffe's arithmetic (its clamps, normalizers and
-float32 constants) and its construction rules. Two deliberate differences:
+float32 constants) and its construction rules. Deliberate differences:
 
 * none of them keeps an internal copy of an intermediate (Caffe's prob,
   sigmoid output, difference or margin buffers): backward recomputes it from
@@ -11,7 +11,9 @@ float32 constants) and its construction rules. Two deliberate differences:
   (For HingeLoss this also means no reliance on bottom[0].diff holding the
   margins between forward and backward, README quirk 3.)
 * an out-of-range label raises NetError naming the layer and the value where
-  Caffe reads outside its arrays.
+  Caffe would read outside its arrays (it checks labels in debug builds only).
+* InfogainLoss declares its H bottom (bottom 2) as taking no gradient, so
+  force_backward leaves it alone where Caffe aborts (README quirk 11).
 
 The gradient of each loss is scaled by its top's diff, which the net (or a
 caller) has filled with the loss weight, as Caffe does.
@@ -97,6 +99,12 @@ class _Loss(LossLayer):
                        % (what, blob.shape_string(), blob.num_axes))
         return blob
 
+    def _normalizer(self, valid):
+        """The divisor for self.normalization; `valid` is the mask of counted
+        positions (None: all of outer_num x inner_num)."""
+        count = self.outer_num * self.inner_num if valid is None else int(valid.sum())
+        return normalizer(self.normalization, self.outer_num, self.inner_num, count)
+
     def _int_labels(self, label, num_classes, ignore_label=None):
         """Labels cast to int as C++'s static_cast does (toward zero), with the
         mask of the ones that count (None: all). Non-ignored labels outside
@@ -150,10 +158,6 @@ class _SoftmaxLoss(_Loss):
         label = bottom[1].data.reshape(self.outer_num, self.inner_num)
         lab, valid = self._int_labels(label, self.num_classes, self.ignore_label)
         return prob, lab, valid
-
-    def _normalizer(self, valid):
-        count = self.outer_num * self.inner_num if valid is None else int(valid.sum())
-        return normalizer(self.normalization, self.outer_num, self.inner_num, count)
 
 
 @register
@@ -234,10 +238,6 @@ class SigmoidCrossEntropyLossLayer(_Loss):
         with numpy.errstate(invalid='ignore'):
             return target.astype(xp.int64) != self.ignore_label
 
-    def _normalizer(self, valid):
-        count = self.outer_num * self.inner_num if valid is None else int(valid.sum())
-        return normalizer(self.normalization, self.outer_num, self.inner_num, count)
-
     def _forward(self, bottom, top):
         x, t = bottom[0].data, bottom[1].data
         xp = backend.get_array_module(x)
@@ -246,8 +246,7 @@ class SigmoidCrossEntropyLossLayer(_Loss):
         valid = self._valid(t)
         if valid is not None:
             term = xp.where(valid, term, 0)
-        self._norm = self._normalizer(valid)
-        top[0].data[...] = -term.sum(dtype=numpy.float64) / self._norm
+        top[0].data[...] = -term.sum(dtype=numpy.float64) / self._normalizer(valid)
 
     def _backward(self, top, propagate_down, bottom):
         self._check_propagate(propagate_down)

@@ -635,3 +635,42 @@ def test_cupy_matches_numpy(type_name, params, make):
         assert (a is None) == (b is None)
         if a is not None:
             close(b, a)
+
+
+# -- inside a Net ------------------------------------------------------------------
+NET = """
+name: "losses" force_backward: true
+layer { name: "in" type: "Input" top: "x" top: "label" top: "H"
+        input_param { shape { dim: 3 dim: 4 } shape { dim: 3 } shape { dim: 4 dim: 4 } } }
+layer { name: "swl" type: "SoftmaxWithLoss" bottom: "x" bottom: "label" top: "swl"
+        loss_weight: 0.5 }
+layer { name: "info" type: "InfogainLoss" bottom: "x" bottom: "label" bottom: "H" top: "info" }
+"""
+
+
+def test_losses_in_a_net():
+    import caffeplus
+    param = caffe_pb2.NetParameter()
+    text_format.Parse(NET, param)
+    net = caffeplus.Net(param, caffeplus.TRAIN)
+    rng = numpy.random.default_rng(4)
+    x = rng.normal(size=(3, 4)).astype(numpy.float32)
+    label = numpy.array([1, 0, 3], numpy.float32)
+    H = rng.random((4, 4)).astype(numpy.float32)
+    net.blobs['x'].data = x
+    net.blobs['label'].data = label
+    net.blobs['H'].data = H
+    loss = net.forward_prefilled()
+    swl, gswl = ref_softmax_with_loss(x, label)
+    info, ginfo = ref_infogain(x, label, H)
+    close(float(net.blobs['swl'].data), swl)
+    close(float(net.blobs['info'].data), info)
+    close(loss, 0.5 * swl + info)
+    assert net.blob_loss_weights['swl'] == 0.5
+    # force_backward reaches x only: labels and H take no gradient
+    names = net.bottom_names
+    need = dict(zip(net.layer_dict, net.bottom_need_backward))
+    assert need['info'] == [True, False, False]
+    assert names['swl'][1].startswith('label') and need['swl'][1] is False
+    net.backward_all()
+    close(net.blobs['x'].diff, 0.5 * gswl + ginfo)
