@@ -1,1 +1,57 @@
-"""caffeplus.solver."""
+"""caffeplus.solver: Caffe's solvers, learning-rate policies and snapshots.
+
+    from caffeplus.solver import get_solver
+    solver = get_solver('lenet_solver.prototxt')   # or a SolverParameter
+    solver.solve()                                  # or solver.step(n)
+
+Classes: SGDSolver, NesterovSolver, AdaGradSolver, RMSPropSolver,
+AdaDeltaSolver, AdamSolver (pycaffe's names); `type` in the solver file picks
+one (or the old `solver_type` enum).
+"""
+import os
+
+from caffeplus.errors import CaffeplusError
+from caffeplus.proto import caffe_pb2
+from caffeplus.solver.solver import (ACTIONS, NONE, SNAPSHOT, STOP, Solver,  # noqa: F401
+                                     read_solver_file, upgrade_snapshot_prefix)
+from caffeplus.solver.sgd import (SOLVERS, AdaDeltaSolver, AdaGradSolver,  # noqa: F401
+                                  AdamSolver, NesterovSolver, RMSPropSolver, SGDSolver)
+
+# The old SolverParameter.solver_type enum, by value.
+_LEGACY_TYPES = {0: 'SGD', 1: 'Nesterov', 2: 'AdaGrad', 3: 'RMSProp', 4: 'AdaDelta', 5: 'Adam'}
+
+
+def solver_type_name(param):
+    if not param.HasField('type') and param.HasField('solver_type'):
+        return _LEGACY_TYPES.get(param.solver_type, str(param.solver_type))
+    return param.type
+
+
+def solver_class(type_name):
+    try:
+        return SOLVERS[type_name]
+    except KeyError:
+        raise CaffeplusError('Unknown solver type: %s (known types: %s)'
+                             % (type_name, ', '.join(sorted(SOLVERS))))
+
+
+def get_solver(path_or_param, **kwargs):
+    """The solver a SolverParameter (or solver prototxt path) describes."""
+    if isinstance(path_or_param, caffe_pb2.SolverParameter):
+        param = path_or_param
+    else:
+        param = read_solver_file(os.fspath(path_or_param))
+    type_name = solver_type_name(param)
+    cls = solver_class(type_name)
+    if param.type != type_name:
+        copy = caffe_pb2.SolverParameter()
+        copy.CopyFrom(param)
+        copy.ClearField('solver_type')
+        copy.type = type_name
+        param = copy
+    if not isinstance(path_or_param, caffe_pb2.SolverParameter):
+        kwargs.setdefault('solver_path', os.fspath(path_or_param))
+    return cls(param, **kwargs)
+
+
+create_solver = get_solver

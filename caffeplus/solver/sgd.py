@@ -1,0 +1,250 @@
+"""Caffe's six solvers: SGD and the five that share its ApplyUpdate.
+
+ApplyUpdate, for every iteration:
+    rate = learning rate of the policy (logged as "Iteration N, lr = X")
+    clip gradients (global L2 norm over all learnable params)
+    per param: normalize (1/iter_size), regularize (L2/L1 weight decay times
+               decay_mult), compute the update value (the rules below, with
+               local_rate = rate * lr_mult), written into the param's diff
+    net.update(): data -= diff
+
+Update rules (h, h2 history; g the gradient after regularization):
+    SGD       h = local_rate*g + momentum*h;                 diff = h
+    Nesterov  h' = local_rate*g + momentum*h;  diff = (1+momentum)*h' - momentum*h
+    AdaGrad   h += g^2;               diff = local_rate * g / (sqrt(h) + delta)
+    RMSProp   h = rms_decay*h + (1-rms_decay)*g^2;
+                                      diff = local_rate * g / (sqrt(h) + delta)
+    AdaDelta  h = m*h + (1-m)*g^2;  u = g * sqrt((h2 + delta) / (h + delta));
+              h2 = m*h2 + (1-m)*u^2;  diff = local_rate * u
+    Adam      m1 = b1*m1 + (1-b1)*g;  m2 = b2*m2 + (1-b2)*g^2;
+              diff = local_rate * sqrt(1-b2^t)/(1-b1^t) * m1 / (sqrt(m2) + delta),
+              t = iter + 1
+
+Everything is float32 and in place on preallocated buffers (NumPy on the
+CPU, CuPy on the GPU: the same code through the array module).
+"""
+import math
+
+import numpy
+
+from caffeplus import backend, log
+from caffeplus.blob import Blob
+from caffeplus.errors import CaffeplusError
+from caffeplus.solver import lr_policy
+from caffeplus.solver.solver import Solver
+
+F32 = numpy.float32
+
+
+class SGDSolver(Solver):
+    type = 'SGD'
+    # History blobs per learnable param (AdaDelta and Adam keep two).
+    history_per_param = 1
+
+    def check_param(self, param):
+        lr_policy.check_policy(param)
+        if param.regularization_type not in ('L1', 'L2'):
+            raise CaffeplusError('Unknown regularization type: %s (use L1 or L2)'
+                                 % param.regularization_type)
+
+    def pre_solve(self):
+        params = self.net.learnable_params
+        self.history = [Blob(p.shape, name='history_%d' % i)
+                        for _ in range(self.history_per_param) for i, p in enumerate(params)]
+        self.update_buf = [Blob(p.shape, name='update_%d' % i) for i, p in enumerate(params)]
+        self.temp = [Blob(p.shape, name='temp_%d' % i) for i, p in enumerate(params)]
+        for blobs in (self.history, self.update_buf, self.temp):
+            for b in blobs:
+                b.data[...] = 0
+
+    def history_arrays(self):
+        return [b.data for b in self.history]
+
+    # -- ApplyUpdate ---------------------------------------------------------
+    def get_learning_rate(self):
+        rate, self.current_step = lr_policy.learning_rate(self.param, self.iter,
+                                                          self.current_step)
+        return rate
+
+    def apply_update(self):
+        p = self.param
+        rate = self.get_learning_rate()
+        if p.display and self.iter % p.display == 0:
+            log.info('Iteration %d, lr = %g', self.iter, rate)
+        self.clip_gradients()
+        net = self.net
+        iter_norm = F32(1) / F32(p.iter_size) if p.iter_size > 1 else None
+        weight_decay = F32(p.weight_decay)
+        l1 = p.regularization_type == 'L1'
+        for i, param in enumerate(net.learnable_params):
+            data, diff = param.data, param.diff
+            if iter_norm is not None:
+                diff *= iter_norm
+            local_decay = weight_decay * F32(net.params_weight_decay[i])
+            if local_decay:
+                tmp = self.temp[i].data
+                xp = backend.get_array_module(data)
+                if l1:
+                    xp.sign(data, out=tmp)
+                    tmp *= local_decay
+                else:
+                    xp.multiply(data, local_decay, out=tmp)
+                diff += tmp
+            local_rate = rate * F32(net.params_lr[i])
+            self.compute_update_value(i, diff, local_rate)
+        net.update()
+        self.iter += 1
+
+    def clip_gradients(self):
+        clip = F32(self.param.clip_gradients)
+        if clip < 0:
+            return
+        params = self.net.learnable_params
+        sumsq = F32(0)
+        for param in params:
+            g = param.diff.ravel()
+            xp = backend.get_array_module(g)
+            sumsq += F32(xp.dot(g, g))
+        l2norm = F32(numpy.sqrt(sumsq))
+        if l2norm > clip:
+            scale = F32(clip / l2norm)
+            log.info('Gradient clipping: scaling down gradients (L2 norm %g > %g) by scale '
+                     'factor %g', l2norm, clip, scale)
+            for param in params:
+                param.diff[...] *= scale
+
+    def compute_update_value(self, i, g, local_rate):
+        h = self.history[i].data
+        tmp = self.temp[i].data
+        xp = backend.get_array_module(g)
+        h *= F32(self.param.momentum)
+        xp.multiply(g, local_rate, out=tmp)
+        h += tmp
+        g[...] = h
+
+
+class NesterovSolver(SGDSolver):
+    type = 'Nesterov'
+
+    def compute_update_value(self, i, g, local_rate):
+        momentum = F32(self.param.momentum)
+        h = self.history[i].data
+        old = self.update_buf[i].data
+        tmp = self.temp[i].data
+        xp = backend.get_array_module(g)
+        old[...] = h
+        h *= momentum
+        xp.multiply(g, local_rate, out=tmp)
+        h += tmp
+        xp.multiply(h, F32(1) + momentum, out=g)
+        old *= momentum
+        g -= old
+
+
+class AdaGradSolver(SGDSolver):
+    type = 'AdaGrad'
+
+    def check_param(self, param):
+        super().check_param(param)
+        if param.momentum != 0:
+            raise CaffeplusError('Momentum cannot be used with AdaGrad (momentum is %g).'
+                                 % param.momentum)
+
+    def compute_update_value(self, i, g, local_rate):
+        h = self.history[i].data
+        tmp = self.update_buf[i].data
+        xp = backend.get_array_module(g)
+        xp.multiply(g, g, out=tmp)
+        h += tmp
+        xp.sqrt(h, out=tmp)
+        tmp += F32(self.param.delta)
+        xp.divide(g, tmp, out=tmp)
+        xp.multiply(tmp, local_rate, out=g)
+
+
+class RMSPropSolver(SGDSolver):
+    type = 'RMSProp'
+
+    def check_param(self, param):
+        super().check_param(param)
+        if param.momentum != 0:
+            raise CaffeplusError('Momentum cannot be used with RMSProp (momentum is %g).'
+                                 % param.momentum)
+        if not 0 <= param.rms_decay < 1:
+            raise CaffeplusError('rms_decay must be in [0, 1) (got %g).' % param.rms_decay)
+
+    def compute_update_value(self, i, g, local_rate):
+        decay = F32(self.param.rms_decay)
+        h = self.history[i].data
+        tmp = self.update_buf[i].data
+        xp = backend.get_array_module(g)
+        xp.multiply(g, g, out=tmp)
+        tmp *= F32(1) - decay
+        h *= decay
+        h += tmp
+        xp.sqrt(h, out=tmp)
+        tmp += F32(self.param.delta)
+        xp.divide(g, tmp, out=tmp)
+        xp.multiply(tmp, local_rate, out=g)
+
+
+class AdaDeltaSolver(SGDSolver):
+    type = 'AdaDelta'
+    history_per_param = 2
+
+    def compute_update_value(self, i, g, local_rate):
+        n = len(self.net.learnable_params)
+        momentum = F32(self.param.momentum)
+        delta = F32(self.param.delta)
+        one_minus = F32(1) - momentum
+        h_grad = self.history[i].data
+        h_upd = self.history[n + i].data
+        upd = self.update_buf[i].data
+        tmp = self.temp[i].data
+        xp = backend.get_array_module(g)
+        xp.multiply(g, g, out=upd)
+        upd *= one_minus
+        h_grad *= momentum
+        h_grad += upd
+        xp.add(h_upd, delta, out=upd)
+        xp.add(h_grad, delta, out=tmp)
+        upd /= tmp
+        xp.sqrt(upd, out=upd)
+        g *= upd
+        xp.multiply(g, g, out=upd)
+        upd *= one_minus
+        h_upd *= momentum
+        h_upd += upd
+        g *= local_rate
+
+
+class AdamSolver(SGDSolver):
+    type = 'Adam'
+    history_per_param = 2
+
+    def compute_update_value(self, i, g, local_rate):
+        n = len(self.net.learnable_params)
+        beta1 = F32(self.param.momentum)
+        beta2 = F32(self.param.momentum2)
+        t = self.iter + 1
+        correction = F32(math.sqrt(1.0 - math.pow(float(beta2), t)) /
+                         (1.0 - math.pow(float(beta1), t)))
+        m = self.history[i].data
+        v = self.history[n + i].data
+        tmp = self.temp[i].data
+        xp = backend.get_array_module(g)
+        m *= beta1
+        xp.multiply(g, F32(1) - beta1, out=tmp)
+        m += tmp
+        xp.multiply(g, g, out=tmp)
+        tmp *= F32(1) - beta2
+        v *= beta2
+        v += tmp
+        xp.sqrt(v, out=tmp)
+        tmp += F32(self.param.delta)
+        xp.divide(m, tmp, out=tmp)
+        xp.multiply(tmp, F32(local_rate * correction), out=g)
+
+
+SOLVERS = {cls.type: cls for cls in (SGDSolver, NesterovSolver, AdaGradSolver, RMSPropSolver,
+                                     AdaDeltaSolver, AdamSolver)}

@@ -1,0 +1,209 @@
+"""Solver state files, as Caffe writes them, plus caffeplus's sidecar.
+
+Binary (`.solverstate`): a SolverState message: iter, learned_net (the
+weights file written with it), history (one BlobProto per history blob),
+current_step.
+
+HDF5 (`.solverstate.h5`): in the root, datasets `iter` (int32, shape (1,)),
+`learned_net` (a scalar, NUL-terminated fixed-length string) and
+`current_step` (int32, shape (1,)); group `history` with datasets `0`, `1`,
+... (float32, the blob shapes).
+
+Sidecar (`<state file>.caffeplus.json`, caffeplus only): the random
+generator's state and the state of layers that have one (a data cursor, for
+example), so that a resumed run continues exactly where the original was.
+It records the SHA-256 of the state file and of the weights file, and is
+used only while they still match; stock Caffe never reads it and the state
+files themselves stay exactly what Caffe writes.
+
+All files are written through caffeplus.io.atomic: an interrupted snapshot
+leaves the previous good file in place.
+"""
+import hashlib
+import json
+import os
+
+import numpy
+
+from caffeplus.errors import CaffeplusError, FormatError
+from caffeplus.io.atomic import atomic_path, atomic_write
+from caffeplus.io.prototxt import read_binary
+from caffeplus.proto import caffe_pb2
+
+SIDECAR_SUFFIX = '.caffeplus.json'
+SIDECAR_FORMAT = 'caffeplus-solverstate-sidecar'
+SIDECAR_VERSION = 1
+
+
+def _h5py():
+    try:
+        import h5py
+    except ImportError:
+        raise FormatError('HDF5 snapshots need the h5py package: pip install h5py')
+    return h5py
+
+
+def file_sha256(path):
+    h = hashlib.sha256()
+    with open(path, 'rb') as f:
+        for chunk in iter(lambda: f.read(1 << 20), b''):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# -- writing -----------------------------------------------------------------
+def write_binaryproto(filename, it, learned_net, current_step, history):
+    """history: float32 arrays (NumPy)."""
+    state = caffe_pb2.SolverState()
+    state.iter = int(it)
+    state.learned_net = learned_net
+    state.current_step = int(current_step)
+    for arr in history:
+        proto = state.history.add()
+        proto.shape.dim.extend(arr.shape)
+        proto.data.extend(numpy.asarray(arr, numpy.float32).ravel().tolist())
+    data = state.SerializeToString()
+    with atomic_write(filename, 'wb') as f:
+        f.write(data)
+
+
+def _write_h5_string(h5py, group, name, value):
+    raw = value.encode('utf-8')
+    tid = h5py.h5t.C_S1.copy()
+    tid.set_size(len(raw) + 1)
+    tid.set_strpad(h5py.h5t.STR_NULLTERM)
+    sid = h5py.h5s.create(h5py.h5s.SCALAR)
+    ds = h5py.h5d.create(group.id, name.encode('ascii'), tid, sid)
+    ds.write(h5py.h5s.ALL, h5py.h5s.ALL, numpy.array(raw, dtype='S%d' % (len(raw) + 1)))
+
+
+def write_hdf5(filename, it, learned_net, current_step, history):
+    h5py = _h5py()
+    with atomic_path(filename) as tmp:
+        with h5py.File(tmp, 'w') as f:
+            f.create_dataset('iter', data=numpy.array([it], dtype='<i4'))
+            _write_h5_string(h5py, f, 'learned_net', learned_net)
+            f.create_dataset('current_step', data=numpy.array([current_step], dtype='<i4'))
+            g = f.create_group('history')
+            for i, arr in enumerate(history):
+                g.create_dataset(str(i), data=numpy.asarray(arr, numpy.float32))
+
+
+def write_sidecar(state_file, payload):
+    payload = dict(payload)
+    payload.update(format=SIDECAR_FORMAT, version=SIDECAR_VERSION,
+                   state_file=os.path.basename(state_file),
+                   state_file_sha256=file_sha256(state_file))
+    text = json.dumps(payload, sort_keys=True, default=_json_default)
+    with atomic_write(state_file + SIDECAR_SUFFIX, 'w') as f:
+        f.write(text)
+
+
+def _json_default(obj):
+    if isinstance(obj, numpy.integer):
+        return int(obj)
+    if isinstance(obj, numpy.floating):
+        return float(obj)
+    if isinstance(obj, numpy.ndarray):
+        return obj.tolist()
+    raise TypeError('%r is not JSON serializable' % (obj,))
+
+
+# -- reading -----------------------------------------------------------------
+class LoadedState:
+    """What a state file holds: iter, learned_net ('' if none), current_step,
+    history (list of float32 arrays)."""
+
+    def __init__(self, path, it, learned_net, current_step, history, fmt):
+        self.path = path
+        self.iter = it
+        self.learned_net = learned_net
+        self.current_step = current_step
+        self.history = history
+        self.format = fmt
+
+
+def read_state(path):
+    if not os.path.exists(path):
+        raise FormatError('solver state file not found: %s' % path)
+    if path.endswith('.h5'):
+        return _read_hdf5(path)
+    return _read_binaryproto(path)
+
+
+def _read_binaryproto(path):
+    from caffeplus.blob import proto_array, proto_shape
+    state = read_binary(path, caffe_pb2.SolverState(), 'solverstate')
+    history = []
+    for i, proto in enumerate(state.history):
+        try:
+            shape = proto_shape(proto)
+            count = int(numpy.prod(shape)) if len(shape) else 1
+            history.append(proto_array(proto, 'data', count).reshape(shape))
+        except FormatError as exc:
+            raise FormatError('%s: history blob %d: %s' % (path, i, exc))
+    learned = state.learned_net if state.HasField('learned_net') else ''
+    return LoadedState(path, state.iter, learned, state.current_step, history, 'BINARYPROTO')
+
+
+def _read_hdf5(path):
+    h5py = _h5py()
+    try:
+        f = h5py.File(path, 'r')
+    except OSError as exc:
+        raise FormatError('%s: not a readable HDF5 file (%s)' % (path, exc))
+    with f:
+        for key in ('iter', 'current_step', 'history'):
+            if key not in f:
+                raise FormatError("%s: no '%s' in the file: not a Caffe HDF5 solver state"
+                                  % (path, key))
+        it = int(numpy.asarray(f['iter'][()]).ravel()[0])
+        current_step = int(numpy.asarray(f['current_step'][()]).ravel()[0])
+        learned = ''
+        if 'learned_net' in f:
+            raw = f['learned_net'][()]
+            if isinstance(raw, numpy.ndarray):
+                raw = raw.ravel()[0]
+            if isinstance(raw, bytes):
+                raw = raw.split(b'\0', 1)[0].decode('utf-8')
+            learned = str(raw)
+        group = f['history']
+        history = []
+        for i in range(len(group)):
+            if str(i) not in group:
+                raise FormatError("%s: history group lacks dataset '%d'" % (path, i))
+            history.append(numpy.asarray(group[str(i)][...], dtype=numpy.float32))
+    return LoadedState(path, it, learned, current_step, history, 'HDF5')
+
+
+def read_sidecar(state_file):
+    """The sidecar's dict if it exists and belongs to `state_file` as it is
+    now, else (None, reason)."""
+    path = state_file + SIDECAR_SUFFIX
+    if not os.path.exists(path):
+        return None, 'no %s' % os.path.basename(path)
+    try:
+        with open(path) as f:
+            payload = json.load(f)
+    except (OSError, ValueError) as exc:
+        return None, '%s is unreadable (%s)' % (path, exc)
+    if payload.get('format') != SIDECAR_FORMAT or payload.get('version') != SIDECAR_VERSION:
+        return None, '%s is not a caffeplus sidecar of version %d' % (path, SIDECAR_VERSION)
+    if payload.get('state_file_sha256') != file_sha256(state_file):
+        return None, '%s was written for a different %s' % (path, os.path.basename(state_file))
+    return payload, ''
+
+
+def resolve_learned_net(state_path, learned_net):
+    """Where the weights file named in a state file is: as written
+    (relative to the working directory, as Caffe reads it), else beside the
+    state file."""
+    if os.path.exists(learned_net):
+        return learned_net
+    beside = os.path.join(os.path.dirname(state_path), os.path.basename(learned_net))
+    if os.path.exists(beside):
+        return beside
+    raise CaffeplusError(
+        "solver state %s: its weights file (learned_net) '%s' was not found, neither "
+        "relative to the working directory %s nor beside the state file as %s"
+        % (state_path, learned_net, os.getcwd(), beside))
