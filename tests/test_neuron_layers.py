@@ -447,3 +447,51 @@ def test_in_a_net_relu_dropout_in_place():
             kept = out != 0
             numpy.testing.assert_array_equal(out, numpy.maximum(2 * x, 0) * kept * F32(2))
             numpy.testing.assert_array_equal(dx, 2 * (x > 0) * kept * F32(2))
+
+
+# -- GPU (CuPy): the same code gives the CPU's numbers --------------------------------------
+
+def _to_np(run_result):
+    from caffeplus import backend
+    y, dx, dp = run_result
+    return backend.to_numpy(y), backend.to_numpy(dx), [backend.to_numpy(p) for p in dp]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('in_place', [False, True])
+def test_gpu_matches_cpu(in_place):
+    shape = (3, 4, 5, 6)
+    dy = numpy.random.default_rng(4).standard_normal(shape).astype(F32)
+    for case in CASES:
+        type_name, params, kind, _ = case
+        x = inputs(kind, shape, seed=3)
+        caffeplus.set_mode_cpu()
+        layer = make_layer(type_name, params, phase_of(case))
+        if in_place and not layer.inplace_ok:
+            continue
+        cpu = _to_np(run_layer(layer, x, dy, in_place))
+        values = [b.data.copy() for b in layer.blobs]
+        caffeplus.set_mode_gpu()
+        try:
+            gpu = _to_np(run_layer(make_layer(type_name, params, phase_of(case)), x, dy, in_place,
+                                   param_values=values))
+        finally:
+            caffeplus.set_mode_cpu()
+        for a, b in zip([gpu[0], gpu[1]] + gpu[2], [cpu[0], cpu[1]] + cpu[2]):
+            numpy.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6, err_msg=case_id(case))
+
+
+@pytest.mark.gpu
+def test_gpu_dropout_train():
+    from caffeplus import backend
+    caffeplus.set_mode_gpu()
+    try:
+        layer, x, dy, y, dx = dropout_run(0.3, (200, 500), in_place=True)
+        y, dx = backend.to_numpy(y), backend.to_numpy(dx)
+    finally:
+        caffeplus.set_mode_cpu()
+    kept = y != 0
+    assert abs(kept.mean() - 0.7) < 0.006
+    scale = F32(1.0 / (1.0 - F32(0.3)))
+    numpy.testing.assert_array_equal(y[kept], scale)
+    numpy.testing.assert_array_equal(dx, dy * kept * scale)

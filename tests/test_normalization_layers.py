@@ -488,3 +488,46 @@ def test_bad_parameters(type_name, params, shapes, match):
     with pytest.raises(NetError, match=match) as info:
         layer.setup([blob(rand(s)) for s in shapes], [Blob()])
     assert 'badlayer' in str(info.value)
+
+
+# -- GPU (CuPy): the same code gives the CPU's numbers --------------------------------------
+
+GPU_CASES = [
+    ('BatchNorm', '', TRAIN, [(4, 3, 5, 6)]),
+    ('BatchNorm', '', TEST, [(4, 3, 5, 6)]),
+    ('BatchNorm', '', TRAIN, [(7, 5)]),
+    ('MVN', '', TRAIN, [(2, 3, 4, 5)]),
+    ('MVN', 'mvn_param { across_channels: true normalize_variance: false }', TRAIN, [(2, 3, 4, 5)]),
+    ('Bias', 'bias_param { filler { type: "gaussian" std: 1 } }', TRAIN, [(2, 3, 4, 5)]),
+    ('Bias', 'bias_param { axis: 2 }', TRAIN, [(2, 3, 4, 5), (4, 5)]),
+    ('Scale', 'scale_param { bias_term: true filler { type: "gaussian" std: 1 } '
+     'bias_filler { type: "gaussian" std: 1 } }', TRAIN, [(2, 3, 4, 5)]),
+    ('Scale', 'scale_param { axis: 0 }', TRAIN, [(2, 3, 4, 5), (2, 3)]),
+    ('Scale', 'scale_param { num_axes: 0 }', TRAIN, [(2, 3, 4, 5), ()]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('in_place', [False, True])
+@pytest.mark.parametrize('case', GPU_CASES, ids=['%s-%d' % (c[0], i) for i, c in enumerate(GPU_CASES)])
+def test_gpu_matches_cpu(case, in_place):
+    from caffeplus import backend
+    type_name, params, phase, shapes = case
+    xs = [rand(s, 80 + i) for i, s in enumerate(shapes)]
+    dy = rand(shapes[0], 90)
+    results = []
+    for mode in ('cpu', 'gpu'):
+        caffeplus.set_random_seed(5)
+        caffeplus.set_mode_gpu() if mode == 'gpu' else caffeplus.set_mode_cpu()
+        try:
+            layer = make_layer(type_name, params, phase, num_bottom=len(shapes))
+            c = shapes[0][1]
+            stats = [rand(c, 9), rand(c, 10, 0.5, 2), numpy.array([1.5], F32)] \
+                if type_name == 'BatchNorm' else None
+            y, dxs, dps = run(layer, xs, dy, in_place=in_place, params=stats)
+            after = [backend.to_numpy(b.data) for b in layer.blobs]
+            results.append([backend.to_numpy(a) for a in [y] + dxs + dps] + after)
+        finally:
+            caffeplus.set_mode_cpu()
+    for a, b in zip(results[1], results[0]):
+        numpy.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
