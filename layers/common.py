@@ -65,9 +65,10 @@ def _refuse_inplace(layer, bottom, top):
 
 def _scatter_add(xp, target, indices, values):
     """target[indices] += values, adding repeated indices one after another."""
-    if xp is numpy:
-        numpy.add.at(target, indices, values)
-    else:
+    add_at = getattr(xp.add, 'at', None)
+    if add_at is not None:
+        add_at(target, indices, values)
+    else:   # CuPy before ufunc.at
         import cupyx
         cupyx.scatter_add(target, indices, values)
 

@@ -687,3 +687,84 @@ def test_net_with_common_layers(tmp_path):
     forced.forward()
     with pytest.raises(caffeplus.CaffeplusError, match='acc'):
         forced.backward()
+
+
+# -- the same numbers under CuPy ---------------------------------------------------
+def _gpu_cases():
+    r = rng(11)
+    x4 = r.standard_normal((2, 3, 4, 5)).astype(numpy.float32)
+    x3 = r.standard_normal((2, 6, 3)).astype(numpy.float32)
+    ties = r.integers(0, 3, (4, 5, 3)).astype(numpy.float32)
+    labels = r.integers(0, 5, (4, 3)).astype(numpy.float32)
+    return [
+        ('InnerProduct', 'inner_product_param { num_output: 4 %s }' % FILLERS, [x4], 1),
+        ('InnerProduct', 'inner_product_param { num_output: 3 axis: -1 transpose: true %s }'
+         % FILLERS, [x4], 1),
+        ('Concat', 'concat_param { axis: 1 }', [x3, x3[:, :2]], 1),
+        ('Slice', 'slice_param { axis: 1 slice_point: 1 slice_point: 4 }', [x3], 3),
+        ('Split', '', [x3], 2),
+        ('Eltwise', 'eltwise_param { coeff: 0.5 coeff: -2 }', [x3, 2 * x3], 1),
+        ('Eltwise', 'eltwise_param { operation: PROD }', [x3, x3 + 1, x3 - 1], 1),
+        ('Eltwise', 'eltwise_param { operation: PROD stable_prod_grad: false }', [x3, x3 + 2], 1),
+        ('Eltwise', 'eltwise_param { operation: MAX }', [ties, ties[::-1], ties + 1], 1),
+        ('Flatten', 'flatten_param { axis: 1 end_axis: 2 }', [x4], 1),
+        ('Reshape', 'reshape_param { shape { dim: 0 dim: -1 dim: 2 } }', [x4], 1),
+        ('Softmax', 'softmax_param { axis: 2 }', [x4], 1),
+        ('ArgMax', 'argmax_param { top_k: 3 out_max_val: true }', [ties], 1),
+        ('ArgMax', 'argmax_param { axis: 1 top_k: 2 }', [ties], 1),
+        ('Reduction', 'reduction_param { operation: ASUM axis: 1 coeff: 0.5 }', [x4], 1),
+        ('Reduction', 'reduction_param { operation: SUMSQ axis: -1 }', [x4], 1),
+        ('Reduction', 'reduction_param { operation: MEAN axis: 0 }', [x4], 1),
+        ('Tile', 'tile_param { axis: 1 tiles: 3 }', [x3], 1),
+        ('BatchReindex', '', [x3, numpy.float32([1, 0, 1, 1])], 1),
+        ('Filter', '', [x3, x4, numpy.float32([[0], [3]])], 2),
+        ('Embed', 'embed_param { num_output: 3 input_dim: 4 %s }' % FILLERS,
+         [numpy.float32([[0, 3, 3], [1, 0, 3]])], 1),
+        ('Parameter', 'parameter_param { shape { dim: 2 dim: 3 } }', [], 1),
+        ('Accuracy', 'accuracy_param { top_k: 2 ignore_label: 4 }',
+         [ties.transpose(0, 2, 1).reshape(12, 5), labels.reshape(12)], 2),
+        ('Accuracy', '', [ties, labels[:, :3]], 2),
+    ]
+
+
+def _run_mode(mode, type_name, params, inputs, ntop, params_from=None):
+    import caffeplus
+    from caffeplus import backend
+    caffeplus.set_mode_gpu() if mode == 'gpu' else caffeplus.set_mode_cpu()
+    layer = make_layer(type_name, params, num_bottom=len(inputs))
+    bottom = blobs_from(*inputs)
+    top = setup(layer, bottom, ntop)
+    if params_from is not None:
+        for mine, theirs in zip(layer.blobs, params_from.blobs):
+            mine.data = backend.to_numpy(theirs.data)
+    layer.forward(bottom, top)
+    out = [backend.to_numpy(t.data).copy() for t in top]
+    if layer.has_backward:
+        r = rng(12)
+        for t in top:
+            t.diff = r.standard_normal(t.shape).astype(numpy.float32)
+        for b in layer.blobs:
+            b.diff[...] = 0
+        prop = [layer.allow_force_backward(i) for i in range(len(bottom))]
+        layer.backward(top, prop, bottom)
+        out += [backend.to_numpy(b.diff).copy() for b, p in zip(bottom, prop) if p]
+        out += [backend.to_numpy(b.diff).copy() for b in layer.blobs]
+    if type_name == 'Eltwise' and layer.mask is not None:
+        out.append(backend.to_numpy(layer.mask))
+    return layer, out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', range(len(_gpu_cases())))
+def test_gpu_matches_cpu(case):
+    import caffeplus
+    type_name, params, inputs, ntop = _gpu_cases()[case]
+    try:
+        cpu_layer, cpu = _run_mode('cpu', type_name, params, inputs, ntop)
+        _, gpu = _run_mode('gpu', type_name, params, inputs, ntop, params_from=cpu_layer)
+    finally:
+        caffeplus.set_mode_cpu()
+    assert len(cpu) == len(gpu)
+    for a, b in zip(cpu, gpu):
+        assert a.shape == b.shape
+        numpy.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
