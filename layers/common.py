@@ -917,8 +917,8 @@ class EmbedLayer(Layer):
 class ParameterLayer(Layer):
     """Exposes a learned blob of parameter_param.shape as its top.
 
-    The top shares the blob's data (set again on every forward, as Caffe
-    does). Its diff is the top's own and backward copies it into the blob's
+    The top shares the blob's data (from setup, and again on every forward
+    as in Caffe). Its diff is the top's own and backward copies it into the blob's
     diff: the values Caffe gets by sharing the diff too, including that a
     second backward before an update replaces the gradient instead of adding
     to it. (A separate diff keeps the gradient safe from code that clears
@@ -937,6 +937,9 @@ class ParameterLayer(Layer):
         else:
             self.blobs = [_new_param_blob(self, 0, shape)]
         top[0].reshape(shape)
+        # Caffe shares only from the first forward on; sharing already here
+        # lets a memory plan made before any forward see the alias.
+        top[0].share_data(self.blobs[0])
 
     def reshape(self, bottom, top):
         pass
