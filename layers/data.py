@@ -1,8 +1,31 @@
-"""Data layers: Input, DummyData (more join them here)."""
+"""Data layers: Input, DummyData, Data, ImageData, HDF5Data, HDF5Output, MemoryData.
+
+Data and ImageData load their batches ahead in a background thread (Caffe's
+prefetch: data_param.prefetch batches, default 4). The order is fixed by the
+seed, not by thread timing: every random decision for a batch (mirror, crop
+offsets, shuffles) comes from generators that belong to the layer, seeded
+from caffeplus.rng at setup, and only the prefetch thread draws from them,
+batch after batch. `get_state()` gives the position after the last batch a
+forward returned (database cursor or list position, generator states) as
+plain Python values (JSON-serialisable); `set_state()` restores it, so a
+resumed run reads on exactly where the snapshot was taken.
+
+WindowData (R-CNN window files) is not supported: it raises NetError.
+"""
+import copy
+import os
+import queue
+import threading
+import weakref
+
 import numpy
 
-from caffeplus.errors import NetError
+from caffeplus import backend, log, rng
+from caffeplus.errors import CaffeplusError, NetError
 from caffeplus.fillers import fill_array
+from caffeplus.io import datum as datum_io
+from caffeplus.io import db as db_io
+from caffeplus.io.transformer import DataTransformer, from_layer_param
 from caffeplus.layer import Layer, register
 from caffeplus.proto import caffe_pb2
 
@@ -81,4 +104,806 @@ class DummyDataLayer(Layer):
                 t.data = fill_array(f, t.shape)
 
     def _backward(self, top, propagate_down, bottom):
+        pass
+
+
+# -- prefetching machinery -----------------------------------------------------
+def _seed_from_global():
+    """A 32-bit seed drawn from caffeplus.rng (Caffe's caffe_rng_rand())."""
+    return int(rng.get().integers(0, 2 ** 32, dtype=numpy.uint64))
+
+
+def _generator(seed):
+    return numpy.random.Generator(numpy.random.PCG64(seed))
+
+
+class _Batch:
+    __slots__ = ('data', 'label', 'state')
+
+    def __init__(self, data, label, state):
+        self.data, self.label, self.state = data, label, state
+
+
+class _Failure:
+    def __init__(self, exc):
+        self.exc = exc
+
+
+def _prefetch_loop(source, full, free, stop):
+    # Runs in the prefetch thread: the only user of `source` while it lives.
+    while True:
+        free.acquire()
+        if stop.is_set():
+            return
+        try:
+            batch = source.load_batch()
+        except BaseException as exc:  # handed to the consumer, raised there
+            full.put(_Failure(exc))
+            return
+        full.put(batch)
+        if stop.is_set():
+            return
+
+
+class _Prefetcher:
+    """Caffe's prefetch queue: up to `count` batches loaded ahead by one thread.
+
+    As in Caffe the batch a forward returned stays "in use" until the next
+    forward, so the thread runs at most `count` batches ahead. count 0 loads
+    each batch synchronously in forward.
+    """
+
+    def __init__(self, source, count, name):
+        self.source = source
+        self.count = int(count)
+        self.name = name
+        self._thread = None
+        self._failure = None
+
+    def start(self):
+        if self.count <= 0 or self._thread is not None:
+            return
+        self._full = queue.Queue()
+        self._free = threading.Semaphore(self.count)
+        self._stop = threading.Event()
+        self._holding = False
+        self._thread = threading.Thread(
+            target=_prefetch_loop, args=(self.source, self._full, self._free, self._stop),
+            name='caffeplus-prefetch-%s' % self.name, daemon=True)
+        self._thread.start()
+
+    def next(self):
+        if self._failure is not None:
+            raise self._failure
+        if self.count <= 0:
+            return self.source.load_batch()
+        if self._thread is None:
+            self.start()
+        if self._holding:
+            self._free.release()
+            self._holding = False
+        while True:
+            try:
+                item = self._full.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._full.empty():
+                    raise CaffeplusError('layer %s: the data prefetch thread stopped'
+                                         % self.name)
+        self._holding = True
+        if isinstance(item, _Failure):
+            self._failure = item.exc
+            raise item.exc
+        return item
+
+    def stop(self):
+        """Stop the thread and drop the batches it loaded ahead."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._stop.set()
+        self._free.release()
+        thread.join()
+        self._thread = None
+        self._failure = None
+
+
+class BasePrefetchingDataLayer(Layer):
+    """Shared by Data and ImageData: a transformer, a source, a prefetch thread.
+
+    Subclasses implement make_source(top), which opens the input, shapes the
+    tops and returns an object with load_batch(), state(), restore(state) and
+    close().
+    """
+    exact_num_bottom = 0
+    min_num_top = 1
+    max_num_top = 2
+    has_backward = False
+    backward_reads = frozenset()
+    legacy_transform_field = None
+
+    def layer_setup(self, bottom, top):
+        self.output_labels = len(top) != 1
+        legacy = getattr(self.layer_param, self.legacy_transform_field) \
+            if self.legacy_transform_field else None
+        self.transformer = DataTransformer(from_layer_param(self.layer_param, legacy),
+                                           self.phase, self.name)
+        self.transformer.init_rand()
+        self.source = self.make_source(top)
+        self._consumed_state = self.source.state()
+        self._prefetcher = _Prefetcher(self.source, self.layer_param.data_param.prefetch,
+                                       self.name)
+        # Stop the thread when the layer goes away (the thread holds no
+        # reference to the layer, only to its source).
+        self._finalizer = weakref.finalize(self, _close_source, self._prefetcher, self.source)
+        self._prefetcher.start()
+
+    def make_source(self, top):
+        raise NotImplementedError
+
+    def reshape(self, bottom, top):
+        pass
+
+    def _forward(self, bottom, top):
+        batch = self._prefetcher.next()
+        top[0].reshape(batch.data.shape)
+        top[0].data = batch.data
+        if self.output_labels:
+            top[1].reshape(batch.label.shape)
+            top[1].data = batch.label
+        self._consumed_state = batch.state
+
+    def _backward(self, top, propagate_down, bottom):
+        pass
+
+    # -- resuming ----------------------------------------------------------
+    def get_state(self):
+        """Where the next forward reads from: plain values (JSON-serialisable)."""
+        state = copy.deepcopy(self._consumed_state)
+        state['type'] = self.type
+        return state
+
+    def set_state(self, state):
+        """Continue from a state get_state() gave (drops batches loaded ahead)."""
+        if state.get('type', self.type) != self.type:
+            raise CaffeplusError('layer %s: cannot restore a %s layer state into a %s layer'
+                                 % (self.name, state.get('type'), self.type))
+        self._prefetcher.stop()
+        self.source.restore(state)
+        self._consumed_state = copy.deepcopy(self.source.state())
+        self._prefetcher.start()
+
+    def close(self):
+        """Stop the prefetch thread and close the input."""
+        finalizer = getattr(self, '_finalizer', None)
+        if finalizer is not None:
+            finalizer()
+
+
+def _close_source(prefetcher, source):
+    prefetcher.stop()
+    source.close()
+
+
+# -- Data ----------------------------------------------------------------------
+class _DatabaseSource:
+    def __init__(self, name, dparam, transformer, output_labels, batch_size):
+        self.name = name
+        self.transformer = transformer
+        self.output_labels = output_labels
+        self.batch_size = batch_size
+        self.path = dparam.source
+        kind = db_io.backend_name(dparam.backend)
+        self.reader = db_io.RecordReader(self.path, kind)
+        if dparam.rand_skip:
+            skip = _seed_from_global() % dparam.rand_skip
+            log.info('Skipping first %d data points.', skip)
+            for _ in range(skip):
+                self.reader.advance()
+
+    def _what(self, key):
+        return 'datum %s of %s' % (key.decode('utf-8', 'replace'), self.path)
+
+    def peek_array(self):
+        key, value = self.reader.current()
+        datum = datum_io.parse_datum(value, key, self.path)
+        return datum, self.transformer.datum_array(datum, key), self._what(key)
+
+    def load_batch(self):
+        arrays, labels, whats = [], [], []
+        for _ in range(self.batch_size):
+            key, value = self.reader.current()
+            datum = datum_io.parse_datum(value, key, self.path)
+            arrays.append(self.transformer.datum_array(datum, key))
+            labels.append(datum.label)
+            whats.append(self._what(key))
+            self.reader.advance()
+        data = self.transformer.transform_batch(arrays, whats=whats)
+        label = numpy.asarray(labels, dtype=numpy.float32) if self.output_labels else None
+        return _Batch(data, label, self.state())
+
+    def state(self):
+        return {'reader': self.reader.state(), 'transformer': self.transformer.get_state()}
+
+    def restore(self, state):
+        self.reader.restore(state['reader'])
+        self.transformer.set_state(state.get('transformer'))
+
+    def close(self):
+        self.reader.close()
+
+
+def _positive_batch_size(layer, value, field):
+    if value <= 0:
+        raise NetError('layer %s (%s): %s must be positive (got %d)'
+                       % (layer.name, layer.type, field, value))
+    return int(value)
+
+
+@register
+class DataLayer(BasePrefetchingDataLayer):
+    """Datum records from an LMDB or LevelDB (data_param), in key order."""
+    type = 'Data'
+    legacy_transform_field = 'data_param'
+
+    def make_source(self, top):
+        dp = self.layer_param.data_param
+        batch_size = _positive_batch_size(self, dp.batch_size, 'data_param.batch_size')
+        if not dp.source:
+            raise NetError('layer %s (Data): data_param.source is not set' % self.name)
+        try:
+            source = _DatabaseSource(self.name, dp, self.transformer, self.output_labels,
+                                     batch_size)
+        except CaffeplusError as exc:
+            raise CaffeplusError('layer %s (Data): %s' % (self.name, exc)) from exc
+        try:
+            datum, arr, what = source.peek_array()
+            if not datum.encoded and (self.transformer.param.force_color or
+                                      self.transformer.param.force_gray):
+                log.error('force_color and force_gray only for encoded datum')
+            shape = self.transformer.infer_shape(arr.shape, what)
+        except BaseException:
+            source.close()
+            raise
+        top[0].reshape((batch_size,) + shape)
+        log.info('output data size: %d,%d,%d,%d', batch_size, *shape)
+        if self.output_labels:
+            top[1].reshape((batch_size,))
+        return source
+
+
+# -- ImageData -----------------------------------------------------------------
+def read_image_list(path, layer_name=''):
+    """[(path, label, line number)] from a '<path> <label>' list file."""
+    who = 'layer %s: ' % layer_name if layer_name else ''
+    try:
+        with open(path, 'r', encoding='utf-8', errors='surrogateescape') as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise CaffeplusError('%simage list file not found: %s' % (who, path))
+    except OSError as exc:
+        raise CaffeplusError('%scannot read image list file %s: %s'
+                             % (who, path, exc.strerror or exc))
+    lines = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        parts = line.rsplit(None, 1)
+        try:
+            if len(parts) != 2:
+                raise ValueError
+            label = int(parts[1])
+        except ValueError:
+            raise CaffeplusError("%sline %d of image list %s: expected '<image path> <integer "
+                                 "label>', got '%s'" % (who, lineno, path, line))
+        lines.append((parts[0], label, lineno))
+    if not lines:
+        raise CaffeplusError('%simage list file %s is empty' % (who, path))
+    return lines
+
+
+class _ImageListSource:
+    def __init__(self, layer, p, transformer, batch_size):
+        self.name = layer.name
+        self.transformer = transformer
+        self.batch_size = batch_size
+        self.list_path = p.source
+        self.root = p.root_folder
+        self.is_color = p.is_color
+        self.new_height, self.new_width = int(p.new_height), int(p.new_width)
+        log.info('Opening file %s', self.list_path)
+        self.lines = read_image_list(self.list_path, layer.name)
+        n = len(self.lines)
+        self.order = numpy.arange(n)
+        self.shuffle = p.shuffle
+        self._shuffle_rng = None
+        self._order_rng_state = None
+        if self.shuffle:
+            log.info('Shuffling data')
+            self._shuffle_rng = _generator(_seed_from_global())
+            self._reshuffle()
+        log.info('A total of %d images.', n)
+        self.lines_id = 0
+        if p.rand_skip:
+            skip = _seed_from_global() % p.rand_skip
+            log.info('Skipping first %d data points.', skip)
+            if skip >= n:
+                raise CaffeplusError('layer %s: Not enough points to skip (%d of %d images in '
+                                     '%s)' % (self.name, skip, n, self.list_path))
+            self.lines_id = skip
+
+    def _reshuffle(self):
+        # The order is a fresh permutation drawn from the layer's generator;
+        # remembering the generator state before the draw lets restore()
+        # redraw the same order without storing it.
+        self._order_rng_state = copy.deepcopy(self._shuffle_rng.bit_generator.state)
+        self.order = self._shuffle_rng.permutation(len(self.lines))
+
+    def image(self, index):
+        path, label, lineno = self.lines[self.order[index]]
+        full = self.root + path
+        what = "image '%s' (line %d of image list %s)" % (full, lineno, self.list_path)
+        if not os.path.exists(full) and self.root and not self.root.endswith('/') and \
+                os.path.exists(os.path.join(self.root, path)):
+            what += " [root_folder '%s' is prepended as is, as Caffe does: end it with '/']" \
+                % self.root
+        arr = datum_io.read_image(full, self.is_color, self.new_height, self.new_width,
+                                  what=what)
+        return arr, label, what
+
+    def load_batch(self):
+        arrays, labels, whats = [], [], []
+        for _ in range(self.batch_size):
+            arr, label, what = self.image(self.lines_id)
+            arrays.append(arr)
+            labels.append(label)
+            whats.append(what)
+            self.lines_id += 1
+            if self.lines_id >= len(self.lines):
+                self.lines_id = 0
+                if self.shuffle:
+                    self._reshuffle()
+        data = self.transformer.transform_batch(arrays, whats=whats)
+        return _Batch(data, numpy.asarray(labels, dtype=numpy.float32), self.state())
+
+    def state(self):
+        return {'lines_id': self.lines_id, 'num_lines': len(self.lines),
+                'order_rng': copy.deepcopy(self._order_rng_state),
+                'transformer': self.transformer.get_state()}
+
+    def restore(self, state):
+        if int(state.get('num_lines', len(self.lines))) != len(self.lines):
+            raise CaffeplusError('layer %s: the saved state is for a list of %d images, %s '
+                                 'has %d' % (self.name, state['num_lines'], self.list_path,
+                                             len(self.lines)))
+        if self.shuffle and state.get('order_rng') is not None:
+            self._shuffle_rng.bit_generator.state = copy.deepcopy(state['order_rng'])
+            self._reshuffle()
+        self.lines_id = int(state['lines_id'])
+        self.transformer.set_state(state.get('transformer'))
+
+    def close(self):
+        pass
+
+
+@register
+class ImageDataLayer(BasePrefetchingDataLayer):
+    """Images named in a list file ('<path> <label>' lines), as BGR (or grey)."""
+    type = 'ImageData'
+    exact_num_top = 2
+    min_num_top = -1
+    max_num_top = -1
+    legacy_transform_field = 'image_data_param'
+
+    def make_source(self, top):
+        p = self.layer_param.image_data_param
+        if not ((p.new_height == 0 and p.new_width == 0) or
+                (p.new_height > 0 and p.new_width > 0)):
+            raise NetError('layer %s (ImageData): new_height and new_width must be set '
+                           'together' % self.name)
+        batch_size = _positive_batch_size(self, p.batch_size, 'image_data_param.batch_size')
+        if not p.source:
+            raise NetError('layer %s (ImageData): image_data_param.source is not set'
+                           % self.name)
+        source = _ImageListSource(self, p, self.transformer, batch_size)
+        arr, _, what = source.image(source.lines_id)
+        shape = self.transformer.infer_shape(arr.shape, what)
+        top[0].reshape((batch_size,) + shape)
+        log.info('output data size: %d,%d,%d,%d', batch_size, *shape)
+        top[1].reshape((batch_size,))
+        return source
+
+
+# -- HDF5Data ------------------------------------------------------------------
+def _h5py():
+    try:
+        import h5py
+    except ImportError:
+        raise CaffeplusError("HDF5 layers need the 'h5py' package (pip install h5py)")
+    return h5py
+
+
+@register
+class HDF5DataLayer(Layer):
+    """Rows of HDF5 datasets named after the tops, from the files a list names.
+
+    As Caffe: each file is loaded whole; with shuffle the file order is
+    shuffled at setup and at each pass, and the rows of each file each time it
+    is (re)used. The shuffles use the layer's own generator, seeded from
+    caffeplus.rng at setup.
+    """
+    type = 'HDF5Data'
+    exact_num_bottom = 0
+    min_num_top = 1
+    has_backward = False
+    backward_reads = frozenset()
+    MAX_ROW_VALUES = 2 ** 31 - 1
+
+    def layer_setup(self, bottom, top):
+        if self.layer_param.HasField('transform_param') and \
+                self.layer_param.transform_param.ListFields():
+            raise NetError('layer %s: HDF5Data does not transform data (remove transform_param)'
+                           % self.name)
+        p = self.layer_param.hdf5_data_param
+        self.batch_size = _positive_batch_size(self, p.batch_size, 'hdf5_data_param.batch_size')
+        self.shuffle = p.shuffle
+        self.list_path = p.source
+        self.top_names = list(self.layer_param.top)
+        log.info('Loading list of HDF5 filenames from: %s', self.list_path)
+        try:
+            with open(self.list_path, 'r') as f:
+                self.files = f.read().split()
+        except FileNotFoundError:
+            raise CaffeplusError('layer %s: HDF5 list file not found: %s'
+                                 % (self.name, self.list_path))
+        except OSError as exc:
+            raise CaffeplusError('layer %s: cannot read HDF5 list file %s: %s'
+                                 % (self.name, self.list_path, exc.strerror or exc))
+        log.info('Number of HDF5 files: %d', len(self.files))
+        if not self.files:
+            raise CaffeplusError('layer %s: Must have at least 1 HDF5 filename listed in %s'
+                                 % (self.name, self.list_path))
+        self._rng = _generator(_seed_from_global()) if self.shuffle else None
+        self.file_permutation = numpy.arange(len(self.files))
+        if self.shuffle:
+            self.file_permutation = self._rng.permutation(self.file_permutation)
+        self.current_file = 0
+        self._load(self.file_permutation[0])
+        self.current_row = 0
+        self.row_shapes = [b.shape[1:] for b in self.blobs_data]
+        for t, b in zip(top, self.blobs_data):
+            t.reshape((self.batch_size,) + b.shape[1:])
+
+    def _load(self, index):
+        h5py = _h5py()
+        path = self.files[index]
+        where = 'HDF5 file %s (listed in %s)' % (path, self.list_path)
+        if not os.path.exists(path):
+            raise CaffeplusError('layer %s: %s not found' % (self.name, where))
+        try:
+            f = h5py.File(path, 'r')
+        except Exception as exc:
+            raise CaffeplusError('layer %s: Failed opening %s: %s' % (self.name, where, exc))
+        blobs = []
+        with f:
+            for name in self.top_names:
+                if name not in f or not isinstance(f[name], h5py.Dataset):
+                    have = ', '.join(sorted(k for k in f.keys())) or 'none'
+                    raise CaffeplusError("layer %s: %s has no dataset '%s' (one dataset per top "
+                                         "is needed; datasets in the file: %s)"
+                                         % (self.name, where, name, have))
+                ds = f[name]
+                if ds.ndim < 1:
+                    raise CaffeplusError("layer %s: dataset '%s' of %s must have at least 1 "
+                                         "axis" % (self.name, name, where))
+                if ds.dtype.kind not in 'fiub':
+                    raise CaffeplusError("layer %s: dataset '%s' of %s has type %s; numbers "
+                                         "are needed" % (self.name, name, where, ds.dtype))
+                if int(numpy.prod(ds.shape[1:], dtype=numpy.float64)) > self.MAX_ROW_VALUES:
+                    raise CaffeplusError("layer %s: dataset '%s' of %s is too large (%s)"
+                                         % (self.name, name, where, ds.shape))
+                blobs.append(numpy.asarray(ds[()], dtype=numpy.float32))
+        num = blobs[0].shape[0]
+        for name, b in zip(self.top_names, blobs):
+            if b.shape[0] != num:
+                raise CaffeplusError("layer %s: datasets of %s differ in their number of rows "
+                                     "('%s' has %d, '%s' has %d)"
+                                     % (self.name, where, self.top_names[0], num, name,
+                                        b.shape[0]))
+        if num == 0:
+            raise CaffeplusError('layer %s: %s has no rows' % (self.name, where))
+        if hasattr(self, 'row_shapes'):
+            for name, b, shape in zip(self.top_names, blobs, self.row_shapes):
+                if b.shape[1:] != shape:
+                    raise CaffeplusError("layer %s: dataset '%s' of %s has rows of shape %s, "
+                                         "the first file's have %s"
+                                         % (self.name, name, where, b.shape[1:], shape))
+        self.blobs_data = blobs
+        self.loaded_file = int(index)
+        self.data_permutation = numpy.arange(num)
+        if self.shuffle:
+            self.data_permutation = self._rng.permutation(num)
+
+    def _next(self):
+        self.current_row += 1
+        if self.current_row == self.blobs_data[0].shape[0]:
+            if len(self.files) > 1:
+                self.current_file += 1
+                if self.current_file == len(self.files):
+                    self.current_file = 0
+                    if self.shuffle:
+                        self.file_permutation = self._rng.permutation(self.file_permutation)
+                self._load(self.file_permutation[self.current_file])
+            self.current_row = 0
+            if self.shuffle:
+                self.data_permutation = self._rng.permutation(self.data_permutation)
+
+    def reshape(self, bottom, top):
+        pass
+
+    def _forward(self, bottom, top):
+        outs = [numpy.empty((self.batch_size,) + s, dtype=numpy.float32)
+                for s in self.row_shapes]
+        for i in range(self.batch_size):
+            row = self.data_permutation[self.current_row]
+            for out, b in zip(outs, self.blobs_data):
+                out[i] = b[row]
+            self._next()
+        for t, out in zip(top, outs):
+            t.reshape(out.shape)
+            t.data = out
+
+    def _backward(self, top, propagate_down, bottom):
+        pass
+
+    def get_state(self):
+        return {'type': self.type, 'current_file': self.current_file,
+                'current_row': self.current_row,
+                'file_permutation': [int(i) for i in self.file_permutation],
+                'data_permutation': [int(i) for i in self.data_permutation],
+                'rng': None if self._rng is None else copy.deepcopy(self._rng.bit_generator.state)}
+
+    def set_state(self, state):
+        perm = [int(i) for i in state['file_permutation']]
+        if sorted(perm) != list(range(len(self.files))):
+            raise CaffeplusError('layer %s: the saved state is for %d HDF5 files, %s lists %d'
+                                 % (self.name, len(perm), self.list_path, len(self.files)))
+        self.file_permutation = numpy.asarray(perm)
+        self.current_file = int(state['current_file'])
+        if self.loaded_file != self.file_permutation[self.current_file]:
+            self._load(self.file_permutation[self.current_file])
+        rows = numpy.asarray(state['data_permutation'], dtype=numpy.int64)
+        if rows.shape[0] != self.blobs_data[0].shape[0]:
+            raise CaffeplusError('layer %s: the saved state does not match the rows of %s'
+                                 % (self.name, self.files[self.loaded_file]))
+        self.data_permutation = rows
+        self.current_row = int(state['current_row'])
+        if state.get('rng') is not None and self._rng is not None:
+            self._rng.bit_generator.state = copy.deepcopy(state['rng'])
+
+
+# -- HDF5Output ----------------------------------------------------------------
+@register
+class HDF5OutputLayer(Layer):
+    """Writes its two bottoms to datasets 'data' and 'label' of an HDF5 file.
+
+    Shapes are Caffe's 4-D (num, channels, height, width). Caffe can write one
+    batch only; caffeplus appends the rows of every forward.
+    """
+    type = 'HDF5Output'
+    exact_num_bottom = 2
+    exact_num_top = 0
+    has_backward = False
+    backward_reads = frozenset()
+
+    def layer_setup(self, bottom, top):
+        h5py = _h5py()
+        self.file_name = self.layer_param.hdf5_output_param.file_name
+        if not self.file_name:
+            raise NetError('layer %s: hdf5_output_param.file_name is not set' % self.name)
+        try:
+            with h5py.File(self.file_name, 'w'):
+                pass
+        except Exception as exc:
+            raise CaffeplusError('layer %s: Failed to open %s for writing: %s'
+                                 % (self.name, self.file_name, exc))
+        self.rows = 0
+
+    def reshape(self, bottom, top):
+        if bottom[0].num != bottom[1].num:
+            raise NetError('layer %s: data blob and label blob must have the same batch size '
+                           '(%d vs %d)' % (self.name, bottom[0].num, bottom[1].num))
+
+    def _forward(self, bottom, top):
+        h5py = _h5py()
+        log.info('Saving HDF5 file %s', self.file_name)
+        arrays = []
+        for b in bottom:
+            shape = (b.num, b.channels, b.height, b.width)
+            arrays.append(numpy.asarray(backend.to_numpy(b.data), dtype=numpy.float32)
+                          .reshape(shape))
+        with h5py.File(self.file_name, 'a') as f:
+            for name, a in zip(('data', 'label'), arrays):
+                if name not in f:
+                    f.create_dataset(name, data=a, maxshape=(None,) + a.shape[1:],
+                                     chunks=True)
+                    continue
+                ds = f[name]
+                if ds.shape[1:] != a.shape[1:]:
+                    raise CaffeplusError("layer %s: bottom shape %s does not match the rows "
+                                         "already in dataset '%s' of %s (%s)"
+                                         % (self.name, a.shape, name, self.file_name,
+                                            ds.shape[1:]))
+                n = ds.shape[0]
+                ds.resize(n + a.shape[0], axis=0)
+                ds[n:] = a
+        self.rows += arrays[0].shape[0]
+        log.info('Successfully saved %d rows', arrays[0].shape[0])
+
+    def _backward(self, top, propagate_down, bottom):
+        pass
+
+
+# -- MemoryData ----------------------------------------------------------------
+@register
+class MemoryDataLayer(Layer):
+    """Batches from arrays the user hands over (pycaffe's set_input_arrays).
+
+    reset(data, labels, n) uses the arrays as they are (no transformation,
+    as Caffe); add_datum_vector / add_mat_vector transform with
+    transform_param first.
+    """
+    type = 'MemoryData'
+    exact_num_bottom = 0
+    exact_num_top = 2
+    has_backward = False
+    backward_reads = frozenset()
+
+    def layer_setup(self, bottom, top):
+        p = self.layer_param.memory_data_param
+        self.batch_size, self.channels = int(p.batch_size), int(p.channels)
+        self.height, self.width = int(p.height), int(p.width)
+        self.size = self.channels * self.height * self.width
+        if self.batch_size * self.size <= 0:
+            raise NetError('layer %s: batch_size, channels, height, and width must be specified '
+                           'and positive in memory_data_param' % self.name)
+        self.transformer = DataTransformer(self.layer_param.transform_param, self.phase,
+                                           self.name)
+        self.transformer.init_rand()
+        self._data = self._labels = None
+        self.n = self.pos = 0
+        self.has_new_data = False
+        top[0].reshape((self.batch_size, self.channels, self.height, self.width))
+        top[1].reshape((self.batch_size,))
+
+    def reshape(self, bottom, top):
+        pass
+
+    def reset(self, data, labels, n=None):
+        """Serve `n` rows of `data` (n x C x H x W) and `labels` (n) in batches."""
+        data = numpy.ascontiguousarray(backend.to_numpy(data), dtype=numpy.float32)
+        labels = numpy.ascontiguousarray(backend.to_numpy(labels),
+                                         dtype=numpy.float32).reshape(-1)
+        n = data.shape[0] if n is None else int(n)
+        if n <= 0 or n % self.batch_size:
+            raise CaffeplusError('layer %s: n must be a positive multiple of batch size %d '
+                                 '(got %d)' % (self.name, self.batch_size, n))
+        if data.size < n * self.size or labels.size < n:
+            raise CaffeplusError('layer %s: reset with %d rows but the arrays hold %d data '
+                                 'values (need %d) and %d labels'
+                                 % (self.name, n, data.size, n * self.size, labels.size))
+        if self.layer_param.HasField('transform_param') and \
+                self.layer_param.transform_param.ListFields():
+            log.warning('%s does not transform array data on Reset()', self.type)
+        self._data = data.reshape(-1)[:n * self.size].reshape(n, self.channels, self.height,
+                                                               self.width)
+        self._labels = labels[:n]
+        self.n, self.pos = n, 0
+
+    Reset = reset
+
+    def set_input_arrays(self, data, labels):
+        """pycaffe's Net.set_input_arrays for this layer: 4-D data, labels (N) or (N,1,1,1)."""
+        data = numpy.asarray(backend.to_numpy(data))
+        labels = numpy.asarray(backend.to_numpy(labels))
+        if data.ndim != 4 or data.shape[1:] != (self.channels, self.height, self.width):
+            raise CaffeplusError('layer %s: data array must have shape (N, %d, %d, %d), got %s'
+                                 % (self.name, self.channels, self.height, self.width,
+                                    data.shape))
+        if labels.ndim not in (1, 4) or (labels.ndim == 4 and labels.shape[1:] != (1, 1, 1)):
+            raise CaffeplusError('layer %s: labels array must have shape (N,) or (N, 1, 1, 1), '
+                                 'got %s' % (self.name, labels.shape))
+        if data.shape[0] != labels.shape[0]:
+            raise CaffeplusError('layer %s: data and labels must have the same first dimension '
+                                 '(%d vs %d)' % (self.name, data.shape[0], labels.shape[0]))
+        if data.shape[0] % self.batch_size:
+            raise CaffeplusError('layer %s: first dimensions of input arrays must be a multiple '
+                                 'of batch size %d (got %d)'
+                                 % (self.name, self.batch_size, data.shape[0]))
+        self.reset(data, labels, data.shape[0])
+
+    def set_batch_size(self, new_size):
+        if self.has_new_data:
+            raise CaffeplusError("layer %s: can't change batch_size until current data has "
+                                 "been consumed" % self.name)
+        if new_size <= 0:
+            raise CaffeplusError('layer %s: batch_size must be positive' % self.name)
+        self.batch_size = int(new_size)
+
+    def add_datum_vector(self, datums):
+        """Transform Datums (a multiple of batch_size of them) and serve them."""
+        arrays = [self.transformer.datum_array(d) for d in datums]
+        labels = [d.label for d in datums]
+        self._add(arrays, labels)
+
+    def add_mat_vector(self, images, labels):
+        """Transform H x W x C (BGR) uint8 images (OpenCV Mats) and serve them."""
+        arrays = []
+        for img in images:
+            img = numpy.asarray(img)
+            if img.ndim == 2:
+                img = img[:, :, None]
+            arrays.append(img.transpose(2, 0, 1))
+        self._add(arrays, list(labels))
+
+    def _add(self, arrays, labels):
+        num = len(arrays)
+        if num == 0 or num % self.batch_size:
+            raise CaffeplusError('layer %s: The added data must be a multiple of the batch size '
+                                 '%d (got %d)' % (self.name, self.batch_size, num))
+        if len(labels) != num:
+            raise CaffeplusError('layer %s: %d images but %d labels' % (self.name, num,
+                                                                      len(labels)))
+        for a in arrays:
+            shape = self.transformer.infer_shape(numpy.shape(a))
+            if shape != (self.channels, self.height, self.width):
+                raise CaffeplusError('layer %s: an added image transforms to %s, the layer '
+                                     'serves %s' % (self.name, shape,
+                                                    (self.channels, self.height, self.width)))
+        data = self.transformer.transform_batch(arrays)
+        self._data = data
+        self._labels = numpy.asarray(labels, dtype=numpy.float32)
+        self.n, self.pos = num, 0
+        self.has_new_data = True
+
+    def _forward(self, bottom, top):
+        if self._data is None:
+            raise CaffeplusError('layer %s: MemoryDataLayer needs to be initialized by calling '
+                                 'reset (or set_input_arrays) first' % self.name)
+        b = self.batch_size
+        top[0].reshape((b, self.channels, self.height, self.width))
+        top[1].reshape((b,))
+        top[0].data = self._data[self.pos:self.pos + b]
+        top[1].data = self._labels[self.pos:self.pos + b]
+        self.pos = (self.pos + b) % self.n
+        if self.pos == 0:
+            self.has_new_data = False
+
+    def _backward(self, top, propagate_down, bottom):
+        pass
+
+    def get_state(self):
+        return {'type': self.type, 'pos': self.pos,
+                'transformer': self.transformer.get_state()}
+
+    def set_state(self, state):
+        self.pos = int(state.get('pos', 0)) % max(self.n, 1)
+        self.transformer.set_state(state.get('transformer'))
+
+
+# -- WindowData ----------------------------------------------------------------
+@register
+class WindowDataLayer(Layer):
+    """R-CNN window files: not supported by caffeplus."""
+    type = 'WindowData'
+    exact_num_bottom = 0
+    has_backward = False
+
+    def layer_setup(self, bottom, top):
+        raise NetError('layer %s: WindowData is not supported by caffeplus (it needs OpenCV '
+                       'window crops); convert the windows to an LMDB of cropped images and '
+                       'use a Data layer, or read them with a Python layer' % self.name)
+
+    def reshape(self, bottom, top):
         pass

@@ -17,6 +17,7 @@ end with Caffe's log line "Restarting data prefetching from start.", and can
 report and restore its position so a resumed run reads on where it stopped.
 """
 import os
+import threading
 
 from caffeplus import log
 from caffeplus.errors import CaffeplusError
@@ -118,6 +119,7 @@ class LMDBDatabase(Database):
         self.path = path
         self.writable = mode != 'r'
         self._pending = []
+        self._shared = False
         if not self.writable:
             _check_readable(path, 'LMDB')
             subdir = os.path.isdir(path)
@@ -126,11 +128,8 @@ class LMDBDatabase(Database):
                     if is_leveldb(path) else ''
                 raise DatabaseError('%s is not an LMDB database: no data.mdb in it%s'
                                     % (path, hint))
-            try:
-                self.env = lmdb.open(path, readonly=True, lock=False, subdir=subdir,
-                                     readahead=False, max_readers=512)
-            except lmdb.Error as exc:
-                raise DatabaseError('cannot open LMDB database %s: %s' % (path, exc))
+            self.env = _open_shared_env(path, subdir)
+            self._shared = True
         else:
             if not os.path.exists(path):
                 try:
@@ -182,8 +181,45 @@ class LMDBDatabase(Database):
 
     def close(self):
         if getattr(self, 'env', None) is not None:
-            self.env.close()
+            if self._shared:
+                _release_shared_env(self.env)
+            else:
+                self.env.close()
             self.env = None
+
+
+# The lmdb package refuses to open one environment twice in a process, so
+# readers of the same database (a TRAIN and a TEST net, two layers) share one
+# read-only Environment; each has its own transaction and cursor.
+_SHARED_ENVS = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _open_shared_env(path, subdir):
+    lmdb = _lmdb_module()
+    real = os.path.realpath(path)
+    with _SHARED_LOCK:
+        entry = _SHARED_ENVS.get(real)
+        if entry is None:
+            try:
+                env = lmdb.open(path, readonly=True, lock=False, subdir=subdir,
+                                readahead=False, max_readers=512)
+            except lmdb.Error as exc:
+                raise DatabaseError('cannot open LMDB database %s: %s' % (path, exc))
+            entry = _SHARED_ENVS[real] = [env, 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _release_shared_env(env):
+    with _SHARED_LOCK:
+        for real, entry in list(_SHARED_ENVS.items()):
+            if entry[0] is env:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del _SHARED_ENVS[real]
+                    env.close()
+                return
 
 
 class _LMDBCursor:
