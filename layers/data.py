@@ -273,6 +273,10 @@ class BasePrefetchingDataLayer(Layer):
         self._consumed_state = copy.deepcopy(self.source.state())
         self._prefetcher.start()
 
+    # The solver's snapshot sidecar calls these.
+    snapshot_state = get_state
+    restore_state = set_state
+
     def close(self):
         """Stop the prefetch thread and close the input."""
         finalizer = getattr(self, '_finalizer', None)
@@ -682,6 +686,9 @@ class HDF5DataLayer(Layer):
         if state.get('rng') is not None and self._rng is not None:
             self._rng.bit_generator.state = copy.deepcopy(state['rng'])
 
+    snapshot_state = get_state
+    restore_state = set_state
+
 
 # -- HDF5Output ----------------------------------------------------------------
 @register
@@ -890,6 +897,9 @@ class MemoryDataLayer(Layer):
     def set_state(self, state):
         self.pos = int(state.get('pos', 0)) % max(self.n, 1)
         self.transformer.set_state(state.get('transformer'))
+
+    snapshot_state = get_state
+    restore_state = set_state
 
 
 # -- WindowData ----------------------------------------------------------------

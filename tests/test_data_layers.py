@@ -562,3 +562,45 @@ def test_memory_data_add_mat_vector_transforms():
     numpy.testing.assert_array_equal(tops[1].data, [3, 4])
     with pytest.raises(CaffeplusError, match='multiple of the batch size'):
         layer.add_mat_vector(mats[:3], [1, 2, 3])
+
+
+# -- resuming a training run ---------------------------------------------------
+def test_solver_resume_continues_the_data_identically(tmp_path):
+    """Snapshot mid-epoch with random crops/mirrors, resume: the same weights."""
+    from caffeplus.layer import layer_class
+    try:
+        from caffeplus.solver import get_solver
+    except ImportError:
+        pytest.skip('no solver yet')
+    if layer_class('InnerProduct') is None or layer_class('SoftmaxWithLoss') is None:
+        pytest.skip('InnerProduct/SoftmaxWithLoss not available')
+    need(TRAIN_LMDB)
+    net = ('layer { name: "mnist" type: "Data" top: "data" top: "label" '
+           '  transform_param { scale: 0.00390625 crop_size: 24 mirror: true } '
+           '  data_param { source: "%s" batch_size: 48 backend: LMDB } } '
+           'layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip" '
+           '  inner_product_param { num_output: 10 weight_filler { type: "xavier" } } } '
+           'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" '
+           '  top: "loss" }' % TRAIN_LMDB)
+    text = ('random_seed: 7 type: "SGD" base_lr: 0.1 momentum: 0.9 lr_policy: "fixed" '
+            'max_iter: 9 snapshot_prefix: "%s/r" net_param { %s }' % (tmp_path, net))
+
+    def solver(t):
+        return get_solver(text_format.Parse(t, caffe_pb2.SolverParameter()))
+
+    def weights(s):
+        return [numpy.array(p.data) for p in s.net.learnable_params]
+    straight = solver(text)
+    straight.step(9)
+    want = weights(straight)
+    first = solver(text)
+    first.step(4)   # 192 of 256 records: mid-epoch
+    _, state = first.snapshot()
+    first.step(2)
+    resumed = solver(text.replace('random_seed: 7', 'random_seed: 8'))
+    resumed.solve(state)
+    assert resumed.iter == 9
+    for g, w in zip(weights(resumed), want):
+        numpy.testing.assert_array_equal(g, w)
+    for s in (straight, first, resumed):
+        s.net.layers[0].close()
