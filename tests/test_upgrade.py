@@ -629,3 +629,14 @@ def test_message_to_text_formats_like_caffe():
     assert upgrade.message_to_text(shape) == (
         'name: "n"\nlayer {\n  name: "l"\n  input_param {\n    shape {\n      dim: 1\n'
         '      dim: 2\n    }\n  }\n}\n')
+
+
+def test_v0_net_with_current_layers_too():
+    text = '''input: "x" input_dim: 1 input_dim: 1 input_dim: 1 input_dim: 1
+      layer { name: "new" type: "ReLU" bottom: "x" top: "z" }
+      layers { layer { name: "old" type: "relu" } bottom: "x" top: "y" }'''
+    with pytest.raises(FormatError, match=r"n\.prototxt: net field layer"):
+        upgrade.upgrade_net_as_needed(net(text), 'n.prototxt')
+    param = net(text)
+    assert upgrade.upgrade_net(param, 'n.prototxt', strict=False) is False
+    assert [l.name for l in param.layer] == ['input', 'old']

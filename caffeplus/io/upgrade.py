@@ -404,6 +404,14 @@ def upgrade_v0_layer(conn, out, problems=None, index=0):
 def upgrade_v0_net(param, problems=None):
     """A V1 NetParameter (in `layers`) from a V0 one."""
     problems = problems or _Problems('', True)
+    # Caffe keeps only name, layers, input, input_dim and force_backward of a
+    # V0 net; say so where that silently loses a net's content.
+    for field in ('layer', 'input_shape'):
+        if len(getattr(param, field)):
+            problems.report("net field %s: a V0 net cannot also use '%s'; stock Caffe's V0 "
+                            "upgrade drops it" % (field, field),
+                            "V0 net also specifies '%s'; it is dropped by the V0 upgrade"
+                            % field)
     padded = upgrade_v0_padding_layers(param, problems)
     out = caffe_pb2.NetParameter()
     if padded.HasField('name'):
