@@ -303,6 +303,38 @@ def test_data_layer_bad_record_is_reported_at_forward(tmp_path):
     layer.close()
 
 
+def test_data_layer_over_leveldb(tmp_path):
+    pytest.importorskip('plyvel')
+    data, label = mnist('test')
+    path = str(tmp_path / 'test_leveldb')
+    with db_io.open_db(path, 'leveldb', 'new') as out:
+        for k, v in db_io.open_db(need(os.path.join(DATA, 'mnist_synth_test_lmdb'))).items():
+            out.put(k, v)
+    layer, tops = make('name: "d" type: "Data" top: "data" top: "label" '
+                       'data_param { source: "%s" batch_size: 40 }' % path)   # default LEVELDB
+    got = batches(layer, tops, 2)
+    layer.close()
+    idx = numpy.arange(80) % 64
+    numpy.testing.assert_array_equal(numpy.concatenate([g[0] for g in got]), data[idx])
+    numpy.testing.assert_array_equal(numpy.concatenate([g[1] for g in got]), label[idx])
+
+
+def test_rand_skip_is_seeded(messages):
+    data, _ = mnist()
+
+    def first(seed):
+        caffeplus.set_random_seed(seed)
+        layer, tops = data_layer('rand_skip: 100', batch=4, transform='')
+        layer.forward([], tops)
+        layer.close()
+        return tops[0].data.copy()
+    a = first(3)
+    skips = [int(m.split()[2]) for m in messages if m.startswith('Skipping first')]
+    assert len(skips) == 1 and 0 <= skips[0] < 100
+    numpy.testing.assert_array_equal(a, data[skips[0]:skips[0] + 4])
+    numpy.testing.assert_array_equal(first(3), a)
+
+
 def test_window_data_is_refused():
     with pytest.raises(NetError, match='WindowData is not supported'):
         make('name: "w" type: "WindowData" top: "data" top: "label"')
