@@ -194,8 +194,9 @@ class DataTransformer:
             return numpy.ascontiguousarray(pix, dtype=numpy.float32)
         if out.shape != pix.shape:
             raise CaffeplusError('%san input of shape %s transforms to %s, but the batch holds '
-                                 '%s (all inputs of a batch must have the same shape; set '
-                                 'new_height/new_width or crop_size)'
+                                 '%s (all inputs of a batch must have the same shape: resize '
+                                 'them (new_height/new_width), crop them (crop_size), or for '
+                                 'encoded datums set force_color/force_gray)'
                                  % (self._who(), _shape_str(arr.shape), _shape_str(pix.shape),
                                     _shape_str(out.shape)))
         out[...] = pix
