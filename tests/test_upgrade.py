@@ -570,13 +570,18 @@ def test_batchnorm_with_three_param_specs(logs):
     param = net(text)
     assert upgrade.net_needs_upgrade(param)
     upgrade.upgrade_net_as_needed(param, 'bn.prototxt')
-    expected = net(text.replace('param { lr_mult: 0 } param { lr_mult: 0 } param { lr_mult: 0 }',
-                                'param { lr_mult: 0 decay_mult: 0 } param { lr_mult: 0 '
-                                'decay_mult: 0 } param { lr_mult: 0 decay_mult: 0 }')
-                   .replace('''param { lr_mult: 1 decay_mult: 1 name: "m" } param { name: "v" share_mode: STRICT }
-            param { lr_mult: 1 }''', '''param { lr_mult: 0 decay_mult: 0 name: "m" }
+    expected = net('''
+    layer { name: "bn0" type: "BatchNorm" bottom: "x" top: "x"
+            param { lr_mult: 0 decay_mult: 0 } param { lr_mult: 0 decay_mult: 0 }
+            param { lr_mult: 0 decay_mult: 0 } }
+    layer { name: "bn1" type: "BatchNorm" bottom: "x" top: "x"
+            param { lr_mult: 0 decay_mult: 0 name: "m" }
             param { name: "v" share_mode: STRICT lr_mult: 0 decay_mult: 0 }
-            param { lr_mult: 0 decay_mult: 0 }'''))
+            param { lr_mult: 0 decay_mult: 0 } }
+    layer { name: "bn2" type: "BatchNorm" bottom: "x" top: "x" }
+    layer { name: "bn3" type: "BatchNorm" bottom: "x" top: "x" param { lr_mult: 1 } }
+    layer { name: "sc" type: "Scale" bottom: "x" top: "x"
+            param { lr_mult: 1 } param { lr_mult: 1 } param { lr_mult: 1 } }''')
     assert param == expected
     assert logs.messages == [
         'Attempting to upgrade batch norm layers using deprecated params: bn.prototxt',

@@ -14,7 +14,6 @@ import fnmatch
 import glob
 import math
 import os
-import re
 
 import numpy
 import pytest
@@ -251,13 +250,16 @@ EQUIVALENT = [
              'net name: *': 'CIFAR10_full_test vs CIFAR10_full'})),
     (V1 + 'examples/cifar10/cifar10_full_train_test.prototxt',
      V2 + 'examples/cifar10/cifar10_full_train_test.prototxt', None, {}),
-    (V0 + 'imagenet/imagenet_deploy.prototxt', V1 + 'models/bvlc_reference_caffenet/deploy.prototxt',
+    (V0 + 'imagenet/imagenet_deploy.prototxt',
+     V1 + 'models/bvlc_reference_caffenet/deploy.prototxt',
      None, CAFFE_NET_LEARNING),
     (V1 + 'models/bvlc_reference_caffenet/deploy.prototxt',
      V2 + 'models/bvlc_reference_caffenet/deploy.prototxt', None, INPUT_NAMED_DATA),
-    (V0 + 'imagenet/imagenet_train.prototxt', V1 + 'models/bvlc_reference_caffenet/train_val.prototxt',
+    (V0 + 'imagenet/imagenet_train.prototxt',
+     V1 + 'models/bvlc_reference_caffenet/train_val.prototxt',
      TRAIN, dict(DB_MOVED, **LOSS_TOP)),
-    (V0 + 'imagenet/imagenet_val.prototxt', V1 + 'models/bvlc_reference_caffenet/train_val.prototxt',
+    (V0 + 'imagenet/imagenet_val.prototxt',
+     V1 + 'models/bvlc_reference_caffenet/train_val.prototxt',
      TEST, dict(DB_MOVED, **V0_TEST_TAIL, **{k: v for k, v in CAFFE_NET_LEARNING.items()})),
     (V1 + 'models/bvlc_reference_caffenet/train_val.prototxt',
      V2 + 'models/bvlc_reference_caffenet/train_val.prototxt', None, {}),
@@ -299,7 +301,8 @@ EQUIVALENT = [
      None, {}),
     (V1 + 'models/bvlc_googlenet/deploy.prototxt', V2 + 'models/bvlc_googlenet/deploy.prototxt',
      None, INPUT_NAMED_DATA),
-    (V1 + 'models/bvlc_googlenet/train_val.prototxt', V2 + 'models/bvlc_googlenet/train_val.prototxt',
+    (V1 + 'models/bvlc_googlenet/train_val.prototxt',
+     V2 + 'models/bvlc_googlenet/train_val.prototxt',
      None, {'*: *.weight_filler.std: * vs None': 'the 2015 file gave xavier fillers a std '
                                                  '(which xavier ignores)',
             'loss2/loss|loss2/loss: top: *': "top 'loss2/loss1' renamed 'loss2/loss2'"}),
