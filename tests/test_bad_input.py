@@ -14,6 +14,7 @@ layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y" inner_product_param
 
 
 def run_cli(*args, cwd=None):
+    """Run `python -m caffeplus ARGS`; return (exit code, stdout+stderr)."""
     proc = subprocess.run([sys.executable, '-m', 'caffeplus'] + list(args), cwd=cwd,
                           capture_output=True, text=True, timeout=120)
     return proc.returncode, proc.stdout + proc.stderr
@@ -34,7 +35,7 @@ def assert_clean_failure(rc, out, *needles):
 
 def test_malformed_prototxt_gives_file_line_column(tmp_path):
     path = write(tmp_path, 'bad.prototxt', GOOD.replace('num_output: 2 }', 'num_output: 2 ]'))
-    rc, out = run_cli('test', '-model', path, '-iterations', '1')
+    rc, out = run_cli('time', '-model', path, '-iterations', '1')
     assert_clean_failure(rc, out, path + ':3:')
 
 
@@ -42,19 +43,19 @@ def test_fork_only_field_is_named_with_its_line(tmp_path):
     text = GOOD.replace('inner_product_param { num_output: 2 }',
                         'inner_product_param { num_output: 2 } cudnn_math_override: 1')
     path = write(tmp_path, 'fork.prototxt', text)
-    rc, out = run_cli('test', '-model', path, '-iterations', '1')
+    rc, out = run_cli('time', '-model', path, '-iterations', '1')
     assert_clean_failure(rc, out, 'cudnn_math_override', path + ':3:')
 
 
 def test_unknown_layer_type(tmp_path):
     text = GOOD + 'layer { name: "pb" type: "PriorBox" bottom: "y" top: "p" }\n'
-    rc, out = run_cli('test', '-model', write(tmp_path, 'u.prototxt', text), '-iterations', '1')
+    rc, out = run_cli('time', '-model', write(tmp_path, 'u.prototxt', text), '-iterations', '1')
     assert_clean_failure(rc, out, "'PriorBox'", "'pb'", 'Known types')
 
 
 def test_missing_bottom(tmp_path):
     text = GOOD.replace('bottom: "x" top: "y"', 'bottom: "z" top: "y"')
-    rc, out = run_cli('test', '-model', write(tmp_path, 'm.prototxt', text), '-iterations', '1')
+    rc, out = run_cli('time', '-model', write(tmp_path, 'm.prototxt', text), '-iterations', '1')
     assert_clean_failure(rc, out, "'z'", "'ip'")
 
 
@@ -79,12 +80,17 @@ def test_truncated_caffemodel(tmp_path):
     assert_clean_failure(rc, out, 'truncated')
 
 
+def test_test_needs_weights(tmp_path):
+    rc, out = run_cli('test', '-model', write(tmp_path, 'a.prototxt', GOOD), '-iterations', '1')
+    assert_clean_failure(rc, out, 'weights')
+
+
 def test_missing_file(tmp_path):
-    rc, out = run_cli('test', '-model', str(tmp_path / 'nope.prototxt'), '-iterations', '1')
+    rc, out = run_cli('time', '-model', str(tmp_path / 'nope.prototxt'), '-iterations', '1')
     assert_clean_failure(rc, out, 'nope.prototxt', 'not found')
 
 
 def test_debug_shows_traceback(tmp_path):
     path = write(tmp_path, 'bad.prototxt', GOOD.replace('num_output: 2 }', 'num_output: 2 ]'))
-    rc, out = run_cli('test', '-model', path, '-iterations', '1', '--debug')
+    rc, out = run_cli('time', '-model', path, '-iterations', '1', '--debug')
     assert rc != 0 and 'Traceback' in out

@@ -5,10 +5,20 @@ import numpy
 import pytest
 
 import caffeplus
+from caffeplus import log as caffe_log
 from caffeplus.errors import CaffeplusError, NetError, UnknownLayerError
 from caffeplus.io.prototxt import parse_text
 from caffeplus.net import Net
 from caffeplus.proto import caffe_pb2
+
+
+@pytest.fixture
+def caffe_log_text(caplog):
+    """caplog for caffeplus's logger, which does not propagate to the root."""
+    caffe_log.logger.addHandler(caplog.handler)
+    caplog.handler.setLevel(logging.INFO)
+    yield lambda: caplog.text
+    caffe_log.logger.removeHandler(caplog.handler)
 
 
 def net_from_text(text, phase=caffeplus.TRAIN, **kw):
@@ -61,15 +71,14 @@ def test_loss_weight_on_shared_top_moves_to_split():
     assert out.layer[3].bottom[0] == 'y_p_0_split_1'
 
 
-def test_in_place_layer_shares_the_blob(caplog):
+def test_in_place_layer_shares_the_blob(caffe_log_text):
     text = '''
     layer { name: "data" type: "Input" top: "x" input_param { shape { dim: 2 dim: 2 } } }
     layer { name: "relu" type: "ReLU" bottom: "x" top: "x" }
     '''
-    with caplog.at_level(logging.INFO, logger='caffeplus'):
-        net = net_from_text(text)
+    net = net_from_text(text)
     assert len(net._blobs) == 1
-    assert 'relu -> x (in-place)' in caplog.text
+    assert 'relu -> x (in-place)' in caffe_log_text()
 
 
 def test_netstate_filtering_phase_level_stages():
@@ -196,7 +205,8 @@ layer { name: "loss" type: "EuclideanLoss" bottom: "y" bottom: "t" top: "loss" }
 def test_backward_decision_and_loss_weight_default():
     net = net_from_text(LOSS_NET)
     need = dict(zip(net._layer_names, net.layer_need_backward))
-    assert need == {'data': False, 'frozen': False, 'ip': True, 'side': False, 'loss': True}
+    assert need == {'data': False, 'x_data_0_split': False, 'frozen': False, 'ip': True,
+                    'side': False, 'loss': True}
     assert net.blob_loss_weights['loss'] == 1.0
     assert net.outputs == ['s', 'loss']
     loss_bottom = dict(zip(net._layer_names, net.bottom_need_backward))['loss']
@@ -207,7 +217,14 @@ def test_force_backward_and_propagate_down():
     net = net_from_text('force_backward: true\n' + LOSS_NET)
     need = dict(zip(net._layer_names, net.layer_need_backward))
     assert need['frozen'] and need['side']
-    # The label bottom of a loss never takes a gradient, even forced.
+    # EuclideanLoss lets force_backward reach both bottoms, as in Caffe.
+    assert dict(zip(net._layer_names, net.bottom_need_backward))['loss'] == [True, True]
+    # A classification loss never sends a gradient to its labels, even forced.
+    text = 'force_backward: true\n' + LOSS_NET.replace(
+        'type: "EuclideanLoss" bottom: "y" bottom: "t"', 'type: "SoftmaxWithLoss" bottom: "y" bottom: "label"').replace(
+        'top: "x" top: "t" input_param { shape { dim: 2 dim: 3 } shape { dim: 2 dim: 3 } }',
+        'top: "x" top: "label" input_param { shape { dim: 2 dim: 3 } shape { dim: 2 } }')
+    net = net_from_text(text)
     assert dict(zip(net._layer_names, net.bottom_need_backward))['loss'] == [True, False]
     text = LOSS_NET.replace('bottom: "h" top: "y"', 'bottom: "h" top: "y" propagate_down: false')
     net = net_from_text(text)
@@ -224,12 +241,11 @@ def test_forward_returns_weighted_loss():
     assert loss == pytest.approx(0.5 * float(net.blobs['loss'].data), rel=1e-6)
 
 
-def test_memory_required_log_line(caplog):
-    with caplog.at_level(logging.INFO, logger='caffeplus'):
-        net_from_text(TWO_CONSUMERS)
+def test_memory_required_log_line(caffe_log_text):
+    net_from_text(TWO_CONSUMERS)
     # x (6) + split tops 2*6 + a 6 + b 6 floats
-    assert 'Memory required for data: %d' % (4 * 30) in caplog.text
-    assert 'Top shape: 2 3 (6)' in caplog.text
+    assert 'Memory required for data: %d' % (4 * 30) in caffe_log_text()
+    assert 'Top shape: 2 3 (6)' in caffe_log_text()
 
 
 def test_pycaffe_constructor_forms(tmp_path):
@@ -240,4 +256,4 @@ def test_pycaffe_constructor_forms(tmp_path):
     net = caffeplus.Net(str(path), phase=caffeplus.TRAIN)
     assert net.phase == caffeplus.TRAIN
     with pytest.raises(CaffeplusError, match='phase'):
-        caffeplus.Net(str(path), 'VALIDATE')
+        caffeplus.Net(str(path), phase='VALIDATE')
