@@ -14,3 +14,12 @@ for _family in _FAMILIES:
         # A family module not written yet; anything else is a real error.
         if _exc.name != __name__ + '.' + _family:
             raise
+
+
+def __getattr__(name):
+    # pycaffe's `from caffe import layers as L; L.Convolution(...)`: capitalised
+    # names are NetSpec layer functions (the family modules are lowercase).
+    if name[:1].isupper():
+        from caffeplus import net_spec
+        return getattr(net_spec.layers, name)
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
