@@ -550,3 +550,171 @@ def test_snapshot_action(tmp_path, logs):
     s.step(4)
     assert sorted(os.listdir(tmp_path)) == ['q_iter_2.caffemodel', 'q_iter_2.solverstate',
                                             'q_iter_2.solverstate.caffeplus.json']
+
+
+# -- snapshots and restore ---------------------------------------------------------
+def _params(solver):
+    return [numpy.array(p.data) for p in solver.net.learnable_params]
+
+
+@pytest.mark.parametrize('kind', ['SGD', 'Nesterov', 'AdaGrad', 'RMSProp', 'AdaDelta', 'Adam'])
+@pytest.mark.parametrize('fmt', ['BINARYPROTO', 'HDF5'])
+def test_resume_is_bit_identical(tmp_path, kind, fmt):
+    extra = ('type: "%s" base_lr: 0.05 lr_policy: "multistep" stepvalue: 3 stepvalue: 12 '
+             'gamma: 0.5 weight_decay: 0.001 snapshot_format: %s max_iter: 20 '
+             'snapshot_prefix: "%s/q" test_iter: 1 test_interval: 5 net_param {%s}'
+             % (kind, fmt, tmp_path, TEST_NET))
+    if kind in ('SGD', 'Nesterov'):
+        extra += ' momentum: 0.9'
+    if kind in ('AdaDelta', 'Adam'):
+        extra += ' momentum: 0.9'
+    text = 'random_seed: 11\n' + extra
+    straight = get_solver(parse_text(text, caffe_pb2.SolverParameter()))
+    straight.step(20)
+    want = _params(straight)
+    want_hist = [numpy.array(h) for h in straight.history_arrays()]
+
+    first = get_solver(parse_text(text, caffe_pb2.SolverParameter()))
+    first.step(10)
+    model, state = first.snapshot()
+    ext = '.h5' if fmt == 'HDF5' else ''
+    assert model == '%s/q_iter_10.caffemodel%s' % (tmp_path, ext)
+    assert state == '%s/q_iter_10.solverstate%s' % (tmp_path, ext)
+    # the RNG moves on after the snapshot: the resumed run must not see that
+    first.step(3)
+
+    caffeplus.set_random_seed(999)
+    resumed = get_solver(parse_text(text.replace('random_seed: 11', 'random_seed: 12'),
+                                    caffe_pb2.SolverParameter()))
+    resumed.solve(state)
+    assert resumed.iter == 20
+    for g, w in zip(_params(resumed), want):
+        numpy.testing.assert_array_equal(g, w)
+    for g, w in zip(resumed.history_arrays(), want_hist):
+        numpy.testing.assert_array_equal(g, w)
+
+
+def test_solverstate_layout_binaryproto(tmp_path):
+    s = get_solver(solver_param('type: "Adam" base_lr: 0.05 lr_policy: "multistep" '
+                                'stepvalue: 1 gamma: 0.5 snapshot: 3 '
+                                'snapshot_prefix: "%s/adam"' % tmp_path))
+    s.step(3)
+    state = caffe_pb2.SolverState()
+    with open(tmp_path / 'adam_iter_3.solverstate', 'rb') as f:
+        state.ParseFromString(f.read())
+    assert state.iter == 3 and state.current_step == 1
+    assert state.learned_net == '%s/adam_iter_3.caffemodel' % tmp_path
+    assert len(state.history) == 8
+    for proto, arr in zip(state.history, s.history_arrays()):
+        assert tuple(proto.shape.dim) == arr.shape
+        numpy.testing.assert_array_equal(numpy.array(proto.data, numpy.float32), arr.ravel())
+    weights = caffe_pb2.NetParameter()
+    with open(state.learned_net, 'rb') as f:
+        weights.ParseFromString(f.read())
+    assert [l.name for l in weights.layer] == ['data', 'q1', 'q2']
+    numpy.testing.assert_array_equal(numpy.array(weights.layer[1].blobs[0].data),
+                                     s.net.layer_dict['q1'].blobs[0].data.ravel())
+    assert not weights.layer[1].blobs[0].diff
+
+
+def test_solverstate_layout_hdf5_as_caffe(tmp_path):
+    h5py = pytest.importorskip('h5py')
+    s = get_solver(solver_param('type: "SGD" momentum: 0.9 base_lr: 0.05 lr_policy: "fixed" '
+                                'snapshot: 2 snapshot_format: HDF5 snapshot_diff: true '
+                                'snapshot_prefix: "%s/sgd"' % tmp_path))
+    s.step(2)
+    with h5py.File(tmp_path / 'sgd_iter_2.solverstate.h5', 'r') as f:
+        assert f['iter'].shape == (1,) and f['iter'].dtype == numpy.int32 and f['iter'][0] == 2
+        assert f['current_step'].shape == (1,) and f['current_step'][0] == 0
+        ln = f['learned_net']
+        assert ln.shape == () and ln.id.get_type().get_strpad() == h5py.h5t.STR_NULLTERM
+        assert ln[()] == ('%s/sgd_iter_2.caffemodel.h5' % tmp_path).encode()
+        assert sorted(f['history']) == ['0', '1', '2', '3']
+        numpy.testing.assert_array_equal(f['history/0'][...], s.history_arrays()[0])
+    with h5py.File(tmp_path / 'sgd_iter_2.caffemodel.h5', 'r') as f:
+        assert sorted(f) == ['data', 'diff']
+        numpy.testing.assert_array_equal(f['data/q1/0'][...], s.net.layer_dict['q1'].blobs[0].data)
+
+
+def test_restore_reads_stock_caffe_hdf5_and_binary_states():
+    """Caffe's own lenet_iter_2 states parse (history count and shapes)."""
+    from caffeplus.solver import state as state_io
+    from conftest import REFERENCE
+    ref = os.path.join(REFERENCE, 'io')
+    if not os.path.exists(ref):
+        pytest.skip('reference data not found')
+    a = state_io.read_state(os.path.join(ref, 'lenet_iter_2.solverstate'))
+    b = state_io.read_state(os.path.join(ref, 'lenet_iter_2.solverstate.h5'))
+    assert a.iter == b.iter == 2 and a.current_step == b.current_step == 0
+    assert a.learned_net == 'io/lenet_iter_2.caffemodel'
+    assert b.learned_net == 'io/lenet_iter_2.caffemodel.h5'
+    assert [h.shape for h in a.history] == [h.shape for h in b.history]
+    assert [h.shape for h in a.history][4] == (500, 800)
+    for x, y in zip(a.history, b.history):
+        numpy.testing.assert_array_equal(x, y)
+
+
+def test_restore_errors(tmp_path):
+    p = 'type: "SGD" momentum: 0.9 base_lr: 0.05 lr_policy: "fixed" snapshot_prefix: "%s/s"' \
+        % tmp_path
+    s = get_solver(solver_param(p))
+    s.step(2)
+    model, state = s.snapshot()
+    with pytest.raises(CaffeplusError, match='not found'):
+        get_solver(solver_param(p)).restore(str(tmp_path / 'nope.solverstate'))
+    # the weights file moved away: clear error naming it
+    os.rename(model, model + '.moved')
+    with pytest.raises(CaffeplusError, match=re.escape(model)):
+        get_solver(solver_param(p)).restore(state)
+    # a different weights file under the right name: the sidecar notices
+    os.rename(model + '.moved', model)
+    other = get_solver(solver_param(p))
+    other.step(1)
+    other.net.save(model)
+    with pytest.raises(CaffeplusError, match='not the one written with it'):
+        get_solver(solver_param(p)).restore(state)
+    # without the sidecar it resumes as stock Caffe would
+    os.remove(state + '.caffeplus.json')
+    r = get_solver(solver_param(p))
+    r.restore(state)
+    assert r.iter == 2
+    # a solver of another type: history length differs
+    adam = get_solver(solver_param(p.replace('"SGD"', '"Adam"')))
+    with pytest.raises(CaffeplusError, match='Incorrect length of history blobs'):
+        adam.restore(state)
+
+
+def test_learned_net_found_beside_state(tmp_path, monkeypatch):
+    sub = tmp_path / 'run'
+    sub.mkdir()
+    monkeypatch.chdir(sub)
+    p = 'type: "SGD" momentum: 0.9 base_lr: 0.05 lr_policy: "fixed" snapshot_prefix: "s"'
+    s = get_solver(solver_param(p))
+    s.step(2)
+    s.snapshot()
+    want = _params(s)
+    monkeypatch.chdir(tmp_path)
+    r = get_solver(solver_param(p))
+    r.restore('run/s_iter_2.solverstate')
+    for g, w in zip(_params(r), want):
+        numpy.testing.assert_array_equal(g, w)
+
+
+def test_interrupted_snapshot_keeps_previous_file(tmp_path, monkeypatch):
+    p = 'type: "SGD" momentum: 0.9 base_lr: 0.05 lr_policy: "fixed" snapshot_prefix: "%s/s"' \
+        % tmp_path
+    s = get_solver(solver_param(p))
+    s.step(2)
+    model, state = s.snapshot()
+    before = open(state, 'rb').read()
+    s.iter = 2  # snapshot again at the same iteration, failing mid-write
+    from caffeplus.solver import state as state_io
+
+    def boom(*args, **kwargs):
+        raise OSError('disk full')
+    monkeypatch.setattr(state_io.caffe_pb2.SolverState, 'SerializeToString', boom)
+    with pytest.raises(OSError):
+        s.snapshot()
+    assert open(state, 'rb').read() == before
+    assert sorted(os.listdir(tmp_path)) == sorted(['s_iter_2.caffemodel', 's_iter_2.solverstate',
+                                                   's_iter_2.solverstate.caffeplus.json'])

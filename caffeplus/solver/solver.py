@@ -34,8 +34,12 @@ ACTIONS = (NONE, STOP, SNAPSHOT)
 
 
 def _text(message):
+    """Text format as Caffe's DebugString prints it: whole floats without a
+    trailing '.0', no final newline (glog adds none after one)."""
+    import re
     from google.protobuf import text_format
-    return text_format.MessageToString(message)
+    text = text_format.MessageToString(message)
+    return re.sub(r'(?m)^(\s*\w+: -?\d+)\.0$', r'\1', text).rstrip('\n')
 
 
 def read_solver_file(path):

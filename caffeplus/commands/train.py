@@ -1,0 +1,226 @@
+"""caffeplus train: Caffe's `caffe train`.
+
+    caffeplus train -solver solver.prototxt [-weights a.caffemodel[,b.caffemodel]]
+    caffeplus train -solver solver.prototxt -snapshot lenet_iter_500.solverstate
+    caffeplus train -solver solver.prototxt -gpu 0
+
+-weights finetunes from the given weights (copied by layer name into the
+train and test nets); -snapshot resumes from a solver state; the two exclude
+each other. Without -gpu the solver's solver_mode decides (GPU uses
+device_id); with neither it runs on the CPU. SIGINT and SIGHUP do what
+-sigint_effect / -sighup_effect say (stop, snapshot or none; defaults stop
+and snapshot), checked once per iteration as Caffe does.
+
+The helpers here (GPU list, stages, phase) serve `test` and `time` too.
+"""
+import re
+import signal
+
+from caffeplus import backend, log
+from caffeplus.errors import CaffeplusError
+from caffeplus.proto import caffe_pb2
+
+EFFECTS = ('snapshot', 'stop', 'none')
+MEMORY_PLANS = ('stock', 'arena', 'shared', 'offload', 'auto')
+
+
+# -- helpers shared by train, test and time ---------------------------------------
+def add_device_arguments(parser):
+    parser.add_argument('--gpu', default='',
+                        help="run in GPU mode on the given device IDs separated by ','; "
+                             "'all' for every GPU (default: CPU)")
+    parser.add_argument('--level', type=int, default=0, help='network level')
+    parser.add_argument('--stage', default='',
+                        help="network stages (not to be confused with phase), separated by ','")
+
+
+def gpu_count():
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # ImportError or a CUDA runtime error
+        raise CaffeplusError('no usable GPU: %s' % exc)
+
+
+def parse_gpus(spec):
+    """Caffe's get_gpus: '' -> [], 'all' -> every device, '0,1' -> [0, 1]."""
+    spec = (spec or '').strip()
+    if not spec:
+        return []
+    if spec == 'all':
+        return list(range(gpu_count()))
+    try:
+        return [int(x) for x in spec.split(',')]
+    except ValueError:
+        raise CaffeplusError("--gpu must be device IDs separated by ',' or 'all', not '%s'"
+                             % spec)
+
+
+def parse_stages(spec):
+    """Caffe splits the -stage flag on ','; an empty flag gives one empty stage."""
+    return (spec or '').split(',')
+
+
+def parse_phase(spec, default):
+    if not spec:
+        return default
+    try:
+        return {'TRAIN': caffe_pb2.TRAIN, 'TEST': caffe_pb2.TEST}[spec]
+    except KeyError:
+        raise CaffeplusError('phase must be "TRAIN" or "TEST" (got "%s")' % spec)
+
+
+def gpu_name(device):
+    try:
+        import cupy
+        name = cupy.cuda.runtime.getDeviceProperties(device)['name']
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:
+        return 'unknown'
+
+
+def use_device(gpus, style):
+    """Switch to the first GPU of `gpus` (or the CPU) and log as Caffe's
+    `style` command does ('train' or 'test'/'time')."""
+    if not gpus:
+        log.info('Use CPU.')
+        backend.set_mode_cpu()
+        return
+    if style == 'train':
+        log.info('Using GPUs %s', ', '.join(str(g) for g in gpus))
+        for g in gpus:
+            log.info('GPU %d: %s', g, gpu_name(g))
+    else:
+        log.info('Use GPU with device ID %d', gpus[0])
+        log.info('GPU device name: %s', gpu_name(gpus[0]))
+    backend.set_mode_gpu(gpus[0])
+
+
+def parse_bytes(text):
+    """'1073741824', '512M', '2G' -> bytes."""
+    m = re.match(r'^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$', text or '')
+    if not m:
+        raise CaffeplusError("cannot read '%s' as a size in bytes (e.g. 1073741824, 512M, 2G)"
+                             % text)
+    scale = {'': 1, 'k': 2 ** 10, 'm': 2 ** 20, 'g': 2 ** 30, 't': 2 ** 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+# -- signals ---------------------------------------------------------------------------
+class SignalHandler:
+    """Caffe's SignalHandler: remember SIGINT/SIGHUP, turn them into solver
+    actions when the solver asks."""
+
+    def __init__(self, sigint_effect, sighup_effect):
+        self.effects = {signal.SIGINT: sigint_effect}
+        if hasattr(signal, 'SIGHUP'):
+            self.effects[signal.SIGHUP] = sighup_effect
+        self.pending = []
+        self.previous = {}
+
+    def _handle(self, signum, frame):
+        self.pending.append(signum)
+
+    def __enter__(self):
+        for signum in self.effects:
+            try:
+                self.previous[signum] = signal.signal(signum, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def __exit__(self, *exc):
+        for signum, old in self.previous.items():
+            signal.signal(signum, old)
+        self.previous = {}
+
+    def action(self):
+        if not self.pending:
+            return 'none'
+        signum = self.pending.pop(0)
+        return self.effects.get(signum, 'none')
+
+
+# -- the command -------------------------------------------------------------------------
+def add_arguments(parser):
+    parser.add_argument('--solver', default='', help='the solver definition protocol buffer '
+                        'text file')
+    parser.add_argument('--weights', default='',
+                        help="the pretrained weights to initialize finetuning, separated by ','. "
+                             'Cannot be set simultaneously with snapshot.')
+    parser.add_argument('--snapshot', default='', help='the snapshot solver state to resume '
+                        'training')
+    add_device_arguments(parser)
+    parser.add_argument('--sigint_effect', default='stop', choices=EFFECTS,
+                        help='action to take when a SIGINT signal is received')
+    parser.add_argument('--sighup_effect', default='snapshot', choices=EFFECTS,
+                        help='action to take when a SIGHUP signal is received')
+    parser.add_argument('--memory', default=None, choices=MEMORY_PLANS,
+                        help='memory plan for the nets (stock, arena, shared, offload, auto)')
+    parser.add_argument('--workspace_limit', default=None,
+                        help='cap on the cuDNN workspace, in bytes (suffixes K, M, G allowed)')
+
+
+def build_solver_param(args):
+    from caffeplus.solver import read_solver_file
+    if not args.solver:
+        raise CaffeplusError('Need a solver definition to train (--solver).')
+    if args.snapshot and args.weights:
+        raise CaffeplusError('Give a snapshot to resume training or weights to finetune but '
+                             'not both.')
+    param = read_solver_file(args.solver)
+    param.train_state.level = args.level
+    param.train_state.stage.extend(parse_stages(args.stage))
+    if args.snapshot:
+        param.ClearField('weights')
+    elif args.weights:
+        param.ClearField('weights')
+        param.weights.append(args.weights)
+    if args.memory is not None:
+        param.caffeplus_param.memory_plan = args.memory
+    if args.workspace_limit is not None:
+        param.caffeplus_param.workspace_limit = parse_bytes(args.workspace_limit)
+    args.workspace_limit_bytes = param.caffeplus_param.workspace_limit \
+        if param.HasField('caffeplus_param') else 0
+    return param
+
+
+def choose_gpus(args, param):
+    spec = args.gpu
+    from_solver = False
+    if not spec and param.HasField('solver_mode') and \
+            param.solver_mode == caffe_pb2.SolverParameter.GPU:
+        spec = str(param.device_id)
+        from_solver = True
+    try:
+        gpus = parse_gpus(spec)
+        if gpus and from_solver:
+            gpu_count()
+    except CaffeplusError as exc:
+        if not from_solver:
+            raise
+        log.warning('The solver asks for solver_mode GPU, but %s; training on the CPU.', exc)
+        return []
+    return gpus
+
+
+def run(args):
+    from caffeplus.solver import get_solver
+    param = build_solver_param(args)
+    gpus = choose_gpus(args, param)
+    if len(gpus) > 1:
+        raise CaffeplusError('training on several GPUs (--gpu %s) is not available in this '
+                             'build yet; give one device ID' % args.gpu)
+    use_device(gpus, 'train')
+    if gpus:
+        param.device_id = gpus[0]
+    with SignalHandler(args.sigint_effect, args.sighup_effect) as handler:
+        solver = get_solver(param, solver_path=args.solver)
+        solver.set_action_function(handler.action)
+        if args.snapshot:
+            log.info('Resuming from %s', args.snapshot)
+            solver.restore(args.snapshot)
+        log.info('Starting Optimization')
+        solver.solve()
+    log.info('Optimization Done.')
+    return 0
