@@ -116,6 +116,20 @@ def scratch_bytes():
 
 
 # -- im2col / col2im ---------------------------------------------------------
+def _channel_major_padded(x, geom, slot):
+    """x (N, C, *S) as a (C, N, *S+2p) scratch copy, zero-padded: the
+    layout the gemm columns are cut from (channel outermost)."""
+    xp = backend.get_array_module(x)
+    nd = geom.nd
+    n, c = x.shape[:2]
+    shape = (c, n) + tuple(x.shape[2 + i] + 2 * geom.pad[i] for i in range(nd))
+    out = scratch(xp, shape, slot, zero=any(geom.pad))
+    perm = (1, 0) + tuple(range(2, 2 + nd))
+    out[(slice(None), slice(None)) + tuple(slice(p, p + s) for p, s in
+                                           zip(geom.pad, x.shape[2:]))] = x.transpose(perm)
+    return out
+
+
 def _padded(x, geom, slot):
     """x (N, C, *S) with `geom.pad` zeros around each spatial axis."""
     if not any(geom.pad):
@@ -129,9 +143,10 @@ def _padded(x, geom, slot):
     return out
 
 
-def window_view(xpad, geom, out_shape):
-    """A read-only (N, C, *kernel, *out) view: element [n, c, k.., o..] is
-    xpad[n, c, o*stride + k*dilation] (per axis); no copy."""
+def window_view(xpad, geom, out_shape, kernel_first=False):
+    """A read-only (A, B, *kernel, *out) view of xpad (A, B, *S): element
+    [a, b, k.., o..] is xpad[a, b, o*stride + k*dilation] (per axis); no copy.
+    kernel_first: the view is (A, *kernel, B, *out) instead."""
     xp = backend.get_array_module(xpad)
     nd = geom.nd
     st = xpad.strides
@@ -139,9 +154,16 @@ def window_view(xpad, geom, out_shape):
         last = (geom.kernel[i] - 1) * geom.dilation[i] + (out_shape[i] - 1) * geom.stride[i]
         if out_shape[i] < 1 or last >= xpad.shape[2 + i] or last < 0:
             raise ValueError('window out of range on spatial axis %d' % i)
-    shape = tuple(xpad.shape[:2]) + tuple(geom.kernel) + tuple(out_shape)
-    strides = tuple(st[:2]) + tuple(st[2 + i] * geom.dilation[i] for i in range(nd)) + \
-        tuple(st[2 + i] * geom.stride[i] for i in range(nd))
+    kshape = tuple(geom.kernel)
+    kstrides = tuple(st[2 + i] * geom.dilation[i] for i in range(nd))
+    oshape = tuple(out_shape)
+    ostrides = tuple(st[2 + i] * geom.stride[i] for i in range(nd))
+    if kernel_first:
+        shape = (xpad.shape[0],) + kshape + (xpad.shape[1],) + oshape
+        strides = (st[0],) + kstrides + (st[1],) + ostrides
+    else:
+        shape = tuple(xpad.shape[:2]) + kshape + oshape
+        strides = tuple(st[:2]) + kstrides + ostrides
     return xp.lib.stride_tricks.as_strided(xpad, shape=shape, strides=strides)
 
 
@@ -149,24 +171,40 @@ def unfold(x, geom, out_shape, group, slot='col'):
     """im2col in gemm layout: (G, Kg, N*P) for x (N, C, *S)."""
     xp = backend.get_array_module(x)
     n, c = x.shape[:2]
-    nd = geom.nd
-    view = window_view(_padded(x, geom, 'pad'), geom, out_shape)   # (N, C, *k, *o)
+    p = _prod(out_shape)
+    if geom.is_1x1:
+        return to_groups(x, group, slot)
+    xt = _channel_major_padded(x, geom, 'pad')                   # (C, N, *Sp)
     col = scratch(xp, (c,) + tuple(geom.kernel) + (n,) + tuple(out_shape), slot)
-    # view axes (N, C, k.., o..) -> (C, k.., N, o..)
-    perm = (1,) + tuple(range(2, 2 + nd)) + (0,) + tuple(range(2 + nd, 2 + 2 * nd))
-    col[...] = view.transpose(perm)
-    return col.reshape(group, (c // group) * geom.kernel_count, n * _prod(out_shape))
+    col[...] = window_view(xt, geom, out_shape, kernel_first=True)
+    return col.reshape(group, (c // group) * geom.kernel_count, n * p)
 
 
 def fold(col, x_shape, geom, out_shape, out=None, slot='pad'):
     """col2im, the adjoint of unfold: col (G, Kg, N*P) summed back into an
     (N, C, *S) image. Written into `out` (overwritten) if given."""
+    xp = backend.get_array_module(col)
     n, c = x_shape[:2]
     nd = geom.nd
+    if out is None:
+        out = xp.empty(tuple(x_shape), FLOAT)
+    perm = (1, 0) + tuple(range(2, 2 + nd))
+    if geom.is_1x1:
+        out.reshape(n, c, -1)[...] = col.reshape(c, n, -1).transpose(1, 0, 2)
+        return out
     colv = col.reshape((c,) + tuple(geom.kernel) + (n,) + tuple(out_shape))
-    # -> (N, C, *k, *o) view
-    perm = (1 + nd, 0) + tuple(range(1, 1 + nd)) + tuple(range(2 + nd, 2 + 2 * nd))
-    return fold_view(colv.transpose(perm), x_shape, geom, out_shape, out, slot)
+    # accumulate channel-major (the order col is stored in), then transpose once
+    pshape = (c, n) + tuple(x_shape[2 + i] + 2 * geom.pad[i] for i in range(nd))
+    acc = scratch(xp, pshape, slot, zero=True)
+    lead = (slice(None), slice(None))
+    for idx in numpy.ndindex(*geom.kernel):
+        dst = lead + tuple(slice(idx[i] * geom.dilation[i],
+                                 idx[i] * geom.dilation[i] + (out_shape[i] - 1) * geom.stride[i] + 1,
+                                 geom.stride[i]) for i in range(nd))
+        acc[dst] += colv[(slice(None),) + idx]
+    out[...] = acc[lead + tuple(slice(p, p + s) for p, s in
+                                zip(geom.pad, x_shape[2:]))].transpose(perm)
+    return out
 
 
 def fold_view(colv, x_shape, geom, out_shape, out=None, slot='pad'):

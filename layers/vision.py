@@ -291,34 +291,96 @@ def pool_output_shape(height, width, geom, ceil_mode=True):
     return oh, ow
 
 
-def _pool_source(x, geom, out_hw, fill, slot='pool'):
-    """x padded so that every window offset is a plain strided slice: rows
-    -pad .. (out-1)*stride - pad + kernel - 1 (and likewise columns)."""
-    n, c, h, w = x.shape
-    (kh, kw), (sh, sw), (ph, pw) = geom
-    oh, ow = out_hw
-    hp = ph + max(h, (oh - 1) * sh - ph + kh)
-    wp = pw + max(w, (ow - 1) * sw - pw + kw)
-    if hp == h and wp == w:
-        return x
-    xp = backend.get_array_module(x)
-    src = scratch(xp, (n, c, hp, wp), slot)
-    src.fill(fill)
-    src[:, :, ph:ph + h, pw:pw + w] = x
-    return src
+class _Windows:
+    """Every kernel offset of a pooling as a strided slice of one source.
+
+    The source is x padded (with `fill`) to rows -pad .. (out-1)*stride -
+    pad + kernel - 1 (and likewise columns). When the windows overlap a lot
+    and the stride is > 1, the padded source is split into stride x stride
+    phase planes, so that every offset's slice reads contiguous rows
+    (offset (i, j) lives in plane (i % sh, j % sw) at (i // sh, j // sw))."""
+
+    def __init__(self, x_shape, geom, out_hw):
+        n, c, h, w = x_shape
+        (kh, kw), (sh, sw), (ph, pw) = geom
+        oh, ow = out_hw
+        self.x_shape = tuple(x_shape)
+        self.geom, self.out_hw = geom, (oh, ow)
+        self.hp = ph + max(h, (oh - 1) * sh - ph + kh)
+        self.wp = pw + max(w, (ow - 1) * sw - pw + kw)
+        self.split = (sh > 1 or sw > 1) and kh * kw >= 2 * sh * sw
+        self.identity = not self.split and self.hp == h and self.wp == w
+        if self.split:
+            self.rows = -(-self.hp // sh)
+            self.cols = -(-self.wp // sw)
+            self.shape = (sh, sw, n, c, self.rows, self.cols)
+            self.phases = []
+            for a in range(sh):
+                for b in range(sw):
+                    h0, w0 = (a - ph) % sh, (b - pw) % sw
+                    if h0 >= h or w0 >= w:
+                        continue
+                    nr, nc = len(range(h0, h, sh)), len(range(w0, w, sw))
+                    r0, c0 = (h0 + ph) // sh, (w0 + pw) // sw
+                    self.phases.append(((a, b, slice(None), slice(None),
+                                         slice(r0, r0 + nr), slice(c0, c0 + nc)),
+                                        (slice(None), slice(None),
+                                         slice(h0, None, sh), slice(w0, None, sw))))
+        else:
+            self.shape = (n, c, self.hp, self.wp)
+        self.offsets = []
+        for i in range(kh):
+            for j in range(kw):
+                if self.split:
+                    sl = (i % sh, j % sw, slice(None), slice(None),
+                          slice(i // sh, i // sh + oh), slice(j // sw, j // sw + ow))
+                else:
+                    sl = (slice(None), slice(None), slice(i, i + (oh - 1) * sh + 1, sh),
+                          slice(j, j + (ow - 1) * sw + 1, sw))
+                self.offsets.append((i * kw + j, sl))
+
+    def _interior(self):
+        (ph, pw) = self.geom.pad
+        h, w = self.x_shape[2:]
+        return (slice(None), slice(None), slice(ph, ph + h), slice(pw, pw + w))
+
+    def source(self, x, fill, slot='pool'):
+        """The array the offsets slice: x itself, or a padded/split copy."""
+        if self.identity:
+            return x
+        xp = backend.get_array_module(x)
+        src = scratch(xp, self.shape, slot)
+        src.fill(fill)
+        if self.split:
+            for dst, sl in self.phases:
+                src[dst] = x[sl]
+        else:
+            src[self._interior()] = x
+        return src
+
+    def grad_buffer(self, dx, slot='poolgrad'):
+        if self.identity:
+            dx.fill(0)
+            return dx
+        return scratch(backend.get_array_module(dx), self.shape, slot, zero=True)
+
+    def grad_finish(self, acc, dx):
+        if acc is dx:
+            return dx
+        if self.split:
+            for src, sl in self.phases:
+                dx[sl] = acc[src]
+        else:
+            dx[...] = acc[self._interior()]
+        return dx
 
 
-def _offsets(geom, out_hw):
-    """(offset number, (i, j), slice tuple) of every kernel offset, row-major."""
-    (kh, kw), (sh, sw), _ = geom
-    oh, ow = out_hw
-    out = []
-    for i in range(kh):
-        for j in range(kw):
-            out.append((i * kw + j, (slice(None), slice(None),
-                                     slice(i, i + (oh - 1) * sh + 1, sh),
-                                     slice(j, j + (ow - 1) * sw + 1, sw))))
-    return out
+def _arg_dtype(count):
+    if count < 127:
+        return numpy.int8
+    if count < 32767:
+        return numpy.int16
+    return numpy.int32
 
 
 def pool_sizes(x_hw, geom, out_hw):
@@ -333,20 +395,47 @@ def pool_sizes(x_hw, geom, out_hw):
     return (hsz[:, None] * wsz[None, :]).astype(FLOAT)
 
 
+def _is_global(x_shape, geom, out_hw):
+    return tuple(out_hw) == (1, 1) and tuple(geom.kernel) == tuple(x_shape[2:]) and \
+        tuple(geom.pad) == (0, 0)
+
+
+def new_arg(xp, out_shape, geom):
+    """An array for max_pool_forward's `arg` (offsets within the window)."""
+    return xp.empty(out_shape, dtype=_arg_dtype(geom.kernel[0] * geom.kernel[1] + 1))
+
+
 def max_pool_forward(x, geom, y, arg):
-    """y = window max, arg = kernel offset (row-major, -1 if none) of the
-    first maximum in scan order (strict >, as Caffe)."""
+    """y = window max; arg = the kernel offset (row-major in the window, -1
+    if no cell beats -FLT_MAX) of the first maximum in scan order: Caffe's
+    strict > scan, which also skips NaNs."""
     xp = backend.get_array_module(x)
     out_hw = y.shape[2:]
-    src = _pool_source(x, geom, out_hw, -numpy.inf)
+    if _is_global(x.shape, geom, out_hw):
+        flat = x.reshape(x.shape[0], x.shape[1], -1)
+        if not bool(xp.isnan(flat).any()):
+            a = flat.argmax(axis=2)
+            v = xp.take_along_axis(flat, a[..., None], axis=2)[..., 0]
+            ok = v > -FLT_MAX
+            y[..., 0, 0] = xp.where(ok, v, FLOAT(-FLT_MAX))
+            arg[..., 0, 0] = xp.where(ok, a, -1)
+            return y, arg
+    win = _Windows(x.shape, geom, out_hw)
+    src = win.source(x, -numpy.inf)
     y.fill(-FLT_MAX)
-    arg.fill(-1)
+    arg.fill(0)
     better = xp.empty(y.shape, dtype=bool)
-    for o, sl in _offsets(geom, out_hw):
+    mark = xp.empty(y.shape, dtype=arg.dtype)
+    one = numpy.dtype(arg.dtype).type
+    for o, sl in win.offsets:
         v = src[sl]
         xp.greater(v, y, out=better)
-        xp.copyto(y, v, where=better)
-        xp.copyto(arg, o, where=better)
+        xp.fmax(y, v, out=y)
+        # offsets come in increasing order, so the last offset that beat the
+        # running max is the largest one marked: arg = max(o + 1 where better)
+        xp.multiply(better.view(numpy.int8), one(o + 1), out=mark)
+        xp.maximum(arg, mark, out=arg)
+    arg -= one(1)
     return y, arg
 
 
@@ -363,55 +452,49 @@ def max_pool_mask(arg, geom, x_hw):
     return xp.where(arg < 0, -1, idx)
 
 
-def _scatter_back(dy, arg, geom, x_shape, dx):
-    """dx[...] = sum over windows of dy routed to the offset in arg."""
+def _scatter_back(dy, arg, geom, dx):
+    """dx[...] = each window's dy routed to the offset in arg."""
     xp = backend.get_array_module(dy)
     out_hw = dy.shape[2:]
-    acc = _grad_buffer(dx, geom, out_hw)
+    if _is_global(dx.shape, geom, out_hw):
+        flat = dx.reshape(dx.shape[0], dx.shape[1], -1)
+        flat.fill(0)
+        a = arg[..., 0, 0].astype(numpy.int64)
+        ok = a >= 0
+        xp.put_along_axis(flat, xp.where(ok, a, 0)[..., None],
+                          xp.where(ok, dy[..., 0, 0], FLOAT(0))[..., None], axis=2)
+        return dx
+    win = _Windows(dx.shape, geom, out_hw)
+    acc = win.grad_buffer(dx)
     tmp = xp.empty(dy.shape, dtype=FLOAT)
     sel = xp.empty(dy.shape, dtype=bool)
     # reverse offset order adds each cell's contributions in the order of
     # the windows (row-major), the order Caffe's loops add them in
-    for o, sl in reversed(_offsets(geom, out_hw)):
+    for o, sl in reversed(win.offsets):
         xp.equal(arg, o, out=sel)
         xp.multiply(dy, sel, out=tmp)
         acc[sl] += tmp
-    _grad_finish(acc, dx, geom)
-    return dx
-
-
-def _grad_buffer(dx, geom, out_hw):
-    n, c, h, w = dx.shape
-    (kh, kw), (sh, sw), (ph, pw) = geom
-    oh, ow = out_hw
-    hp = ph + max(h, (oh - 1) * sh - ph + kh)
-    wp = pw + max(w, (ow - 1) * sw - pw + kw)
-    if hp == h and wp == w:
-        dx.fill(0)
-        return dx
-    return scratch(backend.get_array_module(dx), (n, c, hp, wp), 'poolgrad', zero=True)
-
-
-def _grad_finish(acc, dx, geom):
-    if acc is dx:
-        return
-    (ph, pw) = geom.pad
-    h, w = dx.shape[2:]
-    dx[...] = acc[:, :, ph:ph + h, pw:pw + w]
+    return win.grad_finish(acc, dx)
 
 
 def max_pool_backward(dy, arg, geom, dx):
-    return _scatter_back(dy, arg, geom, dx.shape, dx)
+    return _scatter_back(dy, arg, geom, dx)
 
 
 def ave_pool_forward(x, geom, y):
-    out_hw = y.shape[2:]
     xp = backend.get_array_module(x)
-    src = _pool_source(x, geom, out_hw, 0.0)
+    out_hw = y.shape[2:]
+    sizes = xp.asarray(pool_sizes(x.shape[2:], geom, out_hw))
+    if _is_global(x.shape, geom, out_hw):
+        x.reshape(x.shape[0], x.shape[1], -1).sum(axis=2, out=y.reshape(y.shape[:2]))
+        y /= sizes
+        return y
+    win = _Windows(x.shape, geom, out_hw)
+    src = win.source(x, 0.0)
     y.fill(0)
-    for _, sl in _offsets(geom, out_hw):
+    for _, sl in win.offsets:
         y += src[sl]
-    y /= xp.asarray(pool_sizes(x.shape[2:], geom, out_hw))
+    y /= sizes
     return y
 
 
@@ -419,11 +502,14 @@ def ave_pool_backward(dy, geom, dx):
     xp = backend.get_array_module(dy)
     out_hw = dy.shape[2:]
     g = dy / xp.asarray(pool_sizes(dx.shape[2:], geom, out_hw))
-    acc = _grad_buffer(dx, geom, out_hw)
-    for _, sl in reversed(_offsets(geom, out_hw)):
+    if _is_global(dx.shape, geom, out_hw):
+        dx[...] = g
+        return dx
+    win = _Windows(dx.shape, geom, out_hw)
+    acc = win.grad_buffer(dx)
+    for _, sl in reversed(win.offsets):
         acc[sl] += g
-    _grad_finish(acc, dx, geom)
-    return dx
+    return win.grad_finish(acc, dx)
 
 
 def stochastic_pool_forward(x, geom, y, arg, train, uniform=None):
@@ -433,12 +519,12 @@ def stochastic_pool_forward(x, geom, y, arg, train, uniform=None):
     (its CPU version is not implemented)."""
     xp = backend.get_array_module(x)
     out_hw = y.shape[2:]
-    src = _pool_source(x, geom, out_hw, 0.0)
-    offs = _offsets(geom, out_hw)
+    win = _Windows(x.shape, geom, out_hw)
+    src = win.source(x, 0.0)
     if not train:
         total = xp.full(y.shape, FLT_MIN, dtype=FLOAT)
         y.fill(0)
-        for _, sl in offs:
+        for _, sl in win.offsets:
             v = src[sl]
             total += v
             y += v * v
@@ -447,7 +533,7 @@ def stochastic_pool_forward(x, geom, y, arg, train, uniform=None):
             arg.fill(-1)
         return y
     total = xp.zeros(y.shape, dtype=FLOAT)
-    for _, sl in offs:
+    for _, sl in win.offsets:
         total += src[sl]
     if uniform is None:
         uniform = rng.get().random(size=y.shape, dtype=numpy.float32)
@@ -456,7 +542,7 @@ def stochastic_pool_forward(x, geom, y, arg, train, uniform=None):
     y.fill(0)
     arg.fill(-1)
     hit = xp.empty(y.shape, dtype=bool)
-    for o, sl in offs:
+    for o, sl in win.offsets:
         v = src[sl]
         cum += v
         xp.greater_equal(cum, thres, out=hit)
@@ -467,7 +553,7 @@ def stochastic_pool_forward(x, geom, y, arg, train, uniform=None):
 
 
 def stochastic_pool_backward(dy, arg, geom, dx):
-    return _scatter_back(dy, arg, geom, dx.shape, dx)
+    return _scatter_back(dy, arg, geom, dx)
 
 
 def pool_forward(method, x, geom, y, arg=None, train=True):
@@ -481,7 +567,7 @@ def pool_forward(method, x, geom, y, arg=None, train=True):
 def pool_backward(method, dy, geom, dx, arg=None):
     if method == AVE:
         return ave_pool_backward(dy, geom, dx)
-    return _scatter_back(dy, arg, geom, dx.shape, dx)
+    return _scatter_back(dy, arg, geom, dx)
 
 
 def pooling_geometry(layer, pp, height, width):
@@ -559,7 +645,7 @@ class _Pool:
         if self.method in (MAX, STOCHASTIC):
             if self.arg is None or self.arg.shape != y.shape or \
                     backend.get_array_module(self.arg) is not xp:
-                self.arg = xp.empty(y.shape, dtype=numpy.int32)
+                self.arg = new_arg(xp, y.shape, self.geom)
         return pool_forward(self.method, x, self.geom, y, self.arg, train)
 
     def backward(self, dy, dx):
