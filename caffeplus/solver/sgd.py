@@ -104,7 +104,7 @@ class SGDSolver(Solver):
         for param in params:
             g = param.diff.ravel()
             xp = backend.get_array_module(g)
-            sumsq += F32(xp.dot(g, g))
+            sumsq += F32(float(xp.dot(g, g)))
         l2norm = F32(numpy.sqrt(sumsq))
         if l2norm > clip:
             scale = F32(clip / l2norm)

@@ -1,0 +1,437 @@
+"""The train, test, time and device_query commands: Caffe's flags, log lines
+and exit codes.
+
+Most runs are in process on a tiny DummyData net; one train run goes through
+a real subprocess (stderr in glog format, parse_log on the result), and one
+checks SIGHUP (snapshot) and SIGINT (stop) on a running trainer.
+"""
+import logging
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy
+import pytest
+
+from caffeplus import cli, log
+from caffeplus.log import GlogFormatter
+from caffeplus.proto import caffe_pb2
+from conftest import REFERENCE, ROOT
+
+TINY_NET = '''
+name: "tiny"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+        dummy_data_param { shape { dim: 8 dim: 5 } shape { dim: 8 }
+                           data_filler { type: "gaussian" std: 1 }
+                           data_filler { type: "constant" value: 1 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+layer { name: "accuracy" type: "Accuracy" bottom: "ip" bottom: "label" top: "accuracy"
+        include { phase: TEST } }
+'''
+
+TINY_SOLVER = '''
+net: "tiny.prototxt"
+test_iter: 2
+test_interval: 10
+base_lr: 0.1
+momentum: 0.9
+weight_decay: 0.0005
+lr_policy: "inv"
+gamma: 0.0001
+power: 0.75
+display: 5
+max_iter: 20
+snapshot: 10
+snapshot_prefix: "snap/tiny"
+solver_mode: CPU
+random_seed: 1701
+'''
+
+GLOG = re.compile(r'^[IWEF]\d{8} \d\d:\d\d:\d\d\.\d{6} +\d+ [\w.]+:\d+\] ')
+# Caffe's tools/extra/parse_log.py
+REGEX_ITERATION = re.compile(r'Iteration (\d+)')
+REGEX_TRAIN_OUTPUT = re.compile(r'Train net output #(\d+): (\S+) = ([\.\deE+-]+)')
+REGEX_TEST_OUTPUT = re.compile(r'Test net output #(\d+): (\S+) = ([\.\deE+-]+)')
+REGEX_LEARNING_RATE = re.compile(r'lr = ([-+]?[0-9]*\.?[0-9]+([eE]?[-+]?[0-9]+)?)')
+
+
+class Capture(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(GlogFormatter())
+        self.lines, self.messages = [], []
+
+    def emit(self, record):
+        self.lines.append(self.format(record))
+        self.messages.append(record.getMessage())
+
+
+def run_cli(cwd, *argv):
+    """In process: (exit code, Capture)."""
+    cap = Capture()
+    log.logger.addHandler(cap)
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        rc = cli.main(list(argv))
+    finally:
+        os.chdir(old)
+        log.logger.removeHandler(cap)
+    return rc, cap
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    (tmp_path / 'tiny.prototxt').write_text(TINY_NET)
+    (tmp_path / 'solver.prototxt').write_text(TINY_SOLVER)
+    (tmp_path / 'snap').mkdir()
+    return tmp_path
+
+
+def env():
+    e = dict(os.environ)
+    e['PYTHONPATH'] = ROOT + os.pathsep + e.get('PYTHONPATH', '')
+    e.setdefault('OPENBLAS_NUM_THREADS', '1')
+    return e
+
+
+# -- train -------------------------------------------------------------------------
+def test_train_subprocess_log_format_and_parse_log(tiny):
+    proc = subprocess.run([sys.executable, '-m', 'caffeplus', 'train', '-solver',
+                           'solver.prototxt'], cwd=str(tiny), env=env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    glog = [l for l in lines if GLOG.match(l)]
+    # everything else is a continuation of a multi-line parameter dump
+    assert all(GLOG.match(l) or not l.startswith(('I2', 'W2', 'E2', 'F2')) for l in lines)
+    messages = [GLOG.sub('', l) for l in glog]
+    assert messages[0] == 'Use CPU.'
+    assert messages[1] == 'Initializing solver from parameters: '
+    for want in ('Solving tiny', 'Learning Rate Policy: inv', 'Iteration 0, Testing net (#0)',
+                 'Snapshotting to binary proto file snap/tiny_iter_10.caffemodel',
+                 'Snapshotting solver state to binary proto file snap/tiny_iter_10.solverstate',
+                 'Snapshotting to binary proto file snap/tiny_iter_20.caffemodel',
+                 'Starting Optimization', 'Optimization Done.'):
+        assert want in messages, want
+    assert messages[-2:] == ['Optimization Done.', 'Optimization Done.']
+    train = [m for m in messages if REGEX_TRAIN_OUTPUT.search(m)]
+    test = [m for m in messages if REGEX_TEST_OUTPUT.search(m)]
+    lrs = [m for m in messages if REGEX_LEARNING_RATE.search(m)]
+    assert len(train) == 4 and len(test) == 3 * 2 and len(lrs) == 4
+    assert [int(REGEX_ITERATION.search(m).group(1)) for m in lrs] == [0, 5, 10, 15]
+    for m in messages:
+        g = re.match(r'^Iteration (\d+) \((\S+) iter/s, (\S+)s/5 iters\), loss = (\S+)$', m)
+        if g:
+            float(g.group(2)), float(g.group(3)), float(g.group(4))
+    assert sorted(os.listdir(tiny / 'snap')) == [
+        'tiny_iter_10.caffemodel', 'tiny_iter_10.solverstate',
+        'tiny_iter_10.solverstate.caffeplus.json', 'tiny_iter_20.caffemodel',
+        'tiny_iter_20.solverstate', 'tiny_iter_20.solverstate.caffeplus.json']
+    # caffeplus's own parse_log (Caffe's parse_log.py) reads the log
+    try:
+        from caffeplus.commands.parse_log import parse_log
+    except ImportError:
+        return
+    path = tiny / 'train.log'
+    path.write_text(proc.stderr)
+    train_rows, test_rows = parse_log(str(path))
+    assert [r['NumIters'] for r in train_rows] == [0, 5, 10, 15]
+    assert [r['NumIters'] for r in test_rows] == [0, 10, 20]
+    assert all('loss' in r for r in train_rows)
+    assert all('accuracy' in r and 'loss' in r for r in test_rows)
+    assert train_rows[1]['LearningRate'] == pytest.approx(0.1 * (1 + 0.0001 * 5) ** -0.75,
+                                                          rel=1e-5)
+
+
+def _error(capsys):
+    return capsys.readouterr().err
+
+
+def test_train_bad_input_names_the_file(tiny, capsys):
+    assert run_cli(tiny, 'train')[0] == 1
+    assert 'Need a solver definition' in _error(capsys)
+    assert run_cli(tiny, 'train', '-solver', 'nope.prototxt')[0] == 1
+    assert 'nope.prototxt' in _error(capsys)
+    (tiny / 'bad_net.prototxt').write_text(TINY_SOLVER.replace('tiny.prototxt',
+                                                               'missing_net.prototxt'))
+    assert run_cli(tiny, 'train', '-solver', 'bad_net.prototxt')[0] == 1
+    err = _error(capsys)
+    assert 'missing_net.prototxt' in err and 'bad_net.prototxt' in err
+    assert run_cli(tiny, 'train', '-solver', 'solver.prototxt', '-weights', 'w.caffemodel')[0] == 1
+    assert 'w.caffemodel' in _error(capsys)
+    assert run_cli(tiny, 'train', '-solver', 'solver.prototxt', '-weights', 'w.caffemodel',
+                   '-snapshot', 's.solverstate')[0] == 1
+    assert 'not both' in _error(capsys)
+    assert run_cli(tiny, 'train', '-solver', 'solver.prototxt', '-snapshot',
+                   'snap/x.solverstate')[0] == 1
+    assert 'snap/x.solverstate' in _error(capsys)
+    (tiny / 'typo.prototxt').write_text(TINY_SOLVER + 'type: "Adamm"\n')
+    assert run_cli(tiny, 'train', '-solver', 'typo.prototxt')[0] == 1
+    assert 'Unknown solver type: Adamm' in _error(capsys)
+    (tiny / 'syntax.prototxt').write_text(TINY_SOLVER + 'base_lr 0.1 }\n')
+    assert run_cli(tiny, 'train', '-solver', 'syntax.prototxt')[0] == 1
+    assert 'syntax.prototxt' in _error(capsys)
+    with pytest.raises(SystemExit) as exc:
+        run_cli(tiny, 'train', '-solver', 'solver.prototxt', '-sigint_effect', 'explode')
+    assert exc.value.code == 2
+
+
+def test_train_gpu_without_cupy(tiny, capsys):
+    try:
+        import cupy  # noqa: F401
+        pytest.skip('CuPy is installed')
+    except ImportError:
+        pass
+    assert run_cli(tiny, 'train', '-solver', 'solver.prototxt', '-gpu', '0')[0] == 1
+    assert 'CuPy' in _error(capsys)
+    # solver_mode GPU in the file (as in BVLC's solvers): a warning, then the CPU
+    (tiny / 'gpu.prototxt').write_text(TINY_SOLVER.replace('solver_mode: CPU', 'solver_mode: GPU')
+                                       .replace('max_iter: 20', 'max_iter: 2'))
+    rc, cap = run_cli(tiny, 'train', '-solver', 'gpu.prototxt')
+    assert rc == 0
+    assert any('training on the CPU' in m for m in cap.messages)
+    assert 'Use CPU.' in cap.messages
+
+
+def test_finetune_from_several_weights_files(tiny):
+    rc, _ = run_cli(tiny, 'train', '-solver', 'solver.prototxt')
+    assert rc == 0
+    (tiny / 'zero.prototxt').write_text(TINY_SOLVER.replace('max_iter: 20', 'max_iter: 0')
+                                        .replace('snap/tiny', 'ft/tiny')
+                                        .replace('snapshot: 10', 'snapshot: 0'))
+    (tiny / 'ft').mkdir()
+    rc, cap = run_cli(tiny, 'train', '-solver', 'zero.prototxt', '-weights',
+                      'snap/tiny_iter_10.caffemodel,snap/tiny_iter_20.caffemodel')
+    assert rc == 0
+    # train net and test net, each file in order
+    assert cap.messages.count('Finetuning from snap/tiny_iter_10.caffemodel') == 2
+    assert cap.messages.count('Finetuning from snap/tiny_iter_20.caffemodel') == 2
+    assert 'weights: "snap/tiny_iter_10.caffemodel,snap/tiny_iter_20.caffemodel"' in \
+        '\n'.join(cap.messages)
+    a, b = caffe_pb2.NetParameter(), caffe_pb2.NetParameter()
+    a.ParseFromString((tiny / 'snap' / 'tiny_iter_20.caffemodel').read_bytes())
+    b.ParseFromString((tiny / 'ft' / 'tiny_iter_0.caffemodel').read_bytes())
+    assert a.layer[1].blobs[0].data == b.layer[1].blobs[0].data
+
+
+def test_resume_via_cli_and_stage_level_flags(tiny):
+    rc, _ = run_cli(tiny, 'train', '-solver', 'solver.prototxt')
+    assert rc == 0
+    final = (tiny / 'snap' / 'tiny_iter_20.caffemodel').read_bytes()
+    os.remove(tiny / 'snap' / 'tiny_iter_20.caffemodel')
+    rc, cap = run_cli(tiny, 'train', '-solver', 'solver.prototxt', '-snapshot',
+                      'snap/tiny_iter_10.solverstate', '-level', '2', '-stage', 'a,b')
+    assert rc == 0
+    assert 'Resuming from snap/tiny_iter_10.solverstate' in cap.messages
+    text = '\n'.join(cap.messages)
+    assert 'train_state {\n  level: 2\n  stage: "a"\n  stage: "b"\n}' in text
+    a, b = caffe_pb2.NetParameter(), caffe_pb2.NetParameter()
+    a.ParseFromString(final)
+    b.ParseFromString((tiny / 'snap' / 'tiny_iter_20.caffemodel').read_bytes())
+    # the same weights (the file's net state differs: level 2, stages a, b)
+    assert [list(x.data) for l in a.layer for x in l.blobs] == \
+        [list(x.data) for l in b.layer for x in l.blobs]
+    assert list(b.state.stage) == ['a', 'b'] and b.state.level == 2
+    # the first iteration after the resume is 10
+    assert [m for m in cap.messages if re.match(r'^Iteration \d+ \(', m)][0].startswith(
+        'Iteration 10 (')
+
+
+def test_memory_flags_are_parsed_and_stored(tiny):
+    (tiny / 'short.prototxt').write_text(TINY_SOLVER.replace('max_iter: 20', 'max_iter: 1'))
+    rc, cap = run_cli(tiny, 'train', '-solver', 'short.prototxt', '--memory', 'shared',
+                      '--workspace_limit', '64M')
+    assert rc == 0
+    text = '\n'.join(cap.messages)
+    assert 'memory_plan: "shared"' in text and 'workspace_limit: 67108864' in text
+    with pytest.raises(SystemExit):
+        run_cli(tiny, 'train', '-solver', 'short.prototxt', '--memory', 'lots')
+
+
+def test_train_usage_lists_caffe_flags(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(['train', '--help'])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ('--solver', '--weights', '--snapshot', '--gpu', '--sigint_effect',
+                 '--sighup_effect', '--level', '--stage', '--memory', '--workspace_limit'):
+        assert flag in out
+
+
+# -- signals ------------------------------------------------------------------------
+@pytest.mark.skipif(not hasattr(signal, 'SIGHUP'), reason='needs SIGHUP')
+def test_sighup_snapshots_and_sigint_stops(tiny):
+    (tiny / 'long.prototxt').write_text(
+        TINY_SOLVER.replace('max_iter: 20', 'max_iter: 10000000').replace('snapshot: 10',
+                                                                          'snapshot: 0')
+        .replace('display: 5', 'display: 200'))
+    proc = subprocess.Popen([sys.executable, '-m', 'caffeplus', 'train', '-solver',
+                             'long.prototxt'], cwd=str(tiny), env=env(),
+                            stderr=subprocess.PIPE, text=True)
+    lines = queue.Queue()
+
+    def reader():
+        for line in proc.stderr:
+            lines.put(line.rstrip('\n'))
+        lines.put(None)
+    threading.Thread(target=reader, daemon=True).start()
+
+    def wait_for(pattern, timeout=60):
+        deadline = time.time() + timeout
+        seen = []
+        while time.time() < deadline:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            seen.append(line)
+            if re.search(pattern, line):
+                return line
+        proc.kill()
+        raise AssertionError('no %r in:\n%s' % (pattern, '\n'.join(seen[-30:])))
+
+    try:
+        wait_for(r'\] Iteration 200 \(')
+        proc.send_signal(signal.SIGHUP)
+        line = wait_for(r'Snapshotting solver state to binary proto file snap/tiny_iter_\d+')
+        proc.send_signal(signal.SIGINT)
+        wait_for(r'\] Optimization stopped early\.')
+        wait_for(r'\] Optimization Done\.')
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    snaps = sorted(os.listdir(tiny / 'snap'))
+    n = int(re.search(r'tiny_iter_(\d+)', line).group(1))
+    assert 'tiny_iter_%d.solverstate' % n in snaps
+    # SIGINT stops; snapshot_after_train writes the last iteration too
+    assert len([s for s in snaps if s.endswith('.solverstate')]) == 2
+
+
+# -- test ----------------------------------------------------------------------------
+def _copy_training(root):
+    src = os.path.join(REFERENCE, 'training')
+    if not os.path.isdir(src):
+        pytest.skip('reference data not found: %s' % src)
+    dst = os.path.join(str(root), 'training')
+    os.makedirs(os.path.join(dst, 'sgd'))
+    shutil.copytree(os.path.join(src, 'data'), os.path.join(dst, 'data'))
+    shutil.copy(os.path.join(src, 'lenet_train_test.prototxt'), dst)
+    shutil.copy(os.path.join(src, 'sgd', 'lenet_iter_30.caffemodel'), os.path.join(dst, 'sgd'))
+    return str(root)
+
+
+def _messages(path):
+    out = []
+    with open(path) as f:
+        for l in f:
+            m = re.match(r'^[IWEF]\d+ [\d:.]+ +\d+ \S+\] (.*)$', l.rstrip('\n'))
+            if m:
+                out.append(m.group(1))
+    return out
+
+
+NUMBER = r'[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?'
+
+
+def test_test_command_matches_caffe(tmp_path):
+    root = _copy_training(tmp_path)
+    rc, cap = run_cli(root, 'test', '-model', 'training/lenet_train_test.prototxt',
+                      '-weights', 'training/sgd/lenet_iter_30.caffemodel', '-iterations', '2')
+    assert rc == 0
+    ref = _messages(os.path.join(REFERENCE, 'cli', 'test_lenet_sgd.log'))
+    assert cap.messages[0] == ref[0] == 'Use CPU.'
+    ours = cap.messages[cap.messages.index('Running for 2 iterations.'):]
+    theirs = ref[ref.index('Running for 2 iterations.'):]
+    theirs = [m for m in theirs if not m.startswith('Restarting data')]
+    ours = [m for m in ours if not m.startswith('Restarting data')]
+    assert [re.sub(NUMBER, '#', m) for m in ours] == [re.sub(NUMBER, '#', m) for m in theirs]
+    for a, b in zip(ours, theirs):
+        numpy.testing.assert_allclose([float(x) for x in re.findall(NUMBER, a)],
+                                      [float(x) for x in re.findall(NUMBER, b)], rtol=1e-4)
+    # the TEST net state as Caffe prints it (phase, level, the empty stage)
+    assert 'state {\n  phase: TEST\n  level: 0\n  stage: ""\n}' in '\n'.join(cap.messages)
+
+
+def test_test_command_errors(tmp_path, capsys):
+    root = _copy_training(tmp_path)
+    assert run_cli(root, 'test', '-model', 'training/lenet_train_test.prototxt')[0] == 1
+    assert 'Need model weights' in _error(capsys)
+    assert run_cli(root, 'test', '-model', 'nope.prototxt', '-weights', 'w')[0] == 1
+    assert 'nope.prototxt' in _error(capsys)
+    assert run_cli(root, 'test', '-model', 'training/lenet_train_test.prototxt', '-weights',
+                   'training/sgd/nope.caffemodel', '-iterations', '1')[0] == 1
+    assert 'nope.caffemodel' in _error(capsys)
+    assert run_cli(root, 'test', '-model', 'training/lenet_train_test.prototxt', '-weights',
+                   'training/sgd/lenet_iter_30.caffemodel', '-phase', 'VAL')[0] == 1
+    assert 'TRAIN' in _error(capsys)
+
+
+# -- time ----------------------------------------------------------------------------
+def test_time_command_lines(tmp_path):
+    src = os.path.join(REFERENCE, 'cli', 'lenet_dummy_b64.prototxt')
+    if not os.path.exists(src):
+        pytest.skip('reference data not found: %s' % src)
+    shutil.copy(src, tmp_path)
+    rc, cap = run_cli(tmp_path, 'time', '-model', 'lenet_dummy_b64.prototxt', '-iterations', '5')
+    assert rc == 0
+    ref = _messages(os.path.join(REFERENCE, 'cli', 'time_lenet_dummy_b64.log'))
+    ours = cap.messages[cap.messages.index('Performing Forward'):]
+    theirs = ref[ref.index('Performing Forward'):]
+    assert [re.sub(NUMBER, '#', m) for m in ours] == [re.sub(NUMBER, '#', m) for m in theirs]
+    assert cap.messages[0] == 'Use CPU.'
+    layer_lines = [m for m in ours if '\tforward: ' in m]
+    assert [m.split('\t')[0] for m in layer_lines] == [m.split('\t')[0] for m in theirs
+                                                        if '\tforward: ' in m]
+    assert layer_lines[1].startswith('     conv1\tforward: ')
+    # the average forward-backward agrees with the total
+    total = float(re.match(r'Total Time: (\S+) ms\.', ours[-2]).group(1))
+    avg = float(re.match(r'Average Forward-Backward: (\S+) ms\.', ours[-3]).group(1))
+    assert avg == pytest.approx(total / 5, rel=1e-5)
+
+
+def test_time_errors(tmp_path, capsys):
+    assert run_cli(tmp_path, 'time')[0] == 1
+    assert 'Need a model definition' in _error(capsys)
+    (tmp_path / 'tiny.prototxt').write_text(TINY_NET)
+    assert run_cli(tmp_path, 'time', '-model', 'tiny.prototxt', '-phase', 'test')[0] == 1
+    assert 'phase must be' in _error(capsys)
+    rc, cap = run_cli(tmp_path, 'time', '-model', 'tiny.prototxt', '-phase', 'TEST',
+                      '-iterations', '2')
+    assert rc == 0 and any(m.startswith('  accuracy\tforward: ') for m in cap.messages)
+
+
+# -- device_query ---------------------------------------------------------------------
+def test_device_query_without_gpu(tmp_path, capsys):
+    assert run_cli(tmp_path, 'device_query')[0] == 1
+    assert 'Need a device ID' in _error(capsys)
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            pytest.skip('a GPU is present')
+    except Exception:
+        pass
+    assert run_cli(tmp_path, 'device_query', '-gpu', '0')[0] == 1
+    err = _error(capsys)
+    assert 'CuPy' in err or 'GPU' in err
+
+
+@pytest.mark.gpu
+def test_device_query_lists_properties(tmp_path):
+    rc, cap = run_cli(tmp_path, 'device_query', '-gpu', '0')
+    assert rc == 0
+    assert cap.messages[0] == 'Querying GPUs 0'
+    assert cap.messages[1] == 'Device id:                     0'
+    assert cap.messages[4].startswith('Name:                          ')
+    assert re.match(r'^Total global memory:           \d+$', cap.messages[5])
