@@ -16,6 +16,33 @@ MAX_BLOB_AXES = 32
 # allocate terabytes: 2**34 floats is 64 GiB.
 MAX_BLOB_COUNT = 2 ** 34
 
+# -- virtual allocation (shape-only builds) -----------------------------------
+# The memory planner builds big nets on the CPU only to read their shapes
+# (caffeplus.memory.shapes.shape_only()). While this switch is on, a CPU
+# Storage gets a writable zero-strided view of a single float instead of
+# `count` floats: every blob has its real shape and count but costs no
+# memory, writes through `blob.data[...] = x` land in that one float, and
+# Blob.data = x / Blob.diff = x skip the copy. A net built this way is for
+# planning only: its values are meaningless and it must not be run.
+_VIRTUAL = {'on': False}
+
+
+def set_virtual_allocation(on):
+    """Turn virtual allocation on or off; returns the previous setting."""
+    previous = _VIRTUAL['on']
+    _VIRTUAL['on'] = bool(on)
+    return previous
+
+
+def virtual_array(count):
+    """A writable float32 array of `count` elements that all alias one float."""
+    return numpy.lib.stride_tricks.as_strided(numpy.zeros(1, dtype=numpy.float32),
+                                              shape=(max(int(count), 1),), strides=(0,))
+
+
+def is_virtual(array):
+    return isinstance(array, numpy.ndarray) and array.size > 1 and not any(array.strides)
+
 
 class Storage:
     """A flat float32 buffer that one or more blobs view."""
@@ -26,6 +53,10 @@ class Storage:
         self.released_reason = None
 
     def ensure(self, count, xp):
+        if _VIRTUAL['on'] and xp is numpy:      # see "virtual allocation" above
+            if self.array is None or self.array.size < count:
+                self.array = virtual_array(count)
+            return self.array
         if self.array is None or self.array.size < count or \
                 backend.get_array_module(self.array) is not xp:
             old = self.array
@@ -144,6 +175,12 @@ class Blob:
         self._assign(self.diff, value, 'diff')
 
     def _assign(self, view, value, which):
+        if _VIRTUAL['on'] and is_virtual(view):  # shape-only build: nothing to store
+            if numpy.size(value) != view.size:
+                raise CaffeplusError('cannot assign an array of shape %s to the %s of blob %s '
+                                     'with shape %s' % (numpy.shape(value), which, self.name,
+                                                        view.shape))
+            return
         xp = backend.get_array_module(view)
         value = xp.asarray(value, dtype=numpy.float32) if xp is not numpy \
             else numpy.asarray(backend.to_numpy(value), dtype=numpy.float32)

@@ -19,11 +19,24 @@ def _steps(net):
     return L, (lambda i: i), (lambda i: 2 * L - 1 - i)
 
 
+def written_once(net):
+    """Tops a layer fills at setup and never again (DummyData's constant
+    tops, such as labels): like inputs, their values must outlive the
+    iteration, or a reused buffer hands the next iteration garbage."""
+    names = set()
+    for i, layer in enumerate(net.layers):
+        refill = getattr(layer, 'refill', None)
+        if layer.layer_param.type == 'DummyData' and refill is not None:
+            names.update(net._blob_names[b] for b, again in zip(net.top_id_vecs[i], refill)
+                         if not again)
+    return names
+
+
 def buffers(net, keep=(), training=True):
     """List of Buffer for every data and diff Storage the iteration touches."""
     L, fwd, bwd = _steps(net)
     end_of_iteration = 2 * L if training else L
-    keep = set(keep) | set(net.outputs) | set(net.inputs)
+    keep = set(keep) | set(net.outputs) | set(net.inputs) | written_once(net)
     intervals = {}      # (kind, id(storage)) -> [start, end, set(blob names), nbytes]
 
     def touch(kind, blob, name, step):

@@ -1,0 +1,233 @@
+"""Estimated plans, and `auto`: the fastest plan that fits a memory budget.
+
+    from caffeplus.memory import budget
+    plan = budget.estimate_plan(net, 'shared')            # numbers without a GPU
+    plan = budget.plan_for_budget(net, budget.parse_bytes('12G'))
+
+`estimate_plan` is caffeplus.memory.plan.make_plan with the workspace and
+"other" of caffeplus.memory.workspace_model, and an estimated iteration time
+(`plan.est_iter_ms`).
+
+`plan_for_budget` searches two knobs of the `shared` plan:
+  * the workspace arena's cap W: every convolution runs its fastest
+    algorithm candidate whose workspace fits W (workspace_model.candidates);
+    the arena is then the largest of those needs;
+  * the set S of feature maps offloaded to host memory between their forward
+    and backward use (vDNN), drawn from everything offload.choose(policy
+    'all') allows, cheapest first (stall per byte), as prefixes of that order
+    and the 'conv' policy's set.
+For each (W, S) the peak is parameters + diffs + history + other + the
+activation arena of S (best-fit placement of the shortened lives) + W, and
+the time is the layer-time model under W's algorithms plus the offload
+stalls. The plan of least time whose peak fits is chosen (ties: the smaller
+peak). If none fits, CaffeplusError says the smallest budget that would.
+
+Offload cost model: copying B bytes each way takes B / PCIE_BANDWIDTH
+(50 GB/s, pinned host memory). The copy out overlaps the forward steps from
+the one after the buffer is written through the one after its last forward
+use; the copy back overlaps the step before its first backward use (the
+prefetch distance offload.shorten plans for). Copies that share a window
+share its time; a window's stall is what its copies take beyond its compute.
+"""
+import collections
+import re
+
+from caffeplus.errors import CaffeplusError
+from caffeplus.memory import liveness, offload, placement, workspace_model as wm
+from caffeplus.memory.plan import HISTORY_COPIES, make_plan
+
+PCIE_BANDWIDTH = 50e9
+
+_UNITS = {'': 1, 'k': 2 ** 10, 'm': 2 ** 20, 'g': 2 ** 30, 't': 2 ** 40}
+
+
+def parse_bytes(text):
+    """'12G', '800M', '1.5GiB', '512MB', '1073741824' -> bytes. K/M/G/T are
+    binary (1G = 1GiB = 2**30 bytes) with or without 'i' and 'B'."""
+    m = re.match(r'^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kKmMgGtT]?)(i?[bB])?\s*$', str(text or ''))
+    if not m or (m.group(3) and m.group(3).lower() == 'ib' and not m.group(2)):
+        raise CaffeplusError("cannot read '%s' as a memory size (examples: 12G, 800M, 1.5GiB, "
+                             "1073741824)" % text)
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise CaffeplusError("memory size '%s' must be more than 0 bytes" % text)
+    return value
+
+
+def format_bytes(n):
+    if n is None:
+        return '-'
+    n = int(n)
+    if abs(n) >= 2 ** 30:
+        return '%.2f GiB' % (n / 2 ** 30)
+    if abs(n) >= 2 ** 20:
+        return '%.1f MiB' % (n / 2 ** 20)
+    if abs(n) >= 2 ** 10:
+        return '%.1f KiB' % (n / 2 ** 10)
+    return '%d B' % n
+
+
+# -- time ---------------------------------------------------------------------------
+def _windows(net, buf, L):
+    """(out window, in window) of one offloaded buffer: lists of steps."""
+    fwd, bwd = offload._uses(net, buf)
+    first_write, last_fwd, first_back = min(fwd), max(fwd), min(bwd)
+    out = list(range(first_write + 1, min(last_fwd + 1, 2 * L - 1) + 1))
+    back = [max(first_back - 1, last_fwd + 1)]
+    return out, back
+
+
+def offload_windows(net, bufs, keys):
+    """{buffer key: (out window, in window)} for the buffers in `keys`."""
+    keys = set(keys)
+    L = len(net.layers)
+    return {b.key: (b.nbytes, _windows(net, b, L)) for b in bufs if b.key in keys}
+
+
+def offload_stall_seconds(net, bufs, offloaded, steps, windows=None):
+    """Seconds the copies of `offloaded` (buffer keys) add to an iteration
+    whose steps take `steps` seconds (see the module docstring). `windows`:
+    offload_windows() of a superset, to save recomputing them."""
+    if windows is None:
+        windows = offload_windows(net, bufs, offloaded)
+    load = collections.defaultdict(float)
+    for key in offloaded:
+        nbytes, wins = windows[key]
+        for window in wins:
+            load[tuple(window)] += nbytes / PCIE_BANDWIDTH
+    return sum(max(0.0, s - sum(steps[t] for t in w)) for w, s in load.items())
+
+
+def iteration_seconds(net, choice=None, solver_type='SGD', stall=0.0):
+    return sum(wm.step_seconds(net, choice)) + \
+        wm.update_seconds(net, HISTORY_COPIES.get(solver_type, 1)) + stall
+
+
+# -- estimated plans --------------------------------------------------------------
+def _finish(plan, net, name, workspace, other, seconds, choice):
+    plan.breakdown['workspace'] = int(workspace)
+    plan.breakdown['other'] = int(other)
+    plan.est_iter_ms = seconds * 1e3
+    plan.algorithms = collections.OrderedDict(
+        (net.layers[i].name, c.name) for i, c in sorted(choice.items()))
+    return plan
+
+
+def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_policy='conv',
+                  budget=None):
+    """A MemoryPlan for `name` with the workspace model's workspace and other
+    and an estimated iteration time (`est_iter_ms`). 'auto' needs `budget`
+    (None: no limit, the fastest plan)."""
+    from caffeplus.memory.plan import check_plan_name
+    check_plan_name(name)
+    if name == 'auto':
+        return plan_for_budget(net, budget, solver_type, keep, training)
+    plan = make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
+                     offload_policy=offload_policy)
+    convs = wm.conv_layers(net)
+    if name == 'stock':
+        choice = {i: wm.stock_candidate(l) for i, l in convs}
+        workspace = wm.stock_workspace(net)
+    else:
+        choice = {i: wm.fastest(l) for i, l in convs}
+        workspace = wm.arena_workspace(net)
+    stall = 0.0
+    if name == 'offload' and plan.offloaded:
+        bufs = liveness.buffers(net, keep=keep, training=training)
+        stall = offload_stall_seconds(net, bufs, plan.offloaded, wm.step_seconds(net, choice))
+    seconds = iteration_seconds(net, choice, solver_type, stall)
+    return _finish(plan, net, name, workspace, wm.other_bytes(net, name), seconds, choice)
+
+
+# -- auto -----------------------------------------------------------------------------
+Option = collections.namedtuple('Option', 'peak seconds cap offloaded arena')
+
+
+def _offload_sets(net, bufs, keep, steps, windows):
+    """Candidate offload sets: prefixes of every offloadable buffer ordered
+    by stall per byte, and the 'conv' policy's set."""
+    keep = set(keep) | liveness.written_once(net)
+    allowed = offload.choose(net, bufs, 'all', keep)
+
+    def cost(key):
+        nbytes = windows[key][0]
+        return offload_stall_seconds(net, bufs, [key], steps, windows) / max(nbytes, 1), -nbytes
+
+    order = sorted(allowed, key=cost)
+    n = len(order)
+    cuts = sorted({0, n} | {round(n * f / 8) for f in range(1, 8)})
+    sets = [tuple(order[:k]) for k in cuts]
+    conv = offload.choose(net, bufs, 'conv', keep)
+    if conv and tuple(conv) not in sets:
+        sets.append(tuple(conv))
+    return sets
+
+
+def _arena_bytes(net, bufs, offloaded):
+    shortened = offload.shorten(bufs, offloaded, net) if offloaded else bufs
+    return placement.place(shortened)[1]
+
+
+def search(net, solver_type='SGD', keep=(), training=True):
+    """Every (cap, offload set) option the search weighs, as Option tuples."""
+    bufs = liveness.buffers(net, keep=keep, training=training)
+    params = sum(p.count for p in net.learnable_params) * liveness.FLOAT_BYTES
+    fixed = params * (1 + (1 + HISTORY_COPIES.get(solver_type, 1) if training else 0)) + \
+        wm.other_bytes(net, 'auto')
+    convs = wm.conv_layers(net)
+    timing = {}
+    for cap in wm.workspace_levels(net):
+        choice = {i: wm.fastest(l, cap) for i, l in convs}
+        workspace = max([c.bytes for c in choice.values()] + [0])
+        if workspace != cap:
+            continue            # the same algorithms as a smaller cap
+        steps = wm.step_seconds(net, choice)
+        timing[cap] = (steps, iteration_seconds(net, choice, solver_type))
+    fastest_steps = timing[max(timing)][0]
+    windows = offload_windows(net, bufs, offload.choose(
+        net, bufs, 'all', set(keep) | liveness.written_once(net))) if training else {}
+    sets = _offload_sets(net, bufs, keep, fastest_steps, windows) if training else [()]
+    options = []
+    for offloaded in sets:
+        arena = _arena_bytes(net, bufs, offloaded)
+        for cap, (steps, seconds) in timing.items():
+            stall = offload_stall_seconds(net, bufs, offloaded, steps, windows) \
+                if offloaded else 0.0
+            options.append(Option(fixed + arena + cap, seconds + stall, cap, offloaded, arena))
+    return options
+
+
+def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True):
+    """The `auto` MemoryPlan: least estimated time with peak <= budget
+    (None: no limit). CaffeplusError with the smallest feasible budget when
+    nothing fits."""
+    options = search(net, solver_type, keep, training)
+    fits = [o for o in options if budget is None or o.peak <= budget]
+    if not fits:
+        least = min(options, key=lambda o: (o.peak, o.seconds))
+        raise CaffeplusError(
+            'no plan for net %s fits a budget of %s (%d bytes): the smallest peak any plan '
+            'reaches is %s (%d bytes: shared, %d feature maps offloaded, no convolution '
+            'workspace); the smallest budget that fits is %s'
+            % (net.name, format_bytes(budget), budget, format_bytes(least.peak), least.peak,
+               len(least.offloaded), _budget_string(least.peak)))
+    best = min(fits, key=lambda o: (round(o.seconds, 9), o.peak))
+    names = sorted({n for key in best.offloaded for n in key[1]})
+    plan = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
+                     offload_policy=names)
+    plan.name = 'auto'
+    convs = wm.conv_layers(net)
+    choice = {i: wm.fastest(l, best.cap) for i, l in convs}
+    plan = _finish(plan, net, 'auto', best.cap, wm.other_bytes(net, 'auto'), best.seconds,
+                   choice)
+    plan.budget = budget
+    plan.workspace_cap = best.cap
+    return plan
+
+
+def _budget_string(n):
+    """A budget string that parses back to at least n bytes (rounded up to 0.01 GiB)."""
+    import math
+    if n >= 2 ** 30:
+        return '%.2fG' % (math.ceil(n / 2 ** 30 * 100) / 100)
+    return '%.1fM' % (math.ceil(n / 2 ** 20 * 10) / 10)

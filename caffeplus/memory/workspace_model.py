@@ -1,0 +1,291 @@
+"""Estimates the memory planner makes without a GPU: convolution workspace,
+layer-internal buffers, the runtime's fixed cost, and layer times.
+
+Everything here is a model, not a measurement. The constants are either
+Caffe's own (the 8 MB limit, 3 streams per group) or fitted to the stock
+Caffe measurements in shared/bench/README.md (H100, CUDA 13, cuDNN 9.19),
+and are meant to be recalibrated with `caffeplus memory -gpu` (see
+CALIBRATION below). `caffeplus memory --estimate` prints what they give.
+
+Convolution workspace
+---------------------
+Each convolution (forward, backward-data, backward-filter: three "kinds")
+runs one of several algorithms; the model offers three candidates per
+layer and per kind, with the workspace bytes they need and a time factor
+relative to the fastest (1.0):
+
+  name        bytes                                        time  when
+  gemm        0 (1x1 stride-1 convolutions are plain GEMMs) 1.0   1x1, stride 1, no pad
+  implicit    0          (IMPLICIT_GEMM / ALGO_0-like)       1.6   otherwise
+  precomp     8 B x (C/g) x prod(kernel) (an index buffer,    1.15  otherwise
+              IMPLICIT_PRECOMP_GEMM-like)
+  transform   4 B x (input + output feature map), the maps   1.0   stride 1, dilation 1
+              once in a tiled transform domain
+              (FFT_TILING / WINOGRAD_NONFUSED-like)
+  explicit    4 B x the im2col column buffer of the whole    1.0   strided or dilated
+              call (GEMM-like)
+
+Plans use them as follows:
+  stock    Caffe 1.0's CuDNNConvolutionLayer: per kind the fastest algorithm
+           within workspace_limit_bytes = 8 MB, modelled as
+           min(im2col column bytes of one group, 8 MB); the layer allocates
+           max over the kinds x group x 3 (CUDNN_STREAMS_PER_GROUP), and every
+           convolution layer keeps its own. Summed over the layers.
+  arena, shared, offload
+           one workspace for the net, as large as the largest single
+           convolution's need with its fastest candidate.
+  auto     a cap chosen by caffeplus.memory.budget; each layer then runs its
+           fastest candidate within the cap.
+
+Layer-internal buffers ("other")
+--------------------------------
+Some layers keep arrays of their own from forward to backward; they are not
+blobs, so the liveness planner does not see them. The model follows the
+current layer code (layers/*.py); a layer that defines `internal_bytes()`
+overrides it:
+
+  Pooling MAX / STOCHASTIC   int32 argmax, the size of the top
+  LRN                        the scale array, the size of the bottom
+  Dropout (TRAIN)            a bool mask, 1 byte per bottom element
+  BatchNorm (batch stats)    a copy of the normalized top
+  Scale (in place, learning) a copy of the bottom
+  Eltwise MAX                int32 argmax, the size of the top
+
+Fixed cost ("other")
+--------------------
+CONTEXT_BYTES is the CUDA context, CuPy, cuBLAS and one cuDNN handle: what a
+process holds on the device before any blob. For `stock`, Caffe's per-layer
+cuDNN handles and streams (3 per group per convolution layer) add
+HANDLE_BYTES each. Fitted to bench/README.md: with Caffe's own layer
+internals (BatchNorm temp_/x_norm_ data and diff, in-place Scale temp_, MAX
+pooling max_idx_, Dropout rand_vec_, SoftmaxWithLoss prob_), the stock
+measurements of the six bench nets leave 569 MiB + 47.3 MiB per
+convolution group unexplained (least squares, residuals within 250 MiB);
+47.3 MiB = 3 x 8 MB of workspace + 3 handles of ~8 MiB.
+
+Layer times (for `auto` and iter_ms estimates)
+----------------------------------------------
+Convolution and InnerProduct: 2 x weights x output positions FLOPs forward,
+twice that backward, at CONV_FLOPS (fitted to stock Caffe's VGG-16 at
+b64 and b256: 299 and 940 ms forward-backward without data); every other
+layer moves its bottoms and tops once forward and twice backward at
+MEMORY_BANDWIDTH; each layer call adds LAYER_OVERHEAD (fitted to GoogLeNet
+and ResNet-50, whose many small layers dominate). Good to tens of percent:
+`auto` only compares plans of one net with it.
+
+CALIBRATION: `caffeplus memory -gpu 0` prints measured beside estimated
+numbers; adjust CONTEXT_BYTES, HANDLE_BYTES, the candidate sizes and the
+internal-buffer table until the estimates are within 5%.
+"""
+import collections
+
+from caffeplus.memory.liveness import FLOAT_BYTES
+
+MiB = 2 ** 20
+STOCK_WORKSPACE_LIMIT = 8 * 1024 * 1024     # Caffe's workspace_limit_bytes
+STREAMS_PER_GROUP = 3                       # Caffe's CUDNN_STREAMS_PER_GROUP
+CONTEXT_BYTES = 570 * MiB
+HANDLE_BYTES = 8 * MiB
+CONV_FLOPS = 22e12                          # effective FP32 convolution FLOP/s
+LAYER_OVERHEAD = 0.3e-3                     # seconds per layer call (launches, sync)
+MEMORY_BANDWIDTH = 1.5e12                   # effective bytes/s of elementwise layers
+CONV_TYPES = ('Convolution', 'Deconvolution')
+KINDS = ('fwd', 'bwd_data', 'bwd_filter')
+
+Candidate = collections.namedtuple('Candidate', 'name bytes time_factor')
+
+
+def _prod(shape):
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def is_conv(layer):
+    return layer.layer_param.type in CONV_TYPES
+
+
+def conv_layers(net):
+    """[(layer index, layer)] of the net's convolutions."""
+    return [(i, l) for i, l in enumerate(net.layers) if is_conv(l)]
+
+
+class ConvShape:
+    """What the model needs of a built Convolution/Deconvolution layer."""
+
+    def __init__(self, layer):
+        self.reverse = bool(getattr(layer, 'reverse', False))
+        self.num = int(layer.num)
+        self.group = int(layer.group)
+        self.geom = layer.geom
+        self.in_count = self.num * int(layer.channels) * _prod(layer.in_spatial)
+        self.out_count = self.num * int(layer.num_output) * _prod(layer.out_spatial)
+        # The "image" side of im2col and the side the columns run over.
+        self.im_channels = int(layer.num_output if self.reverse else layer.channels)
+        self.col_spatial = tuple(layer.in_spatial if self.reverse else layer.out_spatial)
+        self.weight_count = int(layer.blobs[0].count) if layer.blobs else 0
+
+    @property
+    def column_bytes(self):
+        """The im2col column buffer of the whole call (all groups)."""
+        return FLOAT_BYTES * self.im_channels * self.geom.kernel_count * self.num * \
+            _prod(self.col_spatial)
+
+    @property
+    def is_1x1(self):
+        return self.geom.is_1x1
+
+    @property
+    def unit_stride(self):
+        return all(s == 1 for s in self.geom.stride) and all(d == 1 for d in self.geom.dilation)
+
+    @property
+    def flops(self):
+        """Forward FLOPs: 2 x weights x column positions x batch."""
+        return 2.0 * self.weight_count * self.num * _prod(self.col_spatial)
+
+
+def candidates(layer):
+    """The algorithm candidates of one convolution layer, least workspace first."""
+    s = ConvShape(layer)
+    if s.is_1x1:
+        return [Candidate('gemm', 0, 1.0)]
+    out = [Candidate('implicit', 0, 1.6),
+           Candidate('precomp', 8 * (s.im_channels // s.group) * s.geom.kernel_count, 1.15)]
+    if s.unit_stride:
+        out.append(Candidate('transform', FLOAT_BYTES * (s.in_count + s.out_count), 1.0))
+    else:
+        out.append(Candidate('explicit', s.column_bytes, 1.0))
+    return out
+
+
+def fastest(layer, cap=None):
+    """The fastest candidate whose workspace fits `cap` (None: no cap)."""
+    fits = [c for c in candidates(layer) if cap is None or c.bytes <= cap]
+    return min(fits, key=lambda c: (c.time_factor, c.bytes))
+
+
+def stock_layer_workspace(layer):
+    """Caffe 1.0's cuDNN workspace for one convolution layer (see above)."""
+    s = ConvShape(layer)
+    per_group = s.column_bytes // s.group
+    per_kind = min(per_group, STOCK_WORKSPACE_LIMIT)
+    return per_kind * s.group * STREAMS_PER_GROUP
+
+
+def stock_candidate(layer):
+    """What Caffe's 8 MB limit lets one group of a stock layer run."""
+    s = ConvShape(layer)
+    return fastest(layer, cap=STOCK_WORKSPACE_LIMIT * s.group)
+
+
+def stock_workspace(net):
+    return sum(stock_layer_workspace(l) for _, l in conv_layers(net))
+
+
+def arena_workspace(net, cap=None):
+    """One workspace for the net: the largest need among the convolutions'
+    fastest candidates within `cap`."""
+    return max([fastest(l, cap).bytes for _, l in conv_layers(net)] + [0])
+
+
+def workspace_levels(net):
+    """Every distinct arena size a cap can produce, ascending."""
+    sizes = {0}
+    for _, l in conv_layers(net):
+        sizes.update(c.bytes for c in candidates(l))
+    return sorted(sizes)
+
+
+def stock_handles(net):
+    """cuDNN handles (and streams) stock Caffe creates: 3 per group per conv."""
+    return sum(STREAMS_PER_GROUP * ConvShape(l).group for _, l in conv_layers(net))
+
+
+# -- layer-internal buffers --------------------------------------------------------
+def internal_bytes(net, i):
+    """Bytes layer i keeps for itself from forward to backward (see above)."""
+    layer = net.layers[i]
+    own = getattr(layer, 'internal_bytes', None)
+    if callable(own):
+        return int(own())
+    t = layer.layer_param.type
+    bottom, top = net.bottom_vecs[i], net.top_vecs[i]
+    from caffeplus.proto import caffe_pb2
+    training = layer.phase == caffe_pb2.TRAIN
+    if t == 'Pooling' and layer.layer_param.pooling_param.pool in (
+            caffe_pb2.PoolingParameter.MAX, caffe_pb2.PoolingParameter.STOCHASTIC):
+        return 4 * top[0].count
+    if t == 'LRN':
+        return FLOAT_BYTES * bottom[0].count
+    if t == 'Dropout' and training:
+        return bottom[0].count
+    if t == 'BatchNorm' and not getattr(layer, 'use_global_stats', not training):
+        return FLOAT_BYTES * top[0].count
+    if t == 'Scale' and bottom and top and bottom[0].data_storage is top[0].data_storage:
+        learns = len(bottom) > 1 or layer.param_needs_backward(0)
+        return FLOAT_BYTES * bottom[0].count if learns and net.layer_need_backward[i] else 0
+    if t == 'Eltwise' and layer.layer_param.eltwise_param.operation == \
+            caffe_pb2.EltwiseParameter.MAX:
+        return 4 * top[0].count
+    return 0
+
+
+def internals(net):
+    return sum(internal_bytes(net, i) for i in range(len(net.layers)))
+
+
+def other_bytes(net, plan_name):
+    """The estimate's "other": the runtime's fixed cost, stock's per-layer
+    handles, and the layers' internal buffers."""
+    other = CONTEXT_BYTES + internals(net)
+    if plan_name == 'stock':
+        other += HANDLE_BYTES * stock_handles(net)
+    return other
+
+
+# -- layer times --------------------------------------------------------------------
+def layer_seconds(net, i, conv_factor=1.0):
+    """(forward, backward) seconds of layer i under the model above;
+    `conv_factor` scales a convolution by its algorithm's time factor."""
+    layer = net.layers[i]
+    t = layer.layer_param.type
+    backward = net.layer_need_backward[i]
+    if is_conv(layer):
+        f = ConvShape(layer).flops / CONV_FLOPS * conv_factor
+        b = 2 * f
+    elif t == 'InnerProduct' and layer.blobs:
+        m = getattr(layer, 'M', None) or \
+            net.bottom_vecs[i][0].count // max(layer.blobs[0].count // layer.blobs[0].shape[0], 1)
+        f = 2.0 * layer.blobs[0].count * m / CONV_FLOPS
+        b = 2 * f
+    else:
+        moved = FLOAT_BYTES * (sum(b.count for b in net.bottom_vecs[i]) +
+                               sum(b.count for b in net.top_vecs[i]))
+        f = moved / MEMORY_BANDWIDTH
+        b = 2 * f
+    return f + LAYER_OVERHEAD, (b + LAYER_OVERHEAD if backward else 0.0)
+
+
+def update_seconds(net, history_copies=1):
+    """The solver update: read data, diff and history, write data and history."""
+    params = sum(p.count for p in net.learnable_params) * FLOAT_BYTES
+    return params * (3 + 2 * history_copies) / MEMORY_BANDWIDTH
+
+
+def step_seconds(net, choice=None):
+    """Seconds of each of the 2L steps (forward then backward) of one
+    iteration; `choice` maps a conv layer index to its Candidate (default:
+    the fastest)."""
+    L = len(net.layers)
+    steps = [0.0] * (2 * L)
+    for i, layer in enumerate(net.layers):
+        factor = 1.0
+        if is_conv(layer):
+            cand = (choice or {}).get(i) or fastest(layer)
+            factor = cand.time_factor
+        f, b = layer_seconds(net, i, factor)
+        steps[i] += f
+        steps[2 * L - 1 - i] += b
+    return steps
