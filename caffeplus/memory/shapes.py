@@ -23,8 +23,10 @@ small) and bilinear fillers and weights stored in the prototxt itself.
 The net built this way has meaningless values and must not be run.
 
 `load_net_param` turns a model file into what the planner builds: data
-layers swapped for DummyData of the same shapes (caffeplus.io.dummy), and,
-with `batch`, the batch (first) axis of every DummyData and Input top set.
+layers swapped for DummyData of the same shapes (the shape of the first
+record when a Data layer's database can be opened, else what
+caffeplus.io.dummy infers), and, with `batch`, the batch (first) axis of
+every DummyData and Input top set.
 """
 import contextlib
 import os
@@ -120,6 +122,61 @@ def set_batch(param, batch):
     return changed
 
 
+def batch_of(param):
+    """The batch of the first DummyData or Input top of NetParameter `param`
+    (None if there is none)."""
+    for lp in param.layer:
+        if lp.type == 'DummyData':
+            p = lp.dummy_data_param
+            if len(p.shape) and len(p.shape[0].dim):
+                return int(p.shape[0].dim[0])
+            if len(p.num):
+                return int(p.num[0])
+        elif lp.type == 'Input' and len(lp.input_param.shape) and \
+                len(lp.input_param.shape[0].dim):
+            return int(lp.input_param.shape[0].dim[0])
+    return None
+
+
+def _first_datum_chw(lp):
+    """(C, H, W) of the first Datum in a Data layer's database, or None."""
+    from caffeplus.io import datum as datum_io, db
+    source = lp.data_param.source
+    if not source or not os.path.exists(source):
+        return None
+    try:
+        for key, d in db.read_datums(source, lp.data_param.backend):
+            if d.encoded:
+                shape = datum_io.datum_to_array(d, key).shape
+                return tuple(int(v) for v in shape[-3:]) if len(shape) == 3 else \
+                    (1,) + tuple(int(v) for v in shape[-2:])
+            return datum_io.datum_shape(d, key)
+    except Exception:          # unreadable: fall back to inferring the shape
+        return None
+    return None
+
+
+def _swap_readable_data_layers(param, batch):
+    """Data layers whose database can be opened: DummyData of the shape of
+    its first record (crop_size applied), in place."""
+    from caffeplus.io import dummy
+    for i, lp in enumerate(param.layer):
+        if lp.type != 'Data':
+            continue
+        chw = _first_datum_chw(lp)
+        if chw is None:
+            continue
+        c, h, w = chw
+        crop = int(lp.transform_param.crop_size)
+        if crop:
+            h = w = crop
+        n = int(batch) if batch else int(lp.data_param.batch_size)
+        if n <= 0:
+            continue
+        shapes = {lp.name: (n, c, h, w)}
+        param.layer[i].CopyFrom(dummy.dummy_layer(lp, dummy.data_top_shapes(lp, shapes, n)))
+
+
 def load_net_param(model, batch=None, phase=caffe_pb2.TRAIN):
     """A NetParameter ready to plan: data layers as DummyData (of the data
     layer's shapes), the batch overridden when `batch` is given."""
@@ -128,6 +185,8 @@ def load_net_param(model, batch=None, phase=caffe_pb2.TRAIN):
     if isinstance(model, (str, os.PathLike)) and not os.path.exists(os.fspath(model)):
         raise CaffeplusError("model file '%s' not found" % os.fspath(model))
     param = read(model)
+    with quiet():
+        _swap_readable_data_layers(param, batch)
     param = swap_data_layers(param, batch_size=batch)
     if batch is not None:
         if not set_batch(param, batch):
@@ -139,9 +198,16 @@ def load_net_param(model, batch=None, phase=caffe_pb2.TRAIN):
 
 def build_net(param, phase=caffe_pb2.TRAIN, virtual=True, level=0, stages=None):
     """caffeplus.Net of `param` (a NetParameter); shape-only when `virtual`."""
+    from caffeplus import backend
     from caffeplus.net import Net
     with quiet():
         if not virtual:
             return Net(param, phase, level=level, stages=stages)
-        with shape_only():
-            return Net(param, phase, level=level, stages=stages)
+        mode = backend.mode()
+        backend.set_mode_cpu()           # virtual allocation is for CPU storage
+        try:
+            with shape_only():
+                return Net(param, phase, level=level, stages=stages)
+        finally:
+            if mode == backend.GPU:
+                backend.set_mode_gpu()

@@ -1,0 +1,236 @@
+"""caffeplus memory: the device memory a model needs under each memory plan.
+
+    caffeplus memory -model train_val.prototxt --estimate
+    caffeplus memory -model train_val.prototxt -gpu 0 --plans stock,shared,auto --budget 12G
+    caffeplus memory -model m.prototxt --estimate --batch 256 --json
+    caffeplus memory -model m.prototxt --estimate --plot mem.png
+
+For each plan (stock, arena, shared, offload, auto: see caffeplus.memory.plan)
+the peak device memory of one training iteration (forward, backward, solver
+update) and its breakdown: parameters, parameter diffs, solver history,
+activations, activation diffs, workspace, other; and the iteration time.
+
+--estimate (or no -gpu): the planner's numbers, computed on the CPU from a
+  shape-only build of the net (no blob memory is allocated, so VGG-16 at
+  batch 256 plans on a laptop); workspace, "other" and times come from the
+  documented model in caffeplus.memory.workspace_model. iter_ms is null
+  (nothing ran); est_iter_ms is the model's time.
+-gpu N: each plan is also run for real on GPU N (caffeplus.memory.measure)
+  and the measurement is shown with the estimate beside it.
+
+Data layers become DummyData of the same shapes (caffeplus.io.dummy), so no
+database is needed; --batch N sets the batch of every data/DummyData/Input
+top. `auto` picks the fastest plan whose peak fits --budget (default: no
+limit with --estimate, the GPU's memory with -gpu); when none fits, the error
+names the smallest budget that would. --keep a,b keeps those blobs readable
+after the iteration (reusing plans may overwrite them otherwise); --offload
+picks the offload policy (conv, all, or blob names separated by ',').
+
+--json prints {"plans": {PLAN: {"peak_bytes": N, "breakdown": {CATEGORY: N},
+"iter_ms": T or null, "estimated": true|false, ...}}, ...} and nothing else
+on stdout. --plot NAME.png writes NAME.png (a stacked bar per plan) and
+NAME_timeline.png (live memory across the steps of one iteration).
+"""
+import json
+import sys
+
+from caffeplus.errors import CaffeplusError
+from caffeplus.proto import caffe_pb2
+
+DEFAULT_PLANS = 'stock,arena,shared,offload,auto'
+
+
+def add_arguments(parser):
+    parser.add_argument('--model', default='', help='the model definition (prototxt)')
+    parser.add_argument('--gpu', default='', help='measure on this GPU (one device ID)')
+    parser.add_argument('--plans', default=DEFAULT_PLANS,
+                        help="plans to report, separated by ',' (default: %s)" % DEFAULT_PLANS)
+    parser.add_argument('--batch', type=int, default=None,
+                        help='override the batch size of the data/DummyData/Input tops')
+    parser.add_argument('--budget', default=None,
+                        help="memory budget for plan 'auto', e.g. 12G, 800M, 1.5GiB")
+    parser.add_argument('--plot', default=None,
+                        help='write charts: NAME.png (bars) and NAME_timeline.png')
+    parser.add_argument('--json', action='store_true', help='print the results as JSON')
+    parser.add_argument('--estimate', action='store_true',
+                        help='estimate without a GPU (no measurement)')
+    parser.add_argument('--keep', default='',
+                        help="blobs to keep readable after the iteration, separated by ','")
+    parser.add_argument('--offload', default='conv',
+                        help="offload policy of plan 'offload': conv, all, or blob names")
+    parser.add_argument('--solver_type', default='SGD',
+                        help='solver whose history to count (SGD, Nesterov, AdaGrad, RMSProp, '
+                             'AdaDelta, Adam)')
+    parser.add_argument('--iterations', type=int, default=1,
+                        help='timed iterations per plan with -gpu (after one stepped one)')
+    parser.add_argument('--level', type=int, default=0, help='network level')
+    parser.add_argument('--stage', default='', help="network stages, separated by ','")
+
+
+def parse_plans(spec):
+    from caffeplus.memory.plan import check_plan_name
+    names = []
+    for name in (spec or '').split(','):
+        name = name.strip()
+        if name and name not in names:
+            names.append(check_plan_name(name))
+    if not names:
+        raise CaffeplusError('--plans names no plan (choose from stock, arena, shared, '
+                             'offload, auto)')
+    return names
+
+
+def parse_gpu(spec):
+    spec = (spec or '').strip()
+    if not spec:
+        return None
+    try:
+        ids = [int(x) for x in spec.split(',')]
+    except ValueError:
+        raise CaffeplusError("-gpu must be one device ID, not '%s'" % spec)
+    if len(ids) != 1 or ids[0] < 0:
+        raise CaffeplusError("-gpu: memory is measured on one device; got '%s'" % spec)
+    return ids[0]
+
+
+def check_keep(net, spec):
+    keep = [n.strip() for n in (spec or '').split(',') if n.strip()]
+    missing = [n for n in keep if n not in net.blobs]
+    if missing:
+        raise CaffeplusError('--keep: net %s has no blob named %s (its blobs: %s)'
+                             % (net.name, ', '.join("'%s'" % n for n in missing),
+                                ', '.join(list(net.blobs)[:20]) +
+                                (', ...' if len(net.blobs) > 20 else '')))
+    return keep
+
+
+def offloaded_names(plan):
+    return sorted({n for key in plan.offloaded for n in key[1]})
+
+
+def plan_entry(plan, budget=None):
+    """A plan's JSON entry (estimate)."""
+    entry = {
+        'peak_bytes': int(plan.peak_bytes),
+        'breakdown': {k: int(v) for k, v in plan.breakdown.items()},
+        'iter_ms': None,
+        'estimated': True,
+        'est_iter_ms': round(plan.est_iter_ms, 3),
+        'arena_bytes': int(plan.arena_bytes),
+        'offloaded': offloaded_names(plan),
+    }
+    if plan.name == 'auto':
+        entry['budget'] = plan.budget
+        entry['workspace_cap'] = int(plan.workspace_cap)
+    if budget is not None:
+        entry['fits_budget'] = plan.peak_bytes <= budget
+    return entry
+
+
+def step_labels(net):
+    L = len(net.layers)
+    names = [layer.name for layer in net.layers]
+    return ['fwd ' + n for n in names] + ['bwd ' + names[L - 1 - t] for t in range(L)] + \
+        ['update']
+
+
+def estimate_curve(plan):
+    """Bytes live at each step: the activation buffers live then plus
+    everything that lives throughout (parameters, diffs, history, workspace,
+    other)."""
+    b = plan.breakdown
+    fixed = sum(b[c] for c in ('parameters', 'parameter_diffs', 'solver_history', 'workspace',
+                               'other'))
+    return [fixed + v for v in plan.live_curve()]
+
+
+def run(args):
+    from caffeplus.memory import budget as budget_mod, report, shapes
+    from caffeplus.memory.plan import HISTORY_COPIES
+    if not args.model:
+        raise CaffeplusError('Need a model definition to plan (--model).')
+    plans = parse_plans(args.plans)
+    if args.solver_type not in HISTORY_COPIES:
+        raise CaffeplusError("unknown solver type '%s': choose one of %s"
+                             % (args.solver_type, ', '.join(HISTORY_COPIES)))
+    if args.batch is not None and args.batch <= 0:
+        raise CaffeplusError('--batch must be positive (got %d)' % args.batch)
+    if args.iterations < 1:
+        raise CaffeplusError('--iterations must be at least 1 (got %d)' % args.iterations)
+    budget = budget_mod.parse_bytes(args.budget) if args.budget is not None else None
+    gpu = parse_gpu(args.gpu)
+    measuring = gpu is not None and not args.estimate
+    if not measuring and not args.estimate and not args.json:
+        print('caffeplus memory: no -gpu given: showing estimates', file=sys.stderr)
+
+    param = shapes.load_net_param(args.model, batch=args.batch, phase=caffe_pb2.TRAIN)
+    stages = [st for st in (args.stage or '').split(',') if st] or None
+    net = shapes.build_net(param, level=args.level, stages=stages)
+    keep = check_keep(net, args.keep)
+    if measuring and budget is None and 'auto' in plans:
+        from caffeplus.memory.measure import device_total_bytes
+        budget_for_auto = device_total_bytes(gpu)
+    else:
+        budget_for_auto = budget
+
+    batch = shapes.batch_of(param)
+    estimates = {}
+    for name in plans:
+        estimates[name] = budget_mod.estimate_plan(
+            net, name, solver_type=args.solver_type, keep=keep, offload_policy=args.offload,
+            budget=budget_for_auto)
+
+    results = {}
+    for name, plan in estimates.items():
+        entry = plan_entry(plan, budget)
+        entry['curve'] = estimate_curve(plan)
+        if measuring:
+            entry = _measure(param, plan, gpu, args, entry)
+        results[name] = entry
+
+    title = 'net %s, batch %s, solver %s' % (net.name, batch, args.solver_type)
+    if args.plot:
+        report.plot(args.plot, results, title=title, step_labels=step_labels(net))
+    if args.json:
+        doc = {'net': net.name, 'batch': batch, 'solver_type': args.solver_type,
+               'budget': budget, 'device': gpu if measuring else None,
+               'plans': {n: {k: v for k, v in r.items()
+                             if k not in ('curve', 'measured_curve')}
+                         for n, r in results.items()}}
+        print(json.dumps(doc, indent=1, sort_keys=False))
+    else:
+        source = 'measured on GPU %d' % gpu if measuring else 'estimated without a GPU'
+        print(report.format_table(results, 'Memory plans for %s (%s)' % (title, source)))
+        if budget is not None:
+            print('budget: %s' % budget_mod.format_bytes(budget))
+        if args.plot:
+            print('charts: %s, %s' % report.plot_paths(args.plot))
+    return 0
+
+
+def _measure(param, plan, gpu, args, estimate_entry):
+    """The measured entry of one plan, with the estimate beside it."""
+    from caffeplus.memory.measure import measure_plan
+    estimate = {'peak_bytes': estimate_entry['peak_bytes'],
+                'breakdown': estimate_entry['breakdown'],
+                'iter_ms': estimate_entry['est_iter_ms']}
+    try:
+        measured = measure_plan(param, plan, gpu, solver_type=args.solver_type,
+                                iterations=args.iterations)
+    except CaffeplusError as exc:
+        entry = dict(estimate_entry)
+        entry['measure_error'] = str(exc)
+        return entry
+    entry = {k: v for k, v in measured.items() if k != 'live_curve'}
+    entry['estimate'] = estimate
+    entry['estimate_error_pct'] = round(
+        100.0 * (estimate['peak_bytes'] - measured['peak_bytes']) /
+        max(measured['peak_bytes'], 1), 2)
+    for key in ('arena_bytes', 'offloaded', 'budget', 'workspace_cap', 'fits_budget',
+                'est_iter_ms'):
+        if key in estimate_entry:
+            entry[key] = estimate_entry[key]
+    entry['curve'] = estimate_entry['curve']
+    entry['measured_curve'] = [measured['baseline_bytes'] + v
+                               for v in measured.get('live_curve', [])]
+    return entry

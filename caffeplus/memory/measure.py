@@ -1,0 +1,318 @@
+"""Measure a memory plan on the GPU: one training iteration, its real peak.
+
+    from caffeplus.memory.measure import measure_plan
+    result = measure_plan(net_param, plan, gpu=0)
+    result['peak_bytes'], result['breakdown'], result['iter_ms']
+
+What runs: the net of `net_param` (TRAIN, data layers already swapped for
+DummyData by the caller) is built on the GPU inside a solver of
+`solver_type`; the plan is applied; then training iterations (clear param
+diffs, forward, backward, solver update): a first one synchronised after
+every step to record the live-memory curve, then `iterations` timed ones
+(`iter_ms`: their mean).
+
+What is measured:
+  peak_bytes      the device's used memory (total - free, cudaMemGetInfo),
+                  highest of the samples taken after every step and whenever
+                  CuPy's pool grabs new device memory: the whole process as
+                  nvidia-smi sees it (CUDA context, cuDNN/cuBLAS handles,
+                  CuPy's pool with its cached blocks) - assumes no other
+                  process uses the GPU
+  pool_peak_bytes the most bytes live in CuPy's pool at any moment (a
+                  MemoryHook sees every malloc and free)
+  breakdown       parameters, parameter_diffs, solver_history, activations,
+                  activation_diffs: the device memory behind the net's and
+                  the solver's arrays after the iteration (each allocation
+                  counted once); workspace: what the plan applier reports;
+                  other: peak_bytes minus all of those (context, handles,
+                  layer-internal buffers, temporaries, pool caching)
+  live_curve      CuPy pool bytes in use after each of the 2L steps
+
+How a plan is applied: by `caffeplus.memory.apply.apply_plan(net, plan)`
+when the GPU runtime provides it (it owns the workspace arena and the
+offload copies); until then by `apply_static` here, which handles what needs
+no runtime support: `stock` and `arena` (caffeplus's default storage: one
+array per blob, allocated when first touched) and plans without offloaded
+buffers (`shared`, an `auto` that offloads nothing): every planned data and
+diff buffer becomes a view at its offset in one device arena.
+"""
+import gc
+import time
+
+from caffeplus import backend
+from caffeplus.errors import CaffeplusError
+from caffeplus.memory.plan import CATEGORIES
+
+FLOAT_BYTES = 4
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as exc:
+        raise CaffeplusError('measuring memory on the GPU needs CuPy (%s); use --estimate '
+                             'for numbers without a GPU' % exc)
+    return cupy
+
+
+def device_used_bytes():
+    cupy = _cupy()
+    free, total = cupy.cuda.runtime.memGetInfo()
+    return int(total - free)
+
+
+def device_total_bytes(gpu):
+    """The memory of GPU `gpu` in bytes."""
+    cupy = _cupy()
+    try:
+        with cupy.cuda.Device(gpu):
+            return int(cupy.cuda.runtime.memGetInfo()[1])
+    except Exception as exc:  # CUDA errors come in several types
+        raise CaffeplusError('cannot use GPU %d: %s' % (gpu, exc))
+
+
+def _sync():
+    _cupy().cuda.Device().synchronize()
+
+
+class PeakTracker:
+    """A CuPy MemoryHook recording the pool's live bytes and peak, and the
+    device's used memory whenever the pool grows (sampled, not hooked, for
+    allocations outside CuPy)."""
+
+    def __init__(self):
+        cupy = _cupy()
+
+        class _Hook(cupy.cuda.MemoryHook):
+            name = 'CaffeplusPeakTracker'
+
+            def malloc_postprocess(hook, **kw):
+                self.live += kw['mem_size']
+                self.pool_peak = max(self.pool_peak, self.live)
+
+            def free_postprocess(hook, **kw):
+                self.live -= kw['mem_size']
+
+            def alloc_postprocess(hook, **kw):
+                self.sample()
+
+        self._hook = _Hook()
+        self.live = 0
+        self.pool_peak = 0
+        self.device_peak = 0
+
+    def sample(self):
+        used = device_used_bytes()
+        self.device_peak = max(self.device_peak, used)
+        return used
+
+    def reset(self):
+        self.pool_peak = self.live
+        self.device_peak = 0
+        self.sample()
+
+    def __enter__(self):
+        self._hook.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hook.__exit__(*exc)
+
+
+# -- applying a plan -----------------------------------------------------------------
+def apply_plan(net, plan):
+    """Apply `plan` to a net built on the GPU; returns a dict with at least
+    'applier' and, when known, 'workspace_bytes' and 'arena' (the device
+    array holding the planned buffers)."""
+    try:
+        from caffeplus.memory import apply as runtime
+    except ImportError as exc:
+        if getattr(exc, 'name', None) not in ('caffeplus.memory.apply',):
+            raise
+        runtime = None
+    if runtime is not None and hasattr(runtime, 'apply_plan'):
+        info = runtime.apply_plan(net, plan) or {}
+        info = dict(info) if isinstance(info, dict) else {'handle': info}
+        info.setdefault('applier', 'caffeplus.memory.apply')
+        return info
+    return apply_static(net, plan)
+
+
+def apply_static(net, plan, xp=None):
+    """Place every planned buffer at its offset in one device arena (see the
+    module docstring); stock and arena plans need nothing. `xp`: the array
+    module of the arena (default CuPy; NumPy lets a test check a plan on the
+    CPU: a wrong overlap changes the numbers)."""
+    cupy = xp if xp is not None else _cupy()
+    if plan.name in ('stock', 'arena'):
+        return {'applier': 'static', 'arena': None}
+    if plan.offloaded:
+        raise CaffeplusError(
+            "measuring plan '%s' needs the GPU runtime's plan applier "
+            "(caffeplus.memory.apply.apply_plan), which copies offloaded feature maps to the "
+            "host and back; this build has none" % plan.name)
+    params = {id(p.data_storage) for p in net.learnable_params} | \
+        {id(p.diff_storage) for p in net.learnable_params}
+    arena = cupy.zeros(max(plan.arena_bytes // FLOAT_BYTES + 1, 1), dtype='float32')
+    for buf in plan.buffers:
+        blob = net.blobs[buf.blobs[0]]
+        storage = blob.data_storage if buf.kind == 'data' else blob.diff_storage
+        if id(storage) in params:
+            continue        # a Parameter layer's top: the parameter stays where it is
+        offset = plan.offsets[buf.key] // FLOAT_BYTES
+        count = buf.nbytes // FLOAT_BYTES
+        view = arena[offset:offset + count]
+        old = storage.array
+        if old is not None and old.size and buf.start <= 0:
+            # Live from setup on (DummyData's tops, loss weights in diffs):
+            # keep what setup wrote. Such buffers never share bytes.
+            n = min(count, old.size)
+            view[:n] = cupy.asarray(old[:n])
+        storage.array = view
+    return {'applier': 'static', 'arena': arena}
+
+
+# -- running ----------------------------------------------------------------------------
+def _solver(net_param, solver_type, iterations):
+    from caffeplus.proto import caffe_pb2
+    from caffeplus.solver import get_solver
+    sp = caffe_pb2.SolverParameter()
+    sp.net_param.CopyFrom(net_param)
+    sp.type = solver_type
+    sp.base_lr = 1.0 if solver_type == 'AdaDelta' else 1e-3
+    sp.lr_policy = 'fixed'
+    if solver_type in ('SGD', 'Nesterov', 'AdaDelta', 'Adam'):
+        sp.momentum = 0.95 if solver_type == 'AdaDelta' else 0.9
+    sp.weight_decay = 5e-4
+    sp.max_iter = iterations + 1
+    sp.display = 0
+    sp.snapshot = 0
+    sp.snapshot_after_train = False
+    sp.random_seed = 1701
+    return get_solver(sp)
+
+
+def run_iteration(net, solver, after_step=None):
+    """One training iteration, step by step: forward of every layer, backward
+    of every layer (the 2L steps of caffeplus.memory.liveness), the update."""
+    L = len(net.layers)
+    net.clear_param_diffs()
+    for i, layer in enumerate(net.layers):
+        layer.forward(net.bottom_vecs[i], net.top_vecs[i])
+        if after_step:
+            after_step(i)
+    for i in range(L - 1, -1, -1):
+        if net.layer_need_backward[i]:
+            net.layers[i].backward(net.top_vecs[i], net.bottom_need_backward[i],
+                                   net.bottom_vecs[i])
+        if after_step:
+            after_step(2 * L - 1 - i)
+    solver.apply_update()
+    if after_step:
+        after_step(2 * L)
+
+
+def _mem_of(array):
+    """(key, bytes) of the device allocation behind a CuPy array."""
+    mem = array.data.mem
+    return mem.ptr, mem.size
+
+
+def measured_breakdown(net, solver, info, plan, peak_bytes):
+    """Bytes per category of the arrays the net and solver hold (each device
+    allocation counted once, in the first category that holds it)."""
+    seen = set()
+    out = dict.fromkeys(CATEGORIES, 0)
+    arena = info.get('arena')
+    arena_key = _mem_of(arena)[0] if arena is not None else None
+
+    def add(category, arrays):
+        for a in arrays:
+            if a is None or not hasattr(a, 'data') or not hasattr(a.data, 'mem'):
+                continue
+            key, size = _mem_of(a)
+            if key in seen:
+                continue
+            seen.add(key)
+            if key == arena_key:
+                # One arena for data and diff buffers: split as the plan does.
+                act, diff = plan.breakdown['activations'], plan.breakdown['activation_diffs']
+                share = act / float(act + diff) if act + diff else 1.0
+                out['activations'] += int(size * share)
+                out['activation_diffs'] += size - int(size * share)
+            else:
+                out[category] += size
+
+    params = net.learnable_params
+    add('parameters', [p.data_storage.array for p in params])
+    add('parameter_diffs', [p.diff_storage.array for p in params])
+    history = []
+    for attr in ('history', 'update_buf', 'temp'):
+        history += [b.data_storage.array for b in getattr(solver, attr, [])]
+    add('solver_history', history)
+    blobs = list(net.blobs.values())
+    add('activations', [b.data_storage.array for b in blobs])
+    add('activation_diffs', [b.diff_storage.array for b in blobs])
+    out['workspace'] = int(info.get('workspace_bytes', 0))
+    out['other'] = max(0, int(peak_bytes) - sum(v for k, v in out.items() if k != 'other'))
+    return out
+
+
+def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1):
+    """Run one stepped iteration and then `iterations` timed ones of
+    `net_param` on GPU `gpu` with `plan` applied; return the measurements
+    (see the module docstring) in the shape of a plan's JSON entry, with
+    'estimated': False; iter_ms is the mean of the timed iterations."""
+    from caffeplus.memory.shapes import quiet
+    cupy = _cupy()
+    if iterations < 1:
+        raise CaffeplusError('iterations must be at least 1')
+    previous_mode = backend.mode()
+    backend.set_mode_gpu(gpu)
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    _sync()
+    baseline = device_used_bytes()
+    solver = net = info = None
+    try:
+        with PeakTracker() as tracker, quiet():
+            solver = _solver(net_param, solver_type, iterations)
+            net = solver.net
+            info = apply_plan(net, plan)
+            _sync()
+            pool.free_all_blocks()          # what construction left cached
+            tracker.reset()
+            curve = [0] * (2 * len(net.layers) + 1)
+
+            def after_step(t):
+                _sync()
+                tracker.sample()
+                curve[t] = tracker.live
+
+            run_iteration(net, solver, after_step)
+            _sync()
+            t0 = time.perf_counter()
+            for _ in range(iterations):
+                run_iteration(net, solver)
+            _sync()
+            iter_ms = (time.perf_counter() - t0) * 1e3 / iterations
+            tracker.sample()
+            peak = tracker.device_peak
+            breakdown = measured_breakdown(net, solver, info, plan, peak)
+            return {
+                'peak_bytes': int(peak),
+                'breakdown': breakdown,
+                'iter_ms': iter_ms,
+                'estimated': False,
+                'pool_peak_bytes': int(tracker.pool_peak),
+                'baseline_bytes': int(baseline),
+                'live_curve': curve,
+                'applier': info.get('applier'),
+                'device': gpu,
+            }
+    finally:
+        del solver, net, info
+        gc.collect()                    # layers hold cycles; free their arrays now
+        pool.free_all_blocks()
+        if previous_mode != backend.GPU:
+            backend.set_mode_cpu()

@@ -1,0 +1,144 @@
+"""Tables and charts of memory plans, for `caffeplus memory`.
+
+A result is the dict a plan's JSON entry holds (peak_bytes, breakdown,
+iter_ms, estimated, ...), plus, for charts, `curve`: bytes live on the
+device at each of the 2L+1 steps of one iteration (forward of every layer,
+backward of every layer, the solver update).
+
+Charts (matplotlib, Agg backend, no display needed), two PNG files:
+  <name>.png           one stacked bar per plan: its peak split into the
+                       categories (a measured plan's bar is the measurement;
+                       a black tick marks the planner's estimate beside it)
+  <name>_timeline.png  one line per plan: bytes live across the forward then
+                       backward steps of one iteration (dashed: measured)
+where --plot gives <name>.png (a name without .png gets it appended).
+"""
+import os
+
+from caffeplus.errors import CaffeplusError
+from caffeplus.memory.budget import format_bytes
+from caffeplus.memory.plan import CATEGORIES
+
+LABELS = {'parameters': 'parameters', 'parameter_diffs': 'param diffs',
+          'solver_history': 'solver history', 'activations': 'activations',
+          'activation_diffs': 'act diffs', 'workspace': 'workspace', 'other': 'other'}
+COLORS = {'parameters': '#4c72b0', 'parameter_diffs': '#8da0cb', 'solver_history': '#64b5cd',
+          'activations': '#dd8452', 'activation_diffs': '#f2b880', 'workspace': '#55a868',
+          'other': '#a0a0a0'}
+
+
+def _ms(value):
+    return '-' if value is None else '%.1f' % value
+
+
+def format_table(results, title=''):
+    """An aligned text table, one row per plan (a measured plan gets a second
+    row with the estimate and its error)."""
+    head = ['plan', 'peak'] + [LABELS[c] for c in CATEGORIES] + ['iter ms', 'source']
+    rows = []
+    for name, r in results.items():
+        source = 'estimate' if r.get('estimated', True) else 'measured'
+        rows.append([name, format_bytes(r['peak_bytes'])] +
+                    [format_bytes(r['breakdown'].get(c, 0)) for c in CATEGORIES] +
+                    [_ms(r.get('iter_ms') if r.get('iter_ms') is not None
+                         else r.get('est_iter_ms')), source])
+        est = r.get('estimate')
+        if est:
+            error = (est['peak_bytes'] - r['peak_bytes']) / float(max(r['peak_bytes'], 1))
+            rows.append(['', format_bytes(est['peak_bytes'])] +
+                        [format_bytes(est['breakdown'].get(c, 0)) for c in CATEGORIES] +
+                        [_ms(est.get('iter_ms')), 'estimate (%+.1f%%)' % (100 * error)])
+        if r.get('measure_error'):
+            rows.append(['', '', 'not measured: %s' % r['measure_error']])
+    full = [row for row in [head] + rows if len(row) == len(head)]
+    widths = [max(len(str(row[i])) for row in full) for i in range(len(head))]
+    lines = [title] if title else []
+    for row in [head] + rows:
+        cells = []
+        for i, cell in enumerate(row):
+            if i == len(row) - 1 and len(row) < len(head):
+                cells.append(str(cell))       # a free-text tail
+            elif i == 0 or i == len(head) - 1:
+                cells.append(str(cell).ljust(widths[i]))
+            else:
+                cells.append(str(cell).rjust(widths[i]))
+        lines.append('  '.join(cells).rstrip())
+    return '\n'.join(lines)
+
+
+def plot_paths(path):
+    path = os.fspath(path)
+    stem, ext = os.path.splitext(path)
+    if ext.lower() != '.png':
+        stem, ext = path, '.png'
+    return stem + ext, stem + '_timeline' + ext
+
+
+def _pyplot():
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise CaffeplusError('--plot needs matplotlib (%s): pip install matplotlib' % exc)
+    return plt
+
+
+def plot(path, results, title='', step_labels=None):
+    """Write the two charts; returns their paths."""
+    plt = _pyplot()
+    bars_path, timeline_path = plot_paths(path)
+    directory = os.path.dirname(os.path.abspath(bars_path))
+    if not os.path.isdir(directory):
+        raise CaffeplusError("--plot: directory '%s' does not exist" % directory)
+    gib = float(2 ** 30)
+    names = list(results)
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(names) + 3), 5))
+    bottoms = [0.0] * len(names)
+    for c in CATEGORIES:
+        values = [results[n]['breakdown'].get(c, 0) / gib for n in names]
+        ax.bar(names, values, bottom=bottoms, color=COLORS[c], label=LABELS[c])
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    for i, n in enumerate(names):
+        r = results[n]
+        ax.text(i, bottoms[i], '%.2f' % (r['peak_bytes'] / gib), ha='center', va='bottom',
+                fontsize=8)
+        if r.get('estimate'):
+            ax.plot([i - 0.4, i + 0.4], [r['estimate']['peak_bytes'] / gib] * 2, color='black',
+                    linewidth=2, label='estimate' if i == 0 else None)
+    ax.set_ylabel('peak device memory (GiB)')
+    ax.set_title(title or 'memory per plan')
+    ax.legend(fontsize=8, loc='upper right')
+    fig.tight_layout()
+    fig.savefig(bars_path, dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(10, 5))
+    steps = 0
+    for n in names:
+        r = results[n]
+        for key, style, suffix in (('curve', '-', ''), ('measured_curve', '--', ' (measured)')):
+            curve = r.get(key)
+            if curve:
+                steps = max(steps, len(curve))
+                ax.plot(range(len(curve)), [v / gib for v in curve], style,
+                        label=n + suffix)
+    if steps:
+        half = (steps - 1) / 2.0
+        ax.axvline(half - 0.5, color='grey', linewidth=0.8, linestyle=':')
+        ax.text(half / 2, ax.get_ylim()[1], 'forward', ha='center', va='top', fontsize=8)
+        ax.text(half * 1.5, ax.get_ylim()[1], 'backward', ha='center', va='top', fontsize=8)
+        if step_labels:
+            every = max(1, len(step_labels) // 24)
+            ticks = list(range(0, len(step_labels), every))
+            ax.set_xticks(ticks)
+            ax.set_xticklabels([step_labels[t] for t in ticks], rotation=90, fontsize=6)
+    ax.set_xlabel('step of one training iteration (layer forward, then backward, then update)')
+    ax.set_ylabel('live device memory (GiB)')
+    ax.set_title((title + ': ' if title else '') + 'live memory across one iteration')
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(timeline_path, dpi=100)
+    plt.close(fig)
+    return bars_path, timeline_path
