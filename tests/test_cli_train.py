@@ -435,3 +435,31 @@ def test_device_query_lists_properties(tmp_path):
     assert cap.messages[1] == 'Device id:                     0'
     assert cap.messages[4].startswith('Name:                          ')
     assert re.match(r'^Total global memory:           \d+$', cap.messages[5])
+
+
+@pytest.mark.gpu
+def test_train_test_time_on_gpu(tiny):
+    import caffeplus
+    try:
+        rc, cpu = run_cli(tiny, 'train', '-solver', 'solver.prototxt')
+        assert rc == 0
+        cpu_weights = (tiny / 'snap' / 'tiny_iter_20.caffemodel').read_bytes()
+        rc, cap = run_cli(tiny, 'train', '-solver', 'solver.prototxt', '-gpu', '0')
+        assert rc == 0
+        assert 'Using GPUs 0' in cap.messages
+        assert any(m.startswith('GPU 0: ') for m in cap.messages)
+        a, b = caffe_pb2.NetParameter(), caffe_pb2.NetParameter()
+        a.ParseFromString(cpu_weights)
+        b.ParseFromString((tiny / 'snap' / 'tiny_iter_20.caffemodel').read_bytes())
+        for la, lb in zip(a.layer, b.layer):
+            for x, y in zip(la.blobs, lb.blobs):
+                numpy.testing.assert_allclose(numpy.array(y.data), numpy.array(x.data),
+                                              rtol=1e-4, atol=1e-5)
+        rc, cap = run_cli(tiny, 'test', '-model', 'tiny.prototxt', '-weights',
+                          'snap/tiny_iter_20.caffemodel', '-gpu', '0', '-iterations', '3')
+        assert rc == 0 and 'Use GPU with device ID 0' in cap.messages
+        rc, cap = run_cli(tiny, 'time', '-model', 'tiny.prototxt', '-gpu', '0',
+                          '-iterations', '3')
+        assert rc == 0 and cap.messages[-1] == '*** Benchmark ends ***'
+    finally:
+        caffeplus.set_mode_cpu()

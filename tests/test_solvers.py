@@ -18,7 +18,7 @@ import numpy
 import pytest
 
 import caffeplus
-from caffeplus import log
+from caffeplus import backend, log
 from caffeplus.blob import Blob
 from caffeplus.errors import CaffeplusError
 from caffeplus.io.prototxt import parse_text
@@ -58,23 +58,27 @@ class SolverTestQuad(Layer):
         top[0].reshape(())
 
     def _forward(self, bottom, top):
-        x = numpy.asarray(bottom[0].data, numpy.float32)
-        self.seen.append(x.copy())
+        x = bottom[0].data
+        xp = backend.get_array_module(x)
+        self.seen.append(backend.to_numpy(x).copy())
         w, b = self.blobs[0].data, self.blobs[1].data
+        t, tb = xp.asarray(self.t), xp.asarray(self.tb)
         rx = x.reshape(x.shape[0], -1).sum(axis=1)
-        r = w - self.t - x
-        rb = b - self.tb - numpy.float32(0.1) * rx
+        r = w - t - x
+        rb = b - tb - numpy.float32(0.1) * rx
         top[0].data[...] = 0.5 * (r * r).sum() + 0.025 * (w ** 4).sum() + 0.5 * (rb * rb).sum()
 
     def _backward(self, top, propagate_down, bottom):
-        weight = top[0].diff.ravel()[0]
         x = bottom[0].data
+        xp = backend.get_array_module(x)
+        t, tb = xp.asarray(self.t), xp.asarray(self.tb)
+        weight = top[0].diff.ravel()[0]
         w, b = self.blobs[0].data, self.blobs[1].data
         rx = x.reshape(x.shape[0], -1).sum(axis=1)
         if self.param_needs_backward(0):
-            self.blobs[0].diff[...] += weight * ((w - self.t - x) + numpy.float32(0.1) * w ** 3)
+            self.blobs[0].diff[...] += weight * ((w - t - x) + numpy.float32(0.1) * w ** 3)
         if self.param_needs_backward(1):
-            self.blobs[1].diff[...] += weight * (b - self.tb - numpy.float32(0.1) * rx)
+            self.blobs[1].diff[...] += weight * (b - tb - numpy.float32(0.1) * rx)
 
 
 if layer_class('SolverTestQuad') is None:
@@ -212,17 +216,17 @@ def reference_run(p, init, layers, iters):
 def run_and_compare(extra, iters=12, rtol=2e-4, atol=2e-6):
     solver = get_solver(solver_param(extra))
     net = solver.net
-    init = [numpy.array(p.data, numpy.float64) for p in net.learnable_params]
+    init = [backend.to_numpy(p.data).astype(numpy.float64) for p in net.learnable_params]
     solver.step(iters)
     q1, q2 = net.layer_dict['q1'], net.layer_dict['q2']
     layers = [(q1.t.astype(numpy.float64), q1.tb.astype(numpy.float64), q1.seen, 1.0),
               (q2.t.astype(numpy.float64), q2.tb.astype(numpy.float64), q2.seen, 0.5)]
     assert len(q1.seen) == iters * solver.param.iter_size
     want, want_hist = reference_run(solver.param, init, layers, iters)
-    got = [numpy.array(p.data) for p in net.learnable_params]
+    got = [backend.to_numpy(p.data) for p in net.learnable_params]
     for i, (g, w) in enumerate(zip(got, want)):
         numpy.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg='param %d' % i)
-    got_hist = solver.history_arrays()
+    got_hist = [backend.to_numpy(h) for h in solver.history_arrays()]
     assert len(got_hist) == len(want_hist)
     for i, (g, w) in enumerate(zip(got_hist, want_hist)):
         numpy.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg='history %d' % i)
@@ -262,6 +266,26 @@ SOLVER_CASES = {
 @pytest.mark.parametrize('case', sorted(SOLVER_CASES))
 def test_update_rule_matches_numpy_reference(case):
     run_and_compare(SOLVER_CASES[case])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', sorted(SOLVER_CASES))
+def test_update_rule_on_gpu(case):
+    caffeplus.set_mode_gpu(0)
+    try:
+        solver = run_and_compare(SOLVER_CASES[case])
+        assert type(solver.history_arrays()[0]).__module__.startswith('cupy')
+    finally:
+        caffeplus.set_mode_cpu()
+
+
+@pytest.mark.gpu
+def test_gpu_snapshot_and_resume(tmp_path):
+    caffeplus.set_mode_gpu(0)
+    try:
+        test_resume_is_bit_identical(tmp_path, 'Adam', 'BINARYPROTO')
+    finally:
+        caffeplus.set_mode_cpu()
 
 
 def test_solver_classes_and_factory():
@@ -554,7 +578,7 @@ def test_snapshot_action(tmp_path, logs):
 
 # -- snapshots and restore ---------------------------------------------------------
 def _params(solver):
-    return [numpy.array(p.data) for p in solver.net.learnable_params]
+    return [backend.to_numpy(p.data).copy() for p in solver.net.learnable_params]
 
 
 @pytest.mark.parametrize('kind', ['SGD', 'Nesterov', 'AdaGrad', 'RMSProp', 'AdaDelta', 'Adam'])
@@ -572,7 +596,7 @@ def test_resume_is_bit_identical(tmp_path, kind, fmt):
     straight = get_solver(parse_text(text, caffe_pb2.SolverParameter()))
     straight.step(20)
     want = _params(straight)
-    want_hist = [numpy.array(h) for h in straight.history_arrays()]
+    want_hist = [backend.to_numpy(h).copy() for h in straight.history_arrays()]
 
     first = get_solver(parse_text(text, caffe_pb2.SolverParameter()))
     first.step(10)
@@ -591,7 +615,7 @@ def test_resume_is_bit_identical(tmp_path, kind, fmt):
     for g, w in zip(_params(resumed), want):
         numpy.testing.assert_array_equal(g, w)
     for g, w in zip(resumed.history_arrays(), want_hist):
-        numpy.testing.assert_array_equal(g, w)
+        numpy.testing.assert_array_equal(backend.to_numpy(g), w)
 
 
 def test_solverstate_layout_binaryproto(tmp_path):
@@ -713,7 +737,7 @@ def test_interrupted_snapshot_keeps_previous_file(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError('disk full')
     monkeypatch.setattr(state_io.caffe_pb2.SolverState, 'SerializeToString', boom)
-    with pytest.raises(OSError):
+    with pytest.raises(CaffeplusError, match='disk full'):
         s.snapshot()
     assert open(state, 'rb').read() == before
     assert sorted(os.listdir(tmp_path)) == sorted(['s_iter_2.caffemodel', 's_iter_2.solverstate',

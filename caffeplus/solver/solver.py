@@ -462,17 +462,21 @@ class Solver:
         """Write <prefix>_iter_<N>.caffemodel[.h5] and .solverstate[.h5]
         (plus caffeplus's sidecar); return the two paths."""
         fmt = self.param.snapshot_format
-        if fmt == caffe_pb2.SolverParameter.BINARYPROTO:
-            model_filename = self.snapshot_filename('.caffemodel')
-            log.info('Snapshotting to binary proto file %s', model_filename)
-            self.net.save(model_filename, self.param.snapshot_diff)
-        elif fmt == caffe_pb2.SolverParameter.HDF5:
-            model_filename = self.snapshot_filename('.caffemodel.h5')
-            log.info('Snapshotting to HDF5 file %s', model_filename)
-            self.net.save_hdf5(model_filename, self.param.snapshot_diff)
-        else:
+        if fmt not in (caffe_pb2.SolverParameter.BINARYPROTO, caffe_pb2.SolverParameter.HDF5):
             raise CaffeplusError('Unsupported snapshot format %d.' % fmt)
-        state_filename = self.snapshot_solver_state(model_filename)
+        hdf5 = fmt == caffe_pb2.SolverParameter.HDF5
+        model_filename = self.snapshot_filename('.caffemodel.h5' if hdf5 else '.caffemodel')
+        try:
+            if hdf5:
+                log.info('Snapshotting to HDF5 file %s', model_filename)
+                self.net.save_hdf5(model_filename, self.param.snapshot_diff)
+            else:
+                log.info('Snapshotting to binary proto file %s', model_filename)
+                self.net.save(model_filename, self.param.snapshot_diff)
+            state_filename = self.snapshot_solver_state(model_filename)
+        except OSError as exc:
+            raise CaffeplusError('cannot write the snapshot %s: %s'
+                                 % (model_filename, exc.strerror or exc))
         return model_filename, state_filename
 
     def history_arrays(self):
