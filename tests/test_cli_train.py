@@ -463,3 +463,21 @@ def test_train_test_time_on_gpu(tiny):
         assert rc == 0 and cap.messages[-1] == '*** Benchmark ends ***'
     finally:
         caffeplus.set_mode_cpu()
+
+
+def test_signal_handler_actions_and_double_sigint():
+    from caffeplus.commands.train import SignalHandler
+    h = SignalHandler('stop', 'snapshot')
+    assert h.action() == 'none'
+    if hasattr(signal, 'SIGHUP'):
+        h._handle(signal.SIGHUP, None)
+    h._handle(signal.SIGINT, None)
+    with pytest.raises(KeyboardInterrupt):
+        h._handle(signal.SIGINT, None)
+    if hasattr(signal, 'SIGHUP'):
+        assert h.action() == 'snapshot'
+    assert h.action() == 'stop'
+    assert h.action() == 'none'
+    quiet = SignalHandler('none', 'none')
+    quiet._handle(signal.SIGINT, None)
+    assert quiet.action() == 'none'

@@ -9,7 +9,8 @@ train and test nets); -snapshot resumes from a solver state; the two exclude
 each other. Without -gpu the solver's solver_mode decides (GPU uses
 device_id); with neither it runs on the CPU. SIGINT and SIGHUP do what
 -sigint_effect / -sighup_effect say (stop, snapshot or none; defaults stop
-and snapshot), checked once per iteration as Caffe does.
+and snapshot), checked once per iteration as Caffe does; a second SIGINT
+before the first was acted on interrupts at once (exit status 130).
 
 The helpers here (GPU list, stages, phase) serve `test` and `time` too.
 """
@@ -119,6 +120,10 @@ class SignalHandler:
         self.previous = {}
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGINT and signum in self.pending:
+            # A second Ctrl-C before the solver took the first one: the
+            # trainer is stuck (in a long forward, say); give up at once.
+            raise KeyboardInterrupt
         self.pending.append(signum)
 
     def __enter__(self):
