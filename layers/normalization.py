@@ -9,7 +9,9 @@ learned blob or a second bottom over the axes [axis, axis + num_axes).
 BatchNorm, Bias, Scale and MVN all run in place. BatchNorm keeps its own copy
 of the normalized top for a batch-statistics backward (the top itself may be
 overwritten by a following in-place Scale); Scale keeps a copy of the bottom
-when in place and its scale gradient may be needed, as Caffe does.
+when in place and its scale gradient may be needed, as Caffe does. MVN in
+place gives the same numbers as out of place (Caffe's own in-place MVN
+backward overwrites the top diff it still reads, so it is not reproduced).
 """
 import numpy
 
