@@ -313,6 +313,10 @@ class Net:
     def forward_from_to(self, start, end):
         loss = 0.0
         for i in range(start, end + 1):
+            # Caffe's Layer::Forward reshapes first, so an input reshaped from
+            # Python (pycaffe's blob.reshape, then forward) flows through, and
+            # Python layers that load data in reshape() get called each pass.
+            self.layers[i].reshape(self.bottom_vecs[i], self.top_vecs[i])
             loss += self.layers[i].forward(self.bottom_vecs[i], self.top_vecs[i])
             if self.debug_info:
                 self._forward_debug_info(i)

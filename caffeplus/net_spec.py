@@ -282,7 +282,8 @@ def to_proto(*tops):
     layers = collections.OrderedDict()
     autonames = collections.Counter()
     for top in tops:
-        top.fn._to_proto(layers, {}, autonames)
+        fn = top if isinstance(top, Function) else top.fn    # ntop=0 layers too
+        fn._to_proto(layers, {}, autonames)
     net = caffe_pb2.NetParameter()
     net.layer.extend(layers.values())
     return net
