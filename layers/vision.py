@@ -14,7 +14,7 @@ import numpy
 from caffeplus import backend, rng
 from caffeplus.errors import NetError
 from caffeplus.fillers import fill_array
-from caffeplus.im2col import (ConvGeometry, FLOAT, conv_backward, conv_forward,
+from caffeplus.im2col import (ConvGeometry, FLOAT, batch_chunks, conv_backward, conv_forward,
                               conv_workspace_bytes, deconv_backward, deconv_forward,
                               im2col_backward, im2col_forward, scratch)
 from caffeplus.blob import Blob
@@ -405,7 +405,7 @@ def new_arg(xp, out_shape, geom):
     return xp.empty(out_shape, dtype=_arg_dtype(geom.kernel[0] * geom.kernel[1] + 1))
 
 
-def max_pool_forward(x, geom, y, arg):
+def _max_pool_forward(x, geom, y, arg):
     """y = window max; arg = the kernel offset (row-major in the window, -1
     if no cell beats -FLT_MAX) of the first maximum in scan order: Caffe's
     strict > scan, which also skips NaNs."""
@@ -439,6 +439,59 @@ def max_pool_forward(x, geom, y, arg):
     return y, arg
 
 
+def _by_planes(x_hw, arrays):
+    """Run fn on (planes, 1, H, W) chunks of (N, C, ...) arrays, so that on
+    the CPU each chunk's working set stays in cache (planes are independent)."""
+    xp = backend.get_array_module(arrays[0])
+    n, c = arrays[0].shape[:2]
+    if xp is not numpy or not all(a.flags.c_contiguous for a in arrays):
+        return None
+    chunks = batch_chunks(xp, n * c, 4 * x_hw[0] * x_hw[1], 'plane')
+    if len(chunks) == 1:
+        return None
+    flats = [a.reshape((n * c, 1) + a.shape[2:]) for a in arrays]
+    return [[f[sl] for f in flats] for sl in chunks]
+
+
+def max_pool_forward(x, geom, y, arg):
+    """y = window max; arg = the kernel offset (row-major in the window, -1
+    if no cell beats -FLT_MAX) of the first maximum in scan order: Caffe's
+    strict > scan, which also skips NaNs."""
+    parts = _by_planes(x.shape[2:], (x, y, arg))
+    if parts is None:
+        return _max_pool_forward(x, geom, y, arg)
+    for xs, ys, args in parts:
+        _max_pool_forward(xs, geom, ys, args)
+    return y, arg
+
+
+def _scatter_back(dy, arg, geom, dx):
+    parts = _by_planes(dx.shape[2:], (dy, arg, dx))
+    if parts is None:
+        return _scatter_back_impl(dy, arg, geom, dx)
+    for dys, args, dxs in parts:
+        _scatter_back_impl(dys, args, geom, dxs)
+    return dx
+
+
+def ave_pool_forward(x, geom, y):
+    parts = _by_planes(x.shape[2:], (x, y))
+    if parts is None:
+        return _ave_pool_forward(x, geom, y)
+    for xs, ys in parts:
+        _ave_pool_forward(xs, geom, ys)
+    return y
+
+
+def ave_pool_backward(dy, geom, dx):
+    parts = _by_planes(dx.shape[2:], (dy, dx))
+    if parts is None:
+        return _ave_pool_backward(dy, geom, dx)
+    for dys, dxs in parts:
+        _ave_pool_backward(dys, geom, dxs)
+    return dx
+
+
 def max_pool_mask(arg, geom, x_hw):
     """Caffe's mask: the flat index h*W + w of the max within its plane."""
     xp = backend.get_array_module(arg)
@@ -452,7 +505,7 @@ def max_pool_mask(arg, geom, x_hw):
     return xp.where(arg < 0, -1, idx)
 
 
-def _scatter_back(dy, arg, geom, dx):
+def _scatter_back_impl(dy, arg, geom, dx):
     """dx[...] = each window's dy routed to the offset in arg."""
     xp = backend.get_array_module(dy)
     out_hw = dy.shape[2:]
@@ -481,7 +534,7 @@ def max_pool_backward(dy, arg, geom, dx):
     return _scatter_back(dy, arg, geom, dx)
 
 
-def ave_pool_forward(x, geom, y):
+def _ave_pool_forward(x, geom, y):
     xp = backend.get_array_module(x)
     out_hw = y.shape[2:]
     sizes = xp.asarray(pool_sizes(x.shape[2:], geom, out_hw))
@@ -498,7 +551,7 @@ def ave_pool_forward(x, geom, y):
     return y
 
 
-def ave_pool_backward(dy, geom, dx):
+def _ave_pool_backward(dy, geom, dx):
     xp = backend.get_array_module(dy)
     out_hw = dy.shape[2:]
     g = dy / xp.asarray(pool_sizes(dx.shape[2:], geom, out_hw))

@@ -683,3 +683,39 @@ def test_vision_layers_in_a_net(tmp_path):
     net.backward()
     assert numpy.isfinite(net.blobs['data'].diff).all()
     assert net.layer_dict['conv'].blobs[0].diff.any()
+
+
+# =============================================================================
+# CPU cache blocking gives the same numbers
+# =============================================================================
+@pytest.mark.parametrize('kind,param,shape', [
+    ('Convolution', 'num_output: 4 kernel_size: 3 pad: 1 stride: 2 group: 2', (5, 4, 7, 6)),
+    ('Deconvolution', 'num_output: 4 kernel_size: 3 stride: 2 pad: 1 group: 2', (5, 4, 4, 3)),
+    ('Pooling', 'pool: MAX kernel_size: 3 stride: 2', (3, 5, 9, 8)),
+    ('Pooling', 'pool: AVE kernel_size: 3 stride: 2 pad: 1', (3, 5, 9, 8)),
+    ('LRN', 'local_size: 3 norm_region: WITHIN_CHANNEL', (3, 5, 6, 7)),
+])
+def test_chunked_cpu_paths_match(monkeypatch, kind, param, shape):
+    from caffeplus import im2col
+    field = {'Convolution': 'convolution_param', 'Deconvolution': 'convolution_param',
+             'Pooling': 'pooling_param', 'LRN': 'lrn_param'}[kind]
+    text = 'type: "%s" %s { %s %s }' % (kind, field, param,
+                                        FILLERS if field == 'convolution_param' else '')
+    rng = numpy.random.default_rng(14)
+    x = distinct(rng, shape)
+    results = []
+    for budget in (None, 1):
+        if budget:
+            monkeypatch.setitem(im2col.CPU_CHUNK_BYTES, 'col', budget)
+            monkeypatch.setitem(im2col.CPU_CHUNK_BYTES, 'plane', budget)
+        caffeplus.set_random_seed(5)
+        layer = make_layer(text)
+        bottom, top = run_forward(layer, x)
+        top[0].diff = numpy.linspace(-1, 1, top[0].count).reshape(top[0].shape)
+        for b in layer.blobs:
+            b.diff[...] = 0
+        layer.backward(top, [True], bottom)
+        results.append([top[0].data.copy(), bottom[0].diff.copy()] +
+                       [b.diff.copy() for b in layer.blobs])
+    for a, b in zip(*results):
+        numpy.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

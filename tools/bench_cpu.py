@@ -9,8 +9,14 @@ by DummyData (Gaussian images, constant-0 labels), in the TRAIN phase:
 
 Usage: python tools/bench_cpu.py [--nets lenet,cifar10_quick,alexnet]
                                  [--iterations N] [--layers] [--zoo DIR]
+                                 [--threads N] [--clock wall|cpu]
 Prints ms/iter and the ratio to Caffe (target <= 1.0); --layers adds a
 per-layer forward/backward breakdown like `caffe time`.
+
+--threads N sets the BLAS/OpenMP thread count (before NumPy loads; the
+default leaves BLAS to use every core). On a machine shared with other
+jobs, multi-threaded BLAS slows down badly; `--threads 1 --clock cpu`
+then measures the process's CPU time, which contention barely affects.
 """
 import argparse
 import os
@@ -23,6 +29,23 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 os.environ.setdefault('GLOG_minloglevel', '1')
+
+
+def _early_threads(argv):
+    """Apply --threads before NumPy (and its BLAS) is imported."""
+    for i, a in enumerate(argv):
+        value = None
+        if a == '--threads' and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith('--threads='):
+            value = a.split('=', 1)[1]
+        if value:
+            for var in ('OPENBLAS_NUM_THREADS', 'OMP_NUM_THREADS', 'MKL_NUM_THREADS'):
+                os.environ[var] = value
+
+
+if __name__ == '__main__':
+    _early_threads(sys.argv[1:])
 
 import numpy  # noqa: E402
 
@@ -71,7 +94,7 @@ def missing_types(param):
     return sorted({lp.type for lp in param.layer if layer_class(lp.type) is None})
 
 
-def bench(name, param, iterations, per_layer, warmup=2):
+def bench(name, param, iterations, per_layer, warmup=2, clock=time.perf_counter):
     net = caffeplus.Net(param, caffeplus.TRAIN)
     for _ in range(warmup):
         net.forward_prefilled()
@@ -80,22 +103,22 @@ def bench(name, param, iterations, per_layer, warmup=2):
     bwd = numpy.zeros(len(net.layers))
     times = []
     for _ in range(iterations):
-        t0 = time.perf_counter()
+        t0 = clock()
         if per_layer:
             for i, layer in enumerate(net.layers):
-                t = time.perf_counter()
+                t = clock()
                 layer.forward(net.bottom_vecs[i], net.top_vecs[i])
-                fwd[i] += time.perf_counter() - t
+                fwd[i] += clock() - t
             for i in range(len(net.layers) - 1, -1, -1):
                 if net.layer_need_backward[i]:
-                    t = time.perf_counter()
+                    t = clock()
                     net.layers[i].backward(net.top_vecs[i], net.bottom_need_backward[i],
                                            net.bottom_vecs[i])
-                    bwd[i] += time.perf_counter() - t
+                    bwd[i] += clock() - t
         else:
             net.forward_prefilled()
             net.backward_all()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     if per_layer:
         print('  per layer (ms, mean):')
         for i, lname in enumerate(net._layer_names):
@@ -111,11 +134,24 @@ def main(argv=None):
     ap.add_argument('--iterations', type=int, default=10)
     ap.add_argument('--layers', action='store_true', help='per-layer breakdown')
     ap.add_argument('--zoo', default=DEFAULT_ZOO)
+    ap.add_argument('--threads', type=int, default=None,
+                    help='BLAS threads (applied before NumPy loads)')
+    ap.add_argument('--clock', choices=('wall', 'cpu'), default='wall',
+                    help='wall time, or this process\'s CPU time (use with --threads 1)')
     args = ap.parse_args(argv)
     log.set_level(1)
     caffeplus.set_mode_cpu()
     caffeplus.set_random_seed(1701)
+    clock = time.perf_counter if args.clock == 'wall' else time.process_time
     wanted = args.nets.split(',')
+    if hasattr(os, 'getloadavg'):
+        load = os.getloadavg()[0]
+        ncpu = os.cpu_count() or 1
+        print('# %d CPUs, load average %.2f, BLAS threads %s, %s clock'
+              % (ncpu, load, os.environ.get('OPENBLAS_NUM_THREADS', 'default'), args.clock))
+        if load > 0.5 * ncpu and args.clock == 'wall':
+            print('# warning: the machine is busy; wall times are inflated '
+                  '(try --threads 1 --clock cpu)')
     status = 0
     print('%-14s %6s %12s %12s %10s %8s' % ('net', 'batch', 'ms/iter', 'median', 'caffe ms',
                                             'ratio'))
@@ -134,7 +170,7 @@ def main(argv=None):
                   % (name, ', '.join(missing)))
             status = 1
             continue
-        mean, median = bench(name, param, args.iterations, args.layers)
+        mean, median = bench(name, param, args.iterations, args.layers, clock=clock)
         print('%-14s %6d %12.1f %12.1f %10.1f %8.2f'
               % (name, batch, mean, median, caffe_ms, mean / caffe_ms))
         sys.stdout.flush()
