@@ -208,10 +208,10 @@ def test_final_weights_and_history(runs, run):
 RESUME_SOLVER = '''
 net: "training/lenet_train_test.prototxt"
 test_iter: 1
-test_interval: 7
-display: 5
-max_iter: 20
-snapshot: 10
+test_interval: 5
+display: 3
+max_iter: 12
+snapshot: 6
 snapshot_prefix: "out/lenet"
 solver_mode: CPU
 random_seed: 1701
@@ -229,7 +229,8 @@ snapshot_format: %s
 
 @pytest.mark.parametrize('kind,fmt', [('SGD', 'BINARYPROTO'), ('Adam', 'HDF5')])
 def test_resume_bit_identical(tmp_path, kind, fmt):
-    """20 iterations straight == 10, snapshot, resume, 10 more (CPU)."""
+    """12 iterations straight == 6 (mid-epoch: 384 of 256 records), snapshot,
+    resume, 6 more (CPU)."""
     root = copy_reference(str(tmp_path), runs=[])
     os.makedirs(os.path.join(root, 'out'))
     with open(os.path.join(root, 'solver.prototxt'), 'w') as f:
@@ -240,15 +241,15 @@ def test_resume_bit_identical(tmp_path, kind, fmt):
     h5 = '.h5' if fmt == 'HDF5' else ''
     out = os.path.join(root, 'out')
     assert sorted(os.listdir(out)) == sorted(
-        ['lenet_iter_%d.%s%s' % (i, ext, h5) for i in (10, 20)
+        ['lenet_iter_%d.%s%s' % (i, ext, h5) for i in (6, 12)
          for ext in ('caffemodel', 'solverstate')] +
-        ['lenet_iter_%d.solverstate%s.caffeplus.json' % (i, h5) for i in (10, 20)])
+        ['lenet_iter_%d.solverstate%s.caffeplus.json' % (i, h5) for i in (6, 12)])
     straight = {name: open(os.path.join(out, name), 'rb').read()
-                for name in ('lenet_iter_20.caffemodel' + h5, 'lenet_iter_20.solverstate' + h5)}
+                for name in ('lenet_iter_12.caffemodel' + h5, 'lenet_iter_12.solverstate' + h5)}
     for name in straight:
         os.remove(os.path.join(out, name))
     rc, cap = caffeplus_main(['train', '-solver', 'solver.prototxt',
-                              '-snapshot', 'out/lenet_iter_10.solverstate' + h5], root)
+                              '-snapshot', 'out/lenet_iter_6.solverstate' + h5], root)
     assert rc == 0
     assert any(m.startswith('Restored caffeplus RNG and layer state from') for m in cap.messages)
     if fmt == 'BINARYPROTO':
