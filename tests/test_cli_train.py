@@ -249,10 +249,13 @@ def test_resume_via_cli_and_stage_level_flags(tiny):
 def test_memory_flags_are_parsed_and_stored(tiny):
     (tiny / 'short.prototxt').write_text(TINY_SOLVER.replace('max_iter: 20', 'max_iter: 1'))
     rc, cap = run_cli(tiny, 'train', '-solver', 'short.prototxt', '--memory', 'shared',
-                      '--workspace_limit', '64M')
+                      '--workspace_limit', '64M', '--memory_budget', '2G', '--keep', 'ip,loss',
+                      '--offload', 'conv')
     assert rc == 0
     text = '\n'.join(cap.messages)
     assert 'memory_plan: "shared"' in text and 'workspace_limit: 67108864' in text
+    assert 'memory_budget: 2147483648' in text
+    assert 'keep: "ip"\n  keep: "loss"' in text and 'offload: "conv"' in text
     with pytest.raises(SystemExit):
         run_cli(tiny, 'train', '-solver', 'short.prototxt', '--memory', 'lots')
 

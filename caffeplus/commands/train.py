@@ -164,6 +164,15 @@ def add_arguments(parser):
                         help='memory plan for the nets (stock, arena, shared, offload, auto)')
     parser.add_argument('--workspace_limit', default=None,
                         help='cap on the cuDNN workspace, in bytes (suffixes K, M, G allowed)')
+    parser.add_argument('--memory_budget', default=None,
+                        help='memory budget for the auto plan, in bytes (suffixes K, M, G)')
+    parser.add_argument('--keep', default=None,
+                        help="blobs that stay readable after forward under reusing plans, "
+                             "separated by ','")
+    parser.add_argument('--offload', default=None,
+                        help="offload policy: conv, all, or blob names separated by ','")
+    parser.add_argument('--math', default=None,
+                        help='GPU math: strict (default), tf32, deterministic')
 
 
 def build_solver_param(args):
@@ -185,6 +194,16 @@ def build_solver_param(args):
         param.caffeplus_param.memory_plan = args.memory
     if args.workspace_limit is not None:
         param.caffeplus_param.workspace_limit = parse_bytes(args.workspace_limit)
+    if getattr(args, 'memory_budget', None) is not None:
+        param.caffeplus_param.memory_budget = parse_bytes(args.memory_budget)
+    for flag in ('keep', 'offload'):
+        value = getattr(args, flag, None)
+        if value is not None:
+            field = getattr(param.caffeplus_param, flag)
+            del field[:]
+            field.extend(v.strip() for v in value.split(',') if v.strip())
+    if getattr(args, 'math', None) is not None:
+        param.caffeplus_param.math = args.math
     args.workspace_limit_bytes = param.caffeplus_param.workspace_limit \
         if param.HasField('caffeplus_param') else 0
     return param

@@ -117,6 +117,7 @@ class Solver:
         if param.iter_size < 1:
             raise CaffeplusError('iter_size must be at least 1 (got %d)' % param.iter_size)
         self.check_param(param)
+        self._apply_math_mode(param)
         self._check_snapshot_write_permissions()
         if param.random_seed >= 0:
             rng.set_random_seed(param.random_seed + self.rank)
@@ -129,6 +130,18 @@ class Solver:
 
     def pre_solve(self):
         """Allocate history (subclasses)."""
+
+    @staticmethod
+    def _apply_math_mode(param):
+        """caffeplus_param.math (strict, tf32, deterministic) before the nets
+        are built, where the backend offers math modes."""
+        if not param.caffeplus_param.HasField('math'):
+            return
+        try:
+            from caffeplus.backend import mathmode
+        except ImportError:
+            return
+        mathmode.set_math_mode(param.caffeplus_param.math)
 
     def _check_snapshot_write_permissions(self):
         if self.rank != 0 or not self.param.snapshot:
