@@ -1,0 +1,370 @@
+"""`caffeplus memory`: estimates without a GPU, Caffe's own figures, charts,
+`auto` under a budget, bad input; GPU measurements are gpu-marked."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+import caffeplus
+from caffeplus import cli
+from caffeplus.blob import Blob
+from caffeplus.errors import CaffeplusError
+from caffeplus.memory import budget, measure, shapes, workspace_model as wm
+from caffeplus.memory.plan import CATEGORIES, PLANS, make_plan
+
+from conftest import ROOT, SHARED
+
+BENCH = os.path.join(SHARED, 'bench')
+LENET = os.path.join(ROOT, 'examples', 'mnist', 'lenet_train_test.prototxt')
+
+
+def bench(name):
+    path = os.path.join(BENCH, name + '.prototxt')
+    if not os.path.exists(path):
+        pytest.skip('bench net not found: %s' % path)
+    return path
+
+
+def memory(capsys, *argv):
+    """Run `caffeplus memory ARGV` in-process: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    code = cli.main(['memory'] + list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def memory_json(capsys, *argv):
+    code, out, err = memory(capsys, '--estimate', '--json', *argv)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def caffe_figures():
+    """{bench file stem: (Memory required for data, parameter bytes)} from
+    the README's table of stock Caffe's log lines."""
+    path = os.path.join(BENCH, 'README.md')
+    if not os.path.exists(path):
+        pytest.skip('bench README not found')
+    out = {}
+    for line in open(path):
+        m = re.match(r'^\|\s*([A-Za-z0-9-]+) (b\d+)\s*\|\s*([\d,]+)\s*\|\s*([\d,]+)\s*\|', line)
+        if m:
+            stem = (m.group(1).lower().replace('-', '') + '_' + m.group(2))
+            out[stem] = (int(m.group(3).replace(',', '')), int(m.group(4).replace(',', '')))
+    return out
+
+
+def check_document(doc, plans=PLANS):
+    assert set(doc['plans']) == set(plans)
+    for name, entry in doc['plans'].items():
+        assert set(entry['breakdown']) == set(CATEGORIES), name
+        assert entry['peak_bytes'] == sum(entry['breakdown'].values()), name
+        assert all(isinstance(v, int) and v >= 0 for v in entry['breakdown'].values())
+        assert entry['iter_ms'] is None and entry['estimated'] is True
+        assert entry['est_iter_ms'] > 0
+
+
+# -- estimates on the CPU ----------------------------------------------------------------
+def test_lenet_estimate_json_has_every_plan_and_category(capsys):
+    doc = memory_json(capsys, '-model', LENET)
+    check_document(doc)
+    plans = doc['plans']
+    assert doc['net'] == 'LeNet' and doc['batch'] == 64
+    assert plans['shared']['peak_bytes'] < plans['stock']['peak_bytes']
+    assert plans['offload']['peak_bytes'] <= plans['shared']['peak_bytes']
+    # LeNet's parameters: 431,080 floats.
+    assert plans['stock']['breakdown']['parameters'] == 431080 * 4
+
+
+def test_text_table_names_every_plan_with_units(capsys):
+    code, out, err = memory(capsys, '-model', LENET, '--estimate')
+    assert code == 0, err
+    lines = out.splitlines()
+    assert 'estimated without a GPU' in lines[0]
+    assert lines[1].split()[:2] == ['plan', 'peak']
+    for name in PLANS:
+        assert any(line.startswith(name + ' ') for line in lines), name
+    assert 'MiB' in out
+
+
+@pytest.mark.parametrize('net', ['alexnet_b128', 'googlenet_b64', 'resnet50_b32'])
+def test_bench_nets_against_stock_caffe_figures(capsys, net):
+    """Stock activations = Caffe's "Memory required for data" minus the tops
+    Caffe counts again though they own no memory.
+
+    Caffe's Net::Init adds every top's count as the layer is set up, so a
+    top that aliases an earlier blob's data is counted twice: in-place tops
+    (top == bottom: ReLU, Dropout, BatchNorm, Scale) and the tops of Split
+    layers (which share their bottom's data, in Caffe and in caffeplus).
+    The stock plan counts each data buffer once, so
+        activations = figure - sum(bytes of in-place tops and Split tops).
+    """
+    figure, param_bytes = caffe_figures()[net]
+    doc = memory_json(capsys, '-model', bench(net))
+    check_document(doc)
+    plans = doc['plans']
+    stock = plans['stock']['breakdown']
+    assert stock['parameters'] == param_bytes
+    assert stock['parameter_diffs'] == param_bytes
+    assert stock['solver_history'] == param_bytes         # SGD: one history blob each
+    built = shapes.build_net(shapes.load_net_param(bench(net)))
+    assert built.memory_used_bytes == figure              # caffeplus logs Caffe's figure
+    aliased = 0
+    for i, layer in enumerate(built.layers):
+        for blob_id in built.top_id_vecs[i]:
+            if blob_id in built.bottom_id_vecs[i] or layer.layer_param.type == 'Split':
+                aliased += built._blobs[blob_id].count * 4
+    assert aliased > 0
+    assert stock['activations'] == figure - aliased
+    # Diffs: at most one per distinct blob that is not an in-place alias.
+    assert 0 < stock['activation_diffs'] <= figure - aliased + sum(
+        built._blobs[b].count * 4 for i, l in enumerate(built.layers)
+        if l.layer_param.type == 'Split' for b in built.top_id_vecs[i])
+    assert plans['shared']['peak_bytes'] < plans['stock']['peak_bytes']
+    assert plans['offload']['peak_bytes'] <= plans['shared']['peak_bytes']
+    assert plans['offload']['offloaded']
+    # `auto` without a budget: the fastest plan, no slower than any other.
+    auto_ms = plans['auto']['est_iter_ms']
+    assert all(auto_ms <= p['est_iter_ms'] + 1e-6 for p in plans.values())
+    assert plans['auto']['peak_bytes'] <= plans['shared']['peak_bytes']
+
+
+def test_batch_override_scales_activations_proportionally(capsys):
+    b32 = memory_json(capsys, '-model', bench('resnet50_b32'), '--plans', 'stock,shared')
+    b64 = memory_json(capsys, '-model', bench('resnet50_b32'), '--plans', 'stock,shared',
+                      '--batch', '64')
+    assert b64['batch'] == 64
+    s32, s64 = b32['plans']['stock']['breakdown'], b64['plans']['stock']['breakdown']
+    for c in ('parameters', 'parameter_diffs', 'solver_history'):
+        assert s64[c] == s32[c]
+    for c in ('activations', 'activation_diffs'):
+        # Every blob but the scalar loss scales with the batch.
+        assert abs(s64[c] - 2 * s32[c]) <= 8, c
+    shared32, shared64 = (d['plans']['shared']['breakdown'] for d in (b32, b64))
+    ratio = (shared64['activations'] + shared64['activation_diffs']) / \
+        float(shared32['activations'] + shared32['activation_diffs'])
+    assert abs(ratio - 2) < 0.01
+    # The override gives what the b64 file itself gives, and Caffe's b64 figure.
+    file64 = memory_json(capsys, '-model', bench('resnet50_b64'), '--plans', 'stock,shared')
+    assert file64['plans'] == b64['plans']
+    figure64 = caffe_figures()['resnet50_b64'][0]
+    built = shapes.build_net(shapes.load_net_param(bench('resnet50_b32'), batch=64))
+    assert built.memory_used_bytes == figure64
+
+
+def test_vgg16_b256_estimate_builds_in_little_memory():
+    """The shape-only build: VGG-16 at batch 256 (14 GiB of activations)
+    estimates in well under 1 GB of resident memory."""
+    path = bench('vgg16_b256')
+    code = ('import json, resource, sys\n'
+            'from caffeplus import cli\n'
+            'sys.exit(cli.main(["memory", "-model", %r, "--estimate", "--json", '
+            '"--plans", "stock,shared,offload"]) or '
+            'print("RSS", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr))'
+            % path)
+    proc = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rss_kib = int(re.search(r'RSS (\d+)', proc.stderr).group(1))
+    assert rss_kib < 1024 * 1024, 'peak RSS %d KiB' % rss_kib
+    doc = json.loads(proc.stdout)
+    stock = doc['plans']['stock']['breakdown']
+    figure, params = caffe_figures()['vgg16_b256']
+    assert stock['parameters'] == params
+    assert stock['activations'] > 14 * 2 ** 30
+
+
+def test_shape_only_build_is_virtual_and_switches_back():
+    net = shapes.build_net(shapes.load_net_param(bench('alexnet_b128')))
+    data = net.blobs['data'].data
+    assert data.shape == (128, 3, 227, 227) and not any(data.strides)
+    assert not any(net.params['fc6'][0].data.strides)
+    # Outside the block storage is real again.
+    blob = Blob((3, 4))
+    assert blob.data.strides == (16, 4)
+    blob.data = numpy.ones((3, 4))
+    assert blob.data.sum() == 12
+
+
+# -- charts --------------------------------------------------------------------------------
+def test_plot_writes_bar_and_timeline_pngs(capsys, tmp_path):
+    target = tmp_path / 'mem.png'
+    code, out, err = memory(capsys, '-model', LENET, '--estimate', '--plot', str(target))
+    assert code == 0, err
+    for path in (target, tmp_path / 'mem_timeline.png'):
+        with open(path, 'rb') as f:
+            assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+        assert os.path.getsize(path) > 5000
+
+
+# -- auto and budgets --------------------------------------------------------------------
+def test_parse_bytes_units():
+    assert budget.parse_bytes('12G') == 12 * 2 ** 30
+    assert budget.parse_bytes('800M') == 800 * 2 ** 20
+    assert budget.parse_bytes('1.5GiB') == int(1.5 * 2 ** 30)
+    assert budget.parse_bytes('512MB') == 512 * 2 ** 20
+    assert budget.parse_bytes('1073741824') == 2 ** 30
+    assert budget.parse_bytes(' 2 t ') == 2 * 2 ** 40
+    for bad in ('lots', '', '-1G', '0', '1.5X', 'GiB', '1 2G'):
+        with pytest.raises(CaffeplusError):
+            budget.parse_bytes(bad)
+
+
+def test_auto_fits_the_budget_and_trades_time_for_memory():
+    net = shapes.build_net(shapes.load_net_param(bench('resnet50_b32')))
+    options = budget.search(net)
+    low, high = min(o.peak for o in options), max(o.peak for o in options)
+    previous = None
+    for fraction in (0.1, 0.5, 1.0):
+        limit = int(low + fraction * (high - low))
+        plan = budget.plan_for_budget(net, limit)
+        assert plan.name == 'auto' and plan.peak_bytes <= limit
+        if previous is not None:
+            assert plan.est_iter_ms <= previous.est_iter_ms + 1e-9
+        previous = plan
+    tight = budget.plan_for_budget(net, low)
+    assert tight.offloaded and tight.breakdown['workspace'] == 0
+
+
+def test_impossible_budget_names_the_smallest_that_fits(capsys):
+    code, out, err = memory(capsys, '-model', bench('alexnet_b128'), '--estimate',
+                            '--plans', 'auto', '--budget', '100M')
+    assert code == 1 and out == ''
+    assert 'Traceback' not in err
+    m = re.search(r'the smallest budget that fits is (\S+)', err)
+    assert m, err
+    # That budget works.
+    doc = memory_json(capsys, '-model', bench('alexnet_b128'), '--plans', 'auto',
+                      '--budget', m.group(1))
+    assert doc['plans']['auto']['peak_bytes'] <= budget.parse_bytes(m.group(1))
+    assert doc['plans']['auto']['fits_budget'] is True
+
+
+# -- bad input ----------------------------------------------------------------------------
+@pytest.mark.parametrize('argv, message', [
+    (['--plans', 'stock,tiny'], "unknown memory plan 'tiny'"),
+    (['--keep', 'conv1,nope'], "no blob named 'nope'"),
+    (['--budget', 'lots'], "cannot read 'lots' as a memory size"),
+    (['--batch', '0'], '--batch must be positive'),
+    (['--solver_type', 'Magic'], "unknown solver type 'Magic'"),
+    (['--gpu', '0,1'], 'measured on one device'),
+    (['--offload', 'conv1,nope', '--plans', 'offload'], "no blob named 'nope'"),
+])
+def test_bad_input_is_one_clear_line(capsys, argv, message):
+    code, out, err = memory(capsys, '-model', LENET, '--estimate', *argv)
+    assert code == 1
+    assert message in err and 'Traceback' not in err
+    assert err.startswith('caffeplus memory: error:')
+
+
+def test_missing_model_and_no_model(capsys, tmp_path):
+    code, out, err = memory(capsys, '-model', str(tmp_path / 'none.prototxt'), '--estimate')
+    assert code == 1 and 'not found' in err
+    code, out, err = memory(capsys, '--estimate')
+    assert code == 1 and '--model' in err
+
+
+def test_cli_subprocess_error_has_no_traceback():
+    proc = subprocess.run([sys.executable, '-m', 'caffeplus', 'memory', '-model', LENET,
+                           '-estimate', '-plans', 'stock,bogus'], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "unknown memory plan 'bogus'" in proc.stderr and 'Traceback' not in proc.stderr
+
+
+# -- the models ------------------------------------------------------------------------------
+def test_stock_workspace_follows_caffes_8mb_rule():
+    net = shapes.build_net(shapes.load_net_param(bench('alexnet_b128')))
+    conv = dict((l.name, l) for _, l in wm.conv_layers(net))
+    # conv2: 5x5, group 2, 48 input channels per group, 27x27 out, batch 128:
+    # the column buffer of one group (48*25*27*27*128*4 bytes) exceeds 8 MB,
+    # so each kind gets 8 MB; x group 2 x 3 streams.
+    assert wm.stock_layer_workspace(conv['conv2']) == 8 * 2 ** 20 * 2 * 3
+    assert wm.stock_handles(net) == 3 * (1 + 2 + 1 + 2 + 2)
+    small = shapes.build_net(shapes.load_net_param(LENET, batch=1))
+    conv1 = [l for _, l in wm.conv_layers(small)][0]
+    # LeNet conv1 at batch 1: 1*25*24*24*4 = 57,600 bytes, under the limit.
+    assert wm.stock_layer_workspace(conv1) == 57600 * 3
+
+
+def test_arena_workspace_is_the_largest_fastest_need():
+    net = shapes.build_net(shapes.load_net_param(bench('alexnet_b128')))
+    needs = {l.name: wm.fastest(l).bytes for _, l in wm.conv_layers(net)}
+    assert wm.arena_workspace(net) == max(needs.values())
+    # conv1 is strided: its fastest candidate is the explicit im2col GEMM.
+    assert needs['conv1'] == 4 * 3 * 11 * 11 * 55 * 55 * 128
+    assert wm.arena_workspace(net, cap=0) == 0
+
+
+@pytest.mark.parametrize('model, batch', [(LENET, 8), ('googlenet_b64', 1)])
+def test_shared_plan_in_a_real_arena_trains_identically(model, batch):
+    """Every buffer of the shared plan placed at its offset in one NumPy
+    arena: two training iterations give bit-identical losses and weights,
+    so no buffer is overwritten while still needed."""
+    path = model if os.path.isabs(model) else bench(model)
+
+    def train(plan_name):
+        caffeplus.set_random_seed(5)
+        param = shapes.load_net_param(path, batch=batch)
+        with shapes.quiet():
+            solver = measure._solver(param, 'SGD', 2)
+        net = solver.net
+        if plan_name:
+            plan = make_plan(net, plan_name)
+            info = measure.apply_static(net, plan, xp=numpy)
+            assert info['arena'].nbytes >= plan.arena_bytes
+        losses = []
+        for _ in range(2):
+            measure.run_iteration(net, solver)
+            losses.append([float(net.blobs[n].data.sum()) for n in net.outputs])
+        return losses, [p.data.copy() for p in net.learnable_params]
+
+    plain_losses, plain_weights = train(None)
+    shared_losses, shared_weights = train('shared')
+    assert plain_losses == shared_losses
+    for a, b in zip(plain_weights, shared_weights):
+        assert numpy.array_equal(a, b)
+
+
+# -- on the GPU ------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_measure_plan_on_the_gpu():
+    param = shapes.load_net_param(LENET)
+    net = shapes.build_net(param)
+    results = {}
+    for name in ('stock', 'shared'):
+        plan = budget.estimate_plan(net, name)
+        r = measure.measure_plan(param, plan, 0)
+        assert r['estimated'] is False and r['iter_ms'] > 0
+        assert set(r['breakdown']) == set(CATEGORIES)
+        assert r['peak_bytes'] >= r['pool_peak_bytes'] > 0
+        params = sum(p.count for p in net.learnable_params) * 4
+        assert r['breakdown']['parameters'] >= params
+        results[name] = r
+    assert results['shared']['pool_peak_bytes'] <= results['stock']['pool_peak_bytes']
+
+
+@pytest.mark.gpu
+def test_memory_command_measures_with_the_estimate_beside(capsys):
+    code, out, err = memory(capsys, '-model', LENET, '-gpu', '0', '--json',
+                            '--plans', 'stock,shared')
+    assert code == 0, err
+    doc = json.loads(out)
+    for entry in doc['plans'].values():
+        assert entry['estimated'] is False and entry['iter_ms'] > 0
+        assert entry['estimate']['peak_bytes'] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize('net', ['alexnet_b128', 'resnet50_b32'])
+def test_estimate_within_five_percent_of_the_measurement(capsys, net):
+    code, out, err = memory(capsys, '-model', bench(net), '-gpu', '0', '--json',
+                            '--plans', 'stock,arena,shared')
+    assert code == 0, err
+    for name, entry in json.loads(out)['plans'].items():
+        assert abs(entry['estimate_error_pct']) <= 5, (name, entry['estimate_error_pct'])
