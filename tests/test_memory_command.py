@@ -261,6 +261,30 @@ def test_bad_input_is_one_clear_line(capsys, argv, message):
     assert err.startswith('caffeplus memory: error:')
 
 
+HDF5_NET = """
+name: "logreg"
+layer { name: "data" type: "HDF5Data" top: "data" top: "label"
+        hdf5_data_param { source: "nowhere/train.txt" batch_size: 10 } }
+layer { name: "fc1" type: "InnerProduct" bottom: "data" top: "fc1"
+        inner_product_param { num_output: 2 } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc1" bottom: "label" top: "loss" }
+"""
+
+
+def test_shape_flag_for_data_layers_without_a_known_shape(capsys, tmp_path):
+    path = tmp_path / 'logreg.prototxt'
+    path.write_text(HDF5_NET)
+    code, out, err = memory(capsys, '-model', str(path), '--estimate')
+    assert code == 1 and '--shape TOP=N,C,H,W' in err and 'pass shapes=' not in err
+    doc = memory_json(capsys, '-model', str(path), '--shape', 'data=10,4',
+                      '--shape', 'label=10', '--plans', 'stock')
+    # data 10x4, label 10, fc1 10x2, loss 1: 40 + 10 + 20 + 1 floats.
+    assert doc['plans']['stock']['breakdown']['activations'] == 71 * 4
+    assert doc['plans']['stock']['breakdown']['parameters'] == (2 * 4 + 2) * 4
+    code, out, err = memory(capsys, '-model', str(path), '--estimate', '--shape', 'data=10,x')
+    assert code == 1 and "--shape must be TOP=N,C,H,W" in err
+
+
 def test_missing_model_and_no_model(capsys, tmp_path):
     code, out, err = memory(capsys, '-model', str(tmp_path / 'none.prototxt'), '--estimate')
     assert code == 1 and 'not found' in err

@@ -19,8 +19,10 @@ activations, activation diffs, workspace, other; and the iteration time.
   and the measurement is shown with the estimate beside it.
 
 Data layers become DummyData of the same shapes (caffeplus.io.dummy), so no
-database is needed; --batch N sets the batch of every data/DummyData/Input
-top. `auto` picks the fastest plan whose peak fits --budget (default: no
+database is needed (a Data layer whose database opens plans at its first
+record's shape; --shape TOP=N,C,H,W gives a shape that cannot be told from
+the net, e.g. HDF5Data's); --batch N sets the batch of every
+data/DummyData/Input top. `auto` picks the fastest plan whose peak fits --budget (default: no
 limit with --estimate, the GPU's memory with -gpu); when none fits, the error
 names the smallest budget that would. --keep a,b keeps those blobs readable
 after the iteration (reusing plans may overwrite them otherwise); --offload
@@ -63,6 +65,9 @@ def add_arguments(parser):
                              'AdaDelta, Adam)')
     parser.add_argument('--iterations', type=int, default=1,
                         help='timed iterations per plan with -gpu (after one stepped one)')
+    parser.add_argument('--shape', action='append', default=[], metavar='TOP=N,C,H,W',
+                        help="the shape of a data layer's top (or, under a layer's name, its "
+                             "data top) when it cannot be told from the net; repeatable")
     parser.add_argument('--level', type=int, default=0, help='network level')
     parser.add_argument('--stage', default='', help="network stages, separated by ','")
 
@@ -78,6 +83,22 @@ def parse_plans(spec):
         raise CaffeplusError('--plans names no plan (choose from stock, arena, shared, '
                              'offload, auto)')
     return names
+
+
+def parse_shapes(specs):
+    """['data=64,3,32,32', ...] -> {'data': (64, 3, 32, 32)}."""
+    out = {}
+    for spec in specs or ():
+        name, sep, dims = spec.partition('=')
+        try:
+            shape = tuple(int(d) for d in dims.split(','))
+        except ValueError:
+            shape = ()
+        if not sep or not name.strip() or not shape or any(d <= 0 for d in shape):
+            raise CaffeplusError("--shape must be TOP=N,C,H,W with positive integers, not '%s'"
+                                 % spec)
+        out[name.strip()] = shape
+    return out
 
 
 def parse_gpu(spec):
@@ -163,7 +184,14 @@ def run(args):
     if not measuring and not args.estimate and not args.json:
         print('caffeplus memory: no -gpu given: showing estimates', file=sys.stderr)
 
-    param = shapes.load_net_param(args.model, batch=args.batch, phase=caffe_pb2.TRAIN)
+    try:
+        param = shapes.load_net_param(args.model, batch=args.batch, phase=caffe_pb2.TRAIN,
+                                      shapes=parse_shapes(args.shape))
+    except CaffeplusError as exc:
+        if 'pass shapes=' not in str(exc):
+            raise
+        raise CaffeplusError('%s (on the command line: --shape TOP=N,C,H,W)'
+                             % str(exc).split('; pass shapes=')[0])
     stages = [st for st in (args.stage or '').split(',') if st] or None
     net = shapes.build_net(param, level=args.level, stages=stages)
     keep = check_keep(net, args.keep)

@@ -177,17 +177,20 @@ def _swap_readable_data_layers(param, batch):
         param.layer[i].CopyFrom(dummy.dummy_layer(lp, dummy.data_top_shapes(lp, shapes, n)))
 
 
-def load_net_param(model, batch=None, phase=caffe_pb2.TRAIN):
+def load_net_param(model, batch=None, phase=caffe_pb2.TRAIN, shapes=None):
     """A NetParameter ready to plan: data layers as DummyData (of the data
-    layer's shapes), the batch overridden when `batch` is given."""
+    layer's shapes; `shapes` {top or layer name: shape} as
+    caffeplus.io.dummy.swap_data_layers takes it), the batch overridden when
+    `batch` is given."""
     from caffeplus.io.dummy import swap_data_layers
     from caffeplus.net import load_net_param as read
     if isinstance(model, (str, os.PathLike)) and not os.path.exists(os.fspath(model)):
         raise CaffeplusError("model file '%s' not found" % os.fspath(model))
-    param = read(model)
     with quiet():
-        _swap_readable_data_layers(param, batch)
-    param = swap_data_layers(param, batch_size=batch)
+        param = read(model)
+        if not shapes:
+            _swap_readable_data_layers(param, batch)
+    param = swap_data_layers(param, shapes=shapes, batch_size=batch)
     if batch is not None:
         if not set_batch(param, batch):
             raise CaffeplusError('--batch: net %s has no data, DummyData or Input layer whose '
