@@ -153,6 +153,7 @@ CONV_CASES = [
     ((1, 2, 5, 7, 6), 'num_output: 2 kernel_size: 3 kernel_size: 2 kernel_size: 3 '
                       'stride: 2 stride: 1 stride: 2 pad: 1 pad: 0 pad: 1 dilation: 1 dilation: 2 dilation: 1'),
     ((2, 3, 11), 'num_output: 2 kernel_size: 4 stride: 3 pad: 2'),
+    ((2, 2, 4, 30), 'num_output: 3 kernel_size: 3 pad: 1'),          # wide rows: batch-major
 ]
 
 FILLERS = ' weight_filler { type: "gaussian" std: 0.3 } bias_filler { type: "gaussian" std: 0.5 }'
@@ -251,6 +252,8 @@ GRAD_CONV = [
     ((2, 2, 5, 6), 'Convolution', 'num_output: 3 kernel_h: 3 kernel_w: 2 stride_h: 2 pad_w: 1 pad_h: 0 stride_w: 1'),
     ((1, 2, 4, 5, 4), 'Convolution', 'num_output: 2 kernel_size: 2 pad: 1 stride: 2'),
     ((2, 3, 6), 'Convolution', 'num_output: 2 kernel_size: 3 stride: 2'),
+    ((2, 1, 3, 27), 'Convolution', 'num_output: 2 kernel_size: 2 pad: 1'),
+    ((2, 1, 2, 26), 'Deconvolution', 'num_output: 2 kernel_size: 3'),
     ((2, 2, 3, 4), 'Deconvolution', 'num_output: 3 kernel_size: 3 stride: 2 pad: 1'),
     ((1, 4, 3, 3), 'Deconvolution', 'num_output: 2 kernel_size: 4 stride: 2 pad: 1 group: 2'),
     ((1, 2, 2, 3, 2), 'Deconvolution', 'num_output: 2 kernel_size: 2 stride: 2 dilation: 1'),
@@ -691,6 +694,10 @@ def test_vision_layers_in_a_net(tmp_path):
 @pytest.mark.parametrize('kind,param,shape', [
     ('Convolution', 'num_output: 4 kernel_size: 3 pad: 1 stride: 2 group: 2', (5, 4, 7, 6)),
     ('Deconvolution', 'num_output: 4 kernel_size: 3 stride: 2 pad: 1 group: 2', (5, 4, 4, 3)),
+    ('Convolution', 'num_output: 3 kernel_size: 3 pad: 1 dilation: 2', (5, 2, 7, 6)),
+    ('Convolution', 'num_output: 3 kernel_size: 1', (4, 2, 3, 5)),
+    ('Convolution', 'num_output: 2 kernel_size: 2 pad: 1', (3, 2, 4, 3, 5)),
+    ('Deconvolution', 'num_output: 3 kernel_size: 3 pad: 1', (5, 2, 4, 5)),
     ('Pooling', 'pool: MAX kernel_size: 3 stride: 2', (3, 5, 9, 8)),
     ('Pooling', 'pool: AVE kernel_size: 3 stride: 2 pad: 1', (3, 5, 9, 8)),
     ('LRN', 'local_size: 3 norm_region: WITHIN_CHANNEL', (3, 5, 6, 7)),
