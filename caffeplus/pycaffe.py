@@ -74,6 +74,46 @@ class BlobVec(list):
         return blob
 
 
+def host_blob(blob):
+    """What Python code sees of a blob: the Blob in CPU mode; in GPU mode a
+    view whose data/diff are NumPy arrays kept in sync with the device (as
+    pycaffe hands Python layers their CPU data)."""
+    from caffeplus import blob as blob_module
+    wrap = getattr(blob_module, 'host_blob', None)
+    return wrap(blob) if wrap is not None else blob
+
+
+def host_blobs(blobs):
+    if backend.mode() != backend.GPU:
+        return blobs
+    return [host_blob(b) for b in blobs]
+
+
+class HostBlobVec:
+    """A Python layer's self.blobs: the layer's BlobVec seen through
+    host_blob (NumPy data/diff in GPU mode too), with add_blob."""
+
+    def __init__(self, blobs):
+        self._blobs = blobs
+
+    def __len__(self):
+        return len(self._blobs)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [host_blob(b) for b in self._blobs[index]]
+        return host_blob(self._blobs[index])
+
+    def __iter__(self):
+        return (host_blob(b) for b in self._blobs)
+
+    def add_blob(self, *shape):
+        return host_blob(self._blobs.add_blob(*shape))
+
+    def __repr__(self):
+        return '[%s]' % ', '.join(repr(b) for b in self._blobs)
+
+
 class Layer:
     """Base class of Python layers (pycaffe's caffe.Layer).
 

@@ -21,7 +21,7 @@ import sys
 
 from caffeplus.errors import CaffeplusError, NetError
 from caffeplus.layer import Layer, register
-from caffeplus.pycaffe import BlobVec, python_layers_refusal
+from caffeplus.pycaffe import BlobVec, HostBlobVec, host_blobs, python_layers_refusal
 
 
 class PythonLayerError(CaffeplusError):
@@ -61,7 +61,7 @@ class PythonLayer(Layer):
     type = 'Python'
 
     _OWN = frozenset(('layer_param', 'phase', 'blobs', 'param_propagate_down',
-                      'loss_weights', 'py', 'module_name', 'class_name'))
+                      'loss_weights', 'py', 'module_name', 'class_name', '_py_blobs'))
 
     def __init__(self, layer_param):
         super().__init__(layer_param)
@@ -103,8 +103,9 @@ class PythonLayer(Layer):
 
     def _prepare(self):
         py = self.py
+        self._py_blobs = HostBlobVec(self.blobs)
         for attr, value in (('param_str', self.layer_param.python_param.param_str),
-                            ('phase', self.phase), ('blobs', self.blobs),
+                            ('phase', self.phase), ('blobs', self._py_blobs),
                             ('layer_param', self.layer_param), ('type', 'Python')):
             try:
                 setattr(py, attr, value)
@@ -143,20 +144,24 @@ class PythonLayer(Layer):
 
     def layer_setup(self, bottom, top):
         self._prepare()
-        self._call('setup', bottom, top)
-        blobs = getattr(self.py, 'blobs', self.blobs)
-        if blobs is not self.blobs:
-            self.blobs = BlobVec(blobs, owner=self.layer_param.name)
+        self._call('setup', host_blobs(bottom), host_blobs(top))
+        blobs = getattr(self.py, 'blobs', self._py_blobs)
+        if blobs is not self._py_blobs:
+            # The layer replaced self.blobs with a list of its own.
+            self.blobs = BlobVec([getattr(b, 'blob', b) for b in blobs],
+                                 owner=self.layer_param.name)
             self._prepare()
 
+    # bottom and top reach the Python code as pycaffe gives them: NumPy
+    # data/diff, in GPU mode through host mirrors synced with the device.
     def reshape(self, bottom, top):
-        self._call('reshape', bottom, top)
+        self._call('reshape', host_blobs(bottom), host_blobs(top))
 
     def _forward(self, bottom, top):
-        self._call('forward', bottom, top)
+        self._call('forward', host_blobs(bottom), host_blobs(top))
 
     def _backward(self, top, propagate_down, bottom):
-        self._call('backward', top, list(propagate_down), bottom)
+        self._call('backward', host_blobs(top), list(propagate_down), host_blobs(bottom))
 
     def __repr__(self):
         return '<Python layer %s (%s.%s)>' % (self.layer_param.name, self.module_name,

@@ -570,14 +570,15 @@ def test_python_loss_layer_linreg(pymodule):
         for param_id in (0, 1):
             blob = net.params[layer][param_id]
             analytic = blob.diff.copy()
-            flat = blob.data.reshape(-1)
-            for k in rng.choice(flat.size, 6, replace=False):
-                old = flat[k]
-                flat[k] = old + eps
+            for k in rng.choice(blob.count, 6, replace=False):
+                # Re-read blob.data after each forward: in GPU mode it is a
+                # host mirror, synced when read (as in pycaffe).
+                old = blob.data.flat[k]
+                blob.data.flat[k] = old + eps
                 plus = float(net.forward(start='ipx')['loss'][0])
-                flat[k] = old - eps
+                blob.data.flat[k] = old - eps
                 minus = float(net.forward(start='ipx')['loss'][0])
-                flat[k] = old
+                blob.data.flat[k] = old
                 numeric = (plus - minus) / (2 * eps)
                 assert abs(numeric - analytic.reshape(-1)[k]) <= \
                     2e-3 + 2e-2 * abs(numeric), (layer, param_id, k, numeric)
