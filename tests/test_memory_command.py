@@ -324,6 +324,16 @@ def test_arena_workspace_is_the_largest_fastest_need():
     assert wm.arena_workspace(net, cap=0) == 0
 
 
+def test_plan_applier_fallback_and_offload_refusal():
+    net = shapes.build_net(shapes.load_net_param(LENET, batch=2))
+    assert measure.apply_plan(net, make_plan(net, 'stock'))['applier'] in (
+        'static', 'caffeplus.memory.apply')
+    offload_plan = make_plan(net, 'offload', offload_policy='all')
+    assert offload_plan.offloaded
+    with pytest.raises(CaffeplusError, match="needs the GPU runtime's plan applier"):
+        measure.apply_static(net, offload_plan, xp=numpy)
+
+
 @pytest.mark.parametrize('model, batch', [(LENET, 8), ('googlenet_b64', 1)])
 def test_shared_plan_in_a_real_arena_trains_identically(model, batch):
     """Every buffer of the shared plan placed at its offset in one NumPy

@@ -32,6 +32,16 @@ picks the offload policy (conv, all, or blob names separated by ',').
 "iter_ms": T or null, "estimated": true|false, ...}}, ...} and nothing else
 on stdout. --plot NAME.png writes NAME.png (a stacked bar per plan) and
 NAME_timeline.png (live memory across the steps of one iteration).
+
+Reading the numbers: stock's "activations" is every blob's data once.
+Caffe's log line "Memory required for data" (which caffeplus logs too)
+adds each top's count as its layer is set up, so tops that alias an earlier
+blob's data are counted again: in-place tops and Split's tops. Hence
+    stock activations = Memory required for data
+                        - bytes of in-place tops - bytes of Split tops
+(tests/test_memory_command.py checks it against stock Caffe's figures for
+the bench nets). For reusing plans, activations + activation diffs is the
+planned arena, split between the two by their shares at the peak step.
 """
 import json
 import sys

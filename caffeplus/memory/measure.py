@@ -124,10 +124,11 @@ def apply_plan(net, plan):
     """Apply `plan` to a net built on the GPU; returns a dict with at least
     'applier' and, when known, 'workspace_bytes' and 'arena' (the device
     array holding the planned buffers)."""
+    import importlib
     try:
-        from caffeplus.memory import apply as runtime
-    except ImportError as exc:
-        if getattr(exc, 'name', None) not in ('caffeplus.memory.apply',):
+        runtime = importlib.import_module('caffeplus.memory.apply')
+    except ModuleNotFoundError as exc:
+        if exc.name != 'caffeplus.memory.apply':
             raise
         runtime = None
     if runtime is not None and hasattr(runtime, 'apply_plan'):
@@ -143,9 +144,9 @@ def apply_static(net, plan, xp=None):
     module docstring); stock and arena plans need nothing. `xp`: the array
     module of the arena (default CuPy; NumPy lets a test check a plan on the
     CPU: a wrong overlap changes the numbers)."""
-    cupy = xp if xp is not None else _cupy()
     if plan.name in ('stock', 'arena'):
         return {'applier': 'static', 'arena': None}
+    cupy = xp if xp is not None else _cupy()
     if plan.offloaded:
         raise CaffeplusError(
             "measuring plan '%s' needs the GPU runtime's plan applier "
