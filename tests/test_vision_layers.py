@@ -151,7 +151,8 @@ CONV_CASES = [
     ((1, 6, 5, 5), 'num_output: 3 kernel_size: 1 group: 3 bias_term: false'),
     ((2, 2, 5, 6, 5), 'num_output: 3 kernel_size: 3'),
     ((1, 2, 5, 7, 6), 'num_output: 2 kernel_size: 3 kernel_size: 2 kernel_size: 3 '
-                      'stride: 2 stride: 1 stride: 2 pad: 1 pad: 0 pad: 1 dilation: 1 dilation: 2 dilation: 1'),
+                      'stride: 2 stride: 1 stride: 2 pad: 1 pad: 0 pad: 1 '
+                      'dilation: 1 dilation: 2 dilation: 1'),
     ((2, 3, 11), 'num_output: 2 kernel_size: 4 stride: 3 pad: 2'),
     ((2, 2, 4, 30), 'num_output: 3 kernel_size: 3 pad: 1'),          # wide rows: batch-major
 ]
@@ -249,7 +250,8 @@ GRAD_CONV = [
     ((2, 3, 5, 4), 'Convolution', 'num_output: 2 kernel_size: 3'),
     ((1, 4, 5, 5), 'Convolution', 'num_output: 4 kernel_size: 3 pad: 1 stride: 2 group: 2'),
     ((1, 2, 7, 6), 'Convolution', 'num_output: 2 kernel_size: 3 pad: 1 dilation: 2'),
-    ((2, 2, 5, 6), 'Convolution', 'num_output: 3 kernel_h: 3 kernel_w: 2 stride_h: 2 pad_w: 1 pad_h: 0 stride_w: 1'),
+    ((2, 2, 5, 6), 'Convolution',
+     'num_output: 3 kernel_h: 3 kernel_w: 2 stride_h: 2 pad_w: 1 pad_h: 0 stride_w: 1'),
     ((1, 2, 4, 5, 4), 'Convolution', 'num_output: 2 kernel_size: 2 pad: 1 stride: 2'),
     ((2, 3, 6), 'Convolution', 'num_output: 2 kernel_size: 3 stride: 2'),
     ((2, 1, 3, 27), 'Convolution', 'num_output: 2 kernel_size: 2 pad: 1'),
@@ -623,10 +625,12 @@ def test_lrn_even_size_is_an_error():
 # Crop
 # =============================================================================
 @pytest.mark.parametrize('shape_a,shape_b,param,expect_slices', [
-    ((2, 3, 8, 9), (2, 3, 5, 6), 'axis: 2 offset: 1 offset: 2', (slice(None), slice(None), slice(1, 6), slice(2, 8))),
+    ((2, 3, 8, 9), (2, 3, 5, 6), 'axis: 2 offset: 1 offset: 2',
+     (slice(None), slice(None), slice(1, 6), slice(2, 8))),
     ((2, 4, 6, 6), (1, 2, 3, 3), 'axis: 1 offset: 1', (slice(None), slice(1, 3), slice(1, 4), slice(1, 4))),
     ((3, 4, 5), (2, 2, 2), 'axis: 0', (slice(0, 2), slice(0, 2), slice(0, 2))),
-    ((2, 3, 7, 5), (9, 9, 4, 3), 'axis: -2 offset: 3 offset: 0', (slice(None), slice(None), slice(3, 7), slice(0, 3))),
+    ((2, 3, 7, 5), (9, 9, 4, 3), 'axis: -2 offset: 3 offset: 0',
+     (slice(None), slice(None), slice(3, 7), slice(0, 3))),
 ])
 def test_crop(shape_a, shape_b, param, expect_slices):
     rng = numpy.random.default_rng(13)
