@@ -782,3 +782,70 @@ def test_blobproto_and_datum_helpers():
     fdatum = caffe.io.array_to_datum(img.astype(np.float32) / 3)
     np.testing.assert_allclose(caffe.io.datum_to_array(fdatum), img / 3.0, rtol=1e-6)
     assert caffe.io.caffe_pb2.Datum is type(datum)
+
+
+PYDATA = """
+import json
+import numpy as np
+import caffeplus as caffe
+
+
+class ArrayData(caffe.Layer):
+    \"\"\"A data layer in the FCN style: it loads the next batch in reshape(),
+    which Caffe calls before every forward.\"\"\"
+
+    def setup(self, bottom, top):
+        params = json.loads(self.param_str)
+        self.batch = params['batch']
+        rng = np.random.RandomState(params['seed'])
+        self.x = rng.randn(64, 4).astype(np.float32)
+        self.y = (self.x @ rng.randn(4, 3)).argmax(1).astype(np.float32)
+        self.idx = 0
+        self.reshapes = 0
+
+    def reshape(self, bottom, top):
+        sel = (np.arange(self.batch) + self.idx) % len(self.x)
+        self.data, self.label = self.x[sel], self.y[sel]
+        self.idx += self.batch
+        self.reshapes += 1
+        top[0].reshape(*self.data.shape)
+        top[1].reshape(*self.label.shape)
+
+    def forward(self, bottom, top):
+        top[0].data[...] = self.data
+        top[1].data[...] = self.label
+
+    def backward(self, top, propagate_down, bottom):
+        pass
+"""
+
+
+def test_python_data_layer_trains_with_the_solver(pymodule, tmp_path):
+    pymodule('pydata_layers', PYDATA)
+    _write(tmp_path / 'net.prototxt', """
+        layer { name: "data" type: "Python" top: "data" top: "label"
+                python_param { module: "pydata_layers" layer: "ArrayData"
+                               param_str: '{"batch": 16, "seed": 5}' } }
+        layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+                inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+        layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+        """)
+    solver_path = _write(tmp_path / 'solver.prototxt', """
+        net: "%s"
+        base_lr: 0.5
+        lr_policy: "fixed"
+        momentum: 0.9
+        max_iter: 100
+        snapshot_prefix: "%s"
+        random_seed: 1
+        """ % (tmp_path / 'net.prototxt', tmp_path / 'snap'))
+    solver = caffe.get_solver(solver_path)
+    data_layer = solver.net.layers[0]
+    assert data_layer.type == 'Python'
+    losses = []
+    for _ in range(40):
+        solver.step(1)
+        losses.append(float(solver.net.blobs['loss'].data))
+    # setup's reshape, then one reshape per forward: a new batch each iteration.
+    assert data_layer.reshapes == 41 and data_layer.idx == 41 * 16
+    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses

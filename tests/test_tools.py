@@ -417,3 +417,24 @@ def test_draw_net_renders_or_says_graphviz_is_missing(tmp_path, monkeypatch):
         draw.draw_net_to_file(read_net_param(model), str(tmp_path / 'x.png'))
     draw.draw_net_to_file(read_net_param(model), str(tmp_path / 'x.dot'))
     assert (tmp_path / 'x.dot').read_text().startswith('digraph')
+
+
+def test_convert_imageset_progress_bar_only_on_a_terminal():
+    import io
+    from caffeplus.commands.convert_imageset import Progress
+
+    class TTY(io.StringIO):
+        def isatty(self):
+            return True
+    tty = TTY()
+    bar = Progress(5000, stream=tty)
+    bar.update(2500, force=True)
+    assert '2500/5000 images' in tty.getvalue() and ' 50%' in tty.getvalue()
+    bar.clear()
+    assert tty.getvalue().endswith('\r\033[K')
+    quiet = TTY()
+    Progress(10, stream=quiet).update(5, force=True)          # short runs: no bar
+    Progress(5000, enabled=False, stream=quiet).update(5, force=True)
+    pipe = io.StringIO()
+    Progress(5000, stream=pipe).update(5, force=True)          # not a terminal
+    assert quiet.getvalue() == '' and pipe.getvalue() == ''
