@@ -11,6 +11,8 @@ Each layer class also declares, for the memory planner:
                   pooling mask, are the layer's own and always kept)
   inplace_ok      whether top may be the same blob as bottom
 """
+import os
+
 import numpy
 
 from caffeplus import backend
@@ -39,6 +41,42 @@ def layer_class(type_name):
     return _REGISTRY.get(type_name)
 
 
+# -- engines -----------------------------------------------------------------
+# GPU_ENGINES: layer type -> the cuDNN class (layers/cudnn.py) that create_layer
+# picks when the layer's engine is DEFAULT or CUDNN; engine: CAFFE keeps the
+# generic class. The cuDNN classes fall back to the generic code on NumPy
+# arrays, so picking them costs CPU runs nothing. CAFFEPLUS_ENGINE=CAFFE in
+# the environment keeps the generic classes everywhere.
+GPU_ENGINES = {}
+ENGINE_DEFAULT, ENGINE_CAFFE, ENGINE_CUDNN = 0, 1, 2
+ENGINE_FIELDS = {'Convolution': 'convolution_param', 'Deconvolution': 'convolution_param',
+                 'Pooling': 'pooling_param', 'LRN': 'lrn_param', 'ReLU': 'relu_param',
+                 'Sigmoid': 'sigmoid_param', 'TanH': 'tanh_param', 'Softmax': 'softmax_param',
+                 'SPP': 'spp_param'}
+
+
+def register_engine(engine, cls=None):
+    """register_engine('CUDNN', cls), or @register_engine('CUDNN') on a class:
+    make `cls` the engine's implementation of `cls.type`."""
+    if engine != 'CUDNN':
+        raise ValueError("unknown engine '%s'" % engine)
+
+    def add(c):
+        names = c.type if isinstance(c.type, (list, tuple)) else [c.type]
+        for name in names:
+            GPU_ENGINES[name] = c
+        return c
+    return add(cls) if cls is not None else add
+
+
+def layer_engine(layer_param):
+    """The engine a LayerParameter asks for (ENGINE_DEFAULT if it has no field)."""
+    field = ENGINE_FIELDS.get(layer_param.type)
+    if field is None or not layer_param.HasField(field):
+        return ENGINE_DEFAULT
+    return getattr(layer_param, field).engine
+
+
 def create_layer(layer_param):
     """Instantiate the layer a LayerParameter describes."""
     cls = layer_class(layer_param.type)
@@ -46,7 +84,19 @@ def create_layer(layer_param):
         raise UnknownLayerError(
             "Unknown layer type: '%s' (layer '%s'). Known types: %s"
             % (layer_param.type, layer_param.name, ', '.join(layer_types())))
+    gpu_cls = GPU_ENGINES.get(layer_param.type)
+    if gpu_cls is not None and layer_engine(layer_param) != ENGINE_CAFFE and \
+            os.environ.get('CAFFEPLUS_ENGINE', '').upper() != 'CAFFE':
+        cls = gpu_cls
     return cls(layer_param)
+
+
+def _reraise_out_of_memory(layer, stage, exc):
+    """Turn CuPy's OutOfMemoryError into a CaffeplusError naming the layer."""
+    if type(exc).__name__ in ('OutOfMemoryError', 'CUDARuntimeError', 'CudnnError'):
+        from caffeplus.memory import workspace
+        if workspace.is_out_of_memory(exc):
+            raise workspace.out_of_memory_error(layer, stage, exc) from exc
 
 
 def _load_layers():
@@ -93,9 +143,13 @@ class Layer:
 
     def setup(self, bottom, top):
         self.check_blob_counts(bottom, top)
-        self.layer_setup(bottom, top)
-        self.reshape(bottom, top)
-        self.set_loss_weights(top)
+        try:
+            self.layer_setup(bottom, top)
+            self.reshape(bottom, top)
+            self.set_loss_weights(top)
+        except Exception as exc:        # out of GPU memory: name the layer
+            _reraise_out_of_memory(self, 'setup', exc)
+            raise
 
     def layer_setup(self, bottom, top):
         pass
@@ -154,7 +208,11 @@ class Layer:
     # -- Caffe's Forward/Backward -------------------------------------------
     def forward(self, bottom, top):
         """Run the layer; return its weighted loss (0 for non-loss layers)."""
-        self._forward(bottom, top)
+        try:
+            self._forward(bottom, top)
+        except Exception as exc:        # out of GPU memory: name the layer
+            _reraise_out_of_memory(self, 'forward', exc)
+            raise
         loss = 0.0
         for i, w in enumerate(self.loss_weights):
             if w:
@@ -163,7 +221,11 @@ class Layer:
         return loss
 
     def backward(self, top, propagate_down, bottom):
-        self._backward(top, propagate_down, bottom)
+        try:
+            self._backward(top, propagate_down, bottom)
+        except Exception as exc:        # out of GPU memory: name the layer
+            _reraise_out_of_memory(self, 'backward', exc)
+            raise
 
     def _forward(self, bottom, top):
         raise NotImplementedError
@@ -176,6 +238,10 @@ class Layer:
     # -- workspace, for the memory planner -----------------------------------
     def workspace_bytes(self):
         """Scratch bytes the layer needs during one call (0: none)."""
+        return 0
+
+    def stock_workspace_bytes(self):
+        """Workspace stock Caffe 1.0 allocates for this layer (cuDNN convolutions)."""
         return 0
 
     def to_proto(self, write_diff=False):

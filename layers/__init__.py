@@ -5,7 +5,7 @@ Importing this package registers every layer type with caffeplus.layer.
 import importlib
 
 _FAMILIES = ('data', 'common', 'neuron', 'vision', 'normalization', 'loss',
-             'recurrent', 'python')
+             'recurrent', 'python', 'cudnn')
 
 for _family in _FAMILIES:
     try:

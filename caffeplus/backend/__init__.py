@@ -39,6 +39,8 @@ def set_mode_gpu(device=None):
     except Exception as exc:  # CUDA driver errors come in several types
         raise CaffeplusError('cannot use GPU %d: %s' % (_state['device'], exc))
     _state.update(mode=GPU, xp=cupy)
+    from caffeplus.backend import mathmode
+    mathmode.ensure_strict_default()   # strict FP32 unless set_math_mode('tf32')
 
 
 def set_device(device):

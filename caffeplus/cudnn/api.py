@@ -31,8 +31,12 @@ ONE, ZERO = ctypes.addressof(_ONE), ctypes.addressof(_ZERO)
 
 
 def ptr(array):
-    """Device pointer of a CuPy array (or None for 0)."""
-    return ctypes.c_void_p(array.data.ptr) if array is not None else None
+    """Device pointer of a CuPy array, or an int address (None for NULL)."""
+    if array is None:
+        return None
+    if isinstance(array, int):
+        return ctypes.c_void_p(array)
+    return ctypes.c_void_p(array.data.ptr)
 
 
 def _ints(values):
@@ -89,8 +93,11 @@ class TensorDesc(_Owned):
     def __init__(self, shape, strides=None):
         super().__init__()
         shape = [int(d) for d in shape]
+        strides = None if strides is None else [int(s) for s in strides]
         while len(shape) < 4:           # cuDNN wants at least 4 dims
             shape.append(1)
+            if strides is not None:
+                strides.append(1)
         if strides is None:
             strides, acc = [], 1
             for d in reversed(shape):

@@ -1,0 +1,451 @@
+"""cuDNN workspace: one arena per net (plan `arena`) or one buffer per layer
+(plan `stock`, as BVLC Caffe 1.0).
+
+Call sites. A cuDNN convolution layer has three call sites per bottom
+geometry: 'fwd', 'bwd_data' and 'bwd_filter'. At reshape the layer lists,
+for each site, its candidate algorithms with the workspace each needs
+(caffeplus.cudnn.api.AlgoChoice: cuDNN's _v7 heuristics, best first, or
+timed with cudnnFind*AlgorithmEx in the arena when `set_search('timed')`)
+and registers them with its workspace manager.
+
+Arena (the default). The arena picks, for every call site, the first
+(fastest) candidate whose workspace fits the budget, and sizes its one
+device buffer to the largest choice. Only one cuDNN call runs at a time, so
+the buffer is shared by every site of every layer of the net: a layer checks
+out the buffer for one call (`with arena.checkout(layer, kind) as (ptr,
+nbytes)`) and gives it back. The budget is `limit` bytes when given (the
+solver's caffeplus_param.workspace_limit, --workspace_limit), else what the
+GPU can spare after the net's other memory (blobs not yet allocated, with a
+margin). A reshape that changes a layer's candidates marks the arena for a
+re-plan before the next checkout.
+
+Stock. Each convolution layer owns its workspace, sized exactly as Caffe
+1.0's CuDNNConvolutionLayer::Reshape sizes it: per kind, the first _v7
+heuristic result whose workspace is <= 8 MiB; the layer allocates
+max(fwd, bwd_data, bwd_filter) * group * CUDNN_STREAMS_PER_GROUP (3) bytes,
+growing only. The layer also creates 3 * group cuDNN handles and CUDA
+streams, as Caffe does, so that the process's other memory matches stock.
+"""
+import contextlib
+import re
+import weakref
+
+from caffeplus import backend, log
+from caffeplus.errors import CaffeplusError
+
+STOCK_WORKSPACE_LIMIT = 8 * 1024 * 1024     # Caffe 1.0's workspace_limit_bytes
+CUDNN_STREAMS_PER_GROUP = 3
+# What the arena leaves free when it sizes itself from the device's free
+# memory: a fixed reserve plus a share of the device (CUDA context growth,
+# cuBLAS workspaces, CuPy pool fragmentation).
+MARGIN_BYTES = 512 * 1024 * 1024
+MARGIN_FRACTION = 0.05
+KINDS = ('fwd', 'bwd_data', 'bwd_filter')
+WORKSPACE_PLANS = ('stock', 'arena')
+
+_search = {'mode': 'heuristic'}
+
+
+def set_search(mode):
+    """'heuristic' (cuDNN's _v7 ranking, the default) or 'timed' (FindEx)."""
+    if mode not in ('heuristic', 'timed'):
+        raise CaffeplusError("algorithm search must be 'heuristic' or 'timed', not '%s'" % mode)
+    previous = _search['mode']
+    _search['mode'] = mode
+    return previous
+
+
+def search_mode():
+    return _search['mode']
+
+
+# =============================================================================
+# Choosing algorithms (pure: testable without a GPU)
+# =============================================================================
+class Site:
+    """One call site: (layer, kind, index). `candidates` best first; `choice`
+    set by the workspace manager's plan."""
+    __slots__ = ('kind', 'index', 'candidates', 'choice', 'timer')
+
+    def __init__(self, kind, candidates, index=0, timer=None):
+        self.kind, self.index = kind, index
+        self.candidates = list(candidates)
+        self.choice = None
+        self.timer = timer          # callable(ws_ptr, ws_bytes) -> timed candidates
+
+    def __repr__(self):
+        return '<Site %s[%d] %s>' % (self.kind, self.index, self.choice)
+
+
+def choose(candidates, budget, deterministic=False, what='call site'):
+    """The first (fastest) candidate whose workspace is <= budget (and, with
+    `deterministic`, that cuDNN reports deterministic). None fitting: the
+    one needing the least workspace if it fits, else a CaffeplusError."""
+    pool = [c for c in candidates if not deterministic or c.deterministic]
+    if not pool:
+        raise CaffeplusError('%s: cuDNN offers no deterministic algorithm (math mode '
+                             "'deterministic'); candidates: %s" % (what, candidates))
+    for c in pool:
+        if c.memory <= budget:
+            return c
+    smallest = min(pool, key=lambda c: c.memory)
+    raise CaffeplusError('%s: every cuDNN algorithm needs more workspace than the budget of '
+                         '%d bytes (the smallest, %s, needs %d); raise the workspace limit '
+                         '(--workspace_limit / caffeplus_param.workspace_limit)'
+                         % (what, budget, getattr(smallest, 'name', smallest), smallest.memory))
+
+
+def choose_stock(candidates, limit=STOCK_WORKSPACE_LIMIT):
+    """Caffe 1.0: the first heuristic result whose workspace is <= 8 MiB; if
+    none fits, the one needing least (Caffe's zero-workspace fallback)."""
+    for c in candidates:
+        if c.memory <= limit:
+            return c
+    return min(candidates, key=lambda c: c.memory) if candidates else None
+
+
+def stock_bytes(choices, group):
+    """Caffe 1.0's per-layer allocation: max(fwd, bwd_data, bwd_filter)
+    * group * CUDNN_STREAMS_PER_GROUP."""
+    biggest = max([c.memory for c in choices if c is not None] + [0])
+    return biggest * group * CUDNN_STREAMS_PER_GROUP
+
+
+def plan_sites(sites, budget, deterministic=False, names=None):
+    """Choose for every site; returns the buffer size (the largest choice)."""
+    size = 0
+    for i, s in enumerate(sites):
+        what = names[i] if names else '%s site' % s.kind
+        s.choice = choose(s.candidates, budget, deterministic, what)
+        size = max(size, s.choice.memory)
+    return size
+
+
+# =============================================================================
+# Device helpers
+# =============================================================================
+def _cupy():
+    import cupy
+    return cupy
+
+
+def is_out_of_memory(exc):
+    name = type(exc).__name__
+    if name == 'OutOfMemoryError':
+        return True
+    if name == 'CUDARuntimeError' and 'cudaErrorMemoryAllocation' in str(exc):
+        return True
+    return name == 'CudnnError' and 'ALLOC' in str(exc).upper()      # STATUS_ALLOC_FAILED
+
+
+def requested_bytes(exc):
+    """The byte count in CuPy's 'Out of memory allocating 1,234 bytes' message."""
+    m = re.search(r'allocating ([\d,]+) bytes', str(exc))
+    return int(m.group(1).replace(',', '')) if m else None
+
+
+def out_of_memory_error(layer, stage, exc, plan=None, nbytes=None):
+    """A CaffeplusError naming the layer, what it was doing, the plan and the bytes."""
+    if nbytes is None:
+        nbytes = requested_bytes(exc)
+    if plan is None:
+        plan = getattr(layer, 'memory_plan', None) or 'arena'
+    name = getattr(getattr(layer, 'layer_param', None), 'name', None) or str(layer)
+    ltype = getattr(getattr(layer, 'layer_param', None), 'type', '')
+    free = total = None
+    try:
+        free, total = _cupy().cuda.runtime.memGetInfo()
+    except Exception:
+        pass
+    msg = ('out of GPU memory in layer %s (%s) during %s under memory plan \'%s\': '
+           'asked for %s bytes' % (name, ltype, stage, plan,
+                                   '{:,}'.format(nbytes) if nbytes is not None else 'an unknown number of'))
+    if free is not None:
+        msg += ' with {:,} of {:,} bytes free on the device'.format(free, total)
+    msg += ('. Try a smaller batch, a memory plan that reuses buffers (shared, offload, auto) '
+            'or a lower --workspace_limit. (%s)' % exc)
+    err = CaffeplusError(msg)
+    err.layer, err.stage, err.plan, err.nbytes = name, stage, plan, nbytes
+    return err
+
+
+class _Buffer:
+    """A device byte buffer that grows or shrinks to an exact size."""
+
+    def __init__(self):
+        self.array = None
+
+    @property
+    def nbytes(self):
+        return 0 if self.array is None else int(self.array.nbytes)
+
+    def resize(self, nbytes, owner, plan):
+        nbytes = int(nbytes)
+        if nbytes == self.nbytes:
+            return
+        cupy = _cupy()
+        self.array = None           # give the old one back first
+        if nbytes == 0:
+            return
+        try:
+            self.array = cupy.empty(nbytes, dtype=cupy.uint8)
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise out_of_memory_error(owner, 'workspace allocation', exc, plan, nbytes) from exc
+            raise
+
+    @property
+    def ptr(self):
+        return 0 if self.array is None else int(self.array.data.ptr)
+
+
+# =============================================================================
+# The arena
+# =============================================================================
+class WorkspaceArena:
+    """One device buffer for every cuDNN call site of a net."""
+    plan_name = 'arena'
+
+    def __init__(self, limit=0, net=None, name='arena'):
+        self.limit = int(limit or 0)
+        self._net = weakref.ref(net) if net is not None else None
+        self.name = name
+        self._layers = {}           # id(layer) -> (weakref(layer), [Site])
+        self._buffer = _Buffer()
+        self._dirty = False
+        self._busy = None
+        self.budget = None          # the budget of the last plan
+        self.replans = 0
+
+    # -- registration --------------------------------------------------------
+    def register(self, layer, sites):
+        self._layers[id(layer)] = (weakref.ref(layer), list(sites))
+        self._dirty = True
+
+    def unregister(self, layer):
+        if self._layers.pop(id(layer), None) is not None:
+            self._dirty = True
+
+    def sites(self):
+        out = []
+        for key, (ref, sites) in list(self._layers.items()):
+            layer = ref()
+            if layer is None:
+                del self._layers[key]
+                continue
+            out.extend((layer, s) for s in sites)
+        return out
+
+    # -- planning ------------------------------------------------------------
+    def spare_bytes(self):
+        """What the GPU can spare for workspace: free device memory plus
+        CuPy's cached free blocks plus this arena's own buffer, less the
+        net's blobs not allocated yet and a margin."""
+        cupy = _cupy()
+        free, total = cupy.cuda.runtime.memGetInfo()
+        pool = cupy.get_default_memory_pool()
+        spare = free + pool.free_bytes() + self._buffer.nbytes
+        net = self._net() if self._net is not None else None
+        if net is not None:
+            spare -= pending_blob_bytes(net)
+        spare -= MARGIN_BYTES + int(MARGIN_FRACTION * total)
+        return max(int(spare), 0)
+
+    def plan(self):
+        """Choose every site's algorithm and size the buffer to the largest."""
+        from caffeplus.backend import mathmode
+        budget = self.limit if self.limit > 0 else self.spare_bytes()
+        pairs = self.sites()
+        if search_mode() == 'timed':
+            self._time_sites(pairs, budget)
+        names = ['layer %s %s' % (layer.layer_param.name, s.kind) for layer, s in pairs]
+        size = plan_sites([s for _, s in pairs], budget, mathmode.deterministic(), names)
+        owner = pairs[0][0] if pairs else self
+        self._buffer.resize(size, owner, self.plan_name)
+        self.budget = budget
+        self._dirty = False
+        self.replans += 1
+        log.info('Workspace arena: %d call sites, budget %d bytes, buffer %d bytes',
+                 len(pairs), budget, size)
+        return size
+
+    def _time_sites(self, pairs, budget):
+        """FindEx every site that can be timed, inside the arena's buffer
+        grown to what the largest candidate needs (within the budget)."""
+        want = 0
+        for _, s in pairs:
+            if s.timer is not None:
+                want = max([want] + [c.memory for c in s.candidates if c.memory <= budget])
+        owner = pairs[0][0] if pairs else self
+        self._buffer.resize(want, owner, self.plan_name)
+        for _, s in pairs:
+            if s.timer is not None:
+                timed = s.timer(self._buffer.ptr, self._buffer.nbytes)
+                if timed:
+                    s.candidates = timed
+                    s.timer = None          # timed once per geometry
+
+    def ensure_planned(self):
+        if self._dirty:
+            self.plan()
+
+    @property
+    def nbytes(self):
+        return self._buffer.nbytes
+
+    def workspace_bytes(self):
+        return self._buffer.nbytes
+
+    @contextlib.contextmanager
+    def checkout(self, layer=None, kind=None):
+        """The buffer for one cuDNN call: yields (device pointer, bytes)."""
+        self.ensure_planned()
+        if self._busy is not None:
+            raise CaffeplusError('workspace arena checked out twice (by %s, then %s %s)'
+                                 % (self._busy, layer, kind))
+        self._busy = (layer, kind)
+        try:
+            yield self._buffer.ptr, self._buffer.nbytes
+        finally:
+            self._busy = None
+
+    def release(self):
+        self._buffer.resize(0, self, self.plan_name)
+        self._dirty = True
+
+
+class StockWorkspace:
+    """Caffe 1.0: a layer's own workspace, grown to max(ws) * group * 3."""
+    plan_name = 'stock'
+
+    def __init__(self, layer, group):
+        self._layer = weakref.ref(layer)
+        self.group = int(group)
+        self._buffer = _Buffer()
+        self._sites = []
+        self._dirty = False
+        self.handles, self.streams = [], []
+
+    def create_handles(self):
+        """3 * group cuDNN handles and CUDA streams, as Caffe's LayerSetUp."""
+        if self.handles:
+            return
+        from caffeplus.cudnn import api
+        cupy = _cupy()
+        for _ in range(self.group * CUDNN_STREAMS_PER_GROUP):
+            stream = cupy.cuda.Stream(non_blocking=True)
+            self.streams.append(stream)
+            self.handles.append(api.Handle().bind(stream.ptr))
+
+    def register(self, layer, sites):
+        self._sites = list(sites)
+        self._dirty = True
+
+    def unregister(self, layer):
+        self._sites = []
+
+    def plan(self):
+        for s in self._sites:
+            s.choice = choose_stock(s.candidates)
+        need = stock_bytes([s.choice for s in self._sites], self.group)
+        if need > self._buffer.nbytes:         # Caffe only ever grows it
+            self._buffer.resize(need, self._layer(), self.plan_name)
+        self._dirty = False
+
+    def ensure_planned(self):
+        if self._dirty:
+            self.plan()
+
+    @property
+    def nbytes(self):
+        return self._buffer.nbytes
+
+    def workspace_bytes(self):
+        self.ensure_planned()
+        return stock_bytes([s.choice for s in self._sites], self.group)
+
+    @contextlib.contextmanager
+    def checkout(self, layer=None, kind=None):
+        """Caffe hands each group/stream its slice of max_workspace bytes;
+        we run the groups one after another, so slice 0 serves them all."""
+        self.ensure_planned()
+        per_slice = self._buffer.nbytes // max(self.group * CUDNN_STREAMS_PER_GROUP, 1)
+        yield self._buffer.ptr, per_slice
+
+    def release(self):
+        self._buffer.resize(0, self._layer(), self.plan_name)
+
+
+# =============================================================================
+# Net level
+# =============================================================================
+_default = {}
+
+
+def default_arena():
+    """The arena layers use before a net adopts them (one per device)."""
+    dev = backend.device()
+    arena = _default.get(dev)
+    if arena is None:
+        arena = _default[dev] = WorkspaceArena(name='default arena')
+    return arena
+
+
+def pending_blob_bytes(net):
+    """Bytes of the net's data/diff storages not yet on the device."""
+    seen, total = set(), 0
+    blobs = list(getattr(net, '_blobs', [])) + list(getattr(net, 'learnable_params', []))
+    for b in blobs:
+        for st in (b.data_storage, b.diff_storage):
+            if id(st) in seen:
+                continue
+            seen.add(id(st))
+            arr = st.array
+            if arr is None or not type(arr).__module__.startswith('cupy') or arr.size < b.count:
+                total += b.count * 4
+    return total
+
+
+def workspace_layers(net):
+    """The net's layers that take part in a workspace plan (cuDNN convolutions)."""
+    return [l for l in net.layers if hasattr(l, 'set_workspace_manager')]
+
+
+def apply_workspace_plan(net, plan_name='arena', limit=0):
+    """Give a built net's cuDNN layers their workspace: plan 'stock' (each
+    layer its own, Caffe 1.0) or 'arena' (one buffer for the net, within
+    `limit` bytes, 0: what the GPU spares). The other memory plans (shared,
+    offload, auto) use the arena for workspace. Returns the manager (the
+    arena, or None for stock)."""
+    from caffeplus.memory import plan as plan_module
+    plan_module.check_plan_name(plan_name)
+    layers = workspace_layers(net)
+    old = getattr(net, 'workspace', None)
+    if old is not None and hasattr(old, 'release'):
+        old.release()
+    if plan_name == 'stock':
+        for layer in layers:
+            mgr = StockWorkspace(layer, getattr(layer, 'group', 1))
+            layer.set_workspace_manager(mgr, 'stock')
+        net.workspace = None
+        net.memory_plan = 'stock'
+        for layer in net.layers:
+            layer.memory_plan = 'stock'
+        return None
+    arena = WorkspaceArena(limit=limit, net=net, name='arena of net %s' % net.name)
+    for layer in layers:
+        layer.set_workspace_manager(arena, plan_name)
+    net.workspace = arena
+    net.memory_plan = plan_name
+    for layer in net.layers:
+        layer.memory_plan = plan_name
+    return arena
+
+
+def attach_default(net):
+    """Net construction's hook: in GPU mode the net gets its own arena
+    (plan 'arena', budget: what the GPU spares)."""
+    if backend.mode() != backend.GPU or not workspace_layers(net):
+        net.workspace = None
+        return None
+    return apply_workspace_plan(net, 'arena', 0)

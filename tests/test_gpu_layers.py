@@ -1,0 +1,222 @@
+"""The cuDNN layers on the GPU against their generic CPU twins, and every
+stock-Caffe reference case in GPU mode.
+
+Each case builds the layer twice from one LayerParameter: in CPU mode (the
+generic NumPy code) and in GPU mode (the cuDNN class on CuPy arrays), gives
+both the same parameters, inputs and top diffs, and compares the tops, the
+bottom diffs and the parameter diffs. `via` records which path the GPU layer
+took, so a silent fallback to the generic CuPy code shows in the test.
+"""
+import os
+import zlib
+
+import numpy
+import pytest
+from google.protobuf import text_format
+
+import caffeplus
+from caffeplus import backend
+from caffeplus.blob import Blob
+from caffeplus.layer import create_layer
+from caffeplus.proto import caffe_pb2
+
+from conftest import REFERENCE
+from reference_cases import case_names, run_case
+import reference_cases
+
+pytestmark = pytest.mark.gpu
+
+# (id, layer prototxt, bottom shape, whether cuDNN (not the generic path) must run it)
+CASES = [
+    ('conv_plain', 'type: "Convolution" convolution_param { num_output: 6 kernel_size: 3 }',
+     (2, 3, 9, 9), True),
+    ('conv_pad_stride', 'type: "Convolution" convolution_param { num_output: 5 kernel_size: 3 '
+     'pad: 1 stride: 2 }', (2, 4, 11, 10), True),
+    ('conv_k4s3p2', 'type: "Convolution" convolution_param { num_output: 4 kernel_size: 4 '
+     'stride: 3 pad: 2 }', (2, 3, 13, 13), True),
+    ('conv_rect', 'type: "Convolution" convolution_param { num_output: 4 kernel_h: 3 kernel_w: 5 '
+     'pad_h: 1 pad_w: 2 stride_h: 1 stride_w: 2 }', (2, 3, 8, 12), True),
+    ('conv_1x1', 'type: "Convolution" convolution_param { num_output: 7 kernel_size: 1 }',
+     (3, 5, 6, 6), True),
+    ('conv_group2', 'type: "Convolution" convolution_param { num_output: 6 kernel_size: 3 '
+     'group: 2 pad: 1 }', (2, 4, 8, 8), True),
+    ('conv_group4_nobias', 'type: "Convolution" convolution_param { num_output: 8 kernel_size: 3 '
+     'group: 4 bias_term: false }', (2, 8, 7, 7), True),
+    ('conv_dilation2', 'type: "Convolution" convolution_param { num_output: 4 kernel_size: 3 '
+     'dilation: 2 pad: 2 }', (2, 3, 10, 10), True),
+    ('conv_3d', 'type: "Convolution" convolution_param { num_output: 4 kernel_size: 3 pad: 1 }',
+     (2, 3, 5, 6, 7), True),
+    ('conv_1d', 'type: "Convolution" convolution_param { num_output: 4 kernel_size: 3 }',
+     (2, 3, 11), True),
+    ('conv_axis2', 'type: "Convolution" convolution_param { num_output: 4 kernel_size: 3 '
+     'axis: 2 }', (2, 3, 4, 9, 9), False),
+    ('deconv_plain', 'type: "Deconvolution" convolution_param { num_output: 4 kernel_size: 3 }',
+     (2, 3, 6, 6), True),
+    ('deconv_stride2_pad1', 'type: "Deconvolution" convolution_param { num_output: 3 '
+     'kernel_size: 4 stride: 2 pad: 1 }', (2, 4, 5, 5), True),
+    ('deconv_group2', 'type: "Deconvolution" convolution_param { num_output: 6 kernel_size: 3 '
+     'group: 2 bias_term: false }', (2, 4, 5, 5), True),
+    ('pool_max_floor_agrees', 'type: "Pooling" pooling_param { pool: MAX kernel_size: 2 stride: 2 }',
+     (2, 3, 8, 8), True),
+    ('pool_max_ceil_differs', 'type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 }',
+     (2, 3, 8, 8), False),
+    ('pool_max_pad', 'type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 pad: 1 }',
+     (2, 3, 7, 7), True),
+    ('pool_ave_agrees', 'type: "Pooling" pooling_param { pool: AVE kernel_size: 3 stride: 2 }',
+     (2, 3, 7, 7), True),
+    ('pool_ave_pad', 'type: "Pooling" pooling_param { pool: AVE kernel_size: 3 stride: 2 pad: 1 }',
+     (2, 3, 7, 7), True),
+    ('pool_ave_ceil_differs', 'type: "Pooling" pooling_param { pool: AVE kernel_size: 3 stride: 2 }',
+     (2, 3, 6, 6), False),
+    ('pool_global_ave', 'type: "Pooling" pooling_param { pool: AVE global_pooling: true }',
+     (2, 5, 7, 7), True),
+    ('pool_global_max', 'type: "Pooling" pooling_param { pool: MAX global_pooling: true }',
+     (2, 5, 6, 6), True),
+    ('lrn_across5', 'type: "LRN" lrn_param { local_size: 5 alpha: 0.0001 beta: 0.75 }',
+     (2, 7, 5, 5), True),
+    ('lrn_across3_k2', 'type: "LRN" lrn_param { local_size: 3 alpha: 0.5 beta: 0.6 k: 2 }',
+     (2, 6, 4, 4), True),
+    ('lrn_within3', 'type: "LRN" lrn_param { local_size: 3 norm_region: WITHIN_CHANNEL }',
+     (2, 3, 6, 6), False),
+    ('softmax_axis1', 'type: "Softmax"', (3, 7, 2, 2), True),
+    ('softmax_axis2', 'type: "Softmax" softmax_param { axis: 2 }', (2, 3, 5, 4), True),
+    ('softmax_2d', 'type: "Softmax"', (6, 10), True),
+    ('relu', 'type: "ReLU"', (2, 3, 4, 5), True),
+    ('relu_leaky', 'type: "ReLU" relu_param { negative_slope: 0.1 }', (2, 3, 4, 5), False),
+    ('sigmoid', 'type: "Sigmoid"', (2, 3, 4, 5), True),
+    ('tanh', 'type: "TanH"', (2, 3, 4, 5), True),
+    ('elu', 'type: "ELU"', (2, 3, 4, 5), True),
+    ('elu_alpha0.5', 'type: "ELU" elu_param { alpha: 0.5 }', (4, 6), True),
+]
+TOL = {'Convolution': 2e-4, 'Deconvolution': 2e-4, 'LRN': 1e-4}
+
+
+def _param(text, name='test'):
+    lp = caffe_pb2.LayerParameter()
+    text_format.Parse('name: "%s" %s' % (name, text), lp)
+    if lp.type in ('Convolution', 'Deconvolution'):
+        lp.convolution_param.weight_filler.type = 'gaussian'
+        lp.convolution_param.weight_filler.std = 0.3
+        lp.convolution_param.bias_filler.type = 'gaussian'
+    return lp
+
+
+def _via(layer):
+    """Which path the GPU layer took: 'cudnn' or 'generic'."""
+    t = layer.layer_param.type
+    if t in ('Convolution', 'Deconvolution'):
+        ok = layer._cudnn_geometry_ok() and layer._cd is not None
+    elif t == 'Pooling':
+        ok = layer.cudnn_agrees() and layer._pd is not None
+    elif t == 'LRN':
+        ok = layer._cudnn_ok() and layer._desc is not None
+    elif t == 'Softmax':
+        ok = layer._desc is not None
+    else:
+        ok = getattr(layer, '_act_key', None) is not None and layer._act_ok(
+            layer._last_bottom, layer._last_top)
+    return 'cudnn' if ok else 'generic'
+
+
+def _run(lp, x, dy, params, gpu, in_place=False):
+    caffeplus.set_mode_gpu() if gpu else caffeplus.set_mode_cpu()
+    layer = create_layer(lp)
+    bottom = [Blob(x.shape, name='x')]
+    bottom[0].data = x
+    top = bottom if in_place else [Blob(name='y')]
+    layer.setup(bottom, top)
+    layer._last_bottom, layer._last_top = bottom, top
+    if params is None:
+        params = [backend.to_numpy(b.data).copy() for b in layer.blobs]
+    for b, v in zip(layer.blobs, params):
+        b.data = v
+    layer.forward(bottom, top)
+    y = backend.to_numpy(top[0].data).copy()
+    if dy is None:
+        dy = numpy.random.default_rng(7).standard_normal(y.shape).astype(numpy.float32)
+    top[0].diff = dy
+    for b in layer.blobs:
+        b.diff[...] = 0
+    layer.backward(top, [True], bottom)
+    dx = backend.to_numpy(bottom[0].diff).copy()
+    dparams = [backend.to_numpy(b.diff).copy() for b in layer.blobs]
+    return layer, y, dx, dparams, params, dy
+
+
+def _assert_close(a, b, tol, what):
+    scale = max(float(numpy.abs(b).max()) if b.size else 1.0, 1.0)
+    numpy.testing.assert_allclose(a, b, rtol=tol, atol=tol * scale, err_msg=what)
+
+
+@pytest.mark.parametrize('case', CASES, ids=[c[0] for c in CASES])
+def test_gpu_layer_matches_cpu_twin(case):
+    name, text, shape, want_cudnn = case
+    lp = _param(text)
+    rng = numpy.random.default_rng(zlib.crc32(name.encode()))
+    x = rng.standard_normal(shape).astype(numpy.float32)
+    if lp.type == 'Pooling' and lp.pooling_param.pool == caffe_pb2.PoolingParameter.MAX:
+        x = rng.permutation(x.size).astype(numpy.float32).reshape(shape) / x.size  # no ties
+    caffeplus.set_random_seed(3)
+    _, y_cpu, dx_cpu, dp_cpu, params, dy = _run(lp, x, None, None, gpu=False)
+    layer, y_gpu, dx_gpu, dp_gpu, _, _ = _run(lp, x, dy, params, gpu=True)
+    assert type(layer).__name__.startswith('CuDNN'), type(layer)
+    via = _via(layer)
+    assert via == ('cudnn' if want_cudnn else 'generic'), (name, via)
+    tol = TOL.get(lp.type, 2e-5)
+    _assert_close(y_gpu, y_cpu, tol, name + ' top')
+    _assert_close(dx_gpu, dx_cpu, tol, name + ' bottom diff')
+    for i, (a, b) in enumerate(zip(dp_gpu, dp_cpu)):
+        _assert_close(a, b, tol, '%s param diff %d' % (name, i))
+
+
+@pytest.mark.parametrize('text', ['type: "ReLU"', 'type: "Sigmoid"', 'type: "TanH"',
+                                  'type: "ELU"', 'type: "Softmax"'])
+def test_gpu_in_place_neurons(text):
+    lp = _param(text)
+    x = numpy.random.default_rng(5).standard_normal((2, 3, 4, 4)).astype(numpy.float32)
+    _, y_cpu, dx_cpu, _, _, dy = _run(lp, x, None, None, gpu=False, in_place=True)
+    _, y_gpu, dx_gpu, _, _, _ = _run(lp, x, dy, [], gpu=True, in_place=True)
+    _assert_close(y_gpu, y_cpu, 2e-5, 'top')
+    _assert_close(dx_gpu, dx_cpu, 2e-5, 'bottom diff')
+
+
+def test_param_diffs_accumulate_like_caffe():
+    """Two backwards without zeroing: weight and bias diffs add up (beta = 1)."""
+    lp = _param('type: "Convolution" convolution_param { num_output: 4 kernel_size: 3 group: 2 }')
+    x = numpy.random.default_rng(2).standard_normal((2, 4, 6, 6)).astype(numpy.float32)
+    caffeplus.set_mode_gpu()
+    layer = create_layer(lp)
+    bottom, top = [Blob(x.shape)], [Blob()]
+    bottom[0].data = x
+    layer.setup(bottom, top)
+    layer.forward(bottom, top)
+    top[0].diff = numpy.ones(top[0].shape, numpy.float32)
+    for b in layer.blobs:
+        b.diff[...] = 0
+    layer.backward(top, [True], bottom)
+    once = [backend.to_numpy(b.diff).copy() for b in layer.blobs]
+    layer.backward(top, [True], bottom)
+    for b, o in zip(layer.blobs, once):
+        _assert_close(backend.to_numpy(b.diff), 2 * o, 1e-5, 'accumulated diff')
+
+
+# -- every reference case in GPU mode ----------------------------------------------
+LAYERS = os.path.join(REFERENCE, 'layers')
+REF_CASES = case_names(LAYERS) if os.path.isdir(LAYERS) else []
+REFUSED = ('swl_two_tops_default_loss_weight', 'swl_two_tops_explicit_loss_weight')
+
+
+@pytest.mark.parametrize('case', REF_CASES)
+def test_reference_case_on_gpu(case, monkeypatch):
+    if case in REFUSED:
+        pytest.skip('stock Caffe refuses to build this net')
+    close = reference_cases._close
+
+    def close_on_host(actual, expected, tol, what):   # layer.blobs are device arrays
+        return close(backend.to_numpy(actual), expected, tol, what)
+    monkeypatch.setattr(reference_cases, '_close', close_on_host)
+    caffeplus.set_mode_gpu()
+    net = run_case(LAYERS, case)
+    if case.startswith('pool_'):
+        layer = [l for l in net.layers if l.layer_param.type == 'Pooling'][0]
+        print('%s: %s' % (case, 'cudnn' if layer.cudnn_agrees() else 'generic CuPy'))

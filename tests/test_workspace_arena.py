@@ -1,0 +1,386 @@
+"""The cuDNN workspace: algorithm choice, the arena, stock sizing, OOM
+messages, math modes, engine selection.
+
+The choice logic and stock arithmetic run anywhere (fake candidate lists);
+the `gpu` tests build real nets on the device.
+"""
+import numpy
+import pytest
+
+import caffeplus
+from caffeplus import backend
+from caffeplus.errors import CaffeplusError
+from caffeplus.memory import workspace
+from caffeplus.memory.workspace import (CUDNN_STREAMS_PER_GROUP, STOCK_WORKSPACE_LIMIT, Site,
+                                        choose, choose_stock, plan_sites, stock_bytes)
+
+MB = 1024 * 1024
+
+
+class Cand:
+    """A stand-in for caffeplus.cudnn.api.AlgoChoice."""
+
+    def __init__(self, algo, memory, time=1.0, deterministic=True):
+        self.algo, self.memory, self.time, self.deterministic = algo, memory, time, deterministic
+        self.name = 'A%d' % algo
+
+    def __repr__(self):
+        return '<A%d %d>' % (self.algo, self.memory)
+
+
+# -- choice logic (CPU) ---------------------------------------------------------
+def test_choose_takes_first_that_fits():
+    cands = [Cand(7, 900 * MB), Cand(1, 40 * MB), Cand(0, 0)]
+    assert choose(cands, 10 ** 12).algo == 7
+    assert choose(cands, 100 * MB).algo == 1
+    assert choose(cands, 40 * MB).algo == 1          # <= budget fits
+    assert choose(cands, 40 * MB - 1).algo == 0
+    assert choose(cands, 0).algo == 0
+
+
+def test_choose_deterministic_filter():
+    cands = [Cand(5, 10, deterministic=False), Cand(2, 20), Cand(0, 0, deterministic=False)]
+    assert choose(cands, 100).algo == 5
+    assert choose(cands, 100, deterministic=True).algo == 2
+    with pytest.raises(CaffeplusError, match='budget'):
+        choose(cands, 19, deterministic=True)
+    with pytest.raises(CaffeplusError, match='deterministic'):
+        choose([Cand(5, 0, deterministic=False)], 100, deterministic=True)
+
+
+def test_choose_nothing_fits_names_site_and_bytes():
+    with pytest.raises(CaffeplusError, match=r'conv1 fwd.*budget of 10 bytes.*needs 64'):
+        choose([Cand(3, 128), Cand(4, 64)], 10, what='layer conv1 fwd')
+
+
+def test_plan_sites_buffer_is_largest_choice():
+    sites = [Site('fwd', [Cand(6, 300), Cand(0, 0)]),
+             Site('bwd_data', [Cand(1, 500), Cand(0, 50)]),
+             Site('bwd_filter', [Cand(3, 200), Cand(1, 100)])]
+    assert plan_sites(sites, 10 ** 9) == 500
+    assert [s.choice.algo for s in sites] == [6, 1, 3]
+    assert plan_sites(sites, 250) == 200
+    assert [s.choice.algo for s in sites] == [0, 0, 3]
+    for s in sites:
+        assert s.choice.memory <= 250
+
+
+def test_stock_choice_is_first_within_8mb():
+    cands = [Cand(6, STOCK_WORKSPACE_LIMIT + 1), Cand(1, STOCK_WORKSPACE_LIMIT), Cand(0, 0)]
+    assert choose_stock(cands).algo == 1
+    assert choose_stock([Cand(6, 9 * MB), Cand(2, 20 * MB)]).algo == 6   # least, none fits
+    assert choose_stock([]) is None
+
+
+def test_stock_sizing_arithmetic():
+    fwd, bd, bf = Cand(1, 3 * MB), Cand(0, 0), Cand(3, 5 * MB)
+    assert CUDNN_STREAMS_PER_GROUP == 3
+    assert stock_bytes([fwd, bd, bf], 1) == 5 * MB * 3
+    assert stock_bytes([fwd, bd, bf], 2) == 5 * MB * 2 * 3
+    assert stock_bytes([None, bd], 4) == 0
+
+
+def test_out_of_memory_message_names_layer_plan_bytes():
+    class OutOfMemoryError(MemoryError):
+        pass
+    exc = OutOfMemoryError('Out of memory allocating 1,073,741,824 bytes (allocated so far: 0 bytes).')
+    assert workspace.is_out_of_memory(exc)
+    assert workspace.requested_bytes(exc) == 1073741824
+    lp = caffeplus.proto.caffe_pb2.LayerParameter(name='conv5', type='Convolution')
+
+    class L:
+        layer_param = lp
+        memory_plan = 'stock'
+    err = workspace.out_of_memory_error(L(), 'forward', exc)
+    assert isinstance(err, CaffeplusError)
+    msg = str(err)
+    assert 'conv5' in msg and 'forward' in msg and "'stock'" in msg and '1,073,741,824' in msg
+
+
+def test_math_mode_parse_and_state():
+    from caffeplus.backend import mathmode
+    assert mathmode.parse('strict') == (False, False)
+    assert mathmode.parse('tf32') == (True, False)
+    assert mathmode.parse('tf32+deterministic') == (True, True)
+    with pytest.raises(CaffeplusError, match='math mode'):
+        mathmode.parse('fast')
+    try:
+        mathmode.set_math_mode('tf32')
+        assert mathmode.tf32() and mathmode.math_mode() == 'tf32'
+        import os
+        assert os.environ['CUPY_TF32'] == '1'
+    finally:
+        mathmode.set_math_mode('strict')
+    import os
+    assert os.environ['CUPY_TF32'] == '0' and mathmode.math_mode() == 'strict'
+
+
+def test_engine_selection():
+    from caffeplus.layer import GPU_ENGINES, create_layer, layer_class
+    from caffeplus.proto import caffe_pb2
+    lp = caffe_pb2.LayerParameter(name='c', type='Convolution')
+    lp.convolution_param.num_output = 2
+    lp.convolution_param.kernel_size.append(3)
+    layer_class('Convolution')      # loads the families
+    assert create_layer(lp).__class__.__name__ == 'CuDNNConvolutionLayer'
+    lp.convolution_param.engine = caffe_pb2.ConvolutionParameter.CAFFE
+    assert create_layer(lp).__class__ is layer_class('Convolution')
+    lp.convolution_param.engine = caffe_pb2.ConvolutionParameter.CUDNN
+    assert create_layer(lp).__class__ is GPU_ENGINES['Convolution']
+    for t in ('Convolution', 'Deconvolution', 'Pooling', 'LRN', 'Softmax', 'ReLU', 'Sigmoid',
+              'TanH', 'ELU'):
+        assert issubclass(GPU_ENGINES[t], layer_class(t)), t
+
+
+def test_cudnn_layers_match_generic_on_cpu():
+    """On NumPy arrays the cuDNN classes are the generic code."""
+    from caffeplus.blob import Blob
+    from caffeplus.layer import create_layer
+    from caffeplus.proto import caffe_pb2
+    rng = numpy.random.default_rng(3)
+    x = rng.standard_normal((2, 4, 7, 7)).astype(numpy.float32)
+    outs = []
+    for engine in (caffe_pb2.ConvolutionParameter.CUDNN, caffe_pb2.ConvolutionParameter.CAFFE):
+        caffeplus.set_random_seed(5)
+        lp = caffe_pb2.LayerParameter(name='c', type='Convolution')
+        p = lp.convolution_param
+        p.num_output, p.group, p.engine = 4, 2, engine
+        p.kernel_size.append(3)
+        p.weight_filler.type = 'gaussian'
+        bottom, top = [Blob(x.shape)], [Blob()]
+        bottom[0].data = x
+        layer = create_layer(lp)
+        layer.setup(bottom, top)
+        layer.forward(bottom, top)
+        outs.append(numpy.array(top[0].data))
+    numpy.testing.assert_array_equal(outs[0], outs[1])
+
+
+# -- on the device ----------------------------------------------------------------
+CONV_NET = '''
+name: "arena"
+force_backward: true
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 8 dim: 16 dim: 28 dim: 28 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 32 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.1 }
+                      bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2"
+  convolution_param { num_output: 32 kernel_size: 5 pad: 2 group: 2 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "conv3" type: "Convolution" bottom: "conv2" top: "conv3"
+  convolution_param { num_output: 8 kernel_size: 3 stride: 2 weight_filler { type: "gaussian" std: 0.1 } } }
+'''
+
+
+def _net(tmp_path, text=CONV_NET, name='net.prototxt'):
+    path = tmp_path / name
+    path.write_text(text)
+    return caffeplus.Net(str(path), caffeplus.TRAIN)
+
+
+def _run(net, x, dy):
+    net.blobs['data'].data[...] = x
+    net.forward()
+    net.blobs['conv3'].diff[...] = dy
+    for layer in net.layers:
+        for b in layer.blobs:
+            b.diff[...] = 0
+    net.backward()
+    out = {'conv3': backend.to_numpy(net._blob_dict['conv3'].data).copy(),
+           'ddata': backend.to_numpy(net._blob_dict['data'].diff).copy()}
+    for name in ('conv1', 'conv2', 'conv3'):
+        out[name + '_dw'] = backend.to_numpy(net.layer_dict[name].blobs[0].diff).copy()
+    return out
+
+
+def _weights(net):
+    return {n: [backend.to_numpy(b.data).copy() for b in l.blobs]
+            for n, l in net.layer_dict.items()}
+
+
+def _set_weights(net, w):
+    for n, blobs in w.items():
+        for b, v in zip(net.layer_dict[n].blobs, blobs):
+            b.data = v
+
+
+def _cpu_reference(tmp_path, x, dy, w):
+    caffeplus.set_mode_cpu()
+    net = _net(tmp_path, name='cpu.prototxt')
+    _set_weights(net, w)
+    return _run(net, x, dy)
+
+
+def _close(a, b, tol=2e-4):
+    for k in b:
+        scale = max(float(numpy.abs(b[k]).max()), 1.0)
+        numpy.testing.assert_allclose(a[k], b[k], rtol=tol, atol=tol * scale, err_msg=k)
+
+
+def _inputs():
+    rng = numpy.random.default_rng(11)
+    x = rng.standard_normal((8, 16, 28, 28)).astype(numpy.float32)
+    dy = rng.standard_normal((8, 8, 13, 13)).astype(numpy.float32)
+    return x, dy
+
+
+@pytest.mark.gpu
+def test_arena_picks_within_budget_and_buffer_is_largest_choice(tmp_path):
+    x, dy = _inputs()
+    caffeplus.set_mode_gpu()
+    net = _net(tmp_path)
+    arena = net.workspace
+    assert isinstance(arena, workspace.WorkspaceArena)
+    w = _weights(net)
+    got = _run(net, x, dy)
+    choices = [s.choice for _, s in arena.sites()]
+    assert len(choices) == 9                    # 3 convolutions x 3 call sites
+    assert all(c.memory <= arena.budget for c in choices)
+    assert arena.nbytes == max(c.memory for c in choices)
+    assert max(l.workspace_bytes() for l in net.layers) == arena.nbytes
+    ref = _cpu_reference(tmp_path, x, dy, w)
+    _close(got, ref)
+
+    # A tight limit: every choice fits it, the buffer shrinks, results hold.
+    caffeplus.set_mode_gpu()
+    net2 = _net(tmp_path, name='net2.prototxt')
+    _set_weights(net2, w)
+    limit = 1024
+    arena2 = workspace.apply_workspace_plan(net2, 'arena', limit)
+    got2 = _run(net2, x, dy)
+    choices2 = [s.choice for _, s in arena2.sites()]
+    assert arena2.budget == limit
+    assert all(c.memory <= limit for c in choices2)
+    assert arena2.nbytes == max(c.memory for c in choices2) <= limit
+    _close(got2, ref)
+
+
+@pytest.mark.gpu
+def test_arena_replans_on_reshape(tmp_path):
+    caffeplus.set_mode_gpu()
+    net = _net(tmp_path)
+    x, dy = _inputs()
+    _run(net, x, dy)
+    before = net.workspace.replans
+    net.blobs['data'].reshape(4, 16, 20, 20)
+    net.reshape()
+    net.forward()
+    assert net.workspace.replans == before + 1
+    assert net.workspace.nbytes == max(s.choice.memory for _, s in net.workspace.sites())
+
+
+@pytest.mark.gpu
+def test_stock_sizing_rule_on_device(tmp_path):
+    x, dy = _inputs()
+    caffeplus.set_mode_gpu()
+    net = _net(tmp_path)
+    w = _weights(net)
+    assert workspace.apply_workspace_plan(net, 'stock') is None
+    got = _run(net, x, dy)
+    for name in ('conv1', 'conv2', 'conv3'):
+        layer = net.layer_dict[name]
+        mgr = layer._ws
+        assert isinstance(mgr, workspace.StockWorkspace)
+        choices = [s.choice for s in layer._sites.values()]
+        assert all(c.memory <= STOCK_WORKSPACE_LIMIT or c.memory == min(
+            a.memory for a in s.candidates) for c, s in zip(choices, layer._sites.values()))
+        expect = max(c.memory for c in choices) * layer.group * CUDNN_STREAMS_PER_GROUP
+        assert mgr.nbytes == expect == layer.stock_workspace_bytes()
+        assert len(mgr.handles) == 3 * layer.group and len(mgr.streams) == 3 * layer.group
+        assert layer._cd.loops == layer.group      # groups run one call each, as Caffe
+    _close(got, _cpu_reference(tmp_path, x, dy, w))
+
+
+@pytest.mark.gpu
+def test_timed_search_and_deterministic_mode(tmp_path):
+    from caffeplus.backend import mathmode
+    x, dy = _inputs()
+    previous = workspace.set_search('timed')
+    try:
+        caffeplus.set_mode_gpu()
+        net = _net(tmp_path)
+        w = _weights(net)
+        got = _run(net, x, dy)
+        assert all(s.choice is not None for _, s in net.workspace.sites())
+    finally:
+        workspace.set_search(previous)
+    ref = _cpu_reference(tmp_path, x, dy, w)
+    _close(got, ref)
+    mathmode.set_math_mode('deterministic')
+    try:
+        caffeplus.set_mode_gpu()
+        runs = []
+        for i in range(2):
+            net = _net(tmp_path, name='det%d.prototxt' % i)
+            _set_weights(net, w)
+            runs.append(_run(net, x, dy))
+        assert all(s.choice.deterministic for _, s in net.workspace.sites())
+        for k in runs[0]:
+            numpy.testing.assert_array_equal(runs[0][k], runs[1][k], err_msg=k)
+        _close(runs[0], ref)
+    finally:
+        mathmode.set_math_mode('strict')
+
+
+@pytest.mark.gpu
+def test_tf32_mode_runs_and_strict_is_fp32(tmp_path):
+    from caffeplus.backend import mathmode
+    x, dy = _inputs()
+    caffeplus.set_mode_gpu()
+    net = _net(tmp_path)
+    w = _weights(net)
+    strict = _run(net, x, dy)
+    ref = _cpu_reference(tmp_path, x, dy, w)
+    _close(strict, ref, tol=2e-4)
+    mathmode.set_math_mode('tf32')
+    try:
+        caffeplus.set_mode_gpu()
+        net = _net(tmp_path, name='tf32.prototxt')
+        _set_weights(net, w)
+        got = _run(net, x, dy)
+        _close(got, ref, tol=2e-2)
+    finally:
+        mathmode.set_math_mode('strict')
+
+
+@pytest.mark.gpu
+def test_out_of_memory_names_layer_plan_and_bytes(tmp_path):
+    caffeplus.set_mode_gpu()
+    text = '''
+name: "huge"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1000 dim: 1000 dim: 1000 dim: 100 } } }
+layer { name: "big_relu" type: "ReLU" bottom: "data" top: "out" }
+'''
+    path = tmp_path / 'huge.prototxt'
+    path.write_text(text)
+    net = caffeplus.Net(str(path), caffeplus.TEST)
+    with pytest.raises(CaffeplusError) as info:
+        net.forward()
+    msg = str(info.value)
+    assert 'big_relu' in msg and 'forward' in msg and 'arena' in msg
+    assert '400,000,000,000' in msg
+
+
+@pytest.mark.gpu
+def test_pycaffe_host_views_stay_in_sync(tmp_path):
+    x, dy = _inputs()
+    caffeplus.set_mode_gpu()
+    net = _net(tmp_path)
+    data = net.blobs['data'].data
+    assert isinstance(data, numpy.ndarray)
+    data[...] = x
+    net.forward()
+    out1 = net.blobs['conv3'].data.copy()
+    assert isinstance(net._blob_dict['conv3'].data, type(net._blob_dict['data'].data))
+    # writing a weight through net.params reaches the device
+    net.params['conv3'][0].data[...] *= 2
+    net.forward()
+    out2 = net.blobs['conv3'].data
+    assert isinstance(out2, numpy.ndarray)
+    numpy.testing.assert_allclose(out2, 2 * out1, rtol=1e-5, atol=1e-5)
+    # the same host buffer sees the device's new values after the next forward
+    held = net.blobs['conv3'].data
+    net.params['conv3'][0].data[...] /= 2
+    net.forward()
+    numpy.testing.assert_allclose(net.blobs['conv3'].data, out1, rtol=1e-5, atol=1e-5)
+    assert numpy.shares_memory(held, net.blobs['conv3'].data)

@@ -1,0 +1,315 @@
+#!/usr/bin/env python3
+"""GPU training benchmark: caffeplus (memory plans stock and arena) against
+PyTorch on the same nets, batch and optimiser.
+
+    python tools/bench_gpu.py --bench-dir ../shared/bench \\
+        --nets alexnet_b128,resnet50_b32 --plans stock,arena --torch \\
+        --iters 20 --warmup 3 --md benchmarks/gpu_results.md --json out.json
+
+Every measurement runs in its own process (so each peak is that
+configuration's alone). One iteration is forward + backward + an SGD
+momentum update (lr 0.01, momentum 0.9, no weight decay) on every learnable
+parameter. caffeplus's data layers (DummyData, refilled on the host each
+forward as stock Caffe does) run once before timing and are left out of
+the timed iterations, as the stock-Caffe column of the bench README leaves
+out its `data` layer. Time: median of --iters iterations after --warmup,
+each bracketed by CUDA events. Peak memory: the device's used memory
+(total - free, the whole process with its CUDA context, as nvidia-smi
+reports) sampled every 5 ms from a thread, plus the framework's own peak
+(CuPy pool / torch max_memory_reserved).
+
+PyTorch: torchvision's model of the same architecture, cudnn.benchmark =
+True, channels-first float32, constant labels, TF32 off for both frameworks
+and then on for both (--tf32 both).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCH_MODELS = {'alexnet': 'alexnet', 'vgg16': 'vgg16', 'resnet50': 'resnet50',
+                'googlenet': 'googlenet'}
+DATA_TYPES = ('DummyData', 'Input', 'Data', 'ImageData', 'HDF5Data', 'MemoryData')
+MiB = 1024 * 1024
+
+
+class Sampler(threading.Thread):
+    """Polls the device's used memory (and an optional extra probe)."""
+
+    def __init__(self, used, extra=None, period=0.005):
+        super().__init__(daemon=True)
+        self.used, self.extra, self.period = used, extra, period
+        self.peak = self.peak_extra = 0
+        self.stop = threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            self.sample()
+            time.sleep(self.period)
+
+    def sample(self):
+        self.peak = max(self.peak, self.used())
+        if self.extra is not None:
+            self.peak_extra = max(self.peak_extra, self.extra())
+
+    def finish(self):
+        self.stop.set()
+        self.join()
+        self.sample()
+
+
+def parse_net(name):
+    arch, _, b = name.partition('_b')
+    return arch, int(b)
+
+
+# -- workers ------------------------------------------------------------------
+def worker_caffeplus(args):
+    sys.path.insert(0, ROOT)
+    import cupy
+    import caffeplus
+    from caffeplus.backend import mathmode
+    from caffeplus.memory import workspace
+    caffeplus.set_mode_gpu(0)
+    mathmode.set_math_mode('tf32' if args.tf32 else 'strict')
+    if args.search == 'timed':
+        workspace.set_search('timed')
+    os.environ.setdefault('GLOG_minloglevel', '2')
+    pool = cupy.get_default_memory_pool()
+
+    def used():
+        free, total = cupy.cuda.runtime.memGetInfo()
+        return total - free
+    cupy.zeros(1)
+    baseline = used()
+    sampler = Sampler(used, pool.total_bytes)
+    sampler.start()
+    t0 = time.time()
+    net = caffeplus.Net(os.path.join(args.bench_dir, args.net + '.prototxt'), caffeplus.TRAIN)
+    workspace.apply_workspace_plan(net, args.plan, args.workspace_limit)
+    params = net.learnable_params
+    hist = [cupy.zeros(p.shape, dtype=cupy.float32) for p in params]
+    start = 0
+    while start < len(net.layers) and net.layers[start].layer_param.type in DATA_TYPES:
+        start += 1
+    last = len(net.layers) - 1
+    update = cupy.ElementwiseKernel('float32 g, float32 lr, float32 mom', 'float32 w, float32 h',
+                                    'h = mom * h + lr * g; w -= h', 'sgd_momentum')
+
+    def step():
+        for p in params:
+            p.diff[...] = 0
+        net.forward_from_to(start, last)
+        net.backward_from_to(last, start)
+        for p, h in zip(params, hist):
+            update(p.diff, 0.01, 0.9, p.data, h)
+
+    net.forward_prefilled()         # the data layers fill their tops once
+    setup_s = time.time() - t0
+    times = _time_steps(step, args, cupy_events=True)
+    sampler.finish()
+    ws = net.workspace.nbytes if net.workspace is not None else sum(
+        l._ws.nbytes for l in workspace.workspace_layers(net) if l._ws is not None)
+    loss = float(sum(float(cupy.asarray(net._blob_dict[n].data).sum())
+                     for n in net.outputs if net._blob_dict[n].count == 1))
+    return dict(framework='caffeplus', plan=args.plan, net=args.net, tf32=args.tf32,
+                search=args.search, median_ms=statistics.median(times), times_ms=times,
+                peak_used_mib=sampler.peak / MiB, baseline_used_mib=baseline / MiB,
+                peak_pool_mib=sampler.peak_extra / MiB, workspace_mib=ws / MiB,
+                setup_s=setup_s, loss=loss)
+
+
+def _time_steps(step, args, cupy_events):
+    if cupy_events:
+        import cupy
+        ev = lambda: cupy.cuda.Event()   # noqa: E731
+        sync = cupy.cuda.get_current_stream().synchronize
+    else:
+        import torch
+        ev = lambda: torch.cuda.Event(enable_timing=True)   # noqa: E731
+        sync = torch.cuda.synchronize
+    for _ in range(args.warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(args.iters):
+        a, b = ev(), ev()
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        if cupy_events:
+            import cupy
+            times.append(cupy.cuda.get_elapsed_time(a, b))
+        else:
+            times.append(a.elapsed_time(b))
+    return times
+
+
+def worker_torch(args):
+    import torch
+    import torchvision
+    arch, batch = parse_net(args.net)
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
+    torch.backends.cudnn.allow_tf32 = bool(args.tf32)
+    dev = torch.device('cuda')
+
+    def used():
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+    torch.zeros(1, device=dev)
+    baseline = used()
+    sampler = Sampler(used, torch.cuda.memory_reserved)
+    sampler.start()
+    kw = {'weights': None}
+    if arch == 'googlenet':
+        kw.update(aux_logits=True, init_weights=True)
+    model = getattr(torchvision.models, TORCH_MODELS[arch])(**kw).to(dev).train()
+    size = 227 if arch == 'alexnet' else 224
+    x = torch.randn(batch, 3, size, size, device=dev)
+    y = torch.zeros(batch, dtype=torch.long, device=dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    lossf = torch.nn.CrossEntropyLoss()
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        out = model(x)
+        if isinstance(out, tuple):         # GoogLeNet: logits, aux2, aux1 (weights 1, .3, .3)
+            loss = lossf(out[0], y) + 0.3 * lossf(out[1], y) + 0.3 * lossf(out[2], y)
+        else:
+            loss = lossf(out, y)
+        loss.backward()
+        opt.step()
+    times = _time_steps(step, args, cupy_events=False)
+    sampler.finish()
+    return dict(framework='pytorch', plan='-', net=args.net, tf32=args.tf32, search='benchmark',
+                median_ms=statistics.median(times), times_ms=times,
+                peak_used_mib=sampler.peak / MiB, baseline_used_mib=baseline / MiB,
+                peak_pool_mib=torch.cuda.max_memory_reserved() / MiB,
+                peak_allocated_mib=torch.cuda.max_memory_allocated() / MiB)
+
+
+# -- driver -------------------------------------------------------------------
+def run_worker(kind, net, args, plan='-', tf32=0):
+    cmd = [sys.executable, os.path.abspath(__file__), '--worker', kind, '--net', net,
+           '--plan', plan, '--tf32', str(tf32), '--iters', str(args.iters),
+           '--warmup', str(args.warmup), '--bench-dir', args.bench_dir,
+           '--search', args.search, '--workspace-limit', str(args.workspace_limit)]
+    env = dict(os.environ, GLOG_minloglevel='2', PYTHONUNBUFFERED='1')
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return dict(framework=kind, net=net, plan=plan, tf32=tf32, error='timeout after %ds'
+                    % args.timeout)
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith('{'):
+            r = json.loads(line)
+            r['wall_s'] = time.time() - t0
+            return r
+    return dict(framework=kind, net=net, plan=plan, tf32=tf32,
+                error=(p.stderr or p.stdout)[-1500:])
+
+
+def gpu_name():
+    try:
+        return subprocess.run(['nvidia-smi', '--query-gpu=name,driver_version',
+                               '--format=csv,noheader'], capture_output=True, text=True,
+                              timeout=20).stdout.strip()
+    except Exception:
+        return 'unknown'
+
+
+def markdown(results, args):
+    lines = ['## %s, %s, commit %s' % (time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
+                                       gpu_name(), os.environ.get('CAFFEPLUS_COMMIT', 'unknown')),
+             '',
+             'One iteration = forward + backward + SGD momentum; median of %d after %d warm-up; '
+             'caffeplus without its data layers; algorithm search: %s. Peak = device memory used '
+             '(whole process, incl. CUDA context), sampled every 5 ms.' % (args.iters, args.warmup,
+                                                                         args.search),
+             '',
+             '| net | framework | plan | TF32 | ms/iter | images/s | peak used MiB | '
+             'pool/reserved MiB | workspace MiB | vs PyTorch time | vs PyTorch memory |',
+             '|---|---|---|---|---|---|---|---|---|---|---|']
+    torch_ref = {(r['net'], r['tf32']): r for r in results
+                 if r.get('framework') == 'pytorch' and 'error' not in r}
+    for r in results:
+        if 'error' in r:
+            lines.append('| %s | %s | %s | %s | error: %s | | | | | | |' % (
+                r['net'], r['framework'], r.get('plan', '-'), 'on' if r.get('tf32') else 'off',
+                r['error'].strip().splitlines()[-1][:160] if r['error'].strip() else '?'))
+            continue
+        batch = parse_net(r['net'])[1]
+        t = torch_ref.get((r['net'], r['tf32']))
+        rt = '%.2fx' % (r['median_ms'] / t['median_ms']) if t and r['framework'] != 'pytorch' else ''
+        rm = '%.2fx' % (r['peak_used_mib'] / t['peak_used_mib']) \
+            if t and r['framework'] != 'pytorch' else ''
+        lines.append('| %s | %s | %s | %s | %.1f | %.0f | %.0f | %.0f | %s | %s | %s |' % (
+            r['net'], r['framework'], r['plan'], 'on' if r['tf32'] else 'off', r['median_ms'],
+            batch * 1000.0 / r['median_ms'], r['peak_used_mib'], r['peak_pool_mib'],
+            '%.1f' % r['workspace_mib'] if 'workspace_mib' in r else '-', rt, rm))
+    return '\n'.join(lines) + '\n'
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    ap.add_argument('--bench-dir', default=os.path.join(os.path.dirname(ROOT), 'shared', 'bench'))
+    ap.add_argument('--nets', default='alexnet_b128,resnet50_b32')
+    ap.add_argument('--plans', default='stock,arena')
+    ap.add_argument('--torch', action='store_true', help='measure PyTorch in the same run')
+    ap.add_argument('--tf32', default='off', choices=('off', 'on', 'both'))
+    ap.add_argument('--iters', type=int, default=20)
+    ap.add_argument('--warmup', type=int, default=3)
+    ap.add_argument('--search', default='heuristic', choices=('heuristic', 'timed'))
+    ap.add_argument('--workspace-limit', type=int, default=0)
+    ap.add_argument('--timeout', type=int, default=300)
+    ap.add_argument('--json', default=None)
+    ap.add_argument('--md', default=None, help='append the table to this markdown file')
+    # worker mode
+    ap.add_argument('--worker', default=None, choices=('caffeplus', 'pytorch'))
+    ap.add_argument('--net', default=None)
+    ap.add_argument('--plan', default='arena')
+    args = ap.parse_args(argv)
+    if args.worker:
+        args.tf32 = int(args.tf32)
+        r = worker_caffeplus(args) if args.worker == 'caffeplus' else worker_torch(args)
+        print(json.dumps(r))
+        return 0
+    tf32s = {'off': [0], 'on': [1], 'both': [0, 1]}[args.tf32]
+    results = []
+    for tf32 in tf32s:
+        for net in args.nets.split(','):
+            runs = [('caffeplus', p) for p in args.plans.split(',')]
+            if args.torch:
+                runs.append(('pytorch', '-'))
+            for kind, plan in runs:
+                r = run_worker(kind, net, args, plan, tf32)
+                results.append(r)
+                if 'error' in r:
+                    print('%-14s %-9s %-6s tf32=%d ERROR %s' % (net, kind, plan, tf32,
+                                                                 r['error'][-600:]), flush=True)
+                else:
+                    print('%-14s %-9s %-6s tf32=%d %8.1f ms  peak %7.0f MiB  ws %s' % (
+                        net, kind, plan, tf32, r['median_ms'], r['peak_used_mib'],
+                        '%.1f MiB' % r['workspace_mib'] if 'workspace_mib' in r else '-'),
+                        flush=True)
+    table = markdown(results, args)
+    print(table)
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump(results, f, indent=1)
+    if args.md:
+        with open(args.md, 'a') as f:
+            f.write('\n' + table)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
