@@ -44,19 +44,38 @@ def is_virtual(array):
     return isinstance(array, numpy.ndarray) and array.size > 1 and not any(array.strides)
 
 
+# -- host mirror (pycaffe in GPU mode) -----------------------------------------
+# Caffe's SyncedMemory: in GPU mode a Storage's `array` is a CuPy array and
+# pycaffe's net.blobs[name].data reads a NumPy mirror, `host`. `head` says
+# which copy is newer. Every device access (Blob.data/.diff, what layers use)
+# may write, so it marks the device newer (Caffe's mutable_gpu_data); every
+# host access through host_view() first copies device->host if the device
+# is newer, then marks the host newer (pycaffe hands out mutable_cpu_data),
+# so the next device access copies host->device first.
+HEAD_SYNCED, HEAD_DEVICE, HEAD_HOST = 'synced', 'device', 'host'
+
+
+def _on_device(array):
+    return type(array).__module__.startswith('cupy')
+
+
 class Storage:
     """A flat float32 buffer that one or more blobs view."""
-    __slots__ = ('array', 'released_reason')
+    __slots__ = ('array', 'released_reason', 'host', 'head')
 
     def __init__(self):
         self.array = None
         self.released_reason = None
+        self.host = None            # NumPy mirror of a device array (pycaffe)
+        self.head = HEAD_SYNCED
 
     def ensure(self, count, xp):
         if _VIRTUAL['on'] and xp is numpy:      # see "virtual allocation" above
             if self.array is None or self.array.size < count:
                 self.array = virtual_array(count)
             return self.array
+        if self.head is HEAD_HOST:               # pycaffe wrote the host mirror
+            self._push_host()
         if self.array is None or self.array.size < count or \
                 backend.get_array_module(self.array) is not xp:
             old = self.array
@@ -69,7 +88,35 @@ class Storage:
                     self.array[:n] = backend.to_numpy(old[:n])
                 else:
                     self.array[:n] = xp.asarray(old[:n])
+        if xp is not numpy:
+            self.head = HEAD_DEVICE
         return self.array
+
+    def _push_host(self):
+        """Host mirror -> device array (the host copy is newer)."""
+        self.head = HEAD_SYNCED
+        if self.host is not None and self.array is not None and _on_device(self.array):
+            n = min(self.host.size, self.array.size)
+            self.array[:n].set(self.host[:n])
+
+    def host_view(self, count):
+        """The NumPy array pycaffe reads and writes: in CPU mode the array
+        itself; in GPU mode the host mirror, synced from the device if the
+        device is newer, and marked newer itself (pycaffe may write it)."""
+        xp = backend.xp()
+        if xp is numpy:
+            return self.ensure(count, numpy)
+        arr = self.array
+        if arr is None or arr.size < count or not _on_device(arr):
+            arr = self.ensure(count, xp)
+        stale = self.head is HEAD_DEVICE
+        if self.host is None or self.host.size != arr.size:
+            self.host = numpy.empty(arr.size, dtype=numpy.float32)
+            stale = True
+        if stale:
+            arr.get(out=self.host)
+        self.head = HEAD_HOST
+        return self.host
 
 
 def shape_string(shape):
@@ -242,6 +289,61 @@ class Blob:
     def __repr__(self):
         return '<Blob %s %s>' % (self.name, self._shape)
 
+
+
+class HostBlob:
+    """What pycaffe's net.blobs / net.params hand out in GPU mode: the Blob,
+    with .data and .diff as host NumPy arrays kept in sync with the device
+    (see "host mirror" above). Everything else is the Blob's own."""
+    __slots__ = ('_blob',)
+
+    def __init__(self, blob):
+        object.__setattr__(self, '_blob', blob)
+
+    def __getattr__(self, name):
+        return getattr(self._blob, name)
+
+    def __setattr__(self, name, value):
+        if name in ('data', 'diff'):
+            object.__setattr__(self, name, value)   # the properties below
+        else:
+            setattr(self._blob, name, value)
+
+    def _host(self, storage, which):
+        b = self._blob
+        if storage.released_reason is not None:
+            raise CaffeplusError('blob %s: its %s was released by the memory plan (%s)'
+                                 % (b.name, which, storage.released_reason))
+        return storage.host_view(b.count)[:b.count].reshape(b.shape)
+
+    @property
+    def data(self):
+        return self._host(self._blob.data_storage, 'data')
+
+    @data.setter
+    def data(self, value):
+        self._blob._assign(self.data, value, 'data')
+
+    @property
+    def diff(self):
+        return self._host(self._blob.diff_storage, 'diff')
+
+    @diff.setter
+    def diff(self, value):
+        self._blob._assign(self.diff, value, 'diff')
+
+    @property
+    def blob(self):
+        """The wrapped Blob (device arrays)."""
+        return self._blob
+
+    def __repr__(self):
+        return '<Blob %s %s (host view)>' % (self._blob.name, self._blob.shape)
+
+
+def host_blob(blob):
+    """pycaffe's view of `blob`: the Blob itself in CPU mode, a HostBlob in GPU mode."""
+    return HostBlob(blob) if backend.mode() == backend.GPU else blob
 
 def proto_shape(proto):
     """The shape a BlobProto describes: `shape`, or the legacy 4-D fields."""

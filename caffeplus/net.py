@@ -11,7 +11,7 @@ import os
 import numpy
 
 from caffeplus import backend, log
-from caffeplus.blob import Blob
+from caffeplus.blob import Blob, HostBlob
 from caffeplus.errors import CaffeplusError, FormatError, NetError
 from caffeplus.layer import create_layer
 from caffeplus.netstate import filter_net
@@ -194,8 +194,21 @@ class Net:
             log.info('This network produces output %s', name)
             self.output_blob_indices.append(blob_id)
         self._share_weights()
-        self.blobs = collections.OrderedDict(zip(self._blob_names, self._blobs))
+        self._blob_dict = collections.OrderedDict(zip(self._blob_names, self._blobs))
+        # GPU mode: the net's cuDNN layers share one workspace arena
+        # (caffeplus.memory.workspace; apply_workspace_plan picks another plan).
+        from caffeplus.memory import workspace
+        workspace.attach_default(self)
         log.info('Network initialization done.')
+
+    @property
+    def blobs(self):
+        """pycaffe's net.blobs: name -> blob. In GPU mode each comes wrapped
+        (caffeplus.blob.HostBlob) so that .data/.diff are host NumPy arrays
+        kept in sync with the device, as Caffe's SyncedMemory does."""
+        if backend.mode() == backend.GPU:
+            return collections.OrderedDict((k, HostBlob(b)) for k, b in self._blob_dict.items())
+        return self._blob_dict
 
     def _append_param(self, layer_id, param_id):
         layer = self.layers[layer_id]
@@ -366,6 +379,10 @@ class Net:
     @property
     def params(self):
         """pycaffe's net.params: layer name -> its parameter blobs."""
+        if backend.mode() == backend.GPU:     # host views, as net.blobs
+            return collections.OrderedDict(
+                (name, [HostBlob(b) for b in layer.blobs])
+                for name, layer in zip(self._layer_names, self.layers) if layer.blobs)
         return collections.OrderedDict(
             (name, layer.blobs) for name, layer in zip(self._layer_names, self.layers)
             if layer.blobs)
