@@ -29,12 +29,15 @@ What is measured:
   live_curve      CuPy pool bytes in use after each of the 2L steps
 
 How a plan is applied: by `caffeplus.memory.apply.apply_plan(net, plan)`
-when the GPU runtime provides it (it owns the workspace arena and the
-offload copies); until then by `apply_static` here, which handles what needs
-no runtime support: `stock` and `arena` (caffeplus's default storage: one
-array per blob, allocated when first touched) and plans without offloaded
-buffers (`shared`, an `auto` that offloads nothing): every planned data and
-diff buffer becomes a view at its offset in one device arena.
+when the GPU runtime provides it (it owns the offload copies); until then by
+`apply_static` here, which handles what needs no runtime support: `stock`
+and `arena` (caffeplus's default storage: one array per blob, allocated when
+first touched) and plans without offloaded buffers (`shared`, an `auto` that
+offloads nothing): every planned data and diff buffer becomes a view at its
+offset in one device arena. The convolution workspace goes through
+caffeplus.memory.workspace.apply_workspace_plan (stock: a buffer and 3 x
+group cuDNN handles per layer; the other plans: one arena, capped for
+`auto` at the cap its search chose).
 """
 import gc
 import time
@@ -120,23 +123,61 @@ class PeakTracker:
 
 
 # -- applying a plan -----------------------------------------------------------------
+def _optional_module(name):
+    import importlib
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        return None
+
+
+def _raw_blobs(net):
+    """name -> Blob (not the host-mirroring wrappers net.blobs gives in GPU mode)."""
+    return dict(zip(net._blob_names, net._blobs))
+
+
 def apply_plan(net, plan):
     """Apply `plan` to a net built on the GPU; returns a dict with at least
     'applier' and, when known, 'workspace_bytes' and 'arena' (the device
     array holding the planned buffers)."""
-    import importlib
-    try:
-        runtime = importlib.import_module('caffeplus.memory.apply')
-    except ModuleNotFoundError as exc:
-        if exc.name != 'caffeplus.memory.apply':
-            raise
-        runtime = None
+    runtime = _optional_module('caffeplus.memory.apply')
     if runtime is not None and hasattr(runtime, 'apply_plan'):
         info = runtime.apply_plan(net, plan) or {}
         info = dict(info) if isinstance(info, dict) else {'handle': info}
         info.setdefault('applier', 'caffeplus.memory.apply')
         return info
-    return apply_static(net, plan)
+    info = apply_static(net, plan)
+    info['workspace_manager'] = apply_workspace(net, plan)
+    return info
+
+
+def apply_workspace(net, plan):
+    """Give the net's cuDNN convolutions the plan's workspace through
+    caffeplus.memory.workspace (when this build has it): `stock` one buffer
+    per layer as Caffe 1.0, the others one arena, capped for `auto` at the
+    cap the search chose. Returns the manager (None: stock, or no module)."""
+    ws = _optional_module('caffeplus.memory.workspace')
+    if ws is None or not hasattr(ws, 'apply_workspace_plan'):
+        return None
+    limit = 0
+    if plan.name == 'auto':
+        # 0 would mean "what the GPU spares"; a cap of 0 means no workspace.
+        limit = max(int(getattr(plan, 'workspace_cap', 0)), 1)
+    return ws.apply_workspace_plan(net, plan.name, limit)
+
+
+def workspace_bytes(net):
+    """Device bytes of the workspace managers the net and its layers hold."""
+    seen, total = set(), 0
+    for manager in [getattr(net, 'workspace', None)] + \
+            [getattr(layer, '_ws', None) for layer in net.layers]:
+        if manager is None or id(manager) in seen:
+            continue
+        seen.add(id(manager))
+        total += int(getattr(manager, 'nbytes', 0) or 0)
+    return total
 
 
 def apply_static(net, plan, xp=None):
@@ -155,8 +196,9 @@ def apply_static(net, plan, xp=None):
     params = {id(p.data_storage) for p in net.learnable_params} | \
         {id(p.diff_storage) for p in net.learnable_params}
     arena = cupy.zeros(max(plan.arena_bytes // FLOAT_BYTES + 1, 1), dtype='float32')
+    blobs = _raw_blobs(net)
     for buf in plan.buffers:
-        blob = net.blobs[buf.blobs[0]]
+        blob = blobs[buf.blobs[0]]
         storage = blob.data_storage if buf.kind == 'data' else blob.diff_storage
         if id(storage) in params:
             continue        # a Parameter layer's top: the parameter stays where it is
@@ -251,10 +293,11 @@ def measured_breakdown(net, solver, info, plan, peak_bytes):
     for attr in ('history', 'update_buf', 'temp'):
         history += [b.data_storage.array for b in getattr(solver, attr, [])]
     add('solver_history', history)
-    blobs = list(net.blobs.values())
+    blobs = list(net._blobs)
     add('activations', [b.data_storage.array for b in blobs])
     add('activation_diffs', [b.diff_storage.array for b in blobs])
-    out['workspace'] = int(info.get('workspace_bytes', 0))
+    out['workspace'] = int(info['workspace_bytes']) if 'workspace_bytes' in info \
+        else workspace_bytes(net)
     out['other'] = max(0, int(peak_bytes) - sum(v for k, v in out.items() if k != 'other'))
     return out
 
