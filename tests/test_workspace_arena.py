@@ -348,8 +348,10 @@ def test_out_of_memory_names_layer_plan_and_bytes(tmp_path):
     caffeplus.set_mode_gpu()
     text = '''
 name: "huge"
-layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1000 dim: 1000 dim: 1000 dim: 100 } } }
-layer { name: "big_relu" type: "ReLU" bottom: "data" top: "out" }
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1000 dim: 1000 dim: 1000 dim: 15 } } }
+layer { name: "big_relu1" type: "ReLU" bottom: "data" top: "a" }
+layer { name: "big_relu2" type: "ReLU" bottom: "a" top: "b" }
+layer { name: "big_relu3" type: "ReLU" bottom: "b" top: "c" }
 '''
     path = tmp_path / 'huge.prototxt'
     path.write_text(text)
@@ -358,7 +360,7 @@ layer { name: "big_relu" type: "ReLU" bottom: "data" top: "out" }
         net.forward()
     msg = str(info.value)
     assert 'big_relu' in msg and 'forward' in msg and 'arena' in msg
-    assert '400,000,000,000' in msg
+    assert '60,000,000,000' in msg     # one 1.5e10-float blob
 
 
 @pytest.mark.gpu
