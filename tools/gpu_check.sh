@@ -49,10 +49,12 @@ cat "$OUT/env.log"
 
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   stamp "my GPU tests"
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short --maxfail=60 \
+  timeout "${TEST_S:-240}" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short --maxfail=60 \
     tests/test_workspace_arena.py tests/test_gpu_layers.py > "$OUT/pytest_gpu.log" 2>&1
   echo "rc=$?" >> "$OUT/pytest_gpu.log"
   tail -n 45 "$OUT/pytest_gpu.log"
+fi
+if [ "$WHAT" = others ]; then
   stamp "colleagues' gpu-marked tests"
   timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=line -m gpu tests \
     --ignore=tests/test_workspace_arena.py --ignore=tests/test_gpu_layers.py \
