@@ -125,10 +125,12 @@ CPU_CHUNK_BYTES = {'col': 8 << 20, 'plane': 2 << 20}
 
 
 def batch_chunks(xp, n, item_bytes, kind='col'):
-    """Slices of range(n) whose items take about CPU_CHUNK_BYTES[kind]."""
-    if xp is not numpy or n <= 1:
+    """Slices of range(n) whose items take about CPU_CHUNK_BYTES[kind]
+    (None there: one chunk, e.g. one GEMM over the whole batch)."""
+    budget = CPU_CHUNK_BYTES.get(kind)
+    if xp is not numpy or n <= 1 or budget is None:
         return [slice(0, n)]
-    step = max(1, int(CPU_CHUNK_BYTES[kind] // max(1, item_bytes)))
+    step = max(1, int(budget // max(1, item_bytes)))
     if step >= n:
         return [slice(0, n)]
     return [slice(i, min(i + step, n)) for i in range(0, n, step)]
