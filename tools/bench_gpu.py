@@ -198,7 +198,7 @@ def worker_torch(args):
 # -- driver -------------------------------------------------------------------
 def run_worker(kind, net, args, plan='-', tf32=0):
     cmd = [sys.executable, os.path.abspath(__file__), '--worker', kind, '--net', net,
-           '--plan', plan, '--tf32', str(tf32), '--iters', str(args.iters),
+           '--plan', plan, '--tf32', 'on' if tf32 else 'off', '--iters', str(args.iters),
            '--warmup', str(args.warmup), '--bench-dir', args.bench_dir,
            '--search', args.search, '--workspace-limit', str(args.workspace_limit)]
     env = dict(os.environ, GLOG_minloglevel='2', PYTHONUNBUFFERED='1')
@@ -278,7 +278,7 @@ def main(argv=None):
     ap.add_argument('--plan', default='arena')
     args = ap.parse_args(argv)
     if args.worker:
-        args.tf32 = int(args.tf32)
+        args.tf32 = 1 if args.tf32 == 'on' else 0
         r = worker_caffeplus(args) if args.worker == 'caffeplus' else worker_torch(args)
         print(json.dumps(r))
         return 0

@@ -42,7 +42,7 @@ h = api.handle()
 print('cudnn handle ok', h.value.value is not None)
 import caffeplus, caffeplus.layer as L
 caffeplus.set_mode_gpu()
-print('engines', sorted(L.GPU_ENGINES))
+L.layer_types(); print('engines', sorted(L.GPU_ENGINES))
 EOF
 } > "$OUT/env.log" 2>&1
 cat "$OUT/env.log"
