@@ -39,7 +39,7 @@ LONG_FLAGS = {'solver', 'model', 'weights', 'snapshot', 'gpu', 'iterations', 'ph
               'workspace_limit', 'memory_budget', 'plans', 'batch', 'budget', 'plot',
               'json', 'estimate', 'keep', 'offload', 'math', 'backend', 'resize_height',
               'resize_width', 'gray', 'shuffle', 'encoded', 'encode_type', 'check_size',
-              'encoded_color', 'help'}
+              'encoded_color', 'help', 'shape', 'solver_type'}
 
 
 def normalize_flags(argv):

@@ -257,9 +257,11 @@ class Layer:
 
 
 class LossLayer(Layer):
-    """Caffe's LossLayer: two bottoms by default, a scalar top, weight 1."""
+    """Caffe's LossLayer: two bottoms by default, a scalar top, weight 1.
+    A prototxt may leave the top out (auto_top_blobs), as Caffe allows."""
     exact_num_bottom = 2
     exact_num_top = 1
+    auto_top_blobs = True
 
     def setup(self, bottom, top):
         if len(self.layer_param.loss_weight) == 0:

@@ -53,6 +53,10 @@ def buffers(net, keep=(), training=True):
             entry[3] = max(entry[3], nbytes)
 
     names = net._blob_names
+    # Tops that alias parameters (the Parameter layer) are persistent params,
+    # not activations.
+    param_storages = {id(p.data_storage) for p in net.param_blobs} | \
+        {id(p.diff_storage) for p in net.param_blobs}
     for i, layer in enumerate(net.layers):
         reads = layer.backward_reads
         does_backward = training and net.layer_need_backward[i]
@@ -79,7 +83,9 @@ def buffers(net, keep=(), training=True):
                 touch('diff', blob, names[blob_id], bwd(i))
 
     out = []
-    for (kind, _), (start, end, blob_names, nbytes) in intervals.items():
+    for (kind, storage_id), (start, end, blob_names, nbytes) in intervals.items():
+        if storage_id in param_storages:
+            continue
         if kind == 'data' and blob_names & keep:
             start, end = min(start, 0), end_of_iteration
         if kind == 'diff' and blob_names & keep and any(n in net.inputs for n in blob_names):
