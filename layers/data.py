@@ -8,7 +8,9 @@ from caffeplus.rng at setup, and only the prefetch thread draws from them,
 batch after batch. `get_state()` gives the position after the last batch a
 forward returned (database cursor or list position, generator states) as
 plain Python values (JSON-serialisable); `set_state()` restores it, so a
-resumed run reads on exactly where the snapshot was taken.
+resumed run reads on exactly where the snapshot was taken. `set_shard(rank,
+world)` (Data, ImageData, HDF5Data) makes a layer read one rank's share of the
+records for data-parallel training (caffeplus.parallel).
 
 WindowData (R-CNN window files) is not supported: it raises NetError.
 """
@@ -277,6 +279,20 @@ class BasePrefetchingDataLayer(Layer):
     snapshot_state = get_state
     restore_state = set_state
 
+    def set_shard(self, rank, world):
+        """Read only rank `rank`'s share of the records (data-parallel
+        training, caffeplus.parallel): as Caffe's DataLayer::Skip with
+        solver_rank/solver_count, of every `world` consecutive records the
+        rank-th goes to this rank, counted from the start of each batch; a
+        batch ends past its `batch_size x world` records on every rank, so
+        the ranks' positions (get_state) agree after each batch. Prefetching
+        restarts from the position the last forward left."""
+        rank, world = _check_shard(self, rank, world)
+        self._prefetcher.stop()
+        self.source.restore(self._consumed_state)
+        self.source.shard = (rank, world)
+        self._prefetcher.start()
+
     def close(self):
         """Stop the prefetch thread and close the input."""
         finalizer = getattr(self, '_finalizer', None)
@@ -289,6 +305,14 @@ def _close_source(prefetcher, source):
     source.close()
 
 
+def _check_shard(layer, rank, world):
+    rank, world = int(rank), int(world)
+    if world < 1 or not 0 <= rank < world:
+        raise CaffeplusError('layer %s: shard rank %d of %d is out of range'
+                             % (layer.name, rank, world))
+    return rank, world
+
+
 # -- Data ----------------------------------------------------------------------
 class _DatabaseSource:
     def __init__(self, name, dparam, transformer, output_labels, batch_size):
@@ -297,6 +321,7 @@ class _DatabaseSource:
         self.output_labels = output_labels
         self.batch_size = batch_size
         self.path = dparam.source
+        self.shard = (0, 1)     # (rank, world): see set_shard
         kind = db_io.backend_name(dparam.backend)
         self.reader = db_io.RecordReader(self.path, kind)
         if dparam.rand_skip:
@@ -313,15 +338,22 @@ class _DatabaseSource:
         datum = datum_io.parse_datum(value, key, self.path)
         return datum, self.transformer.datum_array(datum, key), self._what(key)
 
+    def _skip(self, n):
+        for _ in range(n):
+            self.reader.advance()
+
     def load_batch(self):
         arrays, labels, whats = [], [], []
-        for _ in range(self.batch_size):
+        rank, world = self.shard
+        for i in range(self.batch_size):
+            self._skip(rank if i == 0 else world - 1)
             key, value = self.reader.current()
             datum = datum_io.parse_datum(value, key, self.path)
             arrays.append(self.transformer.datum_array(datum, key))
             labels.append(datum.label)
             whats.append(self._what(key))
             self.reader.advance()
+        self._skip(world - 1 - rank)
         data = self.transformer.transform_batch(arrays, whats=whats)
         label = numpy.asarray(labels, dtype=numpy.float32) if self.output_labels else None
         return _Batch(data, label, self.state())
@@ -429,6 +461,7 @@ class _ImageListSource:
             self._reshuffle()
         log.info('A total of %d images.', n)
         self.lines_id = 0
+        self.shard = (0, 1)     # (rank, world): see set_shard
         if p.rand_skip:
             skip = _seed_from_global() % p.rand_skip
             log.info('Skipping first %d data points.', skip)
@@ -456,18 +489,25 @@ class _ImageListSource:
                                   what=what)
         return arr, label, what
 
-    def load_batch(self):
-        arrays, labels, whats = [], [], []
-        for _ in range(self.batch_size):
-            arr, label, what = self.image(self.lines_id)
-            arrays.append(arr)
-            labels.append(label)
-            whats.append(what)
+    def _advance(self, n=1):
+        for _ in range(n):
             self.lines_id += 1
             if self.lines_id >= len(self.lines):
                 self.lines_id = 0
                 if self.shuffle:
                     self._reshuffle()
+
+    def load_batch(self):
+        arrays, labels, whats = [], [], []
+        rank, world = self.shard
+        for i in range(self.batch_size):
+            self._advance(rank if i == 0 else world - 1)
+            arr, label, what = self.image(self.lines_id)
+            arrays.append(arr)
+            labels.append(label)
+            whats.append(what)
+            self._advance()
+        self._advance(world - 1 - rank)
         data = self.transformer.transform_batch(arrays, whats=whats)
         return _Batch(data, numpy.asarray(labels, dtype=numpy.float32), self.state())
 
@@ -575,6 +615,7 @@ class HDF5DataLayer(Layer):
         self.current_file = 0
         self._load(self.file_permutation[0])
         self.current_row = 0
+        self.shard = (0, 1)     # (rank, world): see set_shard
         self.row_shapes = [b.shape[1:] for b in self.blobs_data]
         for t, b in zip(top, self.blobs_data):
             t.reshape((self.batch_size,) + b.shape[1:])
@@ -649,10 +690,15 @@ class HDF5DataLayer(Layer):
     def _forward(self, bottom, top):
         outs = [numpy.empty((self.batch_size,) + s, dtype=numpy.float32)
                 for s in self.row_shapes]
+        rank, world = self.shard
         for i in range(self.batch_size):
+            for _ in range(rank if i == 0 else world - 1):
+                self._next()
             row = self.data_permutation[self.current_row]
             for out, b in zip(outs, self.blobs_data):
                 out[i] = b[row]
+            self._next()
+        for _ in range(world - 1 - rank):
             self._next()
         for t, out in zip(top, outs):
             t.reshape(out.shape)
@@ -660,6 +706,13 @@ class HDF5DataLayer(Layer):
 
     def _backward(self, top, propagate_down, bottom):
         pass
+
+    def set_shard(self, rank, world):
+        """Read only rank `rank`'s share of the rows (data-parallel training):
+        as Caffe's HDF5DataLayer::Skip, of every `world` consecutive rows the
+        rank-th, counted from the start of each batch (see
+        BasePrefetchingDataLayer.set_shard)."""
+        self.shard = _check_shard(self, rank, world)
 
     def get_state(self):
         return {'type': self.type, 'current_file': self.current_file,
