@@ -6,10 +6,15 @@ LMDBs and init.caffemodel) to a temporary folder, then trains it with the SGD
 solver of the reference runs (batch 64) for --iters iterations, without
 tests, display or snapshots, and prints iterations per second and the ratio
 to stock Caffe (41 iter/s on the reference machine, single-threaded
-OpenBLAS).
+OpenBLAS). It also prints the process's CPU time per iteration, a view
+that a busy machine distorts less than the wall clock.
 
     python tools/bench_train_cpu.py [--iters 200] [--warmup 10] [--solver SGD]
-                                    [--profile out.prof]
+                                    [--threads 1|N|keep] [--profile out.prof]
+
+BLAS runs single-threaded by default, as in the stock-Caffe measurement;
+--threads N or keep changes that (on a loaded machine OpenBLAS's spinning
+threads can make several threads far slower than one).
 
 --reference points at the reference set (default: $CAFFEPLUS_SHARED/reference
 or ../shared/reference beside the repository).
@@ -67,7 +72,16 @@ def main(argv=None):
     ap.add_argument('--reference', default=default_reference())
     ap.add_argument('--profile', default=None, help='write cProfile stats of the timed part')
     ap.add_argument('--quiet', action='store_true', help='only warnings on stderr')
+    ap.add_argument('--threads', default='1',
+                    help="BLAS threads (default 1, as stock Caffe's 41 iter/s was measured); "
+                         "'keep' leaves the environment as it is")
     args = ap.parse_args(argv)
+    if args.threads != 'keep':
+        if 'numpy' in sys.modules:
+            print('warning: NumPy is already imported; --threads may not take effect',
+                  file=sys.stderr)
+        for var in ('OPENBLAS_NUM_THREADS', 'OMP_NUM_THREADS', 'MKL_NUM_THREADS'):
+            os.environ[var] = str(int(args.threads))
 
     sys.path.insert(0, ROOT)
     import caffeplus
@@ -96,9 +110,10 @@ def main(argv=None):
                 import cProfile
                 profiler = cProfile.Profile()
                 profiler.enable()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             solver.step(args.iters)
             elapsed = time.perf_counter() - t0
+            cpu = time.process_time() - c0
             if profiler is not None:
                 profiler.disable()
                 profiler.dump_stats(os.path.join(cwd, args.profile)
@@ -110,6 +125,14 @@ def main(argv=None):
           '%.1f ms/iter; %.2fx stock Caffe (%.0f iter/s)'
           % (args.solver, args.iters, elapsed, rate, 1000 * elapsed / args.iters,
              rate / STOCK_CAFFE_ITER_S, STOCK_CAFFE_ITER_S))
+    # On a busy machine wall time overstates the cost; CPU time (all threads
+    # of this process: BLAS threads and the data prefetch thread included)
+    # is a second view. With OPENBLAS_NUM_THREADS=1 and an idle machine the
+    # two agree.
+    print('  process CPU time: %.1f ms/iter (%d threads available, load average %s)'
+          % (1000 * cpu / args.iters, os.cpu_count() or 1,
+             ' '.join('%.2f' % x for x in os.getloadavg()) if hasattr(os, 'getloadavg')
+             else 'n/a'))
     return 0
 
 
