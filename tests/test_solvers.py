@@ -492,7 +492,8 @@ def test_shared_params_and_frozen_layer():
     assert len(s.history_arrays()) == 3
     frozen = numpy.array(n.layer_dict['b'].blobs[1].data)
     s.step(3)
-    numpy.testing.assert_array_equal(n.layer_dict['a'].blobs[0].data, n.layer_dict['b'].blobs[0].data)
+    numpy.testing.assert_array_equal(n.layer_dict['a'].blobs[0].data,
+                                     n.layer_dict['b'].blobs[0].data)
     numpy.testing.assert_array_equal(n.layer_dict['b'].blobs[1].data, frozen)
 
 

@@ -17,6 +17,11 @@ from caffeplus.solver.solver import (ACTIONS, NONE, SNAPSHOT, STOP, Solver,  # n
 from caffeplus.solver.sgd import (SOLVERS, AdaDeltaSolver, AdaGradSolver,  # noqa: F401
                                   AdamSolver, NesterovSolver, RMSPropSolver, SGDSolver)
 
+__all__ = ['get_solver', 'create_solver', 'solver_class', 'solver_type_name', 'read_solver_file',
+           'upgrade_snapshot_prefix', 'Solver', 'SGDSolver', 'NesterovSolver', 'AdaGradSolver',
+           'RMSPropSolver', 'AdaDeltaSolver', 'AdamSolver', 'SOLVERS', 'ACTIONS', 'NONE', 'STOP',
+           'SNAPSHOT']
+
 # The old SolverParameter.solver_type enum, by value.
 _LEGACY_TYPES = {0: 'SGD', 1: 'Nesterov', 2: 'AdaGrad', 3: 'RMSProp', 4: 'AdaDelta', 5: 'Adam'}
 
