@@ -743,3 +743,44 @@ def test_interrupted_snapshot_keeps_previous_file(tmp_path, monkeypatch):
     assert open(state, 'rb').read() == before
     assert sorted(os.listdir(tmp_path)) == sorted(['s_iter_2.caffemodel', 's_iter_2.solverstate',
                                                    's_iter_2.solverstate.caffeplus.json'])
+
+
+def test_train_net_and_test_net_files(tmp_path, logs, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'train.prototxt').write_text(NET)
+    (tmp_path / 'test.prototxt').write_text(TEST_NET)
+    p = parse_text('train_net: "train.prototxt" test_net: "test.prototxt" test_net_param {%s} '
+                   'test_iter: 1 test_iter: 2 test_interval: 3 base_lr: 0.1 lr_policy: "fixed"'
+                   % NET, caffe_pb2.SolverParameter())
+    s = get_solver(p)
+    assert 'Creating training net from train_net file: train.prototxt' in logs
+    # test_net_param first, then the files (Caffe's order)
+    assert 'Creating test net (#0) specified by test_net_param' in logs
+    assert 'Creating test net (#1) specified by test_net file: test.prototxt' in logs
+    assert [n.name for n in s.test_nets] == ['quad', 'staged']
+    s.step(1)
+    assert 'Iteration 0, Testing net (#1)' in logs
+    p2 = parse_text('train_net_param {%s} base_lr: 0.1 lr_policy: "fixed"' % NET,
+                    caffe_pb2.SolverParameter())
+    assert get_solver(p2).test_nets == []
+    assert 'Creating training net specified in train_net_param.' in logs
+    p3 = parse_text('net: "train.prototxt" train_net: "train.prototxt" base_lr: 0.1 '
+                    'lr_policy: "fixed"', caffe_pb2.SolverParameter())
+    with pytest.raises(CaffeplusError, match='more than one'):
+        get_solver(p3)
+    p4 = parse_text('train_net: "train.prototxt" test_net: "missing_test.prototxt" test_iter: 1 '
+                    'test_interval: 1 base_lr: 0.1 lr_policy: "fixed"',
+                    caffe_pb2.SolverParameter())
+    with pytest.raises(CaffeplusError, match='missing_test.prototxt'):
+        get_solver(p4)
+
+
+def test_debug_info_logs_forward_backward(logs):
+    s = get_solver(solver_param('type: "SGD" base_lr: 0.05 lr_policy: "fixed" display: 2 '
+                                'debug_info: true'))
+    s.step(2)
+    fwd = [l for l in logs if l.startswith('    [Forward] ')]
+    bwd = [l for l in logs if l.startswith('    [Backward] ')]
+    # only on display iterations (0), as Caffe
+    assert fwd and bwd
+    assert len([l for l in logs if l.startswith('    [Backward] All net params')]) == 1
