@@ -75,6 +75,14 @@ def _as4d(shape):
     return tuple(shape)
 
 
+# cuDNN's tensor descriptors index with 32-bit ints: larger blobs run generically.
+MAX_CUDNN_COUNT = 2 ** 31 - 1
+
+
+def _fits(*shapes):
+    return all(_prod(s) <= MAX_CUDNN_COUNT for s in shapes)
+
+
 def _addr(array, offset_bytes=0):
     return int(array.data.ptr) + int(offset_bytes)
 
@@ -194,7 +202,10 @@ class _CudnnConvolutionMixin(_CudnnMixin):
 
     # -- which configurations go to cuDNN ------------------------------------
     def _cudnn_geometry_ok(self):
-        return self.channel_axis == 1 and 1 <= self.num_spatial <= 3 and self.num > 0
+        if not (self.channel_axis == 1 and 1 <= self.num_spatial <= 3 and self.num > 0):
+            return False
+        return _fits((self.num, self.channels) + tuple(self.in_spatial),
+                     (self.num, self.num_output) + tuple(self.out_spatial))
 
     def _split_groups(self):
         return self.memory_plan == 'stock' and self.group > 1
@@ -408,7 +419,8 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
     def cudnn_agrees(self):
         """Whether cuDNN computes exactly Caffe's pooling for this geometry."""
         pool = self.pool
-        if pool is None or pool.method not in (MAX, AVE) or self._ntop != 1:
+        if pool is None or pool.method not in (MAX, AVE) or self._ntop != 1 or \
+                not _fits(pool.x_shape):
             return False
         (kh, kw), (sh, sw), (ph, pw) = pool.geom
         h, w = pool.x_shape[2:]
@@ -479,14 +491,14 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
         self._desc = None
         self._desc_key = None
 
-    def _cudnn_ok(self):
-        return (self.region == caffe_pb2.LRNParameter.ACROSS_CHANNELS and
+    def _cudnn_ok(self, shape=()):
+        return (self.region == caffe_pb2.LRNParameter.ACROSS_CHANNELS and _fits(shape) and
                 1 <= self.size <= 16 and self.k >= 1e-5 and self.beta >= 0.01 and
                 self.alpha >= 1e-5)
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
-        if self._gpu_mode() and cudnn_available() and self._cudnn_ok():
+        if self._gpu_mode() and cudnn_available() and self._cudnn_ok(bottom[0].shape):
             self._build(bottom[0].shape)
 
     def _build(self, shape):
@@ -499,7 +511,7 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
         self._desc_key = key
 
     def _ready(self, x):
-        if not self._cudnn_ok() or not self._cudnn_usable(x):
+        if not self._cudnn_ok(x.shape) or not self._cudnn_usable(x):
             return False
         self._build(x.shape)
         return True
@@ -535,7 +547,7 @@ class CuDNNSoftmaxLayer(_CudnnMixin, SoftmaxLayer):
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
-        if self._gpu_mode() and cudnn_available():
+        if self._gpu_mode() and cudnn_available() and _fits(bottom[0].shape):
             self._build(bottom[0].shape)
 
     def _build(self, shape):
@@ -549,7 +561,7 @@ class CuDNNSoftmaxLayer(_CudnnMixin, SoftmaxLayer):
         self._desc_key = key
 
     def _ready(self, x):
-        if not self._cudnn_usable(x):
+        if not _fits(x.shape) or not self._cudnn_usable(x):
             return False
         self._build(x.shape)
         return True
@@ -588,7 +600,8 @@ class _CudnnActivationMixin(_CudnnMixin):
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
-        if self._gpu_mode() and cudnn_available() and self._act_ok(bottom, top):
+        if self._gpu_mode() and cudnn_available() and self._act_ok(bottom, top) and \
+                _fits(bottom[0].shape):
             self._build(bottom[0].shape)
 
     def _build(self, shape):
@@ -601,7 +614,7 @@ class _CudnnActivationMixin(_CudnnMixin):
         self._act_key = key
 
     def _ready(self, bottom, top, x):
-        if not self._act_ok(bottom, top) or not self._cudnn_usable(x):
+        if not self._act_ok(bottom, top) or not _fits(x.shape) or not self._cudnn_usable(x):
             return False
         self._build(x.shape)
         return True

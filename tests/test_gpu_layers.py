@@ -109,7 +109,7 @@ def _via(layer):
     elif t == 'Pooling':
         ok = layer.cudnn_agrees() and layer._pd is not None
     elif t == 'LRN':
-        ok = layer._cudnn_ok() and layer._desc is not None
+        ok = layer._cudnn_ok(layer._last_bottom[0].shape) and layer._desc is not None
     elif t == 'Softmax':
         ok = layer._desc is not None
     else:

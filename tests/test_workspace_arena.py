@@ -302,10 +302,14 @@ def test_timed_search_and_deterministic_mode(tmp_path):
         w = _weights(net)
         got = _run(net, x, dy)
         assert all(s.choice is not None for _, s in net.workspace.sites())
+        print('timed choices:', [(l.layer_param.name, s.kind, s.choice.name, s.choice.memory)
+                                 for l, s in net.workspace.sites()])
     finally:
         workspace.set_search(previous)
     ref = _cpu_reference(tmp_path, x, dy, w)
-    _close(got, ref)
+    # The fastest algorithms (FFT, Winograd) round differently from a direct
+    # sum: ~1e-3 of the largest value, as with PyTorch's cudnn.benchmark.
+    _close(got, ref, tol=5e-3)
     mathmode.set_math_mode('deterministic')
     try:
         caffeplus.set_mode_gpu()

@@ -77,7 +77,8 @@ def worker_caffeplus(args):
     from caffeplus.memory import workspace
     caffeplus.set_mode_gpu(0)
     mathmode.set_math_mode('tf32' if args.tf32 else 'strict')
-    if args.search == 'timed':
+    plan, _, search = args.plan.partition(':')     # 'arena:timed': FindEx search
+    if (search or args.search) == 'timed':
         workspace.set_search('timed')
     os.environ.setdefault('GLOG_minloglevel', '2')
     pool = cupy.get_default_memory_pool()
@@ -91,7 +92,7 @@ def worker_caffeplus(args):
     sampler.start()
     t0 = time.time()
     net = caffeplus.Net(os.path.join(args.bench_dir, args.net + '.prototxt'), caffeplus.TRAIN)
-    workspace.apply_workspace_plan(net, args.plan, args.workspace_limit)
+    workspace.apply_workspace_plan(net, plan, args.workspace_limit)
     params = net.learnable_params
     hist = [cupy.zeros(p.shape, dtype=cupy.float32) for p in params]
     start = 0
@@ -118,7 +119,7 @@ def worker_caffeplus(args):
     loss = float(sum(float(cupy.asarray(net._blob_dict[n].data).sum())
                      for n in net.outputs if net._blob_dict[n].count == 1))
     return dict(framework='caffeplus', plan=args.plan, net=args.net, tf32=args.tf32,
-                search=args.search, median_ms=statistics.median(times), times_ms=times,
+                search=search or args.search, median_ms=statistics.median(times), times_ms=times,
                 peak_used_mib=sampler.peak / MiB, baseline_used_mib=baseline / MiB,
                 peak_pool_mib=sampler.peak_extra / MiB, workspace_mib=ws / MiB,
                 setup_s=setup_s, loss=loss)
