@@ -6,7 +6,8 @@
 
 -weights finetunes from the given weights (copied by layer name into the
 train and test nets); -snapshot resumes from a solver state; the two exclude
-each other. Without -gpu the solver's solver_mode decides (GPU uses
+each other. Several GPUs (-gpu 0,1 or all) or an MPI launch hand over to
+caffeplus.parallel (data-parallel ranks). Without -gpu the solver's solver_mode decides (GPU uses
 device_id); with neither it runs on the CPU. SIGINT and SIGHUP do what
 -sigint_effect / -sighup_effect say (stop, snapshot or none; defaults stop
 and snapshot), checked once per iteration as Caffe does; a second SIGINT
@@ -228,13 +229,26 @@ def choose_gpus(args, param):
     return gpus
 
 
+def _parallel():
+    try:
+        import caffeplus.parallel as parallel
+    except ImportError:
+        return None
+    return parallel
+
+
 def run(args):
     from caffeplus.solver import get_solver
     param = build_solver_param(args)
     gpus = choose_gpus(args, param)
+    parallel = _parallel()
+    if parallel is not None and parallel.wants_parallel(gpus):
+        # Several GPUs, or several MPI ranks: caffeplus.parallel runs the
+        # ranks (each builds this solver through get_solver).
+        return parallel.launch(args, param, gpus)
     if len(gpus) > 1:
         raise CaffeplusError('training on several GPUs (--gpu %s) is not available in this '
-                             'build yet; give one device ID' % args.gpu)
+                             'build; give one device ID' % args.gpu)
     use_device(gpus, 'train')
     if gpus:
         param.device_id = gpus[0]

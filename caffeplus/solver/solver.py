@@ -278,7 +278,8 @@ class Solver:
     def add_callback(self, callback, on_gradients_ready=None):
         """Add an object with on_start() and on_gradients_ready() methods, or
         two callables (pycaffe's add_callback(on_start, on_gradient))."""
-        if callable(callback) or on_gradients_ready is not None:
+        has_methods = hasattr(callback, 'on_start') or hasattr(callback, 'on_gradients_ready')
+        if not has_methods or on_gradients_ready is not None:
             callback = _Callback(callback, on_gradients_ready)
         self.callbacks.append(callback)
 
