@@ -152,6 +152,7 @@ class Blob:
             if d < 0:
                 raise CaffeplusError('blob %s: negative dimension in shape %s'
                                      % (self.name, shape))
+        check_count(shape, 'blob %s' % self.name)
         self._shape = shape
         self._count = _prod(shape)
 
@@ -290,7 +291,6 @@ class Blob:
         return '<Blob %s %s>' % (self.name, self._shape)
 
 
-
 class HostBlob:
     """What pycaffe's net.blobs / net.params hand out in GPU mode: the Blob,
     with .data and .diff as host NumPy arrays kept in sync with the device
@@ -345,6 +345,25 @@ def host_blob(blob):
     """pycaffe's view of `blob`: the Blob itself in CPU mode, a HostBlob in GPU mode."""
     return HostBlob(blob) if backend.mode() == backend.GPU else blob
 
+
+def check_count(shape, what='blob'):
+    """Refuse a shape that claims more than MAX_BLOB_COUNT values, before
+    anything is allocated for it (a corrupt file, a typo in a prototxt).
+
+    The product of the non-zero dimensions is bounded too: a shape such as
+    (0, 2**62, 2**62) holds nothing but cannot be an array either."""
+    limit = MAX_BLOB_COUNT
+    nonzero = _prod(max(int(d), 1) for d in shape)
+    if nonzero > limit:
+        count = _prod(shape)
+        raise CaffeplusError(
+            '%s: shape %s claims %d values%s, more than the %d (%g GiB of float32) a blob '
+            'may hold; is a dimension mistyped or the file corrupt?'
+            % (what, ' x '.join(str(int(d)) for d in shape) or '()', count,
+               ' (its non-zero dimensions %d)' % nonzero if count != nonzero else '',
+               limit, limit * 4.0 / 2 ** 30))
+
+
 def proto_shape(proto):
     """The shape a BlobProto describes: `shape`, or the legacy 4-D fields."""
     if proto.HasField('num') or proto.HasField('channels') or \
@@ -354,9 +373,10 @@ def proto_shape(proto):
         shape = tuple(proto.shape.dim)
     if len(shape) > MAX_BLOB_AXES or any(d < 0 for d in shape):
         raise FormatError('invalid blob shape %s' % (shape,))
-    if _prod(shape) > MAX_BLOB_COUNT:
-        raise FormatError('blob shape %s claims %d values, more than the %d allowed'
-                          % (shape, _prod(shape), MAX_BLOB_COUNT))
+    try:
+        check_count(shape, 'blob')
+    except CaffeplusError as exc:
+        raise FormatError(str(exc))
     return shape
 
 
