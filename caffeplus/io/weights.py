@@ -79,39 +79,74 @@ def write_hdf5(net, filename, write_diff=False):
                         g_diff.create_dataset(str(j), data=numpy.asarray(blob.diff, numpy.float32))
 
 
+# What h5py raises on a damaged file (bad signatures, truncated objects,
+# unreadable chunks): the HDF5 library's errors come out as these.
+_H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
+
+
+def _h5_read(filename, what, func):
+    try:
+        return func()
+    except _H5_ERRORS as exc:
+        raise FormatError('%s: cannot read %s: the HDF5 file is damaged or not what Caffe '
+                          'writes (%s: %s)' % (filename, what, type(exc).__name__, exc))
+
+
 def copy_from_hdf5(net, filename):
     h5py = _h5py()
     if not os.path.exists(filename):
         raise FormatError('weights file not found: %s' % filename)
     try:
         f = h5py.File(filename, 'r')
-    except OSError as exc:
+    except _H5_ERRORS as exc:
         raise FormatError('%s: not a readable HDF5 file (%s)' % (filename, exc))
     with f:
-        if 'data' not in f:
-            raise FormatError("%s: no 'data' group: not a Caffe HDF5 weights file" % filename)
-        data = f['data']
-        for layer_name in data:
-            if layer_name not in net._layer_names:
-                log.info('Ignoring source layer %s', layer_name)
-                continue
-            layer_id = net._layer_names.index(layer_name)
-            target = net.layers[layer_id].blobs
-            group = data[layer_name]
-            if len(group) > len(target):
-                raise NetError('%s: Incompatible number of blobs for layer %s'
-                               % (filename, layer_name))
-            for j, blob in enumerate(target):
-                key = str(j)
-                if key not in group:
-                    if net.param_owners[net.param_id_vecs[layer_id][j]] != -1:
-                        continue  # shared: the owner carries it
-                    raise NetError('%s: Incompatible number of blobs for layer %s'
-                                   % (filename, layer_name))
-                ds = group[key]
-                if tuple(ds.shape) != blob.shape:
-                    raise NetError("%s: Cannot copy param %d weights from layer '%s'; shape "
-                                   "mismatch.  Source param shape is %s; target param shape "
-                                   "is %s." % (filename, j, layer_name, shape_string(ds.shape),
-                                               blob.shape_string()))
-                blob.data = numpy.asarray(ds[...], dtype=numpy.float32)
+        _copy_from_hdf5_file(h5py, net, f, filename)
+
+
+def _copy_from_hdf5_file(h5py, net, f, filename):
+    if not _h5_read(filename, "the 'data' group", lambda: 'data' in f):
+        raise FormatError("%s: no 'data' group: not a Caffe HDF5 weights file" % filename)
+    data = _h5_read(filename, "the 'data' group", lambda: f['data'])
+    if not isinstance(data, h5py.Group):
+        raise FormatError("%s: 'data' is a dataset, not a group of layers: not a Caffe HDF5 "
+                          "weights file" % filename)
+    layer_names = _h5_read(filename, "the layer names in 'data'", lambda: list(data))
+    for layer_name in layer_names:
+        if layer_name not in net._layer_names:
+            log.info('Ignoring source layer %s', layer_name)
+            continue
+        where = 'data/%s' % layer_name
+        layer_id = net._layer_names.index(layer_name)
+        target = net.layers[layer_id].blobs
+        group = _h5_read(filename, where, lambda: data[layer_name])
+        if not isinstance(group, h5py.Group):
+            raise FormatError('%s: %s is a dataset, not a group of parameter blobs'
+                              % (filename, where))
+        num_source = _h5_read(filename, where, lambda: len(group))
+        if num_source > len(target):
+            raise NetError('%s: Incompatible number of blobs for layer %s (the net has %d, '
+                           'the file %d)' % (filename, layer_name, len(target), num_source))
+        for j, blob in enumerate(target):
+            key = str(j)
+            if not _h5_read(filename, where, lambda: key in group):
+                if net.param_owners[net.param_id_vecs[layer_id][j]] != -1:
+                    continue  # shared: the owner carries it
+                raise NetError('%s: Incompatible number of blobs for layer %s (no dataset '
+                               '%s/%s)' % (filename, layer_name, where, key))
+            ds = _h5_read(filename, '%s/%s' % (where, key), lambda: group[key])
+            if not isinstance(ds, h5py.Dataset):
+                raise FormatError('%s: %s/%s is a group, not a dataset' % (filename, where, key))
+            # Caffe reads float and integer datasets; anything else (strings,
+            # compound or variable-length types) is refused before reading
+            # (libhdf5 can loop forever on a damaged variable-length heap).
+            if ds.dtype.kind not in 'fiu':
+                raise FormatError('%s: dataset %s/%s has type %s; expected float (or integer) '
+                                  'values' % (filename, where, key, ds.dtype))
+            if tuple(ds.shape) != blob.shape:
+                raise NetError("%s: Cannot copy param %d weights from layer '%s'; shape "
+                               "mismatch.  Source param shape is %s; target param shape "
+                               "is %s." % (filename, j, layer_name, shape_string(ds.shape),
+                                           blob.shape_string()))
+            values = _h5_read(filename, '%s/%s' % (where, key), lambda: ds[...])
+            blob.data = numpy.asarray(values, dtype=numpy.float32)
