@@ -6,6 +6,7 @@ decision, outputs) and logs the same lines. Forward and backward run the
 layers in order; memory placement belongs to caffeplus.memory, not here.
 """
 import collections
+import contextlib
 import os
 
 import numpy
@@ -104,7 +105,8 @@ class Net:
                 raise NetError('layer %s: propagate_down must be given either 0 or bottom_size '
                                '(%d) times' % (lp.name, len(lp.bottom)))
             log.info('Creating layer %s', lp.name)
-            layer = create_layer(lp)
+            with _out_of_memory_as_error(lp, 'create'):
+                layer = create_layer(lp)
             self.layers.append(layer)
             self._layer_names.append(lp.name)
             log.info('Creating Layer %s', lp.name)
@@ -158,7 +160,8 @@ class Net:
             self.top_vecs.append(tops)
             self.top_id_vecs.append(top_ids)
 
-            layer.setup(bottoms, tops)
+            with _out_of_memory_as_error(lp, 'set up'):
+                layer.setup(bottoms, tops)
             log.info('Setting up %s', lp.name)
             for top_id, top in enumerate(tops):
                 while len(self._blob_loss_weights) <= top_ids[top_id]:
@@ -547,6 +550,18 @@ class Net:
 
     def __repr__(self):
         return '<Net %s: %d layers>' % (self.name, len(self.layers))
+
+
+@contextlib.contextmanager
+def _out_of_memory_as_error(lp, doing):
+    """A layer whose blobs do not fit in memory is the user's problem to
+    solve (a smaller batch, a typo in a shape): say so, not a traceback."""
+    try:
+        yield
+    except MemoryError as exc:
+        raise NetError('layer %s (%s): not enough memory to %s it (%s); check the shapes and '
+                       'sizes in its definition and the batch size'
+                       % (lp.name, lp.type, doing, exc or 'MemoryError'))
 
 
 def _abs_mean(arr):
