@@ -322,9 +322,11 @@ def child_main(rundir, rank):
     with open(os.path.join(rundir, 'job.pkl'), 'rb') as f:
         job = pickle.load(f)
     _watch_parent(job['parent'])
-    from caffeplus.parallel.trainer import RankTrainer, ignore_control_signals
+    from caffeplus.parallel.trainer import (RankTrainer, Terminated, exit_on_sigterm,
+                                            ignore_control_signals)
     from caffeplus.proto import caffe_pb2
     configure_rank_logging(rank)
+    exit_on_sigterm()
     world = job['world']
     device = job['devices'][rank]
     args = job['args']
@@ -350,6 +352,9 @@ def child_main(rundir, rank):
     except KeyboardInterrupt:
         _write_error(rundir, rank, 'interrupted', 'interrupted')
         return 130
+    except Terminated:
+        _write_error(rundir, rank, 'secondary', 'stopped by SIGTERM')
+        return 143
     except BaseException as exc:  # noqa: B902 - reported to the supervisor, then exit 1
         secondary = isinstance(exc, comm_mod.RankFailure)
         _write_error(rundir, rank, 'secondary' if secondary else 'primary', _error_text(exc))
@@ -392,7 +397,9 @@ def run_mpi(args, param, gpus):
     configure_rank_logging(rank)
     os.environ.update(CAFFEPLUS_RANK=str(rank), CAFFEPLUS_WORLD=str(world),
                       CAFFEPLUS_LOCAL_RANK=str(host.local_rank))
-    from caffeplus.parallel.trainer import RankTrainer, ignore_control_signals
+    from caffeplus.parallel.trainer import (RankTrainer, Terminated, exit_on_sigterm,
+                                            ignore_control_signals)
+    exit_on_sigterm()
     device = None
     comm = host
     try:
@@ -420,6 +427,9 @@ def run_mpi(args, param, gpus):
         sys.stderr.flush()
         host.abort(130)
         raise
+    except Terminated:       # mpirun is stopping the job (another rank failed)
+        sys.stderr.flush()
+        os._exit(143)
     except BaseException as exc:  # noqa: B902 - one rank's failure must stop the job
         if getattr(args, 'debug', False) or not isinstance(exc, CaffeplusError):
             traceback.print_exc()

@@ -288,6 +288,21 @@ class RankTrainer:
         return 0
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived (the supervisor or mpirun stops this rank): unwind so
+    that a snapshot being written is abandoned cleanly (no temporary file
+    left behind)."""
+
+
+def exit_on_sigterm():
+    def handler(signum, frame):
+        raise Terminated('stopped by SIGTERM')
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except (ValueError, AttributeError):  # not the main thread / no SIGTERM
+        pass
+
+
 def ignore_control_signals():
     """Non-root ranks leave SIGINT/SIGHUP to rank 0 (which decides for all)."""
     for name in ('SIGINT', 'SIGHUP'):
