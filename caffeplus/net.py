@@ -73,6 +73,10 @@ class Net:
     # -- construction --------------------------------------------------------
     def _init(self, in_param):
         self.phase = in_param.state.phase
+        # Callables hook(layer_id), run after each layer's backward (Caffe's
+        # Net::after_backward): caffeplus.parallel starts gradient all-reduces
+        # there, overlapped with the rest of backward.
+        self.on_layer_backward_done = []
         filtered = filter_net(in_param)
         log.info('Initializing net from parameters: \n%s', _text(filtered))
         param = insert_splits(filtered)
@@ -349,6 +353,8 @@ class Net:
                                         self.bottom_vecs[i])
                 if self.debug_info:
                     self._backward_debug_info(i)
+            for hook in self.on_layer_backward_done:   # every layer, as Caffe's
+                hook(i)
 
     def backward_all(self):
         self.backward_from_to(len(self.layers) - 1, 0)
