@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import types
 
 import numpy
@@ -594,6 +595,56 @@ def test_supervisor_names_the_failing_rank(tmp_path, monkeypatch):
         supervise(args, param, [None, None])
     msg = str(info.value)
     assert msg.startswith('rank 1 (CPU) failed: ') and 'boom on purpose' in msg, msg
+
+
+SUPERVISE = """
+import sys
+sys.path.insert(0, %r)
+from test_parallel import _parsed
+from caffeplus.parallel import supervise
+args, param = _parsed('.', sys.argv[1])
+sys.exit(supervise(args, param, [None, None]))
+"""
+
+
+def test_supervisor_passes_sighup_and_sigint_to_all_ranks(tmp_path):
+    import signal
+    import threading
+    import queue
+    need_data()
+    s = write_job(tmp_path, 'sig', batch=8, max_iter=100000)
+    (tmp_path / 'sup.py').write_text(SUPERVISE % os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, 'sup.py', s], cwd=str(tmp_path),
+                            env=sub_env(), stderr=subprocess.PIPE, text=True)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(l) for l in proc.stderr], daemon=True).start()
+    seen = []
+
+    def wait_for(text, timeout=60):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            seen.append(line)
+            if text in line:
+                return line
+        proc.kill()
+        raise AssertionError('no %r in:\n%s' % (text, ''.join(seen[-40:])))
+    try:
+        wait_for('Iteration 8 (')
+        proc.send_signal(signal.SIGHUP)
+        snap = wait_for('Snapshotting solver state to binary proto file out/sig_iter_')
+        proc.send_signal(signal.SIGINT)
+        wait_for('Optimization stopped early.')
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    state = snap.rsplit(' ', 1)[1].strip()
+    assert os.path.exists(tmp_path / (state + '.ranks.json'))
+    assert len(glob.glob(str(tmp_path / 'out' / '*.caffemodel'))) == 2   # SIGHUP, then stop
 
 
 # -- GPU ----------------------------------------------------------------------------------
