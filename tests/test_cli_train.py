@@ -63,6 +63,19 @@ REGEX_TEST_OUTPUT = re.compile(r'Test net output #(\d+): (\S+) = ([\.\deE+-]+)')
 REGEX_LEARNING_RATE = re.compile(r'lr = ([-+]?[0-9]*\.?[0-9]+([eE]?[-+]?[0-9]+)?)')
 
 
+
+@pytest.fixture(scope='module', autouse=True)
+def _single_blas_thread():
+    """One BLAS thread, as the stock-Caffe reference runs: on a busy 2-core
+    machine OpenBLAS's spinning threads make LeNet several times slower."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(limits=1, user_api='blas'):
+        yield
+
 class Capture(logging.Handler):
     def __init__(self):
         super().__init__()
