@@ -29,6 +29,7 @@ pycaffe's rules, which this module keeps:
 """
 import collections
 
+import numpy
 from google.protobuf import descriptor
 
 from caffeplus.errors import CaffeplusError
@@ -75,6 +76,8 @@ def assign_proto(proto, name, value):
     field = proto.DESCRIPTOR.fields_by_name.get(name)
     if field is None:
         raise NetSpecError("%s has no field '%s'" % (proto.DESCRIPTOR.name, name))
+    if isinstance(value, numpy.ndarray):
+        value = value.tolist()
     if _repeated(field) and not isinstance(value, (list, tuple)):
         value = [value]
     try:
