@@ -8,6 +8,14 @@ import os
 import tempfile
 
 
+def _umask_mode():
+    """0666 less the process umask: what open() would have given the file
+    (mkstemp creates 0600, which would hide snapshots from other users)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 @contextlib.contextmanager
 def atomic_write(path, mode='wb'):
     directory = os.path.dirname(os.path.abspath(path))
@@ -18,6 +26,7 @@ def atomic_write(path, mode='wb'):
             yield f
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -43,6 +52,7 @@ def atomic_path(path):
         yield tmp
         with open(tmp, 'rb+') as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
