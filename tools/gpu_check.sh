@@ -66,8 +66,8 @@ fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   stamp "benchmark (${BENCH_S}s)"
   timeout "$BENCH_S" python3 tools/bench_gpu.py --bench-dir .gpu_carry/bench \
-    --nets "${BENCH_NETS:-alexnet_b128,resnet50_b32}" --plans stock,arena --torch \
-    --tf32 "${BENCH_TF32:-both}" --iters "${BENCH_ITERS:-20}" --warmup 3 --timeout 200 \
+    --nets "${BENCH_NETS:-alexnet_b128,resnet50_b32}" --plans stock,arena,arena:timed --torch \
+    --tf32 "${BENCH_TF32:-both}" --iters "${BENCH_ITERS:-20}" --warmup 3 --timeout 120 \
     --json "$OUT/bench.json" --md "$OUT/gpu_results.md" > "$OUT/bench.log" 2>&1
   echo "rc=$?" >> "$OUT/bench.log"
   cat "$OUT/bench.log"
