@@ -270,6 +270,9 @@ def test_mpi_device_per_local_rank():
     assert mpi_devices([0, 1], '0,1', 1, 2, 2) == 1
     assert mpi_devices([0, 1, 2, 3], 'all', 2, 3, 4) == 2
     assert mpi_devices([], '', 0, 2, 0) is None
+    assert mpi_devices([1], '', 0, 1, 2) == 1
+    with pytest.raises(CaffeplusError, match="runs 2 ranks but the solver's device_id 0 names"):
+        mpi_devices([0], '', 0, 2, 2)
     with pytest.raises(CaffeplusError, match='this host runs 2 ranks but -gpu 0 names 1 device'):
         mpi_devices([0], '0', 1, 2, 2)
     with pytest.raises(CaffeplusError, match='this host runs 3 ranks but has 2 GPUs'):

@@ -43,7 +43,7 @@ from caffeplus.parallel import comm as comm_mod
 
 # How long ranks that finished wait for the others before they count as hung.
 FINISH_GRACE_S = 300.0
-TERMINATE_GRACE_S = 10.0
+TERMINATE_GRACE_S = 5.0
 
 
 # -- validation -------------------------------------------------------------------
@@ -359,10 +359,7 @@ def child_main(rundir, rank):
         secondary = isinstance(exc, comm_mod.RankFailure)
         _write_error(rundir, rank, 'secondary' if secondary else 'primary', _error_text(exc))
         if debug or not isinstance(exc, CaffeplusError):
-            traceback.print_exc()
-        elif not secondary:
-            print('caffeplus train: error: %s: %s' % (_describe(rank, device), exc),
-                  file=sys.stderr)
+            traceback.print_exc()       # the supervisor prints the one-line error
         sys.stderr.flush()
         if comm is not None:
             comm.abort()
@@ -371,23 +368,26 @@ def child_main(rundir, rank):
 
 # -- under an MPI launcher -----------------------------------------------------------
 def mpi_devices(gpus, spec, local_rank, local_size, count):
-    """The GPU of this MPI rank: its local rank's entry of the -gpu list."""
+    """The GPU of this MPI rank: its local rank's entry of the -gpu list
+    (spec is the -gpu flag as given; '' when the solver's device_id chose)."""
     if not gpus:
         return None
-    if spec.strip() == 'all':
+    spec = (spec or '').strip()
+    if spec == 'all':
         gpus = list(range(count))
-    validate_gpus(gpus, count, spec)
-    if spec.strip() == 'all':
+    what = '-gpu %s' % spec if spec else "the solver's device_id %d" % gpus[0]
+    validate_gpus(gpus, count, spec or str(gpus[0]))
+    if spec == 'all':
         if local_size > len(gpus):
             raise CaffeplusError('-gpu all: this host runs %d ranks but has %d GPU%s; start at '
                                  'most one rank per GPU' % (local_size, len(gpus),
                                                            '' if len(gpus) == 1 else 's'))
     elif local_size != len(gpus):
         raise CaffeplusError('under MPI every rank drives one GPU: this host runs %d rank%s '
-                             'but -gpu %s names %d device%s; start one rank per listed GPU '
-                             'on each host, or give -gpu all'
-                             % (local_size, '' if local_size == 1 else 's', spec or '(solver '
-                                'device_id)', len(gpus), '' if len(gpus) == 1 else 's'))
+                             'but %s names %d device%s; start one rank per listed GPU on '
+                             'each host, or give -gpu all'
+                             % (local_size, '' if local_size == 1 else 's', what, len(gpus),
+                                '' if len(gpus) == 1 else 's'))
     return gpus[local_rank]
 
 
@@ -404,8 +404,8 @@ def run_mpi(args, param, gpus):
     comm = host
     try:
         if gpus:
-            spec = getattr(args, 'gpu', '') or str(gpus[0])
-            device = mpi_devices(gpus, spec, host.local_rank, host.local_size, device_count())
+            device = mpi_devices(gpus, getattr(args, 'gpu', ''), host.local_rank,
+                                 host.local_size, device_count())
             comm_mod.import_nccl()
         where = host.gather_obj((socket.gethostname(), device))
         if rank == 0:
