@@ -21,7 +21,11 @@ Update rules (h, h2 history; g the gradient after regularization):
               t = iter + 1
 
 Everything is float32 and in place on preallocated buffers (NumPy on the
-CPU, CuPy on the GPU: the same code through the array module).
+CPU, CuPy on the GPU: the same code through the array module). Unlike
+Caffe, which keeps two scratch blobs (update_, temp_) per parameter, the
+scratch space here is one or two flat buffers the size of the largest
+parameter, shared by all parameters in turn: the solver's memory is its
+history plus that, not three times the parameters.
 """
 import math
 
@@ -40,6 +44,8 @@ class SGDSolver(Solver):
     type = 'SGD'
     # History blobs per learnable param (AdaDelta and Adam keep two).
     history_per_param = 1
+    # Shared scratch buffers the update rule needs (Nesterov, AdaDelta: two).
+    scratch_buffers = 1
 
     def check_param(self, param):
         lr_policy.check_policy(param)
@@ -51,11 +57,18 @@ class SGDSolver(Solver):
         params = self.net.learnable_params
         self.history = [Blob(p.shape, name='history_%d' % i)
                         for _ in range(self.history_per_param) for i, p in enumerate(params)]
-        self.update_buf = [Blob(p.shape, name='update_%d' % i) for i, p in enumerate(params)]
-        self.temp = [Blob(p.shape, name='temp_%d' % i) for i, p in enumerate(params)]
-        for blobs in (self.history, self.update_buf, self.temp):
-            for b in blobs:
-                b.data[...] = 0
+        for b in self.history:
+            b.data[...] = 0
+        largest = max([p.count for p in params] or [1])
+        # `temp` holds the shared scratch blobs (the memory tools count the
+        # solver's arrays in history, update_buf and temp).
+        self.temp = [Blob((largest,), name='solver_scratch_%d' % k)
+                     for k in range(self.scratch_buffers)]
+        self.update_buf = []
+
+    def scratch(self, k, like):
+        """Scratch buffer k as an array shaped like `like` (contents undefined)."""
+        return self.temp[k].data[:like.size].reshape(like.shape)
 
     def history_arrays(self):
         return [b.data for b in self.history]
@@ -82,7 +95,7 @@ class SGDSolver(Solver):
                 diff *= iter_norm
             local_decay = weight_decay * F32(net.params_weight_decay[i])
             if local_decay:
-                tmp = self.temp[i].data
+                tmp = self.scratch(0, data)
                 xp = backend.get_array_module(data)
                 if l1:
                     xp.sign(data, out=tmp)
@@ -115,7 +128,7 @@ class SGDSolver(Solver):
 
     def compute_update_value(self, i, g, local_rate):
         h = self.history[i].data
-        tmp = self.temp[i].data
+        tmp = self.scratch(0, g)
         xp = backend.get_array_module(g)
         h *= F32(self.param.momentum)
         xp.multiply(g, local_rate, out=tmp)
@@ -125,12 +138,13 @@ class SGDSolver(Solver):
 
 class NesterovSolver(SGDSolver):
     type = 'Nesterov'
+    scratch_buffers = 2
 
     def compute_update_value(self, i, g, local_rate):
         momentum = F32(self.param.momentum)
         h = self.history[i].data
-        old = self.update_buf[i].data
-        tmp = self.temp[i].data
+        old = self.scratch(1, g)
+        tmp = self.scratch(0, g)
         xp = backend.get_array_module(g)
         old[...] = h
         h *= momentum
@@ -152,7 +166,7 @@ class AdaGradSolver(SGDSolver):
 
     def compute_update_value(self, i, g, local_rate):
         h = self.history[i].data
-        tmp = self.update_buf[i].data
+        tmp = self.scratch(0, g)
         xp = backend.get_array_module(g)
         xp.multiply(g, g, out=tmp)
         h += tmp
@@ -176,7 +190,7 @@ class RMSPropSolver(SGDSolver):
     def compute_update_value(self, i, g, local_rate):
         decay = F32(self.param.rms_decay)
         h = self.history[i].data
-        tmp = self.update_buf[i].data
+        tmp = self.scratch(0, g)
         xp = backend.get_array_module(g)
         xp.multiply(g, g, out=tmp)
         tmp *= F32(1) - decay
@@ -191,6 +205,7 @@ class RMSPropSolver(SGDSolver):
 class AdaDeltaSolver(SGDSolver):
     type = 'AdaDelta'
     history_per_param = 2
+    scratch_buffers = 2
 
     def compute_update_value(self, i, g, local_rate):
         n = len(self.net.learnable_params)
@@ -199,8 +214,8 @@ class AdaDeltaSolver(SGDSolver):
         one_minus = F32(1) - momentum
         h_grad = self.history[i].data
         h_upd = self.history[n + i].data
-        upd = self.update_buf[i].data
-        tmp = self.temp[i].data
+        upd = self.scratch(1, g)
+        tmp = self.scratch(0, g)
         xp = backend.get_array_module(g)
         xp.multiply(g, g, out=upd)
         upd *= one_minus
@@ -231,7 +246,7 @@ class AdamSolver(SGDSolver):
                          (1.0 - math.pow(float(beta1), t)))
         m = self.history[i].data
         v = self.history[n + i].data
-        tmp = self.temp[i].data
+        tmp = self.scratch(0, g)
         xp = backend.get_array_module(g)
         m *= beta1
         xp.multiply(g, F32(1) - beta1, out=tmp)
