@@ -423,7 +423,8 @@ def _gradients(net, inputs, iter_size):
             net.blobs[name].data[...] = value
         net.forward_prefilled()
         net.backward_all()
-    return [numpy.array(p.diff) for p in net.learnable_params]
+    from caffeplus import backend
+    return [backend.to_numpy(p.diff).copy() for p in net.learnable_params]
 
 
 @pytest.mark.parametrize('iter_size,bucket_bytes', [(1, 4), (2, 4), (2, 64), (1, 1 << 20)])
@@ -460,7 +461,7 @@ def test_gradient_sync_buckets_start_after_gradients_are_final(iter_size, bucket
             assert comm.started == []       # nothing before the last pass
     started_in_backward = list(comm.started)
     sync.on_gradients_ready()
-    got = [numpy.array(q.diff) for q in net.learnable_params]
+    got = [numpy.asarray(q.diff) for q in net.learnable_params]
     for g, w in zip(got, want):
         numpy.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
     assert sum(comm.started) == sync.total
