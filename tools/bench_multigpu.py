@@ -76,8 +76,7 @@ def throughput(log_text, warmup):
     """(iter/s over the display windows that start at or after `warmup`, iterations counted)."""
     iters = seconds = 0.0
     for m in DISPLAY.finditer(log_text):
-        it, rate, secs, n = int(m.group(1)), float(m.group(2)), float(m.group(3)), \
-            int(m.group(4))
+        it, secs, n = int(m.group(1)), float(m.group(3)), int(m.group(4))
         if it - n < warmup or it == 0:
             continue
         iters += n

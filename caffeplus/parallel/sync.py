@@ -183,10 +183,14 @@ def broadcast_history(solver, comm, root=0):
 
 
 def params_checksum(net):
-    """SHA-256 of the learnable parameters' bytes, in order: equal on every
-    rank when the ranks hold identical weights."""
+    """SHA-256 of the trained parameters' bytes (lr_mult != 0), in order:
+    equal on every rank when the ranks hold identical weights. Statistics
+    that layers update in forward (BatchNorm's, lr_mult 0) follow each rank's
+    own data, as in Caffe, and are left out."""
     h = hashlib.sha256()
-    for p in net.learnable_params:
+    for p, lr in zip(net.learnable_params, net.params_lr):
+        if not lr:
+            continue
         h.update(numpy.ascontiguousarray(backend.to_numpy(p.data), dtype=numpy.float32)
                  .tobytes())
     return h.hexdigest()
