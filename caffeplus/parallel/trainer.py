@@ -134,11 +134,13 @@ class RankTrainer:
         return solver
 
     def _log_setup(self, layers):
+        net = self.solver.net
+        ids = [net.layers.index(layer) for _, layer in layers] or [0]
         batch = 0
-        for _, layer in layers:
-            tops = self.solver.net.top_vecs[self.solver.net.layers.index(layer)]
-            if tops:
-                batch = max(batch, tops[0].shape[0] if tops[0].shape else 0)
+        for i in ids:
+            tops = net.top_vecs[i] if i < len(net.top_vecs) else []
+            if tops and tops[0].shape:
+                batch = max(batch, tops[0].shape[0])
         if batch:
             log.info('Data-parallel training on %d ranks (%s): batch %d per rank, %d in all '
                      '(x iter_size %d)', self.world, self.comm.kind, batch,
