@@ -214,7 +214,10 @@ class Net:
         (caffeplus.blob.HostBlob) so that .data/.diff are host NumPy arrays
         kept in sync with the device, as Caffe's SyncedMemory does."""
         if backend.mode() == backend.GPU:
-            return collections.OrderedDict((k, HostBlob(b)) for k, b in self._blob_dict.items())
+            if getattr(self, '_host_blob_dict', None) is None:    # wrappers hold no state
+                self._host_blob_dict = collections.OrderedDict(
+                    (k, HostBlob(b)) for k, b in self._blob_dict.items())
+            return self._host_blob_dict
         return self._blob_dict
 
     def _append_param(self, layer_id, param_id):
