@@ -61,7 +61,8 @@ def device_count():
 
 
 def validate_gpus(gpus, count, spec=None):
-    """Check a -gpu list against a device count; return it as a list of ints."""
+    """Check a -gpu list (distinct, and below `count` unless count is None);
+    return it as a list of ints."""
     spec = spec if spec is not None else ','.join(str(g) for g in gpus)
     gpus = [int(g) for g in gpus]
     if not gpus:
@@ -74,6 +75,8 @@ def validate_gpus(gpus, count, spec=None):
     if dups:
         raise CaffeplusError('-gpu %s names GPU %s more than once; each rank needs a GPU of '
                              'its own' % (spec, ', '.join(str(g) for g in dups)))
+    if count is None:       # the device count is not known yet
+        return gpus
     have = 'no GPU' if count == 0 else '%d GPU%s (%s)' % (
         count, '' if count == 1 else 's', ', '.join(str(i) for i in range(count)))
     bad = [g for g in gpus if g < 0 or g >= count]
@@ -86,6 +89,7 @@ def validate_gpus(gpus, count, spec=None):
 def check_gpu_launch(gpus, spec=None, count=None):
     """Everything that can be checked before any rank starts: the devices
     exist and are distinct, and CuPy can load NCCL."""
+    validate_gpus(gpus, None, spec)     # duplicates first: no CUDA needed to see them
     if count is None:
         count = device_count()
     gpus = validate_gpus(gpus, count, spec)
