@@ -730,3 +730,96 @@ def test_chunked_cpu_paths_match(monkeypatch, kind, param, shape):
                        [b.diff.copy() for b in layer.blobs])
     for a, b in zip(*results):
         numpy.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+# =============================================================================
+# GPU (CuPy): the same code through xp gives Caffe's numbers
+# =============================================================================
+def _vision_cases():
+    import os
+    from conftest import REFERENCE
+    from reference_cases import case_names
+    layers_dir = os.path.join(REFERENCE, 'layers')
+    if not os.path.isdir(layers_dir):
+        return []
+    return [c for c in case_names(layers_dir)
+            if c.startswith(('conv', 'deconv', 'pool', 'spp', 'lrn', 'im2col', 'crop'))]
+
+
+VISION_CLASSES = {'Convolution': vision.ConvolutionLayer, 'Deconvolution': vision.DeconvolutionLayer,
+                  'Pooling': vision.PoolingLayer, 'SPP': vision.SPPLayer, 'LRN': vision.LRNLayer,
+                  'Im2col': vision.Im2colLayer, 'Crop': vision.CropLayer}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', _vision_cases())
+def test_reference_case_on_gpu(case):
+    """This module's generic code on CuPy arrays (the class itself, not the
+    cuDNN engine a GPU-mode net may choose) against stock Caffe's numbers."""
+    import os
+    from conftest import REFERENCE
+    from reference_cases import tolerances
+    from caffeplus import backend
+    from caffeplus.io.prototxt import read_net_param
+    layers_dir = os.path.join(REFERENCE, 'layers')
+    d = numpy.load(os.path.join(layers_dir, case + '.npz'))
+    param = read_net_param(os.path.join(layers_dir, case + '.prototxt'))
+    lp = [l for l in param.layer if l.name == str(d['layer_name'])][0]
+    lp.phase = caffe_pb2.TRAIN if str(d['phase']) == 'TRAIN' else caffe_pb2.TEST
+    out_tol, diff_tol = tolerances(str(d['layer_type']), case)
+    out_tol = (max(out_tol[0], 1e-4), max(out_tol[1], 1e-5))      # another device's float32
+    diff_tol = (max(diff_tol[0], 1e-4), max(diff_tol[1], 1e-4))
+    caffeplus.set_mode_gpu()
+    try:
+        layer = VISION_CLASSES[lp.type](lp)
+        nb = len(d['bottom_names'])
+        bottom = blobs_from(*[d['bottom_%d' % i] for i in range(nb)])
+        top = setup(layer, bottom, len(d['top_names']))
+        k = 0
+        while 'param_%d' % k in d:
+            layer.blobs[k].data = d['param_%d' % k]
+            k += 1
+        layer.forward(bottom, top)
+        assert backend.get_array_module(top[0].data).__name__ == 'cupy'
+        for k, t in enumerate(top):
+            numpy.testing.assert_allclose(backend.to_numpy(t.data), d['top_%d' % k],
+                                          rtol=out_tol[0], atol=out_tol[1])
+        if str(d['backward_mode']) == 'none':
+            return
+        for k, t in enumerate(top):
+            t.diff = d['top_diff_%d' % k]
+        for b in layer.blobs:
+            b.diff[...] = 0
+        with_diff = [int(x) for x in d['bottoms_with_diff']]
+        layer.backward(top, [i in with_diff for i in range(nb)], bottom)
+        for i in with_diff:
+            numpy.testing.assert_allclose(backend.to_numpy(bottom[i].diff), d['bottom_diff_%d' % i],
+                                          rtol=diff_tol[0], atol=diff_tol[1])
+        k = 0
+        while 'param_diff_%d' % k in d:
+            numpy.testing.assert_allclose(backend.to_numpy(layer.blobs[k].diff),
+                                          d['param_diff_%d' % k],
+                                          rtol=diff_tol[0], atol=diff_tol[1])
+            k += 1
+    finally:
+        caffeplus.set_mode_cpu()
+
+
+@pytest.mark.gpu
+def test_stochastic_pool_on_gpu():
+    from caffeplus import backend
+    x = numpy.random.default_rng(3).uniform(0, 1, (2, 3, 7, 6)).astype(numpy.float32)
+    caffeplus.set_mode_gpu()
+    try:
+        for phase in (caffe_pb2.TRAIN, caffe_pb2.TEST):
+            layer = make_layer('type: "Pooling" pooling_param { pool: STOCHASTIC kernel_size: 3 '
+                               'stride: 2 }', phase=phase)
+            bottom, top = run_forward(layer, x)
+            y = backend.to_numpy(top[0].data)
+            assert y.shape == (2, 3, 3, 3) and (y > 0).all() and (y <= 1).all()
+            top[0].diff[...] = 1
+            layer.backward(top, [True], bottom)
+            assert float(backend.to_numpy(bottom[0].diff).sum()) == \
+                (54 if phase == caffe_pb2.TRAIN else 0)
+    finally:
+        caffeplus.set_mode_cpu()
