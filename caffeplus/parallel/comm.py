@@ -238,10 +238,13 @@ _HELLO = struct.Struct('<ii')
 _MAGIC = 0x63616670   # 'cafp'
 
 
-def _send_all(sock, data):
-    sock.sendall(_HEADER.pack(len(data)))
-    if len(data):
-        sock.sendall(data)
+def _send_all(sock, data, peer='a peer rank'):
+    try:
+        sock.sendall(_HEADER.pack(len(data)))
+        if len(data):
+            sock.sendall(data)
+    except OSError as exc:   # BrokenPipeError, ConnectionResetError: the peer is gone
+        raise RankFailure('lost the connection to %s: %s' % (peer, exc))
 
 
 def _recv_exact(sock, view, peer):
@@ -369,9 +372,9 @@ class TCPComm(Communicator):
                 host += tmp       # in rank order: the same sum on every rank
             data = _bytes(host)
             for r in range(1, self.world):
-                _send_all(self.peers[r], data)
+                _send_all(self.peers[r], data, self._peer(r))
         else:
-            _send_all(self.peers[0], _bytes(host))
+            _send_all(self.peers[0], _bytes(host), self._peer(0))
             _recv_into(self.peers[0], host, self._peer(0))
         if back is not None:
             back()
@@ -384,14 +387,14 @@ class TCPComm(Communicator):
         _check_array(host, 'TCP broadcast')
         if root != 0:
             if self.rank == root:
-                _send_all(self.peers[0], _bytes(host))
+                _send_all(self.peers[0], _bytes(host), self._peer(0))
             elif self.rank == 0:
                 _recv_into(self.peers[root], host, self._peer(root))
         if self.rank == 0:
             data = _bytes(host)
             for r in range(1, self.world):
                 if r != root:
-                    _send_all(self.peers[r], data)
+                    _send_all(self.peers[r], data, self._peer(r))
         elif self.rank != root:
             _recv_into(self.peers[0], host, self._peer(0))
         if back is not None:
@@ -403,14 +406,14 @@ class TCPComm(Communicator):
             return obj
         if root != 0:
             if self.rank == root:
-                _send_all(self.peers[0], pickle.dumps(obj, protocol=4))
+                _send_all(self.peers[0], pickle.dumps(obj, protocol=4), self._peer(0))
             elif self.rank == 0:
                 obj = pickle.loads(_recv_msg(self.peers[root], self._peer(root)))
         if self.rank == 0:
             data = pickle.dumps(obj, protocol=4)
             for r in range(1, self.world):
                 if r != root:
-                    _send_all(self.peers[r], data)
+                    _send_all(self.peers[r], data, self._peer(r))
             return obj
         if self.rank == root:
             return obj
@@ -424,7 +427,7 @@ class TCPComm(Communicator):
             for r in range(1, self.world):
                 out.append(pickle.loads(_recv_msg(self.peers[r], self._peer(r))))
             return out
-        _send_all(self.peers[0], pickle.dumps(obj, protocol=4))
+        _send_all(self.peers[0], pickle.dumps(obj, protocol=4), self._peer(0))
         return None
 
     def barrier(self):
