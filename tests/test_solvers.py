@@ -269,8 +269,11 @@ def test_update_rule_matches_numpy_reference(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize('fused', [True, False], ids=['fused', 'generic'])
 @pytest.mark.parametrize('case', sorted(SOLVER_CASES))
-def test_update_rule_on_gpu(case):
+def test_update_rule_on_gpu(case, fused, monkeypatch):
+    from caffeplus.solver import sgd
+    monkeypatch.setattr(sgd.SGDSolver, 'use_fused_kernels', fused)
     caffeplus.set_mode_gpu(0)
     try:
         solver = run_and_compare(SOLVER_CASES[case])

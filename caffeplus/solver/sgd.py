@@ -21,7 +21,9 @@ Update rules (h, h2 history; g the gradient after regularization):
               t = iter + 1
 
 Everything is float32 and in place on preallocated buffers (NumPy on the
-CPU, CuPy on the GPU: the same code through the array module). Unlike
+CPU, CuPy on the GPU: the same code through the array module). On the GPU
+the built-in rules instead run as one CUDA kernel over all parameters
+(caffeplus.solver.gpu_kernels), data -= diff included. Unlike
 Caffe, which keeps two scratch blobs (update_, temp_) per parameter, the
 scratch space here is one or two flat buffers the size of the largest
 parameter, shared by all parameters in turn: the solver's memory is its
@@ -34,7 +36,7 @@ import numpy
 from caffeplus import backend, log
 from caffeplus.blob import Blob
 from caffeplus.errors import CaffeplusError
-from caffeplus.solver import lr_policy
+from caffeplus.solver import gpu_kernels, lr_policy
 from caffeplus.solver.solver import Solver
 
 F32 = numpy.float32
@@ -46,6 +48,9 @@ class SGDSolver(Solver):
     history_per_param = 1
     # Shared scratch buffers the update rule needs (Nesterov, AdaDelta: two).
     scratch_buffers = 1
+    # On the GPU, one kernel for all parameters (set False for the generic
+    # array-module path, which the CPU always takes).
+    use_fused_kernels = True
 
     def check_param(self, param):
         lr_policy.check_policy(param)
@@ -89,7 +94,16 @@ class SGDSolver(Solver):
         iter_norm = F32(1) / F32(p.iter_size) if p.iter_size > 1 else None
         weight_decay = F32(p.weight_decay)
         l1 = p.regularization_type == 'L1'
-        for i, param in enumerate(net.learnable_params):
+        params = net.learnable_params
+        # On the GPU the built-in rules run as one kernel over all parameters
+        # (data -= diff included); a subclass with its own
+        # compute_update_value takes the generic path.
+        if self.use_fused_kernels and type(self) in _FUSED and params and \
+                backend.get_array_module(params[0].diff) is not numpy:
+            self._fused_apply(rate, F32(1) if iter_norm is None else iter_norm, weight_decay, l1)
+            self.iter += 1
+            return
+        for i, param in enumerate(params):
             data, diff = param.data, param.diff
             if iter_norm is not None:
                 diff *= iter_norm
@@ -114,10 +128,17 @@ class SGDSolver(Solver):
             return
         params = self.net.learnable_params
         sumsq = F32(0)
+        on_device = None
         for param in params:
             g = param.diff.ravel()
             xp = backend.get_array_module(g)
-            sumsq += F32(float(xp.dot(g, g)))
+            if xp is numpy:
+                sumsq += F32(xp.dot(g, g))
+            else:  # sum on the device, one transfer at the end
+                d = xp.dot(g, g)
+                on_device = d if on_device is None else on_device + d
+        if on_device is not None:
+            sumsq += F32(float(on_device))
         l2norm = F32(numpy.sqrt(sumsq))
         if l2norm > clip:
             scale = F32(clip / l2norm)
@@ -125,6 +146,21 @@ class SGDSolver(Solver):
                      'factor %g', l2norm, clip, scale)
             for param in params:
                 param.diff[...] *= scale
+
+    def _fused_apply(self, rate, norm, weight_decay, l1):
+        net = self.net
+        n = len(net.learnable_params)
+        if getattr(self, '_multi', None) is None:
+            self._multi = gpu_kernels.MultiTensorUpdate()
+        h2 = self.history[n:2 * n] if self.history_per_param == 2 else None
+        self._multi.prepare(net.learnable_params, self.history[:n], h2,
+                            [float(x) for x in net.params_lr],
+                            [float(x) for x in net.params_weight_decay])
+        self._multi.run(self.type, rate, norm, weight_decay, l1, *self.fused_scalars())
+
+    def fused_scalars(self):
+        """The rule's constants for the GPU kernel (a, b, c, d)."""
+        return (F32(self.param.momentum),)
 
     def compute_update_value(self, i, g, local_rate):
         h = self.history[i].data
@@ -164,6 +200,9 @@ class AdaGradSolver(SGDSolver):
             raise CaffeplusError('Momentum cannot be used with AdaGrad (momentum is %g).'
                                  % param.momentum)
 
+    def fused_scalars(self):
+        return (F32(self.param.delta),)
+
     def compute_update_value(self, i, g, local_rate):
         h = self.history[i].data
         tmp = self.scratch(0, g)
@@ -187,6 +226,9 @@ class RMSPropSolver(SGDSolver):
         if not 0 <= param.rms_decay < 1:
             raise CaffeplusError('rms_decay must be in [0, 1) (got %g).' % param.rms_decay)
 
+    def fused_scalars(self):
+        return (F32(self.param.delta), F32(self.param.rms_decay))
+
     def compute_update_value(self, i, g, local_rate):
         decay = F32(self.param.rms_decay)
         h = self.history[i].data
@@ -206,6 +248,9 @@ class AdaDeltaSolver(SGDSolver):
     type = 'AdaDelta'
     history_per_param = 2
     scratch_buffers = 2
+
+    def fused_scalars(self):
+        return (F32(self.param.delta), F32(self.param.momentum))
 
     def compute_update_value(self, i, g, local_rate):
         n = len(self.net.learnable_params)
@@ -237,13 +282,22 @@ class AdamSolver(SGDSolver):
     type = 'Adam'
     history_per_param = 2
 
+    def correction(self):
+        """sqrt(1 - beta2^t) / (1 - beta1^t), t = iter + 1 (in double, as Caffe)."""
+        t = self.iter + 1
+        beta1 = float(F32(self.param.momentum))
+        beta2 = float(F32(self.param.momentum2))
+        return F32(math.sqrt(1.0 - math.pow(beta2, t)) / (1.0 - math.pow(beta1, t)))
+
+    def fused_scalars(self):
+        return (F32(self.param.delta), F32(self.param.momentum), F32(self.param.momentum2),
+                self.correction())
+
     def compute_update_value(self, i, g, local_rate):
         n = len(self.net.learnable_params)
         beta1 = F32(self.param.momentum)
         beta2 = F32(self.param.momentum2)
-        t = self.iter + 1
-        correction = F32(math.sqrt(1.0 - math.pow(float(beta2), t)) /
-                         (1.0 - math.pow(float(beta1), t)))
+        correction = self.correction()
         m = self.history[i].data
         v = self.history[n + i].data
         tmp = self.scratch(0, g)
@@ -263,3 +317,4 @@ class AdamSolver(SGDSolver):
 
 SOLVERS = {cls.type: cls for cls in (SGDSolver, NesterovSolver, AdaGradSolver, RMSPropSolver,
                                      AdaDeltaSolver, AdamSolver)}
+_FUSED = frozenset(SOLVERS.values())

@@ -1,0 +1,158 @@
+"""The solvers' update on the GPU: one kernel for all parameters.
+
+On the CPU each rule is a handful of in-place NumPy operations per
+parameter. On the GPU that would be several kernel launches per parameter
+(hundreds per iteration for a deep net, each costing more in Python than
+the arithmetic). Here one CUDA kernel walks every learnable parameter: for
+each element it normalizes the gradient (1/iter_size), adds the weight decay
+(L2, or L1 through sign(w)), applies the solver's rule (the formulas of
+caffeplus.solver.sgd, in float32), leaves the update value in the diff as
+Caffe does, and subtracts it from the data (Caffe's Net::Update).
+
+The kernel reads the parameters through tables of device pointers that are
+rebuilt whenever a parameter's storage changes (MultiTensorUpdate.prepare).
+"""
+import numpy
+
+KINDS = {'SGD': 0, 'Nesterov': 1, 'AdaGrad': 2, 'RMSProp': 3, 'AdaDelta': 4, 'Adam': 5}
+
+_SOURCE = r'''
+extern "C" __global__ void caffeplus_solver_update(
+    const unsigned long long* w_ptr, const unsigned long long* g_ptr,
+    const unsigned long long* h_ptr, const unsigned long long* h2_ptr,
+    const long long* offsets, const float* lr_mult, const float* decay_mult,
+    const int n_params, const long long total, const int kind,
+    const float rate, const float norm, const float weight_decay, const int l1,
+    const float a, const float b, const float c, const float d)
+{
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+         idx += stride) {
+        int lo = 0, hi = n_params;
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) >> 1;
+            if (offsets[mid] <= idx) lo = mid; else hi = mid;
+        }
+        const long long j = idx - offsets[lo];
+        float* w = reinterpret_cast<float*>(w_ptr[lo]) + j;
+        float* g = reinterpret_cast<float*>(g_ptr[lo]) + j;
+        float* h = reinterpret_cast<float*>(h_ptr[lo]) + j;
+        float* h2 = reinterpret_cast<float*>(h2_ptr[lo]) + j;
+        const float lr = rate * lr_mult[lo];
+        const float decay = weight_decay * decay_mult[lo];
+        const float wv = *w;
+        float gg = *g * norm;
+        if (decay != 0.0f) {
+            gg += decay * (l1 ? (float)((wv > 0.0f) - (wv < 0.0f)) : wv);
+        }
+        float hv = *h;
+        float upd = 0.0f;
+        switch (kind) {
+        case 0:  /* SGD: a = momentum */
+            hv = a * hv + lr * gg;
+            upd = hv;
+            break;
+        case 1: {  /* Nesterov: a = momentum */
+            const float old = hv;
+            hv = a * hv + lr * gg;
+            upd = (1.0f + a) * hv - a * old;
+            break;
+        }
+        case 2:  /* AdaGrad: a = delta */
+            hv += gg * gg;
+            upd = lr * (gg / (sqrtf(hv) + a));
+            break;
+        case 3:  /* RMSProp: a = delta, b = rms_decay */
+            hv = b * hv + (1.0f - b) * (gg * gg);
+            upd = lr * (gg / (sqrtf(hv) + a));
+            break;
+        case 4: {  /* AdaDelta: a = delta, b = momentum */
+            float h2v = *h2;
+            hv = b * hv + (1.0f - b) * (gg * gg);
+            const float u = gg * sqrtf((h2v + a) / (hv + a));
+            h2v = b * h2v + (1.0f - b) * (u * u);
+            *h2 = h2v;
+            upd = lr * u;
+            break;
+        }
+        case 5: {  /* Adam: a = delta, b = beta1, c = beta2, d = bias correction */
+            float v = *h2;
+            hv = b * hv + (1.0f - b) * gg;
+            v = c * v + (1.0f - c) * (gg * gg);
+            *h2 = v;
+            upd = (lr * d) * (hv / (sqrtf(v) + a));
+            break;
+        }
+        }
+        *h = hv;
+        *g = upd;
+        *w = wv - upd;
+    }
+}
+'''
+
+_kernel = {}
+
+
+def _get_kernel():
+    k = _kernel.get('k')
+    if k is None:
+        import cupy
+        k = cupy.RawKernel(_SOURCE, 'caffeplus_solver_update')
+        _kernel['k'] = k
+    return k
+
+
+class MultiTensorUpdate:
+    """Pointer tables for one solver's parameters and history, on the GPU."""
+
+    def __init__(self):
+        self.key = None
+
+    def prepare(self, params, history1, history2, lr_mult, decay_mult):
+        """(Re)build the tables if any array moved; params etc. are lists of
+        CuPy arrays (history2 None for one-history solvers)."""
+        if self._key(params, history1, history2, lr_mult, decay_mult) == self.key:
+            return
+        import cupy
+        w = [p.data for p in params]
+        g = [p.diff for p in params]
+        h = [b.data for b in history1]
+        h2 = [b.data for b in history2] if history2 else h
+        for a in w + g + h + h2:
+            if not a.flags.c_contiguous:
+                raise ValueError('solver update: a parameter array is not contiguous')
+        ptr = lambda arrs: cupy.asarray(numpy.array([a.data.ptr for a in arrs],  # noqa: E731
+                                                    dtype=numpy.uint64))
+        sizes = [a.size for a in w]
+        offsets = numpy.zeros(len(sizes) + 1, dtype=numpy.int64)
+        numpy.cumsum(sizes, out=offsets[1:])
+        self.tables = (ptr(w), ptr(g), ptr(h), ptr(h2), cupy.asarray(offsets),
+                       cupy.asarray(numpy.asarray(lr_mult, dtype=numpy.float32)),
+                       cupy.asarray(numpy.asarray(decay_mult, dtype=numpy.float32)))
+        self.n_params = numpy.int32(len(sizes))
+        self.total = numpy.int64(offsets[-1])
+        # keep the arrays alive as long as the tables point at them
+        self.alive = (w, g, h, h2)
+        self.key = self._key(params, history1, history2, lr_mult, decay_mult)
+
+    @staticmethod
+    def _key(params, history1, history2, lr_mult, decay_mult):
+        """What the tables depend on, without making array views."""
+        return (tuple(id(p.data_storage.array) for p in params),
+                tuple(id(p.diff_storage.array) for p in params),
+                tuple(id(b.data_storage.array) for b in history1),
+                tuple(id(b.data_storage.array) for b in history2 or ()),
+                tuple(lr_mult), tuple(decay_mult))
+
+    def run(self, kind, rate, norm, weight_decay, l1, a=0.0, b=0.0, c=0.0, d=0.0):
+        total = int(self.total)
+        if total == 0:
+            return
+        threads = 256
+        blocks = min((total + threads - 1) // threads, 8192)
+        f = numpy.float32
+        _get_kernel()((blocks,), (threads,),
+                      self.tables + (self.n_params, self.total, numpy.int32(KINDS[kind]),
+                                     f(rate), f(norm), f(weight_decay), numpy.int32(bool(l1)),
+                                     f(a), f(b), f(c), f(d)))
