@@ -177,7 +177,7 @@ class Blob:
 
     def canonical_axis_index(self, axis):
         n = self.num_axes
-        if not -n <= axis < max(n, 1):
+        if not -n <= axis < n:
             raise CaffeplusError('axis %d out of range for %d-D blob %s with shape %s'
                                  % (axis, n, self.name, self.shape_string()))
         return axis + n if axis < 0 else axis
