@@ -48,9 +48,11 @@ class Net:
 
         Net(prototxt, phase)             Net(prototxt, weights, phase)
         Net(prototxt, phase, weights=w, level=0, stages=[...])
+        Net(prototxt, phase, memory='shared', keep=['conv1'])   # a memory plan
     """
 
-    def __init__(self, network, *args, phase=None, level=None, stages=None, weights=None):
+    def __init__(self, network, *args, phase=None, level=None, stages=None, weights=None,
+                 memory=None, keep=None):
         args = list(args)
         if args and isinstance(args[0], (str, os.PathLike)):
             weights = args.pop(0)
@@ -69,6 +71,10 @@ class Net:
         self._init(param)
         if weights is not None:
             self.copy_from(weights)
+        if memory is not None or keep:
+            # A memory plan (caffeplus.memory.apply): stock, arena, shared, offload, auto.
+            from caffeplus.memory.apply import apply_named_plan
+            apply_named_plan(self, memory or 'stock', keep=keep or ())
 
     # -- construction --------------------------------------------------------
     def _init(self, in_param):
@@ -77,6 +83,12 @@ class Net:
         # Net::after_backward): caffeplus.parallel starts gradient all-reduces
         # there, overlapped with the rest of backward.
         self.on_layer_backward_done = []
+        # Callables hook(layer_id) before/after each layer's forward and before
+        # each layer's backward (caffeplus.memory.offload_runtime's copies), and
+        # the memory plan applied to the net (caffeplus.memory.apply), if any.
+        self.before_layer_forward, self.after_layer_forward = [], []
+        self.before_layer_backward = []
+        self.applied_plan = None
         filtered = filter_net(in_param)
         log.info('Initializing net from parameters: \n%s', _text(filtered))
         param = insert_splits(filtered)
@@ -334,8 +346,13 @@ class Net:
             raise CaffeplusError("net %s has no layer named '%s'" % (self.name, name))
 
     def forward_from_to(self, start, end):
+        plan = self.applied_plan    # memory plan: clears release marks, re-places on growth
+        if plan is not None:
+            plan.before_forward(start, end)
         loss = 0.0
         for i in range(start, end + 1):
+            for hook in self.before_layer_forward:
+                hook(i)
             # Caffe's Layer::Forward reshapes first, so an input reshaped from
             # Python (pycaffe's blob.reshape, then forward) flows through, and
             # Python layers that load data in reshape() get called each pass.
@@ -343,6 +360,10 @@ class Net:
             loss += self.layers[i].forward(self.bottom_vecs[i], self.top_vecs[i])
             if self.debug_info:
                 self._forward_debug_info(i)
+            for hook in self.after_layer_forward:
+                hook(i)
+        if plan is not None:        # marks blobs whose memory the plan reuses
+            plan.after_forward(start, end)
         return loss
 
     def forward_prefilled(self):
@@ -350,7 +371,12 @@ class Net:
         return self.forward_from_to(0, len(self.layers) - 1)
 
     def backward_from_to(self, start, end):
+        plan = self.applied_plan    # memory plan: clears release marks
+        if plan is not None:
+            plan.before_backward(start, end)
         for i in range(start, end - 1, -1):
+            for hook in self.before_layer_backward:
+                hook(i)
             if self.layer_need_backward[i]:
                 self.layers[i].backward(self.top_vecs[i], self.bottom_need_backward[i],
                                         self.bottom_vecs[i])
@@ -358,6 +384,8 @@ class Net:
                     self._backward_debug_info(i)
             for hook in self.on_layer_backward_done:   # every layer, as Caffe's
                 hook(i)
+        if plan is not None:        # marks blobs whose memory the plan reuses
+            plan.after_backward(start, end)
 
     def backward_all(self):
         self.backward_from_to(len(self.layers) - 1, 0)
@@ -377,6 +405,8 @@ class Net:
     def reshape(self):
         for i, layer in enumerate(self.layers):
             layer.reshape(self.bottom_vecs[i], self.top_vecs[i])
+        if self.applied_plan is not None:   # the memory plan follows the new sizes
+            self.applied_plan.reshaped()
 
     def clear_param_diffs(self):
         for p in self.learnable_params:

@@ -38,15 +38,21 @@ def buffers(net, keep=(), training=True):
     end_of_iteration = 2 * L if training else L
     keep = set(keep) | set(net.outputs) | set(net.inputs) | written_once(net)
     intervals = {}      # (kind, id(storage)) -> [start, end, set(blob names), nbytes]
+    first_read = {}     # (kind, id(storage)) -> whether its earliest touch reads it
 
-    def touch(kind, blob, name, step):
+    def touch(kind, blob, name, step, read=False):
         storage = blob.data_storage if kind == 'data' else blob.diff_storage
         key = (kind, id(storage))
         nbytes = blob.count * FLOAT_BYTES
         entry = intervals.get(key)
         if entry is None:
             intervals[key] = [step, step, {name}, nbytes]
+            first_read[key] = read
         else:
+            if step < entry[0]:
+                first_read[key] = read
+            elif step == entry[0]:
+                first_read[key] = first_read[key] or read
             entry[0] = min(entry[0], step)
             entry[1] = max(entry[1], step)
             entry[2].add(name)
@@ -76,7 +82,7 @@ def buffers(net, keep=(), training=True):
             continue
         # Backward reads the top diffs and writes the bottom diffs it propagates to.
         for blob, blob_id in zip(net.top_vecs[i], net.top_id_vecs[i]):
-            touch('diff', blob, names[blob_id], bwd(i))
+            touch('diff', blob, names[blob_id], bwd(i), read=True)
         for blob, blob_id, prop in zip(net.bottom_vecs[i], net.bottom_id_vecs[i],
                                        net.bottom_need_backward[i]):
             if prop:
@@ -88,8 +94,12 @@ def buffers(net, keep=(), training=True):
             continue
         if kind == 'data' and blob_names & keep:
             start, end = min(start, 0), end_of_iteration
-        if kind == 'diff' and blob_names & keep and any(n in net.inputs for n in blob_names):
-            end = end_of_iteration
+        if kind == 'diff' and (blob_names & keep or first_read[(kind, storage_id)]):
+            # Kept blobs' diffs stay readable; a diff that backward reads
+            # before any layer writes it (a Split top no backward layer
+            # consumes, an output's diff set by the user) must keep its
+            # value (zeros, as stock) across iterations.
+            start, end = min(start, 0), end_of_iteration
         out.append(Buffer((kind, tuple(sorted(blob_names))), kind, tuple(sorted(blob_names)),
                           nbytes, start, end))
     out.sort(key=lambda b: (b.start, b.key))

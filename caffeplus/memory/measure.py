@@ -237,19 +237,24 @@ def _solver(net_param, solver_type, iterations):
 
 def run_iteration(net, solver, after_step=None):
     """One training iteration, step by step: forward of every layer, backward
-    of every layer (the 2L steps of caffeplus.memory.liveness), the update."""
+    of every layer (the 2L steps of caffeplus.memory.liveness), the update.
+    It runs through the net's passes, so that an applied plan's hooks run
+    (caffeplus.memory.apply: offload copies, release marks); `after_step(t)`
+    follows each step as a per-layer hook."""
     L = len(net.layers)
     net.clear_param_diffs()
-    for i, layer in enumerate(net.layers):
-        layer.forward(net.bottom_vecs[i], net.top_vecs[i])
-        if after_step:
-            after_step(i)
-    for i in range(L - 1, -1, -1):
-        if net.layer_need_backward[i]:
-            net.layers[i].backward(net.top_vecs[i], net.bottom_need_backward[i],
-                                   net.bottom_vecs[i])
-        if after_step:
-            after_step(2 * L - 1 - i)
+    hooks = []
+    if after_step:
+        hooks = [(net.after_layer_forward, after_step),
+                 (net.on_layer_backward_done, lambda i: after_step(2 * L - 1 - i))]
+        for where, hook in hooks:
+            where.append(hook)
+    try:
+        net.forward_from_to(0, L - 1)
+        net.backward_from_to(L - 1, 0)
+    finally:
+        for where, hook in hooks:
+            where.remove(hook)
     solver.apply_update()
     if after_step:
         after_step(2 * L)

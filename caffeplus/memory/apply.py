@@ -1,0 +1,603 @@
+"""Apply a memory plan to a built net: one arena, every planned buffer a view.
+
+    from caffeplus.memory.apply import apply_named_plan
+    apply_named_plan(net, 'shared', keep=['conv1'])        # or caffe.Net(..., memory='shared')
+
+What applying does. `caffeplus.memory.plan.make_plan` says, for every data
+and diff Storage of the net's activations, when it is live (its interval
+over the 2L forward/backward steps) and, for the reusing plans, which ones
+may share bytes. `apply_plan` allocates one arena (NumPy on the CPU, CuPy in
+GPU mode) and points every planned Storage's `array` at its view; blobs that
+share a Storage (in-place tops, Split outputs, Reshape) follow by themselves.
+What must outlive an iteration keeps its own memory, outside the arena:
+parameters and their diffs (never planned), and every buffer live for the
+whole iteration (loss-weight diffs, inputs, net outputs, kept blobs, diffs a
+backward reads before anything writes them, DummyData's constant tops). The
+remaining buffers are placed again (best fit, caffeplus.memory.placement)
+without those, so the arena is at most plan.arena_bytes.
+
+Plans: `stock` and `arena` place nothing (every blob its own memory, as
+Caffe); `shared` reuses dead buffers; `offload` also moves chosen feature
+maps to pinned host memory between their forward and backward use
+(caffeplus.memory.offload_runtime); `auto` is whichever of these
+caffeplus.memory.budget picks for a budget. On the GPU the plan also sets
+the cuDNN workspace (caffeplus.memory.workspace: `stock` one buffer per
+layer, the others one arena, within `workspace_limit`).
+
+Release tracking. Net.forward_from_to / backward_from_to call the applied
+plan before and after they run (Net.applied_plan). Before: every release
+mark is cleared, so layers touch their blobs freely during the pass (they
+may, for shapes; they only read values their `backward_reads` declare), and
+the plan is placed again if a blob outgrew its view (a reshape; Net.reshape
+re-applies at once). After: a pass that stopped after step t marks every
+planned Storage not live at t (Storage.released_reason); reading it through
+blob.data/.diff (or pycaffe's net.blobs) then raises a CaffeplusError naming
+the blob and how to keep it, never stale numbers. A pass that starts in the
+middle (forward(start=...)) first checks that what it reads from before its
+start is still there.
+"""
+import weakref
+
+import numpy
+
+from caffeplus import backend, log
+from caffeplus.blob import HEAD_DEVICE, HEAD_HOST
+from caffeplus.errors import CaffeplusError
+from caffeplus.memory import liveness, placement
+from caffeplus.memory.plan import PLANS, check_plan_name, make_plan
+
+FLOAT_BYTES = liveness.FLOAT_BYTES
+PLACING = ('shared', 'offload', 'auto')      # plans that place buffers in an arena
+KEEP_HINT = ('add it to `keep` (caffe.Net(..., keep=[...]) / caffeplus_param { keep: ... }) '
+             'to read it')
+
+__all__ = ['apply_plan', 'apply_named_plan', 'apply_solver_plans', 'remove_plan', 'check_keep',
+           'AppliedPlan', 'PLANS']
+
+
+# -- names and options ---------------------------------------------------------------
+def check_keep(net, keep, what='keep'):
+    """The `keep` names as a list; CaffeplusError for a name that is no blob of `net`."""
+    if isinstance(keep, str):
+        keep = [k for k in keep.split(',')]
+    keep = [k.strip() for k in (keep or ()) if k and k.strip()]
+    known = set(net._blob_names)
+    missing = [k for k in keep if k not in known]
+    if missing:
+        raise CaffeplusError(
+            "%s: net %s has no blob named %s (its blobs: %s)"
+            % (what, net.name or '(unnamed)', ', '.join("'%s'" % m for m in missing),
+               ', '.join(net._blob_names)))
+    return keep
+
+
+def _net_keep(net):
+    """The keep list written in the net's own prototxt (caffeplus_param { keep })."""
+    param = getattr(net, 'net_param', None)
+    if param is None or not param.HasField('caffeplus_param'):
+        return []
+    return list(param.caffeplus_param.keep)
+
+
+def _offload_policy(values):
+    """caffeplus_param.offload (repeated string) -> 'conv' | 'all' | [names]."""
+    values = [v.strip() for v in values if v and v.strip()]
+    if not values:
+        return 'conv'
+    if len(values) == 1 and values[0] in ('conv', 'all'):
+        return values[0]
+    names = []
+    for v in values:
+        names.extend(n.strip() for n in v.split(',') if n.strip())
+    return names
+
+
+def _training_default(net):
+    from caffeplus.proto import caffe_pb2
+    return net.phase == caffe_pb2.TRAIN or bool(getattr(net.net_param, 'force_backward', False))
+
+
+# -- the applied plan -----------------------------------------------------------------
+ANY = 'any'
+
+
+def storage_uses(net, training=True):
+    """{id(storage): set of steps} at which a pass reads or writes it (the
+    touches caffeplus.memory.liveness derives intervals from)."""
+    L = len(net.layers)
+    uses = {}
+
+    def touch(storage, step):
+        uses.setdefault(id(storage), set()).add(step)
+
+    for i, layer in enumerate(net.layers):
+        reads = layer.backward_reads
+        back = training and net.layer_need_backward[i]
+        b = 2 * L - 1 - i
+        for blob in net.bottom_vecs[i]:
+            touch(blob.data_storage, i)
+            if back and 'bottom_data' in reads:
+                touch(blob.data_storage, b)
+        for blob in net.top_vecs[i]:
+            touch(blob.data_storage, i)
+            if back and 'top_data' in reads:
+                touch(blob.data_storage, b)
+        if back:
+            for blob in net.top_vecs[i]:
+                touch(blob.diff_storage, b)
+            for blob, prop in zip(net.bottom_vecs[i], net.bottom_need_backward[i]):
+                if prop:
+                    touch(blob.diff_storage, b)
+    return uses
+
+
+class _Life:
+    """One device life of a planned Storage: steps start..end, a view at offset."""
+    __slots__ = ('buf', 'start', 'end', 'offset', 'view')
+
+    def __init__(self, buf):
+        self.buf, self.start, self.end = buf, buf.start, buf.end
+        self.offset = None
+        self.view = None
+
+
+class _Entry:
+    """A planned Storage: its blobs, its lives, whether it stays outside the arena."""
+    __slots__ = ('storage', 'kind', 'names', 'blobs', 'lives', 'persistent', 'offloaded',
+                 'reasons', 'uses', 'valid', 'stale')
+
+    def __init__(self, storage, kind, names, blobs):
+        self.storage, self.kind, self.names, self.blobs = storage, kind, names, blobs
+        self.lives = []
+        self.persistent = False
+        self.offloaded = False
+        self.reasons = {}
+        self.uses = ()
+        # The life whose values the storage holds now: ANY right after the
+        # plan is applied (nothing computed yet, as stock), None: released.
+        self.valid = ANY
+        self.stale = None
+
+    def live_at(self, t):
+        for life in self.lives:
+            if life.start <= t <= life.end:
+                return life
+        return None
+
+    def capacity(self):
+        return min(life.view.size for life in self.lives if life.view is not None)
+
+    def needed(self):
+        return max(b.count for b in self.blobs)
+
+    @property
+    def name(self):
+        return self.names[0]
+
+
+class AppliedPlan:
+    """What apply_plan leaves on the net (net.applied_plan): the arena, the
+    planned storages and the release bookkeeping; the offload runtime when
+    the plan moves feature maps to the host."""
+
+    def __init__(self, net, plan, options):
+        self._net = weakref.ref(net)
+        self.options = dict(options)
+        self.plan = None
+        self.name = plan.name
+        self.arena = None
+        self.arena_bytes = 0
+        self.entries = []
+        self.runtime = None
+        self.pause = None           # the step after which the last pass stopped
+        self.replans = 0
+        self._build(plan)
+
+    @property
+    def net(self):
+        return self._net()
+
+    @property
+    def training(self):
+        return self.options.get('training', True)
+
+    # -- layout ---------------------------------------------------------------------
+    def _build(self, plan):
+        net = self.net
+        self.plan = plan
+        L = len(net.layers)
+        self.L = L
+        self.steps = plan.steps or (2 * L if self.training else L)
+        xp = backend.xp()
+        self.xp = xp
+        blobs = dict(zip(net._blob_names, net._blobs))
+        params = {id(p.data_storage) for p in net.param_blobs} | \
+            {id(p.diff_storage) for p in net.param_blobs}
+        by_storage = {}
+        offloaded = set(plan.offloaded)
+        for buf in plan.buffers:
+            blob = blobs[buf.blobs[0]]
+            storage = blob.data_storage if buf.kind == 'data' else blob.diff_storage
+            if id(storage) in params:
+                continue        # a Parameter layer's top: the parameter stays where it is
+            entry = by_storage.get(id(storage))
+            if entry is None:
+                entry = by_storage[id(storage)] = _Entry(
+                    storage, buf.kind, tuple(buf.blobs), [blobs[n] for n in buf.blobs])
+            entry.lives.append(_Life(buf))
+            if buf.key[:2] in offloaded or buf.key in offloaded:
+                entry.offloaded = True
+        entries = list(by_storage.values())
+        uses = storage_uses(net, self.training)
+        for e in entries:
+            e.uses = tuple(sorted(uses.get(id(e.storage), ())))
+            e.lives.sort(key=lambda life: life.start)
+            e.persistent = len(e.lives) == 1 and e.lives[0].start <= 0 and \
+                e.lives[0].end >= self.steps
+        if any(e.offloaded for e in entries):
+            self._set_lookahead(entries, self.options.get('lookahead_steps') or {})
+        placed = [life for e in entries if not e.persistent for life in e.lives]
+        bufs = [liveness.Buffer(('life', i), 'x', (), life.buf.nbytes, life.start, life.end)
+                for i, life in enumerate(placed)]
+        offsets, arena_bytes = placement.place(bufs)
+        self.arena_bytes = arena_bytes
+        self.arena = xp.zeros(max(arena_bytes // FLOAT_BYTES, 1), dtype=numpy.float32)
+        for b, life in zip(bufs, placed):
+            life.offset = offsets[b.key]
+            lo = life.offset // FLOAT_BYTES
+            life.view = self.arena[lo:lo + life.buf.nbytes // FLOAT_BYTES]
+        for e in entries:
+            if e.persistent:
+                continue
+            st = e.storage
+            st.array = e.lives[0].view
+            st.released_reason = None
+            # A host mirror (pycaffe in GPU mode) describes the old array.
+            st.host = None
+            if st.head == HEAD_HOST:
+                st.head = HEAD_DEVICE
+        self.entries = [e for e in entries if not e.persistent]
+        self.persistent = [e for e in entries if e.persistent]
+        self._reasons()
+        if any(e.offloaded for e in self.entries):
+            from caffeplus.memory import offload_runtime
+            self.runtime = offload_runtime.OffloadRuntime(self, **self.options.get('runtime', {}))
+        self.pause = None
+
+    def _set_lookahead(self, entries, lookahead_steps):
+        """Offloaded storages: their backward life starts `lookahead` steps
+        before the first backward use (per storage when calibrated)."""
+        from caffeplus.memory import offload
+        net = self.net
+        default = self.options.get('lookahead') or 1
+        if not isinstance(default, int):
+            default = 1
+        for e in entries:
+            if not e.offloaded or len(e.lives) != 2:
+                e.offloaded = False
+                continue
+            fwd, bwd = offload._uses(net, e.lives[0].buf)
+            last_fwd, first_back = e.lives[0].end, min(bwd)
+            k = int(lookahead_steps.get(e.names, default))
+            e.lives[1].start = max(first_back - max(k, 1), last_fwd + 1)
+
+    def _reasons(self):
+        net = self.net
+        L = self.L
+
+        def where(step):
+            if step < L:
+                return 'forward', net._layer_names[step]
+            return 'backward', net._layer_names[2 * L - 1 - step]
+
+        for e in self.entries:
+            first, last = e.lives[0], e.lives[-1]
+            phase, layer = where(min(last.end, 2 * L - 1))
+            e.reasons['after'] = (
+                "released by memory plan '%s' after its last use in %s (layer %s); %s"
+                % (self.name, phase, layer, KEEP_HINT))
+            phase, layer = where(max(first.start, 0))
+            e.reasons['before'] = (
+                "not written yet at this point of the iteration: memory plan '%s' lends its "
+                "memory to other blobs until %s of layer %s; %s"
+                % (self.name, phase, layer, KEEP_HINT))
+            if len(e.lives) > 1:
+                e.reasons['between'] = (
+                    "offloaded to host memory by memory plan '%s' between its last forward use "
+                    "(layer %s) and its return for backward (layer %s); %s"
+                    % (self.name, where(first.end)[1], where(e.lives[1].start)[1], KEEP_HINT))
+
+    def _reason_at(self, e, t):
+        if t < e.lives[0].start:
+            return e.reasons['before']
+        if t > e.lives[-1].end:
+            return e.reasons['after']
+        return e.reasons.get('between', e.reasons['after'])
+
+    def detach(self, copy=True):
+        """Forget the plan: every arena storage gets its own copy of its
+        view (`copy`), or no array (allocated again when first touched)."""
+        if self.runtime is not None:
+            self.runtime.close()
+            self.runtime = None
+        for e in self.entries:
+            st = e.storage
+            st.released_reason = None
+            arr = st.array
+            if arr is not None and any(arr is life.view for life in e.lives):
+                st.array = arr.copy() if copy else None
+        self.entries = []
+        self.arena = None
+
+    def relayout(self, lookahead_steps=None, replan=False, preserve=False):
+        """Place the buffers again (new shapes, a new offload look-ahead).
+        `preserve`: storages holding values keep them (copied over); else
+        the new arena starts as a fresh plan's (nothing computed yet)."""
+        if lookahead_steps is not None:
+            self.options['lookahead_steps'] = dict(lookahead_steps)
+        plan = self.plan
+        if replan:
+            plan = self.options['make_plan'](self.net)
+        kept = {}
+        if preserve:
+            for e in self.entries:
+                if e.valid is not None and e.storage.array is not None:
+                    index = None if e.valid is ANY else e.lives.index(e.valid)
+                    kept[id(e.storage)] = (e.storage.array, index)
+        runtime_state = self.runtime.state_for_relayout() if self.runtime is not None else None
+        if self.runtime is not None:
+            self.runtime.close()
+            self.runtime = None
+        for e in self.entries:
+            e.storage.released_reason = None
+        self.arena = None
+        self._build(plan)
+        for e in self.entries:
+            old = kept.get(id(e.storage))
+            if old is None:
+                continue
+            array, index = old
+            life = e.lives[min(index or 0, len(e.lives) - 1)]
+            n = min(array.size, life.view.size)
+            life.view[:n] = array[:n]
+            e.storage.array = life.view
+            e.valid = ANY if index is None else life
+        if runtime_state is not None and self.runtime is not None:
+            self.runtime.restore_after_relayout(runtime_state)
+        self.replans += 1
+
+    def _outgrown(self):
+        if backend.xp() is not self.xp:
+            return True
+        for e in self.entries:
+            if e.needed() > e.capacity():
+                return True
+        return False
+
+    # -- the net's hooks ----------------------------------------------------------
+    def _unmark(self, first_step):
+        """Clear the release marks before a pass that starts at `first_step`;
+        a host mirror newer than the device (pycaffe wrote it) goes to the
+        device now if the storage is live there, else it is dropped: later it
+        could land on bytes another buffer owns."""
+        for e in self.entries:
+            st = e.storage
+            st.released_reason = None
+            if st.head == HEAD_HOST:
+                if e.live_at(first_step) is not None and st.array is not None:
+                    st._push_host()
+                else:
+                    st.host = None
+                    st.head = HEAD_DEVICE
+
+    def _check_start(self, s0, t, what):
+        """A pass over steps s0..t reads, before writing them, the storages
+        written before s0 that it uses: they must hold their values still."""
+        if s0 <= 0:
+            return
+        bad = []
+        for e in self.entries:
+            life = e.live_at(s0)
+            if life is None or life.start >= s0 or not any(s0 <= u <= t for u in e.uses):
+                continue
+            if e.valid is ANY or e.valid is life:
+                continue
+            bad.append(e)
+        if bad:
+            e = bad[0]
+            reason = e.storage.released_reason or e.stale or self._reason_at(e, self.pause)
+            raise CaffeplusError(
+                'cannot run %s: it reads %s, whose memory is not intact; blob %s: %s'
+                % (what, ', '.join('blob %s (%s)' % (b.name, b.kind) for b in bad), e.name,
+                   reason))
+
+    def _mark(self, s0, t, what):
+        """After a pass over steps s0..t: what each storage holds now; mark
+        the ones released (not live at t, or live but not rewritten by this
+        pass after the plan reused them)."""
+        self.pause = t
+        for e in self.entries:
+            life = e.live_at(t)
+            if life is None:
+                e.valid = None
+                e.storage.released_reason = self._reason_at(e, t)
+            elif life.start >= s0 or e.valid is ANY or e.valid is life:
+                e.valid = life
+                e.storage.released_reason = None
+            else:
+                e.valid = None
+                e.stale = e.storage.released_reason = (
+                    "not recomputed by the last pass (%s), which started after it was "
+                    "written, while memory plan '%s' had reused its memory; run the pass from "
+                    "an earlier layer, or %s" % (what, self.name, KEEP_HINT))
+
+    def before_forward(self, start, end):
+        if self._outgrown():
+            log.info('Memory plan %s: blobs changed size; placing the buffers again', self.name)
+            self.relayout(replan=True, preserve=start > 0)
+        elif start == 0 and self.runtime is not None and self.runtime.pending_lookahead:
+            # A full forward rewrites every buffer before reading it: the
+            # arena may move now (the offload look-ahead was calibrated).
+            self.relayout(lookahead_steps=self.runtime.pending_lookahead)
+        what = 'forward from layer %s' % self.net._layer_names[start]
+        self._check_start(start, end, what)
+        self._unmark(start)
+        if self.runtime is not None:
+            self.runtime.begin_forward(start, end)
+
+    def after_forward(self, start, end):
+        if self.runtime is not None:
+            self.runtime.end_forward(start, end)
+        self._mark(start, end, 'forward from layer %s' % self.net._layer_names[start])
+
+    def _backward_steps(self, start, end):
+        return 2 * self.L - 1 - start, 2 * self.L - 1 - end
+
+    def before_backward(self, start, end):
+        if not self.training:
+            raise CaffeplusError(
+                "net %s: memory plan '%s' was made for forward passes only (a TEST net); "
+                "backward would read blobs it reused. Build the net with memory='stock', or "
+                "in phase TRAIN / with force_backward" % (self.net.name, self.name))
+        s0, t = self._backward_steps(start, end)
+        self._check_start(s0, t, 'backward from layer %s' % self.net._layer_names[start])
+        self._unmark(s0)
+        if self.runtime is not None:
+            self.runtime.begin_backward(start, end)
+
+    def after_backward(self, start, end):
+        if self.runtime is not None:
+            self.runtime.end_backward(start, end)
+        s0, t = self._backward_steps(start, end)
+        self._mark(s0, t, 'backward from layer %s' % self.net._layer_names[start])
+
+    def reshaped(self):
+        """Net.reshape() ran: place the buffers for the new sizes if they grew."""
+        if self._outgrown():
+            self.relayout(replan=True, preserve=True)
+
+    def info(self):
+        return {'applier': 'caffeplus.memory.apply', 'plan': self.name, 'arena': self.arena,
+                'arena_bytes': self.arena_bytes,
+                'planned_storages': len(self.entries),
+                'persistent_storages': len(self.persistent),
+                'offloaded': [e.name for e in self.entries if e.offloaded]}
+
+
+# -- entry points -------------------------------------------------------------------
+def remove_plan(net, keep_values=True):
+    """Undo an applied plan: every blob owns its memory again (with its
+    values, or, without `keep_values`, allocated anew when first touched)."""
+    applied = getattr(net, 'applied_plan', None)
+    if applied is not None:
+        applied.detach(copy=keep_values)
+    net.applied_plan = None
+
+
+def _apply_workspace(net, plan, limit):
+    """GPU mode: the plan's cuDNN workspace (stock: per layer; else one arena)."""
+    if backend.mode() != backend.GPU:
+        return None
+    try:
+        from caffeplus.memory import workspace as ws
+    except ImportError:
+        return None
+    if not hasattr(ws, 'apply_workspace_plan') or not ws.workspace_layers(net):
+        return None
+    limit = int(limit or 0)
+    if plan.name == 'auto' and not limit:
+        # 0 would mean "what the GPU spares"; the search chose a cap.
+        limit = max(int(getattr(plan, 'workspace_cap', 0)), 1)
+    return ws.apply_workspace_plan(net, 'stock' if plan.name == 'stock' else plan.name, limit)
+
+
+def apply_plan(net, plan, keep=(), training=None, workspace_limit=None, lookahead=None,
+               make=None, runtime_options=None):
+    """Apply MemoryPlan `plan` (caffeplus.memory.plan.make_plan or
+    budget.plan_for_budget) to the built `net`; returns a dict with
+    'applier', 'arena' (the array holding the planned buffers, None for
+    stock/arena), 'arena_bytes', 'workspace_manager'. Any previous plan is
+    removed first. `keep`, `training` and `make` (net -> plan) say how to
+    plan again after a reshape; `lookahead`: offload prefetch distance in
+    layers (int, or 'auto': measured; default 1 on the CPU, 'auto' on the GPU)."""
+    check_plan_name(plan.name)
+    remove_plan(net, keep_values=False)     # what the arena held is dead between passes
+    if training is None:
+        training = plan.steps == 2 * len(net.layers) if plan.steps else _training_default(net)
+    manager = _apply_workspace(net, plan, workspace_limit)
+    if plan.name not in PLACING:
+        return {'applier': 'caffeplus.memory.apply', 'plan': plan.name, 'arena': None,
+                'arena_bytes': 0, 'workspace_manager': manager}
+    if make is None:
+        offloaded = sorted({n for key in plan.offloaded for n in key[1]})
+        name = 'offload' if plan.offloaded else 'shared'
+
+        def make(n, _keep=tuple(keep), _training=training):
+            return make_plan(n, name, keep=_keep, training=_training,
+                             offload_policy=offloaded or 'conv')
+    if lookahead is None:
+        lookahead = 'auto' if backend.mode() == backend.GPU else 1
+    options = {'keep': tuple(keep), 'training': training, 'make_plan': make,
+               'lookahead': lookahead, 'runtime': dict(runtime_options or {})}
+    applied = AppliedPlan(net, plan, options)
+    net.applied_plan = applied
+    info = applied.info()
+    info['workspace_manager'] = manager
+    return info
+
+
+def apply_named_plan(net, name, keep=(), offload_policy='conv', workspace_limit=None,
+                     training=None, solver_type='SGD', budget=None, lookahead=None,
+                     runtime_options=None):
+    """Plan `name` (stock, arena, shared, offload, auto) for `net` and apply
+    it. `keep`: blob names that stay readable (with the net's own
+    caffeplus_param.keep); `offload_policy`: conv, all or blob names;
+    `budget`: bytes for auto (None: the fastest plan); `training`: plan the
+    backward too (default: TRAIN phase or force_backward)."""
+    check_plan_name(name)
+    keep = check_keep(net, list(check_keep(net, keep)) + _net_keep(net))
+    if training is None:
+        training = _training_default(net)
+
+    def make(n):
+        if name == 'auto':
+            from caffeplus.memory import budget as budget_module
+            return budget_module.plan_for_budget(n, budget or None, solver_type, keep, training)
+        return make_plan(n, name, solver_type=solver_type, keep=keep, training=training,
+                         offload_policy=offload_policy)
+
+    plan = make(net)
+    return apply_plan(net, plan, keep=keep, training=training, workspace_limit=workspace_limit,
+                      lookahead=lookahead, make=make, runtime_options=runtime_options)
+
+
+def apply_solver_plans(solver):
+    """The solver's caffeplus_param: memory_plan (default 'shared') for the
+    train net, keep, offload, memory_budget, workspace_limit; each test net
+    gets the same plan made for forward only (offload/auto: shared), its
+    outputs kept."""
+    p = solver.param
+    cp = p.caffeplus_param
+    name = cp.memory_plan or 'shared'
+    check_plan_name(name)
+    keep = [k.strip() for k in cp.keep if k.strip()]
+    nets = [solver.net] + list(solver.test_nets)
+    known = set()
+    for n in nets:
+        known.update(n._blob_names)
+    missing = [k for k in keep if k not in known]
+    if missing:
+        raise CaffeplusError('caffeplus_param.keep: no net of the solver has a blob named %s '
+                             '(train net blobs: %s)'
+                             % (', '.join("'%s'" % m for m in missing),
+                                ', '.join(solver.net._blob_names)))
+    limit = int(cp.workspace_limit) or None
+    budget = int(cp.memory_budget) or None
+    from caffeplus.solver import solver_type_name
+    apply_named_plan(solver.net, name, keep=[k for k in keep if k in solver.net._blob_names],
+                     offload_policy=_offload_policy(cp.offload), workspace_limit=limit,
+                     training=True, solver_type=solver_type_name(p), budget=budget)
+    test_name = name if name in ('stock', 'arena') else 'shared'
+    for n in solver.test_nets:
+        apply_named_plan(n, test_name, keep=[k for k in keep if k in n._blob_names],
+                         workspace_limit=limit, training=False)

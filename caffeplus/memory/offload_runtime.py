@@ -1,0 +1,452 @@
+"""Offload at run time (vDNN): feature maps wait in pinned host memory
+between their last forward use and their first backward use.
+
+The plan (caffeplus.memory.offload) gives every offloaded data Storage two
+device lives in the arena: F, from its first write to its last forward use
+(step f), and B, from `lookahead` steps before its first backward use (step
+b) to its last use. Other buffers may take F's bytes after step f and B's
+bytes before B begins. This runtime makes that safe with a copy stream and
+events, through the net's per-layer hooks (Net.before_layer_forward,
+after_layer_forward, before_layer_backward):
+
+  after forward step f   record `ready` on the compute stream; the copy
+                         stream waits on it and copies F -> a pinned host
+                         buffer; record `copied` on the copy stream.
+  before a step whose    the compute stream waits on `copied` (once): the
+  writers land on F      layer may overwrite F's bytes only after the copy
+                         has read them.
+  before step B.start    record `free` on the compute stream (everything
+                         that used B's bytes before is done); the copy
+                         stream waits on it and copies host -> B; record
+                         `fetched`; the Storage now points at B.
+  before step b          the compute stream waits on `fetched`.
+  a new iteration        the compute stream waits for the copy stream's
+                         tail (nothing of the last iteration still runs),
+                         every offloaded Storage points at F again.
+
+Pinned buffers come from a pool (one buffer per offloaded Storage, kept
+across iterations and handed to the next runtime after a re-layout).
+
+Look-ahead. Fixed (an int, 1 by default on the CPU) or 'auto' (the default
+on the GPU): the runtime times one iteration (events around every step,
+and the host->device copies it makes), then, for each buffer, takes the
+least k such that the k steps before its consumer take longer than
+copying it back (bytes / measured bandwidth, with a 25% margin), at most
+the gap since its last forward use; if that changes anything, the arena is
+placed again at the start of the next full forward pass (which rewrites
+every buffer before reading it).
+
+On the CPU there is no copy engine: the same logic runs over simulated
+streams (SimDevice) whose copies run at once ('eager') or only when
+someone waits on them ('lazy', the slowest legal copy engine: a missing
+wait shows up as wrong numbers).
+"""
+import ctypes
+import time
+
+import numpy
+
+from caffeplus.errors import CaffeplusError
+
+MARGIN = 1.25
+CALIBRATE_AT = 2            # the iteration whose times choose the look-ahead
+_POOL = {}                  # (device kind, count) -> [host float32 arrays]
+
+
+def choose_lookahead(step_seconds, last_fwd, first_back, nbytes, bandwidth, margin=MARGIN):
+    """Least k >= 1 such that the k steps before `first_back` take at least
+    the copy's time (nbytes / bandwidth * margin); at most the gap."""
+    need = nbytes / float(max(bandwidth, 1.0)) * margin
+    max_k = max(first_back - last_fwd - 1, 1)
+    k, acc = 0, 0.0
+    while k < max_k and acc < need:
+        k += 1
+        acc += step_seconds[first_back - k]
+    return max(k, 1)
+
+
+# -- devices ----------------------------------------------------------------------------
+class CupyDevice:
+    """Streams, events and pinned memory of the current GPU."""
+    kind = 'cuda'
+
+    def __init__(self, delay=None):
+        import cupy
+        self.cupy = cupy
+        self.copy_stream = cupy.cuda.Stream(non_blocking=True)
+        self.delay = delay          # tests: callable(stream), enqueued before each copy
+
+    def compute(self):
+        return self.cupy.cuda.get_current_stream()
+
+    def record(self, stream, timing=False):
+        ev = self.cupy.cuda.Event(disable_timing=not timing)
+        ev.record(stream)
+        return ev
+
+    def wait(self, stream, event):
+        stream.wait_event(event)
+
+    def host_buffer(self, count):
+        mem = self.cupy.cuda.alloc_pinned_memory(max(count, 1) * 4)
+        return numpy.frombuffer(mem, numpy.float32, max(count, 1))
+
+    def d2h(self, view, host):
+        if self.delay is not None:
+            self.delay(self.copy_stream)
+        view.data.copy_to_host_async(ctypes.c_void_p(host.ctypes.data), view.nbytes,
+                                     stream=self.copy_stream)
+
+    def h2d(self, host, view):
+        if self.delay is not None:
+            self.delay(self.copy_stream)
+        view.data.copy_from_host_async(ctypes.c_void_p(host.ctypes.data), view.nbytes,
+                                       stream=self.copy_stream)
+
+    def synchronize(self):
+        self.copy_stream.synchronize()
+        self.compute().synchronize()
+
+    def seconds(self, a, b):
+        return self.cupy.cuda.get_elapsed_time(a, b) / 1e3
+
+
+class _SimEvent:
+    __slots__ = ('done', 'time')
+
+    def __init__(self, done=False):
+        self.done = done
+        self.time = time.perf_counter() if done else None
+
+
+class SimDevice:
+    """CPU stand-in: compute is synchronous; the copy stream is a queue of
+    copies run at once ('eager') or when waited on ('lazy')."""
+    kind = 'sim'
+    COMPUTE = 'compute'
+
+    def __init__(self, mode='eager', bandwidth=None):
+        if mode not in ('eager', 'lazy'):
+            raise CaffeplusError("offload simulation mode must be 'eager' or 'lazy', not %r"
+                                 % (mode,))
+        self.mode = mode
+        self.copy_stream = 'copy'
+        self.queue = []             # callables and _SimEvent markers, in order
+        self.bandwidth = bandwidth
+        self.copies = 0
+
+    def compute(self):
+        return self.COMPUTE
+
+    def record(self, stream, timing=False):
+        if stream == self.COMPUTE or not self.queue:
+            return _SimEvent(True)
+        ev = _SimEvent(False)
+        self.queue.append(ev)
+        return ev
+
+    def wait(self, stream, event):
+        if stream == self.COMPUTE and not event.done:
+            self._run_until(event)
+        # The copy stream waiting on compute: compute is already done.
+
+    def _run_until(self, event=None):
+        while self.queue:
+            op = self.queue.pop(0)
+            if isinstance(op, _SimEvent):
+                op.done = True
+                op.time = time.perf_counter()
+                if op is event:
+                    return
+            else:
+                op()
+
+    def _enqueue(self, op):
+        self.copies += 1
+        if self.mode == 'eager':
+            self._run_until()
+            op()
+        else:
+            self.queue.append(op)
+
+    def host_buffer(self, count):
+        return numpy.empty(max(count, 1), numpy.float32)
+
+    def d2h(self, view, host):
+        def op():
+            host[:view.size] = view
+        self._enqueue(op)
+
+    def h2d(self, host, view):
+        def op():
+            view[...] = host[:view.size]
+        self._enqueue(op)
+
+    def synchronize(self):
+        self._run_until()
+
+    def seconds(self, a, b):
+        return (b.time or 0.0) - (a.time or 0.0)
+
+
+def make_device(arena, options):
+    if type(arena).__module__.startswith('cupy'):
+        return CupyDevice(delay=options.get('delay'))
+    return SimDevice(options.get('simulate', 'eager'), options.get('bandwidth'))
+
+
+def _host_buffer(device, count):
+    free = _POOL.get((device.kind, count))
+    if free:
+        return free.pop()
+    return device.host_buffer(count)
+
+
+def _give_back(device, count, host):
+    _POOL.setdefault((device.kind, count), []).append(host)
+
+
+# -- the runtime --------------------------------------------------------------------
+class _Item:
+    """One offloaded Storage and this iteration's copies of it."""
+    __slots__ = ('entry', 'F', 'B', 'last_fwd', 'first_back', 'count', 'host', 'copied',
+                 'copied_ev', 'copied_waited', 'fetched', 'fetched_ev', 'consumed')
+
+    def __init__(self, entry, first_back):
+        self.entry = entry
+        self.F, self.B = entry.lives[0], entry.lives[1]
+        self.last_fwd = self.F.end
+        self.first_back = first_back
+        self.count = self.F.view.size
+        self.host = None
+        self.reset()
+
+    def reset(self):
+        self.copied = self.fetched = self.consumed = self.copied_waited = False
+        self.copied_ev = self.fetched_ev = None
+
+    @property
+    def bstart(self):
+        return self.B.start
+
+    @property
+    def name(self):
+        return self.entry.name
+
+
+class OffloadRuntime:
+    """Copies for the offloaded storages of an AppliedPlan (see the module docstring).
+    Options: simulate ('eager'|'lazy', CPU), delay (GPU tests: callable(stream)
+    enqueued before every copy), bandwidth (bytes/s for the CPU model),
+    calibrate_at (iteration whose times choose an 'auto' look-ahead)."""
+
+    def __init__(self, applied, **options):
+        from caffeplus.memory import offload
+        self.applied = applied
+        self.options = options
+        net = applied.net
+        self.L = applied.L
+        self.device = make_device(applied.arena, options)
+        self.items = []
+        for e in applied.entries:
+            if e.offloaded:
+                _, bwd = offload._uses(net, e.lives[0].buf)
+                self.items.append(_Item(e, min(bwd)))
+        for it in self.items:
+            it.host = _host_buffer(self.device, it.count)
+        self._schedule()
+        self.iteration = 0
+        self.calibrated = applied.options.get('lookahead') != 'auto'
+        self.bandwidth = None
+        self.step_seconds = None
+        self._timing = None
+        self._tail = None
+        self.pending_lookahead = None
+        self.stats = {'copies_out': 0, 'copies_in': 0, 'bytes_out': 0, 'bytes_in': 0}
+        self._hooks = [(net.before_layer_forward, self._before_forward_layer),
+                       (net.after_layer_forward, self._after_forward_layer),
+                       (net.before_layer_backward, self._before_backward_layer)]
+        for hooks, fn in self._hooks:
+            hooks.append(fn)
+
+    def _schedule(self):
+        from caffeplus.memory.placement import _align
+        steps = 2 * self.L
+        self.out_at = [[] for _ in range(steps)]
+        self.consume_at = [[] for _ in range(steps)]
+        self.wait_copied_at = [[] for _ in range(steps)]
+        lives = [life for e in self.applied.entries for life in e.lives]
+        for it in self.items:
+            self.out_at[it.last_fwd].append(it)
+            self.consume_at[it.first_back].append(it)
+            lo, hi = it.F.offset, it.F.offset + _align(it.F.buf.nbytes)
+            for z in lives:
+                if z is it.F or z.start <= it.last_fwd or z.start >= steps:
+                    continue
+                zlo, zhi = z.offset, z.offset + _align(z.buf.nbytes)
+                if zlo < hi and lo < zhi:
+                    self.wait_copied_at[z.start].append(it)
+        self.by_bstart = sorted(self.items, key=lambda it: it.bstart)
+
+    # -- hooks ----------------------------------------------------------------------
+    def _before_forward_layer(self, i):
+        self._before(i)
+
+    def _before_backward_layer(self, i):
+        self._before(2 * self.L - 1 - i)
+
+    def _after_forward_layer(self, i):
+        for it in self.out_at[i]:
+            self._copy_out(it)
+
+    def _before(self, s):
+        dev = self.device
+        compute = dev.compute()
+        if self._timing is not None:
+            self._timing['steps'].append((s, dev.record(compute, timing=True)))
+        for it in self.wait_copied_at[s]:
+            if it.copied and not it.copied_waited:
+                dev.wait(compute, it.copied_ev)
+                it.copied_waited = True
+        for it in self.by_bstart:
+            if it.bstart > s:
+                break
+            if it.copied and not it.fetched:
+                self._prefetch(it)
+        for it in self.consume_at[s]:
+            if not it.fetched:
+                if not it.copied:
+                    raise CaffeplusError(
+                        "memory plan '%s': backward needs blob %s, which this iteration's "
+                        "forward did not reach (offloaded feature maps need a forward pass "
+                        "through layer %s first)" % (self.applied.name, it.name,
+                                                      self.applied.net._layer_names[it.last_fwd]))
+                self._prefetch(it)
+            dev.wait(compute, it.fetched_ev)
+            it.consumed = True
+
+    def _copy_out(self, it):
+        dev = self.device
+        ready = dev.record(dev.compute())
+        dev.wait(dev.copy_stream, ready)
+        dev.d2h(it.F.view, it.host)
+        it.copied_ev = dev.record(dev.copy_stream)
+        it.copied, it.copied_waited, it.fetched, it.consumed = True, False, False, False
+        self.stats['copies_out'] += 1
+        self.stats['bytes_out'] += it.F.view.nbytes
+
+    def _prefetch(self, it):
+        dev = self.device
+        free = dev.record(dev.compute())
+        dev.wait(dev.copy_stream, free)
+        timing = self._timing is not None
+        start = dev.record(dev.copy_stream, timing=True) if timing else None
+        dev.h2d(it.host, it.B.view)
+        it.fetched_ev = dev.record(dev.copy_stream, timing=timing)
+        if timing:
+            self._timing['copies'].append((it.B.view.nbytes, start, it.fetched_ev))
+        it.entry.storage.array = it.B.view
+        it.fetched = True
+        self.stats['copies_in'] += 1
+        self.stats['bytes_in'] += it.B.view.nbytes
+
+    # -- passes (called by AppliedPlan) --------------------------------------------
+    def begin_forward(self, start, end):
+        if start != 0:
+            return
+        dev = self.device
+        if self._tail is not None:
+            dev.wait(dev.compute(), self._tail)     # last iteration's copies are done
+            self._tail = None
+        for it in self.items:
+            it.reset()
+            it.entry.storage.array = it.F.view
+        self.iteration += 1
+        if not self.calibrated and self.iteration == self.options.get('calibrate_at',
+                                                                      CALIBRATE_AT):
+            self._timing = {'steps': [], 'copies': []}
+
+    def _pause(self):
+        dev = self.device
+        compute = dev.compute()
+        for it in self.items:
+            if it.fetched and not it.consumed:
+                dev.wait(compute, it.fetched_ev)        # the user may read it now
+        self._tail = dev.record(dev.copy_stream)
+
+    def end_forward(self, start, end):
+        if self._timing is not None:
+            self._timing['end_forward'] = self.device.record(self.device.compute(), timing=True)
+        self._pause()
+
+    def begin_backward(self, start, end):
+        pass
+
+    def end_backward(self, start, end):
+        timing = self._timing
+        if timing is not None:
+            timing['end_backward'] = self.device.record(self.device.compute(), timing=True)
+        self._pause()
+        if timing is not None and end == 0:
+            self._timing = None
+            self._calibrate(timing)
+
+    # -- look-ahead ------------------------------------------------------------------
+    def _calibrate(self, timing):
+        dev = self.device
+        dev.synchronize()
+        L = self.L
+        seconds = [0.0] * (2 * L)
+        marks = timing['steps']
+        for k, (s, ev) in enumerate(marks):
+            if k + 1 < len(marks) and marks[k + 1][0] == s + 1:
+                nxt = marks[k + 1][1]
+            else:
+                nxt = timing.get('end_forward' if s < L else 'end_backward')
+            if nxt is not None:
+                seconds[s] = max(dev.seconds(ev, nxt), 0.0)
+        copy_bytes = sum(c[0] for c in timing['copies'])
+        copy_s = sum(max(dev.seconds(a, b), 0.0) for _, a, b in timing['copies'])
+        bandwidth = self.options.get('bandwidth') or \
+            (copy_bytes / copy_s if copy_s > 0 else None)
+        if bandwidth is None:
+            from caffeplus.memory.budget import PCIE_BANDWIDTH
+            bandwidth = PCIE_BANDWIDTH
+        self.bandwidth, self.step_seconds = bandwidth, seconds
+        self.calibrated = True
+        choice = {}
+        for it in self.items:
+            choice[it.entry.names] = choose_lookahead(seconds, it.last_fwd, it.first_back,
+                                                      it.F.view.nbytes, bandwidth)
+        current = {it.entry.names: it.first_back - it.bstart for it in self.items}
+        if choice != current:
+            # Placed again at the start of the next full forward (AppliedPlan).
+            self.pending_lookahead = choice
+
+    def lookaheads(self):
+        return {it.name: it.first_back - it.bstart for it in self.items}
+
+    # -- lifetime ---------------------------------------------------------------------
+    def state_for_relayout(self):
+        return {'iteration': self.iteration, 'calibrated': self.calibrated,
+                'bandwidth': self.bandwidth, 'step_seconds': self.step_seconds,
+                'stats': dict(self.stats)}
+
+    def restore_after_relayout(self, state):
+        self.iteration = state['iteration']
+        self.calibrated = state['calibrated']
+        self.bandwidth = state['bandwidth']
+        self.step_seconds = state['step_seconds']
+        self.stats = state['stats']
+
+    def close(self):
+        """Finish every copy, unhook, give the pinned buffers back to the pool."""
+        self.device.synchronize()
+        for hooks, fn in self._hooks:
+            if fn in hooks:
+                hooks.remove(fn)
+        self._hooks = []
+        for it in self.items:
+            if it.host is not None:
+                _give_back(self.device, it.count, it.host)
+                it.host = None

@@ -1,0 +1,535 @@
+"""Applying memory plans (caffeplus.memory.apply, offload_runtime): the
+numbers never change, released blobs say so, kept blobs stay readable.
+
+CPU tests train LeNet, CIFAR10-full (BatchNorm), GoogLeNet and ResNet-50 for
+a few iterations under stock, shared and offload (simulated copies) and
+compare losses and weights bit for bit; tools/check_plans_equal.py runs the
+50-iteration versions. GPU tests (marked gpu) do the same on the device with
+deterministic math, and check offload with a copy stream artificially
+delayed.
+"""
+import os
+import sys
+
+import numpy
+import pytest
+
+import caffeplus
+from caffeplus import log
+from caffeplus.errors import CaffeplusError
+from caffeplus.io.prototxt import parse_text
+from caffeplus.memory import offload_runtime
+from caffeplus.memory.apply import apply_named_plan, apply_solver_plans, remove_plan
+from caffeplus.proto import caffe_pb2
+from conftest import ROOT
+
+sys.path.insert(0, ROOT)
+from tools import check_plans_equal as cpe  # noqa: E402
+
+NET = '''
+name: "small"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+        dummy_data_param { data_filler { type: "gaussian" std: 1 } shape { dim: 4 dim: 2 dim: 12 dim: 12 }
+                           data_filler { type: "uniform" min: 0 max: 4.99 } shape { dim: 4 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "xavier" } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+        pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
+        convolution_param { num_output: 6 kernel_size: 3 weight_filler { type: "xavier" } } }
+layer { name: "sig2" type: "Sigmoid" bottom: "conv2" top: "sig2" }
+layer { name: "ip1" type: "InnerProduct" bottom: "sig2" top: "ip1"
+        inner_product_param { num_output: 16 weight_filler { type: "xavier" } } }
+layer { name: "tanh1" type: "TanH" bottom: "ip1" top: "ip1" }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+        inner_product_param { num_output: 5 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }
+layer { name: "acc" type: "Accuracy" bottom: "ip2" bottom: "label" top: "acc" }
+'''
+
+INPUT_NET = '''
+name: "inputs"
+layer { name: "in" type: "Input" top: "x" top: "label"
+        input_param { shape { dim: 3 dim: 8 } shape { dim: 3 } } }
+layer { name: "ip1" type: "InnerProduct" bottom: "x" top: "h1"
+        inner_product_param { num_output: 12 weight_filler { type: "xavier" } } }
+layer { name: "sig" type: "Sigmoid" bottom: "h1" top: "h1" }
+layer { name: "ip2" type: "InnerProduct" bottom: "h1" top: "h2"
+        inner_product_param { num_output: 12 weight_filler { type: "xavier" } } }
+layer { name: "sm" type: "Softmax" bottom: "h2" top: "h3" }
+layer { name: "ip3" type: "InnerProduct" bottom: "h3" top: "h4"
+        inner_product_param { num_output: 4 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "h4" bottom: "label" top: "loss" }
+'''
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    level = log.logger.level
+    log.logger.setLevel(30)
+    yield
+    log.logger.setLevel(level)
+
+
+@pytest.fixture(scope='module', autouse=True)
+def _single_blas_thread():
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(limits=1, user_api='blas'):
+        yield
+
+
+def param_of(text):
+    return parse_text(text, caffe_pb2.NetParameter())
+
+
+def small_net(memory=None, keep=None, seed=3, text=NET):
+    caffeplus.set_random_seed(seed)
+    return caffeplus.Net(param_of(text), caffeplus.TRAIN, memory=memory, keep=keep)
+
+
+def sgd_run(net, iters=4, lr=0.05):
+    """A plain SGD loop over the net's passes; losses and final weights."""
+    losses = []
+    for _ in range(iters):
+        net.clear_param_diffs()
+        losses.append(net.forward_prefilled())
+        net.backward_all()
+        for p in net.learnable_params:
+            p.data[...] -= numpy.float32(lr) * p.diff
+    return losses, [p.data.copy() for p in net.learnable_params]
+
+
+def assert_identical(a, b):
+    assert not cpe.differences(a, b), cpe.differences(a, b)
+
+
+def need_model(name):
+    if not os.path.exists(cpe.model_path(name)):
+        pytest.skip('model not found: %s' % cpe.model_path(name))
+
+
+# -- bit-identical training, CPU ------------------------------------------------------------
+@pytest.mark.parametrize('name,iters,plans', [
+    ('lenet', 8, ('stock', 'shared', 'offload')),
+    ('cifar10_bn', 8, ('stock', 'shared', 'offload')),
+    ('googlenet', 2, ('stock', 'shared')),
+    ('resnet50', 2, ('stock', 'shared')),
+])
+def test_shared_and_offload_train_bit_identical_to_stock(tmp_path, name, iters, plans):
+    need_model(name)
+    param, test_nets = cpe.net_param(name, str(tmp_path), cpe.DEFAULT_BATCH[name])
+    results = [cpe.train(param, plan, iters, test_nets,
+                         offload='all' if plan == 'offload' else None) for plan in plans]
+    stock = results[0]
+    assert len(stock.losses) == iters and all(numpy.isfinite(stock.losses))
+    for r in results[1:]:
+        assert_identical(stock, r)
+        assert r.info['plan'] == r.plan and r.info['arena_bytes'] > 0
+    if 'offload' in plans:
+        off = results[plans.index('offload')]
+        assert off.info['offloaded'] and off.info['offload_stats']['copies_in'] > 0
+    if test_nets:
+        assert stock.test_outputs
+
+
+def test_plans_reuse_memory(tmp_path):
+    param, _ = cpe.net_param('cifar10_bn', str(tmp_path), 2) if os.path.exists(
+        cpe.model_path('cifar10_bn')) else (param_of(NET), 0)
+    nets = {}
+    for plan in ('shared', 'offload'):
+        caffeplus.set_random_seed(1)
+        nets[plan] = caffeplus.Net(param, caffeplus.TRAIN, memory=plan)
+    stock_bytes = sum(b.count * 8 for b in nets['shared']._blobs)     # data + diff
+    assert 0 < nets['shared'].applied_plan.arena_bytes < stock_bytes
+    assert nets['offload'].applied_plan.arena_bytes <= nets['shared'].applied_plan.arena_bytes
+
+
+def test_net_kwargs_shared_matches_stock_and_keeps_outputs():
+    stock = sgd_run(small_net())
+    net = small_net(memory='shared')
+    shared = sgd_run(net)
+    assert stock[0] == shared[0]
+    assert all(numpy.array_equal(a, b) for a, b in zip(stock[1], shared[1]))
+    # Outputs (loss, accuracy) stay readable; the DummyData top is no input:
+    # backward's last step (conv1) was its last use.
+    assert numpy.isfinite(float(net.blobs['loss'].data))
+    net.blobs['acc'].data
+    with pytest.raises(CaffeplusError, match='blob data: .*layer conv1'):
+        net.blobs['data'].data
+    net.forward()
+    net.blobs['data'].data          # live after forward: conv1's backward reads it
+
+
+# -- release marks and keep ------------------------------------------------------------------
+def test_released_blob_read_is_a_clear_error():
+    net = small_net(memory='shared')
+    net.forward()
+    net.backward()
+    with pytest.raises(CaffeplusError) as info:
+        net.blobs['pool1'].data
+    msg = str(info.value)
+    assert 'pool1' in msg and "memory plan 'shared'" in msg and 'keep' in msg
+    with pytest.raises(CaffeplusError, match='sig2'):
+        net.blobs['sig2'].diff
+    # Reading it is fine again during the next pass: the layers use it.
+    net.forward()
+    net.backward()
+
+
+def test_released_after_forward_but_backward_still_runs():
+    net = small_net(memory='shared')
+    net.forward()
+    # conv2's output is read only by the Sigmoid's forward: released after it.
+    with pytest.raises(CaffeplusError, match="blob conv2: its data was released"):
+        net.blobs['conv2'].data
+    net.blobs['sig2'].data          # needed by backward: still there
+    net.backward()
+
+
+def test_keep_makes_a_blob_readable_with_stock_values():
+    stock = small_net()
+    stock.forward()
+    stock.backward()
+    kept = small_net(memory='shared', keep=['pool1', 'sig2'])
+    kept.forward()
+    kept.backward()
+    for name in ('pool1', 'sig2'):
+        assert numpy.array_equal(stock.blobs[name].data, kept.blobs[name].data)
+        assert numpy.array_equal(stock.blobs[name].diff, kept.blobs[name].diff)
+    # keep from the prototxt (caffeplus_param { keep }) too.
+    param = param_of(NET)
+    param.caffeplus_param.keep.append('pool1')
+    caffeplus.set_random_seed(3)
+    net = caffeplus.Net(param, caffeplus.TRAIN, memory='shared')
+    net.forward()
+    net.backward()
+    assert numpy.array_equal(stock.blobs['pool1'].data, net.blobs['pool1'].data)
+
+
+def test_unknown_plan_and_keep_names_are_clear_errors():
+    with pytest.raises(CaffeplusError, match="unknown memory plan 'tiny'"):
+        small_net(memory='tiny')
+    with pytest.raises(CaffeplusError, match="no blob named 'nope'"):
+        small_net(memory='shared', keep=['nope'])
+    with pytest.raises(CaffeplusError, match="no blob named 'nope'"):
+        apply_named_plan(small_net(), 'shared', keep='conv1,nope')
+    sp = cpe.solver_param(param_of(NET), 'shared', 2, keep=['nope'])
+    from caffeplus.solver import get_solver
+    with pytest.raises(CaffeplusError, match="no net of the solver has a blob named 'nope'"):
+        apply_solver_plans(get_solver(sp))
+    sp = cpe.solver_param(param_of(NET), 'huge', 2)
+    with pytest.raises(CaffeplusError, match="unknown memory plan 'huge'"):
+        apply_solver_plans(get_solver(sp))
+    net = small_net()
+    with pytest.raises(CaffeplusError, match="offload: no blob named 'nope'"):
+        apply_named_plan(net, 'offload', offload_policy=['nope'])
+
+
+def test_partial_forward_checks_what_it_reads():
+    net = small_net(memory='shared')
+    net.forward()
+    net.backward()
+    # Forward from ip1 reads sig2 and the labels, which backward reused.
+    with pytest.raises(CaffeplusError, match='forward from layer ip1: it reads .*sig2') as info:
+        net.forward(start='ip1')
+    assert 'label' in str(info.value) and 'keep' in str(info.value)
+    kept = small_net(memory='shared', keep=['sig2', 'label'])
+    kept.forward()
+    kept.backward()
+    out = kept.forward(start='ip1')
+    ref = small_net()
+    ref.forward()
+    ref.backward()
+    assert numpy.array_equal(ref.forward(start='ip1')['loss'], out['loss'])
+    # Right after a forward, a pass from the middle finds its inputs intact.
+    net.forward()
+    net.forward(start='ip2')
+
+
+def test_stock_plan_and_remove_plan_restore_own_memory():
+    net = small_net(memory='shared')
+    losses = sgd_run(net, 2)[0]
+    remove_plan(net)
+    assert net.applied_plan is None
+    more = sgd_run(net, 2)[0]
+    net.blobs['pool1'].data          # every blob readable again
+    ref = small_net()
+    assert sgd_run(ref, 4)[0] == losses + more
+    apply_named_plan(net, 'stock')
+    assert net.applied_plan is None
+
+
+def test_test_net_plan_is_forward_only():
+    caffeplus.set_random_seed(3)
+    net = caffeplus.Net(param_of(NET), caffeplus.TEST, memory='shared')
+    out = net.forward()
+    assert numpy.isfinite(float(out['loss']))
+    with pytest.raises(CaffeplusError, match='forward passes only'):
+        net.backward()
+
+
+# -- reshapes ------------------------------------------------------------------------------
+def _input_run(net, batches):
+    rng = numpy.random.default_rng(5)
+    losses = []
+    for n in batches:
+        x = rng.standard_normal((n, 8)).astype(numpy.float32)
+        y = rng.integers(0, 4, n).astype(numpy.float32)
+        if net.blobs['x'].shape[0] != n:
+            net.blobs['x'].reshape(n, 8)
+            net.blobs['label'].reshape(n)
+            if n % 2:
+                net.reshape()       # pycaffe style; without it forward reshapes
+        net.blobs['x'].data[...] = x
+        net.blobs['label'].data[...] = y
+        losses.append(net.forward()['loss'].copy())
+        net.backward()
+        losses.append(net.blobs['x'].diff.copy())
+    return losses
+
+
+def test_plan_follows_reshapes():
+    batches = [3, 7, 7, 2, 9, 4]
+    ref = _input_run(small_net(text=INPUT_NET), batches)
+    net = small_net(memory='shared', text=INPUT_NET)
+    got = _input_run(net, batches)
+    assert all(numpy.array_equal(a, b) for a, b in zip(ref, got))
+    assert net.applied_plan.replans >= 2
+    applied = net.applied_plan
+    for e in applied.entries:
+        assert e.storage.array.size >= max(b.count for b in e.blobs)
+        assert any(e.storage.array is life.view for life in e.lives)
+
+
+# -- offload on the CPU (simulated copies) ------------------------------------------------------
+@pytest.mark.parametrize('policy', ['conv', 'all', ['pool1', 'sig2']])
+@pytest.mark.parametrize('mode', ['eager', 'lazy'])
+def test_offload_simulated_bit_identical_to_shared(policy, mode):
+    shared = sgd_run(small_net(memory='shared'))
+    net = small_net()
+    apply_named_plan(net, 'offload', offload_policy=policy,
+                     runtime_options={'simulate': mode})
+    off = sgd_run(net)
+    assert shared[0] == off[0]
+    assert all(numpy.array_equal(a, b) for a, b in zip(shared[1], off[1]))
+    rt = net.applied_plan.runtime
+    assert rt is not None and rt.stats['copies_out'] == rt.stats['copies_in'] > 0
+    if not isinstance(policy, str):
+        assert set(net.applied_plan.info()['offloaded']) == set(policy)
+    with pytest.raises(CaffeplusError, match='pool1'):
+        net.blobs['pool1'].data
+
+
+def test_offloaded_blob_between_forward_and_backward_is_released():
+    net = small_net()
+    apply_named_plan(net, 'offload', offload_policy=['pool1'])
+    net.forward()
+    with pytest.raises(CaffeplusError, match='offloaded to host memory'):
+        net.blobs['pool1'].data
+    net.backward()
+
+
+def test_lazy_copies_catch_a_missing_wait(monkeypatch):
+    """The lazy simulation is strict: without the compute stream's wait on
+    'copied' a reused region corrupts the host copy, and the numbers change."""
+    shared = sgd_run(small_net(memory='shared'))
+    orig = offload_runtime.OffloadRuntime._schedule
+
+    def no_waits(self):
+        orig(self)
+        self.wait_copied_at = [[] for _ in self.wait_copied_at]
+    monkeypatch.setattr(offload_runtime.OffloadRuntime, '_schedule', no_waits)
+    net = small_net()
+    apply_named_plan(net, 'offload', offload_policy='all', runtime_options={'simulate': 'lazy'})
+    assert sgd_run(net)[0] != shared[0]
+
+
+def test_pinned_buffers_are_pooled_across_iterations_and_relayouts():
+    net = small_net()
+    apply_named_plan(net, 'offload', offload_policy='all')
+    rt = net.applied_plan.runtime
+    hosts = [id(it.host) for it in rt.items]
+    sgd_run(net, 3)
+    assert [id(it.host) for it in net.applied_plan.runtime.items] == hosts
+    net.applied_plan.relayout(lookahead_steps={})
+    assert sorted(id(it.host) for it in net.applied_plan.runtime.items) == sorted(hosts)
+
+
+def test_lookahead_model_and_calibration():
+    # 1 MB at 1 MB/s with 1.25 margin needs 1.25 s: steps of 0.5 s -> 3 steps.
+    seconds = [0.5] * 20
+    assert offload_runtime.choose_lookahead(seconds, 2, 15, 1e6, 1e6) == 3
+    assert offload_runtime.choose_lookahead(seconds, 2, 15, 1e6, 1e9) == 1
+    assert offload_runtime.choose_lookahead(seconds, 12, 15, 1e9, 1.0) == 2    # the gap
+    shared = sgd_run(small_net(memory='shared'), 5)
+    net = small_net()
+    # A slow simulated link: the calibration after iteration 2 asks for more look-ahead.
+    apply_named_plan(net, 'offload', offload_policy='all', lookahead='auto',
+                     runtime_options={'simulate': 'lazy', 'bandwidth': 1e3})
+    before = dict(net.applied_plan.runtime.lookaheads())
+    got = sgd_run(net, 5)
+    rt = net.applied_plan.runtime
+    assert rt.calibrated and rt.step_seconds is not None
+    after = rt.lookaheads()
+    assert any(after[k] > before[k] for k in before)
+    assert net.applied_plan.replans == 1
+    assert shared[0] == got[0]
+    assert all(numpy.array_equal(a, b) for a, b in zip(shared[1], got[1]))
+
+
+def test_measure_iteration_goes_through_the_plan_hooks():
+    from caffeplus.memory import measure
+
+    class Solver:
+        def apply_update(self):
+            pass
+    net = small_net()
+    apply_named_plan(net, 'offload', offload_policy='all', runtime_options={'simulate': 'lazy'})
+    steps = []
+    measure.run_iteration(net, Solver(), steps.append)
+    L = len(net.layers)
+    assert steps == list(range(2 * L + 1))
+    assert net.applied_plan.runtime.stats['copies_in'] > 0
+    assert not net.after_layer_forward[1:] and len(net.on_layer_backward_done) == 0
+
+
+# -- solver and CLI ------------------------------------------------------------------------------
+def test_solver_plans_train_and_test_nets(tmp_path):
+    param = param_of(NET)
+    sp = cpe.solver_param(param, 'offload', 3, test_nets=1, keep=['pool1'])
+    from caffeplus.solver import get_solver
+    solver = get_solver(sp)
+    apply_solver_plans(solver)
+    assert solver.net.applied_plan.name == 'offload'
+    test = solver.test_nets[0].applied_plan
+    assert test.name == 'shared' and not test.training
+    solver.step(3)
+    solver.net.blobs['pool1'].data              # kept
+    with pytest.raises(CaffeplusError, match='sig2'):
+        solver.net.blobs['sig2'].data
+    sp = cpe.solver_param(param, 'stock', 1)
+    solver = get_solver(sp)
+    apply_solver_plans(solver)
+    assert solver.net.applied_plan is None
+
+
+def test_solver_default_plan_is_shared():
+    sp = cpe.solver_param(param_of(NET), 'shared', 1)
+    sp.caffeplus_param.ClearField('memory_plan')
+    from caffeplus.solver import get_solver
+    solver = get_solver(sp)
+    apply_solver_plans(solver)
+    assert solver.net.applied_plan.name == 'shared'
+
+
+def test_cli_memory_flags_reach_the_solver_param(tmp_path):
+    import argparse
+    from caffeplus.commands import train
+    solver_file = tmp_path / 'solver.prototxt'
+    net_file = tmp_path / 'net.prototxt'
+    net_file.write_text(NET)
+    solver_file.write_text('net: "%s"\nbase_lr: 0.01\nlr_policy: "fixed"\nmax_iter: 1\n'
+                           'snapshot_after_train: false\n' % net_file)
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    args = parser.parse_args(['--solver', str(solver_file), '--memory', 'offload',
+                              '--workspace_limit', '64M', '--keep', 'pool1'])
+    sp = train.build_solver_param(args)
+    assert sp.caffeplus_param.memory_plan == 'offload'
+    assert sp.caffeplus_param.workspace_limit == 64 * 2 ** 20
+    from caffeplus.solver import get_solver
+    solver = get_solver(sp)
+    apply_solver_plans(solver)
+    assert solver.net.applied_plan.name == 'offload'
+    solver.step(1)
+    solver.net.blobs['pool1'].data
+
+
+# -- GPU -----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize('name', ['lenet', 'cifar10_bn', 'googlenet', 'resnet50'])
+def test_gpu_shared_bit_identical_to_stock_deterministic(tmp_path, name):
+    need_model(name)
+    batch = {'lenet': None, 'cifar10_bn': 8, 'googlenet': 4, 'resnet50': 4}[name]
+    param, test_nets = cpe.net_param(name, str(tmp_path), batch)
+    limit = 64 * 2 ** 20
+    runs = [cpe.train(param, plan, 10, test_nets, gpu=0, math='deterministic',
+                      workspace_limit=limit) for plan in ('arena', 'shared', 'stock')]
+    arena, shared, stock = runs
+    # Placement alone (same workspace manager): bit-identical.
+    assert_identical(arena, shared)
+    # Stock (Caffe 1.0's per-layer workspace): deterministic algorithms too.
+    assert_identical(stock, shared)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('name', ['cifar10_bn', 'googlenet', 'resnet50'])
+@pytest.mark.parametrize('lookahead', [1, 'auto'])
+def test_gpu_offload_bit_identical_to_shared(tmp_path, name, lookahead):
+    need_model(name)
+    batch = {'cifar10_bn': 8, 'googlenet': 4, 'resnet50': 4}[name]
+    param, test_nets = cpe.net_param(name, str(tmp_path), batch)
+    shared = cpe.train(param, 'shared', 6, test_nets, gpu=0, math='deterministic')
+    off = cpe.train(param, 'offload', 6, test_nets, gpu=0, math='deterministic', offload='all',
+                    lookahead=lookahead, runtime_options={})
+    assert off.info['offloaded'] and off.info['offload_stats']['copies_in'] > 0
+    assert_identical(shared, off)
+
+
+def _spin_kernel():
+    import cupy
+    return cupy.RawKernel(r'''
+extern "C" __global__ void caffeplus_spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}''', 'caffeplus_spin')
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('name', ['cifar10_bn', 'resnet50'])
+def test_gpu_offload_with_a_delayed_copy_stream_loses_nothing(tmp_path, name):
+    """Every copy waits behind a ~2 ms spin kernel on the copy stream: the
+    compute stream must wait on the copy events, and results stay identical."""
+    need_model(name)
+    import numpy as np
+    kernel = _spin_kernel()
+    calls = []
+
+    def delay(stream):
+        calls.append(1)
+        kernel((1,), (1,), (np.int64(4_000_000),), stream=stream)
+
+    batch = {'cifar10_bn': 8, 'resnet50': 4}[name]
+    param, test_nets = cpe.net_param(name, str(tmp_path), batch)
+    shared = cpe.train(param, 'shared', 4, test_nets, gpu=0, math='deterministic')
+    off = cpe.train(param, 'offload', 4, test_nets, gpu=0, math='deterministic', offload='all',
+                    lookahead=1, runtime_options={'delay': delay})
+    assert calls
+    assert_identical(shared, off)
+
+
+@pytest.mark.gpu
+def test_gpu_released_blob_through_pycaffe_host_view():
+    caffeplus.set_mode_gpu(0)
+    try:
+        net = small_net(memory='shared')
+        net.forward()
+        net.backward()
+        with pytest.raises(CaffeplusError, match='pool1'):
+            net.blobs['pool1'].data
+        assert numpy.isfinite(float(net.blobs['loss'].data))
+        kept = small_net(memory='shared', keep=['pool1'])
+        kept.forward()
+        kept.backward()
+        ref = small_net()
+        ref.forward()
+        ref.backward()
+        assert numpy.array_equal(ref.blobs['pool1'].data, kept.blobs['pool1'].data)
+        assert type(kept.applied_plan.arena).__module__.startswith('cupy')
+    finally:
+        caffeplus.set_mode_cpu()
