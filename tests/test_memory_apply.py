@@ -72,6 +72,18 @@ def _quiet():
     log.logger.setLevel(level)
 
 
+@pytest.fixture(autouse=True)
+def _strict_math_after():
+    """The GPU tests train with caffeplus_param.math deterministic (global)."""
+    yield
+    try:
+        from caffeplus.backend import mathmode
+    except ImportError:
+        return
+    if mathmode.math_mode() != 'strict':
+        mathmode.set_math_mode('strict')
+
+
 @pytest.fixture(scope='module', autouse=True)
 def _single_blas_thread():
     try:
@@ -325,6 +337,20 @@ def test_offload_simulated_bit_identical_to_shared(policy, mode):
         net.blobs['pool1'].data
 
 
+def test_offload_leaves_values_written_once_in_place():
+    """DummyData's constant tops are written at setup only: never offloaded
+    (nor placed in the arena), or the next iteration would read garbage."""
+    text = NET.replace('data_filler { type: "uniform" min: 0 max: 4.99 }',
+                       'data_filler { type: "constant" value: 3 }')
+    shared = sgd_run(small_net(memory='shared', text=text))
+    net = small_net(text=text)
+    apply_named_plan(net, 'offload', offload_policy='all', runtime_options={'simulate': 'lazy'})
+    assert 'label' not in net.applied_plan.info()['offloaded']
+    got = sgd_run(net)
+    assert got[0] == shared[0]
+    assert numpy.all(net.blobs['label'].data == 3)
+
+
 def test_offloaded_blob_between_forward_and_backward_is_released():
     net = small_net()
     apply_named_plan(net, 'offload', offload_policy=['pool1'])
@@ -502,7 +528,8 @@ def test_gpu_offload_with_a_delayed_copy_stream_loses_nothing(tmp_path, name):
 
     def delay(stream):
         calls.append(1)
-        kernel((1,), (1,), (np.int64(4_000_000),), stream=stream)
+        with stream:            # RawKernel launches on the current stream
+            kernel((1,), (1,), (np.int64(4_000_000),))
 
     batch = {'cifar10_bn': 8, 'resnet50': 4}[name]
     param, test_nets = cpe.net_param(name, str(tmp_path), batch)

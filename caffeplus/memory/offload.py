@@ -34,7 +34,9 @@ def _uses(net, buf):
 
 def choose(net, bufs, policy, keep=()):
     """Keys of the data buffers to offload under `policy`."""
-    keep = set(keep) | set(net.outputs) | set(net.inputs)
+    from caffeplus.memory.liveness import written_once
+    # Values that must outlive the iteration (DummyData's constant tops) stay put.
+    keep = set(keep) | set(net.outputs) | set(net.inputs) | written_once(net)
     if isinstance(policy, str) and policy not in ('conv', 'all'):
         policy = [n for n in policy.split(',') if n]
     if not isinstance(policy, str):
@@ -49,8 +51,9 @@ def choose(net, bufs, policy, keep=()):
             conv_inputs.update(net._blob_names[b] for b in net.bottom_id_vecs[i])
     chosen = []
     for buf in bufs:
-        if buf.kind != 'data' or set(buf.blobs) & keep:
-            continue
+        if buf.kind != 'data' or set(buf.blobs) & keep or \
+                (buf.start <= 0 and buf.end >= 2 * len(net.layers)):
+            continue        # kept, or live for the whole iteration
         fwd, bwd = _uses(net, buf)
         if not bwd or not fwd or max(fwd) + 1 >= min(bwd):
             continue   # not needed by backward, or no idle gap to save
