@@ -39,7 +39,9 @@ def fill_array(param, shape):
     elif kind == 'uniform':
         out = g.uniform(param.min, param.max, size=shape)
     elif kind == 'gaussian':
-        out = g.normal(param.mean, param.std, size=shape)
+        # Drawn in float32 directly: half the cost of float64 draws.
+        out = g.standard_normal(size=shape, dtype=numpy.float32) * numpy.float32(param.std) \
+            + numpy.float32(param.mean)
         if param.sparse >= 0:
             if len(shape) < 1:
                 raise NetError('sparse gaussian filler needs a blob with at least one axis')
@@ -57,7 +59,7 @@ def fill_array(param, shape):
         out = g.uniform(-scale, scale, size=shape)
     elif kind == 'msra':
         std = math.sqrt(2.0 / _variance_n(param, shape))
-        out = g.normal(0.0, std, size=shape)
+        out = g.standard_normal(size=shape, dtype=numpy.float32) * numpy.float32(std)
     elif kind == 'bilinear':
         if len(shape) != 4 or shape[2] != shape[3]:
             raise NetError('bilinear filler needs a 4-D blob with square kernels, got %s'

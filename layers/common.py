@@ -16,6 +16,7 @@ from caffeplus.blob import Blob
 from caffeplus.errors import CaffeplusError, NetError
 from caffeplus.fillers import fill_array
 from caffeplus.functions import softmax
+from caffeplus.im2col import scratch
 from caffeplus.layer import Layer, register
 from caffeplus.proto import caffe_pb2
 
@@ -218,10 +219,14 @@ class InnerProductLayer(Layer):
         if self.param_needs_backward(0):
             x = bottom[0].data.reshape(self.M, self.K)
             w_diff = self.blobs[0].diff
+            # Into a reused scratch buffer, then accumulate: a fresh temporary
+            # the size of the weights each iteration costs more than the GEMM.
+            grad = scratch(xp, w_diff.shape, 'ip_weight_diff')
             if self.transpose:
-                w_diff += xp.matmul(x.T, dy)
+                xp.matmul(x.T, dy, out=grad)
             else:
-                w_diff += xp.matmul(dy.T, x)
+                xp.matmul(dy.T, x, out=grad)
+            w_diff += grad
         if self.bias_term and self.param_needs_backward(1):
             self.blobs[1].diff[...] += dy.sum(axis=0)
         if propagate_down[0]:

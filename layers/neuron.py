@@ -87,7 +87,8 @@ class ReLULayer(NeuronLayer):
         dy = top[0].diff
         xp = _xp(dy)
         if self.slope == 0:
-            bottom[0].diff[...] = xp.where(ref > 0, dy, F32(0))
+            # Caffe's dy * (x > 0), written in place without temporaries.
+            xp.multiply(dy, ref > 0, out=bottom[0].diff)
         else:
             bottom[0].diff[...] = xp.where(ref > 0, dy, dy * self.slope)
 
