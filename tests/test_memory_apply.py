@@ -276,6 +276,19 @@ def test_stock_plan_and_remove_plan_restore_own_memory():
     assert net.applied_plan is None
 
 
+def test_auto_and_arena_plans():
+    stock = sgd_run(small_net())
+    net = small_net(memory='auto')
+    assert net.applied_plan.name == 'auto'
+    got = sgd_run(net)
+    assert got[0] == stock[0]
+    assert all(numpy.array_equal(a, b) for a, b in zip(stock[1], got[1]))
+    net = small_net(memory='arena')
+    assert net.applied_plan is None       # every blob its own memory, as stock
+    assert sgd_run(net)[0] == stock[0]
+    net.blobs['pool1'].data
+
+
 def test_test_net_plan_is_forward_only():
     caffeplus.set_random_seed(3)
     net = caffeplus.Net(param_of(NET), caffeplus.TEST, memory='shared')

@@ -399,7 +399,7 @@ class OffloadRuntime:
         seconds = [0.0] * (2 * L)
         marks = timing['steps']
         for k, (s, ev) in enumerate(marks):
-            if k + 1 < len(marks) and marks[k + 1][0] == s + 1:
+            if k + 1 < len(marks) and marks[k + 1][0] == s + 1 and s != L - 1:
                 nxt = marks[k + 1][1]
             else:
                 nxt = timing.get('end_forward' if s < L else 'end_backward')
