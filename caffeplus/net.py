@@ -90,7 +90,7 @@ class Net:
         self.before_layer_backward = []
         self.applied_plan = None
         filtered = filter_net(in_param)
-        log.info('Initializing net from parameters: \n%s', _text(filtered))
+        log.info('Initializing net from parameters: \n%s', _text(filtered).rstrip('\n'))
         param = insert_splits(filtered)
         self.name = param.name
         self.net_param = param
@@ -609,5 +609,6 @@ def _abs_mean(arr):
 
 
 def _text(param):
-    from google.protobuf import text_format
-    return text_format.MessageToString(param)
+    """Text as Caffe prints a message (`lr_mult: 1`, not `1.0`)."""
+    from caffeplus.io.upgrade import message_to_text
+    return message_to_text(param)

@@ -59,9 +59,11 @@ def read_binary(path, message, what='binary protobuf'):
 
 
 def write_text(message, path):
+    """Write a message as Caffe's tools write prototxt text."""
     from caffeplus.io.atomic import atomic_write
+    from caffeplus.io.upgrade import message_to_text
     with atomic_write(path, 'w') as f:
-        f.write(text_format.MessageToString(message))
+        f.write(message_to_text(message))
 
 
 def read_net_param(path):

@@ -9,7 +9,7 @@ import os
 
 import numpy
 
-from caffeplus import log
+from caffeplus import backend, log
 from caffeplus.blob import shape_string, proto_shape
 from caffeplus.errors import FormatError, NetError
 from caffeplus.io.atomic import atomic_path, atomic_write
@@ -74,9 +74,9 @@ def write_hdf5(net, filename, write_diff=False):
                     if net.param_owners[net_param_id] != -1:
                         continue
                     blob = layer.blobs[j]
-                    g_data.create_dataset(str(j), data=numpy.asarray(blob.data, numpy.float32))
+                    g_data.create_dataset(str(j), data=backend.to_numpy(blob.data).astype(numpy.float32))
                     if g_diff is not None:
-                        g_diff.create_dataset(str(j), data=numpy.asarray(blob.diff, numpy.float32))
+                        g_diff.create_dataset(str(j), data=backend.to_numpy(blob.diff).astype(numpy.float32))
 
 
 # What h5py raises on a damaged file (bad signatures, truncated objects,
