@@ -261,6 +261,7 @@ class OffloadRuntime:
         self.step_seconds = None
         self._timing = None
         self._tail = None
+        self._next = 0
         self.pending_lookahead = None
         self.stats = {'copies_out': 0, 'copies_in': 0, 'bytes_out': 0, 'bytes_in': 0}
         self._hooks = [(net.before_layer_forward, self._before_forward_layer),
@@ -308,9 +309,10 @@ class OffloadRuntime:
             if it.copied and not it.copied_waited:
                 dev.wait(compute, it.copied_ev)
                 it.copied_waited = True
-        for it in self.by_bstart:
-            if it.bstart > s:
-                break
+        order = self.by_bstart
+        while self._next < len(order) and order[self._next].bstart <= s:
+            it = order[self._next]
+            self._next += 1
             if it.copied and not it.fetched:
                 self._prefetch(it)
         for it in self.consume_at[s]:
@@ -361,6 +363,7 @@ class OffloadRuntime:
         for it in self.items:
             it.reset()
             it.entry.storage.array = it.F.view
+        self._next = 0              # into by_bstart: the next prefetch to issue
         self.iteration += 1
         if not self.calibrated and self.iteration == self.options.get('calibrate_at',
                                                                       CALIBRATE_AT):
