@@ -350,8 +350,14 @@ class AppliedPlan:
             self.runtime = None
         for e in self.entries:
             e.storage.released_reason = None
-        self.arena = None
+        old_entries, self.arena = self.entries, None
         self._build(plan)
+        planned = {id(e.storage) for e in self.entries}
+        for e in old_entries:
+            # Persistent now (e.g. no longer reused after a reshape): its own copy.
+            arr = e.storage.array
+            if id(e.storage) not in planned and any(arr is life.view for life in e.lives):
+                e.storage.array = arr.copy()
         for e in self.entries:
             old = kept.get(id(e.storage))
             if old is None:
@@ -524,8 +530,8 @@ def apply_plan(net, plan, keep=(), training=None, workspace_limit=None, lookahea
     remove_plan(net, keep_values=False)     # what the arena held is dead between passes
     if training is None:
         training = plan.steps == 2 * len(net.layers) if plan.steps else _training_default(net)
-    manager = _apply_workspace(net, plan, workspace_limit)
     if plan.name not in PLACING:
+        manager = _apply_workspace(net, plan, workspace_limit)
         return {'applier': 'caffeplus.memory.apply', 'plan': plan.name, 'arena': None,
                 'arena_bytes': 0, 'workspace_manager': manager}
     if make is None:
@@ -542,7 +548,8 @@ def apply_plan(net, plan, keep=(), training=None, workspace_limit=None, lookahea
     applied = AppliedPlan(net, plan, options)
     net.applied_plan = applied
     info = applied.info()
-    info['workspace_manager'] = manager
+    # After the arena: a workspace sized from free memory sees it.
+    info['workspace_manager'] = _apply_workspace(net, plan, workspace_limit)
     return info
 
 
