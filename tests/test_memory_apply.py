@@ -29,7 +29,8 @@ from tools import check_plans_equal as cpe  # noqa: E402
 NET = '''
 name: "small"
 layer { name: "data" type: "DummyData" top: "data" top: "label"
-        dummy_data_param { data_filler { type: "gaussian" std: 1 } shape { dim: 4 dim: 2 dim: 12 dim: 12 }
+        dummy_data_param { data_filler { type: "gaussian" std: 1 }
+                           shape { dim: 4 dim: 2 dim: 12 dim: 12 }
                            data_filler { type: "uniform" min: 0 max: 4.99 } shape { dim: 4 } } }
 layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
         convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "xavier" } } }
@@ -489,19 +490,34 @@ def test_cli_memory_flags_reach_the_solver_param(tmp_path):
 
 
 # -- GPU -----------------------------------------------------------------------------------------
+GPU_BATCH = {'lenet': None, 'cifar10_bn': 8, 'googlenet': 4, 'resnet50': 4}
+STOCK_WORKSPACE = 8 * 2 ** 20       # Caffe 1.0's per-layer cuDNN workspace limit
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('name', ['lenet', 'cifar10_bn', 'googlenet', 'resnet50'])
+def test_gpu_shared_bit_identical_to_arena_deterministic(tmp_path, name):
+    """Placement alone: arena (every blob its own memory) and shared share
+    the workspace manager, so the same cuDNN algorithms run."""
+    need_model(name)
+    param, test_nets = cpe.net_param(name, str(tmp_path), GPU_BATCH[name])
+    arena, shared = [cpe.train(param, plan, 10, test_nets, gpu=0, math='deterministic',
+                               workspace_limit=64 * 2 ** 20) for plan in ('arena', 'shared')]
+    assert shared.info['arena_bytes'] > 0
+    assert_identical(arena, shared)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize('name', ['lenet', 'cifar10_bn', 'googlenet', 'resnet50'])
 def test_gpu_shared_bit_identical_to_stock_deterministic(tmp_path, name):
+    """Stock (one workspace per layer, Caffe 1.0's first algorithm within
+    8 MiB) against shared with an 8 MiB workspace arena: with deterministic
+    math both must run the same deterministic algorithms."""
     need_model(name)
-    batch = {'lenet': None, 'cifar10_bn': 8, 'googlenet': 4, 'resnet50': 4}[name]
-    param, test_nets = cpe.net_param(name, str(tmp_path), batch)
-    limit = 64 * 2 ** 20
-    runs = [cpe.train(param, plan, 10, test_nets, gpu=0, math='deterministic',
-                      workspace_limit=limit) for plan in ('arena', 'shared', 'stock')]
-    arena, shared, stock = runs
-    # Placement alone (same workspace manager): bit-identical.
-    assert_identical(arena, shared)
-    # Stock (Caffe 1.0's per-layer workspace): deterministic algorithms too.
+    param, test_nets = cpe.net_param(name, str(tmp_path), GPU_BATCH[name])
+    stock, shared = [cpe.train(param, plan, 50 if name in ('lenet', 'cifar10_bn') else 10,
+                               test_nets, gpu=0, math='deterministic',
+                               workspace_limit=STOCK_WORKSPACE) for plan in ('stock', 'shared')]
     assert_identical(stock, shared)
 
 
@@ -510,8 +526,7 @@ def test_gpu_shared_bit_identical_to_stock_deterministic(tmp_path, name):
 @pytest.mark.parametrize('lookahead', [1, 'auto'])
 def test_gpu_offload_bit_identical_to_shared(tmp_path, name, lookahead):
     need_model(name)
-    batch = {'cifar10_bn': 8, 'googlenet': 4, 'resnet50': 4}[name]
-    param, test_nets = cpe.net_param(name, str(tmp_path), batch)
+    param, test_nets = cpe.net_param(name, str(tmp_path), GPU_BATCH[name])
     shared = cpe.train(param, 'shared', 6, test_nets, gpu=0, math='deterministic')
     off = cpe.train(param, 'offload', 6, test_nets, gpu=0, math='deterministic', offload='all',
                     lookahead=lookahead, runtime_options={})
@@ -543,8 +558,7 @@ def test_gpu_offload_with_a_delayed_copy_stream_loses_nothing(tmp_path, name):
         with stream:            # RawKernel launches on the current stream
             kernel((1,), (1,), (np.int64(4_000_000),))
 
-    batch = {'cifar10_bn': 8, 'resnet50': 4}[name]
-    param, test_nets = cpe.net_param(name, str(tmp_path), batch)
+    param, test_nets = cpe.net_param(name, str(tmp_path), GPU_BATCH[name])
     shared = cpe.train(param, 'shared', 4, test_nets, gpu=0, math='deterministic')
     off = cpe.train(param, 'offload', 4, test_nets, gpu=0, math='deterministic', offload='all',
                     lookahead=1, runtime_options={'delay': delay})
