@@ -206,6 +206,14 @@ def _give_back(device, count, host):
     _POOL.setdefault((device.kind, count), []).append(host)
 
 
+def clear_pool():
+    """Drop the pooled host buffers no runtime holds (pinned memory goes back
+    to CuPy's pinned pool); returns their bytes."""
+    freed = sum(h.nbytes for hosts in _POOL.values() for h in hosts)
+    _POOL.clear()
+    return freed
+
+
 # -- the runtime --------------------------------------------------------------------
 class _Item:
     """One offloaded Storage and this iteration's copies of it."""
