@@ -40,7 +40,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 # Examples per target in CI (about 25 s in all on a 2-core machine).
 BUDGET = {
     'net_text': 60, 'net_gen': 60, 'solver_text': 40, 'caffemodel': 40, 'solverstate': 30,
-    'binaryproto': 40, 'hdf5_bytes': 30, 'hdf5_struct': 40, 'datum': 50, 'image': 40,
+    'binaryproto': 40, 'hdf5_bytes': 30, 'hdf5_struct': 40, 'datum': 50, 'data_layer': 30,
+    'image': 40,
     'image_list': 30,
 }
 CI_TIME_LIMIT = 10.0

@@ -511,6 +511,11 @@ class NetText(Target):
         from caffeplus.io import prototxt, upgrade
         from caffeplus.proto import caffe_pb2
         param = prototxt.parse_text(data, caffe_pb2.NetParameter(), 'fuzz.prototxt')
+        # `caffeplus upgrade --keep-going` upgrades with strict=False.
+        lenient = caffe_pb2.NetParameter()
+        lenient.CopyFrom(param)
+        upgrade.message_to_text(upgrade.upgrade_net_as_needed(lenient, 'fuzz.prototxt',
+                                                              strict=False))
         param = upgrade.upgrade_net_as_needed(param, 'fuzz.prototxt')
         # Printing the upgraded net must work too (caffeplus upgrade writes it).
         upgrade.message_to_text(param)
@@ -790,6 +795,50 @@ class DatumTarget(Target):
         return generated_datum(d)
 
 
+class DataLayerTarget(Target):
+    """A Data layer over an LMDB whose records are fuzzed Datums (with a
+    good record before or after), run for two batches through the prefetch
+    thread: errors must come out of forward as CaffeplusError."""
+    name = 'data_layer'
+
+    def seeds(self):
+        return DatumTarget().seeds()
+
+    def run(self, data, ctx):
+        import lmdb
+        import caffeplus
+        from caffeplus.io import prototxt
+        from caffeplus.proto import caffe_pb2
+        good = seeds_for(self.name)[0]
+        path = ctx.path('lmdb')
+        env = lmdb.open(path, map_size=1 << 24, subdir=True)
+        h = hashlib.md5(data).digest()
+        records = [good, data] if h[0] & 1 else [data, good]
+        with env.begin(write=True) as txn:
+            for i, value in enumerate(records):
+                txn.put(b'%08d' % i, value)
+        env.close()
+        text = ('layer { name: "data" type: "Data" top: "data" top: "label"\n'
+                '  transform_param { scale: 0.5 mirror: %s crop_size: %d %s }\n'
+                '  data_param { source: "%s" batch_size: %d backend: LMDB prefetch: %d } }\n'
+                % ('true' if h[1] & 1 else 'false', h[2] % 3 * 2,
+                   'force_color: true' if h[3] & 1 else '', path, 1 + h[4] % 2, h[5] % 3))
+        param = prototxt.parse_text(text, caffe_pb2.NetParameter())
+        net = caffeplus.Net(param, caffeplus.TRAIN)
+        try:
+            net.forward()
+            net.forward()
+        finally:
+            for layer in net.layers:
+                close = getattr(layer, 'close', None)
+                if close is not None:
+                    close()
+        return 'data layer %s' % (net.blobs['data'].shape,)
+
+    def generate(self, d):
+        return generated_datum(d)
+
+
 class ImageTarget(Target):
     """Encoded images (what an encoded Datum or an ImageData file holds)."""
     name = 'image'
@@ -901,7 +950,7 @@ def _caffeplus_error():
 
 TARGETS = collections.OrderedDict((t.name, t) for t in (
     NetText(), NetGen(), SolverText(), Caffemodel(), Solverstate(), Binaryproto(),
-    HDF5Bytes(), HDF5Struct(), DatumTarget(), ImageTarget(), ImageList()))
+    HDF5Bytes(), HDF5Struct(), DatumTarget(), DataLayerTarget(), ImageTarget(), ImageList()))
 
 
 # -- generators -----------------------------------------------------------------

@@ -304,6 +304,19 @@ def check_snapshots(snapdir, net_prototxt=None, workdir=None):
     return problems
 
 
+def sidecar_note(snapdir):
+    """A note when the newest state has no sidecar that matches it (a kill
+    between writing the state and its sidecar): resuming from it then
+    continues as stock Caffe would (data read from the start, fresh RNG),
+    not bit-identically. None when it has one."""
+    from caffeplus.solver import state as state_io
+    path = newest_state(snapdir)
+    if path is None:
+        return None
+    payload, reason = state_io.read_sidecar(path)
+    return None if payload is not None else '%s: %s' % (os.path.basename(path), reason)
+
+
 def newest_state(snapdir):
     states = snapshot_files(snapdir)['solverstate']
     return states[max(states)] if states else None
@@ -360,13 +373,15 @@ def main(argv=None):
                         help='the kill comes up to this many seconds after the first snapshot')
     parser.add_argument('--keep', default=None, help='work in this folder and keep it')
     args = parser.parse_args(argv)
+    from caffeplus import log
+    log.set_level(3)   # this process only checks files; the run logs itself
     rnd = random.Random(args.seed)
     base = args.keep or tempfile.mkdtemp(prefix='caffeplus-kill-')
     formats = ['BINARYPROTO', 'HDF5'] if args.format == 'both' else [args.format]
     # One folder per format: a binary and an HDF5 snapshot of one iteration
     # would otherwise sit side by side under one prefix.
     workdirs = {fmt: make_workdir(os.path.join(base, fmt.lower())) for fmt in formats}
-    failures = 0
+    failures = no_sidecar = 0
     start = time.time()
     try:
         for i in range(args.trials):
@@ -380,6 +395,11 @@ def main(argv=None):
                                  len(files['solverstate']), len(files['tmp']), status), flush=True)
             for p in problems:
                 print('    ' + p, flush=True)
+            note = sidecar_note(os.path.join(workdir, 'snap'))
+            if note:
+                no_sidecar += 1
+                print('    note: the newest state has no matching sidecar (%s)' % note,
+                      flush=True)
             failures += bool(problems)
             if (i + 1) % 10 == 0 or i + 1 == args.trials:
                 problems = resume_check(workdir, fmt)
@@ -391,8 +411,8 @@ def main(argv=None):
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
-    print('\nkill_test: %d trials in %.0f s, %d broken' % (args.trials, time.time() - start,
-                                                           failures))
+    print('\nkill_test: %d trials in %.0f s, %d broken; %d left the newest state without its '
+          'sidecar' % (args.trials, time.time() - start, failures, no_sidecar))
     return 1 if failures else 0
 
 
