@@ -11,7 +11,7 @@ import os
 
 import numpy
 
-from caffeplus import backend, log
+from caffeplus import backend, kernels, log
 from caffeplus.blob import Blob, HostBlob
 from caffeplus.errors import CaffeplusError, FormatError, NetError
 from caffeplus.layer import create_layer
@@ -349,6 +349,7 @@ class Net:
         plan = self.applied_plan    # memory plan: clears release marks, re-places on growth
         if plan is not None:
             plan.before_forward(start, end)
+        kernels.begin_pass(self, start, end)    # fused chains of layers (GPU)
         loss = 0.0
         for i in range(start, end + 1):
             for hook in self.before_layer_forward:
@@ -374,6 +375,7 @@ class Net:
         plan = self.applied_plan    # memory plan: clears release marks
         if plan is not None:
             plan.before_backward(start, end)
+        kernels.begin_pass(self, start, end, backward=True)
         for i in range(start, end - 1, -1):
             for hook in self.before_layer_backward:
                 hook(i)
@@ -409,6 +411,8 @@ class Net:
             self.applied_plan.reshaped()
 
     def clear_param_diffs(self):
+        if kernels.active() and kernels.zero_diffs(self.learnable_params):
+            return                  # GPU: one memset per diff
         for p in self.learnable_params:
             p.diff[...] = 0
 

@@ -27,13 +27,16 @@ import numpy
 from caffeplus import backend, log
 from caffeplus.errors import CaffeplusError
 from caffeplus.layer import register_engine
-from caffeplus.layers.common import SoftmaxLayer
+from caffeplus.layers.common import EltwiseLayer, SoftmaxLayer, SplitLayer
 from caffeplus.layers.neuron import ELULayer, ReLULayer, SigmoidLayer, TanHLayer
+from caffeplus.layers.normalization import BatchNormLayer, ScaleLayer, _same_data
 from caffeplus.layers.vision import (AVE, MAX, ConvolutionLayer, DeconvolutionLayer,
                                      LRNLayer, PoolingLayer)
 from caffeplus.proto import caffe_pb2
 
 READS_BOTH = frozenset(('bottom_data', 'top_data'))
+F32 = numpy.float32
+_ELTWISE_SUM = caffe_pb2.EltwiseParameter.SUM
 FLOAT_BYTES = 4
 CUDNN_ENGINE = 2
 _status = {'available': None, 'warned': False}
@@ -689,3 +692,555 @@ class CuDNNELULayer(_CudnnActivationMixin, ELULayer):
 
     def _act_ok(self, bottom, top):
         return bottom[0].data_storage is not top[0].data_storage
+
+
+# =============================================================================
+# Fused kernels (caffeplus.kernels): BatchNorm, Scale, ReLU, Eltwise SUM, Split
+# =============================================================================
+# In GPU mode these layers run one CUDA kernel per forward and per backward
+# instead of the generic code's ten to twenty CuPy operations; on NumPy
+# arrays (CPU mode), for blobs of 2**31 values or more, or with
+# CAFFEPLUS_FUSED=0, they run the generic code. Their reshape returns at
+# once when the bottom shapes are those of the last call (the net reshapes
+# every layer before every forward).
+#
+# Chains. In a residual net each convolution is followed by BatchNorm,
+# Scale and (mostly) ReLU, all in place on one blob. When a pass of the net
+# runs the whole chain and nothing watches the layers in between (no
+# per-layer hooks but on_layer_backward_done, no debug_info), BatchNorm's
+# forward writes the chain's final top, relu(scale * norm(x) + bias), and
+# the chain's last layer's backward computes every gradient of the three
+# (Scale's parameter gradients included) in one kernel; the other layers
+# of the chain then do nothing. The blob's values after the chain, and
+# every gradient, are those of the layers run one by one. The net tells
+# the chains about each pass through kernels.begin_pass.
+
+def _fused(what, fn, *args):
+    """Run a fused path; False (the caller runs the generic code) when it
+    does not apply or its kernel failed to build or launch."""
+    from caffeplus import kernels
+    try:
+        return fn(*args)
+    except Exception as exc:
+        from caffeplus.memory import workspace
+        if workspace.is_out_of_memory(exc):
+            raise
+        kernels.note_failure(what, exc)
+        return False
+
+
+def _view(buf, shape):
+    """A cached view of buffer `buf` with `shape` (rebuilt when either changes)."""
+    return buf[:_prod(shape)].reshape(shape)
+
+
+class _FusedMixin:
+    """A reshape that skips when the bottom shapes are those of the last call."""
+    _rkey = None
+
+    def _reshape_key(self, bottom):
+        return tuple(b._shape for b in bottom)
+
+    def reshape(self, bottom, top):
+        key = self._reshape_key(bottom)
+        if key == self._rkey and all(t._shape == bottom[0]._shape for t in top):
+            return
+        self._rkey = None
+        super().reshape(bottom, top)
+        self._rkey = key
+        self._reshaped(bottom, top)
+
+    def _reshaped(self, bottom, top):
+        pass
+
+
+class _Chain:
+    """BatchNorm -> Scale (-> ReLU), in place on one blob, consecutive layers."""
+    __slots__ = ('bn', 'scale', 'relu', 'first', 'last', 'head', 'needs_backward',
+                 'fwd_active', 'bwd_active', 'fwd_done', 'bwd_done')
+
+    def __init__(self, net, i, bn, scale, relu):
+        self.bn, self.scale, self.relu = bn, scale, relu
+        self.first, self.last = i, i + (2 if relu is not None else 1)
+        self.head = relu if relu is not None else scale      # first in backward order
+        self.needs_backward = all(net.layer_need_backward[j] and all(net.bottom_need_backward[j])
+                                  for j in range(self.first, self.last + 1))
+        self.fwd_active = self.bwd_active = self.fwd_done = self.bwd_done = False
+
+    def geometry_ok(self):
+        """Scale covers exactly BatchNorm's channel axis (and its bias the same)."""
+        sc = self.scale
+        return sc.dims == self.bn._cfg and (sc.bias_param_id is None or
+                                            sc.bias_dims == sc.dims)
+
+    def forward(self, x, y):
+        """BatchNorm's fused forward for the whole chain (called by BatchNorm)."""
+        from caffeplus import kernels as K
+        sc = self.scale
+        s = K.flat(sc.blobs[0])
+        b = K.flat(sc.blobs[sc.bias_param_id]) if sc.bias_param_id is not None else None
+        if s is None or (sc.bias_param_id is not None and b is None):
+            return False
+        flags = K.BN_SCALE | (K.BN_BIAS if b is not None else 0) | \
+            (K.BN_RELU if self.relu is not None else 0)
+        if not self.bn._launch_forward(x, y, flags, s, b):
+            return False
+        sc._bottom_copy = self.bn._x_norm           # Scale's bottom: the normalized x
+        self.fwd_done = True
+        return True
+
+    def backward(self):
+        """The chain's fused backward (called by its head, first in backward order)."""
+        from caffeplus import kernels as K
+        bn, sc = self.bn, self.scale
+        if not self.geometry_ok() or bn._x_norm is None or bn._std is None:
+            return False
+        n, c, s_ = bn._cfg
+        count = n * c * s_
+        if not 0 < count <= K.MAX_COUNT or bn._x_norm.size != count:
+            return False
+        blob = bn._chain_blob
+        dy = K.flat(blob, diff=True)
+        s = K.flat(sc.blobs[0])
+        bid = sc.bias_param_id
+        b = K.flat(sc.blobs[bid]) if bid is not None else None
+        if dy is None or s is None or (bid is not None and b is None):
+            return False
+        want_ds = sc.param_needs_backward(0)
+        want_db = bid is not None and sc.param_needs_backward(bid)
+        ds = K.flat(sc.blobs[0], diff=True) if want_ds else None
+        db = K.flat(sc.blobs[bid], diff=True) if want_db else None
+        if (want_ds and ds is None) or (want_db and db is None):
+            return False
+        flags = K.BN_SCALE | K.BN_DX | (K.BN_BIAS if b is not None else 0) | \
+            (K.BN_RELU if self.relu is not None else 0) | \
+            (K.BN_DSCALE if want_ds else 0) | (K.BN_DBIAS if want_db else 0) | \
+            (0 if bn.use_global_stats else K.BN_BATCH)
+        K.kernel('cp_bn_bwd')((c,), (K.channel_block(n * s_),), (
+            dy, bn._x_norm, bn._std, dy, s, b if b is not None else s,
+            ds if ds is not None else dy, db if db is not None else dy,
+            K.u32(n), K.u32(c), K.u32(s_), K.i32(flags)))
+        self.bwd_done = True
+        return True
+
+
+def _find_chains(net):
+    chains = []
+    layers = net.layers
+    L = len(layers)
+
+    def in_place_on(j, blob):
+        return len(net.bottom_vecs[j]) == 1 and len(net.top_vecs[j]) == 1 and \
+            net.bottom_vecs[j][0] is blob and net.top_vecs[j][0] is blob
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, GPUBatchNormLayer) or i + 1 >= L or not net.bottom_vecs[i]:
+            continue
+        blob = net.bottom_vecs[i][0]
+        if not in_place_on(i, blob):
+            continue
+        sc = layers[i + 1]
+        if not isinstance(sc, GPUScaleLayer) or not in_place_on(i + 1, blob):
+            continue
+        relu = layers[i + 2] if i + 2 < L else None
+        if not (isinstance(relu, CuDNNReLULayer) and relu.slope == 0 and in_place_on(i + 2, blob)):
+            relu = None
+        ch = _Chain(net, i, layer, sc, relu)
+        layer._chain_blob = blob
+        for member in (layer, sc, relu):
+            if member is not None:
+                member._chain = ch
+        chains.append(ch)
+    return chains
+
+
+def _begin_pass(net, start, end, backward):
+    """kernels.begin_pass: which chains run fused in this pass of `net`."""
+    chains = net.__dict__.get('_fused_chains')
+    if chains is None:
+        chains = net._fused_chains = _find_chains(net)
+    if not chains:
+        return
+    from caffeplus import kernels
+    on = kernels.active() and not (net.debug_info or net.before_layer_forward or
+                                   net.after_layer_forward or net.before_layer_backward)
+    for ch in chains:
+        if backward:
+            ch.bwd_done = False
+            ch.bwd_active = on and ch.needs_backward and end <= ch.first and ch.last <= start
+        else:
+            ch.fwd_done = False
+            ch.fwd_active = on and start <= ch.first and ch.last <= end
+
+
+def _register_planner():
+    from caffeplus import kernels
+    kernels.set_chain_planner(_begin_pass)
+
+
+@register_engine('CUDNN')
+class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
+    """BatchNorm through caffeplus.kernels' cp_bn_fwd / cp_bn_bwd on the GPU."""
+    engine = 'FUSED'
+    _chain = None
+    _chain_blob = None
+    _cfg = None
+    _xn_buf = _std_buf = _buf_key = None
+
+    def _reshaped(self, bottom, top):
+        self._cfg = self._dims(bottom[0])
+
+    def _buffers(self, keep):
+        """The layer's std and normalized copy: views of device buffers reused
+        across calls (the generic code's self._std and self._x_norm)."""
+        from caffeplus import kernels as K
+        n, c, s = self._cfg
+        count = n * c * s
+        if self._std_buf is None or self._std_buf.size < c or not K.is_device(self._std_buf):
+            self._std_buf = K.empty(c)
+        if keep and (self._xn_buf is None or self._xn_buf.size < count or
+                     not K.is_device(self._xn_buf)):
+            self._xn_buf = K.empty(count)
+        key = (self._cfg, keep, id(self._std_buf), id(self._xn_buf))
+        if key != self._buf_key:
+            self._my_std = self._std_buf[:c]
+            self._my_xn = _view(self._xn_buf, (n, c, s)) if keep else None
+            self._buf_key = key
+        self._std = self._my_std
+        self._x_norm = self._my_xn
+        return self._xn_buf if keep else None
+
+    def _launch_forward(self, x, y, chain_flags=0, sc=None, bi=None):
+        from caffeplus import kernels as K
+        n, c, s = self._cfg
+        b0, b1, b2 = (K.flat(b) for b in self.blobs)
+        if b0 is None or b1 is None or b2 is None:
+            return False
+        batch = not self.use_global_stats
+        keep = batch or bool(chain_flags)
+        xn = self._buffers(keep)
+        m = n * s
+        corr = F32(m) / F32(m - 1) if m > 1 else F32(1)
+        flags = (K.BN_BATCH if batch else 0) | (K.BN_KEEP if keep else 0) | chain_flags
+        K.kernel('cp_bn_fwd')((c,), (K.channel_block(m),), (
+            x, y, xn if xn is not None else y, b0, b1, b2, self._std_buf,
+            sc if sc is not None else b0, bi if bi is not None else b0,
+            K.u32(n), K.u32(c), K.u32(s), K.i32(flags), self.maf, self.eps, F32(corr)))
+        return True
+
+    def _fast_forward(self, bottom, top):
+        from caffeplus import kernels as K
+        n, c, s = self._cfg
+        if not 0 < n * c * s <= K.MAX_COUNT:
+            return False
+        x, y = K.flat(bottom[0]), K.flat(top[0])
+        if x is None or y is None:
+            return False
+        ch = self._chain
+        if ch is not None and ch.fwd_active and ch.geometry_ok() and ch.forward(x, y):
+            return True
+        return self._launch_forward(x, y)
+
+    def _forward(self, bottom, top):
+        from caffeplus import kernels
+        if not (kernels.active() and _fused('BatchNorm forward', self._fast_forward, bottom, top)):
+            super()._forward(bottom, top)
+
+    def _fast_backward(self, top, propagate_down, bottom):
+        from caffeplus import kernels as K
+        n, c, s = self._cfg
+        count = n * c * s
+        if not 0 < count <= K.MAX_COUNT or self._std is None or self._std.size != c:
+            return False
+        batch = not self.use_global_stats
+        xn = self._x_norm
+        if batch and (xn is None or xn.size != count):
+            return False
+        dy, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
+        if dy is None or dx is None or not K.is_device(self._std) or \
+                (xn is not None and not K.is_device(xn)):
+            return False
+        flags = K.BN_DX | (K.BN_BATCH if batch else 0)
+        K.kernel('cp_bn_bwd')((c,), (K.channel_block(n * s),), (
+            dy, xn if xn is not None else dy, self._std, dx, dy, dy, dx, dx,
+            K.u32(n), K.u32(c), K.u32(s), K.i32(flags)))
+        return True
+
+    def _backward(self, top, propagate_down, bottom):
+        ch = self._chain
+        if ch is not None and ch.bwd_done:
+            return
+        if not propagate_down[0]:
+            return
+        from caffeplus import kernels
+        if not (kernels.active() and _fused('BatchNorm backward', self._fast_backward, top,
+                                            propagate_down, bottom)):
+            super()._backward(top, propagate_down, bottom)
+
+
+@register_engine('CUDNN')
+class GPUScaleLayer(_FusedMixin, ScaleLayer):
+    """Scale through caffeplus.kernels' cp_scale_fwd / cp_scale_bwd on the GPU."""
+    engine = 'FUSED'
+    _chain = None
+    _keep_buf = _keep_key = None
+
+    def _scale_grad_needed(self, bottom):
+        return len(bottom) > 1 or self.param_needs_backward(0)
+
+    def _fast_forward(self, bottom, top):
+        from caffeplus import kernels as K
+        outer, dim, inner = self.dims
+        count = outer * dim * inner
+        if not 0 < count <= K.MAX_COUNT:
+            return False
+        bid = self.bias_param_id
+        if bid is not None and self.bias_dims != self.dims:
+            return False
+        x, y = K.flat(bottom[0]), K.flat(top[0])
+        s = K.flat(self._scale_blob(bottom))
+        b = K.flat(self.blobs[bid]) if bid is not None else None
+        if x is None or y is None or s is None or (bid is not None and b is None):
+            return False
+        keep = _same_data(bottom[0], top[0]) and self._scale_grad_needed(bottom)
+        flags = (K.SC_BIAS if b is not None else 0)
+        kp = y
+        if keep:
+            if self._keep_buf is None or self._keep_buf.size < count or \
+                    not K.is_device(self._keep_buf):
+                self._keep_buf = K.empty(count)
+            kp = self._keep_buf
+            key = (self.dims, id(kp))
+            if key != self._keep_key:
+                self._my_copy = _view(kp, self.dims)
+                self._keep_key = key
+            self._bottom_copy = self._my_copy
+            flags |= K.SC_KEEP
+        else:
+            self._bottom_copy = None
+        K.kernel('cp_scale_fwd')(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,), (
+            x, y, kp, s, b if b is not None else s, K.u32(outer), K.u32(dim), K.u32(inner),
+            K.i32(flags)))
+        return True
+
+    def _forward(self, bottom, top):
+        ch = self._chain
+        if ch is not None and ch.fwd_done:
+            return
+        from caffeplus import kernels
+        if not (kernels.active() and _fused('Scale forward', self._fast_forward, bottom, top)):
+            super()._forward(bottom, top)
+
+    def _fast_backward(self, top, propagate_down, bottom):
+        from caffeplus import kernels as K
+        outer, dim, inner = self.dims
+        count = outer * dim * inner
+        if not 0 < count <= K.MAX_COUNT:
+            return False
+        bid = self.bias_param_id
+        want_db = bid is not None and self.param_needs_backward(bid)
+        if want_db and self.bias_dims != self.dims:
+            return False
+        learned = len(bottom) == 1
+        want_ds = (learned and self.param_needs_backward(0)) or \
+            (not learned and propagate_down[1])
+        want_dx = bool(propagate_down[0])
+        if not (want_ds or want_db or want_dx):
+            return True
+        dy = K.flat(top[0], diff=True)
+        s = K.flat(self._scale_blob(bottom))
+        if dy is None or s is None:
+            return False
+        x = ds = db = dx = None
+        flags = 0
+        if want_ds:
+            if _same_data(bottom[0], top[0]):
+                x = self._bottom_copy
+                if x is None or x.size != count or not K.is_device(x):
+                    return False            # the generic code names the problem
+            else:
+                x = K.flat(bottom[0])
+            ds = K.flat(self.blobs[0], diff=True) if learned else K.flat(bottom[1], diff=True)
+            if x is None or ds is None:
+                return False
+            flags |= K.SC_DSCALE | (K.SC_DSCALE_ACC if learned else 0)
+        if want_db:
+            db = K.flat(self.blobs[bid], diff=True)
+            if db is None:
+                return False
+            flags |= K.SC_DBIAS
+        if want_dx:
+            dx = K.flat(bottom[0], diff=True)
+            if dx is None:
+                return False
+            flags |= K.SC_DX
+        K.kernel('cp_scale_bwd')((dim,), (K.channel_block(outer * inner),), (
+            dy, x if x is not None else dy, s, dx if dx is not None else dy,
+            ds if ds is not None else dy, db if db is not None else dy,
+            K.u32(outer), K.u32(dim), K.u32(inner), K.i32(flags)))
+        return True
+
+    def _backward(self, top, propagate_down, bottom):
+        from caffeplus import kernels
+        ch = self._chain
+        if ch is not None:
+            if ch.bwd_done:
+                return
+            if ch.head is self and ch.bwd_active and kernels.active() and \
+                    _fused('BatchNorm-Scale backward', ch.backward):
+                return
+        if not (kernels.active() and _fused('Scale backward', self._fast_backward, top,
+                                            propagate_down, bottom)):
+            super()._backward(top, propagate_down, bottom)
+
+
+class _FusedReLUMixin:
+    """ReLU (any slope) through cp_relu_fwd / cp_relu_bwd; a link of a chain."""
+    _chain = None
+
+    def _fast_forward(self, bottom, top):
+        from caffeplus import kernels as K
+        n = bottom[0]._count
+        if not 0 < n <= K.MAX_COUNT:
+            return False
+        x, y = K.flat(bottom[0]), K.flat(top[0])
+        if x is None or y is None:
+            return False
+        K.kernel('cp_relu_fwd')(K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,),
+                                (x, y, K.u32(n), F32(self.slope)))
+        return True
+
+    def _fast_backward(self, top, propagate_down, bottom):
+        from caffeplus import kernels as K
+        n = top[0]._count
+        if not 0 < n <= K.MAX_COUNT:
+            return False
+        ref = K.flat(top[0]) if self.slope >= 0 else K.flat(bottom[0])
+        dy, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
+        if ref is None or dy is None or dx is None:
+            return False
+        K.kernel('cp_relu_bwd')(K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,),
+                                (dy, ref, dx, K.u32(n), F32(self.slope)))
+        return True
+
+
+# The fused kernels replace cuDNN's activation for ReLU (same values; one
+# launch with less Python around it): CuDNNReLULayer takes them first.
+def _relu_forward(self, bottom, top):
+    ch = self._chain
+    if ch is not None and ch.fwd_done:
+        return
+    from caffeplus import kernels
+    if not (kernels.active() and _fused('ReLU forward', self._fast_forward, bottom, top)):
+        _CudnnActivationMixin._forward(self, bottom, top)
+
+
+def _relu_backward(self, top, propagate_down, bottom):
+    from caffeplus import kernels
+    ch = self._chain
+    if ch is not None:
+        if ch.bwd_done:
+            return
+        if ch.head is self and ch.bwd_active and kernels.active() and \
+                _fused('BatchNorm-Scale-ReLU backward', ch.backward):
+            return
+    if not propagate_down[0]:
+        return
+    if not (kernels.active() and _fused('ReLU backward', self._fast_backward, top,
+                                        propagate_down, bottom)):
+        _CudnnActivationMixin._backward(self, top, propagate_down, bottom)
+
+
+for _name, _value in (('_fast_forward', _FusedReLUMixin._fast_forward),
+                      ('_fast_backward', _FusedReLUMixin._fast_backward),
+                      ('_forward', _relu_forward), ('_backward', _relu_backward),
+                      ('_chain', None)):
+    setattr(CuDNNReLULayer, _name, _value)
+
+
+@register_engine('CUDNN')
+class GPUEltwiseLayer(_FusedMixin, EltwiseLayer):
+    """Eltwise SUM through cp_axpby / cp_scale2 on the GPU (PROD and MAX: generic)."""
+    engine = 'FUSED'
+
+    def _fast_forward(self, bottom, top):
+        from caffeplus import kernels as K
+        n = top[0]._count
+        if not 0 < n <= K.MAX_COUNT:
+            return False
+        xs = [K.flat(b) for b in bottom]
+        y = K.flat(top[0])
+        if y is None or any(a is None for a in xs):
+            return False
+        grid, block, c = K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,), self.coeffs
+        k = K.kernel('cp_axpby')
+        k(grid, block, (xs[0], xs[1], y, K.u32(n), F32(c[0]), F32(c[1])))
+        for a, ci in zip(xs[2:], c[2:]):
+            k(grid, block, (y, a, y, K.u32(n), F32(1), F32(ci)))
+        return True
+
+    def _fast_backward(self, top, propagate_down, bottom):
+        from caffeplus import kernels as K
+        n = top[0]._count
+        if not 0 < n <= K.MAX_COUNT:
+            return False
+        dy = K.flat(top[0], diff=True)
+        outs = [(K.flat(b, diff=True), self.coeffs[i])
+                for i, b in enumerate(bottom) if propagate_down[i]]
+        if dy is None or any(a is None for a, _ in outs):
+            return False
+        grid, block = K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,)
+        k = K.kernel('cp_scale2')
+        for j in range(0, len(outs), 2):
+            d0, c0 = outs[j]
+            if j + 1 < len(outs):
+                d1, c1, flags = outs[j + 1][0], outs[j + 1][1], 3
+            else:
+                d1, c1, flags = d0, c0, 1
+            k(grid, block, (dy, d0, d1, K.u32(n), F32(c0), F32(c1), K.i32(flags)))
+        return True
+
+    def _forward(self, bottom, top):
+        from caffeplus import kernels
+        if not (self.op == _ELTWISE_SUM and kernels.active() and
+                _fused('Eltwise forward', self._fast_forward, bottom, top)):
+            super()._forward(bottom, top)
+
+    def _backward(self, top, propagate_down, bottom):
+        from caffeplus import kernels
+        if not (self.op == _ELTWISE_SUM and kernels.active() and
+                _fused('Eltwise backward', self._fast_backward, top, propagate_down, bottom)):
+            super()._backward(top, propagate_down, bottom)
+
+
+@register_engine('CUDNN')
+class GPUSplitLayer(SplitLayer):
+    """Split whose backward sums the top diffs with cp_axpby on the GPU."""
+    engine = 'FUSED'
+
+    def _fast_backward(self, top, propagate_down, bottom):
+        from caffeplus import kernels as K
+        n = bottom[0]._count
+        if len(top) < 2 or not 0 < n <= K.MAX_COUNT:
+            return False
+        ds = [K.flat(t, diff=True) for t in top]
+        dx = K.flat(bottom[0], diff=True)
+        if dx is None or any(a is None for a in ds):
+            return False
+        grid, block = K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,)
+        k = K.kernel('cp_axpby')
+        one = F32(1)
+        k(grid, block, (ds[0], ds[1], dx, K.u32(n), one, one))
+        for a in ds[2:]:
+            k(grid, block, (dx, a, dx, K.u32(n), one, one))
+        return True
+
+    def _backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        from caffeplus import kernels
+        if not (kernels.active() and
+                _fused('Split backward', self._fast_backward, top, propagate_down, bottom)):
+            super()._backward(top, propagate_down, bottom)
+
+
+_register_planner()

@@ -1,0 +1,503 @@
+"""Fused CUDA kernels for the layers that dominate deep nets on the GPU:
+BatchNorm, Scale, ReLU, Eltwise SUM and Split, and the BatchNorm -> Scale
+-> ReLU chain of residual nets as one forward and one backward kernel.
+
+Written as the generic layers compute, with stock Caffe's semantics, one
+launch per layer and direction instead of the ten to twenty CuPy operations
+(and their Python) of the generic code:
+
+  cp_bn_fwd     one block per channel: the channel's mean and variance (one
+                pass, shifted sums in double), Caffe's three statistics
+                blobs updated (moving average, m/(m-1) variance correction,
+                scale factor), then y = (x - mean) / std and the layer's copy
+                of it; optionally y = relu(y * scale + bias) (the chain).
+  cp_bn_bwd     one block per channel: sum(dy) and sum(dy * y_norm), then
+                dx; with the chain, ReLU's mask and Scale's parameter
+                gradients in the same two passes.
+  cp_scale_fwd  y = x * s (+ b), keeping the bottom when in place.
+  cp_scale_bwd  one block per channel: Scale's parameter gradients, dx = dy * s.
+  cp_relu_fwd / cp_relu_bwd, cp_axpby (Eltwise SUM forward, Split backward),
+  cp_scale2 (Eltwise SUM backward).
+
+Rounding follows the CPU layers: products and sums are written with
+__fmul_rn / __fadd_rn where the CPU code rounds each step (no FMA
+contraction), divisions are IEEE; reductions run in double, so they are at
+least as accurate as NumPy's float32 pairwise sums.
+
+Pointers reach the kernels as CuPy arrays (each storage's flat array, no
+views are made per call); sizes as unsigned 32-bit ints: the layers use
+these kernels only for blobs of fewer than 2**31 values.
+
+The same source compiles on the host for tests (tools/kernel_emu.py runs
+it with one thread per CUDA thread), so the layers' GPU code paths can be
+checked against the CPU layers on a machine without a GPU.
+"""
+import os
+
+import numpy
+
+from caffeplus.blob import HEAD_DEVICE as _HEAD_DEVICE
+
+SOURCE = r'''
+#define CP_FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ double cp_warp_sum(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(CP_FULL_MASK, v, o);
+    return v;
+}
+
+/* Block-wide sums of a and b; every thread gets both totals.
+   blockDim.x must be a multiple of 32 (at most 1024). */
+__device__ void cp_block_sum2(double* a, double* b, double* sh) {
+    const int lane = threadIdx.x & 31;
+    const int wid = threadIdx.x >> 5;
+    const int nw = blockDim.x >> 5;
+    double x = cp_warp_sum(*a);
+    double y = cp_warp_sum(*b);
+    if (lane == 0) { sh[wid] = x; sh[32 + wid] = y; }
+    __syncthreads();
+    if (wid == 0) {
+        x = lane < nw ? sh[lane] : 0.0;
+        y = lane < nw ? sh[32 + lane] : 0.0;
+        x = cp_warp_sum(x);
+        y = cp_warp_sum(y);
+        if (lane == 0) { sh[64] = x; sh[65] = y; }
+    }
+    __syncthreads();
+    *a = sh[64];
+    *b = sh[65];
+    __syncthreads();
+}
+
+/* numpy.maximum(v, 0): NaN and -0.0 pass through. */
+__device__ __forceinline__ float cp_relu0(float v) {
+    return (v >= 0.0f || v != v) ? v : 0.0f;
+}
+
+/* The chain's top from the normalized value: relu(v * s + b). */
+__device__ __forceinline__ float cp_chain(float v, float s, float b, int flags) {
+    if (flags & 4) v = __fmul_rn(v, s);
+    if (flags & 8) v = __fadd_rn(v, b);
+    if (flags & 16) v = cp_relu0(v);
+    return v;
+}
+
+/* BatchNorm forward, one block per channel over x viewed as (N, C, S).
+   flags: 1 batch statistics (else the stored ones), 2 keep the normalized
+   copy in xn, 4 multiply by sc[c], 8 add bi[c], 16 ReLU (the chain). */
+extern "C" __global__ void cp_bn_fwd(
+    const float* x, float* y, float* xn, float* b0, float* b1, float* b2, float* stdv,
+    const float* sc, const float* bi,
+    const unsigned N, const unsigned C, const unsigned S, const int flags,
+    const float maf, const float eps, const float corr)
+{
+    __shared__ double sh[66];
+    __shared__ float stat[2];
+    const unsigned c = blockIdx.x;
+    const unsigned M = N * S;
+    const unsigned base = c * S;
+    const unsigned step = C * S;
+    if (flags & 1) {
+        const double K = (double)x[base];
+        double a = 0.0, b = 0.0;
+        for (unsigned i = threadIdx.x; i < M; i += blockDim.x) {
+            const unsigned n = i / S;
+            const double d = (double)x[base + n * step + (i - n * S)] - K;
+            a += d;
+            b += d * d;
+        }
+        cp_block_sum2(&a, &b, sh);
+        if (threadIdx.x == 0) {
+            const double m = (double)M;
+            const double dm = a / m;
+            double var = b / m - dm * dm;
+            if (var < 0.0) var = 0.0;
+            const float meanf = (float)(K + dm);
+            const float varf = (float)var;
+            stat[0] = meanf;
+            stat[1] = varf;
+            b0[c] = __fadd_rn(__fmul_rn(b0[c], maf), meanf);
+            b1[c] = __fadd_rn(__fmul_rn(b1[c], maf), __fmul_rn(varf, corr));
+            if (c == 0) b2[0] = __fadd_rn(__fmul_rn(b2[0], maf), 1.0f);
+        }
+    } else if (threadIdx.x == 0) {
+        const float f = b2[0];
+        const float scale = f == 0.0f ? 0.0f : 1.0f / f;
+        stat[0] = __fmul_rn(b0[c], scale);
+        stat[1] = __fmul_rn(b1[c], scale);
+    }
+    __syncthreads();
+    const float mean = stat[0];
+    const float sd = sqrtf(__fadd_rn(stat[1], eps));
+    if (threadIdx.x == 0) stdv[c] = sd;
+    const float s = (flags & 4) ? sc[c] : 1.0f;
+    const float bb = (flags & 8) ? bi[c] : 0.0f;
+    for (unsigned i = threadIdx.x; i < M; i += blockDim.x) {
+        const unsigned n = i / S;
+        const unsigned o = base + n * step + (i - n * S);
+        const float v = __fdiv_rn(__fsub_rn(x[o], mean), sd);
+        if (flags & 2) xn[o] = v;
+        y[o] = cp_chain(v, s, bb, flags);
+    }
+}
+
+/* BatchNorm backward, one block per channel. xn: the normalized forward
+   output; stdv: the std the forward used.
+   flags: 1 batch statistics (else dx = dy / std), 4/8/16 the chain's Scale,
+   bias and ReLU (dy is then the ReLU's top diff), 32 accumulate the scale
+   gradient into dsc, 64 the bias gradient into dbi, 128 write dx. */
+extern "C" __global__ void cp_bn_bwd(
+    const float* dy, const float* xn, const float* stdv, float* dx,
+    const float* sc, const float* bi, float* dsc, float* dbi,
+    const unsigned N, const unsigned C, const unsigned S, const int flags)
+{
+    __shared__ double sh[66];
+    const unsigned c = blockIdx.x;
+    const unsigned M = N * S;
+    const unsigned base = c * S;
+    const unsigned step = C * S;
+    const float s = (flags & 4) ? sc[c] : 1.0f;
+    const float bb = (flags & 8) ? bi[c] : 0.0f;
+    const int relu = flags & 16;
+    const float sd = stdv[c];
+    float mdyy = 0.0f, mdy = 0.0f;
+    if (flags & (1 | 32 | 64)) {
+        double a = 0.0, b = 0.0;
+        for (unsigned i = threadIdx.x; i < M; i += blockDim.x) {
+            const unsigned n = i / S;
+            const unsigned o = base + n * step + (i - n * S);
+            const float v = xn[o];
+            float g = dy[o];
+            if (relu) g = __fmul_rn(g, cp_chain(v, s, bb, flags & 12) > 0.0f ? 1.0f : 0.0f);
+            a += (double)g * (double)v;
+            b += (double)g;
+        }
+        cp_block_sum2(&a, &b, sh);
+        if (threadIdx.x == 0) {
+            if (flags & 32) dsc[c] = __fadd_rn(dsc[c], (float)a);
+            if (flags & 64) dbi[c] = __fadd_rn(dbi[c], (float)b);
+        }
+        /* BatchNorm's own top diff is Scale's bottom diff, g * s. */
+        mdyy = (float)((double)s * a / (double)M);
+        mdy = (float)((double)s * b / (double)M);
+    }
+    if (!(flags & 128)) return;
+    for (unsigned i = threadIdx.x; i < M; i += blockDim.x) {
+        const unsigned n = i / S;
+        const unsigned o = base + n * step + (i - n * S);
+        const float v = xn[o];
+        float g = dy[o];
+        if (relu) g = __fmul_rn(g, cp_chain(v, s, bb, flags & 12) > 0.0f ? 1.0f : 0.0f);
+        if (flags & 4) g = __fmul_rn(g, s);
+        if (flags & 1) {
+            const float t = __fadd_rn(__fmul_rn(v, mdyy), mdy);
+            dx[o] = __fdiv_rn(__fsub_rn(g, t), sd);
+        } else {
+            dx[o] = __fdiv_rn(g, sd);
+        }
+    }
+}
+
+/* Scale forward: y = x * s[c] (+ b[c]) over (outer, dim, inner).
+   flags: 1 keep a copy of x, 2 add the bias. */
+extern "C" __global__ void cp_scale_fwd(
+    const float* x, float* y, float* keep, const float* sc, const float* bi,
+    const unsigned outer, const unsigned dim, const unsigned inner, const int flags)
+{
+    const unsigned total = outer * dim * inner;
+    const unsigned stride = gridDim.x * blockDim.x;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const unsigned c = (i / inner) % dim;
+        const float v = x[i];
+        if (flags & 1) keep[i] = v;
+        float r = __fmul_rn(v, sc[c]);
+        if (flags & 2) r = __fadd_rn(r, bi[c]);
+        y[i] = r;
+    }
+}
+
+/* Scale backward, one block per channel c of (outer, dim, inner).
+   flags: 1 scale gradient sum(dy * x) (2: added to dsc, else written),
+   4 bias gradient sum(dy) added to dbi, 8 dx = dy * s. */
+extern "C" __global__ void cp_scale_bwd(
+    const float* dy, const float* x, const float* sc, float* dx, float* dsc, float* dbi,
+    const unsigned outer, const unsigned dim, const unsigned inner, const int flags)
+{
+    __shared__ double sh[66];
+    const unsigned c = blockIdx.x;
+    const unsigned M = outer * inner;
+    const unsigned base = c * inner;
+    const unsigned step = dim * inner;
+    if (flags & (1 | 4)) {
+        double a = 0.0, b = 0.0;
+        for (unsigned i = threadIdx.x; i < M; i += blockDim.x) {
+            const unsigned n = i / inner;
+            const unsigned o = base + n * step + (i - n * inner);
+            const float g = dy[o];
+            if (flags & 1) a += (double)g * (double)x[o];
+            b += (double)g;
+        }
+        cp_block_sum2(&a, &b, sh);
+        if (threadIdx.x == 0) {
+            if (flags & 4) dbi[c] = __fadd_rn(dbi[c], (float)b);
+            if (flags & 1) dsc[c] = (flags & 2) ? __fadd_rn(dsc[c], (float)a) : (float)a;
+        }
+    }
+    if (!(flags & 8)) return;
+    const float s = sc[c];
+    for (unsigned i = threadIdx.x; i < M; i += blockDim.x) {
+        const unsigned n = i / inner;
+        const unsigned o = base + n * step + (i - n * inner);
+        dx[o] = __fmul_rn(dy[o], s);
+    }
+}
+
+/* ReLU: y = max(x, 0), or x * slope where x <= 0. */
+extern "C" __global__ void cp_relu_fwd(const float* x, float* y, const unsigned n,
+                                       const float slope)
+{
+    const unsigned stride = gridDim.x * blockDim.x;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float v = x[i];
+        y[i] = slope == 0.0f ? cp_relu0(v) : (v > 0.0f ? v : __fmul_rn(v, slope));
+    }
+}
+
+/* ReLU backward: dx = dy where ref > 0, else dy * slope (0: Caffe's dy * (ref > 0)). */
+extern "C" __global__ void cp_relu_bwd(const float* dy, const float* ref, float* dx,
+                                       const unsigned n, const float slope)
+{
+    const unsigned stride = gridDim.x * blockDim.x;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float g = dy[i];
+        if (slope == 0.0f) dx[i] = __fmul_rn(g, ref[i] > 0.0f ? 1.0f : 0.0f);
+        else dx[i] = ref[i] > 0.0f ? g : __fmul_rn(g, slope);
+    }
+}
+
+/* y = ca * a + cb * b (each product rounded, then the sum). */
+extern "C" __global__ void cp_axpby(const float* a, const float* b, float* y, const unsigned n,
+                                    const float ca, const float cb)
+{
+    const unsigned stride = gridDim.x * blockDim.x;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        y[i] = __fadd_rn(__fmul_rn(ca, a[i]), __fmul_rn(cb, b[i]));
+}
+
+/* d0 = c0 * g (flags & 1), d1 = c1 * g (flags & 2). */
+extern "C" __global__ void cp_scale2(const float* g, float* d0, float* d1, const unsigned n,
+                                     const float c0, const float c1, const int flags)
+{
+    const unsigned stride = gridDim.x * blockDim.x;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float v = g[i];
+        if (flags & 1) d0[i] = __fmul_rn(c0, v);
+        if (flags & 2) d1[i] = __fmul_rn(c1, v);
+    }
+}
+'''
+
+# Flags of cp_bn_fwd / cp_bn_bwd.
+BN_BATCH, BN_KEEP, BN_SCALE, BN_BIAS, BN_RELU = 1, 2, 4, 8, 16
+BN_DSCALE, BN_DBIAS, BN_DX = 32, 64, 128
+# Flags of cp_scale_fwd / cp_scale_bwd.
+SC_KEEP, SC_BIAS = 1, 2
+SC_DSCALE, SC_DSCALE_ACC, SC_DBIAS, SC_DX = 1, 2, 4, 8
+
+MAX_COUNT = 2 ** 31 - 1     # the kernels index with unsigned 32-bit ints
+ELEMENTWISE_THREADS = 256
+MAX_BLOCKS = 132 * 32       # grid-stride loops: enough blocks to fill the device
+
+u32 = numpy.uint32
+i32 = numpy.int32
+f32 = numpy.float32
+
+_state = {'module': None, 'kernels': {}, 'enabled': os.environ.get('CAFFEPLUS_FUSED', '1') != '0',
+          'emulator': None, 'failures': [], 'ndarray': None, 'planner': None, 'broken': None}
+
+
+# -- switches -------------------------------------------------------------------
+def enabled():
+    """Whether the GPU layers use these kernels (CAFFEPLUS_FUSED=0 turns them off)."""
+    return _state['enabled']
+
+
+def set_enabled(on):
+    previous = _state['enabled']
+    _state['enabled'] = bool(on)
+    return previous
+
+
+def failures():
+    """(kernel or layer, message) for every fused path that failed and fell back."""
+    return list(_state['failures'])
+
+
+def note_failure(what, exc):
+    from caffeplus import log
+    _state['failures'].append((what, '%s: %s' % (type(exc).__name__, exc)))
+    if len(_state['failures']) <= 5:
+        log.warning('fused GPU kernel path of %s failed (%s: %s); the generic code runs',
+                    what, type(exc).__name__, exc)
+
+
+def set_emulator(emu):
+    """Tests: run the kernels on the host (tools/kernel_emu.py) with NumPy
+    arrays standing in for device arrays. None: back to CuPy."""
+    previous = _state['emulator']
+    _state['emulator'] = emu
+    _state['ndarray'] = None
+    return previous
+
+
+def emulating():
+    return _state['emulator'] is not None
+
+
+# -- arrays ---------------------------------------------------------------------
+class _NoArray:
+    """Stands for the device array type where CuPy is missing."""
+
+
+def _ndarray_type():
+    t = _state['ndarray']
+    if t is None:
+        if _state['emulator'] is not None:
+            t = numpy.ndarray
+        else:
+            try:
+                import cupy
+                t = cupy.ndarray
+            except ImportError:
+                t = _NoArray
+        _state['ndarray'] = t
+    return t
+
+
+def active():
+    """Whether layers should take their fused paths now: enabled, and in GPU
+    mode (or emulating)."""
+    if not _state['enabled']:
+        return False
+    if _state['emulator'] is not None:
+        return True
+    from caffeplus import backend
+    return backend.mode() == backend.GPU
+
+
+def is_device(array):
+    """Whether `array` is one the kernels take (CuPy, or NumPy when emulating)."""
+    return type(array) is _ndarray_type()
+
+
+def flat(blob, diff=False):
+    """The blob's storage array (flat, at least blob.count values) on the
+    device, without making views; through the Blob's own accessor (which
+    allocates, copies a newer host mirror over, refuses released memory)
+    when it is not plainly there. None if the storage is not a device array."""
+    st = blob._diff if diff else blob._data
+    a = st.array
+    nd = _ndarray_type()
+    if type(a) is nd and st.head is _HEAD_DEVICE and st.released_reason is None and \
+            a.size >= blob._count:
+        return a
+    blob.diff if diff else blob.data        # noqa: B018 -- Storage.ensure()
+    a = st.array
+    return a if type(a) is nd else None
+
+
+def empty(count):
+    """A scratch float32 array of `count` values on the device."""
+    if _state['emulator'] is not None:
+        return numpy.empty(max(int(count), 1), dtype=numpy.float32)
+    import cupy
+    return cupy.empty(max(int(count), 1), dtype=cupy.float32)
+
+
+# -- compiling and launching ------------------------------------------------------
+def _module():
+    m = _state['module']
+    if m is None:
+        if _state['broken'] is not None:
+            raise _state['broken']
+        import cupy
+        try:
+            m = cupy.RawModule(code=SOURCE, options=('--std=c++14',))
+            m.get_function('cp_bn_fwd')         # compiles the module now
+        except Exception as exc:
+            # A module that does not build: every fused path falls back for good.
+            _state['broken'] = exc
+            _state['enabled'] = False
+            raise
+        _state['module'] = m
+    return m
+
+
+def kernel(name):
+    """The compiled kernel `name` (the module is compiled once per process;
+    CuPy caches the binary on disk)."""
+    k = _state['kernels'].get(name)
+    if k is None:
+        emu = _state['emulator']
+        k = emu.kernel(name) if emu is not None else _module().get_function(name)
+        _state['kernels'][name] = k
+    return k
+
+
+def reset_kernels():
+    _state['kernels'] = {}
+    _state['module'] = None
+
+
+# -- the net's passes (fused chains of layers) ------------------------------------
+def set_chain_planner(fn):
+    """fn(net, start, end, backward), called by begin_pass (layers/cudnn.py)."""
+    _state['planner'] = fn
+
+
+def begin_pass(net, start, end, backward=False):
+    """Called by Net.forward_from_to / backward_from_to before their layers
+    run: lets chains of layers (BatchNorm -> Scale -> ReLU in place) know
+    whether this pass runs them whole, so they may run as one kernel."""
+    planner = _state['planner']
+    if planner is not None:
+        planner(net, start, end, backward)
+
+
+def elementwise_grid(n):
+    return (max(1, min((int(n) + ELEMENTWISE_THREADS - 1) // ELEMENTWISE_THREADS, MAX_BLOCKS)),)
+
+
+def channel_block(m):
+    """Threads per block of the one-block-per-channel kernels for `m` values a channel."""
+    if m >= 65536:
+        return 1024
+    if m >= 8192:
+        return 512
+    if m >= 1024:
+        return 256
+    return 64
+
+
+# -- zeroing many arrays (parameter diffs) ----------------------------------------
+def zero_diffs(blobs):
+    """diff[...] = 0 for every blob, one cudaMemsetAsync each (no kernels,
+    no views). Returns False (and does nothing) if a diff is not a device
+    array, so the caller can take the generic path."""
+    arrays = []
+    for b in blobs:
+        a = flat(b, diff=True)
+        if a is None:
+            return False
+        arrays.append((a, b._count))
+    if _state['emulator'] is not None:
+        for a, n in arrays:
+            a[:n] = 0
+        return True
+    import cupy
+    stream = cupy.cuda.get_current_stream().ptr
+    memset = cupy.cuda.runtime.memsetAsync
+    for a, n in arrays:
+        if n:
+            memset(a.data.ptr, 0, n * 4, stream)
+    return True

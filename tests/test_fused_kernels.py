@@ -1,0 +1,302 @@
+"""The fused GPU layer paths (caffeplus.kernels, layers/cudnn.py) against the
+generic CPU layers.
+
+Each case runs twice: with the kernels emulated on the host
+(tools/kernel_emu.py: the CUDA source compiled with g++, one thread per CUDA
+thread, NumPy arrays standing in for device arrays), which needs no GPU, and
+on the GPU itself (marker gpu). Layer cases compare tops, bottom diffs,
+parameter diffs and BatchNorm's statistics blobs; net cases train a small
+residual net (BatchNorm -> Scale -> ReLU chains, Eltwise SUM, Split) for two
+iterations and compare every blob, diff and parameter, and check that the
+chains ran fused.
+"""
+import os
+import sys
+import zlib
+
+import numpy
+import pytest
+from google.protobuf import text_format
+
+import caffeplus
+from caffeplus import backend, kernels
+from caffeplus.blob import Blob
+from caffeplus.layer import create_layer
+from caffeplus.proto import caffe_pb2
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+LAYER_CASES = [
+    # (id, prototxt, bottom shapes, in place, learned blobs to randomise)
+    ('bn_train', 'type: "BatchNorm"', [(4, 3, 5, 6)], False),
+    ('bn_train_inplace', 'type: "BatchNorm"', [(4, 3, 5, 6)], True),
+    ('bn_train_2d', 'type: "BatchNorm"', [(7, 5)], False),
+    ('bn_train_big', 'type: "BatchNorm"', [(3, 2, 40, 50)], True),
+    ('bn_global', 'type: "BatchNorm" batch_norm_param { use_global_stats: true }',
+     [(4, 3, 5, 6)], False),
+    ('bn_maf_eps', 'type: "BatchNorm" batch_norm_param { moving_average_fraction: 0.9 '
+     'eps: 0.001 }', [(2, 4, 3, 3)], True),
+    ('scale_learned_bias', 'type: "Scale" scale_param { bias_term: true }', [(4, 3, 5, 6)],
+     False),
+    ('scale_learned_bias_inplace', 'type: "Scale" scale_param { bias_term: true }',
+     [(4, 3, 5, 6)], True),
+    ('scale_learned', 'type: "Scale"', [(4, 3, 5, 6)], True),
+    ('scale_axis2', 'type: "Scale" scale_param { axis: 2 num_axes: 2 bias_term: true }',
+     [(2, 3, 4, 5)], False),
+    ('scale_bottom', 'type: "Scale"', [(4, 3, 5, 6), (3,)], False),
+    ('scale_bottom_bias', 'type: "Scale" scale_param { bias_term: true }',
+     [(4, 3, 5, 6), (3, 5)], False),
+    ('scale_scalar', 'type: "Scale" scale_param { num_axes: 0 }', [(2, 3, 4)], False),
+    ('relu', 'type: "ReLU"', [(3, 4, 5, 6)], False),
+    ('relu_inplace', 'type: "ReLU"', [(3, 4, 5, 6)], True),
+    ('relu_leaky', 'type: "ReLU" relu_param { negative_slope: 0.1 }', [(3, 4, 5)], False),
+    ('relu_leaky_inplace', 'type: "ReLU" relu_param { negative_slope: 0.2 }', [(3, 4, 5)],
+     True),
+    ('relu_negative_slope', 'type: "ReLU" relu_param { negative_slope: -0.5 }', [(3, 4, 5)],
+     False),
+    ('eltwise_sum', 'type: "Eltwise"', [(3, 4, 5, 6), (3, 4, 5, 6)], False),
+    ('eltwise_sum_coeff3', 'type: "Eltwise" eltwise_param { operation: SUM coeff: 0.5 '
+     'coeff: -2 coeff: 3 }', [(3, 4, 5), (3, 4, 5), (3, 4, 5)], False),
+    ('eltwise_sum4', 'type: "Eltwise"', [(2, 3, 7)] * 4, False),
+    ('eltwise_prod', 'type: "Eltwise" eltwise_param { operation: PROD }',
+     [(3, 4, 5), (3, 4, 5)], False),
+    ('split2', 'type: "Split"', [(3, 4, 5)], False),
+    ('split3', 'type: "Split"', [(3, 4, 5)], False),
+]
+SPLIT_TOPS = {'split2': 2, 'split3': 3}
+
+
+@pytest.fixture(scope='module')
+def emulator():
+    from tools.kernel_emu import Emulator
+    try:
+        emu = Emulator.build()
+    except RuntimeError as exc:          # a compile error in the kernels' source
+        pytest.fail(str(exc))
+    if emu is None:
+        pytest.skip('no g++ with C++20 to emulate the kernels')
+    return emu
+
+
+@pytest.fixture
+def emulated(emulator):
+    previous = kernels.set_emulator(emulator)
+    kernels.reset_kernels()
+    was = kernels.set_enabled(True)
+    before = len(kernels.failures())
+    yield emulator
+    kernels.set_emulator(previous)
+    kernels.reset_kernels()
+    kernels.set_enabled(was)
+    assert kernels.failures()[before:] == []
+
+
+def _param(text):
+    lp = caffe_pb2.LayerParameter()
+    text_format.Parse('name: "t" ' + text, lp)
+    return lp
+
+
+def _run(case, gpu, fused, seed):
+    name, text, shapes, in_place = case
+    caffeplus.set_mode_gpu() if gpu else caffeplus.set_mode_cpu()
+    previous = kernels.set_enabled(fused)
+    try:
+        rng = numpy.random.default_rng(seed)
+        lp = _param(text)
+        layer = create_layer(lp)
+        bottom = []
+        for i, shape in enumerate(shapes):
+            b = Blob(shape, name='b%d' % i)
+            b.data = rng.standard_normal(shape).astype(numpy.float32)
+            bottom.append(b)
+        ntop = SPLIT_TOPS.get(name, 1)
+        top = bottom[:1] if in_place else [Blob(name='t%d' % i) for i in range(ntop)]
+        layer.setup(bottom, top)
+        for b in layer.blobs:
+            b.data = rng.standard_normal(b.shape).astype(numpy.float32) + \
+                (2.0 if lp.type == 'BatchNorm' else 0.0)
+        if lp.type == 'BatchNorm' and layer.blobs:       # a positive scale factor
+            layer.blobs[2].data = numpy.array([1.7], numpy.float32)
+            layer.blobs[1].data = numpy.abs(backend.to_numpy(layer.blobs[1].data))
+        out = {}
+        for it in range(2):         # twice: statistics accumulate, reused buffers
+            x_before = [backend.to_numpy(b.data).copy() for b in bottom]
+            layer.reshape(bottom, top)
+            layer.forward(bottom, top)
+            out['top%d' % it] = [backend.to_numpy(t.data).copy() for t in top]
+            for t in top:
+                t.diff = rng.standard_normal(t.shape).astype(numpy.float32)
+            for b in layer.blobs:
+                b.diff = numpy.full(b.shape, 0.25, numpy.float32)     # diffs accumulate
+            layer.backward(top, [True] * len(bottom), bottom)
+            out['bdiff%d' % it] = [backend.to_numpy(b.diff).copy() for b in bottom]
+            out['pdiff%d' % it] = [backend.to_numpy(b.diff).copy() for b in layer.blobs]
+            out['pdata%d' % it] = [backend.to_numpy(b.data).copy() for b in layer.blobs]
+            for b, x in zip(bottom, x_before):      # fresh bottoms for the next pass
+                b.data = x + numpy.float32(0.5)
+        return layer, out
+    finally:
+        kernels.set_enabled(previous)
+        caffeplus.set_mode_cpu()
+
+
+def _compare(got, want, tol, what):
+    for key in want:
+        for i, (a, b) in enumerate(zip(got[key], want[key])):
+            scale = max(float(numpy.abs(b).max()) if b.size else 1.0, 1.0)
+            numpy.testing.assert_allclose(a, b, rtol=tol, atol=tol * scale,
+                                          err_msg='%s %s[%d]' % (what, key, i))
+
+
+def _check_layer_case(case, gpu):
+    seed = zlib.crc32(case[0].encode())
+    _, want = _run(case, gpu=False, fused=False, seed=seed)
+    layer, got = _run(case, gpu=gpu, fused=True, seed=seed)
+    assert type(layer).__name__.startswith(('GPU', 'CuDNN')), type(layer)
+    _compare(got, want, 2e-5, case[0])
+
+
+@pytest.mark.parametrize('case', LAYER_CASES, ids=[c[0] for c in LAYER_CASES])
+def test_layer_emulated(case, emulated):
+    _check_layer_case(case, gpu=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', LAYER_CASES, ids=[c[0] for c in LAYER_CASES])
+def test_layer_gpu(case):
+    kernels.reset_kernels()
+    before = len(kernels.failures())
+    _check_layer_case(case, gpu=True)
+    assert kernels.failures()[before:] == []
+
+
+def test_fused_off_on_cpu_is_generic():
+    """Without an emulator, CPU mode never takes a fused path."""
+    assert not kernels.active()
+    case = LAYER_CASES[0]
+    _, a = _run(case, gpu=False, fused=True, seed=1)
+    _, b = _run(case, gpu=False, fused=False, seed=1)
+    _compare(a, b, 0, 'cpu')
+
+
+# -- nets -------------------------------------------------------------------------
+RESNET = '''
+name: "tiny_resnet"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+  dummy_data_param { shape { dim: 4 dim: 3 dim: 9 dim: 9 } shape { dim: 4 }
+    data_filler { type: "gaussian" std: 1 } data_filler { type: "constant" value: 1 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 8 kernel_size: 3 pad: 1 bias_term: false
+    weight_filler { type: "gaussian" std: 0.2 } } }
+layer { name: "bn1" type: "BatchNorm" bottom: "conv1" top: "conv1" }
+layer { name: "sc1" type: "Scale" bottom: "conv1" top: "conv1"
+  scale_param { bias_term: true filler { type: "gaussian" std: 0.3 mean: 1 }
+    bias_filler { type: "gaussian" std: 0.2 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2"
+  convolution_param { num_output: 8 kernel_size: 3 pad: 1 bias_term: false
+    weight_filler { type: "gaussian" std: 0.2 } } }
+layer { name: "bn2" type: "BatchNorm" bottom: "conv2" top: "conv2" }
+layer { name: "sc2" type: "Scale" bottom: "conv2" top: "conv2"
+  scale_param { bias_term: true filler { type: "gaussian" std: 0.3 mean: 1 }
+    bias_filler { type: "gaussian" std: 0.2 } } }
+layer { name: "sum" type: "Eltwise" bottom: "conv1" bottom: "conv2" top: "sum" }
+layer { name: "relu2" type: "ReLU" bottom: "sum" top: "sum" }
+layer { name: "bn3" type: "BatchNorm" bottom: "sum" top: "bn3" }
+layer { name: "sc3" type: "Scale" bottom: "bn3" top: "bn3" scale_param { bias_term: true } }
+layer { name: "relu3" type: "ReLU" bottom: "bn3" top: "bn3" }
+layer { name: "pool" type: "Pooling" bottom: "bn3" top: "pool"
+  pooling_param { pool: AVE global_pooling: true } }
+layer { name: "fc" type: "InnerProduct" bottom: "pool" top: "fc"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+'''
+
+
+def _train(gpu, fused, iters=2, hook=False):
+    caffeplus.set_mode_gpu() if gpu else caffeplus.set_mode_cpu()
+    previous = kernels.set_enabled(fused)
+    try:
+        caffeplus.set_random_seed(11)
+        param = caffe_pb2.NetParameter()
+        text_format.Parse(RESNET, param)
+        net = caffeplus.Net(param, caffeplus.TRAIN)
+        if hook:
+            net.after_layer_forward.append(lambda i: None)
+        rng = numpy.random.default_rng(4)
+        net.blobs['data'].data[...] = rng.standard_normal(net.blobs['data'].shape)
+        seen = []
+        for _ in range(iters):
+            net.clear_param_diffs()
+            net.forward_from_to(1, len(net.layers) - 1)
+            net.backward_from_to(len(net.layers) - 1, 1)
+            chains = net.__dict__.get('_fused_chains') or []
+            seen.append([(c.fwd_done, c.bwd_done) for c in chains])
+            for p in net.learnable_params:      # plain SGD, through host copies
+                d, g = backend.to_numpy(p.data), backend.to_numpy(p.diff)
+                p.data = d - numpy.float32(0.1) * g
+        out = {'blob ' + k: [backend.to_numpy(b.data).copy()] for k, b in net.blobs.items()}
+        out.update({'diff ' + k: [backend.to_numpy(b.diff).copy()] for k, b in net.blobs.items()})
+        for name, layer in zip(net._layer_names, net.layers):
+            out['param ' + name] = [backend.to_numpy(b.data).copy() for b in layer.blobs]
+            out['pdiff ' + name] = [backend.to_numpy(b.diff).copy() for b in layer.blobs]
+        return net, out, seen
+    finally:
+        kernels.set_enabled(previous)
+        caffeplus.set_mode_cpu()
+
+
+def _check_net(gpu, hook=False):
+    _, want, _ = _train(gpu=False, fused=False)
+    net, got, seen = _train(gpu=gpu, fused=True, hook=hook)
+    chains = net._fused_chains
+    assert [(c.bn.name, c.scale.name, c.relu.name if c.relu else None) for c in chains] == \
+        [('bn1', 'sc1', 'relu1'), ('bn2', 'sc2', None)]      # bn3 is not in place
+    expect = [(not hook, not hook)] * 2
+    assert seen == [expect, expect]
+    _compare(got, want, 1e-4, 'tiny resnet')
+
+
+def test_net_emulated(emulated):
+    _check_net(gpu=False)
+
+
+def test_net_emulated_hooks_unfuse_chains(emulated):
+    _check_net(gpu=False, hook=True)
+
+
+def test_net_partial_forward_is_unfused(emulated):
+    """forward up to BatchNorm leaves BatchNorm's own top, as Caffe."""
+    caffeplus.set_random_seed(11)
+    param = caffe_pb2.NetParameter()
+    text_format.Parse(RESNET, param)
+    net = caffeplus.Net(param, caffeplus.TRAIN)
+    bn = net.layer_index('bn1')
+    net.forward_from_to(0, bn)
+    chain = net._fused_chains[0]
+    assert not chain.fwd_done
+    y = backend.to_numpy(net.blobs['conv1'].data)
+    assert abs(float(y.mean())) < 1e-4 and abs(float(y.std()) - 1) < 1e-2
+
+
+@pytest.mark.gpu
+def test_net_gpu():
+    before = len(kernels.failures())
+    _check_net(gpu=True)
+    assert kernels.failures()[before:] == []
+
+
+@pytest.mark.gpu
+def test_zero_diffs_gpu():
+    caffeplus.set_mode_gpu()
+    try:
+        blobs = [Blob((3, 4)), Blob((5,))]
+        for b in blobs:
+            b.diff[...] = 7
+        assert kernels.zero_diffs(blobs)
+        for b in blobs:
+            assert float(abs(backend.to_numpy(b.diff)).max()) == 0
+    finally:
+        caffeplus.set_mode_cpu()
