@@ -22,6 +22,8 @@ Where cuDNN disagrees with Caffe, the generic CuPy path runs instead:
     reads the bottom, which in place is gone);
   * convolutions with more than 3 spatial axes or the channel axis not 1.
 """
+import os
+
 import numpy
 
 from caffeplus import backend, log
@@ -176,20 +178,42 @@ class _ConvDescs:
         from caffeplus.cudnn import api
         return api.heuristic_algorithms(kind, self.x, self.w, self.conv, self.y)
 
-    def timer(self, kind):
-        """A callable that times `kind` with FindEx on scratch arrays."""
+    def timer(self, kind, geometry_key=None):
+        """A callable that times `kind` with FindEx on scratch arrays. With a
+        geometry key, results are shared by every layer of that geometry
+        (ResNet-50 repeats most of its convolutions), as cudnn.benchmark does."""
         def run(ws_ptr, ws_bytes):
+            key = None if geometry_key is None else geometry_key + (kind, int(ws_bytes))
+            if key is not None and key in _TIMED:
+                return list(_TIMED[key])
             import cupy
             from caffeplus.cudnn import api
             xa = cupy.random.standard_normal(self.x_full, dtype=numpy.float32)
             ya = cupy.random.standard_normal(self.y_full, dtype=numpy.float32)
             wa = cupy.random.standard_normal(self.w_shape, dtype=numpy.float32)
             try:
-                return api.timed_algorithms(kind, self.x, self.w, self.conv, self.y, xa, wa, ya,
-                                            ws_ptr or None, ws_bytes)
+                found = api.timed_algorithms(kind, self.x, self.w, self.conv, self.y, xa, wa, ya,
+                                             ws_ptr or None, ws_bytes)
             finally:
                 del xa, ya, wa
+            if key is not None and found:
+                _TIMED[key] = list(found)
+            return found
         return run
+
+
+# FindEx results by geometry (see _ConvDescs.timer).
+_TIMED = {}
+
+
+def search_default():
+    """The algorithm search a convolution uses when workspace.set_search was
+    left at 'heuristic': CAFFEPLUS_CUDNN_SEARCH = heuristic (the default),
+    timed, or auto (timed with FindEx for TRAIN nets under their own arena,
+    as PyTorch's cudnn.benchmark; heuristic otherwise). Timed search may pick
+    FFT or Winograd algorithms, which round differently from a direct sum
+    (~1e-3 of the largest value), hence not the default for every net."""
+    return os.environ.get('CAFFEPLUS_CUDNN_SEARCH', 'heuristic').lower()
 
 
 class _CudnnConvolutionMixin(_CudnnMixin):
@@ -223,7 +247,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         if plan_name == 'stock' and backend.mode() == backend.GPU and cudnn_available():
             manager.create_handles()
         if self._cd is not None:
-            if self._cd.loops == (self.group if self._split_groups() else 1):
+            if self._cd.loops == (self.group if self._split_groups() else 1) and \
+                    getattr(self, '_built_timed', False) == self._timed_search():
                 manager.register(self, list(self._sites.values()))     # same descriptors
                 if plan_name == 'stock':
                     manager.plan()
@@ -250,16 +275,54 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             return
         from caffeplus.memory import workspace
         cd = _ConvDescs(self, self._split_groups())
-        timed = workspace.search_mode() == 'timed' and self.memory_plan != 'stock'
+        timed = self._timed_search()
+        self._built_timed = timed
+        self._auto_timed = timed and workspace.search_mode() != 'timed'
+        gkey = self._geometry_key() if timed else None
         sites = {}
         for kind in workspace.KINDS:
             sites[kind] = workspace.Site(kind, cd.candidates(kind),
-                                         timer=cd.timer(kind) if timed else None)
+                                         timer=cd.timer(kind, gkey) if timed else None)
         self._cd, self._sites, self._cd_key = cd, sites, key
         mgr = self._manager()
         mgr.register(self, list(sites.values()))
         if self.memory_plan == 'stock':
             mgr.plan()          # Caffe allocates its workspace in Reshape
+
+    def _timed_search(self):
+        """FindEx (timed) rather than cuDNN's heuristics for this layer's algorithms."""
+        from caffeplus.memory import workspace
+        if self.memory_plan == 'stock':
+            return False            # Caffe 1.0's choice
+        if workspace.search_mode() == 'timed':
+            return True
+        mode = search_default()
+        if mode == 'timed':
+            return True
+        # auto: training nets, whose shapes stay put, under a net's own arena
+        return mode == 'auto' and self.phase == caffe_pb2.TRAIN and \
+            self._ws is not None and self._ws is not workspace._default.get(backend.device())
+
+    def _geometry_key(self):
+        from caffeplus.backend import mathmode
+        g = self.geom
+        return (self.reverse, self.num, self.channels, self.num_output, tuple(self.in_spatial),
+                tuple(self.out_spatial), tuple(self.blobs[0].shape), tuple(g.kernel),
+                tuple(g.pad), tuple(g.stride), tuple(g.dilation), self.group,
+                mathmode.generation(), mathmode.deterministic(), backend.device())
+
+    def _ensure_planned(self, mgr):
+        """The manager's plan; with the auto search, FindEx times the sites
+        (the arena times only under set_search('timed'))."""
+        if getattr(self, '_auto_timed', False) and getattr(mgr, '_dirty', False):
+            from caffeplus.memory import workspace
+            previous = workspace.set_search('timed')
+            try:
+                mgr.ensure_planned()
+            finally:
+                workspace.set_search(previous)
+        else:
+            mgr.ensure_planned()
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
@@ -276,7 +339,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         """Arena need: the largest workspace of this layer's chosen algorithms."""
         if self._cd is None or not self._sites:
             return super().workspace_bytes()
-        self._manager().ensure_planned()
+        self._ensure_planned(self._manager())
         return max([s.choice.memory for s in self._sites.values() if s.choice is not None] + [0])
 
     def stock_workspace_bytes(self):
@@ -292,7 +355,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
     def algorithms(self):
         """{kind: chosen AlgoChoice} (for logs and tests)."""
         if self._cd is not None:
-            self._manager().ensure_planned()
+            self._ensure_planned(self._manager())
         return {k: s.choice for k, s in self._sites.items()}
 
     # -- the math -----------------------------------------------------------
@@ -301,7 +364,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             return super()._forward(bottom, top)
         from caffeplus.cudnn import api
         cd, mgr = self._cd, self._manager()
-        mgr.ensure_planned()
+        self._ensure_planned(mgr)
         w = self.blobs[0].data
         b = self.blobs[1].data if self.bias_term else None
         for bb, tt in zip(bottom, top):
@@ -332,7 +395,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             return super()._backward(top, propagate_down, bottom)
         from caffeplus.cudnn import api
         cd, mgr = self._cd, self._manager()
-        mgr.ensure_planned()
+        self._ensure_planned(mgr)
         wblob = self.blobs[0]
         w = wblob.data
         dw = wblob.diff if self.param_needs_backward(0) else None

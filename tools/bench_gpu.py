@@ -75,9 +75,15 @@ def worker_caffeplus(args):
     import caffeplus
     from caffeplus.backend import mathmode
     from caffeplus.memory import workspace
+    from caffeplus import kernels
     caffeplus.set_mode_gpu(0)
     mathmode.set_math_mode('tf32' if args.tf32 else 'strict')
-    plan, _, search = args.plan.partition(':')     # 'arena:timed': FindEx search
+    # 'arena:timed/generic': plan arena, FindEx search, fused kernels off
+    # (the generic CuPy layers and a per-parameter update, as before them)
+    spec, _, variant = args.plan.partition('/')
+    plan, _, search = spec.partition(':')
+    generic = variant == 'generic'
+    kernels.set_enabled(not generic)
     if (search or args.search) == 'timed':
         workspace.set_search('timed')
     os.environ.setdefault('GLOG_minloglevel', '2')
@@ -94,21 +100,40 @@ def worker_caffeplus(args):
     net = caffeplus.Net(os.path.join(args.bench_dir, args.net + '.prototxt'), caffeplus.TRAIN)
     workspace.apply_workspace_plan(net, plan, args.workspace_limit)
     params = net.learnable_params
-    hist = [cupy.zeros(p.shape, dtype=cupy.float32) for p in params]
     start = 0
     while start < len(net.layers) and net.layers[start].layer_param.type in DATA_TYPES:
         start += 1
     last = len(net.layers) - 1
-    update = cupy.ElementwiseKernel('float32 g, float32 lr, float32 mom', 'float32 w, float32 h',
-                                    'h = mom * h + lr * g; w -= h', 'sgd_momentum')
+    if generic:
+        hist = [cupy.zeros(p.shape, dtype=cupy.float32) for p in params]
+        update = cupy.ElementwiseKernel('float32 g, float32 lr, float32 mom',
+                                        'float32 w, float32 h',
+                                        'h = mom * h + lr * g; w -= h', 'sgd_momentum')
 
-    def step():
-        for p in params:
-            p.diff[...] = 0
-        net.forward_from_to(start, last)
-        net.backward_from_to(last, start)
-        for p, h in zip(params, hist):
-            update(p.diff, 0.01, 0.9, p.data, h)
+        def step():
+            for p in params:
+                p.diff[...] = 0
+            net.forward_from_to(start, last)
+            net.backward_from_to(last, start)
+            for p, h in zip(params, hist):
+                update(p.diff, 0.01, 0.9, p.data, h)
+    else:
+        # What caffeplus's SGDSolver runs on the GPU: memset param diffs, one
+        # kernel for every parameter's momentum update (no weight decay here).
+        from caffeplus.blob import Blob
+        from caffeplus.solver import gpu_kernels
+        hist = [Blob(p.shape) for p in params]
+        for h in hist:
+            h.data[...] = 0
+        multi = gpu_kernels.MultiTensorUpdate()
+        ones, zeros = [1.0] * len(params), [0.0] * len(params)
+
+        def step():
+            net.clear_param_diffs()
+            net.forward_from_to(start, last)
+            net.backward_from_to(last, start)
+            multi.prepare(params, hist, None, ones, zeros)
+            multi.run('SGD', 0.01, 1.0, 0.0, False, 0.9)
 
     net.forward_prefilled()         # the data layers fill their tops once
     setup_s = time.time() - t0
@@ -118,7 +143,10 @@ def worker_caffeplus(args):
         l._ws.nbytes for l in workspace.workspace_layers(net) if l._ws is not None)
     loss = float(sum(float(cupy.asarray(net._blob_dict[n].data).sum())
                      for n in net.outputs if net._blob_dict[n].count == 1))
+    chains = net.__dict__.get('_fused_chains') or []
     return dict(framework='caffeplus', plan=args.plan, net=args.net, tf32=args.tf32,
+                fused_chains=sum(1 for c in chains if c.fwd_done and c.bwd_done),
+                kernel_failures=kernels.failures(),
                 search=search or args.search, median_ms=statistics.median(times), times_ms=times,
                 peak_used_mib=sampler.peak / MiB, baseline_used_mib=baseline / MiB,
                 peak_pool_mib=sampler.peak_extra / MiB, workspace_mib=ws / MiB,
@@ -297,10 +325,13 @@ def main(argv=None):
                     print('%-14s %-9s %-6s tf32=%d ERROR %s' % (net, kind, plan, tf32,
                                                                  r['error'][-600:]), flush=True)
                 else:
-                    print('%-14s %-9s %-6s tf32=%d %8.1f ms  peak %7.0f MiB  ws %s' % (
+                    print('%-14s %-9s %-6s tf32=%d %8.1f ms  peak %7.0f MiB  ws %s%s' % (
                         net, kind, plan, tf32, r['median_ms'], r['peak_used_mib'],
-                        '%.1f MiB' % r['workspace_mib'] if 'workspace_mib' in r else '-'),
+                        '%.1f MiB' % r['workspace_mib'] if 'workspace_mib' in r else '-',
+                        '  chains %d' % r['fused_chains'] if 'fused_chains' in r else ''),
                         flush=True)
+                    if r.get('kernel_failures'):
+                        print('  kernel failures:', r['kernel_failures'][:3], flush=True)
     table = markdown(results, args)
     print(table)
     if args.json:
