@@ -82,6 +82,38 @@ __device__ __forceinline__ float cp_chain(float v, float s, float b, int flags) 
     return v;
 }
 
+/* Loops over a channel's M values of a (N, C, S)-like layout, U values per
+   thread per step, their loads issued before any use (memory-level
+   parallelism; in place the loads of a step precede its stores). */
+#define CP_U 4
+#define CP_CHANNEL_LOOP(M, S, base, step, BODY_LOAD, BODY_USE)                    \
+    for (unsigned i0 = threadIdx.x; i0 < (M); i0 += CP_U * blockDim.x) {          \
+        unsigned o[CP_U];                                                        \
+        bool in[CP_U];                                                           \
+        for (int u = 0; u < CP_U; ++u) {                                         \
+            const unsigned i = i0 + u * blockDim.x;                              \
+            in[u] = i < (M);                                                     \
+            const unsigned n = in[u] ? i / (S) : 0;                              \
+            o[u] = (base) + n * (step) + (in[u] ? i - n * (S) : 0);              \
+        }                                                                        \
+        for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_LOAD }                  \
+        for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_USE }                   \
+    }
+
+/* The same over n elements of a flat array, grid-stride. */
+#define CP_FLAT_LOOP(n, BODY_LOAD, BODY_USE)                                     \
+    for (unsigned i0 = blockIdx.x * blockDim.x + threadIdx.x; i0 < (n);          \
+         i0 += CP_U * gridDim.x * blockDim.x) {                                  \
+        unsigned o[CP_U];                                                        \
+        bool in[CP_U];                                                           \
+        for (int u = 0; u < CP_U; ++u) {                                         \
+            o[u] = i0 + u * gridDim.x * blockDim.x;                              \
+            in[u] = o[u] < (n);                                                  \
+        }                                                                        \
+        for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_LOAD }                  \
+        for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_USE }                   \
+    }
+
 /* BatchNorm forward, one block per channel over x viewed as (N, C, S).
    flags: 1 batch statistics (else the stored ones), 2 keep the normalized
    copy in xn, 4 multiply by sc[c], 8 add bi[c], 16 ReLU (the chain). */
@@ -97,15 +129,13 @@ extern "C" __global__ void cp_bn_fwd(
     const unsigned M = N * S;
     const unsigned base = c * S;
     const unsigned step = C * S;
+    float v[CP_U];
     if (flags & 1) {
         const double K = (double)x[base];
         double a = 0.0, b = 0.0;
-        for (unsigned i = threadIdx.x; i < M; i += blockDim.x) {
-            const unsigned n = i / S;
-            const double d = (double)x[base + n * step + (i - n * S)] - K;
-            a += d;
-            b += d * d;
-        }
+        CP_CHANNEL_LOOP(M, S, base, step,
+            v[u] = x[o[u]];,
+            const double d = (double)v[u] - K; a += d; b += d * d;)
         cp_block_sum2(&a, &b, sh);
         if (threadIdx.x == 0) {
             const double m = (double)M;
@@ -132,13 +162,11 @@ extern "C" __global__ void cp_bn_fwd(
     if (threadIdx.x == 0) stdv[c] = sd;
     const float s = (flags & 4) ? sc[c] : 1.0f;
     const float bb = (flags & 8) ? bi[c] : 0.0f;
-    for (unsigned i = threadIdx.x; i < M; i += blockDim.x) {
-        const unsigned n = i / S;
-        const unsigned o = base + n * step + (i - n * S);
-        const float v = __fdiv_rn(__fsub_rn(x[o], mean), sd);
-        if (flags & 2) xn[o] = v;
-        y[o] = cp_chain(v, s, bb, flags);
-    }
+    CP_CHANNEL_LOOP(M, S, base, step,
+        v[u] = x[o[u]];,
+        const float t = __fdiv_rn(__fsub_rn(v[u], mean), sd);
+        if (flags & 2) xn[o[u]] = t;
+        y[o[u]] = cp_chain(t, s, bb, flags);)
 }
 
 /* BatchNorm backward, one block per channel. xn: the normalized forward
@@ -161,17 +189,15 @@ extern "C" __global__ void cp_bn_bwd(
     const int relu = flags & 16;
     const float sd = stdv[c];
     float mdyy = 0.0f, mdy = 0.0f;
+    float v[CP_U], g[CP_U];
     if (flags & (1 | 32 | 64)) {
         double a = 0.0, b = 0.0;
-        for (unsigned i = threadIdx.x; i < M; i += blockDim.x) {
-            const unsigned n = i / S;
-            const unsigned o = base + n * step + (i - n * S);
-            const float v = xn[o];
-            float g = dy[o];
-            if (relu) g = __fmul_rn(g, cp_chain(v, s, bb, flags & 12) > 0.0f ? 1.0f : 0.0f);
-            a += (double)g * (double)v;
-            b += (double)g;
-        }
+        CP_CHANNEL_LOOP(M, S, base, step,
+            v[u] = xn[o[u]]; g[u] = dy[o[u]];,
+            float gg = g[u];
+            if (relu) gg = __fmul_rn(gg, cp_chain(v[u], s, bb, flags & 12) > 0.0f ? 1.0f : 0.0f);
+            a += (double)gg * (double)v[u];
+            b += (double)gg;)
         cp_block_sum2(&a, &b, sh);
         if (threadIdx.x == 0) {
             if (flags & 32) dsc[c] = __fadd_rn(dsc[c], (float)a);
@@ -182,20 +208,17 @@ extern "C" __global__ void cp_bn_bwd(
         mdy = (float)((double)s * b / (double)M);
     }
     if (!(flags & 128)) return;
-    for (unsigned i = threadIdx.x; i < M; i += blockDim.x) {
-        const unsigned n = i / S;
-        const unsigned o = base + n * step + (i - n * S);
-        const float v = xn[o];
-        float g = dy[o];
-        if (relu) g = __fmul_rn(g, cp_chain(v, s, bb, flags & 12) > 0.0f ? 1.0f : 0.0f);
-        if (flags & 4) g = __fmul_rn(g, s);
+    CP_CHANNEL_LOOP(M, S, base, step,
+        v[u] = xn[o[u]]; g[u] = dy[o[u]];,
+        float gg = g[u];
+        if (relu) gg = __fmul_rn(gg, cp_chain(v[u], s, bb, flags & 12) > 0.0f ? 1.0f : 0.0f);
+        if (flags & 4) gg = __fmul_rn(gg, s);
         if (flags & 1) {
-            const float t = __fadd_rn(__fmul_rn(v, mdyy), mdy);
-            dx[o] = __fdiv_rn(__fsub_rn(g, t), sd);
+            const float t = __fadd_rn(__fmul_rn(v[u], mdyy), mdy);
+            dx[o[u]] = __fdiv_rn(__fsub_rn(gg, t), sd);
         } else {
-            dx[o] = __fdiv_rn(g, sd);
-        }
-    }
+            dx[o[u]] = __fdiv_rn(gg, sd);
+        })
 }
 
 /* Scale forward: y = x * s[c] (+ b[c]) over (outer, dim, inner).
@@ -205,15 +228,14 @@ extern "C" __global__ void cp_scale_fwd(
     const unsigned outer, const unsigned dim, const unsigned inner, const int flags)
 {
     const unsigned total = outer * dim * inner;
-    const unsigned stride = gridDim.x * blockDim.x;
-    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const unsigned c = (i / inner) % dim;
-        const float v = x[i];
-        if (flags & 1) keep[i] = v;
-        float r = __fmul_rn(v, sc[c]);
+    float v[CP_U];
+    CP_FLAT_LOOP(total,
+        v[u] = x[o[u]];,
+        const unsigned c = (o[u] / inner) % dim;
+        if (flags & 1) keep[o[u]] = v[u];
+        float r = __fmul_rn(v[u], sc[c]);
         if (flags & 2) r = __fadd_rn(r, bi[c]);
-        y[i] = r;
-    }
+        y[o[u]] = r;)
 }
 
 /* Scale backward, one block per channel c of (outer, dim, inner).
@@ -228,15 +250,13 @@ extern "C" __global__ void cp_scale_bwd(
     const unsigned M = outer * inner;
     const unsigned base = c * inner;
     const unsigned step = dim * inner;
+    float g[CP_U], v[CP_U];
     if (flags & (1 | 4)) {
         double a = 0.0, b = 0.0;
-        for (unsigned i = threadIdx.x; i < M; i += blockDim.x) {
-            const unsigned n = i / inner;
-            const unsigned o = base + n * step + (i - n * inner);
-            const float g = dy[o];
-            if (flags & 1) a += (double)g * (double)x[o];
-            b += (double)g;
-        }
+        CP_CHANNEL_LOOP(M, inner, base, step,
+            g[u] = dy[o[u]]; v[u] = (flags & 1) ? x[o[u]] : 0.0f;,
+            a += (double)g[u] * (double)v[u];
+            b += (double)g[u];)
         cp_block_sum2(&a, &b, sh);
         if (threadIdx.x == 0) {
             if (flags & 4) dbi[c] = __fadd_rn(dbi[c], (float)b);
@@ -245,55 +265,57 @@ extern "C" __global__ void cp_scale_bwd(
     }
     if (!(flags & 8)) return;
     const float s = sc[c];
-    for (unsigned i = threadIdx.x; i < M; i += blockDim.x) {
-        const unsigned n = i / inner;
-        const unsigned o = base + n * step + (i - n * inner);
-        dx[o] = __fmul_rn(dy[o], s);
-    }
+    CP_CHANNEL_LOOP(M, inner, base, step,
+        g[u] = dy[o[u]];,
+        dx[o[u]] = __fmul_rn(g[u], s);)
 }
 
 /* ReLU: y = max(x, 0), or x * slope where x <= 0. */
 extern "C" __global__ void cp_relu_fwd(const float* x, float* y, const unsigned n,
                                        const float slope)
 {
-    const unsigned stride = gridDim.x * blockDim.x;
-    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float v = x[i];
-        y[i] = slope == 0.0f ? cp_relu0(v) : (v > 0.0f ? v : __fmul_rn(v, slope));
-    }
+    float v[CP_U];
+    CP_FLAT_LOOP(n,
+        v[u] = x[o[u]];,
+        y[o[u]] = slope == 0.0f ? cp_relu0(v[u]) : (v[u] > 0.0f ? v[u] : __fmul_rn(v[u], slope));)
 }
 
 /* ReLU backward: dx = dy where ref > 0, else dy * slope (0: Caffe's dy * (ref > 0)). */
 extern "C" __global__ void cp_relu_bwd(const float* dy, const float* ref, float* dx,
                                        const unsigned n, const float slope)
 {
-    const unsigned stride = gridDim.x * blockDim.x;
-    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float g = dy[i];
-        if (slope == 0.0f) dx[i] = __fmul_rn(g, ref[i] > 0.0f ? 1.0f : 0.0f);
-        else dx[i] = ref[i] > 0.0f ? g : __fmul_rn(g, slope);
-    }
+    float g[CP_U], r[CP_U];
+    CP_FLAT_LOOP(n,
+        g[u] = dy[o[u]]; r[u] = ref[o[u]];,
+        if (slope == 0.0f) dx[o[u]] = __fmul_rn(g[u], r[u] > 0.0f ? 1.0f : 0.0f);
+        else dx[o[u]] = r[u] > 0.0f ? g[u] : __fmul_rn(g[u], slope);)
 }
 
-/* y = ca * a + cb * b (each product rounded, then the sum). */
+/* y = ca * a + cb * b (each product rounded, then the sum); with relu,
+   y = max(that, 0) (Eltwise SUM followed by an in-place ReLU). */
 extern "C" __global__ void cp_axpby(const float* a, const float* b, float* y, const unsigned n,
-                                    const float ca, const float cb)
+                                    const float ca, const float cb, const int relu)
 {
-    const unsigned stride = gridDim.x * blockDim.x;
-    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-        y[i] = __fadd_rn(__fmul_rn(ca, a[i]), __fmul_rn(cb, b[i]));
+    float va[CP_U], vb[CP_U];
+    CP_FLAT_LOOP(n,
+        va[u] = a[o[u]]; vb[u] = b[o[u]];,
+        const float t = __fadd_rn(__fmul_rn(ca, va[u]), __fmul_rn(cb, vb[u]));
+        y[o[u]] = relu ? cp_relu0(t) : t;)
 }
 
-/* d0 = c0 * g (flags & 1), d1 = c1 * g (flags & 2). */
-extern "C" __global__ void cp_scale2(const float* g, float* d0, float* d1, const unsigned n,
-                                     const float c0, const float c1, const int flags)
+/* d0 = c0 * g (flags & 1), d1 = c1 * g (flags & 2); with flags & 4, g is
+   first masked by an in-place ReLU's top (g *= (ref > 0), written back). */
+extern "C" __global__ void cp_scale2(float* g, float* d0, float* d1, const float* ref,
+                                     const unsigned n, const float c0, const float c1,
+                                     const int flags)
 {
-    const unsigned stride = gridDim.x * blockDim.x;
-    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float v = g[i];
-        if (flags & 1) d0[i] = __fmul_rn(c0, v);
-        if (flags & 2) d1[i] = __fmul_rn(c1, v);
-    }
+    float v[CP_U], r[CP_U];
+    CP_FLAT_LOOP(n,
+        v[u] = g[o[u]]; r[u] = (flags & 4) ? ref[o[u]] : 0.0f;,
+        float t = v[u];
+        if (flags & 4) { t = __fmul_rn(t, r[u] > 0.0f ? 1.0f : 0.0f); g[o[u]] = t; }
+        if (flags & 1) d0[o[u]] = __fmul_rn(c0, t);
+        if (flags & 2) d1[o[u]] = __fmul_rn(c1, t);)
 }
 '''
 
@@ -464,8 +486,12 @@ def begin_pass(net, start, end, backward=False):
         planner(net, start, end, backward)
 
 
+UNROLL = 4                  # CP_U: values per thread per loop step
+
+
 def elementwise_grid(n):
-    return (max(1, min((int(n) + ELEMENTWISE_THREADS - 1) // ELEMENTWISE_THREADS, MAX_BLOCKS)),)
+    per_block = ELEMENTWISE_THREADS * UNROLL
+    return (max(1, min((int(n) + per_block - 1) // per_block, MAX_BLOCKS)),)
 
 
 def channel_block(m):

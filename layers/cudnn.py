@@ -887,6 +887,58 @@ class _Chain:
         return True
 
 
+def _scale_diffs(g, ref, outs, n, mask):
+    """cp_scale2 over (diff array, coefficient) pairs, two per launch; with
+    `mask`, g is first multiplied by (ref > 0) and written back (an in-place
+    ReLU's backward)."""
+    from caffeplus import kernels as K
+    grid, block = K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,)
+    k = K.kernel('cp_scale2')
+    if not outs:
+        if mask:
+            k(grid, block, (g, g, g, ref, K.u32(n), F32(1), F32(1), K.i32(4)))
+        return
+    for j in range(0, len(outs), 2):
+        d0, c0 = outs[j]
+        if j + 1 < len(outs):
+            d1, c1, flags = outs[j + 1][0], outs[j + 1][1], 3
+        else:
+            d1, c1, flags = d0, c0, 1
+        if mask and j == 0:
+            flags |= 4
+        k(grid, block, (g, d0, d1, ref, K.u32(n), F32(c0), F32(c1), K.i32(flags)))
+
+
+class _SumChain:
+    """Eltwise SUM of two bottoms into a new top, then ReLU in place on it."""
+    __slots__ = ('eltwise', 'relu', 'first', 'last', 'head', 'needs_backward', 'bottoms',
+                 'top', 'propagate', 'fwd_active', 'bwd_active', 'fwd_done', 'bwd_done')
+
+    def __init__(self, net, i, eltwise, relu):
+        self.eltwise, self.relu = eltwise, relu
+        self.first, self.last, self.head = i, i + 1, relu
+        self.bottoms, self.top = list(net.bottom_vecs[i]), net.top_vecs[i][0]
+        self.propagate = list(net.bottom_need_backward[i])
+        self.needs_backward = net.layer_need_backward[i] and net.layer_need_backward[i + 1] \
+            and all(net.bottom_need_backward[i + 1])
+        self.fwd_active = self.bwd_active = self.fwd_done = self.bwd_done = False
+
+    def backward(self):
+        """ReLU's and Eltwise's backward in one kernel (called by the ReLU)."""
+        from caffeplus import kernels as K
+        n = self.top._count
+        if not 0 < n <= K.MAX_COUNT:
+            return False
+        g, ref = K.flat(self.top, diff=True), K.flat(self.top)
+        outs = [(K.flat(b, diff=True), self.eltwise.coeffs[j])
+                for j, b in enumerate(self.bottoms) if self.propagate[j]]
+        if g is None or ref is None or any(a is None for a, _ in outs):
+            return False
+        _scale_diffs(g, ref, outs, n, 1)
+        self.bwd_done = True
+        return True
+
+
 def _find_chains(net):
     chains = []
     layers = net.layers
@@ -912,6 +964,19 @@ def _find_chains(net):
         for member in (layer, sc, relu):
             if member is not None:
                 member._chain = ch
+        chains.append(ch)
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, GPUEltwiseLayer) or layer.op != _ELTWISE_SUM or i + 1 >= L or \
+                len(net.bottom_vecs[i]) != 2 or len(net.top_vecs[i]) != 1:
+            continue
+        top = net.top_vecs[i][0]
+        relu = layers[i + 1]
+        if any(b is top for b in net.bottom_vecs[i]) or not (
+                isinstance(relu, CuDNNReLULayer) and relu.slope == 0 and relu._chain is None
+                and in_place_on(i + 1, top)):
+            continue
+        ch = _SumChain(net, i, layer, relu)
+        layer._chain = relu._chain = ch
         chains.append(ch)
     return chains
 
@@ -1224,6 +1289,7 @@ for _name, _value in (('_fast_forward', _FusedReLUMixin._fast_forward),
 class GPUEltwiseLayer(_FusedMixin, EltwiseLayer):
     """Eltwise SUM through cp_axpby / cp_scale2 on the GPU (PROD and MAX: generic)."""
     engine = 'FUSED'
+    _chain = None
 
     def _fast_forward(self, bottom, top):
         from caffeplus import kernels as K
@@ -1235,10 +1301,14 @@ class GPUEltwiseLayer(_FusedMixin, EltwiseLayer):
         if y is None or any(a is None for a in xs):
             return False
         grid, block, c = K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,), self.coeffs
+        ch = self._chain
+        relu = ch is not None and ch.fwd_active and len(xs) == 2
         k = K.kernel('cp_axpby')
-        k(grid, block, (xs[0], xs[1], y, K.u32(n), F32(c[0]), F32(c[1])))
+        k(grid, block, (xs[0], xs[1], y, K.u32(n), F32(c[0]), F32(c[1]), K.i32(relu)))
         for a, ci in zip(xs[2:], c[2:]):
-            k(grid, block, (y, a, y, K.u32(n), F32(1), F32(ci)))
+            k(grid, block, (y, a, y, K.u32(n), F32(1), F32(ci), K.i32(0)))
+        if relu:
+            ch.fwd_done = True          # the ReLU after us has nothing left to do
         return True
 
     def _fast_backward(self, top, propagate_down, bottom):
@@ -1251,15 +1321,7 @@ class GPUEltwiseLayer(_FusedMixin, EltwiseLayer):
                 for i, b in enumerate(bottom) if propagate_down[i]]
         if dy is None or any(a is None for a, _ in outs):
             return False
-        grid, block = K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,)
-        k = K.kernel('cp_scale2')
-        for j in range(0, len(outs), 2):
-            d0, c0 = outs[j]
-            if j + 1 < len(outs):
-                d1, c1, flags = outs[j + 1][0], outs[j + 1][1], 3
-            else:
-                d1, c1, flags = d0, c0, 1
-            k(grid, block, (dy, d0, d1, K.u32(n), F32(c0), F32(c1), K.i32(flags)))
+        _scale_diffs(dy, dy, outs, n, 0)
         return True
 
     def _forward(self, bottom, top):
@@ -1270,6 +1332,9 @@ class GPUEltwiseLayer(_FusedMixin, EltwiseLayer):
 
     def _backward(self, top, propagate_down, bottom):
         from caffeplus import kernels
+        ch = self._chain
+        if ch is not None and ch.bwd_done:
+            return
         if not (self.op == _ELTWISE_SUM and kernels.active() and
                 _fused('Eltwise backward', self._fast_backward, top, propagate_down, bottom)):
             super()._backward(top, propagate_down, bottom)
@@ -1291,10 +1356,10 @@ class GPUSplitLayer(SplitLayer):
             return False
         grid, block = K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,)
         k = K.kernel('cp_axpby')
-        one = F32(1)
-        k(grid, block, (ds[0], ds[1], dx, K.u32(n), one, one))
+        one, no = F32(1), K.i32(0)
+        k(grid, block, (ds[0], ds[1], dx, K.u32(n), one, one, no))
         for a in ds[2:]:
-            k(grid, block, (dx, a, dx, K.u32(n), one, one))
+            k(grid, block, (dx, a, dx, K.u32(n), one, one, no))
         return True
 
     def _backward(self, top, propagate_down, bottom):

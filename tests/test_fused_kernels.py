@@ -251,10 +251,11 @@ def _train(gpu, fused, iters=2, hook=False):
 def _check_net(gpu, hook=False):
     _, want, _ = _train(gpu=False, fused=False)
     net, got, seen = _train(gpu=gpu, fused=True, hook=hook)
-    chains = net._fused_chains
-    assert [(c.bn.name, c.scale.name, c.relu.name if c.relu else None) for c in chains] == \
-        [('bn1', 'sc1', 'relu1'), ('bn2', 'sc2', None)]      # bn3 is not in place
-    expect = [(not hook, not hook)] * 2
+    names = [(c.bn.name, c.scale.name, c.relu.name if c.relu else None) if hasattr(c, 'bn')
+             else (c.eltwise.name, c.relu.name) for c in net._fused_chains]
+    assert names == [('bn1', 'sc1', 'relu1'), ('bn2', 'sc2', None),     # bn3 is not in place
+                     ('sum', 'relu2')]
+    expect = [(not hook, not hook)] * 3
     assert seen == [expect, expect]
     _compare(got, want, 1e-4, 'tiny resnet')
 
@@ -300,3 +301,16 @@ def test_zero_diffs_gpu():
             assert float(abs(backend.to_numpy(b.diff)).max()) == 0
     finally:
         caffeplus.set_mode_cpu()
+
+
+@pytest.mark.parametrize('name', ['relu_leaky', 'eltwise_sum_coeff3', 'scale_learned_bias',
+                                  'split3'])
+def test_grid_stride_loops_emulated(name, emulated, monkeypatch):
+    """Few blocks for many values: every grid-stride step and its tail."""
+    monkeypatch.setattr(kernels, 'MAX_BLOCKS', 1)
+    case = [c for c in LAYER_CASES if c[0] == name][0]
+    case = (case[0], case[1], [(3,) + tuple(s[1:]) + (23,) if len(s) > 1 else s
+                               for s in case[2]], case[3])
+    if name == 'scale_learned_bias':
+        case = (case[0], case[1], [(3, 3, 5, 6, 23)], case[3])
+    _check_layer_case(case, gpu=False)

@@ -164,7 +164,7 @@ class Emulator:
             with open(src, 'w') as f:
                 f.write(code)
             cmd = ['g++', '-std=c++20', '-O1', '-ffp-contract=off', '-fPIC', '-shared',
-                   '-pthread', '-Wall', '-Wno-unused-function', '-o', so + '.tmp', src]
+                   '-pthread', '-Wall', '-Wno-unused-function', '-Wno-unknown-pragmas', '-o', so + '.tmp', src]
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             except (OSError, subprocess.TimeoutExpired):

@@ -63,6 +63,7 @@ def main(argv=None):
     host = collections.defaultdict(float)       # (layer index, 'r'/'f'/'b') -> seconds
     pairs = {}                                  # (layer index, 'f'/'b') -> (start, end) events
     state = {'on': False}
+    recorded = set()                            # the pairs recorded this iteration
 
     def wrap(i, layer, which):
         fn = getattr(layer, {'r': 'reshape', 'f': 'forward', 'b': 'backward'}[which])
@@ -79,6 +80,7 @@ def main(argv=None):
             r = fn(*a)
             if ev is not None:
                 ev[1].record()
+                recorded.add((i, which))
             host[(i, which)] += time.perf_counter() - t0
             return r
         setattr(layer, {'r': 'reshape', 'f': 'forward', 'b': 'backward'}[which], timed)
@@ -100,6 +102,7 @@ def main(argv=None):
     total_dev = total_host = 0.0
     for _ in range(args.iters):
         a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        recorded.clear()
         state['on'] = True
         t0 = time.perf_counter()
         a.record()
@@ -109,10 +112,10 @@ def main(argv=None):
         b.synchronize()
         state['on'] = False
         total_dev += cupy.cuda.get_elapsed_time(a, b)
-        for key, (e0, e1) in pairs.items():
-            if key[1] == 'b' and not net.layer_need_backward[key[0]]:
-                continue
+        for key in recorded:
+            e0, e1 = pairs[key]
             device[key] += cupy.cuda.get_elapsed_time(e0, e1)
+        recorded.clear()
     n = args.iters
     print('net %s plan %s search %s tf32 %s fused %s: %.2f ms/iter on the device, host %.2f ms'
           % (os.path.basename(args.net), args.plan, args.search, args.tf32, not args.generic,
