@@ -712,7 +712,9 @@ def _scalar_text(field, value):
     fd = descriptor.FieldDescriptor
     ct = field.cpp_type
     if ct == fd.CPPTYPE_STRING:
-        if field.type == fd.TYPE_BYTES:
+        if field.type == fd.TYPE_BYTES or isinstance(value, bytes):
+            # (protobuf hands a proto2 string field that is not valid UTF-8,
+            # as read from a binary file, back as bytes)
             return '"%s"' % text_encoding.CEscape(value, as_utf8=False)
         return '"%s"' % text_encoding.CEscape(value.encode('utf-8'), as_utf8=False)
     if ct == fd.CPPTYPE_BOOL:
