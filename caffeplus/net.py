@@ -121,7 +121,7 @@ class Net:
                 raise NetError('layer %s: propagate_down must be given either 0 or bottom_size '
                                '(%d) times' % (lp.name, len(lp.bottom)))
             log.info('Creating layer %s', lp.name)
-            with _out_of_memory_as_error(lp, 'create'):
+            with _out_of_memory_as_error(lp, 'create it'):
                 layer = create_layer(lp)
             self.layers.append(layer)
             self._layer_names.append(lp.name)
@@ -176,7 +176,7 @@ class Net:
             self.top_vecs.append(tops)
             self.top_id_vecs.append(top_ids)
 
-            with _out_of_memory_as_error(lp, 'set up'):
+            with _out_of_memory_as_error(lp, 'set it up'):
                 layer.setup(bottoms, tops)
             log.info('Setting up %s', lp.name)
             for top_id, top in enumerate(tops):
@@ -602,7 +602,7 @@ def _out_of_memory_as_error(lp, doing):
     try:
         yield
     except MemoryError as exc:
-        raise NetError('layer %s (%s): not enough memory to %s it (%s); check the shapes and '
+        raise NetError('layer %s (%s): not enough memory to %s (%s); check the shapes and '
                        'sizes in its definition and the batch size'
                        % (lp.name, lp.type, doing, exc or 'MemoryError'))
 
