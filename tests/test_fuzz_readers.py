@@ -469,7 +469,58 @@ def test_image_list_with_bad_lines(tmp_path, text, error):
         assert raised is not None and error in str(raised)
 
 
+def test_caffemodel_with_invalid_utf8_in_a_name(tmp_path):
+    """A string field that is not UTF-8 comes back from protobuf as bytes:
+    building the net once raised AttributeError in its log line."""
+    from caffeplus.io import prototxt
+    data = _net(fr.tiny_net_text()).to_proto().SerializeToString()
+    bad = data.replace(b'\x1a\x04conv', b'\x1a\x04c\xefnv')
+    assert bad != data
+    path = tmp_path / 'bad.caffemodel'
+    path.write_bytes(bad)
+    param = prototxt.read_net_param_binary(str(path))
+    with pytest.raises(CaffeplusError, match='Unknown bottom blob'):
+        caffeplus.Net(param, caffeplus.TRAIN)
+
+
 # -- bugs in colleagues' files (xfail until their owners fix them) -----------------
+@pytest.mark.xfail(strict=False, reason='layers/recurrent.py fills RNN/LSTM weights with '
+                                        'fill_array before any Blob checks the shape (320 GiB '
+                                        'requested); fill_array should call '
+                                        'caffeplus.blob.check_count. Owners: caffeplus/fillers.py, '
+                                        'layers/recurrent.py')
+def test_rnn_with_a_huge_num_output_is_refused_before_filling():
+    text = _input((4, 1, 5)) + _input((4, 1)).replace('"in"', '"cont"').replace('"x"', '"c"') + \
+        ('layer { name: "rnn" type: "RNN" bottom: "x" bottom: "c" top: "y" '
+         'recurrent_param { num_output: 4294967295 } }')
+    with pytest.raises(CaffeplusError, match='claims'):
+        _net(text)
+
+
+@pytest.mark.xfail(strict=False, reason='layers/common.py: BatchReindex forward over a 0-axis '
+                                        'data bottom raises IndexError (Caffe needs >= 1 axis)')
+def test_batch_reindex_of_a_scalar_is_an_error():
+    text = _input(()) + _input((4,)).replace('"in"', '"idx"').replace('"x"', '"i"') + \
+        'layer { name: "br" type: "BatchReindex" bottom: "x" bottom: "i" top: "y" }'
+    with pytest.raises(CaffeplusError):
+        net = _net(text)
+        net.forward()
+
+
+@pytest.mark.xfail(strict=False, reason='caffeplus/functions.py softmax / layers/loss.py: '
+                                        'SoftmaxWithLoss over a zero-sized axis raises ValueError '
+                                        '(max of an empty array)')
+def test_softmax_loss_over_an_empty_axis():
+    text = _input((3, 0, 2)) + _input((3, 2)).replace('"in"', '"lab"').replace('"x"', '"l"') + \
+        'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "x" bottom: "l" top: "loss" }'
+    try:
+        net = _net(text)
+        net.forward()
+    except CaffeplusError:
+        pass
+
+
+
 @pytest.mark.xfail(strict=False, reason='caffeplus/fillers.py: a negative gaussian std reaches '
                                         'NumPy as ValueError (owner of fillers.py)')
 def test_negative_filler_std_is_a_net_error():
@@ -512,11 +563,11 @@ def test_lrn_with_a_huge_local_size_is_quick():
             pass
         ''')
     try:
-        proc = subprocess.run([sys.executable, '-c', code], timeout=15, capture_output=True,
+        proc = subprocess.run([sys.executable, '-c', code], timeout=5, capture_output=True,
                               text=True, cwd=ROOT,
                               env=dict(os.environ, PYTHONPATH=ROOT, GLOG_minloglevel='3'))
     except subprocess.TimeoutExpired:
-        pytest.fail('LRN with local_size 2147483647 ran for more than 15 s')
+        pytest.fail('LRN with local_size 2147483647 ran for more than 5 s')
     assert proc.returncode == 0, proc.stderr
 
 

@@ -302,6 +302,29 @@ def test_warn_mode_logs_and_trains_on():
     assert "'sqrt'" in warned[0]     # later ones: the weights themselves went NaN
 
 
+def test_warn_mode_diagnosis_leaves_training_as_it_was():
+    """Locating the layer re-runs the iteration; parameters, gradients,
+    layer state and the random stream come back as they were, so a warned
+    run trains exactly as an unchecked one."""
+    from caffeplus.solver import nan_check
+    body = GRADIENT_NAN.replace('"relu" type: "ReLU" bottom: "h" top: "r" }',
+                                '"relu" type: "ReLU" bottom: "h" top: "r0" }\n'
+                                'layer { name: "drop" type: "Dropout" bottom: "r0" top: "r" }')
+    from caffeplus import rng
+    results, states = [], []
+    for mode in ('off', 'warn'):
+        solver = _solver(body)
+        nan_check.install(solver, mode)
+        with numpy.errstate(all='ignore'):
+            solver.step(1)
+        results.append(_weights(solver))
+        states.append(rng.get_state())
+    assert states[0] == states[1]
+    assert numpy.isfinite(results[0][-1]).all()    # ip's weights: updated, finite
+    for a, b in zip(*results):
+        numpy.testing.assert_array_equal(a, b)
+
+
 def test_mode_from_the_environment(monkeypatch):
     from caffeplus.solver import nan_check
     monkeypatch.setenv('CAFFEPLUS_NAN_CHECK', 'off')

@@ -1314,8 +1314,12 @@ def check(target_name, data, ctx, time_limit=EXAMPLE_TIME_LIMIT):
         if 'not enough memory' in msg:
             # Net construction turns MemoryError into a clean error; under the
             # fuzz bounds it means an allocation escaped the bound checks.
-            return {'outcome': 'bug', 'message': 'MemoryError (reported as %s: %s)'
-                    % (type(exc).__name__, msg[:300]), 'trace': traceback.format_exc()}
+            # The trace is the MemoryError's own (where it was allocated).
+            cause = exc.__cause__ or exc.__context__
+            trace = ''.join(traceback.format_exception(type(cause), cause, cause.__traceback__)) \
+                if cause is not None else traceback.format_exc()
+            return {'outcome': 'bug', 'message': 'MemoryError: (reported as %s: %s)'
+                    % (type(exc).__name__, msg[:300]), 'trace': trace}
         return {'outcome': 'error', 'message': '%s: %s' % (type(exc).__name__, msg)}
     except TimeLimit:
         return {'outcome': 'hang', 'message': 'no result within %g s' % time_limit,
@@ -1362,6 +1366,16 @@ KNOWN_ISSUES = {
         'Convolution/Pooling forward with a stride, pad or dilation far larger than the '
         'input: ValueError from im2col (scratch sized by the stride / window out of '
         'range) (owner: layers/vision.py, caffeplus/im2col.py)',
+    ('caffeplus/fillers.py', 'fill_array', 'bug', 'MemoryError'):
+        'RNN/LSTM (layers/recurrent.py) fill their weights with fill_array before any Blob '
+        'checks the shape: num_output 4294967295 allocates 320 GiB. fill_array should call '
+        'caffeplus.blob.check_count(shape) (owners: caffeplus/fillers.py, layers/recurrent.py)',
+    ('layers/common.py', '_forward', 'bug', 'IndexError'):
+        'BatchReindex forward with a 0-axis (scalar) data bottom: IndexError (owner: '
+        'layers/common.py; Caffe requires at least one axis)',
+    ('caffeplus/functions.py', 'softmax', 'bug', 'ValueError'):
+        'SoftmaxWithLoss over a bottom with a zero-sized axis: ValueError from max() of an '
+        'empty array (owner of caffeplus/functions.py / layers/loss.py)',
     ('layers/vision.py', 'lrn_across', 'hang', ''):
         'LRN with a huge local_size (2147483647) loops for minutes (the window is not '
         'clipped to the channel count) (owner: layers/vision.py)',

@@ -8,10 +8,11 @@ stops):
   * the loss (every loss top of the train net);
   * every learnable parameter's gradient (diff).
 
-When one is not finite it finds where the problem started: the first layer,
-in forward order, whose top (or parameters) holds a NaN/Inf, else the first
-layer, in backward order, whose bottom or parameter gradient does. Then, as
-`mode` says:
+When one is not finite it finds where the problem started: it re-runs the
+iteration (same inputs, same random draws) checking each layer as it runs,
+and names the first layer, in forward order, whose output (or parameters)
+holds a NaN/Inf, else the first layer, in backward order, whose input or
+parameter gradient does. Then, as `mode` says:
 
   'stop'  raise NumericalError (a CaffeplusError: the CLI prints the message
           and exits non-zero); the last snapshot on disk is untouched;
@@ -29,7 +30,9 @@ train command):
     nan_check.install(solver)
 
 The steady-state cost is one reduction per parameter (the gradients) and per
-loss top; the layer-by-layer search runs only once a problem is seen.
+loss top, plus saving the random stream's state at each iteration's start;
+the layer-by-layer re-run happens only once a problem is seen (and leaves
+parameters, gradients and layer state as they were).
 """
 import os
 
@@ -53,16 +56,25 @@ class NumericalError(CaffeplusError):
 
 
 def _finite(arr):
-    """True when every value of a NumPy/CuPy array is finite."""
-    if arr is None or arr.size == 0:
-        return True
-    xp = backend.get_array_module(arr)
-    # A sum of a finite array is finite unless it overflows; checking the
-    # sum first is one fast reduction, isfinite().all() confirms.
-    s = arr.sum(dtype=numpy.float64) if xp is numpy else xp.sum(arr, dtype=numpy.float64)
-    if bool(xp.isfinite(s)):
-        return True
-    return bool(xp.isfinite(arr).all())
+    """True when every value of a NumPy/CuPy array is finite. (A float64
+    sum of float32 values cannot overflow, so it is finite exactly when
+    they all are: one reduction, no temporary array.)"""
+    return _all_finite([arr])
+
+
+def _all_finite(arrays):
+    """True when every value of every array is finite: one reduction per
+    array and, on a GPU, one synchronisation for the lot."""
+    sums = {}
+    for arr in arrays:
+        if arr is None or arr.size == 0:
+            continue
+        xp = backend.get_array_module(arr)
+        sums.setdefault(xp, []).append(xp.sum(arr, dtype=numpy.float64))
+    for xp, values in sums.items():
+        if not bool(xp.isfinite(xp.stack(values)).all()):
+            return False
+    return True
 
 
 def _kind(arr):
@@ -82,60 +94,125 @@ def _safe(get):
         return None
 
 
-def first_forward_problem(net):
-    """(layer name, type, description) of the first layer in forward order
-    whose top or parameter data is not finite, or None."""
-    for i, layer in enumerate(net.layers):
-        name = net._layer_names[i]
-        for j, blob in enumerate(layer.blobs):
-            data = _safe(lambda: blob.data)
-            if not _finite(data):
-                return name, layer.layer_param.type, 'parameter %d holds %s' % (j, _kind(data))
-        for blob_id, top in zip(net.top_id_vecs[i], net.top_vecs[i]):
-            data = _safe(lambda: top.data)
-            if not _finite(data):
-                return name, layer.layer_param.type, "its output '%s' holds %s" % (
-                    net._blob_names[blob_id], _kind(data))
+# Layers whose forward reads the next input (a re-run would move on to
+# another batch); the diagnosis keeps their tops as they are.
+_SOURCE_TYPES = frozenset(('Data', 'ImageData', 'HDF5Data', 'MemoryData', 'WindowData', 'Input',
+                           'Python'))
+
+
+def _top_problem(net, i):
+    layer = net.layers[i]
+    for j, blob in enumerate(layer.blobs):
+        data = _safe(lambda: blob.data)
+        if not _finite(data):
+            return 'parameter %d holds %s' % (j, _kind(data))
+    for blob_id, top in zip(net.top_id_vecs[i], net.top_vecs[i]):
+        data = _safe(lambda: top.data)
+        if not _finite(data):
+            return "its output '%s' holds %s" % (net._blob_names[blob_id], _kind(data))
     return None
 
 
-def first_backward_problem(net):
-    """(layer name, type, description) of the first layer in backward order
-    whose bottom or parameter gradient is not finite, or None."""
-    for i in range(len(net.layers) - 1, -1, -1):
-        if not net.layer_need_backward[i]:
+def _bottom_diff_problem(net, i):
+    layer = net.layers[i]
+    if not net.layer_need_backward[i]:
+        return None
+    for k, (blob_id, bottom) in enumerate(zip(net.bottom_id_vecs[i], net.bottom_vecs[i])):
+        if not net.bottom_need_backward[i][k]:
             continue
-        layer = net.layers[i]
-        name = net._layer_names[i]
-        for k, (blob_id, bottom) in enumerate(zip(net.bottom_id_vecs[i], net.bottom_vecs[i])):
-            if not net.bottom_need_backward[i][k]:
-                continue
-            diff = _safe(lambda: bottom.diff)
-            if not _finite(diff):
-                return name, layer.layer_param.type, "the gradient of its input '%s' holds %s" % (
-                    net._blob_names[blob_id], _kind(diff))
-        for j, blob in enumerate(layer.blobs):
-            diff = _safe(lambda: blob.diff)
-            if not _finite(diff):
-                return name, layer.layer_param.type, 'the gradient of its parameter %d holds %s' \
-                    % (j, _kind(diff))
+        diff = _safe(lambda: bottom.diff)
+        if not _finite(diff):
+            return "the gradient of its input '%s' holds %s" % (net._blob_names[blob_id],
+                                                               _kind(diff))
+    for j, blob in enumerate(layer.blobs):
+        if not layer.param_needs_backward(j):
+            continue
+        diff = _safe(lambda: blob.diff)
+        if not _finite(diff):
+            return 'the gradient of its parameter %d holds %s' % (j, _kind(diff))
     return None
 
 
-def check_net(net, iteration):
+def locate(net, rng_state=None):
+    """Where a NaN/Inf first appears: re-run the iteration's forward and
+    backward (the same inputs: layers that read data keep their outputs;
+    the random stream rewound to `rng_state`, the iteration's start, so
+    Dropout draws the same masks), checking each layer right after it ran
+    (memory plans reuse blobs, so the values of a finished pass are not all
+    there to look at). Parameters, their gradients, layer state and the
+    random stream are put back afterwards.
+
+    Returns (direction, layer name, type, detail) or None."""
+    from caffeplus import rng
+    n = len(net.layers)
+    start = 0
+    while start < n and not net.bottom_vecs[start] and \
+            net.layers[start].layer_param.type in _SOURCE_TYPES:
+        start += 1
+    if start >= n:
+        return None
+    saved = []
+    for layer in net.layers:
+        for blob in layer.blobs:
+            saved.append((blob, _copy(lambda: blob.data), _copy(lambda: blob.diff)))
+    rng_after = rng.get_state()
+    found = []
+
+    def after_forward(i):
+        if not found:
+            problem = _top_problem(net, i)
+            if problem:
+                found.append(('forward', i, problem))
+
+    def after_backward(i):
+        if not found:
+            problem = _bottom_diff_problem(net, i)
+            if problem:
+                found.append(('backward', i, problem))
+    net.after_layer_forward.append(after_forward)
+    net.on_layer_backward_done.append(after_backward)
+    try:
+        if rng_state is not None:
+            rng.set_state(rng_state)
+        with numpy.errstate(all='ignore'):
+            net.forward_from_to(start, n - 1)
+            if not found:
+                net.backward_from_to(n - 1, 0)
+    except CaffeplusError:
+        pass       # (a memory plan that released what the re-run needs)
+    finally:
+        net.after_layer_forward.remove(after_forward)
+        net.on_layer_backward_done.remove(after_backward)
+        for blob, data, diff in saved:
+            if data is not None:
+                blob.data = data
+            if diff is not None:
+                blob.diff = diff
+        rng.set_state(rng_after)
+    if not found:
+        return None
+    direction, i, detail = found[0]
+    return direction, net._layer_names[i], net.layers[i].layer_param.type, detail
+
+
+def _copy(get):
+    arr = _safe(get)
+    return None if arr is None else arr.copy()
+
+
+def check_net(net, iteration, rng_state=None):
     """None if the train net's loss and gradients are finite, else a
-    NumericalError (not raised) saying what, where and when."""
+    NumericalError (not raised) saying what, where (see locate()) and when."""
     bad_loss = []
     for blob_id, weight in enumerate(net._blob_loss_weights):
         if weight:
             data = _safe(lambda: net._blobs[blob_id].data)
             if not _finite(data):
                 bad_loss.append("'%s' = %s" % (net._blob_names[blob_id], _kind(data)))
-    bad_grad = []
-    for learnable_id, blob in enumerate(net.learnable_params):
-        diff = _safe(lambda: blob.diff)
-        if not _finite(diff):
-            bad_grad.append(learnable_id)
+    diffs = [_safe(lambda: blob.diff) for blob in net.learnable_params]
+    if not bad_loss and _all_finite(diffs):
+        return None
+    bad_grad = [learnable_id for learnable_id, diff in enumerate(diffs) if not _finite(diff)]
     if not bad_loss and not bad_grad:
         return None
     what = []
@@ -151,18 +228,14 @@ def check_net(net, iteration):
             names.append('%s[%d]' % (net._layer_names[layer_id], index))
         what.append('%d parameter gradient(s) are not finite (%s)'
                     % (len(bad_grad), ', '.join(names[:8]) + (' ...' if len(names) > 8 else '')))
-    where = first_forward_problem(net)
-    direction = 'forward'
-    if where is None:
-        where = first_backward_problem(net)
-        direction = 'backward'
+    where = locate(net, rng_state)
     if where is not None:
-        layer, kind, detail = where
+        direction, layer, kind, detail = where
         origin = ("; it first appears in the %s pass at layer '%s' (%s): %s"
                   % (direction, layer, kind, detail))
     else:
         layer = None
-        origin = '; the layer where it started could not be found (its blobs were released)'
+        origin = '; the layer where it started could not be found again'
     message = ('Iteration %d: %s%s. Training stopped before the update, so the weights are '
                'still finite (lower base_lr, clip gradients with clip_gradients, or check the '
                'input data; set %s=warn to train on regardless).'
@@ -182,12 +255,14 @@ class NanCheck:
         self.problems = 0
 
     def on_start(self):
-        pass
+        if self.mode != 'off':
+            from caffeplus import rng
+            self._rng_state = rng.get_state()
 
     def on_gradients_ready(self):
         if self.mode == 'off':
             return
-        error = check_net(self.solver.net, self.solver.iter)
+        error = check_net(self.solver.net, self.solver.iter, getattr(self, '_rng_state', None))
         if error is None:
             return
         self.problems += 1
