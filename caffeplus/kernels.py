@@ -33,12 +33,13 @@ it with one thread per CUDA thread), so the layers' GPU code paths can be
 checked against the CPU layers on a machine without a GPU.
 """
 import os
+import re
 
 import numpy
 
 from caffeplus.blob import HEAD_DEVICE as _HEAD_DEVICE
 
-SOURCE = r'''
+COMMON = r'''
 #define CP_FULL_MASK 0xffffffffu
 
 __device__ __forceinline__ double cp_warp_sum(double v) {
@@ -114,6 +115,9 @@ __device__ __forceinline__ float cp_chain(float v, float s, float b, int flags) 
         for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_USE }                   \
     }
 
+'''
+
+CORE = r'''
 /* BatchNorm forward, one block per channel over x viewed as (N, C, S).
    flags: 1 batch statistics (else the stored ones), 2 keep the normalized
    copy in xn, 4 multiply by sc[c], 8 add bi[c], 16 ReLU (the chain). */
@@ -319,6 +323,234 @@ extern "C" __global__ void cp_scale2(float* g, float* d0, float* d1, const float
 }
 '''
 
+EXTRA = r'''
+#define CP_FLT_MAX 3.402823466e+38f
+#define CP_FLT_MIN 1.175494351e-38f
+
+__device__ __forceinline__ float cp_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_down_sync(CP_FULL_MASK, v, o));
+    return v;
+}
+
+/* Block-wide max (every thread gets it). */
+__device__ float cp_block_max(float v, float* sh) {
+    const int lane = threadIdx.x & 31;
+    const int wid = threadIdx.x >> 5;
+    const int nw = blockDim.x >> 5;
+    v = cp_warp_max(v);
+    if (lane == 0) sh[wid] = v;
+    __syncthreads();
+    if (wid == 0) {
+        v = lane < nw ? sh[lane] : -CP_FLT_MAX;
+        v = cp_warp_max(v);
+        if (lane == 0) sh[32] = v;
+    }
+    __syncthreads();
+    v = sh[32];
+    __syncthreads();
+    return v;
+}
+
+/* Pooling with Caffe's windows (rows oh*SH-PH .. +KH, clipped to the image),
+   one thread per output value. MAX: the first maximum in scan order (strict
+   >, so NaN never wins) starting from -FLT_MAX; arg = its offset kh*KW+kw in
+   the window, -1 if nothing beat -FLT_MAX. AVE: the clipped window's sum
+   over the window clipped to H+PH (Caffe's divisor). */
+extern "C" __global__ void cp_pool_fwd(const float* x, float* y, int* arg,
+    const unsigned NC, const int H, const int W, const int OH, const int OW,
+    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW,
+    const int ave)
+{
+    const unsigned total = NC * (unsigned)(OH * OW);
+    const unsigned stride = gridDim.x * blockDim.x;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int ow = (int)(i % (unsigned)OW);
+        const unsigned t = i / (unsigned)OW;
+        const int oh = (int)(t % (unsigned)OH);
+        const unsigned nc = t / (unsigned)OH;
+        const int hs = oh * SH - PH, ws = ow * SW - PW;
+        const float* xp = x + nc * (unsigned)(H * W);
+        if (ave) {
+            const int he = min(hs + KH, H + PH), we = min(ws + KW, W + PW);
+            const float size = (float)((he - hs) * (we - ws));
+            float sum = 0.0f;
+            for (int kh = 0; kh < KH; ++kh) {
+                const int h = hs + kh;
+                if (h < 0 || h >= H) continue;
+                for (int kw = 0; kw < KW; ++kw) {
+                    const int w = ws + kw;
+                    if (w < 0 || w >= W) continue;
+                    sum = __fadd_rn(sum, xp[h * W + w]);
+                }
+            }
+            y[i] = __fdiv_rn(sum, size);
+        } else {
+            float m = -CP_FLT_MAX;
+            int a = -1;
+            for (int kh = 0; kh < KH; ++kh) {
+                const int h = hs + kh;
+                if (h < 0 || h >= H) continue;
+                for (int kw = 0; kw < KW; ++kw) {
+                    const int w = ws + kw;
+                    if (w < 0 || w >= W) continue;
+                    const float v = xp[h * W + w];
+                    if (v > m) { m = v; a = kh * KW + kw; }
+                }
+            }
+            y[i] = m;
+            arg[i] = a;
+        }
+    }
+}
+
+/* Pooling backward, one thread per input value: the sum over the windows
+   that hold it of dy routed by arg (MAX) or dy / divisor (AVE). */
+extern "C" __global__ void cp_pool_bwd(const float* dy, const int* arg, float* dx,
+    const unsigned NC, const int H, const int W, const int OH, const int OW,
+    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW,
+    const int ave)
+{
+    const unsigned total = NC * (unsigned)(H * W);
+    const unsigned stride = gridDim.x * blockDim.x;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int w = (int)(i % (unsigned)W);
+        const unsigned t = i / (unsigned)W;
+        const int h = (int)(t % (unsigned)H);
+        const unsigned nc = t / (unsigned)H;
+        const int hp = h + PH, wp = w + PW;
+        const int ph0 = hp < KH ? 0 : (hp - KH) / SH + 1;
+        const int ph1 = min(hp / SH + 1, OH);
+        const int pw0 = wp < KW ? 0 : (wp - KW) / SW + 1;
+        const int pw1 = min(wp / SW + 1, OW);
+        const unsigned ob = nc * (unsigned)(OH * OW);
+        float acc = 0.0f;
+        for (int ph = ph0; ph < ph1; ++ph) {
+            const int hs = ph * SH - PH;
+            for (int pw = pw0; pw < pw1; ++pw) {
+                const int ws = pw * SW - PW;
+                const unsigned o = ob + (unsigned)(ph * OW + pw);
+                if (ave) {
+                    const int he = min(hs + KH, H + PH), we = min(ws + KW, W + PW);
+                    const float size = (float)((he - hs) * (we - ws));
+                    acc = __fadd_rn(acc, __fdiv_rn(dy[o], size));
+                } else if (arg[o] == (h - hs) * KW + (w - ws)) {
+                    acc = __fadd_rn(acc, dy[o]);
+                }
+            }
+        }
+        dx[i] = acc;
+    }
+}
+
+/* SoftmaxWithLoss, one block per (outer, inner) row of x viewed as
+   (outer, classes, inner): rowloss[r] = -log(max(p[label], FLT_MIN)) (0 when
+   the label is ignored), rowvalid[r] = 1 or 0. A label outside [0, classes)
+   that is not ignored sets err[0] = 1, err[1] = the label. */
+extern "C" __global__ void cp_softmax_loss_rows(const float* x, const float* label,
+    float* rowloss, float* rowvalid, float* err,
+    const unsigned outer, const unsigned classes, const unsigned inner,
+    const int has_ignore, const int ignore)
+{
+    __shared__ float shf[33];
+    __shared__ double sh[66];
+    const unsigned r = blockIdx.x;
+    const unsigned o = r / inner, in = r - o * inner;
+    const float* xr = x + o * classes * inner + in;
+    float m = -CP_FLT_MAX;
+    for (unsigned c = threadIdx.x; c < classes; c += blockDim.x) m = fmaxf(m, xr[c * inner]);
+    m = cp_block_max(m, shf);
+    double a = 0.0, b = 0.0;
+    for (unsigned c = threadIdx.x; c < classes; c += blockDim.x)
+        a += (double)expf(__fsub_rn(xr[c * inner], m));
+    cp_block_sum2(&a, &b, sh);
+    if (threadIdx.x == 0) {
+        const float lf = label[r];
+        const int l = (int)lf;
+        const int valid = !(has_ignore && l == ignore);
+        if (valid && (l < 0 || l >= (int)classes)) {
+            err[0] = 1.0f;
+            err[1] = lf;
+            rowloss[r] = 0.0f;
+            rowvalid[r] = 0.0f;
+        } else if (valid) {
+            const float p = __fdiv_rn(expf(__fsub_rn(xr[(unsigned)l * inner], m)), (float)a);
+            rowloss[r] = -logf(fmaxf(p, CP_FLT_MIN));
+            rowvalid[r] = 1.0f;
+        } else {
+            rowloss[r] = 0.0f;
+            rowvalid[r] = 0.0f;
+        }
+    }
+}
+
+/* SoftmaxWithLoss total, one block: top[0] = sum(rowloss) / normalizer;
+   info = [normalizer, err[0], err[1]], and err is cleared for the next call.
+   mode: Caffe's LossParameter.NormalizationMode (FULL, VALID, BATCH_SIZE, NONE). */
+extern "C" __global__ void cp_softmax_loss_total(const float* rowloss, const float* rowvalid,
+    float* err, float* top, float* info, const unsigned rows, const int mode,
+    const unsigned outer, const unsigned inner)
+{
+    __shared__ double sh[66];
+    double a = 0.0, b = 0.0;
+    for (unsigned r = threadIdx.x; r < rows; r += blockDim.x) {
+        a += (double)rowloss[r];
+        b += (double)rowvalid[r];
+    }
+    cp_block_sum2(&a, &b, sh);
+    if (threadIdx.x == 0) {
+        double n;
+        if (mode == 0) n = (double)outer * (double)inner;
+        else if (mode == 1) n = b;
+        else if (mode == 2) n = (double)outer;
+        else n = 1.0;
+        const float norm = (float)(n > 1.0 ? n : 1.0);
+        top[0] = (float)(a / (double)norm);
+        info[0] = norm;
+        info[1] = err[0];
+        info[2] = err[1];
+        err[0] = 0.0f;
+        err[1] = 0.0f;
+    }
+}
+
+/* SoftmaxWithLoss backward, one block per row: dx = (p - onehot(label)) *
+   valid * (top_diff[0] / normalizer). */
+extern "C" __global__ void cp_softmax_loss_bwd(const float* x, const float* label,
+    const float* top_diff, const float* info, float* dx,
+    const unsigned outer, const unsigned classes, const unsigned inner,
+    const int has_ignore, const int ignore)
+{
+    __shared__ float shf[33];
+    __shared__ double sh[66];
+    const unsigned r = blockIdx.x;
+    const unsigned o = r / inner, in = r - o * inner;
+    const unsigned off = o * classes * inner + in;
+    const float* xr = x + off;
+    float m = -CP_FLT_MAX;
+    for (unsigned c = threadIdx.x; c < classes; c += blockDim.x) m = fmaxf(m, xr[c * inner]);
+    m = cp_block_max(m, shf);
+    double a = 0.0, b = 0.0;
+    for (unsigned c = threadIdx.x; c < classes; c += blockDim.x)
+        a += (double)expf(__fsub_rn(xr[c * inner], m));
+    cp_block_sum2(&a, &b, sh);
+    const float s = (float)a;
+    const int l = (int)label[r];
+    const float valid = (has_ignore && l == ignore) ? 0.0f : 1.0f;
+    const float scale = __fdiv_rn(top_diff[0], info[0]);
+    for (unsigned c = threadIdx.x; c < classes; c += blockDim.x) {
+        float d = __fdiv_rn(expf(__fsub_rn(xr[c * inner], m)), s);
+        d = __fsub_rn(d, (int)c == l ? 1.0f : 0.0f);
+        d = __fmul_rn(d, valid);
+        dx[off + c * inner] = __fmul_rn(d, scale);
+    }
+}
+'''
+
+# The modules compiled on the device (one failing to build leaves the other);
+# the emulator builds them together.
+SOURCES = {'core': COMMON + CORE, 'extra': COMMON + EXTRA}
+SOURCE = COMMON + CORE + EXTRA
+
 # Flags of cp_bn_fwd / cp_bn_bwd.
 BN_BATCH, BN_KEEP, BN_SCALE, BN_BIAS, BN_RELU = 1, 2, 4, 8, 16
 BN_DSCALE, BN_DBIAS, BN_DX = 32, 64, 128
@@ -326,6 +558,7 @@ BN_DSCALE, BN_DBIAS, BN_DX = 32, 64, 128
 SC_KEEP, SC_BIAS = 1, 2
 SC_DSCALE, SC_DSCALE_ACC, SC_DBIAS, SC_DX = 1, 2, 4, 8
 
+_SIG = re.compile(r'extern "C" __global__ void (\w+)\(')
 MAX_COUNT = 2 ** 31 - 1     # the kernels index with unsigned 32-bit ints
 ELEMENTWISE_THREADS = 256
 MAX_BLOCKS = 132 * 32       # grid-stride loops: enough blocks to fill the device
@@ -428,40 +661,48 @@ def flat(blob, diff=False):
     return a if type(a) is nd else None
 
 
-def empty(count):
-    """A scratch float32 array of `count` values on the device."""
+def empty(count, dtype=numpy.float32):
+    """A scratch array of `count` values (float32, or `dtype`) on the device."""
     if _state['emulator'] is not None:
-        return numpy.empty(max(int(count), 1), dtype=numpy.float32)
+        return numpy.empty(max(int(count), 1), dtype=dtype)
     import cupy
-    return cupy.empty(max(int(count), 1), dtype=cupy.float32)
+    return cupy.empty(max(int(count), 1), dtype=dtype)
 
 
 # -- compiling and launching ------------------------------------------------------
-def _module():
-    m = _state['module']
+def _module(group):
+    m = _state['module'].get(group) if _state['module'] else None
     if m is None:
-        if _state['broken'] is not None:
-            raise _state['broken']
+        broken = (_state['broken'] or {}).get(group)
+        if broken is not None:
+            raise broken
         import cupy
+        source = SOURCES[group]
         try:
-            m = cupy.RawModule(code=SOURCE, options=('--std=c++14',))
-            m.get_function('cp_bn_fwd')         # compiles the module now
+            m = cupy.RawModule(code=source, options=('--std=c++14',))
+            m.get_function(_SIG.search(source[len(COMMON):]).group(1))     # compile now
         except Exception as exc:
-            # A module that does not build: every fused path falls back for good.
-            _state['broken'] = exc
-            _state['enabled'] = False
+            # A module that does not build: its fused paths fall back for good
+            # (all of them if it is the core one).
+            _state['broken'] = dict(_state['broken'] or {}, **{group: exc})
+            if group == 'core':
+                _state['enabled'] = False
             raise
-        _state['module'] = m
+        _state['module'] = dict(_state['module'] or {}, **{group: m})
     return m
 
 
+def _group(name):
+    return 'core' if ('void %s(' % name) in CORE else 'extra'
+
+
 def kernel(name):
-    """The compiled kernel `name` (the module is compiled once per process;
+    """The compiled kernel `name` (each module is compiled once per process;
     CuPy caches the binary on disk)."""
     k = _state['kernels'].get(name)
     if k is None:
         emu = _state['emulator']
-        k = emu.kernel(name) if emu is not None else _module().get_function(name)
+        k = emu.kernel(name) if emu is not None else _module(_group(name)).get_function(name)
         _state['kernels'][name] = k
     return k
 
@@ -469,6 +710,7 @@ def kernel(name):
 def reset_kernels():
     _state['kernels'] = {}
     _state['module'] = None
+    _state['broken'] = None
 
 
 # -- the net's passes (fused chains of layers) ------------------------------------

@@ -31,6 +31,7 @@ from caffeplus.errors import CaffeplusError
 from caffeplus.layer import register_engine
 from caffeplus.layers.common import EltwiseLayer, SoftmaxLayer, SplitLayer
 from caffeplus.layers.neuron import ELULayer, ReLULayer, SigmoidLayer, TanHLayer
+from caffeplus.layers.loss import SoftmaxWithLossLayer
 from caffeplus.layers.normalization import BatchNormLayer, ScaleLayer, _same_data
 from caffeplus.layers.vision import (AVE, MAX, ConvolutionLayer, DeconvolutionLayer,
                                      LRNLayer, PoolingLayer)
@@ -522,7 +523,11 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
         return True
 
     def _forward(self, bottom, top):
+        self._fused_arg = False
         if not self._ready(bottom[0].data):
+            from caffeplus import kernels
+            if kernels.active() and _fused('Pooling forward', self._fast_forward, bottom, top):
+                return
             return super()._forward(bottom, top)
         from caffeplus.cudnn import api
         pd, xd, yd = self._pd
@@ -532,11 +537,72 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
         if not propagate_down[0]:
             return
         if not self._ready(top[0].diff):
+            from caffeplus import kernels
+            if kernels.active() and _fused('Pooling backward', self._fast_backward, top,
+                                           propagate_down, bottom):
+                return
             return super()._backward(top, propagate_down, bottom)
         from caffeplus.cudnn import api
         pd, xd, yd = self._pd
         api.pooling_backward(pd, yd, top[0].data, top[0].diff, xd, bottom[0].data,
                              bottom[0].diff)
+
+    # -- Caffe's windows where cuDNN's differ (the ceil rule): caffeplus.kernels
+    _arg_buf = None
+    _fused_arg = False
+
+    def _pool_args(self):
+        from caffeplus import kernels as K
+        pool = self.pool
+        (kh, kw), (sh, sw), (ph, pw) = pool.geom
+        n, c, h, w = pool.x_shape
+        oh, ow = pool.out_shape[2:]
+        return (K.u32(n * c), K.i32(h), K.i32(w), K.i32(oh), K.i32(ow), K.i32(kh), K.i32(kw),
+                K.i32(sh), K.i32(sw), K.i32(ph), K.i32(pw), K.i32(pool.method == AVE))
+
+    def _fast_forward(self, bottom, top):
+        from caffeplus import kernels as K
+        pool = self.pool
+        if pool is None or pool.method not in (MAX, AVE) or \
+                not 0 < _prod(pool.x_shape) <= K.MAX_COUNT:
+            return False
+        x, y = K.flat(bottom[0]), K.flat(top[0])
+        if x is None or y is None:
+            return False
+        count = _prod(pool.out_shape)
+        arg = y
+        if pool.method == MAX:
+            if self._arg_buf is None or self._arg_buf.size < count or \
+                    not K.is_device(self._arg_buf):
+                self._arg_buf = K.empty(count, numpy.int32)
+            arg = self._arg_buf
+        K.kernel('cp_pool_fwd')(K.elementwise_grid(count * K.UNROLL), (K.ELEMENTWISE_THREADS,),
+                                (x, y, arg) + self._pool_args())
+        if pool.method == MAX:
+            # the generic code's state: backward and the mask top read it
+            pool.arg = arg[:count].reshape(pool.out_shape)
+            self._fused_arg = True
+            if len(top) > 1:
+                top[1].data[...] = pool.mask()
+        return True
+
+    def _fast_backward(self, top, propagate_down, bottom):
+        from caffeplus import kernels as K
+        pool = self.pool
+        if pool is None or pool.method not in (MAX, AVE) or \
+                not 0 < _prod(pool.x_shape) <= K.MAX_COUNT:
+            return False
+        if pool.method == MAX and not (self._fused_arg and pool.arg is not None and
+                                       K.is_device(pool.arg)):
+            return False
+        dy, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
+        if dy is None or dx is None:
+            return False
+        arg = pool.arg if pool.method == MAX else dy
+        count = _prod(pool.x_shape)
+        K.kernel('cp_pool_bwd')(K.elementwise_grid(count * K.UNROLL), (K.ELEMENTWISE_THREADS,),
+                                (dy, arg, dx) + self._pool_args())
+        return True
 
 
 # =============================================================================
@@ -784,6 +850,8 @@ def _fused(what, fn, *args):
     from caffeplus import kernels
     try:
         return fn(*args)
+    except CaffeplusError:
+        raise                   # the layer's own errors (labels, released memory)
     except Exception as exc:
         from caffeplus.memory import workspace
         if workspace.is_out_of_memory(exc):
@@ -1369,6 +1437,89 @@ class GPUSplitLayer(SplitLayer):
         if not (kernels.active() and
                 _fused('Split backward', self._fast_backward, top, propagate_down, bottom)):
             super()._backward(top, propagate_down, bottom)
+
+
+
+@register_engine('CUDNN')
+class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
+    """SoftmaxWithLoss (one top) through caffeplus.kernels on the GPU: two
+    kernels and one small read-back forward (the loss's normalizer and the
+    label check), one kernel backward; the generic code makes two host
+    synchronisations and about twenty CuPy operations each way."""
+    engine = 'FUSED'
+    _bufs = None
+    _fwd_key = None
+
+    def _fast_forward(self, bottom, top):
+        from caffeplus import kernels as K
+        if len(top) != 1:
+            return False
+        outer, classes, inner = self.outer_num, self.num_classes, self.inner_num
+        rows = outer * inner
+        if not (0 < bottom[0]._count <= K.MAX_COUNT and rows > 0 and classes > 0):
+            return False
+        x, lab, y = K.flat(bottom[0]), K.flat(bottom[1]), K.flat(top[0])
+        if x is None or lab is None or y is None:
+            return False
+        b = self._bufs
+        if b is None or b[0].size < rows or not K.is_device(b[0]):
+            b = self._bufs = (K.empty(rows), K.empty(rows), K.empty(2), K.empty(3))
+            b[2][:] = 0
+        rowloss, rowvalid, err, info = b
+        ign = self.ignore_label
+        args = (K.u32(outer), K.u32(classes), K.u32(inner), K.i32(ign is not None),
+                K.i32(ign if ign is not None else 0))
+        K.kernel('cp_softmax_loss_rows')((rows,), (_row_block(classes),),
+                                         (x, lab, rowloss, rowvalid, err) + args)
+        K.kernel('cp_softmax_loss_total')((1,), (256,), (
+            rowloss, rowvalid, err, y, info, K.u32(rows), K.i32(self.normalization),
+            K.u32(outer), K.u32(inner)))
+        self._args = args
+        self._fwd_key = (bottom[0]._shape, bottom[1]._shape)
+        flag, value = (float(v) for v in _to_host(info)[1:3])
+        if flag:
+            self._fwd_key = None
+            self._fail('label value %g is out of range: labels must be integers in '
+                       '[0, %d)%s' % (value, classes, '' if ign is None else
+                                      ' or loss_param.ignore_label (%d)' % ign))
+        return True
+
+    def _forward(self, bottom, top):
+        from caffeplus import kernels
+        self._fwd_key = None
+        if not (kernels.active() and
+                _fused('SoftmaxWithLoss forward', self._fast_forward, bottom, top)):
+            super()._forward(bottom, top)
+
+    def _fast_backward(self, top, propagate_down, bottom):
+        from caffeplus import kernels as K
+        if self._fwd_key != (bottom[0]._shape, bottom[1]._shape) or self._bufs is None:
+            return False            # the normalizer comes from a fused forward
+        x, lab = K.flat(bottom[0]), K.flat(bottom[1])
+        dtop, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
+        if x is None or lab is None or dtop is None or dx is None:
+            return False
+        K.kernel('cp_softmax_loss_bwd')((self.outer_num * self.inner_num,),
+                                        (_row_block(self.num_classes),),
+                                        (x, lab, dtop, self._bufs[3], dx) + self._args)
+        return True
+
+    def _backward(self, top, propagate_down, bottom):
+        self._check_propagate(propagate_down)
+        if not propagate_down[0]:
+            return
+        from caffeplus import kernels
+        if not (kernels.active() and _fused('SoftmaxWithLoss backward', self._fast_backward, top,
+                                            propagate_down, bottom)):
+            super()._backward(top, propagate_down, bottom)
+
+
+def _row_block(classes):
+    return 32 if classes <= 64 else 128 if classes <= 512 else 256
+
+
+def _to_host(a):
+    return a.get() if hasattr(a, 'get') and not isinstance(a, numpy.ndarray) else numpy.asarray(a)
 
 
 _register_planner()

@@ -63,8 +63,36 @@ LAYER_CASES = [
      [(3, 4, 5), (3, 4, 5)], False),
     ('split2', 'type: "Split"', [(3, 4, 5)], False),
     ('split3', 'type: "Split"', [(3, 4, 5)], False),
+    # Caffe's ceil rule, where cuDNN's windows differ: caffeplus.kernels' pooling
+    ('pool_max_ceil', 'type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 }',
+     [(2, 3, 8, 8)], False),
+    ('pool_max_ceil_odd', 'type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 }',
+     [(2, 3, 12, 9)], False),
+    ('pool_max_pad_ceil', 'type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 '
+     'pad: 1 }', [(2, 2, 8, 7)], False),
+    ('pool_max_rect', 'type: "Pooling" pooling_param { pool: MAX kernel_h: 2 kernel_w: 3 '
+     'stride_h: 3 stride_w: 2 }', [(2, 2, 10, 9)], False),
+    ('pool_max_mask', 'type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 }',
+     [(2, 3, 8, 8)], False),
+    ('pool_ave_ceil', 'type: "Pooling" pooling_param { pool: AVE kernel_size: 3 stride: 2 }',
+     [(2, 3, 6, 6)], False),
+    ('pool_ave_pad_ceil', 'type: "Pooling" pooling_param { pool: AVE kernel_size: 3 stride: 2 '
+     'pad: 1 }', [(2, 3, 8, 6)], False),
+    ('softmax_loss', 'type: "SoftmaxWithLoss"', [(6, 10), ('labels', (6,), 10)], False),
+    ('softmax_loss_1000', 'type: "SoftmaxWithLoss"', [(3, 1000), ('labels', (3,), 1000)],
+     False),
+    ('softmax_loss_spatial', 'type: "SoftmaxWithLoss"', [(2, 5, 3, 4), ('labels', (2, 3, 4), 5)],
+     False),
+    ('softmax_loss_ignore', 'type: "SoftmaxWithLoss" loss_param { ignore_label: 2 }',
+     [(8, 4), ('labels', (8,), 4)], False),
+    ('softmax_loss_ignore_full', 'type: "SoftmaxWithLoss" loss_param { ignore_label: 1 '
+     'normalization: FULL }', [(8, 4), ('labels', (8,), 4)], False),
+    ('softmax_loss_batch', 'type: "SoftmaxWithLoss" loss_param { normalization: BATCH_SIZE }',
+     [(2, 4, 3), ('labels', (2, 3), 4)], False),
+    ('softmax_loss_none_axis2', 'type: "SoftmaxWithLoss" loss_param { normalization: NONE } '
+     'softmax_param { axis: 2 }', [(2, 3, 5), ('labels', (2, 3), 5)], False),
 ]
-SPLIT_TOPS = {'split2': 2, 'split3': 3}
+SPLIT_TOPS = {'split2': 2, 'split3': 3, 'pool_max_mask': 2}
 
 
 @pytest.fixture(scope='module')
@@ -108,8 +136,12 @@ def _run(case, gpu, fused, seed):
         layer = create_layer(lp)
         bottom = []
         for i, shape in enumerate(shapes):
-            b = Blob(shape, name='b%d' % i)
-            b.data = rng.standard_normal(shape).astype(numpy.float32)
+            if shape[0] == 'labels':
+                b = Blob(shape[1], name='label')
+                b.data = rng.integers(0, shape[2], size=shape[1]).astype(numpy.float32)
+            else:
+                b = Blob(shape, name='b%d' % i)
+                b.data = rng.standard_normal(shape).astype(numpy.float32)
             bottom.append(b)
         ntop = SPLIT_TOPS.get(name, 1)
         top = bottom[:1] if in_place else [Blob(name='t%d' % i) for i in range(ntop)]
@@ -130,12 +162,14 @@ def _run(case, gpu, fused, seed):
                 t.diff = rng.standard_normal(t.shape).astype(numpy.float32)
             for b in layer.blobs:
                 b.diff = numpy.full(b.shape, 0.25, numpy.float32)     # diffs accumulate
-            layer.backward(top, [True] * len(bottom), bottom)
+            loss = lp.type.endswith('Loss')
+            layer.backward(top, [True] + [not loss] * (len(bottom) - 1), bottom)
             out['bdiff%d' % it] = [backend.to_numpy(b.diff).copy() for b in bottom]
             out['pdiff%d' % it] = [backend.to_numpy(b.diff).copy() for b in layer.blobs]
             out['pdata%d' % it] = [backend.to_numpy(b.data).copy() for b in layer.blobs]
             for b, x in zip(bottom, x_before):      # fresh bottoms for the next pass
-                b.data = x + numpy.float32(0.5)
+                if b.name != 'label':
+                    b.data = x + numpy.float32(0.5)
         return layer, out
     finally:
         kernels.set_enabled(previous)
@@ -314,3 +348,43 @@ def test_grid_stride_loops_emulated(name, emulated, monkeypatch):
     if name == 'scale_learned_bias':
         case = (case[0], case[1], [(3, 3, 5, 6, 23)], case[3])
     _check_layer_case(case, gpu=False)
+
+
+def test_softmax_loss_bad_label_emulated(emulated):
+    from caffeplus.errors import NetError
+    lp = _param('type: "SoftmaxWithLoss"')
+    layer = create_layer(lp)
+    x, lab = Blob((3, 4)), Blob((3,))
+    x.data = numpy.zeros((3, 4), numpy.float32)
+    lab.data = numpy.array([1, 7, 2], numpy.float32)
+    top = [Blob()]
+    layer.setup([x, lab], top)
+    with pytest.raises(NetError, match='label value 7 is out of range'):
+        layer.forward([x, lab], top)
+    lab.data = numpy.array([1, 3, 2], numpy.float32)       # the error flag was cleared
+    layer.forward([x, lab], top)
+    assert abs(float(top[0].data) - numpy.log(4)) < 1e-6
+
+
+def test_pooling_paths_emulated(emulated):
+    """cuDNN-agreeing pools stay on cuDNN (here: generic on the CPU); the
+    others take the kernels."""
+    case = [c for c in LAYER_CASES if c[0] == 'pool_max_ceil'][0]
+    layer, _ = _run(case, gpu=False, fused=True, seed=3)
+    assert layer._fused_arg and layer.pool.arg.dtype == numpy.int32
+
+
+def test_loss_and_pool_take_the_kernels_emulated(emulated, monkeypatch):
+    calls = []
+    real = kernels.kernel
+
+    def spy(name):
+        calls.append(name)
+        return real(name)
+    monkeypatch.setattr(kernels, 'kernel', spy)
+    for name in ('softmax_loss_spatial', 'pool_ave_pad_ceil', 'pool_max_rect'):
+        case = [c for c in LAYER_CASES if c[0] == name][0]
+        _run(case, gpu=False, fused=True, seed=5)
+    for k in ('cp_softmax_loss_rows', 'cp_softmax_loss_total', 'cp_softmax_loss_bwd',
+              'cp_pool_fwd', 'cp_pool_bwd'):
+        assert k in calls, k

@@ -57,6 +57,7 @@ static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline int min(int a, int b) { return a < b ? a : b; }
 template <class... A, class... B>
 static void cp_launch(void (*k)(A...), unsigned gx, unsigned bx, B... args) {
     gridDim = {gx, 1, 1};
@@ -77,6 +78,11 @@ static void cp_launch(void (*k)(A...), unsigned gx, unsigned bx, B... args) {
     }
 }
 '''
+
+# CAFFEPLUS_EMU_ASAN=1: build with AddressSanitizer (run Python with
+# LD_PRELOAD=$(g++ -print-file-name=libasan.so)) to catch out-of-bounds accesses.
+_SANITIZE = ['-fsanitize=address', '-fno-omit-frame-pointer'] \
+    if os.environ.get('CAFFEPLUS_EMU_ASAN') else []
 
 _SIG = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\)', re.S)
 
@@ -112,10 +118,10 @@ class _Kernel:
                 if a is None:
                     conv.append(None)
                     continue
-                if not isinstance(a, numpy.ndarray) or a.dtype != numpy.float32 or \
-                        not a.flags.c_contiguous:
-                    raise TypeError('%s: pointer arguments must be contiguous float32 arrays '
-                                    '(got %r)' % (self.name, type(a)))
+                if not isinstance(a, numpy.ndarray) or a.dtype not in (numpy.float32, numpy.int32) \
+                        or not a.flags.c_contiguous:
+                    raise TypeError('%s: pointer arguments must be contiguous float32 or int32 '
+                                    'arrays (got %r)' % (self.name, type(a)))
                 conv.append(ctypes.c_void_p(a.ctypes.data))
             else:
                 if not isinstance(a, numpy.generic):
@@ -155,7 +161,7 @@ class Emulator:
             wrappers.append('extern "C" void emu_%s(unsigned gx, unsigned bx, %s) '
                             '{ cp_launch(%s, gx, bx, %s); }' % (name, decl, name, names))
         code = PRELUDE + source + '\n' + '\n'.join(wrappers) + '\n'
-        digest = hashlib.sha1(code.encode()).hexdigest()[:16]
+        digest = hashlib.sha1((code + ' '.join(_SANITIZE)).encode()).hexdigest()[:16]
         cache_dir = cache_dir or os.path.join(tempfile.gettempdir(), 'caffeplus_kernel_emu')
         os.makedirs(cache_dir, exist_ok=True)
         so = os.path.join(cache_dir, 'emu_%s.so' % digest)
@@ -164,7 +170,8 @@ class Emulator:
             with open(src, 'w') as f:
                 f.write(code)
             cmd = ['g++', '-std=c++20', '-O1', '-ffp-contract=off', '-fPIC', '-shared',
-                   '-pthread', '-Wall', '-Wno-unused-function', '-Wno-unknown-pragmas', '-o', so + '.tmp', src]
+                   '-pthread', '-Wall', '-Wno-unused-function', '-Wno-unknown-pragmas',
+                   '-o', so + '.tmp', src] + _SANITIZE
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             except (OSError, subprocess.TimeoutExpired):
