@@ -32,11 +32,23 @@ def written_once(net):
     return names
 
 
+def data_layer_tops(net):
+    """Tops of layers without bottoms (Data, ImageData, DummyData, ...): the
+    batch a user most often reads back (pycaffe's net.blobs['data'], or a
+    forward(start=...) that skips the data layer); one batch is cheap."""
+    names = set()
+    for i, layer in enumerate(net.layers):
+        if not net.bottom_id_vecs[i]:
+            names.update(net._blob_names[b] for b in net.top_id_vecs[i])
+    return names
+
+
 def buffers(net, keep=(), training=True):
     """List of Buffer for every data and diff Storage the iteration touches."""
     L, fwd, bwd = _steps(net)
     end_of_iteration = 2 * L if training else L
-    keep = set(keep) | set(net.outputs) | set(net.inputs) | written_once(net)
+    keep = set(keep) | set(net.outputs) | set(net.inputs) | written_once(net) | \
+        data_layer_tops(net)
     intervals = {}      # (kind, id(storage)) -> [start, end, set(blob names), nbytes]
     first_read = {}     # (kind, id(storage)) -> whether its earliest touch reads it
 
