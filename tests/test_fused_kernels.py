@@ -78,6 +78,9 @@ LAYER_CASES = [
      [(2, 3, 6, 6)], False),
     ('pool_ave_pad_ceil', 'type: "Pooling" pooling_param { pool: AVE kernel_size: 3 stride: 2 '
      'pad: 1 }', [(2, 3, 8, 6)], False),
+    ('ip', 'type: "InnerProduct" inner_product_param { num_output: 7 }', [(5, 3, 4)], False),
+    ('ip_transpose_nobias', 'type: "InnerProduct" inner_product_param { num_output: 6 '
+     'transpose: true bias_term: false }', [(4, 9)], False),
     ('softmax_loss', 'type: "SoftmaxWithLoss"', [(6, 10), ('labels', (6,), 10)], False),
     ('softmax_loss_1000', 'type: "SoftmaxWithLoss"', [(3, 1000), ('labels', (3,), 1000)],
      False),

@@ -9,7 +9,10 @@ PyTorch on the same nets, batch and optimiser.
 Every measurement runs in its own process (so each peak is that
 configuration's alone). One iteration is forward + backward + an SGD
 momentum update (lr 0.01, momentum 0.9, no weight decay) on every learnable
-parameter. caffeplus's data layers (DummyData, refilled on the host each
+parameter: what caffeplus's SGDSolver runs on the GPU (Net.clear_param_diffs,
+one kernel for every parameter's update). Plan names: stock, arena, with
+':timed' for cuDNN FindEx search and '/generic' for the fused kernels off
+(caffeplus.kernels; the generic CuPy layers and a per-parameter update). caffeplus's data layers (DummyData, refilled on the host each
 forward as stock Caffe does) run once before timing and are left out of
 the timed iterations, as the stock-Caffe column of the bench README leaves
 out its `data` layer. Time: median of --iters iterations after --warmup,
