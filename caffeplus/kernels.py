@@ -101,6 +101,21 @@ __device__ __forceinline__ float cp_chain(float v, float s, float b, int flags) 
         for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_USE }                   \
     }
 
+/* The same over values [lo, hi) of the channel (a block's share of it). */
+#define CP_RANGE_LOOP(lo, hi, S, base, step, BODY_LOAD, BODY_USE)                \
+    for (unsigned i0 = (lo) + threadIdx.x; i0 < (hi); i0 += CP_U * blockDim.x) { \
+        unsigned o[CP_U];                                                        \
+        bool in[CP_U];                                                           \
+        for (int u = 0; u < CP_U; ++u) {                                         \
+            const unsigned i = i0 + u * blockDim.x;                              \
+            in[u] = i < (hi);                                                    \
+            const unsigned n = in[u] ? i / (S) : 0;                              \
+            o[u] = (base) + n * (step) + (in[u] ? i - n * (S) : 0);              \
+        }                                                                        \
+        for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_LOAD }                  \
+        for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_USE }                   \
+    }
+
 /* The same over n elements of a flat array, grid-stride. */
 #define CP_FLAT_LOOP(n, BODY_LOAD, BODY_USE)                                     \
     for (unsigned i0 = blockIdx.x * blockDim.x + threadIdx.x; i0 < (n);          \
@@ -544,6 +559,168 @@ extern "C" __global__ void cp_softmax_loss_bwd(const float* x, const float* labe
         dx[off + c * inner] = __fmul_rn(d, scale);
     }
 }
+
+/* BatchNorm for few channels: P blocks per channel (grid C * P, block
+   c * P + p takes values [M p / P, M (p + 1) / P) of channel c), in two
+   launches each way: partial sums, then every block sums the P partials
+   in the same order (so all agree) and does its share. */
+__device__ __forceinline__ void cp_share(unsigned M, unsigned p, unsigned P,
+                                         unsigned* lo, unsigned* hi) {
+    *lo = (unsigned)(((unsigned long long)M * p) / P);
+    *hi = (unsigned)(((unsigned long long)M * (p + 1)) / P);
+}
+
+/* part[2 (c P + p)] = sum(x - K), part[2 (c P + p) + 1] = sum((x - K)^2),
+   K = kv[c] = x[c S] (the channel's first value, kept for the second launch:
+   in place it is overwritten there). */
+extern "C" __global__ void cp_bn_stats_part(const float* x, double* part, float* kv,
+    const unsigned N, const unsigned C, const unsigned S, const unsigned P)
+{
+    __shared__ double sh[66];
+    const unsigned c = blockIdx.x / P, p = blockIdx.x - c * P;
+    const unsigned M = N * S, base = c * S, step = C * S;
+    unsigned lo, hi;
+    cp_share(M, p, P, &lo, &hi);
+    const double K = (double)x[base];
+    double a = 0.0, b = 0.0;
+    float v[CP_U];
+    CP_RANGE_LOOP(lo, hi, S, base, step,
+        v[u] = x[o[u]];,
+        const double d = (double)v[u] - K; a += d; b += d * d;)
+    cp_block_sum2(&a, &b, sh);
+    if (threadIdx.x == 0) {
+        part[2 * blockIdx.x] = a;
+        part[2 * blockIdx.x + 1] = b;
+        if (p == 0) kv[c] = x[base];
+    }
+}
+
+/* cp_bn_fwd's second half for block (c, p); flags as cp_bn_fwd's. */
+extern "C" __global__ void cp_bn_fwd_apply(
+    const float* x, float* y, float* xn, float* b0, float* b1, float* b2, float* stdv,
+    const float* sc, const float* bi, const double* part, const float* kv,
+    const unsigned N, const unsigned C, const unsigned S, const unsigned P, const int flags,
+    const float maf, const float eps, const float corr)
+{
+    __shared__ float stat[2];
+    const unsigned c = blockIdx.x / P, p = blockIdx.x - c * P;
+    const unsigned M = N * S, base = c * S, step = C * S;
+    if (threadIdx.x == 0) {
+        if (flags & 1) {
+            double a = 0.0, b = 0.0;
+            for (unsigned q = 0; q < P; ++q) {
+                a += part[2 * (c * P + q)];
+                b += part[2 * (c * P + q) + 1];
+            }
+            const double m = (double)M;
+            const double dm = a / m;
+            double var = b / m - dm * dm;
+            if (var < 0.0) var = 0.0;
+            const float meanf = (float)((double)kv[c] + dm);
+            const float varf = (float)var;
+            stat[0] = meanf;
+            stat[1] = varf;
+            if (p == 0) {
+                b0[c] = __fadd_rn(__fmul_rn(b0[c], maf), meanf);
+                b1[c] = __fadd_rn(__fmul_rn(b1[c], maf), __fmul_rn(varf, corr));
+                if (c == 0) b2[0] = __fadd_rn(__fmul_rn(b2[0], maf), 1.0f);
+            }
+        } else {
+            const float f = b2[0];
+            const float scale = f == 0.0f ? 0.0f : 1.0f / f;
+            stat[0] = __fmul_rn(b0[c], scale);
+            stat[1] = __fmul_rn(b1[c], scale);
+        }
+    }
+    __syncthreads();
+    const float mean = stat[0];
+    const float sd = sqrtf(__fadd_rn(stat[1], eps));
+    if (threadIdx.x == 0 && p == 0) stdv[c] = sd;
+    const float s = (flags & 4) ? sc[c] : 1.0f;
+    const float bb = (flags & 8) ? bi[c] : 0.0f;
+    unsigned lo, hi;
+    cp_share(M, p, P, &lo, &hi);
+    float v[CP_U];
+    CP_RANGE_LOOP(lo, hi, S, base, step,
+        v[u] = x[o[u]];,
+        const float t = __fdiv_rn(__fsub_rn(v[u], mean), sd);
+        if (flags & 2) xn[o[u]] = t;
+        y[o[u]] = cp_chain(t, s, bb, flags);)
+}
+
+/* part[2 (c P + p)] = sum(g * xn), [.. + 1] = sum(g) over block (c, p)'s
+   share, g = dy masked by the chain's ReLU (flags as cp_bn_bwd's). */
+extern "C" __global__ void cp_bn_bwd_part(const float* dy, const float* xn,
+    const float* sc, const float* bi, double* part,
+    const unsigned N, const unsigned C, const unsigned S, const unsigned P, const int flags)
+{
+    __shared__ double sh[66];
+    const unsigned c = blockIdx.x / P, p = blockIdx.x - c * P;
+    const unsigned M = N * S, base = c * S, step = C * S;
+    const float s = (flags & 4) ? sc[c] : 1.0f;
+    const float bb = (flags & 8) ? bi[c] : 0.0f;
+    const int relu = flags & 16;
+    unsigned lo, hi;
+    cp_share(M, p, P, &lo, &hi);
+    double a = 0.0, b = 0.0;
+    float v[CP_U], g[CP_U];
+    CP_RANGE_LOOP(lo, hi, S, base, step,
+        v[u] = xn[o[u]]; g[u] = dy[o[u]];,
+        float gg = g[u];
+        if (relu) gg = __fmul_rn(gg, cp_chain(v[u], s, bb, flags & 12) > 0.0f ? 1.0f : 0.0f);
+        a += (double)gg * (double)v[u];
+        b += (double)gg;)
+    cp_block_sum2(&a, &b, sh);
+    if (threadIdx.x == 0) {
+        part[2 * blockIdx.x] = a;
+        part[2 * blockIdx.x + 1] = b;
+    }
+}
+
+/* cp_bn_bwd's second half for block (c, p). */
+extern "C" __global__ void cp_bn_bwd_apply(
+    const float* dy, const float* xn, const float* stdv, float* dx,
+    const float* sc, const float* bi, float* dsc, float* dbi, const double* part,
+    const unsigned N, const unsigned C, const unsigned S, const unsigned P, const int flags)
+{
+    __shared__ float stat[2];
+    const unsigned c = blockIdx.x / P, p = blockIdx.x - c * P;
+    const unsigned M = N * S, base = c * S, step = C * S;
+    const float s = (flags & 4) ? sc[c] : 1.0f;
+    const float bb = (flags & 8) ? bi[c] : 0.0f;
+    const int relu = flags & 16;
+    const float sd = stdv[c];
+    if (threadIdx.x == 0) {
+        double a = 0.0, b = 0.0;
+        for (unsigned q = 0; q < P; ++q) {
+            a += part[2 * (c * P + q)];
+            b += part[2 * (c * P + q) + 1];
+        }
+        if (p == 0) {
+            if (flags & 32) dsc[c] = __fadd_rn(dsc[c], (float)a);
+            if (flags & 64) dbi[c] = __fadd_rn(dbi[c], (float)b);
+        }
+        stat[0] = (float)((double)s * a / (double)M);
+        stat[1] = (float)((double)s * b / (double)M);
+    }
+    __syncthreads();
+    if (!(flags & 128)) return;
+    const float mdyy = stat[0], mdy = stat[1];
+    unsigned lo, hi;
+    cp_share(M, p, P, &lo, &hi);
+    float v[CP_U], g[CP_U];
+    CP_RANGE_LOOP(lo, hi, S, base, step,
+        v[u] = xn[o[u]]; g[u] = dy[o[u]];,
+        float gg = g[u];
+        if (relu) gg = __fmul_rn(gg, cp_chain(v[u], s, bb, flags & 12) > 0.0f ? 1.0f : 0.0f);
+        if (flags & 4) gg = __fmul_rn(gg, s);
+        if (flags & 1) {
+            const float t = __fadd_rn(__fmul_rn(v[u], mdyy), mdy);
+            dx[o[u]] = __fdiv_rn(__fsub_rn(gg, t), sd);
+        } else {
+            dx[o[u]] = __fdiv_rn(gg, sd);
+        })
+}
 '''
 
 # The modules compiled on the device (one failing to build leaves the other);
@@ -734,6 +911,19 @@ UNROLL = 4                  # CP_U: values per thread per loop step
 def elementwise_grid(n):
     per_block = ELEMENTWISE_THREADS * UNROLL
     return (max(1, min((int(n) + per_block - 1) // per_block, MAX_BLOCKS)),)
+
+
+# BatchNorm with fewer channels than SPLIT_CHANNELS (two blocks per SM of an
+# H100) splits each channel over several blocks, each with at least
+# SPLIT_MIN_VALUES values (cp_bn_stats_part / cp_bn_fwd_apply ...).
+SPLIT_CHANNELS = 264
+SPLIT_MIN_VALUES = 8192
+
+
+def blocks_per_channel(c, m):
+    if c >= SPLIT_CHANNELS or m < 2 * SPLIT_MIN_VALUES:
+        return 1
+    return max(1, min(SPLIT_CHANNELS // c, m // SPLIT_MIN_VALUES))
 
 
 def channel_block(m):

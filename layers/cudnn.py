@@ -947,10 +947,8 @@ class _Chain:
             (K.BN_RELU if self.relu is not None else 0) | \
             (K.BN_DSCALE if want_ds else 0) | (K.BN_DBIAS if want_db else 0) | \
             (0 if bn.use_global_stats else K.BN_BATCH)
-        K.kernel('cp_bn_bwd')((c,), (K.channel_block(n * s_),), (
-            dy, bn._x_norm, bn._std, dy, s, b if b is not None else s,
-            ds if ds is not None else dy, db if db is not None else dy,
-            K.u32(n), K.u32(c), K.u32(s_), K.i32(flags)))
+        bn._launch_backward(dy, bn._x_norm, bn._std, dy, s, b if b is not None else s,
+                            ds if ds is not None else dy, db if db is not None else dy, flags)
         self.bwd_done = True
         return True
 
@@ -1117,11 +1115,59 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         m = n * s
         corr = F32(m) / F32(m - 1) if m > 1 else F32(1)
         flags = (K.BN_BATCH if batch else 0) | (K.BN_KEEP if keep else 0) | chain_flags
+        xn = xn if xn is not None else y
+        sc = sc if sc is not None else b0
+        bi = bi if bi is not None else b0
+        split = self._split_kernels(('cp_bn_stats_part', 'cp_bn_fwd_apply'))
+        if split is not None:
+            kp, ka, P, part, kv, block = split
+            if batch:
+                kp((c * P,), block, (x, part, kv, K.u32(n), K.u32(c), K.u32(s), K.u32(P)))
+            ka((c * P,), block, (
+                x, y, xn, b0, b1, b2, self._std_buf, sc, bi, part, kv,
+                K.u32(n), K.u32(c), K.u32(s), K.u32(P), K.i32(flags), self.maf, self.eps,
+                F32(corr)))
+            return True
         K.kernel('cp_bn_fwd')((c,), (K.channel_block(m),), (
-            x, y, xn if xn is not None else y, b0, b1, b2, self._std_buf,
-            sc if sc is not None else b0, bi if bi is not None else b0,
+            x, y, xn, b0, b1, b2, self._std_buf, sc, bi,
             K.u32(n), K.u32(c), K.u32(s), K.i32(flags), self.maf, self.eps, F32(corr)))
         return True
+
+    _split_ok = True
+    _split_bufs = None
+
+    def _split_kernels(self, names):
+        """(kernel, kernel, P, partial sums, K values, block) to run this layer
+        over P blocks per channel; None for one block per channel."""
+        from caffeplus import kernels as K
+        n, c, s = self._cfg
+        P = K.blocks_per_channel(c, n * s)
+        if P <= 1 or not GPUBatchNormLayer._split_ok:
+            return None
+        try:
+            ks = [K.kernel(name) for name in names]
+        except Exception as exc:        # the extra module: keep the one-block kernels
+            GPUBatchNormLayer._split_ok = False
+            K.note_failure('BatchNorm split kernels', exc)
+            return None
+        b = self._split_bufs
+        if b is None or b[0].size < 2 * c * P or not K.is_device(b[0]):
+            b = self._split_bufs = (K.empty(2 * c * P, numpy.float64), K.empty(c))
+        return (ks[0], ks[1], P, b[0], b[1], (K.channel_block(n * s // P),))
+
+    def _launch_backward(self, dy, xn, std, dx, sc, bi, dsc, dbi, flags):
+        from caffeplus import kernels as K
+        n, c, s = self._cfg
+        split = self._split_kernels(('cp_bn_bwd_part', 'cp_bn_bwd_apply'))
+        if split is not None:
+            kp, ka, P, part, _, block = split
+            args = (K.u32(n), K.u32(c), K.u32(s), K.u32(P), K.i32(flags))
+            if flags & (K.BN_BATCH | K.BN_DSCALE | K.BN_DBIAS):
+                kp((c * P,), block, (dy, xn, sc, bi, part) + args)
+            ka((c * P,), block, (dy, xn, std, dx, sc, bi, dsc, dbi, part) + args)
+            return
+        K.kernel('cp_bn_bwd')((c,), (K.channel_block(n * s),), (
+            dy, xn, std, dx, sc, bi, dsc, dbi, K.u32(n), K.u32(c), K.u32(s), K.i32(flags)))
 
     def _fast_forward(self, bottom, top):
         from caffeplus import kernels as K
@@ -1156,9 +1202,8 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
                 (xn is not None and not K.is_device(xn)):
             return False
         flags = K.BN_DX | (K.BN_BATCH if batch else 0)
-        K.kernel('cp_bn_bwd')((c,), (K.channel_block(n * s),), (
-            dy, xn if xn is not None else dy, self._std, dx, dy, dy, dx, dx,
-            K.u32(n), K.u32(c), K.u32(s), K.i32(flags)))
+        self._launch_backward(dy, xn if xn is not None else dy, self._std, dx, dy, dy, dx, dx,
+                              flags)
         return True
 
     def _backward(self, top, propagate_down, bottom):

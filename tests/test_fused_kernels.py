@@ -391,3 +391,44 @@ def test_loss_and_pool_take_the_kernels_emulated(emulated, monkeypatch):
     for k in ('cp_softmax_loss_rows', 'cp_softmax_loss_total', 'cp_softmax_loss_bwd',
               'cp_pool_fwd', 'cp_pool_bwd'):
         assert k in calls, k
+
+
+@pytest.mark.parametrize('name', ['bn_train', 'bn_train_inplace', 'bn_global', 'bn_train_big',
+                                  'bn_maf_eps'])
+def test_batchnorm_split_over_blocks_emulated(name, emulated, monkeypatch):
+    """Few channels: each channel over several blocks (two launches each way)."""
+    monkeypatch.setattr(kernels, 'SPLIT_CHANNELS', 16)
+    monkeypatch.setattr(kernels, 'SPLIT_MIN_VALUES', 7)
+    calls = []
+    real = kernels.kernel
+    monkeypatch.setattr(kernels, 'kernel', lambda k: calls.append(k) or real(k))
+    case = [c for c in LAYER_CASES if c[0] == name][0]
+    _check_layer_case(case, gpu=False)
+    assert 'cp_bn_fwd_apply' in calls and 'cp_bn_bwd_apply' in calls
+    assert 'cp_bn_fwd' not in calls and 'cp_bn_bwd' not in calls
+
+
+def test_net_split_batchnorm_emulated(emulated, monkeypatch):
+    monkeypatch.setattr(kernels, 'SPLIT_CHANNELS', 32)
+    monkeypatch.setattr(kernels, 'SPLIT_MIN_VALUES', 20)
+    _check_net(gpu=False)
+
+
+@pytest.mark.gpu
+def test_net_split_batchnorm_gpu(monkeypatch):
+    monkeypatch.setattr(kernels, 'SPLIT_CHANNELS', 32)
+    monkeypatch.setattr(kernels, 'SPLIT_MIN_VALUES', 20)
+    before = len(kernels.failures())
+    _check_net(gpu=True)
+    assert kernels.failures()[before:] == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('name', ['bn_train', 'bn_train_inplace', 'bn_global', 'bn_train_big'])
+def test_batchnorm_split_over_blocks_gpu(name, monkeypatch):
+    monkeypatch.setattr(kernels, 'SPLIT_CHANNELS', 16)
+    monkeypatch.setattr(kernels, 'SPLIT_MIN_VALUES', 7)
+    before = len(kernels.failures())
+    case = [c for c in LAYER_CASES if c[0] == name][0]
+    _check_layer_case(case, gpu=True)
+    assert kernels.failures()[before:] == []

@@ -118,7 +118,7 @@ class _Kernel:
                 if a is None:
                     conv.append(None)
                     continue
-                if not isinstance(a, numpy.ndarray) or a.dtype not in (numpy.float32, numpy.int32) \
+                if not isinstance(a, numpy.ndarray) or a.dtype not in (numpy.float32, numpy.int32, numpy.float64) \
                         or not a.flags.c_contiguous:
                     raise TypeError('%s: pointer arguments must be contiguous float32 or int32 '
                                     'arrays (got %r)' % (self.name, type(a)))
