@@ -1362,10 +1362,15 @@ KNOWN_ISSUES = {
     ('caffeplus/fillers.py', 'fill_array', 'bug', 'ValueError'):
         'fillers: a negative std (gaussian) or an invalid range reaches NumPy as '
         'ValueError (owner of caffeplus/fillers.py)',
-    ('caffeplus/im2col.py', '', 'bug', 'ValueError'):
+    ('caffeplus/im2col.py', '', 'bug', ''):
         'Convolution/Pooling forward with a stride, pad or dilation far larger than the '
-        'input: ValueError from im2col (scratch sized by the stride / window out of '
-        'range) (owner: layers/vision.py, caffeplus/im2col.py)',
+        'input: ValueError or MemoryError from im2col (a scratch buffer sized by the stride: '
+        'AVE pooling stride 65536 asked for 1 TiB; window out of range) (owner: '
+        'layers/vision.py, caffeplus/im2col.py)',
+    ('layers/vision.py', '__init__', 'hang', ''):
+        'Pooling windows are set up by a Python loop over kernel_h * kernel_w offsets: LRN '
+        'WITHIN_CHANNEL with local_size 4294967295 (or a huge pooling kernel) loops for '
+        'hours (owner: layers/vision.py)',
     ('caffeplus/fillers.py', 'fill_array', 'bug', 'MemoryError'):
         'RNN/LSTM (layers/recurrent.py) fill their weights with fill_array before any Blob '
         'checks the shape: num_output 4294967295 allocates 320 GiB. fill_array should call '
