@@ -1,0 +1,68 @@
+#!/bin/bash
+# The release check on the GPU machine, in one device call:
+#   1. every gpu-marked test of the suite,
+#   2. `caffeplus memory -gpu 0` (measured plans beside the planner's estimate) on the bench nets,
+#   3. tools/bench_gpu.py on the nets not yet benchmarked (caffeplus vs PyTorch in the same run).
+# Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
+# (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
+# env: STEPS (tests,memory,bench), MEMORY_NETS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S
+set -u
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+STEPS=${STEPS:-tests,memory,bench}
+export PYTHONUNBUFFERED=1 GLOG_minloglevel=${GLOG_minloglevel:-2}
+export CAFFEPLUS_SHARED=$PWD/.gpu_carry
+unset CUPY_TF32 NVIDIA_TF32_OVERRIDE
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+has() { case ",$STEPS," in *",$1,"*) return 0;; *) return 1;; esac; }
+
+if ls .gpu_carry/whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .gpu_carry/whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}:/tmp/site
+# caffeplus.layers is the top-level layers/ folder (setup.py's package_dir);
+# the machine cannot build an editable install, so link it.
+[ -e caffeplus/layers ] || ln -s ../layers caffeplus/layers
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/env.log"
+git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$OUT/env.log"
+
+if has tests; then
+  stamp "gpu-marked tests"
+  timeout "${TEST_S:-260}" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu tests \
+    > "$OUT/pytest_gpu.log" 2>&1
+  echo "rc=$?" >> "$OUT/pytest_gpu.log"
+  tail -n 30 "$OUT/pytest_gpu.log"
+fi
+
+if has memory; then
+  for n in ${MEMORY_NETS:-alexnet_b128 googlenet_b64 vgg16_b64 resnet50_b64}; do
+    stamp "memory $n"
+    timeout "${MEMORY_S:-100}" python3 -m caffeplus memory -model .gpu_carry/bench/$n.prototxt \
+      -gpu 0 --plans stock,arena,shared,offload --json > "$OUT/memory_$n.json" 2> "$OUT/memory_$n.err"
+    echo "rc=$?" >> "$OUT/memory_$n.err"
+    python3 - "$OUT/memory_$n.json" <<'PY'
+import json, sys
+try:
+    doc = json.load(open(sys.argv[1]))
+except Exception as exc:
+    print('  no JSON:', exc); sys.exit()
+for name, p in doc['plans'].items():
+    print('  %-8s peak %7.0f MiB  iter %s ms  estimate err %s%%' % (
+        name, p['peak_bytes'] / 2**20, p.get('iter_ms'), p.get('estimate_error_pct')))
+PY
+    tail -n 3 "$OUT/memory_$n.err"
+  done
+fi
+
+if has bench; then
+  stamp "benchmark"
+  timeout "${BENCH_S:-200}" python3 tools/bench_gpu.py --bench-dir .gpu_carry/bench \
+    --nets "${BENCH_NETS:-vgg16_b64,googlenet_b64}" --plans stock,arena:timed --torch \
+    --tf32 off --iters 20 --warmup 3 --timeout 120 \
+    --json "$OUT/bench.json" --md "$OUT/gpu_results.md" > "$OUT/bench.log" 2>&1
+  echo "rc=$?" >> "$OUT/bench.log"
+  tail -n 20 "$OUT/bench.log"
+fi
+stamp done
