@@ -69,8 +69,13 @@ class _Owned:
 class Handle(_Owned):
     _create, _destroy = 'cudnnCreate', 'cudnnDestroy'
 
+    bound_stream = None
+
     def bind(self, stream_ptr):
-        call('cudnnSetStream', self.value, ctypes.c_void_p(stream_ptr))
+        # cudnnSetStream costs a ctypes round trip; most calls stay on one stream.
+        if stream_ptr != self.bound_stream:
+            call('cudnnSetStream', self.value, ctypes.c_void_p(stream_ptr))
+            self.bound_stream = stream_ptr
         return self
 
 
@@ -80,7 +85,7 @@ _handles = {}
 def handle():
     """The cuDNN handle of the current device, bound to CuPy's current stream."""
     import cupy
-    dev = cupy.cuda.Device().id
+    dev = cupy.cuda.runtime.getDevice()
     h = _handles.get(dev)
     if h is None:
         h = _handles[dev] = Handle()
