@@ -35,10 +35,14 @@ _SUBMODULES = ('io', 'layers', 'draw', 'net_spec', 'classifier', 'detector', 'pr
 
 
 def _solver_attr(name):
+    """pycaffe's solvers: the 'stock' memory plan unless the solver file
+    names one (caffeplus.pycaffe.pycaffe_solver_class)."""
     solver = importlib.import_module('caffeplus.solver')
-    from caffeplus.pycaffe import attach_solver_helpers
-    attach_solver_helpers(solver.Solver)
-    return getattr(solver, name)
+    from caffeplus import pycaffe
+    pycaffe.attach_solver_helpers(solver.Solver)
+    if name == 'get_solver':
+        return pycaffe.get_solver
+    return pycaffe.pycaffe_solver_class(getattr(solver, name))
 
 
 def __getattr__(name):

@@ -350,9 +350,6 @@ def test_finite_training_is_untouched():
         numpy.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.xfail(strict=False, reason='the hook is not in the solver or `caffeplus train` yet: '
-                                        'owner of caffeplus/solver adds nan_check.install(self) '
-                                        'to Solver._init (see caffeplus/solver/nan_check.py)')
 def test_cli_train_stops_on_nan(tmp_path):
     net = NAN_NET % GRADIENT_NAN
     (tmp_path / 'net.prototxt').write_text(net)

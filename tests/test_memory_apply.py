@@ -241,6 +241,36 @@ def test_unknown_plan_and_keep_names_are_clear_errors():
         apply_named_plan(net, 'offload', offload_policy=['nope'])
 
 
+def test_solvers_apply_their_plan_and_the_nan_check():
+    """Solver._init applies caffeplus_param's plan ('shared' by default for
+    caffeplus.solver / `caffeplus train`; 'stock' for pycaffe's classes, so
+    scripts read any blob after step) and installs the NaN check."""
+    from caffeplus.solver import SGDSolver, get_solver, nan_check, sgd
+    sp = cpe.solver_param(param_of(NET), 'shared', 2, test_nets=1)
+    sp.caffeplus_param.ClearField('memory_plan')
+    solver = get_solver(sp)
+    assert solver.net.applied_plan.name == 'shared'
+    assert solver.test_nets[0].applied_plan.name == 'shared'
+    assert [type(cb) for cb in solver.callbacks] == [nan_check.NanCheck]
+    solver.add_callback(lambda: None, lambda: None)
+    assert isinstance(solver.callbacks[-1], nan_check.NanCheck)     # the check stays last
+    solver.step(1)
+    numpy.testing.assert_array_equal(solver.net.blobs['label'].data.shape, (4,))
+    with pytest.raises(CaffeplusError, match="memory plan 'shared'"):
+        solver.net.blobs['pool1'].data
+    for py_solver in (caffeplus.get_solver(sp), caffeplus.SGDSolver(sp)):
+        assert isinstance(py_solver, SGDSolver) and isinstance(py_solver, caffeplus.SGDSolver)
+        assert sgd._rule_class(py_solver) is SGDSolver
+        assert getattr(py_solver.net, 'applied_plan', None) is None     # stock
+        py_solver.step(1)
+        assert py_solver.net.blobs['pool1'].data.shape == (4, 4, 5, 5)
+    sp.caffeplus_param.memory_plan = 'shared'       # the file's word wins
+    assert caffeplus.get_solver(sp).net.applied_plan.name == 'shared'
+    sp.caffeplus_param.math = 'fast'
+    with pytest.raises(CaffeplusError, match="unknown math mode 'fast'"):
+        get_solver(sp)
+
+
 def test_partial_forward_checks_what_it_reads():
     net = small_net(memory='shared')
     net.forward()

@@ -578,14 +578,14 @@ def apply_named_plan(net, name, keep=(), offload_policy='conv', workspace_limit=
                       lookahead=lookahead, make=make, runtime_options=runtime_options)
 
 
-def apply_solver_plans(solver):
-    """The solver's caffeplus_param: memory_plan (default 'shared') for the
-    train net, keep, offload, memory_budget, workspace_limit; each test net
-    gets the same plan made for forward only (offload/auto: shared), its
-    outputs kept."""
+def apply_solver_plans(solver, default='shared'):
+    """The solver's caffeplus_param: memory_plan (else `default`, 'shared'
+    unless the solver says otherwise) for the train net, keep, offload,
+    memory_budget, workspace_limit; each test net gets the same plan made for
+    forward only (offload/auto: shared), its outputs kept."""
     p = solver.param
     cp = p.caffeplus_param
-    name = cp.memory_plan or 'shared'
+    name = cp.memory_plan or default or 'shared'
     check_plan_name(name)
     keep = [k.strip() for k in cp.keep if k.strip()]
     nets = [solver.net] + list(solver.test_nets)

@@ -40,14 +40,20 @@ def solver_class(type_name):
                              % (type_name, ', '.join(sorted(SOLVERS))))
 
 
-def get_solver(path_or_param, **kwargs):
-    """The solver a SolverParameter (or solver prototxt path) describes."""
+def get_solver(path_or_param, pycaffe=False, **kwargs):
+    """The solver a SolverParameter (or solver prototxt path) describes.
+    Its nets get caffeplus_param.memory_plan, by default 'shared';
+    `pycaffe`: pycaffe's class of the solver (caffeplus.get_solver), whose
+    default is 'stock' (caffeplus.pycaffe.pycaffe_solver_class)."""
     if isinstance(path_or_param, caffe_pb2.SolverParameter):
         param = path_or_param
     else:
         param = read_solver_file(os.fspath(path_or_param))
     type_name = solver_type_name(param)
     cls = solver_class(type_name)
+    if pycaffe:
+        from caffeplus.pycaffe import pycaffe_solver_class
+        cls = pycaffe_solver_class(cls)
     if param.type != type_name:
         copy = caffe_pb2.SolverParameter()
         copy.CopyFrom(param)

@@ -24,10 +24,9 @@ The mode comes from the argument, else CAFFEPLUS_NAN_CHECK (stop, warn,
 off), else the solver's caffeplus_param.nan_check when the schema has it,
 else 'stop'.
 
-The check is a solver callback, so it needs one line in the solver (or the
-train command):
-
-    nan_check.install(solver)
+The check is a solver callback; every solver installs it when it is built
+(Solver._init calls nan_check.install(self)); install(solver, mode) changes
+its mode afterwards.
 
 The steady-state cost is one reduction per parameter (the gradients) and per
 loss top, plus saving the random stream's state at each iteration's start;
@@ -244,7 +243,10 @@ def check_net(net, iteration, rng_state=None):
 
 
 class NanCheck:
-    """A solver callback: checks after the gradients are ready, before the update."""
+    """A solver callback: checks after the gradients are ready, before the update
+    (after the other callbacks: Solver.add_callback keeps it last)."""
+
+    runs_last = True
 
     def __init__(self, solver, mode='stop'):
         if mode not in MODES:
@@ -288,13 +290,21 @@ def configured_mode(solver=None, mode=None):
 
 
 def install(solver, mode=None):
-    """Add the check to `solver` (once); returns the NanCheck (None when off)."""
-    for cb in solver.callbacks:
-        if isinstance(cb, NanCheck):
-            return cb
+    """Add the check to `solver` (once); returns the NanCheck (None when off).
+    Every solver installs it when built (Solver._init, mode from the
+    environment or the solver file); calling install again with a `mode`
+    changes the mode of that check ('off' removes it)."""
+    existing = [cb for cb in solver.callbacks if isinstance(cb, NanCheck)]
+    if existing and mode is None:
+        return existing[0]
     mode = configured_mode(solver, mode)
     if mode == 'off':
+        for cb in existing:
+            solver.callbacks.remove(cb)
         return None
+    if existing:
+        existing[0].mode = mode
+        return existing[0]
     cb = NanCheck(solver, mode)
     solver.add_callback(cb)
     return cb

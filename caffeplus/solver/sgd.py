@@ -98,7 +98,7 @@ class SGDSolver(Solver):
         # On the GPU the built-in rules run as one kernel over all parameters
         # (data -= diff included); a subclass with its own
         # compute_update_value takes the generic path.
-        if self.use_fused_kernels and type(self) in _FUSED and params and \
+        if self.use_fused_kernels and _rule_class(self) in _FUSED and params and \
                 backend.get_array_module(params[0].diff) is not numpy:
             self._fused_apply(rate, F32(1) if iter_norm is None else iter_norm, weight_decay, l1)
             self.iter += 1
@@ -318,3 +318,11 @@ class AdamSolver(SGDSolver):
 SOLVERS = {cls.type: cls for cls in (SGDSolver, NesterovSolver, AdaGradSolver, RMSPropSolver,
                                      AdaDeltaSolver, AdamSolver)}
 _FUSED = frozenset(SOLVERS.values())
+
+
+def _rule_class(solver):
+    """The class whose update rule `solver` runs: its own class, or for
+    pycaffe's face of a built-in solver (caffeplus.pycaffe.pycaffe_solver_class,
+    which changes nothing but the default memory plan) the built-in one."""
+    cls = type(solver)
+    return cls.__dict__.get('pycaffe_base', cls)

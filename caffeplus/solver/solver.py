@@ -80,6 +80,13 @@ class Solver:
     solver prototxt (pycaffe's caffe.SGDSolver('solver.prototxt'))."""
 
     type = None
+    # The memory plan when caffeplus_param.memory_plan is not given: 'shared'
+    # reuses dead activation buffers (blobs other than the net's outputs,
+    # data-layer tops and caffeplus_param.keep are released after their last
+    # use in an iteration). pycaffe's solver classes (caffeplus.SGDSolver,
+    # caffeplus.get_solver, ...) use 'stock', so that scripts can read any
+    # solver.net.blobs[...] after solver.step(), as with Caffe.
+    default_memory_plan = 'shared'
 
     def __init__(self, param, rank=0, solver_count=1, solver_path=None):
         self.solver_path = solver_path
@@ -127,6 +134,24 @@ class Solver:
         self.iter = 0
         self.current_step = 0
         self.pre_solve()
+        self._apply_memory_plans()
+        self._install_nan_check()
+
+    def _apply_memory_plans(self):
+        """caffeplus_param's memory plan for the train and test nets
+        (caffeplus.memory.apply.apply_solver_plans): memory_plan, keep,
+        offload, memory_budget, workspace_limit. Without memory_plan the
+        class's default_memory_plan applies: 'shared' (what `caffeplus train`
+        and caffeplus.solver.get_solver build), 'stock' for the solvers
+        pycaffe scripts create (caffeplus.SGDSolver, caffeplus.get_solver)."""
+        from caffeplus.memory.apply import apply_solver_plans
+        apply_solver_plans(self, default=self.default_memory_plan)
+
+    def _install_nan_check(self):
+        """Stop on a NaN/Inf loss or gradient (caffeplus.solver.nan_check;
+        CAFFEPLUS_NAN_CHECK=warn|off changes it)."""
+        from caffeplus.solver import nan_check
+        nan_check.install(self)
 
     def pre_solve(self):
         """Allocate history (subclasses)."""
@@ -134,14 +159,17 @@ class Solver:
     @staticmethod
     def _apply_math_mode(param):
         """caffeplus_param.math (strict, tf32, deterministic) before the nets
-        are built, where the backend offers math modes."""
+        are built, in GPU mode (the CPU has one math; the name is still
+        checked). Without the field the current mode stays as it is."""
         if not param.caffeplus_param.HasField('math'):
             return
         try:
             from caffeplus.backend import mathmode
         except ImportError:
             return
-        mathmode.set_math_mode(param.caffeplus_param.math)
+        mathmode.parse(param.caffeplus_param.math)     # a bad name is an error on the CPU too
+        if backend.mode() == backend.GPU:
+            mathmode.set_math_mode(param.caffeplus_param.math)
 
     def _check_snapshot_write_permissions(self):
         if self.rank != 0 or not self.param.snapshot:
@@ -282,6 +310,10 @@ class Solver:
         if not has_methods or on_gradients_ready is not None:
             callback = _Callback(callback, on_gradients_ready)
         self.callbacks.append(callback)
+        # Checks that look at the final gradients (caffeplus.solver.nan_check,
+        # installed by the solver itself) stay after the callbacks that change
+        # them (a data-parallel gradient sync averages them across ranks).
+        self.callbacks.sort(key=lambda cb: bool(getattr(cb, 'runs_last', False)))
 
     def set_action_function(self, func):
         """func() -> 'none' | 'stop' | 'snapshot', polled once per iteration."""
