@@ -497,3 +497,12 @@ def test_signal_handler_actions_and_double_sigint():
     quiet = SignalHandler('none', 'none')
     quiet._handle(signal.SIGINT, None)
     assert quiet.action() == 'none'
+    # SIGTERM: only when asked for (`caffeplus train` passes -sigint_effect);
+    # a second one before the first was acted on exits at once.
+    assert signal.SIGTERM not in SignalHandler('stop', 'snapshot').effects
+    term = SignalHandler('stop', 'snapshot', sigterm_effect='stop')
+    term._handle(signal.SIGTERM, None)
+    with pytest.raises(SystemExit) as info:
+        term._handle(signal.SIGTERM, None)
+    assert info.value.code == 128 + signal.SIGTERM
+    assert term.action() == 'stop'

@@ -122,10 +122,6 @@ def test_sigterm_never_leaves_a_broken_snapshot(workdir):
     assert files['solverstate']
 
 
-@pytest.mark.xfail(strict=False, reason='caffeplus/commands/train.py handles SIGINT and SIGHUP '
-                                        'only; SIGTERM (what schedulers send before SIGKILL) '
-                                        'kills the run without its final snapshot. Owner: '
-                                        'commands/train.py (map SIGTERM to stop)')
 def test_sigterm_stops_cleanly_with_a_final_snapshot(workdir):
     solver = kt.write_solver(workdir, snapshot=0)
     t = kt.Train(workdir, '-solver', solver)

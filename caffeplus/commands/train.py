@@ -11,7 +11,11 @@ caffeplus.parallel (data-parallel ranks). Without -gpu the solver's solver_mode 
 device_id); with neither it runs on the CPU. SIGINT and SIGHUP do what
 -sigint_effect / -sighup_effect say (stop, snapshot or none; defaults stop
 and snapshot), checked once per iteration as Caffe does; a second SIGINT
-before the first was acted on interrupts at once (exit status 130).
+before the first was acted on interrupts at once (exit status 130). SIGTERM
+(what batch schedulers send before SIGKILL) does what -sigint_effect says:
+by default the run stops at the end of the iteration, writes its final
+snapshot, logs "Optimization stopped early." and exits 0; a second SIGTERM
+before the first was acted on exits at once (status 143).
 
 The helpers here (GPU list, stages, phase) serve `test` and `time` too.
 """
@@ -110,21 +114,29 @@ def parse_bytes(text):
 
 # -- signals ---------------------------------------------------------------------------
 class SignalHandler:
-    """Caffe's SignalHandler: remember SIGINT/SIGHUP, turn them into solver
-    actions when the solver asks."""
+    """Caffe's SignalHandler: remember SIGINT/SIGHUP (and SIGTERM when
+    `sigterm_effect` is given), turn them into solver actions when the
+    solver asks."""
 
-    def __init__(self, sigint_effect, sighup_effect):
+    def __init__(self, sigint_effect, sighup_effect, sigterm_effect=None):
         self.effects = {signal.SIGINT: sigint_effect}
         if hasattr(signal, 'SIGHUP'):
             self.effects[signal.SIGHUP] = sighup_effect
+        if sigterm_effect is not None and hasattr(signal, 'SIGTERM'):
+            self.effects[signal.SIGTERM] = sigterm_effect
         self.pending = []
         self.previous = {}
 
     def _handle(self, signum, frame):
-        if signum == signal.SIGINT and signum in self.pending:
-            # A second Ctrl-C before the solver took the first one: the
-            # trainer is stuck (in a long forward, say); give up at once.
-            raise KeyboardInterrupt
+        if signum in self.pending:
+            # A second Ctrl-C (or SIGTERM) before the solver took the first
+            # one: the trainer is stuck (in a long forward, say); give up at
+            # once (an unfinished snapshot is abandoned, its temporary file
+            # removed: caffeplus.io.atomic).
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            if signum == getattr(signal, 'SIGTERM', None):
+                raise SystemExit(128 + signum)
         self.pending.append(signum)
 
     def __enter__(self):
@@ -158,7 +170,8 @@ def add_arguments(parser):
                         'training')
     add_device_arguments(parser)
     parser.add_argument('--sigint_effect', default='stop', choices=EFFECTS,
-                        help='action to take when a SIGINT signal is received')
+                        help='action to take when a SIGINT signal is received (SIGTERM '
+                             'does the same)')
     parser.add_argument('--sighup_effect', default='snapshot', choices=EFFECTS,
                         help='action to take when a SIGHUP signal is received')
     parser.add_argument('--memory', default=None, choices=MEMORY_PLANS,
@@ -252,7 +265,10 @@ def run(args):
     use_device(gpus, 'train')
     if gpus:
         param.device_id = gpus[0]
-    with SignalHandler(args.sigint_effect, args.sighup_effect) as handler:
+    # SIGTERM (a scheduler's stop) does what SIGINT does: stop by default,
+    # with the final snapshot.
+    with SignalHandler(args.sigint_effect, args.sighup_effect,
+                       sigterm_effect=args.sigint_effect) as handler:
         solver = get_solver(param, solver_path=args.solver)
         solver.set_action_function(handler.action)
         if args.snapshot:
