@@ -712,6 +712,65 @@ def test_restore_errors(tmp_path):
         adam.restore(state)
 
 
+@pytest.mark.parametrize('fmt', ['BINARYPROTO', 'HDF5'])
+def test_snapshot_writes_the_state_file_last(tmp_path, monkeypatch, logs, fmt):
+    """The sidecar is written before the state file (a kill between them
+    leaves no state without its sidecar); it matches the state written after."""
+    if fmt == 'HDF5':
+        pytest.importorskip('h5py')
+    from caffeplus.solver import state as state_io
+    p = ('type: "SGD" momentum: 0.9 base_lr: 0.05 lr_policy: "fixed" snapshot_prefix: "%s/s" '
+         'snapshot_format: %s' % (tmp_path, fmt))
+    s = get_solver(solver_param(p))
+    s.step(2)
+    order = []
+    write_sidecar = state_io.write_sidecar
+
+    def spy(state_file, payload, state_sha256=None):
+        order.append(('sidecar', os.path.exists(state_file)))
+        return write_sidecar(state_file, payload, state_sha256)
+    monkeypatch.setattr(state_io, 'write_sidecar', spy)
+    model, state = s.snapshot()
+    assert order == [('sidecar', False)]
+    assert state_io.read_sidecar(state)[0]['iter'] == 2
+    r = get_solver(solver_param(p))
+    r.restore(state)
+    assert 'Restored caffeplus RNG and layer state from %s.caffeplus.json' % state in logs
+
+
+def test_resume_warns_when_a_caffeplus_state_has_no_sidecar(tmp_path, logs):
+    p = 'type: "SGD" momentum: 0.9 base_lr: 0.05 lr_policy: "fixed" snapshot_prefix: "%s/s"' \
+        % tmp_path
+    s = get_solver(solver_param(p))
+    s.step(1)
+    s.snapshot()
+    s.step(1)
+    _, state = s.snapshot()
+    os.remove(state + '.caffeplus.json')
+    get_solver(solver_param(p)).restore(state)
+    warned = [m for m in logs if 'has no caffeplus sidecar' in m]
+    assert warned and state in warned[0] and 's_iter_1.solverstate.caffeplus.json' in warned[0]
+    assert 'not continue exactly' in warned[0]
+
+
+def test_stale_snapshot_temp_files_are_removed_at_start(tmp_path, logs):
+    """A run killed while snapshotting leaves caffeplus.io.atomic's temporary
+    files; the next run of that prefix removes them, and nothing else."""
+    stale = ['.s_iter_20.caffemodel.ab_3x9qz.tmp', '.s_iter_20.solverstate.h5.0a1b2c3d.tmp',
+             '.s_iter_7.solverstate.caffeplus.json.zzzzzzzz.tmp',
+             '.s_iter_7.solverstate.ranks.json.k2k2k2k2.tmp']
+    kept = ['.other_iter_20.caffemodel.ab_3x9qz.tmp', '.s_iter_20.caffemodel.tmp',
+            's_iter_20.caffemodel', '.s_iter_x.caffemodel.abcdefgh.tmp', 'notes.tmp',
+            '.s_iter_20.caffemodel.ab_3x9qz.tmp.bak']
+    for name in stale + kept:
+        (tmp_path / name).write_bytes(b'x')
+    p = ('type: "SGD" momentum: 0.9 base_lr: 0.05 lr_policy: "fixed" snapshot: 5 '
+         'snapshot_prefix: "%s/s"' % tmp_path)
+    get_solver(solver_param(p))
+    assert sorted(os.listdir(tmp_path)) == sorted(kept)
+    assert sum('left by an interrupted snapshot' in m for m in logs) == len(stale)
+
+
 def test_learned_net_found_beside_state(tmp_path, monkeypatch):
     sub = tmp_path / 'run'
     sub.mkdir()

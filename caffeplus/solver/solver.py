@@ -126,6 +126,7 @@ class Solver:
         self.check_param(param)
         self._apply_math_mode(param)
         self._check_snapshot_write_permissions()
+        self._remove_stale_snapshot_temps()
         if param.random_seed >= 0:
             rng.set_random_seed(param.random_seed + self.rank)
         self._init_train_net()
@@ -186,6 +187,20 @@ class Solver:
             raise CaffeplusError("Cannot write to snapshot prefix '%s'.  Make sure that the "
                                  "directory exists and is writable (%s)."
                                  % (self.param.snapshot_prefix, exc.strerror or exc))
+
+    def _remove_stale_snapshot_temps(self):
+        """Temporary files of snapshots a killed run left in the snapshot
+        folder ('.<prefix>_iter_<N>.<kind>.XXXXXXXX.tmp', caffeplus.io.atomic's
+        names for this prefix; nothing else is touched)."""
+        if self.rank != 0 or not self.param.snapshot_prefix:
+            return
+        for path in state_io.stale_temp_files(self.param.snapshot_prefix):
+            try:
+                os.remove(path)
+                log.info('Removed %s, left by an interrupted snapshot', path)
+            except OSError as exc:
+                log.warning('Cannot remove %s, left by an interrupted snapshot: %s', path,
+                            exc.strerror or exc)
 
     def _read_net_file(self, path, what):
         from caffeplus.io.prototxt import read_net_param
@@ -529,17 +544,21 @@ class Solver:
         return []
 
     def snapshot_solver_state(self, model_filename):
+        """Write the solver state after the weights file, and its caffeplus
+        sidecar before it: the state file is the last write of a snapshot, so
+        a state on disk always has its weights and its sidecar."""
         history = [backend.to_numpy(a) for a in self.history_arrays()]
+        sidecar = self._sidecar_payload(model_filename)
         if self.param.snapshot_format == caffe_pb2.SolverParameter.HDF5:
             filename = self.snapshot_filename('.solverstate.h5')
             log.info('Snapshotting solver state to HDF5 file %s', filename)
-            state_io.write_hdf5(filename, self.iter, model_filename, self.current_step, history)
+            state_io.write_hdf5(filename, self.iter, model_filename, self.current_step, history,
+                                sidecar=sidecar)
         else:
             filename = self.snapshot_filename('.solverstate')
             log.info('Snapshotting solver state to binary proto file %s', filename)
             state_io.write_binaryproto(filename, self.iter, model_filename, self.current_step,
-                                       history)
-        state_io.write_sidecar(filename, self._sidecar_payload(model_filename))
+                                       history, sidecar=sidecar)
         return filename
 
     def _all_nets(self):
@@ -607,6 +626,23 @@ class Solver:
         if payload is None:
             if os.path.exists(state_file + state_io.SIDECAR_SUFFIX):
                 log.warning('Not restoring caffeplus RNG/data state: %s', reason)
+                return
+            others = state_io.caffeplus_sidecars_beside(state_file)
+            if others:
+                # caffeplus wrote this folder's snapshots, but not this one's
+                # sidecar (deleted, or an older caffeplus killed between the
+                # state and its sidecar).
+                log.warning('Solver state %s has no caffeplus sidecar (%s), although '
+                            'caffeplus wrote the snapshots beside it (%s): resuming as stock '
+                            'Caffe would, with a fresh random stream and the data read from '
+                            'the start of its source, so the run will not continue exactly '
+                            'as the interrupted one would have.', state_file,
+                            os.path.basename(state_file) + state_io.SIDECAR_SUFFIX,
+                            ', '.join(others[-3:]))
+            else:
+                log.info('No caffeplus sidecar for %s (a state stock Caffe wrote?): the '
+                         'random stream and data position start afresh, as in Caffe.',
+                         state_file)
             return
         if learned and payload.get('learned_net_sha256') and \
                 payload['learned_net_sha256'] != state_io.file_sha256(learned):

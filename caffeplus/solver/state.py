@@ -17,7 +17,12 @@ used only while they still match; stock Caffe never reads it and the state
 files themselves stay exactly what Caffe writes.
 
 All files are written through caffeplus.io.atomic: an interrupted snapshot
-leaves the previous good file in place.
+leaves the previous good file in place. A snapshot writes the weights file,
+then the sidecar (with the SHA-256 of the state file's bytes, computed
+before they are written), and the state file last: a run killed in between
+leaves no state file without its sidecar (a sidecar without its state file
+is ignored). stale_temp_files() finds the temporary files such a kill leaves
+behind.
 """
 import hashlib
 import json
@@ -52,8 +57,10 @@ def file_sha256(path):
 
 
 # -- writing -----------------------------------------------------------------
-def write_binaryproto(filename, it, learned_net, current_step, history):
-    """history: float32 arrays (NumPy)."""
+def write_binaryproto(filename, it, learned_net, current_step, history, sidecar=None):
+    """history: float32 arrays (NumPy). `sidecar`: a payload for
+    write_sidecar, written before the state file (the state is the last
+    write of a snapshot)."""
     state = caffe_pb2.SolverState()
     state.iter = int(it)
     state.learned_net = learned_net
@@ -63,6 +70,8 @@ def write_binaryproto(filename, it, learned_net, current_step, history):
         proto.shape.dim.extend(arr.shape)
         proto.data.extend(numpy.asarray(arr, numpy.float32).ravel().tolist())
     data = state.SerializeToString()
+    if sidecar is not None:
+        write_sidecar(filename, sidecar, hashlib.sha256(data).hexdigest())
     with atomic_write(filename, 'wb') as f:
         f.write(data)
 
@@ -77,7 +86,8 @@ def _write_h5_string(h5py, group, name, value):
     ds.write(h5py.h5s.ALL, h5py.h5s.ALL, numpy.array(raw, dtype='S%d' % (len(raw) + 1)))
 
 
-def write_hdf5(filename, it, learned_net, current_step, history):
+def write_hdf5(filename, it, learned_net, current_step, history, sidecar=None):
+    """As write_binaryproto, in Caffe's HDF5 layout."""
     h5py = _h5py()
     with atomic_path(filename) as tmp:
         with h5py.File(tmp, 'w') as f:
@@ -87,13 +97,19 @@ def write_hdf5(filename, it, learned_net, current_step, history):
             g = f.create_group('history')
             for i, arr in enumerate(history):
                 g.create_dataset(str(i), data=numpy.asarray(arr, numpy.float32))
+        if sidecar is not None:
+            # The bytes the state file will have once renamed into place.
+            write_sidecar(filename, sidecar, file_sha256(tmp))
 
 
-def write_sidecar(state_file, payload):
+def write_sidecar(state_file, payload, state_sha256=None):
+    """Write `state_file`'s sidecar; `state_sha256`: the SHA-256 of the
+    state file's bytes when the state file is not written yet (else it is
+    read from the file)."""
     payload = dict(payload)
     payload.update(format=SIDECAR_FORMAT, version=SIDECAR_VERSION,
                    state_file=os.path.basename(state_file),
-                   state_file_sha256=file_sha256(state_file))
+                   state_file_sha256=state_sha256 or file_sha256(state_file))
     text = json.dumps(payload, sort_keys=True, default=_json_default)
     with atomic_write(state_file + SIDECAR_SUFFIX, 'w') as f:
         f.write(text)
@@ -192,6 +208,49 @@ def read_sidecar(state_file):
     if payload.get('state_file_sha256') != file_sha256(state_file):
         return None, '%s was written for a different %s' % (path, os.path.basename(state_file))
     return payload, ''
+
+
+def _temp_pattern(prefix_name):
+    """What caffeplus.io.atomic names the temporary files of a snapshot of
+    `prefix_name` (the base name of snapshot_prefix): '.<name>.XXXXXXXX.tmp'
+    for <name> = <prefix>_iter_<N>.caffemodel[.h5], .solverstate[.h5] and
+    their sidecars (.caffeplus.json, caffeplus.parallel's .ranks.json)."""
+    import re
+    return re.compile(r'^\.%s_iter_\d+\.(caffemodel|solverstate)(\.h5)?'
+                      r'(\.caffeplus\.json|\.ranks\.json)?\.[A-Za-z0-9_]{8}\.tmp$'
+                      % re.escape(prefix_name))
+
+
+def stale_temp_files(snapshot_prefix):
+    """Temporary files a killed snapshot of `snapshot_prefix` left in the
+    snapshot folder (only names caffeplus.io.atomic gives a snapshot's
+    files; nothing else in the folder)."""
+    directory = os.path.dirname(snapshot_prefix) or '.'
+    pattern = _temp_pattern(os.path.basename(snapshot_prefix))
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(os.path.join(directory, n) for n in names if pattern.match(n) and
+                  os.path.isfile(os.path.join(directory, n)))
+
+
+def caffeplus_sidecars_beside(state_file):
+    """Other caffeplus sidecars of the same snapshot prefix beside
+    `state_file` (a sign that caffeplus wrote the snapshots of that folder)."""
+    import re
+    directory = os.path.dirname(state_file) or '.'
+    m = re.match(r'^(.*)_iter_\d+\.solverstate(\.h5)?$', os.path.basename(state_file))
+    if not m:
+        return []
+    pattern = re.compile(r'^%s_iter_\d+\.solverstate(\.h5)?%s$'
+                         % (re.escape(m.group(1)), re.escape(SIDECAR_SUFFIX)))
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    own = os.path.basename(state_file) + SIDECAR_SUFFIX
+    return sorted(n for n in names if pattern.match(n) and n != own)
 
 
 def resolve_learned_net(state_path, learned_net):
