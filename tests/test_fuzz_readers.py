@@ -350,17 +350,21 @@ def test_hdf5_weights_every_byte_damage(tmp_path):
     assert 'error' in outcomes
 
 
-# -- HDF5 solver states (caffeplus/solver/state.py: not this file's to fix) --------------
-SOLVER_OWNER = ('caffeplus/solver/state.py lets h5py errors through; owner: caffeplus/solver '
-                '(see the report of the reliability issue)')
-
-
-@pytest.mark.parametrize('case', [
-    pytest.param(c, marks=pytest.mark.xfail(strict=False, reason=SOLVER_OWNER))
-    for c in ('iter_scalar_string', 'iter_empty', 'current_step_float_nan',
-              'learned_net_bad_utf8', 'history_compound')] + ['history_key_gap',
-                                                             'history_is_dataset'])
-def test_hdf5_solverstate_with_wrong_layout(tmp_path, case):
+# -- HDF5 solver states -----------------------------------------------------------
+@pytest.mark.parametrize('case, field', [
+    ('iter_scalar_string', 'iter'), ('iter_empty', 'iter'), ('iter_negative', 'iter'),
+    ('iter_float', 'iter'), ('iter_group', 'iter'), ('iter_two_values', 'iter'),
+    ('current_step_float_nan', 'current_step'), ('current_step_string', 'current_step'),
+    ('current_step_huge', 'current_step'),
+    ('learned_net_bad_utf8', 'learned_net'), ('learned_net_vlen', 'learned_net'),
+    ('learned_net_float', 'learned_net'),
+    ('history_compound', 'history/0'), ('history_string', 'history/0'),
+    ('history_key_gap', "'1'"), ('history_is_dataset', 'history'),
+    ('history_huge', 'history/0'), ('no_iter', 'iter')])
+def test_hdf5_solverstate_with_wrong_layout(tmp_path, case, field):
+    """Found by the fuzzer: KeyError, IndexError, TypeError, ValueError,
+    UnicodeDecodeError escaped from h5py, and a string current_step in a
+    damaged file hung inside libhdf5 (types are now checked before reading)."""
     h5py = pytest.importorskip('h5py')
     from caffeplus.solver import state as state_io
     path = str(tmp_path / 's.solverstate.h5')
@@ -369,26 +373,83 @@ def test_hdf5_solverstate_with_wrong_layout(tmp_path, case):
         f.create_dataset('current_step', data=numpy.array([0], '<i4'))
         f.create_dataset('learned_net', data=numpy.array(b'w.caffemodel.h5\0', 'S16'))
         g = f.create_group('history') if case != 'history_is_dataset' else None
-        if case == 'iter_scalar_string':
-            del f['iter']
-            f.create_dataset('iter', data='seven', dtype=h5py.string_dtype())
+        name = case.split('_')[0] if not case.startswith('current_step') else 'current_step'
+        if name == 'learned':
+            name = 'learned_net'
+        if name in ('iter', 'current_step', 'learned_net') and name in f:
+            del f[name]
+        if case in ('iter_scalar_string', 'current_step_string'):
+            f.create_dataset(name, data='seven', dtype=h5py.string_dtype())
         elif case == 'iter_empty':
-            del f['iter']
             f.create_dataset('iter', data=numpy.zeros(0, '<i4'))
+        elif case == 'iter_negative':
+            f.create_dataset('iter', data=numpy.array([-5], '<i4'))
+        elif case == 'iter_float':
+            f.create_dataset('iter', data=numpy.array([3.0]))
+        elif case == 'iter_group':
+            f.create_group('iter')
+        elif case == 'iter_two_values':
+            f.create_dataset('iter', data=numpy.array([3, 4], '<i4'))
         elif case == 'current_step_float_nan':
-            del f['current_step']
             f.create_dataset('current_step', data=numpy.array([numpy.nan]))
+        elif case == 'current_step_huge':
+            f.create_dataset('current_step', data=numpy.array([2 ** 40], '<i8'))
         elif case == 'learned_net_bad_utf8':
-            del f['learned_net']
             f.create_dataset('learned_net', data=numpy.array(b'\xff\xfe\0', 'S3'))
+        elif case == 'learned_net_vlen':
+            f.create_dataset('learned_net', data='w.caffemodel.h5', dtype=h5py.string_dtype())
+        elif case == 'learned_net_float':
+            f.create_dataset('learned_net', data=numpy.array([1.5]))
         elif case == 'history_key_gap':
             g.create_dataset('0', data=numpy.zeros(2, 'f4'))
             g.create_dataset('2', data=numpy.zeros(2, 'f4'))
         elif case == 'history_compound':
             g.create_dataset('0', shape=(2,), dtype=numpy.dtype([('a', '<i4'), ('b', '<f4')]))
+        elif case == 'history_string':
+            g.create_dataset('0', data=numpy.array([b'abc'] * 3))
+        elif case == 'history_huge':
+            g.create_dataset('0', shape=(2 ** 31, 2 ** 31), dtype='f4', chunks=(1, 16))
         elif case == 'history_is_dataset':
             f.create_dataset('history', data=numpy.zeros(2))
-    with pytest.raises(CaffeplusError):
+        elif case == 'no_iter':
+            del f['iter']
+    with pytest.raises(FormatError) as info:
+        state_io.read_state(path)
+    assert path in str(info.value) and field in str(info.value), str(info.value)
+
+
+def test_hdf5_solverstate_every_byte_damage(tmp_path):
+    """Byte-damaged HDF5 solver states: a result or a CaffeplusError."""
+    h5py = pytest.importorskip('h5py')  # noqa: F841
+    from caffeplus.solver import state as state_io
+    path = str(tmp_path / 's.solverstate.h5')
+    state_io.write_hdf5(path, 7, 'w.caffemodel.h5', 1,
+                        [numpy.ones((2, 3), numpy.float32), numpy.zeros(4, numpy.float32)])
+    data = open(path, 'rb').read()
+    bad = str(tmp_path / 'bad.solverstate.h5')
+    outcomes = set()
+    for i in range(0, len(data), max(1, len(data) // 150)):
+        for mutated in (data[:i], data[:i] + bytes([data[i] ^ 0x55]) + data[i + 1:]):
+            with open(bad, 'wb') as f:
+                f.write(mutated)
+            try:
+                state_io.read_state(bad)
+                outcomes.add('ok')
+            except CaffeplusError:
+                outcomes.add('error')
+    assert 'error' in outcomes
+
+
+def test_binary_solverstate_negative_iter_and_bad_utf8(tmp_path):
+    from caffeplus.solver import state as state_io
+    path = str(tmp_path / 's.solverstate')
+    state_io.write_binaryproto(path, -3, 'w.caffemodel', 0, [])
+    with pytest.raises(FormatError, match="'iter' is -3"):
+        state_io.read_state(path)
+    state_io.write_binaryproto(path, 3, 'w\u00e9.caffemodel', 0, [])
+    data = open(path, 'rb').read().replace('\u00e9'.encode(), b'\xff\xfe')
+    open(path, 'wb').write(data)
+    with pytest.raises(FormatError, match="'learned_net'"):
         state_io.read_state(path)
 
 

@@ -1351,14 +1351,6 @@ def bug_signature(result):
 # xfail in tests/test_fuzz_readers.py; remove the entry once it is fixed.
 # (file fragment, function or '', outcome, exception type or ''): reason.
 KNOWN_ISSUES = {
-    ('caffeplus/solver/state.py', '_read_hdf5', 'bug', ''):
-        'HDF5 solver states: h5py errors (damaged file, missing or mistyped iter / '
-        'current_step / learned_net / history datasets) escape as KeyError, IndexError, '
-        'TypeError, ValueError, RuntimeError, UnicodeDecodeError (owner: caffeplus/solver)',
-    ('caffeplus/solver/state.py', '_read_hdf5', 'hang', ''):
-        'HDF5 solver states: reading a variable-length string dataset (iter / current_step '
-        'as a string) from a damaged file loops forever inside libhdf5; check the dtype '
-        'before reading (owner: caffeplus/solver)',
     ('caffeplus/fillers.py', 'fill_array', 'bug', 'ValueError'):
         'fillers: a negative std (gaussian) or an invalid range reaches NumPy as '
         'ValueError (owner of caffeplus/fillers.py)',

@@ -147,6 +147,17 @@ def read_state(path):
     return _read_binaryproto(path)
 
 
+INT32_MAX = 2 ** 31 - 1
+
+
+def _check_counter(path, field, value):
+    """iter and current_step: Caffe's int fields, never negative."""
+    if not 0 <= value <= INT32_MAX:
+        raise FormatError("%s: '%s' is %d; a solver state holds a non-negative 32-bit integer "
+                          "there" % (path, field, value))
+    return value
+
+
 def _read_binaryproto(path):
     from caffeplus.blob import proto_array, proto_shape
     state = read_binary(path, caffe_pb2.SolverState(), 'solverstate')
@@ -159,36 +170,149 @@ def _read_binaryproto(path):
         except FormatError as exc:
             raise FormatError('%s: history blob %d: %s' % (path, i, exc))
     learned = state.learned_net if state.HasField('learned_net') else ''
+    if isinstance(learned, bytes):    # protobuf hands back bytes that are not UTF-8
+        raise FormatError("%s: 'learned_net' (the weights file name) is not valid UTF-8 text: %r"
+                          % (path, learned[:200]))
+    _check_counter(path, 'iter', state.iter)
+    _check_counter(path, 'current_step', state.current_step)
     return LoadedState(path, state.iter, learned, state.current_step, history, 'BINARYPROTO')
 
 
+# What h5py raises on a damaged or unexpected file: the HDF5 library's errors
+# come out as these (bad signatures, truncated objects, unreadable chunks,
+# types it cannot convert).
+_H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, IndexError, AttributeError,
+              OverflowError, UnicodeError)
+
+
+def _h5(path, field, func):
+    """func() with h5py's errors as a FormatError naming the file and the field."""
+    try:
+        return func()
+    except _H5_ERRORS as exc:
+        raise FormatError("%s: cannot read '%s': the HDF5 file is damaged or not a Caffe solver "
+                          "state (%s: %s)" % (path, field, type(exc).__name__, exc))
+
+
+def _h5_dataset(h5py, parent, path, field, key=None, required=True):
+    """parent[key] if it is a dataset; None if absent and not `required`."""
+    key = field if key is None else key
+    if not _h5(path, field, lambda: key in parent):
+        if not required:
+            return None
+        raise FormatError("%s: no '%s' in the file: not a Caffe HDF5 solver state" % (path, field))
+    ds = _h5(path, field, lambda: parent[key])
+    if not isinstance(ds, h5py.Dataset):
+        raise FormatError("%s: '%s' is a group, not a dataset" % (path, field))
+    return ds
+
+
+def _h5_shape_count(path, field, ds):
+    shape = _h5(path, field, lambda: ds.shape)
+    if shape is None:      # a null dataspace: no values at all
+        return None, 0
+    shape = tuple(int(d) for d in shape)
+    count = 1
+    for d in shape:
+        count *= d
+    return shape, count
+
+
+def _h5_int(h5py, f, path, field):
+    """A Caffe int field (iter, current_step): one integer value. The type is
+    checked before reading (libhdf5 can loop forever reading a damaged
+    variable-length string)."""
+    ds = _h5_dataset(h5py, f, path, field)
+    dtype = _h5(path, field, lambda: ds.dtype)
+    if dtype.kind not in 'iu':
+        raise FormatError("%s: '%s' has type %s; Caffe writes an integer there"
+                          % (path, field, dtype))
+    shape, count = _h5_shape_count(path, field, ds)
+    if count != 1:
+        raise FormatError("%s: '%s' holds %d values (shape %s); Caffe writes exactly one"
+                          % (path, field, count, shape))
+    value = _h5(path, field, lambda: numpy.asarray(ds[()]).ravel()[0])
+    return _check_counter(path, field, int(value))
+
+
+def _h5_string(h5py, f, path, field):
+    """learned_net: a fixed-length, NUL-terminated string ('' if absent)."""
+    ds = _h5_dataset(h5py, f, path, field, required=False)
+    if ds is None:
+        return ''
+    dtype = _h5(path, field, lambda: ds.dtype)
+    if dtype.kind != 'S':
+        raise FormatError("%s: '%s' has type %s; Caffe writes a fixed-length string there"
+                          % (path, field, dtype))
+    shape, count = _h5_shape_count(path, field, ds)
+    if count != 1:
+        raise FormatError("%s: '%s' holds %d values (shape %s); Caffe writes one string"
+                          % (path, field, count, shape))
+    raw = _h5(path, field, lambda: ds[()])
+    if isinstance(raw, numpy.ndarray):
+        raw = raw.ravel()[0]
+    if isinstance(raw, numpy.bytes_):
+        raw = bytes(raw)
+    if not isinstance(raw, bytes):
+        raise FormatError("%s: '%s' is not a string (%s)" % (path, field, type(raw).__name__))
+    raw = raw.split(b'\0', 1)[0]
+    try:
+        return raw.decode('utf-8')
+    except UnicodeDecodeError:
+        raise FormatError("%s: '%s' (the weights file name) is not valid UTF-8 text: %r"
+                          % (path, field, raw[:200]))
+
+
+def _h5_history(h5py, f, path):
+    """The 'history' group's datasets '0', '1', ... as float32 arrays."""
+    from caffeplus.blob import check_count
+    if not _h5(path, 'history', lambda: 'history' in f):
+        raise FormatError("%s: no 'history' in the file: not a Caffe HDF5 solver state" % path)
+    group = _h5(path, 'history', lambda: f['history'])
+    if not isinstance(group, h5py.Group):
+        raise FormatError("%s: 'history' is a dataset, not a group of history blobs" % path)
+    names = set(_h5(path, 'history', lambda: list(group)))
+    history = []
+    for i in range(len(names)):
+        field = 'history/%d' % i
+        if str(i) not in names:
+            raise FormatError("%s: the history group lacks dataset '%d' (it has %s)"
+                              % (path, i, ', '.join(sorted(names)[:10])))
+        ds = _h5_dataset(h5py, group, path, field, key=str(i))
+        dtype = _h5(path, field, lambda: ds.dtype)
+        if dtype.kind not in 'fiu':
+            raise FormatError("%s: '%s' has type %s; expected float values"
+                              % (path, field, dtype))
+        shape, _ = _h5_shape_count(path, field, ds)
+        if shape is None:
+            raise FormatError("%s: '%s' has no dataspace (no values)" % (path, field))
+        try:
+            check_count(shape, '%s: %s' % (path, field))
+        except CaffeplusError as exc:
+            raise FormatError(str(exc))
+        history.append(numpy.asarray(_h5(path, field, lambda: ds[()]), dtype=numpy.float32)
+                       .reshape(shape))
+    return history
+
+
 def _read_hdf5(path):
+    """Caffe's HDF5 solver state. Every h5py access is guarded, every type
+    checked before reading: a damaged or foreign file is a FormatError
+    naming the file and the field."""
     h5py = _h5py()
     try:
         f = h5py.File(path, 'r')
-    except OSError as exc:
+    except _H5_ERRORS as exc:
         raise FormatError('%s: not a readable HDF5 file (%s)' % (path, exc))
     with f:
         for key in ('iter', 'current_step', 'history'):
-            if key not in f:
+            if not _h5(path, key, lambda: key in f):
                 raise FormatError("%s: no '%s' in the file: not a Caffe HDF5 solver state"
                                   % (path, key))
-        it = int(numpy.asarray(f['iter'][()]).ravel()[0])
-        current_step = int(numpy.asarray(f['current_step'][()]).ravel()[0])
-        learned = ''
-        if 'learned_net' in f:
-            raw = f['learned_net'][()]
-            if isinstance(raw, numpy.ndarray):
-                raw = raw.ravel()[0]
-            if isinstance(raw, bytes):
-                raw = raw.split(b'\0', 1)[0].decode('utf-8')
-            learned = str(raw)
-        group = f['history']
-        history = []
-        for i in range(len(group)):
-            if str(i) not in group:
-                raise FormatError("%s: history group lacks dataset '%d'" % (path, i))
-            history.append(numpy.asarray(group[str(i)][...], dtype=numpy.float32))
+        it = _h5_int(h5py, f, path, 'iter')
+        current_step = _h5_int(h5py, f, path, 'current_step')
+        learned = _h5_string(h5py, f, path, 'learned_net')
+        history = _h5_history(h5py, f, path)
     return LoadedState(path, it, learned, current_step, history, 'HDF5')
 
 
