@@ -3,6 +3,11 @@
 
 Values come from caffeplus.rng, so a seeded net is repeatable; they are not
 Caffe's own random numbers (boost's generators are not reproduced).
+
+A filler's fields are checked before drawing (a negative or non-finite std,
+min > max, a sparse count below -1 are NetErrors naming the field), and the
+shape against caffeplus.blob.check_count before anything is allocated for
+it (a layer may fill an array before any Blob of that shape exists).
 """
 import math
 
@@ -29,11 +34,43 @@ def _variance_n(param, shape):
     return fan_in
 
 
+def _bad(kind, field, value, rule):
+    return NetError("%s filler: %s is %s; %s (FillerParameter.%s)"
+                    % (kind, field, value, rule, field))
+
+
+def _check_param(param):
+    """Caffe's CHECKs on a filler's fields, as NetErrors naming the field."""
+    kind = param.type
+    if kind == 'uniform':
+        for field in ('min', 'max'):
+            if not math.isfinite(getattr(param, field)):
+                raise _bad(kind, field, getattr(param, field), 'it must be a finite number')
+        if param.min > param.max:
+            raise _bad(kind, 'min', param.min, 'it must not exceed max (%g)' % param.max)
+    elif kind == 'gaussian':
+        if not math.isfinite(param.std) or param.std < 0:
+            raise _bad(kind, 'std', param.std, 'it must be a finite number >= 0')
+        if not math.isfinite(param.mean):
+            raise _bad(kind, 'mean', param.mean, 'it must be a finite number')
+        if param.sparse < -1:
+            raise _bad(kind, 'sparse', param.sparse, 'it must be -1 (dense) or >= 0')
+
+
 def fill_array(param, shape):
     """A float32 array of `shape` filled as FillerParameter `param` says."""
-    shape = tuple(shape)
-    g = rng.get()
+    from caffeplus.blob import check_count
+    shape = tuple(int(d) for d in shape)
     kind = param.type
+    if any(d < 0 for d in shape):
+        raise NetError('%s filler: negative dimension in shape %s' % (kind, shape))
+    check_count(shape, '%s filler' % kind)      # before allocating or drawing
+    _check_param(param)
+    if kind not in _KINDS:
+        raise NetError("Unknown filler name: '%s'" % kind)
+    if 0 in shape:
+        return numpy.zeros(shape, dtype=numpy.float32)      # nothing to draw
+    g = rng.get()
     if kind == 'constant':
         out = numpy.full(shape, param.value, dtype=numpy.float32)
     elif kind == 'uniform':
@@ -44,7 +81,8 @@ def fill_array(param, shape):
             + numpy.float32(param.mean)
         if param.sparse >= 0:
             if len(shape) < 1:
-                raise NetError('sparse gaussian filler needs a blob with at least one axis')
+                raise NetError('sparse gaussian filler needs a blob with at least one axis '
+                               '(FillerParameter.sparse)')
             num_outputs = shape[0]
             prob = param.sparse / float(num_outputs)
             out = out * (g.random(size=shape) < prob)
@@ -74,6 +112,9 @@ def fill_array(param, shape):
     else:
         raise NetError("Unknown filler name: '%s'" % kind)
     return numpy.asarray(out, dtype=numpy.float32)
+
+
+_KINDS = ('constant', 'uniform', 'gaussian', 'positive_unitball', 'xavier', 'msra', 'bilinear')
 
 
 def fill(blob, param):

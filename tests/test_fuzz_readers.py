@@ -545,12 +545,9 @@ def test_caffemodel_with_invalid_utf8_in_a_name(tmp_path):
 
 
 # -- bugs in colleagues' files (xfail until their owners fix them) -----------------
-@pytest.mark.xfail(strict=False, reason='layers/recurrent.py fills RNN/LSTM weights with '
-                                        'fill_array before any Blob checks the shape (320 GiB '
-                                        'requested); fill_array should call '
-                                        'caffeplus.blob.check_count. Owners: caffeplus/fillers.py, '
-                                        'layers/recurrent.py')
 def test_rnn_with_a_huge_num_output_is_refused_before_filling():
+    """layers/recurrent.py fills RNN/LSTM weights with fill_array before any
+    Blob checks the shape (320 GiB requested): fill_array checks the bound."""
     text = _input((4, 1, 5)) + _input((4, 1)).replace('"in"', '"cont"').replace('"x"', '"c"') + \
         ('layer { name: "rnn" type: "RNN" bottom: "x" bottom: "c" top: "y" '
          'recurrent_param { num_output: 4294967295 } }')
@@ -582,14 +579,36 @@ def test_softmax_loss_over_an_empty_axis():
 
 
 
-@pytest.mark.xfail(strict=False, reason='caffeplus/fillers.py: a negative gaussian std reaches '
-                                        'NumPy as ValueError (owner of fillers.py)')
-def test_negative_filler_std_is_a_net_error():
+@pytest.mark.parametrize('filler, field', [
+    ('type: "gaussian" std: -1', 'std'),             # reached NumPy as ValueError
+    ('type: "gaussian" std: inf', 'std'),
+    ('type: "gaussian" std: nan', 'std'),
+    ('type: "gaussian" mean: inf', 'mean'),
+    ('type: "gaussian" sparse: -5', 'sparse'),
+    ('type: "uniform" min: 2 max: 1', 'min'),
+    ('type: "uniform" min: -inf max: inf', 'min'),    # OverflowError from NumPy
+    ('type: "uniform" min: 0 max: nan', 'max'),
+])
+def test_bad_filler_fields_are_net_errors(filler, field):
     text = _input((2, 3)) + ('layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y" '
-                             'inner_product_param { num_output: 2 weight_filler { type: '
-                             '"gaussian" std: -1 } } }')
-    with pytest.raises(CaffeplusError):
+                             'inner_product_param { num_output: 2 weight_filler { %s } } }'
+                             % filler)
+    with pytest.raises(NetError, match=r'FillerParameter\.%s\b' % field):
         _net(text)
+
+
+def test_fillers_of_empty_and_huge_shapes():
+    from caffeplus import fillers
+    for kind in ('constant', 'uniform', 'gaussian', 'positive_unitball', 'xavier', 'msra',
+                 'bilinear'):
+        p = caffe_pb2.FillerParameter(type=kind)
+        assert fillers.fill_array(p, (0, 3, 2, 2)).shape == (0, 3, 2, 2)     # was 1/0
+        with pytest.raises(CaffeplusError, match='claims'):
+            fillers.fill_array(p, (2 ** 31, 2 ** 31))
+    p = caffe_pb2.FillerParameter(type='gaussian', sparse=2)
+    assert fillers.fill_array(p, (0, 4)).shape == (0, 4)
+    with pytest.raises(NetError, match='negative dimension'):
+        fillers.fill_array(p, (-1, 4))
 
 
 @pytest.mark.xfail(strict=False, reason='layers/vision.py + caffeplus/im2col.py: a Pooling stride '

@@ -1351,9 +1351,6 @@ def bug_signature(result):
 # xfail in tests/test_fuzz_readers.py; remove the entry once it is fixed.
 # (file fragment, function or '', outcome, exception type or ''): reason.
 KNOWN_ISSUES = {
-    ('caffeplus/fillers.py', 'fill_array', 'bug', 'ValueError'):
-        'fillers: a negative std (gaussian) or an invalid range reaches NumPy as '
-        'ValueError (owner of caffeplus/fillers.py)',
     ('caffeplus/im2col.py', '', 'bug', ''):
         'Convolution/Pooling forward with a stride, pad or dilation far larger than the '
         'input: ValueError or MemoryError from im2col (a scratch buffer sized by the stride: '
@@ -1363,10 +1360,6 @@ KNOWN_ISSUES = {
         'Pooling windows are set up by a Python loop over kernel_h * kernel_w offsets: LRN '
         'WITHIN_CHANNEL with local_size 4294967295 (or a huge pooling kernel) loops for '
         'hours (owner: layers/vision.py)',
-    ('caffeplus/fillers.py', 'fill_array', 'bug', 'MemoryError'):
-        'RNN/LSTM (layers/recurrent.py) fill their weights with fill_array before any Blob '
-        'checks the shape: num_output 4294967295 allocates 320 GiB. fill_array should call '
-        'caffeplus.blob.check_count(shape) (owners: caffeplus/fillers.py, layers/recurrent.py)',
     ('layers/common.py', '_forward', 'bug', 'IndexError'):
         'BatchReindex forward with a 0-axis (scalar) data bottom: IndexError (owner: '
         'layers/common.py; Caffe requires at least one axis)',
