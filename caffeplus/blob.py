@@ -119,6 +119,15 @@ class Storage:
         return self.host
 
 
+def same_data(a, b):
+    """Whether two blobs are one array (in place, or shared by a plan)."""
+    return a is b or a.data_storage is b.data_storage
+
+
+def same_diff(a, b):
+    return a is b or a.diff_storage is b.diff_storage
+
+
 def shape_string(shape):
     """Caffe's rendering: '64 20 24 24 (737280)', and '(1)' for a scalar."""
     return ''.join('%d ' % d for d in shape) + '(%d)' % _prod(shape)

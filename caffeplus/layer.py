@@ -290,6 +290,11 @@ class NeuronLayer(Layer):
         top[0].reshape(bottom[0].shape)
 
 
+def layer_error(layer, message):
+    """A NetError naming the layer and its type: 'layer conv1 (Convolution): ...'."""
+    return NetError('layer %s (%s): %s' % (layer.layer_param.name, layer.layer_param.type, message))
+
+
 def float32(x):
     """Round a Python float to the nearest float32, as Caffe's Dtype does."""
     return float(numpy.float32(x))

@@ -18,10 +18,10 @@ slope and ELU with a non-negative alpha decide the branch from the top
 import numpy
 
 from caffeplus import backend, rng
-from caffeplus.blob import Blob
-from caffeplus.errors import NetError
+from caffeplus.blob import Blob, same_data, same_diff
 from caffeplus.fillers import fill_array
-from caffeplus.layer import NeuronLayer, register
+from caffeplus.functions import keep_copy as _keep_copy
+from caffeplus.layer import NeuronLayer, layer_error, register
 from caffeplus.proto import caffe_pb2
 
 F32 = numpy.float32
@@ -35,26 +35,12 @@ def _xp(a):
     return backend.get_array_module(a)
 
 
-def same_data(a, b):
-    """Whether two blobs are one array (in place, or shared by a plan)."""
-    return a is b or a.data_storage is b.data_storage
-
-
-def same_diff(a, b):
-    return a is b or a.diff_storage is b.diff_storage
-
-
 def _fail(layer, message):
-    raise NetError('layer %s (%s): %s' % (layer.layer_param.name, layer.layer_param.type, message))
+    raise layer_error(layer, message)
 
 
-def _keep_copy(old, x):
-    """A copy of array x, reusing the buffer `old` when it fits."""
-    xp = _xp(x)
-    if old is not None and old.shape == x.shape and _xp(old) is xp:
-        old[...] = x
-        return old
-    return x.copy()
+
+
 
 
 @register

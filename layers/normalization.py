@@ -16,10 +16,10 @@ backward overwrites the top diff it still reads, so it is not reproduced).
 import numpy
 
 from caffeplus import backend
-from caffeplus.blob import Blob
-from caffeplus.errors import NetError
+from caffeplus.blob import Blob, same_data as _same_data, same_diff as _same_diff
 from caffeplus.fillers import fill_array
-from caffeplus.layer import Layer, register
+from caffeplus.functions import keep_copy as _keep_copy
+from caffeplus.layer import Layer, layer_error, register
 from caffeplus.proto import caffe_pb2
 
 F32 = numpy.float32
@@ -29,24 +29,12 @@ def _xp(a):
     return backend.get_array_module(a)
 
 
-def _same_data(a, b):
-    return a is b or a.data_storage is b.data_storage
-
-
-def _same_diff(a, b):
-    return a is b or a.diff_storage is b.diff_storage
-
-
 def _fail(layer, message):
-    raise NetError('layer %s (%s): %s' % (layer.layer_param.name, layer.layer_param.type, message))
+    raise layer_error(layer, message)
 
 
-def _keep_copy(old, x):
-    xp = _xp(x)
-    if old is not None and old.shape == x.shape and _xp(old) is xp:
-        old[...] = x
-        return old
-    return x.copy()
+
+
 
 
 def _prod(dims):
