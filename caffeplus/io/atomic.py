@@ -17,14 +17,17 @@ def _umask_mode():
 
 
 @contextlib.contextmanager
-def atomic_write(path, mode='wb'):
+def atomic_path(path):
+    """Yield a temporary path beside `path` to write (for libraries that want
+    a filename, such as h5py); on success it is synced and renamed to `path`,
+    on any failure removed, leaving `path` as it was."""
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix='.' + os.path.basename(path) + '.', suffix='.tmp',
                                dir=directory)
+    os.close(fd)
     try:
-        with os.fdopen(fd, mode) as f:
-            yield f
-            f.flush()
+        yield tmp
+        with open(tmp, 'rb+') as f:
             os.fsync(f.fileno())
         os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
@@ -41,20 +44,8 @@ def atomic_write(path, mode='wb'):
 
 
 @contextlib.contextmanager
-def atomic_path(path):
-    """Yield a temporary path to write (for libraries that want a filename,
-    such as h5py); on success it is synced and renamed to `path`."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix='.' + os.path.basename(path) + '.', suffix='.tmp',
-                               dir=directory)
-    os.close(fd)
-    try:
-        yield tmp
-        with open(tmp, 'rb+') as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, _umask_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+def atomic_write(path, mode='wb'):
+    """Yield a file object; its contents replace `path` only once complete."""
+    with atomic_path(path) as tmp:
+        with open(tmp, mode) as f:
+            yield f
