@@ -20,6 +20,7 @@ before the first was acted on exits at once (status 143).
 The helpers here (GPU list, stages, phase) serve `test` and `time` too.
 """
 import re
+import os
 import signal
 
 from caffeplus import backend, log
@@ -99,6 +100,10 @@ def use_device(gpus, style):
     else:
         log.info('Use GPU with device ID %d', gpus[0])
         log.info('GPU device name: %s', gpu_name(gpus[0]))
+    if style == 'train':
+        # Training times its convolution algorithms (FindEx in the arena), as
+        # cudnn.benchmark does; CAFFEPLUS_CUDNN_SEARCH=heuristic opts out.
+        os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
     backend.set_mode_gpu(gpus[0])
 
 
