@@ -392,7 +392,8 @@ def pool_sizes(x_hw, geom, out_hw):
     ws = numpy.arange(ow) * sw - pw
     hsz = numpy.minimum(hs + kh, h + ph) - hs
     wsz = numpy.minimum(ws + kw, w + pw) - ws
-    return (hsz[:, None] * wsz[None, :]).astype(FLOAT)
+    # (a float64 product: exact for any real window, no int64 overflow for absurd ones)
+    return (hsz[:, None].astype(numpy.float64) * wsz[None, :]).astype(FLOAT)
 
 
 def _is_global(x_shape, geom, out_hw):
@@ -412,7 +413,7 @@ def _max_pool_forward(x, geom, y, arg):
     xp = backend.get_array_module(x)
     out_hw = y.shape[2:]
     if _is_global(x.shape, geom, out_hw):
-        flat = x.reshape(x.shape[0], x.shape[1], -1)
+        flat = x.reshape(x.shape[0], x.shape[1], _prod(x.shape[2:]))   # (-1 fails on N = 0)
         if not bool(xp.isnan(flat).any()):
             a = flat.argmax(axis=2)
             v = xp.take_along_axis(flat, a[..., None], axis=2)[..., 0]
@@ -474,21 +475,22 @@ def _scatter_back(dy, arg, geom, dx):
     return dx
 
 
-def ave_pool_forward(x, geom, y):
+def ave_pool_forward(x, geom, y, sizes=None):
+    """y = window sums / `sizes` (default pool_sizes: Caffe's divisor)."""
     parts = _by_planes(x.shape[2:], (x, y))
     if parts is None:
-        return _ave_pool_forward(x, geom, y)
+        return _ave_pool_forward(x, geom, y, sizes)
     for xs, ys in parts:
-        _ave_pool_forward(xs, geom, ys)
+        _ave_pool_forward(xs, geom, ys, sizes)
     return y
 
 
-def ave_pool_backward(dy, geom, dx):
+def ave_pool_backward(dy, geom, dx, sizes=None):
     parts = _by_planes(dx.shape[2:], (dy, dx))
     if parts is None:
-        return _ave_pool_backward(dy, geom, dx)
+        return _ave_pool_backward(dy, geom, dx, sizes)
     for dys, dxs in parts:
-        _ave_pool_backward(dys, geom, dxs)
+        _ave_pool_backward(dys, geom, dxs, sizes)
     return dx
 
 
@@ -510,7 +512,7 @@ def _scatter_back_impl(dy, arg, geom, dx):
     xp = backend.get_array_module(dy)
     out_hw = dy.shape[2:]
     if _is_global(dx.shape, geom, out_hw):
-        flat = dx.reshape(dx.shape[0], dx.shape[1], -1)
+        flat = dx.reshape(dx.shape[0], dx.shape[1], _prod(dx.shape[2:]))
         flat.fill(0)
         a = arg[..., 0, 0].astype(numpy.int64)
         ok = a >= 0
@@ -534,12 +536,15 @@ def max_pool_backward(dy, arg, geom, dx):
     return _scatter_back(dy, arg, geom, dx)
 
 
-def _ave_pool_forward(x, geom, y):
+def _ave_pool_forward(x, geom, y, sizes=None):
     xp = backend.get_array_module(x)
     out_hw = y.shape[2:]
-    sizes = xp.asarray(pool_sizes(x.shape[2:], geom, out_hw))
+    if sizes is None:
+        sizes = pool_sizes(x.shape[2:], geom, out_hw)
+    sizes = xp.asarray(sizes)
     if _is_global(x.shape, geom, out_hw):
-        x.reshape(x.shape[0], x.shape[1], -1).sum(axis=2, out=y.reshape(y.shape[:2]))
+        x.reshape(x.shape[0], x.shape[1], _prod(x.shape[2:])).sum(axis=2,
+                                                                  out=y.reshape(y.shape[:2]))
         y /= sizes
         return y
     win = _Windows(x.shape, geom, out_hw)
@@ -551,10 +556,12 @@ def _ave_pool_forward(x, geom, y):
     return y
 
 
-def _ave_pool_backward(dy, geom, dx):
+def _ave_pool_backward(dy, geom, dx, sizes=None):
     xp = backend.get_array_module(dy)
     out_hw = dy.shape[2:]
-    g = dy / xp.asarray(pool_sizes(dx.shape[2:], geom, out_hw))
+    if sizes is None:
+        sizes = pool_sizes(dx.shape[2:], geom, out_hw)
+    g = dy / xp.asarray(sizes)
     if _is_global(dx.shape, geom, out_hw):
         dx[...] = g
         return dx
@@ -672,6 +679,34 @@ def pooling_geometry(layer, pp, height, width):
                         tuple(int(p) for p in pad))
 
 
+# Pooling windows (kernel_h * kernel_w cells, one slice each) beyond this
+# many are refused unless the pooling is global: a padded kernel that large
+# means hours of work over padding (Caffe's own loops would take as long).
+MAX_POOL_WINDOW = 2 ** 18
+
+
+def clip_pool_geometry(x_hw, geom, out_hw):
+    """A geometry that computes exactly what `geom` does over an input of
+    x_hw with out_hw outputs, with stride and kernel no larger than the
+    padded input needs (so that no scratch is sized by an absurd stride):
+
+      * a stride s > H + pad + 1: every window after the first starts past
+        the input, as it still does with s = H + pad + 1 (they read only
+        padding: MAX -FLT_MAX / arg -1, AVE 0; offsets within a window do
+        not depend on the stride);
+      * a kernel k > H + 2 pad + 1 (the ceil rule allows up to stride - 1
+        more; then there is one window): its end past the padding covers
+        nothing more, and Caffe's AVE divisor clips the window to H + pad
+        anyway, so k = H + 2 pad + 1 gives the same cells, divisor and
+        order of additions (one more than the padded input, so that it does
+        not turn into a global pooling, which sums in another order)."""
+    (kh, kw), (sh, sw), (ph, pw) = geom
+    h, w = x_hw
+    kh, kw = min(kh, h + 2 * ph + 1), min(kw, w + 2 * pw + 1)
+    sh, sw = min(sh, h + ph + 1), min(sw, w + pw + 1)
+    return PoolGeometry((kh, kw), (sh, sw), (ph, pw))
+
+
 class _Pool:
     """One pooling operation with its size rule and internal argmax state."""
 
@@ -689,6 +724,15 @@ class _Pool:
         if oh <= 0 or ow <= 0:
             _fail(layer, 'pooled output %dx%d is empty for input %dx%d'
                   % (oh, ow, x_shape[2], x_shape[3]))
+        # The same windows with stride and kernel clipped to the padded input
+        # (a stride of 2^31 sized the scratch copy of the input by it).
+        self.geom = clip_pool_geometry(x_shape[2:], self.geom, (oh, ow))
+        (kh, kw), (ph, pw) = self.geom.kernel, self.geom.pad
+        if kh * kw > MAX_POOL_WINDOW and not _is_global(x_shape, self.geom, (oh, ow)):
+            _fail(layer, 'a pooling window of %d x %d cells (with pad %d x %d over an input of '
+                  '%d x %d) is more than the %d this implementation visits '
+                  '(pooling_param.kernel_size / pad)'
+                  % (kh, kw, ph, pw, x_shape[2], x_shape[3], MAX_POOL_WINDOW))
         self.x_shape = tuple(x_shape)
         self.out_shape = tuple(x_shape[:2]) + (oh, ow)
         self.arg = None
@@ -843,16 +887,22 @@ class SPPLayer(Layer):
 # =============================================================================
 # LRN: pure functions
 # =============================================================================
+def _across_offsets(size, c):
+    """The channel offsets d = o - (size-1)/2, o = 0 .. size-1, of an LRN
+    window that reach another channel (|d| < c), in order: the others add
+    nothing, and a local_size of 2^31 must not mean 2^31 iterations."""
+    pre = (size - 1) // 2
+    return range(max(-pre, -(c - 1)), min(size - 1 - pre, c - 1) + 1)
+
+
 def lrn_across_scale(x, size, alpha, k, scale):
     """scale = k + alpha/size * sum of x^2 over `size` channels centred on
     each channel (zero beyond the ends)."""
     c = x.shape[1]
-    pre = (size - 1) // 2
     sq = x * x
     sq *= numpy.float32(alpha) / numpy.float32(size)
     scale.fill(k)
-    for o in range(size):
-        d = o - pre
+    for d in _across_offsets(size, c):
         if d < 0:
             if c + d > 0:
                 scale[:, -d:] += sq[:, :c + d]
@@ -877,14 +927,12 @@ def lrn_across_backward(x, dy, scale, size, alpha, beta, dx):
     - 2*alpha*beta/size * x * sum_window(dy * y / scale)."""
     xp = backend.get_array_module(x)
     c = x.shape[1]
-    pre = (size - 1) // 2
     p = xp.power(scale, numpy.float32(-beta))
     ratio = x * p           # the forward top
     ratio *= dy
     ratio /= scale
     accum = xp.zeros(x.shape, dtype=FLOAT)
-    for o in range(size):
-        d = o - pre
+    for d in _across_offsets(size, c):
         if d < 0:
             if c + d > 0:
                 accum[:, -d:] += ratio[:, :c + d]
@@ -905,12 +953,26 @@ def _within_geom(size):
     return PoolGeometry((size, size), (1, 1), (pre, pre))
 
 
+def _within_pool(x_hw, size):
+    """(geometry, divisor) for WITHIN_CHANNEL's average pooling of an input
+    of x_hw: Caffe's size x size window with pad (size-1)/2 and its divisor,
+    but the window cut to what can reach the input (pad at most H-1, kernel
+    2 pad + 1: every window still covers the same cells), so that a
+    local_size of 2^31 visits at most (2H-1) x (2W-1) offsets."""
+    geom = _within_geom(size)
+    sizes = pool_sizes(x_hw, geom, x_hw)
+    pre = geom.pad[0]
+    ph, pw = min(pre, max(x_hw[0] - 1, 0)), min(pre, max(x_hw[1] - 1, 0))
+    return PoolGeometry((2 * ph + 1, 2 * pw + 1), (1, 1), (ph, pw)), sizes
+
+
 def lrn_within_forward(x, size, alpha, beta, y, scale):
     """Caffe's WITHIN_CHANNEL: scale = 1 + alpha * avepool(x^2) (size x size,
     pad (size-1)/2), y = x * scale^-beta (k is not used)."""
     xp = backend.get_array_module(x)
     sq = x * x
-    ave_pool_forward(sq, _within_geom(size), scale)
+    geom, sizes = _within_pool(x.shape[2:], size)
+    ave_pool_forward(sq, geom, scale, sizes)
     scale *= numpy.float32(alpha)
     scale += numpy.float32(1)
     xp.power(scale, numpy.float32(-beta), out=y)
@@ -926,7 +988,8 @@ def lrn_within_backward(x, dy, scale, size, alpha, beta, dx):
     g *= numpy.float32(numpy.float32(-beta) * numpy.float32(alpha))
     g *= x * dy
     dsq = xp.empty(x.shape, dtype=FLOAT)
-    ave_pool_backward(g, _within_geom(size), dsq)
+    geom, sizes = _within_pool(x.shape[2:], size)
+    ave_pool_backward(g, geom, dsq, sizes)
     # through the square: 2x * dsq; plus the product's direct path p * dy
     dsq *= x * numpy.float32(2)
     xp.multiply(p, dy, out=dx)

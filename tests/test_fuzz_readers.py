@@ -611,43 +611,75 @@ def test_fillers_of_empty_and_huge_shapes():
         fillers.fill_array(p, (-1, 4))
 
 
-@pytest.mark.xfail(strict=False, reason='layers/vision.py + caffeplus/im2col.py: a Pooling stride '
-                                        'of 2^31 sizes a scratch buffer (ValueError from NumPy); '
-                                        'owner: vision layers')
-def test_pooling_with_a_huge_stride_runs_or_refuses():
-    text = _input((1, 1, 8, 8)) + ('layer { name: "p" type: "Pooling" bottom: "x" top: "y" '
-                                   'pooling_param { pool: AVE kernel_size: 3 stride: '
-                                   '2147483648 } }')
-    try:
-        net = _net(text)
+def _pool_net(pool, extra, dims=(1, 1, 8, 8)):
+    return _net(_input(dims) + ('layer { name: "p" type: "Pooling" bottom: "x" top: "y" '
+                                'pooling_param { pool: %s %s } }' % (pool, extra)))
+
+
+@pytest.mark.parametrize('pool', ['AVE', 'MAX'])
+def test_pooling_with_a_huge_stride_runs_or_refuses(pool):
+    """A Pooling stride of 2^31 sized a scratch buffer by it (ValueError from
+    NumPy; stride 65536 asked for 1 TiB): the stride is clipped to the padded
+    input, with bit-identical outputs and gradients."""
+    results = []
+    for stride in (2147483648, 65536, 9):
+        net = _pool_net(pool, 'kernel_size: 3 stride: %d' % stride)
+        x = numpy.random.RandomState(0).randn(1, 1, 8, 8).astype(numpy.float32)
+        net.blobs['x'].data[...] = x
         net.forward()
-    except CaffeplusError:
-        pass
+        net.blobs['y'].diff[...] = 1
+        net.backward()
+        results.append((net.blobs['y'].data.copy(), net.blobs['x'].diff.copy()))
+    assert results[0][0].shape == (1, 1, 2, 2)
+    for y, dx in results[1:]:
+        numpy.testing.assert_array_equal(y, results[0][0])
+        numpy.testing.assert_array_equal(dx, results[0][1])
 
 
-@pytest.mark.xfail(strict=False, reason='layers/vision.py: LRN loops over local_size (2^31-1 '
-                                        'iterations) instead of the channels; owner: vision '
-                                        'layers')
-def test_lrn_with_a_huge_local_size_is_quick():
+@pytest.mark.parametrize('pool', ['AVE', 'MAX'])
+def test_pooling_with_a_huge_kernel_and_stride_is_clipped(pool):
+    """kernel 2^20 and stride 2^31 over 8x8 (the ceil rule gives one
+    window): the window is clipped to the input, the whole-plane result."""
+    net = _pool_net(pool, 'kernel_size: 1048576 stride: 2147483648')
+    x = numpy.random.RandomState(0).randn(1, 1, 8, 8).astype(numpy.float32)
+    net.blobs['x'].data[...] = x
+    y = net.forward()['y']
+    assert y.shape == (1, 1, 1, 1)
+    expect = x.max() if pool == 'MAX' else x.sum(dtype=numpy.float32) / numpy.float32(64)
+    numpy.testing.assert_allclose(y.ravel()[0], expect, rtol=1e-5, atol=1e-6)
+
+
+def test_pooling_with_a_huge_padded_window_is_refused():
+    with pytest.raises(NetError, match=r'pooling_param\.kernel_size / pad'):
+        _pool_net('AVE', 'kernel_size: 1048576 pad: 1048575 stride: 1048576')
+
+
+@pytest.mark.parametrize('region', ['ACROSS_CHANNELS', 'WITHIN_CHANNEL'])
+@pytest.mark.parametrize('size', [2147483647, 4294967295])
+def test_lrn_with_a_huge_local_size_is_quick(region, size):
+    """LRN looped over local_size (2^31-1 iterations) instead of the channels
+    (ACROSS), or pooled over a window of 2^62 offsets (WITHIN): now only the
+    offsets that reach the input, forward and backward."""
     code = textwrap.dedent('''
         import caffeplus
         from caffeplus.io import prototxt
         from caffeplus.proto import caffe_pb2
-        text = ('layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 1 dim: 3 '
-                'dim: 4 dim: 4 } } } layer { name: "l" type: "LRN" bottom: "x" top: "y" '
-                'lrn_param { local_size: 2147483647 } }')
+        text = ('force_backward: true layer { name: "in" type: "Input" top: "x" input_param { '
+                'shape { dim: 1 dim: 3 dim: 4 dim: 4 } } } layer { name: "l" type: "LRN" '
+                'bottom: "x" top: "y" lrn_param { local_size: %d norm_region: %s } }')
         try:
             net = caffeplus.Net(prototxt.parse_text(text, caffe_pb2.NetParameter()), caffeplus.TEST)
             net.forward()
+            net.backward()
         except caffeplus.CaffeplusError:
             pass
-        ''')
+        ''' % (size, region))
     try:
         proc = subprocess.run([sys.executable, '-c', code], timeout=5, capture_output=True,
                               text=True, cwd=ROOT,
                               env=dict(os.environ, PYTHONPATH=ROOT, GLOG_minloglevel='3'))
     except subprocess.TimeoutExpired:
-        pytest.fail('LRN with local_size 2147483647 ran for more than 5 s')
+        pytest.fail('LRN with local_size %d ran for more than 5 s' % size)
     assert proc.returncode == 0, proc.stderr
 
 

@@ -575,6 +575,43 @@ def test_spp_height_one_is_4d():
     assert top[0].shape == (2, 3, 1, 1) and (top[0].data == 1).all()
 
 
+@pytest.mark.parametrize('method', ['MAX', 'AVE', 'STOCHASTIC'])
+@pytest.mark.parametrize('param, raw', [
+    # stride past the input: windows after the first read only padding
+    ('kernel_size: 3 stride: 20', ((3, 3), (20, 20), (0, 0))),
+    ('kernel_h: 2 kernel_w: 3 stride_h: 30 stride_w: 2', ((2, 3), (30, 2), (0, 0))),
+    # kernel past the padded input (the ceil rule allows up to stride - 1 more)
+    ('kernel_size: 9 stride: 3', ((9, 9), (3, 3), (0, 0))),
+    ('kernel_size: 11 stride: 5 pad: 1', ((11, 11), (5, 5), (1, 1))),
+])
+def test_pooling_geometry_clipped_to_the_input_is_exact(method, param, raw):
+    """The layer clips stride and kernel to the padded input
+    (vision.clip_pool_geometry): the same outputs, gradients and mask as the
+    raw geometry, bit for bit."""
+    if method == 'STOCHASTIC' and raw[2] != (0, 0):
+        return
+    x = distinct(numpy.random.default_rng(3), (2, 3, 8, 7))
+    layer = make_layer('type: "Pooling" pooling_param { pool: %s %s }' % (method, param),
+                       phase=caffe_pb2.TEST)
+    bottom, top = run_forward(layer, x, num_top=2 if method == 'MAX' else 1)
+    geom = vision.PoolGeometry(*raw)
+    assert tuple(layer.pool.geom) != tuple(geom)       # it was clipped
+    y = numpy.empty(top[0].shape, numpy.float32)
+    arg = vision.new_arg(numpy, y.shape, geom) if method != 'AVE' else None
+    m = getattr(vision, method)
+    vision.pool_forward(m, x, geom, y, arg, train=False)
+    numpy.testing.assert_array_equal(top[0].data, y)
+    dy = numpy.random.default_rng(4).standard_normal(y.shape).astype(numpy.float32)
+    top[0].diff[...] = dy
+    layer.backward(top, [True], bottom)
+    dx = numpy.empty(x.shape, numpy.float32)
+    if method != 'STOCHASTIC':
+        vision.pool_backward(m, dy, geom, dx, arg)
+        numpy.testing.assert_array_equal(bottom[0].diff, dx)
+    if method == 'MAX':
+        numpy.testing.assert_array_equal(top[1].data, vision.max_pool_mask(arg, geom, (8, 7)))
+
+
 # =============================================================================
 # LRN
 # =============================================================================
@@ -600,6 +637,10 @@ LRN_CASES = [
     ((1, 4, 2, 3), 'local_size: 1 alpha: 2 beta: 0.5 k: 1', 'ACROSS_CHANNELS'),
     ((2, 2, 5, 4), 'local_size: 3 alpha: 0.3 beta: 0.6 k: 5', 'WITHIN_CHANNEL'),
     ((1, 2, 6, 5), 'local_size: 5 alpha: 2 beta: 0.75', 'WITHIN_CHANNEL'),
+    # windows wider than the input: only the offsets that reach it are visited
+    ((1, 3, 3, 4), 'local_size: 9 alpha: 4 beta: 0.75 k: 1.5', 'ACROSS_CHANNELS'),
+    ((2, 2, 3, 4), 'local_size: 9 alpha: 4 beta: 0.75', 'WITHIN_CHANNEL'),
+    ((1, 2, 1, 6), 'local_size: 7 alpha: 3 beta: 0.5', 'WITHIN_CHANNEL'),
 ]
 
 

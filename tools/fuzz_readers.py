@@ -1352,23 +1352,17 @@ def bug_signature(result):
 # (file fragment, function or '', outcome, exception type or ''): reason.
 KNOWN_ISSUES = {
     ('caffeplus/im2col.py', '', 'bug', ''):
-        'Convolution/Pooling forward with a stride, pad or dilation far larger than the '
-        'input: ValueError or MemoryError from im2col (a scratch buffer sized by the stride: '
-        'AVE pooling stride 65536 asked for 1 TiB; window out of range) (owner: '
-        'layers/vision.py, caffeplus/im2col.py)',
-    ('layers/vision.py', '__init__', 'hang', ''):
-        'Pooling windows are set up by a Python loop over kernel_h * kernel_w offsets: LRN '
-        'WITHIN_CHANNEL with local_size 4294967295 (or a huge pooling kernel) loops for '
-        'hours (owner: layers/vision.py)',
+        'Convolution/Deconvolution/Im2col with a pad or stride far larger than the input: '
+        'MemoryError from a padded scratch image sized by the pad (pad 65536 over three '
+        'spatial axes asks for 128 PiB), ValueError "window out of range" where Caffe reads '
+        'zeros past the padding (kernel wider than the padded input), ValueError for zero '
+        'channels with groups (owner: caffeplus/im2col.py; pooling is fixed)',
     ('layers/common.py', '_forward', 'bug', 'IndexError'):
         'BatchReindex forward with a 0-axis (scalar) data bottom: IndexError (owner: '
         'layers/common.py; Caffe requires at least one axis)',
     ('caffeplus/functions.py', 'softmax', 'bug', 'ValueError'):
         'SoftmaxWithLoss over a bottom with a zero-sized axis: ValueError from max() of an '
         'empty array (owner of caffeplus/functions.py / layers/loss.py)',
-    ('layers/vision.py', 'lrn_across', 'hang', ''):
-        'LRN with a huge local_size (2147483647) loops for minutes (the window is not '
-        'clipped to the channel count) (owner: layers/vision.py)',
 }
 
 
