@@ -530,6 +530,15 @@ def test_image_list_with_bad_lines(tmp_path, text, error):
         assert raised is not None and error in str(raised)
 
 
+def test_file_name_with_a_nul_byte_is_a_format_error():
+    """A mean_file (or any path) holding a NUL byte: ValueError from open()."""
+    from caffeplus.io import blobproto, prototxt
+    with pytest.raises(FormatError, match='null byte'):
+        prototxt.read_net_param('net\x00.prototxt')
+    with pytest.raises(FormatError):
+        blobproto.read_mean('mean\x00.binaryproto')
+
+
 def test_caffemodel_with_invalid_utf8_in_a_name(tmp_path):
     """A string field that is not UTF-8 comes back from protobuf as bytes:
     building the net once raised AttributeError in its log line."""

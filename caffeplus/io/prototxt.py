@@ -21,6 +21,8 @@ def _read_bytes(path, what):
         raise FormatError('%s path is a directory, not a file: %s' % (what, path))
     except OSError as exc:
         raise FormatError('cannot read %s file %s: %s' % (what, path, exc.strerror or exc))
+    except ValueError as exc:       # a NUL byte in the name (from a fuzzed or binary file)
+        raise FormatError('cannot read %s file %r: %s' % (what, path, exc))
 
 
 def parse_text(text, message, source='<string>'):
