@@ -3,8 +3,11 @@ from caffeplus import backend
 
 
 def softmax(x, axis):
-    """Softmax along `axis`, max-subtracted as Caffe does."""
+    """Softmax along `axis`, max-subtracted as Caffe does (an empty axis
+    gives an empty result: there is nothing to normalize)."""
     xp = backend.get_array_module(x)
+    if x.shape[axis] == 0:
+        return x.copy()
     e = xp.exp(x - x.max(axis=axis, keepdims=True))
     e /= e.sum(axis=axis, keepdims=True)
     return e

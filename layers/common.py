@@ -778,6 +778,9 @@ class BatchReindexLayer(Layer):
         return bottom_index != 1
 
     def reshape(self, bottom, top):
+        if bottom[0].num_axes < 1:
+            raise _error(self, 'the data bottom must have at least one axis (the one the '
+                               'indices select from), got a scalar')
         if bottom[1].num_axes != 1:
             raise _error(self, 'the index bottom must be 1-D, got shape %s'
                          % bottom[1].shape_string())

@@ -142,6 +142,10 @@ class _SoftmaxLoss(_Loss):
         self.outer_num = bottom[0].count_axes(0, self.axis)
         self.inner_num = bottom[0].count_axes(self.axis + 1)
         self.num_classes = bottom[0].shape[self.axis]
+        if self.num_classes == 0:
+            self._fail('the softmax axis (%s %d) of the prediction shape %s is empty: there '
+                       'are no classes to normalize over or to pick a label from'
+                       % (field, axis, bottom[0].shape_string()))
         if self.outer_num * self.inner_num != bottom[1].count:
             self._fail('number of labels must match number of predictions: with %s %d and '
                        'prediction shape %s the label count must be %d, with integer values '

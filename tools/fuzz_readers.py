@@ -1357,12 +1357,6 @@ KNOWN_ISSUES = {
         'spatial axes asks for 128 PiB), ValueError "window out of range" where Caffe reads '
         'zeros past the padding (kernel wider than the padded input), ValueError for zero '
         'channels with groups (owner: caffeplus/im2col.py; pooling is fixed)',
-    ('layers/common.py', '_forward', 'bug', 'IndexError'):
-        'BatchReindex forward with a 0-axis (scalar) data bottom: IndexError (owner: '
-        'layers/common.py; Caffe requires at least one axis)',
-    ('caffeplus/functions.py', 'softmax', 'bug', 'ValueError'):
-        'SoftmaxWithLoss over a bottom with a zero-sized axis: ValueError from max() of an '
-        'empty array (owner of caffeplus/functions.py / layers/loss.py)',
 }
 
 
