@@ -651,6 +651,105 @@ def test_supervisor_passes_sighup_and_sigint_to_all_ranks(tmp_path):
     assert len(glob.glob(str(tmp_path / 'out' / '*.caffemodel'))) == 2   # SIGHUP, then stop
 
 
+# -- the channel: JSON plus raw bytes, authenticated ------------------------------------
+def test_objects_between_ranks_are_json_and_raw_bytes():
+    from caffeplus.parallel.comm import RankFailure, decode_obj, encode_obj
+    state = {'rng': {'bit_generator': 'PCG64', 'state': {'state': 2 ** 127 + 5, 'inc': 3}},
+             'key': b'\x00\xffkey', 'pos': numpy.int64(7), 'ratio': numpy.float32(0.5),
+             'w': numpy.arange(6, dtype=numpy.float32).reshape(2, 3), 'uid': (1, -2, 3),
+             'none': None, 'nan': float('nan'), 'ranks': [[b'h', None], ['x', 1]]}
+    data = encode_obj(state)
+    assert b'pickle' not in data and data[:4] == b'CPJ1'
+    back = decode_obj(data)
+    assert back['rng'] == state['rng'] and back['key'] == state['key']
+    assert back['pos'] == 7 and back['ratio'] == 0.5 and back['uid'] == [1, -2, 3]
+    numpy.testing.assert_array_equal(back['w'], state['w'])
+    assert back['w'].dtype == numpy.float32 and back['none'] is None
+    assert back['nan'] != back['nan'] and back['ranks'] == [[b'h', None], ['x', 1]]
+    for obj in (object(), {1: 'int key'}, numpy.array([{}], dtype=object), {'__bytes__': 1}):
+        with pytest.raises(CaffeplusError):
+            encode_obj(obj)
+    for junk in (b'', b'\x80\x04\x95', data[:-1], data + b'x', b'CPJ1' + data[4:5] * 4,
+                 data.replace(b'"<f4"', b'"|O8"')):
+        with pytest.raises(RankFailure):
+            decode_obj(junk, 'rank 1')
+
+
+def _connect(rundir, rank, world, out):
+    from caffeplus.parallel.comm import TCPComm
+    try:
+        out[rank] = TCPComm(rank, world, str(rundir), timeout=30)
+    except Exception as exc:    # reported by the test
+        out[rank] = exc
+
+
+def test_tcp_rendezvous_refuses_a_connection_without_the_token(tmp_path):
+    import socket
+    import struct
+    import threading
+    from caffeplus.parallel import comm as comm_mod
+    out = {}
+    server = threading.Thread(target=_connect, args=(tmp_path, 0, 2, out))
+    server.start()
+    addr = comm_mod._read_port_file(str(tmp_path / 'tcp_address'), 30)
+    token_file = tmp_path / comm_mod.TOKEN_FILE
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    # Another process: the old hello without a token, then a wrong token.
+    for hello in (struct.pack('<ii', 0x63616670, 1),
+                  struct.pack('<ii', comm_mod._MAGIC, 1) + b'\0' * comm_mod.TOKEN_BYTES):
+        s = socket.create_connection(addr)
+        s.sendall(hello)
+        s.settimeout(10)
+        assert s.recv(1) == b''        # closed by rank 0
+        s.close()
+    assert 0 not in out
+    client = threading.Thread(target=_connect, args=(tmp_path, 1, 2, out))
+    client.start()
+    server.join(60)
+    client.join(60)
+    r0, r1 = out[0], out[1]
+    assert not isinstance(r0, Exception) and not isinstance(r1, Exception), out
+    try:
+        got = {}
+        t = threading.Thread(target=lambda: got.update(b=r1.bcast_obj(None),
+                                                       g=r1.gather_obj({'r': 1})))
+        t.start()
+        assert r0.bcast_obj({'a': numpy.ones(3)}) is not None
+        assert r0.gather_obj({'r': 0}) == [{'r': 0}, {'r': 1}]
+        t.join(30)
+        numpy.testing.assert_array_equal(got['b']['a'], numpy.ones(3))
+    finally:
+        r0.close()
+        r1.close()
+
+
+def test_tcp_token_must_be_private(tmp_path):
+    from caffeplus.parallel import comm as comm_mod
+    token = comm_mod.write_token(str(tmp_path))
+    assert comm_mod.read_token(str(tmp_path)) == token
+    os.chmod(str(tmp_path / comm_mod.TOKEN_FILE), 0o644)
+    with pytest.raises(comm_mod.RankFailure, match='not a private file'):
+        comm_mod.read_token(str(tmp_path))
+
+
+def test_launcher_job_is_json(tmp_path):
+    from caffeplus.parallel import launcher
+    args, param = types.SimpleNamespace(solver='s.prototxt', gpu='0,1', debug=False,
+                                        sigint_effect='stop', weights=None, level=0,
+                                        handler=object()), caffe_pb2.SolverParameter(base_lr=0.5)
+    launcher.write_job(str(tmp_path), args, param, [0, None], 2)
+    path = tmp_path / launcher.JOB_FILE
+    assert path.stat().st_mode & 0o777 == 0o600 and not (tmp_path / 'job.pkl').exists()
+    job, back, raw = launcher.read_job(str(tmp_path))
+    assert back.solver == 's.prototxt' and back.gpu == '0,1' and back.sigint_effect == 'stop'
+    assert not hasattr(back, 'handler')          # only plain values travel
+    assert caffe_pb2.SolverParameter.FromString(raw).base_lr == 0.5
+    assert job['devices'] == [0, None] and job['world'] == 2
+    path.write_text('{"format": "caffeplus-parallel-job", "param": "%%%"}')
+    with pytest.raises(CaffeplusError, match='cannot read the job'):
+        launcher.read_job(str(tmp_path))
+
+
 # -- GPU ----------------------------------------------------------------------------------
 def _gpus():
     import cupy

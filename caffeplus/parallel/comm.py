@@ -5,7 +5,7 @@
     req = comm.iallreduce_(a)     the same, started now; req.wait() finishes it
     comm.broadcast_(a, root=0)    in-place copy of the root's array
     comm.barrier()
-    comm.bcast_obj(obj, root=0)   a picklable object from the root to every rank
+    comm.bcast_obj(obj, root=0)   a plain object (see encode_obj) from the root to every rank
     comm.gather_obj(obj)          [rank 0's, rank 1's, ...] on rank 0, None elsewhere
     comm.abort(), comm.close()
 
@@ -23,9 +23,18 @@
     the host never blocks). Objects and barriers go over its host channel.
 
 Sums are Caffe's: ncclSum / MPI_SUM of float32 gradients; the caller scales.
+
+Objects (solver actions, data positions, snapshot states, the NCCL id) travel
+as JSON text plus raw bytes for NumPy arrays and bytes values (encode_obj /
+decode_obj), never pickled: what arrives from another process is data, not
+code. The TCP star is authenticated: rank 0 writes a random token to the
+rendezvous folder (a file of mode 0600) and accepts only connections that
+present it.
 """
+import hmac
+import json
 import os
-import pickle
+import secrets
 import socket
 import struct
 import time
@@ -95,6 +104,109 @@ def import_nccl():
                              'no NCCL support (cupy.cuda.nccl.available is False); install '
                              '`nvidia-nccl-cu12`, or a CuPy wheel built with NCCL.')
     return nccl
+
+
+# -- objects between ranks: JSON plus raw bytes ------------------------------------
+_OBJ_MAGIC = b'CPJ1'
+_OBJ_HEAD = struct.Struct('<4sI')
+_FRAME_LEN = struct.Struct('<Q')
+_MAX_FRAMES = 1 << 20
+_ARRAY_KINDS = 'biufc'
+
+
+def encode_obj(obj):
+    """bytes for `obj`: None, bool, int, float, str, lists/tuples (sent as
+    lists), dicts with str keys, NumPy scalars (as Python numbers), NumPy
+    arrays of numbers and bytes (as raw frames after the JSON text)."""
+    frames = []
+
+    def enc(o):
+        if o is None or isinstance(o, (bool, int, float, str)):
+            return o
+        if isinstance(o, numpy.generic) and o.dtype.kind in 'biuf':
+            return o.item()
+        if isinstance(o, numpy.ndarray):
+            if o.dtype.kind not in _ARRAY_KINDS:
+                raise CaffeplusError('cannot send a %s array between ranks' % o.dtype)
+            frames.append(numpy.ascontiguousarray(o).tobytes())
+            return {'__array__': len(frames), 'dtype': o.dtype.str, 'shape': list(o.shape)}
+        if isinstance(o, (bytes, bytearray, memoryview)):
+            frames.append(bytes(o))
+            return {'__bytes__': len(frames)}
+        if isinstance(o, (list, tuple)):
+            return [enc(v) for v in o]
+        if isinstance(o, dict):
+            out = {}
+            for k, v in o.items():
+                if not isinstance(k, str) or k in ('__array__', '__bytes__'):
+                    raise CaffeplusError('cannot send a dict with key %r between ranks' % (k,))
+                out[k] = enc(v)
+            return out
+        raise CaffeplusError('cannot send a %s between ranks' % type(o).__name__)
+    text = json.dumps(enc(obj), separators=(',', ':')).encode('utf-8')
+    frames.insert(0, text)
+    return b''.join([_OBJ_HEAD.pack(_OBJ_MAGIC, len(frames))] +
+                    [_FRAME_LEN.pack(len(f)) for f in frames] + frames)
+
+
+def decode_obj(data, peer='a peer rank'):
+    """The object encode_obj(obj) gave `data` for; RankFailure if `data` is
+    not such a message."""
+    data = memoryview(data).cast('B')
+
+    def bad(why):
+        return RankFailure('%s sent a message that is not a caffeplus object (%s)' % (peer, why))
+    if len(data) < _OBJ_HEAD.size:
+        raise bad('%d bytes' % len(data))
+    magic, count = _OBJ_HEAD.unpack_from(data, 0)
+    if magic != _OBJ_MAGIC or not 1 <= count <= _MAX_FRAMES:
+        raise bad('bad header')
+    pos = _OBJ_HEAD.size + count * _FRAME_LEN.size
+    if pos > len(data):
+        raise bad('truncated header')
+    frames = []
+    for i in range(count):
+        (n,) = _FRAME_LEN.unpack_from(data, _OBJ_HEAD.size + i * _FRAME_LEN.size)
+        if n > len(data) - pos:
+            raise bad('truncated frame %d' % i)
+        frames.append(data[pos:pos + n])
+        pos += n
+    if pos != len(data):
+        raise bad('%d trailing bytes' % (len(data) - pos))
+    try:
+        tree = json.loads(bytes(frames[0]).decode('utf-8'))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise bad('invalid JSON: %s' % exc)
+
+    def frame(index):
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 < index < count:
+            raise bad('no frame %r' % (index,))
+        return frames[index]
+
+    def dec(o):
+        if isinstance(o, list):
+            return [dec(v) for v in o]
+        if not isinstance(o, dict):
+            return o
+        if '__bytes__' in o:
+            return bytes(frame(o['__bytes__']))
+        if '__array__' in o:
+            try:
+                dtype = numpy.dtype(str(o['dtype']))
+                shape = tuple(int(d) for d in o['shape'])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise bad('bad array description: %s' % exc)
+            if dtype.kind not in _ARRAY_KINDS or any(d < 0 for d in shape):
+                raise bad('array of %s, shape %s' % (dtype, shape))
+            raw = frame(o['__array__'])
+            count_ = 1
+            for d in shape:
+                count_ *= d
+            if count_ * dtype.itemsize != len(raw):
+                raise bad('array of shape %s in %d bytes' % (shape, len(raw)))
+            return numpy.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+        return {k: dec(v) for k, v in o.items()}
+    return dec(tree)
 
 
 # -- the interface -----------------------------------------------------------------
@@ -219,11 +331,36 @@ class MPIComm(Communicator):
     def barrier(self):
         self.comm.Barrier()
 
+    # Objects as encode_obj bytes in MPI buffers (mpi4py's lower-case
+    # bcast/gather would serialize Python objects, code included).
     def bcast_obj(self, obj, root=0):
-        return self.comm.bcast(obj, root=root)
+        data = encode_obj(obj) if self.rank == root else b''
+        n = numpy.array([len(data)], dtype=numpy.int64)
+        self.comm.Bcast(n, root=root)
+        if self.rank == root:
+            buf = numpy.frombuffer(data, dtype=numpy.uint8).copy()
+        else:
+            buf = numpy.empty(int(n[0]), dtype=numpy.uint8)
+        self.comm.Bcast(buf, root=root)
+        if self.rank == root:
+            return obj
+        return decode_obj(buf, 'rank %d' % root)
 
     def gather_obj(self, obj):
-        return self.comm.gather(obj, root=0)
+        data = numpy.frombuffer(encode_obj(obj), dtype=numpy.uint8).copy()
+        n = numpy.array([data.size], dtype=numpy.int64)
+        counts = numpy.zeros(self.world, dtype=numpy.int64) if self.rank == 0 else None
+        self.comm.Gather(n, counts, root=0)
+        if self.rank != 0:
+            self.comm.Gatherv(data, None, root=0)
+            return None
+        sizes = [int(c) for c in counts]
+        displs = [sum(sizes[:r]) for r in range(self.world)]
+        recv = numpy.empty(max(sum(sizes), 1), dtype=numpy.uint8)
+        self.comm.Gatherv(data, [recv, sizes, displs, self.MPI.BYTE], root=0)
+        return [obj if r == 0 else decode_obj(recv[displs[r]:displs[r] + sizes[r]],
+                                               'rank %d' % r)
+                for r in range(self.world)]
 
     def abort(self, code=1):
         self.comm.Abort(int(code))
@@ -235,7 +372,51 @@ class MPIComm(Communicator):
 # -- TCP star -----------------------------------------------------------------------------
 _HEADER = struct.Struct('<Q')
 _HELLO = struct.Struct('<ii')
-_MAGIC = 0x63616670   # 'cafp'
+_MAGIC = 0x63616671   # 'cafq': the hello with the token
+TOKEN_BYTES = 32
+TOKEN_FILE = 'tcp_token'
+HELLO_TIMEOUT_S = 10.0
+
+
+def write_token(rendezvous_dir):
+    """A new random token in `rendezvous_dir`/tcp_token, mode 0600 (only this
+    user can read it, so only this user's processes can join the ranks)."""
+    token = secrets.token_bytes(TOKEN_BYTES)
+    path = os.path.join(rendezvous_dir, TOKEN_FILE)
+    tmp = '%s.%d.%s.tmp' % (path, os.getpid(), secrets.token_hex(4))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, 'wb') as f:
+            f.write(token)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return token
+
+
+def read_token(rendezvous_dir):
+    """The token rank 0 wrote; RankFailure unless it is this user's file
+    that no one else can read."""
+    path = os.path.join(rendezvous_dir, TOKEN_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, 'O_NOFOLLOW', 0))
+    except OSError as exc:
+        raise RankFailure('cannot read the rendezvous token %s: %s' % (path, exc.strerror or exc))
+    with os.fdopen(fd, 'rb') as f:
+        st = os.fstat(f.fileno())
+        if hasattr(os, 'getuid') and (st.st_uid != os.getuid() or st.st_mode & 0o077):
+            raise RankFailure('the rendezvous token %s is not a private file of this user '
+                              '(mode %o); refusing to use it' % (path, st.st_mode & 0o777))
+        token = f.read(TOKEN_BYTES + 1)
+    if len(token) != TOKEN_BYTES:
+        raise RankFailure('the rendezvous token %s is damaged' % path)
+    return token
 
 
 def _send_all(sock, data, peer='a peer rank'):
@@ -316,6 +497,8 @@ class TCPComm(Communicator):
         if self.world == 1:
             return
         if self.rank == 0:
+            # The token first: once the address is published, it is there.
+            token = write_token(rendezvous_dir)
             server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             server.bind((host, 0))
@@ -337,24 +520,47 @@ class TCPComm(Communicator):
                             raise RankFailure('ranks %s did not connect within %d s'
                                               % (', '.join(map(str, missing)), timeout))
                         continue
-                    conn.settimeout(None)
-                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    hello = bytearray(_HELLO.size)
-                    _recv_exact(conn, memoryview(hello), 'a connecting rank')
-                    magic, peer = _HELLO.unpack(hello)
-                    if magic != _MAGIC or not 0 < peer < self.world or peer in self.peers:
+                    peer = self._accept_hello(conn, token)
+                    if peer is None:
                         conn.close()
                         continue
+                    conn.settimeout(None)
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     self.peers[peer] = conn
             finally:
                 server.close()
         else:
             addr = _read_port_file(path, timeout, abort_file)
+            token = read_token(rendezvous_dir)
             conn = socket.create_connection(addr, timeout=timeout)
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.sendall(_HELLO.pack(_MAGIC, self.rank))
+            conn.sendall(_HELLO.pack(_MAGIC, self.rank) + token)
             self.peers[0] = conn
+
+    def _accept_hello(self, conn, token):
+        """The rank a new connection announces, or None (with a warning)
+        when it does not present the token (another user's process, a port
+        scanner) or names no missing rank."""
+        from caffeplus import log
+        hello = bytearray(_HELLO.size + TOKEN_BYTES)
+        try:
+            conn.settimeout(HELLO_TIMEOUT_S)
+            _recv_exact(conn, memoryview(hello)[:_HELLO.size], 'a connecting process')
+            magic, peer = _HELLO.unpack_from(hello, 0)
+            if magic == _MAGIC:
+                _recv_exact(conn, memoryview(hello)[_HELLO.size:], 'a connecting process')
+        except (RankFailure, OSError) as exc:
+            log.warning('TCP rendezvous: ignored a connection that sent no hello (%s)', exc)
+            return None
+        if magic != _MAGIC or not hmac.compare_digest(bytes(hello[_HELLO.size:]), token):
+            log.warning('TCP rendezvous: refused a connection without the token of this run')
+            return None
+        if not 0 < peer < self.world or peer in self.peers:
+            log.warning('TCP rendezvous: refused a connection as rank %d (world %d, ranks '
+                        'joined: %s)', peer, self.world, sorted(self.peers))
+            return None
+        return peer
 
     def _peer(self, r):
         return 'rank %d' % r
@@ -406,18 +612,19 @@ class TCPComm(Communicator):
             return obj
         if root != 0:
             if self.rank == root:
-                _send_all(self.peers[0], pickle.dumps(obj, protocol=4), self._peer(0))
+                _send_all(self.peers[0], encode_obj(obj), self._peer(0))
             elif self.rank == 0:
-                obj = pickle.loads(_recv_msg(self.peers[root], self._peer(root)))
+                obj = decode_obj(_recv_msg(self.peers[root], self._peer(root)),
+                                 self._peer(root))
         if self.rank == 0:
-            data = pickle.dumps(obj, protocol=4)
+            data = encode_obj(obj)
             for r in range(1, self.world):
                 if r != root:
                     _send_all(self.peers[r], data, self._peer(r))
             return obj
         if self.rank == root:
             return obj
-        return pickle.loads(_recv_msg(self.peers[0], self._peer(0)))
+        return decode_obj(_recv_msg(self.peers[0], self._peer(0)), self._peer(0))
 
     def gather_obj(self, obj):
         if self.world == 1:
@@ -425,9 +632,9 @@ class TCPComm(Communicator):
         if self.rank == 0:
             out = [obj]
             for r in range(1, self.world):
-                out.append(pickle.loads(_recv_msg(self.peers[r], self._peer(r))))
+                out.append(decode_obj(_recv_msg(self.peers[r], self._peer(r)), self._peer(r)))
             return out
-        _send_all(self.peers[0], pickle.dumps(obj, protocol=4), self._peer(0))
+        _send_all(self.peers[0], encode_obj(obj), self._peer(0))
         return None
 
     def barrier(self):
@@ -478,7 +685,7 @@ class NCCLComm(Communicator):
         self.rank, self.world = host.rank, host.world
         self.device = int(device)
         uid = nccl.get_unique_id() if self.rank == 0 else None
-        uid = host.bcast_obj(uid, root=0)
+        uid = tuple(host.bcast_obj(uid, root=0))    # (a list after the trip: JSON)
         with cupy.cuda.Device(self.device):
             try:
                 self._comm = nccl.NcclCommunicator(self.world, uid, self.rank)

@@ -24,9 +24,15 @@ process):
 supervise(args, param, devices) also accepts devices [None, None, ...]:
 CPU ranks over the TCP channel (used by the tests to exercise the
 supervisor without GPUs).
+
+The supervisor hands the job to the ranks as RUNDIR/job.json (mode 0600 in
+a private folder): the command-line flags, the solver parameter (its
+protobuf bytes in base64), the devices. Nothing there is executable.
 """
+import argparse
+import base64
+import json
 import os
-import pickle
 import shutil
 import signal
 import socket
@@ -150,10 +156,7 @@ def supervise(args, param, devices, count=None):
     children = []
     previous = {}
     try:
-        job = {'args': args, 'param': param.SerializeToString(), 'devices': devices,
-               'world': world, 'parent': os.getpid(), 'cwd': os.getcwd()}
-        with open(os.path.join(rundir, 'job.pkl'), 'wb') as f:
-            pickle.dump(job, f, protocol=4)
+        write_job(rundir, args, param, devices, world)
         log.info('Starting %d ranks (one process per %s)', world, 'GPU' if gpus else 'rank')
         for rank, device in enumerate(devices):
             env = dict(os.environ)
@@ -187,6 +190,52 @@ def supervise(args, param, devices, count=None):
             signal.signal(signum, old)
         _stop_all(children, rundir)
         shutil.rmtree(rundir, ignore_errors=True)
+
+
+JOB_FILE = 'job.json'
+JOB_FORMAT = 'caffeplus-parallel-job'
+
+
+def _plain(value):
+    """JSON's kinds of value (lists of them too), else None."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return False
+
+
+def write_job(rundir, args, param, devices, world):
+    """RUNDIR/job.json for the ranks (private: mode 0600)."""
+    flags = {k: v for k, v in sorted(vars(args).items()) if _plain(v)}
+    job = {'format': JOB_FORMAT, 'version': 1, 'args': flags,
+           'param': base64.b64encode(param.SerializeToString()).decode('ascii'),
+           'devices': [None if d is None else int(d) for d in devices], 'world': int(world),
+           'parent': os.getpid(), 'cwd': os.getcwd()}
+    path = os.path.join(rundir, JOB_FILE)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, 'w') as f:
+        json.dump(job, f)
+
+
+def read_job(rundir):
+    """(job dict, args Namespace, solver parameter bytes) from RUNDIR/job.json."""
+    path = os.path.join(rundir, JOB_FILE)
+    try:
+        with open(path) as f:
+            job = json.load(f)
+        if job.get('format') != JOB_FORMAT:
+            raise ValueError('not a %s file' % JOB_FORMAT)
+        param = base64.b64decode(job['param'].encode('ascii'), validate=True)
+        args = argparse.Namespace(**job['args'])
+        world = int(job['world'])
+        devices = [None if d is None else int(d) for d in job['devices']]
+        if world < 1 or len(devices) != world:
+            raise ValueError('%d devices for %d ranks' % (len(devices), world))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CaffeplusError('cannot read the job of this rank from %s: %s' % (path, exc))
+    job['world'], job['devices'] = world, devices
+    return job, args, param
 
 
 def _read_error(rundir, rank):
@@ -323,8 +372,12 @@ def configure_rank_logging(rank):
 
 def child_main(rundir, rank):
     rank = int(rank)
-    with open(os.path.join(rundir, 'job.pkl'), 'rb') as f:
-        job = pickle.load(f)
+    try:
+        job, args, param_bytes = read_job(rundir)
+    except CaffeplusError as exc:
+        _write_error(rundir, rank, 'primary', str(exc))
+        print('caffeplus train: error: rank %d: %s' % (rank, exc), file=sys.stderr)
+        return 1
     _watch_parent(job['parent'])
     from caffeplus.parallel.trainer import (RankTrainer, Terminated, exit_on_sigterm,
                                             ignore_control_signals)
@@ -333,14 +386,13 @@ def child_main(rundir, rank):
     exit_on_sigterm()
     world = job['world']
     device = job['devices'][rank]
-    args = job['args']
     debug = getattr(args, 'debug', False)
     comm = None
     try:
         if job.get('cwd'):
             os.chdir(job['cwd'])
         param = caffe_pb2.SolverParameter()
-        param.ParseFromString(job['param'])
+        param.ParseFromString(param_bytes)
         comm = comm_mod.TCPComm(rank, world, rundir)
         if device is not None:
             comm = comm_mod.NCCLComm(comm, device)
