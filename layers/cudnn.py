@@ -184,7 +184,10 @@ class _ConvDescs:
         geometry key, results are shared by every layer of that geometry
         (ResNet-50 repeats most of its convolutions), as cudnn.benchmark does."""
         def run(ws_ptr, ws_bytes):
-            key = None if geometry_key is None else geometry_key + (kind, int(ws_bytes))
+            from caffeplus.backend import mathmode
+            # FindEx results hold for one math mode (TF32 or strict) only.
+            key = None if geometry_key is None else \
+                geometry_key + (kind, int(ws_bytes), mathmode.cudnn_math_type())
             if key is not None and key in _TIMED:
                 return list(_TIMED[key])
             import cupy
@@ -820,7 +823,9 @@ class CuDNNELULayer(_CudnnActivationMixin, ELULayer):
         return float(self.alpha)
 
     def _act_ok(self, bottom, top):
-        return bottom[0].data_storage is not top[0].data_storage
+        # cuDNN's ELU assumes alpha >= 0 (Caffe allows any alpha): the
+        # generic code handles the rest.
+        return bottom[0].data_storage is not top[0].data_storage and self.alpha >= 0
 
 
 # =============================================================================

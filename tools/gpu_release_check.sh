@@ -5,12 +5,12 @@
 #   3. tools/bench_gpu.py on the nets not yet benchmarked (caffeplus vs PyTorch in the same run).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
 # (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
-# env: STEPS (tests,memory,bench), MEMORY_NETS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S
+# env: STEPS (tests,memory,probe,bench), MEMORY_NETS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 STEPS=${STEPS:-tests,memory,bench}
-export PYTHONUNBUFFERED=1 GLOG_minloglevel=${GLOG_minloglevel:-2}
+export PYTHONUNBUFFERED=1
 export CAFFEPLUS_SHARED=$PWD/.gpu_carry
 unset CUPY_TF32 NVIDIA_TF32_OVERRIDE
 T0=$(date +%s)
@@ -39,7 +39,7 @@ fi
 if has memory; then
   for n in ${MEMORY_NETS:-alexnet_b128 googlenet_b64 vgg16_b64 resnet50_b64}; do
     stamp "memory $n"
-    timeout "${MEMORY_S:-100}" python3 -m caffeplus memory -model .gpu_carry/bench/$n.prototxt \
+    GLOG_minloglevel=2 timeout "${MEMORY_S:-100}" python3 -m caffeplus memory -model .gpu_carry/bench/$n.prototxt \
       -gpu 0 --plans stock,arena,shared,offload --json > "$OUT/memory_$n.json" 2> "$OUT/memory_$n.err"
     echo "rc=$?" >> "$OUT/memory_$n.err"
     python3 - "$OUT/memory_$n.json" <<'PY'
@@ -56,9 +56,16 @@ PY
   done
 fi
 
+if has probe; then
+  stamp "determinism probe"
+  GLOG_minloglevel=2 timeout "${PROBE_S:-150}" python3 tools/gpu_determinism_probe.py > "$OUT/probe.log" 2>&1
+  echo "rc=$?" >> "$OUT/probe.log"
+  cat "$OUT/probe.log"
+fi
+
 if has bench; then
   stamp "benchmark"
-  timeout "${BENCH_S:-200}" python3 tools/bench_gpu.py --bench-dir .gpu_carry/bench \
+  GLOG_minloglevel=2 timeout "${BENCH_S:-200}" python3 tools/bench_gpu.py --bench-dir .gpu_carry/bench \
     --nets "${BENCH_NETS:-vgg16_b64,googlenet_b64}" --plans stock,arena:timed --torch \
     --tf32 off --iters 20 --warmup 3 --timeout 120 \
     --json "$OUT/bench.json" --md "$OUT/gpu_results.md" > "$OUT/bench.log" 2>&1
