@@ -241,11 +241,12 @@ def test_unknown_plan_and_keep_names_are_clear_errors():
         apply_named_plan(net, 'offload', offload_policy=['nope'])
 
 
-def test_solvers_apply_their_plan_and_the_nan_check():
+def test_solvers_apply_their_plan_and_the_nan_check(monkeypatch):
     """Solver._init applies caffeplus_param's plan ('shared' by default for
     caffeplus.solver / `caffeplus train`; 'stock' for pycaffe's classes, so
     scripts read any blob after step) and installs the NaN check."""
     from caffeplus.solver import SGDSolver, get_solver, nan_check, sgd
+    monkeypatch.delenv('CAFFEPLUS_NAN_CHECK', raising=False)
     sp = cpe.solver_param(param_of(NET), 'shared', 2, test_nets=1)
     sp.caffeplus_param.ClearField('memory_plan')
     solver = get_solver(sp)
