@@ -256,6 +256,19 @@ def _parallel():
 
 
 def run(args):
+    # use_device sets CAFFEPLUS_CUDNN_SEARCH for this run only; restore it so
+    # an in-process caller (pycaffe scripts, tests) keeps its own setting.
+    saved = os.environ.get('CAFFEPLUS_CUDNN_SEARCH')
+    try:
+        return _run(args)
+    finally:
+        if saved is None:
+            os.environ.pop('CAFFEPLUS_CUDNN_SEARCH', None)
+        else:
+            os.environ['CAFFEPLUS_CUDNN_SEARCH'] = saved
+
+
+def _run(args):
     from caffeplus.solver import get_solver
     param = build_solver_param(args)
     gpus = choose_gpus(args, param)

@@ -685,7 +685,9 @@ class NCCLComm(Communicator):
         self.rank, self.world = host.rank, host.world
         self.device = int(device)
         uid = nccl.get_unique_id() if self.rank == 0 else None
-        uid = tuple(host.bcast_obj(uid, root=0))    # (a list after the trip: JSON)
+        uid = host.bcast_obj(uid, root=0)
+        if isinstance(uid, list):       # a tuple id comes back from JSON as a list;
+            uid = tuple(uid)            # CuPy 14's id is bytes and stays bytes
         with cupy.cuda.Device(self.device):
             try:
                 self._comm = nccl.NcclCommunicator(self.world, uid, self.rank)
