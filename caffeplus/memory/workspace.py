@@ -95,9 +95,16 @@ def choose(candidates, budget, deterministic=False, what='call site'):
                          % (what, budget, getattr(smallest, 'name', smallest), smallest.memory))
 
 
-def choose_stock(candidates, limit=STOCK_WORKSPACE_LIMIT):
+def choose_stock(candidates, limit=STOCK_WORKSPACE_LIMIT, deterministic=None):
     """Caffe 1.0: the first heuristic result whose workspace is <= 8 MiB; if
-    none fits, the one needing least (Caffe's zero-workspace fallback)."""
+    none fits, the one needing least (Caffe's zero-workspace fallback). In
+    the 'deterministic' math mode only deterministic algorithms count, as
+    for the arena, so the two plans run the same algorithms."""
+    if deterministic is None:
+        from caffeplus.backend import mathmode
+        deterministic = mathmode.deterministic()
+    if deterministic:
+        candidates = [c for c in candidates if c.deterministic] or candidates
     for c in candidates:
         if c.memory <= limit:
             return c
