@@ -32,6 +32,25 @@ def _fail(layer, what):
     raise NetError('layer %s (%s): %s' % (layer.layer_param.name, layer.layer_param.type, what))
 
 
+
+def _check_windows(layer, in_spatial, out_spatial, channels, num):
+    """Refuse geometries the im2col path cannot hold: a padded image beyond
+    the blob bound (a huge pad), or a last window that ends past the padded
+    input (a kernel wider than it, hidden by C's truncating division)."""
+    from caffeplus.blob import MAX_BLOB_COUNT
+    g = layer.geom
+    padded = [in_spatial[i] + 2 * g.pad[i] for i in range(g.nd)]
+    if channels < 1:
+        _fail(layer, 'the input has no channels (shape %s)' % (in_spatial,))
+    if num * channels * _prod(padded) > MAX_BLOB_COUNT:
+        _fail(layer, 'pad %s makes a padded input of %s per channel, beyond the %d-value bound '
+              '(convolution_param.pad)' % (tuple(g.pad), tuple(padded), MAX_BLOB_COUNT))
+    for i in range(g.nd):
+        last = (g.kernel[i] - 1) * g.dilation[i] + (out_spatial[i] - 1) * g.stride[i]
+        if last >= padded[i]:
+            _fail(layer, 'kernel extent %d does not fit the padded input %d on spatial axis %d '
+                  '(convolution_param.kernel_size / pad)' % (g.extent(i), padded[i], i))
+
 def _prod(shape):
     n = 1
     for d in shape:
@@ -158,6 +177,8 @@ class _BaseConvolution(Layer):
             _fail(self, 'output spatial shape %s is empty for input %s (kernel %s, stride %s, '
                   'pad %s, dilation %s)' % (self.out_spatial, self.in_spatial, self.geom.kernel,
                                             self.geom.stride, self.geom.pad, self.geom.dilation))
+        if not self.reverse:
+            _check_windows(self, self.in_spatial, self.out_spatial, self.channels, self.num)
         out_shape = tuple(b0.shape[:self.channel_axis]) + (self.num_output,) + self.out_spatial
         for t in top:
             t.reshape(out_shape)
@@ -245,6 +266,7 @@ class Im2colLayer(Layer):
         if any(o <= 0 for o in self.out_spatial):
             _fail(self, 'output spatial shape %s is empty for input %s'
                   % (self.out_spatial, self.in_spatial))
+        _check_windows(self, self.in_spatial, self.out_spatial, self.channels, self.num)
         top[0].reshape(tuple(b0.shape[:self.channel_axis]) +
                        (self.channels * self.geom.kernel_count,) + self.out_spatial)
 

@@ -845,3 +845,15 @@ def test_cli_refuses_python_layers_with_the_environment(python_layer_files, tmp_
     assert 'Traceback' not in out, out
     assert 'refused' in out and 'CAFFEPLUS_NO_PYTHON_LAYERS' in out, out
     assert not marker.exists()
+
+
+@pytest.mark.parametrize('conv', ['num_output: 2 kernel_size: 3 pad: 65536',
+                                  'num_output: 2 kernel_size: 7 stride: 10'])
+def test_convolution_with_absurd_geometry_is_a_net_error(conv):
+    """A pad that would make a 128 PiB padded image, or a kernel wider than
+    the padded input (hidden by C's truncating division), is refused naming
+    the field, before any allocation."""
+    text = _input((1, 3, 5, 5, 5)) + ('layer { name: "c" type: "Convolution" bottom: "x" '
+                                      'top: "y" convolution_param { %s } }' % conv)
+    with pytest.raises(CaffeplusError, match='convolution_param'):
+        _net(text).forward()

@@ -1350,14 +1350,7 @@ def bug_signature(result):
 # of colleagues still at work on them). Each has a regression test marked
 # xfail in tests/test_fuzz_readers.py; remove the entry once it is fixed.
 # (file fragment, function or '', outcome, exception type or ''): reason.
-KNOWN_ISSUES = {
-    ('caffeplus/im2col.py', '', 'bug', ''):
-        'Convolution/Deconvolution/Im2col with a pad or stride far larger than the input: '
-        'MemoryError from a padded scratch image sized by the pad (pad 65536 over three '
-        'spatial axes asks for 128 PiB), ValueError "window out of range" where Caffe reads '
-        'zeros past the padding (kernel wider than the padded input), ValueError for zero '
-        'channels with groups (owner: caffeplus/im2col.py; pooling is fixed)',
-}
+KNOWN_ISSUES = {}   # every finding so far is fixed (see tests/test_fuzz_readers.py)
 
 
 def known_issue(result):
