@@ -651,6 +651,31 @@ def test_supervisor_passes_sighup_and_sigint_to_all_ranks(tmp_path):
     assert len(glob.glob(str(tmp_path / 'out' / '*.caffemodel'))) == 2   # SIGHUP, then stop
 
 
+def test_supervisor_turns_sigterm_into_a_clean_stop(tmp_path):
+    """SIGTERM to the supervisor does what -sigint_effect says (stop): every
+    rank stops at one iteration, rank 0 writes the final snapshot, exit 0."""
+    import signal
+    need_data()
+    s = write_job(tmp_path, 'term', batch=8, max_iter=100000)
+    (tmp_path / 'sup.py').write_text(SUPERVISE % os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, 'sup.py', s], cwd=str(tmp_path),
+                            env=sub_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        log = []
+        for line in proc.stderr:
+            log.append(line)
+            if 'Iteration 8 (' in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        log.extend(proc.stderr)
+        assert proc.wait(60) == 0, ''.join(log[-30:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert any('Optimization stopped early.' in l for l in log), ''.join(log[-30:])
+    assert glob.glob(str(tmp_path / 'out' / 'term_iter_*.solverstate'))
+
+
 # -- the channel: JSON plus raw bytes, authenticated ------------------------------------
 def test_objects_between_ranks_are_json_and_raw_bytes():
     from caffeplus.parallel.comm import RankFailure, decode_obj, encode_obj

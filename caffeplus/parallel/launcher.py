@@ -10,7 +10,7 @@ process):
     session, so no interpreter lock is shared) and supervises them. The
     ranks meet over TCP on localhost (rank 0 publishes its port in RUNDIR),
     rank 0 sends its NCCL unique id over that channel, and gradients go
-    through NCCL. SIGINT/SIGHUP sent to this process are passed to rank 0,
+    through NCCL. SIGINT/SIGHUP (and SIGTERM, as SIGINT) sent to this process are passed to rank 0,
     which decides for all ranks. If a rank fails, the others are stopped
     and the error names the rank, its GPU and its message.
 
@@ -173,11 +173,15 @@ def supervise(args, param, devices, count=None):
         def forward(signum, frame):
             root = children[0].proc
             if root.poll() is None:
+                # SIGTERM (what schedulers send) does what -sigint_effect says,
+                # as in single-process training: rank 0 decides for all ranks.
+                if signum == getattr(signal, 'SIGTERM', None):
+                    signum = signal.SIGINT
                 try:
                     os.kill(root.pid, signum)
                 except OSError:
                     pass
-        for name in ('SIGINT', 'SIGHUP'):
+        for name in ('SIGINT', 'SIGHUP', 'SIGTERM'):
             signum = getattr(signal, name, None)
             if signum is not None:
                 try:
