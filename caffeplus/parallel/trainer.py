@@ -125,9 +125,13 @@ class RankTrainer:
             original = solver.snapshot
 
             def snapshot():
-                paths = original()
-                self._write_rank_states(paths[1])
-                return paths
+                # Every rank's state first: the .solverstate stays the last
+                # write of a snapshot, so a newest state always has its ranks.
+                from caffeplus.proto import caffe_pb2
+                hdf5 = solver.param.snapshot_format == caffe_pb2.SolverParameter.HDF5
+                self._write_rank_states(solver.snapshot_filename(
+                    '.solverstate.h5' if hdf5 else '.solverstate'))
+                return original()
             solver.snapshot = snapshot
         else:
             solver.snapshot = lambda: None   # only rank 0 writes snapshots
