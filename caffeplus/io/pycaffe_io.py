@@ -306,3 +306,23 @@ class Transformer:
         """Multiply by `scale` after subtracting the mean."""
         self._check_input(in_)
         self.input_scale[in_] = scale
+
+
+def input_transformer(net, what, mean=None, input_scale=None, raw_scale=None, channel_swap=None):
+    """A Transformer for the first input of `net`, set up as pycaffe's
+    Classifier and Detector do (HxWxC images to CxHxW, then the options)."""
+    from caffeplus.errors import CaffeplusError
+    if not net.inputs:
+        raise CaffeplusError('%s: the net %s has no Input layer' % (what, net.name))
+    in_ = net.inputs[0]
+    transformer = Transformer({in_: net.blobs[in_].data.shape})
+    transformer.set_transpose(in_, (2, 0, 1))
+    if mean is not None:
+        transformer.set_mean(in_, mean)
+    if input_scale is not None:
+        transformer.set_input_scale(in_, input_scale)
+    if raw_scale is not None:
+        transformer.set_raw_scale(in_, raw_scale)
+    if channel_swap is not None:
+        transformer.set_channel_swap(in_, channel_swap)
+    return transformer
