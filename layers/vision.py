@@ -462,57 +462,47 @@ def _max_pool_forward(x, geom, y, arg):
     return y, arg
 
 
-def _by_planes(x_hw, arrays):
-    """Run fn on (planes, 1, H, W) chunks of (N, C, ...) arrays, so that on
-    the CPU each chunk's working set stays in cache (planes are independent)."""
+def _by_planes(fn, arrays):
+    """Run fn(*arrays) on (planes, 1, H, W) chunks of the (N, C, H, W)
+    `arrays` (the first one's planes set the chunk size), so that on the
+    CPU each chunk's working set stays in cache (planes are independent);
+    one call on the whole arrays on the GPU, for non-contiguous arrays or
+    when one chunk holds everything."""
     xp = backend.get_array_module(arrays[0])
     n, c = arrays[0].shape[:2]
-    if xp is not numpy or not all(a.flags.c_contiguous for a in arrays):
-        return None
-    chunks = batch_chunks(xp, n * c, 4 * x_hw[0] * x_hw[1], 'plane')
-    if len(chunks) == 1:
-        return None
+    x_hw = arrays[0].shape[2:]
+    chunks = None
+    if xp is numpy and all(a.flags.c_contiguous for a in arrays):
+        chunks = batch_chunks(xp, n * c, 4 * x_hw[0] * x_hw[1], 'plane')
+    if chunks is None or len(chunks) == 1:
+        fn(*arrays)
+        return
     flats = [a.reshape((n * c, 1) + a.shape[2:]) for a in arrays]
-    return [[f[sl] for f in flats] for sl in chunks]
+    for sl in chunks:
+        fn(*[f[sl] for f in flats])
 
 
 def max_pool_forward(x, geom, y, arg):
     """y = window max; arg = the kernel offset (row-major in the window, -1
     if no cell beats -FLT_MAX) of the first maximum in scan order: Caffe's
     strict > scan, which also skips NaNs."""
-    parts = _by_planes(x.shape[2:], (x, y, arg))
-    if parts is None:
-        return _max_pool_forward(x, geom, y, arg)
-    for xs, ys, args in parts:
-        _max_pool_forward(xs, geom, ys, args)
+    _by_planes(lambda xs, ys, args: _max_pool_forward(xs, geom, ys, args), (x, y, arg))
     return y, arg
 
 
 def _scatter_back(dy, arg, geom, dx):
-    parts = _by_planes(dx.shape[2:], (dy, arg, dx))
-    if parts is None:
-        return _scatter_back_impl(dy, arg, geom, dx)
-    for dys, args, dxs in parts:
-        _scatter_back_impl(dys, args, geom, dxs)
+    _by_planes(lambda dxs, dys, args: _scatter_back_impl(dys, args, geom, dxs), (dx, dy, arg))
     return dx
 
 
 def ave_pool_forward(x, geom, y, sizes=None):
     """y = window sums / `sizes` (default pool_sizes: Caffe's divisor)."""
-    parts = _by_planes(x.shape[2:], (x, y))
-    if parts is None:
-        return _ave_pool_forward(x, geom, y, sizes)
-    for xs, ys in parts:
-        _ave_pool_forward(xs, geom, ys, sizes)
+    _by_planes(lambda xs, ys: _ave_pool_forward(xs, geom, ys, sizes), (x, y))
     return y
 
 
 def ave_pool_backward(dy, geom, dx, sizes=None):
-    parts = _by_planes(dx.shape[2:], (dy, dx))
-    if parts is None:
-        return _ave_pool_backward(dy, geom, dx, sizes)
-    for dys, dxs in parts:
-        _ave_pool_backward(dys, geom, dxs, sizes)
+    _by_planes(lambda dxs, dys: _ave_pool_backward(dys, geom, dxs, sizes), (dx, dy))
     return dx
 
 
@@ -892,7 +882,6 @@ class SPPLayer(Layer):
             return
         xp = backend.get_array_module(dx)
         dy = top[0].diff
-        n = dy.shape[0]
         start = 0
         part = xp.empty(dx.shape, dtype=FLOAT)
         for i, p in enumerate(self.pools):
