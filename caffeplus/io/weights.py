@@ -35,16 +35,20 @@ def copy_from_net_param(net, param, source='weights'):
                            'the file %d)' % (source, src.name, len(target), len(src.blobs)))
         for j, (blob, proto) in enumerate(zip(target, src.blobs)):
             if not blob.shape_equals(proto):
-                raise NetError("%s: Cannot copy param %d weights from layer '%s'; shape "
-                               "mismatch.  Source param shape is %s; target param shape is %s. "
-                               "To learn this layer's parameters from scratch rather than "
-                               "copying from a saved net, rename the layer."
-                               % (source, j, src.name, shape_string(proto_shape(proto)),
-                                  blob.shape_string()))
+                raise _shape_mismatch(source, j, src.name, proto_shape(proto), blob)
             try:
                 blob.from_proto(proto, reshape=False)
             except FormatError as exc:
                 raise FormatError('%s: layer %s param %d: %s' % (source, src.name, j, exc))
+
+
+def _shape_mismatch(source, index, layer_name, source_shape, blob):
+    """Caffe's message for weights whose shape differs from the net's."""
+    return NetError("%s: Cannot copy param %d weights from layer '%s'; shape mismatch.  "
+                    "Source param shape is %s; target param shape is %s. To learn this "
+                    "layer's parameters from scratch rather than copying from a saved net, "
+                    "rename the layer." % (source, index, layer_name, shape_string(source_shape),
+                                           blob.shape_string()))
 
 
 def write_caffemodel(net, filename, write_diff=False):
@@ -144,9 +148,6 @@ def _copy_from_hdf5_file(h5py, net, f, filename):
                 raise FormatError('%s: dataset %s/%s has type %s; expected float (or integer) '
                                   'values' % (filename, where, key, ds.dtype))
             if tuple(ds.shape) != blob.shape:
-                raise NetError("%s: Cannot copy param %d weights from layer '%s'; shape "
-                               "mismatch.  Source param shape is %s; target param shape "
-                               "is %s." % (filename, j, layer_name, shape_string(ds.shape),
-                                           blob.shape_string()))
+                raise _shape_mismatch(filename, j, layer_name, ds.shape, blob)
             values = _h5_read(filename, '%s/%s' % (where, key), lambda: ds[...])
             blob.data = numpy.asarray(values, dtype=numpy.float32)
