@@ -409,3 +409,11 @@ def test_estimate_within_five_percent_of_the_measurement(capsys, net):
     assert code == 0, err
     for name, entry in json.loads(out)['plans'].items():
         assert abs(entry['estimate_error_pct']) <= 5, (name, entry['estimate_error_pct'])
+
+
+# -- each measured plan in its own process ----------------------------------------------
+def test_in_own_process_returns_the_result_and_the_error():
+    from caffeplus.commands import memory as memory_command
+    assert memory_command.in_own_process(memory_command.check_keep_names, 'a, b,') == ['a', 'b']
+    with pytest.raises(CaffeplusError, match='-gpu must be one device ID'):
+        memory_command.in_own_process(memory_command.parse_gpu, 'x')

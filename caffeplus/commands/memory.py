@@ -15,8 +15,10 @@ activations, activation diffs, workspace, other; and the iteration time.
   batch 256 plans on a laptop); workspace, "other" and times come from the
   documented model in caffeplus.memory.workspace_model. iter_ms is null
   (nothing ran); est_iter_ms is the model's time.
--gpu N: each plan is also run for real on GPU N (caffeplus.memory.measure)
-  and the measurement is shown with the estimate beside it.
+-gpu N: each plan is also run for real on GPU N (caffeplus.memory.measure),
+  each in a process of its own (its peak is the whole process, as stock
+  Caffe's figures are), and the measurement is shown with the estimate
+  beside it.
 
 Data layers become DummyData of the same shapes (caffeplus.io.dummy), so no
 database is needed (a Data layer whose database opens plans at its first
@@ -73,7 +75,7 @@ def add_arguments(parser):
     parser.add_argument('--solver_type', default='SGD',
                         help='solver whose history to count (SGD, Nesterov, AdaGrad, RMSProp, '
                              'AdaDelta, Adam)')
-    parser.add_argument('--iterations', type=int, default=1,
+    parser.add_argument('--iterations', type=int, default=3,
                         help='timed iterations per plan with -gpu (after one stepped one)')
     parser.add_argument('--shape', action='append', default=[], metavar='TOP=N,C,H,W',
                         help="the shape of a data layer's top (or, under a layer's name, its "
@@ -206,8 +208,7 @@ def run(args):
     net = shapes.build_net(param, level=args.level, stages=stages)
     keep = check_keep(net, args.keep)
     if measuring and budget is None and 'auto' in plans:
-        from caffeplus.memory.measure import device_total_bytes
-        budget_for_auto = device_total_bytes(gpu)
+        budget_for_auto = in_own_process(_device_total_child, gpu)
     else:
         budget_for_auto = budget
 
@@ -223,7 +224,7 @@ def run(args):
         entry = plan_entry(plan, budget)
         entry['curve'] = estimate_curve(plan)
         if measuring:
-            entry = _measure(param, plan, gpu, args, entry)
+            entry = _measure(param, plan, gpu, args, entry, budget_for_auto)
         results[name] = entry
 
     title = 'net %s, batch %s, solver %s' % (net.name, batch, args.solver_type)
@@ -246,15 +247,22 @@ def run(args):
     return 0
 
 
-def _measure(param, plan, gpu, args, estimate_entry):
-    """The measured entry of one plan, with the estimate beside it."""
-    from caffeplus.memory.measure import measure_plan
+def _measure(param, plan, gpu, args, estimate_entry, budget_for_auto=None):
+    """The measured entry of one plan, with the estimate beside it. The plan
+    runs in a process of its own, as `caffe time` does: the peak is the
+    device's used memory, so nothing another plan left behind (cuDNN
+    handles, CUDA modules, cached blocks) may count."""
     estimate = {'peak_bytes': estimate_entry['peak_bytes'],
                 'breakdown': estimate_entry['breakdown'],
                 'iter_ms': estimate_entry['est_iter_ms']}
     try:
-        measured = measure_plan(param, plan, gpu, solver_type=args.solver_type,
-                                iterations=args.iterations)
+        measured = in_own_process(_measure_child, param.SerializeToString(), plan.name, gpu,
+                                  {'solver_type': args.solver_type,
+                                   'keep': check_keep_names(args.keep),
+                                   'offload': args.offload, 'budget': budget_for_auto,
+                                   'iterations': args.iterations, 'level': args.level,
+                                   'stages': [st for st in (args.stage or '').split(',') if st]
+                                   or None})
     except CaffeplusError as exc:
         entry = dict(estimate_entry)
         entry['measure_error'] = str(exc)
@@ -272,3 +280,62 @@ def _measure(param, plan, gpu, args, estimate_entry):
     entry['measured_curve'] = [measured['baseline_bytes'] + v
                                for v in measured.get('live_curve', [])]
     return entry
+
+
+def check_keep_names(spec):
+    return [n.strip() for n in (spec or '').split(',') if n.strip()]
+
+
+def _measure_child(param_bytes, name, gpu, opts):
+    """In the child: rebuild the net, plan `name` as the parent did, measure."""
+    from caffeplus.memory import budget as budget_mod, shapes
+    from caffeplus.memory.measure import measure_plan
+    param = caffe_pb2.NetParameter()
+    param.ParseFromString(param_bytes)
+    with shapes.quiet():
+        net = shapes.build_net(param, level=opts['level'], stages=opts['stages'])
+        plan = budget_mod.estimate_plan(net, name, solver_type=opts['solver_type'],
+                                        keep=opts['keep'], offload_policy=opts['offload'],
+                                        budget=opts['budget'])
+    del net
+    return measure_plan(param, plan, gpu, solver_type=opts['solver_type'],
+                        iterations=opts['iterations'])
+
+
+def _device_total_child(gpu):
+    from caffeplus.memory.measure import device_total_bytes
+    return device_total_bytes(gpu)
+
+
+def _child_main(conn, fn, args):
+    try:
+        conn.send(('ok', fn(*args)))
+    except CaffeplusError as exc:
+        conn.send(('error', str(exc)))
+    except BaseException as exc:       # a child's crash becomes the parent's clear error
+        import traceback
+        conn.send(('error', '%s: %s\n%s' % (type(exc).__name__, exc, traceback.format_exc())))
+    finally:
+        conn.close()
+
+
+def in_own_process(fn, *args):
+    """fn(*args) in a fresh (spawned) Python process, so that this one never
+    holds a CUDA context; its CaffeplusError comes back as ours."""
+    import multiprocessing
+    ctx = multiprocessing.get_context('spawn')
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child_main, args=(child, fn, args))
+    proc.start()
+    child.close()
+    try:
+        status, value = parent.recv()
+    except EOFError:
+        proc.join()
+        raise CaffeplusError('the measuring process died (exit code %s) before reporting; '
+                             'out of host memory, or a crash in CUDA' % proc.exitcode)
+    finally:
+        proc.join()
+    if status != 'ok':
+        raise CaffeplusError(value)
+    return value
