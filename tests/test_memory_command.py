@@ -230,8 +230,15 @@ def test_auto_fits_the_budget_and_trades_time_for_memory():
         if previous is not None:
             assert plan.est_iter_ms <= previous.est_iter_ms + 1e-9
         previous = plan
-    tight = budget.plan_for_budget(net, low)
-    assert tight.offloaded and tight.breakdown['workspace'] == 0
+    # Option peaks are lower bounds (placement adds alignment and gaps); the
+    # error names the smallest budget that fits once placed.
+    with pytest.raises(CaffeplusError) as info:
+        budget.plan_for_budget(net, low - 1)
+    smallest = budget.parse_bytes(re.search(r'smallest budget that fits is (\S+)',
+                                            str(info.value)).group(1))
+    assert low <= smallest <= low * 1.05
+    tight = budget.plan_for_budget(net, smallest)
+    assert tight.offloaded and tight.peak_bytes <= smallest
 
 
 def test_impossible_budget_names_the_smallest_that_fits(capsys):

@@ -190,6 +190,7 @@ class AppliedPlan:
         self.entries = []
         self.runtime = None
         self.pause = None           # the step after which the last pass stopped
+        self.workspace_bytes = 0    # of the arena: the placed workspace views
         self.replans = 0
         self._build(plan)
 
@@ -216,6 +217,8 @@ class AppliedPlan:
         by_storage = {}
         offloaded = set(plan.offloaded)
         for buf in plan.buffers:
+            if buf.kind == 'workspace':
+                continue        # the real workspace comes from self.workspace's choices
             blob = blobs[buf.blobs[0]]
             storage = blob.data_storage if buf.kind == 'data' else blob.diff_storage
             if id(storage) in params:
@@ -239,13 +242,18 @@ class AppliedPlan:
         placed = [life for e in entries if not e.persistent for life in e.lives]
         bufs = [liveness.Buffer(('life', i), 'x', (), life.buf.nbytes, life.start, life.end)
                 for i, life in enumerate(placed)]
-        offsets, arena_bytes = placement.place(bufs)
+        ws_bufs = self._workspace_buffers()
+        offsets, arena_bytes = placement.place(bufs + ws_bufs)
         self.arena_bytes = arena_bytes
         self.arena = xp.zeros(max(arena_bytes // FLOAT_BYTES, 1), dtype=numpy.float32)
         for b, life in zip(bufs, placed):
             life.offset = offsets[b.key]
             lo = life.offset // FLOAT_BYTES
             life.view = self.arena[lo:lo + life.buf.nbytes // FLOAT_BYTES]
+        self._place_workspace(ws_bufs, offsets)
+        from caffeplus.memory.plan import shares_at_peak
+        typed = [b._replace(kind=life.buf.kind) for b, life in zip(bufs, placed)] + ws_bufs
+        self.shares = shares_at_peak(typed, self.steps)
         for e in entries:
             if e.persistent:
                 continue
@@ -263,6 +271,45 @@ class AppliedPlan:
             from caffeplus.memory import offload_runtime
             self.runtime = offload_runtime.OffloadRuntime(self, **self.options.get('runtime', {}))
         self.pause = None
+
+    # -- the convolution workspace, placed with the buffers ----------------------------
+    @property
+    def workspace(self):
+        """The net's PlacedWorkspace (GPU mode), or None."""
+        ws = self.options.get('workspace')
+        return ws if ws is not None and hasattr(ws, 'set_views') else None
+
+    def _workspace_buffers(self):
+        ws = self.workspace
+        if ws is None:
+            return []
+        return liveness.workspace_buffers(self.net, ws.sizes(self.net), self.training)
+
+    def _place_workspace(self, ws_bufs, offsets):
+        ws = self.workspace
+        if ws is None:
+            return
+        layers = {name: layer for name, layer in zip(self.net._layer_names, self.net.layers)}
+        base = int(self.arena.data.ptr) if hasattr(self.arena, 'data') and \
+            hasattr(self.arena.data, 'ptr') else 0
+        views = {}
+        for b in ws_bufs:
+            _, layer_name, pass_kind = b.key
+            views[(id(layers[layer_name]), pass_kind)] = (base + offsets[b.key], b.nbytes)
+        ws.set_views(views)
+        self.workspace_bytes = sum(b.nbytes for b in ws_bufs)
+
+    def _set_workspace_pass(self, pass_kind, start):
+        """Before a pass: the views it checks out; placed again first if the
+        algorithms changed since (a reshape), keeping what a pass that
+        starts in the middle reads."""
+        ws = self.workspace
+        if ws is None:
+            return
+        ws.ensure_planned()
+        if ws.layout_stale:
+            self.relayout(preserve=start > 0 or pass_kind == 'backward')
+        ws.pass_kind = pass_kind
 
     def _set_lookahead(self, entries, lookahead_steps):
         """Offloaded storages: their backward life starts `lookahead` steps
@@ -445,6 +492,7 @@ class AppliedPlan:
             # A full forward rewrites every buffer before reading it: the
             # arena may move now (the offload look-ahead was calibrated).
             self.relayout(lookahead_steps=self.runtime.pending_lookahead)
+        self._set_workspace_pass('forward', start)
         what = 'forward from layer %s' % self.net._layer_names[start]
         self._check_start(start, end, what)
         self._unmark(start)
@@ -465,6 +513,7 @@ class AppliedPlan:
                 "net %s: memory plan '%s' was made for forward passes only (a TEST net); "
                 "backward would read blobs it reused. Build the net with memory='stock', or "
                 "in phase TRAIN / with force_backward" % (self.net.name, self.name))
+        self._set_workspace_pass('backward', start)
         s0, t = self._backward_steps(start, end)
         self._check_start(s0, t, 'backward from layer %s' % self.net._layer_names[start])
         self._unmark(s0)
@@ -484,7 +533,7 @@ class AppliedPlan:
 
     def info(self):
         return {'applier': 'caffeplus.memory.apply', 'plan': self.name, 'arena': self.arena,
-                'arena_bytes': self.arena_bytes,
+                'arena_bytes': self.arena_bytes, 'arena_shares': dict(self.shares),
                 'planned_storages': len(self.entries),
                 'persistent_storages': len(self.persistent),
                 'offloaded': [e.name for e in self.entries if e.offloaded]}
@@ -543,13 +592,16 @@ def apply_plan(net, plan, keep=(), training=None, workspace_limit=None, lookahea
                              offload_policy=offloaded or 'conv')
     if lookahead is None:
         lookahead = 'auto' if backend.mode() == backend.GPU else 1
+    # The workspace first: on the GPU the reusing plans place it in their
+    # arena (caffeplus.memory.workspace.PlacedWorkspace), beside the buffers.
+    manager = _apply_workspace(net, plan, workspace_limit)
     options = {'keep': tuple(keep), 'training': training, 'make_plan': make,
-               'lookahead': lookahead, 'runtime': dict(runtime_options or {})}
+               'lookahead': lookahead, 'runtime': dict(runtime_options or {}),
+               'workspace': manager}
     applied = AppliedPlan(net, plan, options)
     net.applied_plan = applied
     info = applied.info()
-    # After the arena: a workspace sized from free memory sees it.
-    info['workspace_manager'] = _apply_workspace(net, plan, workspace_limit)
+    info['workspace_manager'] = manager
     return info
 
 

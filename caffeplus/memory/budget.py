@@ -104,6 +104,13 @@ def iteration_seconds(net, choice=None, solver_type='SGD', stall=0.0):
 
 
 # -- estimated plans --------------------------------------------------------------
+def workspace_sizes(choice):
+    """{layer index: (forward bytes, backward bytes)} of modelled algorithm
+    choices, for make_plan's placed workspace (the model gives one size per
+    layer for all three kinds)."""
+    return {i: (c.bytes, c.bytes) for i, c in choice.items()}
+
+
 def _finish(plan, net, name, workspace, other, seconds, choice):
     plan.breakdown['workspace'] = int(workspace)
     plan.breakdown['other'] = int(other)
@@ -122,8 +129,6 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
     check_plan_name(name)
     if name == 'auto':
         return plan_for_budget(net, budget, solver_type, keep, training)
-    plan = make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
-                     offload_policy=offload_policy)
     convs = wm.conv_layers(net)
     if name == 'stock':
         choice = {i: wm.stock_candidate(l) for i, l in convs}
@@ -131,6 +136,11 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
     else:
         choice = {i: wm.fastest(l) for i, l in convs}
         workspace = wm.arena_workspace(net)
+    placed = workspace_sizes(choice) if name in ('shared', 'offload') else None
+    plan = make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
+                     offload_policy=offload_policy, workspace=placed)
+    if placed is not None:
+        workspace = plan.breakdown['workspace']     # its share of the arena at the peak
     stall = 0.0
     if name == 'offload' and plan.offloaded:
         bufs = liveness.buffers(net, keep=keep, training=training)
@@ -168,9 +178,20 @@ def _arena_bytes(net, bufs, offloaded):
     return placement.place(shortened)[1]
 
 
+def _workspace_by_step(net, choice, steps, training):
+    """Workspace bytes at each step for the algorithm `choice`."""
+    ws = [0] * (steps + 1)
+    for b in liveness.workspace_buffers(net, workspace_sizes(choice), training):
+        ws[b.start] = max(ws[b.start], b.nbytes)
+    return ws
+
+
 def search(net, solver_type='SGD', keep=(), training=True):
-    """Every (cap, offload set) option the search weighs, as Option tuples."""
+    """Every (cap, offload set) option the search weighs, as Option tuples.
+    `peak` is a lower bound here (the most bytes live at one step, workspace
+    placed at its layer's step); plan_for_budget places the ones it picks."""
     bufs = liveness.buffers(net, keep=keep, training=training)
+    steps = 2 * len(net.layers) if training else len(net.layers)
     params = sum(p.count for p in net.learnable_params) * liveness.FLOAT_BYTES
     fixed = params * (1 + (1 + HISTORY_COPIES.get(solver_type, 1) if training else 0)) + \
         wm.other_bytes(net, 'auto')
@@ -181,20 +202,40 @@ def search(net, solver_type='SGD', keep=(), training=True):
         workspace = max([c.bytes for c in choice.values()] + [0])
         if workspace != cap:
             continue            # the same algorithms as a smaller cap
-        steps = wm.step_seconds(net, choice)
-        timing[cap] = (steps, iteration_seconds(net, choice, solver_type))
+        steps_s = wm.step_seconds(net, choice)
+        timing[cap] = (steps_s, iteration_seconds(net, choice, solver_type),
+                       _workspace_by_step(net, choice, steps, training))
     fastest_steps = timing[max(timing)][0]
     windows = offload_windows(net, bufs, offload.choose(
         net, bufs, 'all', set(keep) | liveness.written_once(net))) if training else {}
     sets = _offload_sets(net, bufs, keep, fastest_steps, windows) if training else [()]
     options = []
     for offloaded in sets:
-        arena = _arena_bytes(net, bufs, offloaded)
-        for cap, (steps, seconds) in timing.items():
-            stall = offload_stall_seconds(net, bufs, offloaded, steps, windows) \
+        shortened = offload.shorten(bufs, offloaded, net) if offloaded else bufs
+        live = liveness.live_bytes_by_step(shortened, steps)
+        for cap, (steps_s, seconds, ws) in timing.items():
+            stall = offload_stall_seconds(net, bufs, offloaded, steps_s, windows) \
                 if offloaded else 0.0
-            options.append(Option(fixed + arena + cap, seconds + stall, cap, offloaded, arena))
+            busiest = max(a + w for a, w in zip(live, ws))
+            options.append(Option(fixed + busiest, seconds + stall, cap, offloaded, busiest))
     return options
+
+
+def _auto_plan(net, option, solver_type, keep, training):
+    names = sorted({n for key in option.offloaded for n in key[1]})
+    convs = wm.conv_layers(net)
+    choice = {i: wm.fastest(l, option.cap) for i, l in convs}
+    plan = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
+                     offload_policy=names, workspace=workspace_sizes(choice))
+    plan.name = 'auto'
+    plan = _finish(plan, net, 'auto', plan.breakdown['workspace'],
+                   wm.other_bytes(net, 'auto'), option.seconds, choice)
+    plan.workspace_cap = option.cap
+    return plan
+
+
+# Placed plans tried before giving up on a budget (each is a best-fit placement).
+PLACEMENT_TRIES = 12
 
 
 def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True):
@@ -203,26 +244,22 @@ def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True):
     nothing fits."""
     options = search(net, solver_type, keep, training)
     fits = [o for o in options if budget is None or o.peak <= budget]
-    if not fits:
-        least = min(options, key=lambda o: (o.peak, o.seconds))
-        raise CaffeplusError(
-            'no plan for net %s fits a budget of %s (%d bytes): the smallest peak any plan '
-            'reaches is %s (%d bytes: shared, %d feature maps offloaded, no convolution '
-            'workspace); the smallest budget that fits is %s'
-            % (net.name, format_bytes(budget), budget, format_bytes(least.peak), least.peak,
-               len(least.offloaded), _budget_string(least.peak)))
-    best = min(fits, key=lambda o: (round(o.seconds, 9), o.peak))
-    names = sorted({n for key in best.offloaded for n in key[1]})
-    plan = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
-                     offload_policy=names)
-    plan.name = 'auto'
-    convs = wm.conv_layers(net)
-    choice = {i: wm.fastest(l, best.cap) for i, l in convs}
-    plan = _finish(plan, net, 'auto', best.cap, wm.other_bytes(net, 'auto'), best.seconds,
-                   choice)
-    plan.budget = budget
-    plan.workspace_cap = best.cap
-    return plan
+    fits.sort(key=lambda o: (round(o.seconds, 9), o.peak))
+    for option in fits[:PLACEMENT_TRIES]:
+        plan = _auto_plan(net, option, solver_type, keep, training)
+        if budget is None or plan.peak_bytes <= budget:
+            plan.budget = budget
+            return plan
+    # Nothing fits once placed: the least peak any option reaches.
+    least = min(sorted(options, key=lambda o: (o.peak, o.seconds))[:PLACEMENT_TRIES],
+                key=lambda o: _auto_plan(net, o, solver_type, keep, training).peak_bytes)
+    peak = _auto_plan(net, least, solver_type, keep, training).peak_bytes
+    raise CaffeplusError(
+        'no plan for net %s fits a budget of %s (%d bytes): the smallest peak any plan '
+        'reaches is %s (%d bytes: shared, %d feature maps offloaded, convolution workspace '
+        'within %s a call); the smallest budget that fits is %s'
+        % (net.name, format_bytes(budget), budget, format_bytes(peak), peak,
+           len(least.offloaded), format_bytes(least.cap), _budget_string(peak)))
 
 
 def _budget_string(n):

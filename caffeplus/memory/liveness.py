@@ -118,6 +118,26 @@ def buffers(net, keep=(), training=True):
     return out
 
 
+def workspace_buffers(net, sizes, training=True):
+    """Buffers for the convolution workspace: a layer's forward call needs
+    its workspace at its forward step only, its backward calls at its
+    backward step only, so the planner can put workspace where activations
+    are dead (the forward of the first layers, the end of backward) instead
+    of beside the peak. `sizes`: {layer index: (forward bytes, backward bytes)}."""
+    L = len(net.layers)
+    out = []
+    for i, (fwd_bytes, bwd_bytes) in sorted(sizes.items()):
+        name = net._layer_names[i]
+        if fwd_bytes:
+            out.append(Buffer(('workspace', name, 'forward'), 'workspace', (), int(fwd_bytes),
+                              i, i))
+        if bwd_bytes and training and net.layer_need_backward[i]:
+            t = 2 * L - 1 - i
+            out.append(Buffer(('workspace', name, 'backward'), 'workspace', (), int(bwd_bytes),
+                              t, t))
+    return out
+
+
 def live_bytes_by_step(bufs, steps):
     """Bytes live at each step (a buffer counts at start..end inclusive)."""
     live = [0] * (steps + 1)

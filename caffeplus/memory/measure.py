@@ -199,6 +199,8 @@ def apply_static(net, plan, xp=None):
     arena = cupy.zeros(max(plan.arena_bytes // FLOAT_BYTES + 1, 1), dtype='float32')
     blobs = _raw_blobs(net)
     for buf in plan.buffers:
+        if not buf.blobs:
+            continue        # workspace: the layers' own arena here
         blob = blobs[buf.blobs[0]]
         storage = blob.data_storage if buf.kind == 'data' else blob.diff_storage
         if id(storage) in params:
@@ -284,11 +286,17 @@ def measured_breakdown(net, solver, info, plan, peak_bytes):
                 continue
             seen.add(key)
             if key == arena_key:
-                # One arena for data and diff buffers: split as the plan does.
-                act, diff = plan.breakdown['activations'], plan.breakdown['activation_diffs']
-                share = act / float(act + diff) if act + diff else 1.0
-                out['activations'] += int(size * share)
-                out['activation_diffs'] += size - int(size * share)
+                # One arena for data, diff (and placed workspace) buffers:
+                # split by their shares at the applied plan's busiest step.
+                shares = info.get('arena_shares')
+                if shares is None:
+                    act, diff = plan.breakdown['activations'], plan.breakdown['activation_diffs']
+                    shares = {'data': act / float(act + diff) if act + diff else 1.0}
+                act = int(size * shares.get('data', 0))
+                ws = int(size * shares.get('workspace', 0))
+                out['activations'] += act
+                out['workspace'] += ws
+                out['activation_diffs'] += size - act - ws
             else:
                 out[category] += size
 
@@ -302,8 +310,13 @@ def measured_breakdown(net, solver, info, plan, peak_bytes):
     blobs = list(net._blobs)
     add('activations', [b.data_storage.array for b in blobs])
     add('activation_diffs', [b.diff_storage.array for b in blobs])
-    out['workspace'] = int(info['workspace_bytes']) if 'workspace_bytes' in info \
-        else workspace_bytes(net)
+    if 'arena_shares' not in info:
+        out['workspace'] = int(info['workspace_bytes']) if 'workspace_bytes' in info \
+            else workspace_bytes(net)
+    else:
+        ws = getattr(net, 'workspace', None)
+        own = getattr(ws, '_buffer', None)     # calls the layout missed: a buffer of their own
+        out['workspace'] += own.nbytes if own is not None else 0
     out['other'] = max(0, int(peak_bytes) - sum(v for k, v in out.items() if k != 'other'))
     return out
 

@@ -75,8 +75,12 @@ def _arena_workspace(net):
 
 
 def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_policy='conv',
-              other_bytes=0):
-    """Compute plan `name` for a built net."""
+              other_bytes=0, workspace=None):
+    """Compute plan `name` for a built net. `workspace`: {layer index:
+    (forward bytes, backward bytes)} of the convolutions' workspace; the
+    reusing plans then place it in the arena beside the activations, live
+    at its layer's step only (None: one separate workspace buffer of the
+    largest layer's need, as the `arena` plan)."""
     check_plan_name(name)
     if name == 'auto':
         raise CaffeplusError("plan 'auto' needs a budget: use caffeplus.memory.budget.plan_for_budget")
@@ -102,13 +106,30 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
         from caffeplus.memory import offload
         offloaded = offload.choose(net, bufs, offload_policy, keep)
         bufs = offload.shorten(bufs, offloaded, net)
+    if workspace is not None:
+        bufs = bufs + liveness.workspace_buffers(net, workspace, training)
     offsets, arena = placement.place(bufs)
-    # Split the arena's bytes between data and diff by their share of the peak.
+    shares = shares_at_peak(bufs, steps)
+    breakdown['activations'] = int(arena * shares['data'])
+    if workspace is not None:
+        breakdown['workspace'] = int(arena * shares['workspace'])
+    else:
+        breakdown['workspace'] = _arena_workspace(net)
+    breakdown['activation_diffs'] = arena - breakdown['activations'] - \
+        (breakdown['workspace'] if workspace is not None else 0)
+    return MemoryPlan(name, breakdown, bufs, offsets, arena, offloaded, steps=steps)
+
+
+def shares_at_peak(bufs, steps):
+    """{kind: share of the bytes live at the busiest step} (data, diff, workspace):
+    how a reusing plan's one arena splits between the breakdown's categories."""
     live = liveness.live_bytes_by_step(bufs, steps)
     peak_step = max(range(len(live)), key=live.__getitem__) if live else 0
-    data_at_peak = sum(b.nbytes for b in bufs if b.kind == 'data' and b.start <= peak_step <= b.end)
-    total_at_peak = max(live[peak_step] if live else 0, 1)
-    breakdown['activations'] = int(arena * data_at_peak / total_at_peak)
-    breakdown['activation_diffs'] = arena - breakdown['activations']
-    breakdown['workspace'] = _arena_workspace(net)
-    return MemoryPlan(name, breakdown, bufs, offsets, arena, offloaded, steps=steps)
+    total = max(live[peak_step] if live else 0, 1)
+    out = dict.fromkeys(('data', 'diff', 'workspace'), 0.0)
+    for b in bufs:
+        if b.start <= peak_step <= b.end:
+            out[b.kind] = out.get(b.kind, 0.0) + b.nbytes / float(total)
+    if not live or not live[peak_step]:
+        out['data'] = 1.0
+    return out

@@ -321,6 +321,107 @@ class WorkspaceArena:
         self._dirty = True
 
 
+class PlacedWorkspace(WorkspaceArena):
+    """The workspace of the reusing plans (shared, offload, auto): the
+    algorithms are chosen as the arena chooses them, but each layer's
+    forward call and backward calls get a view of the plan's own arena,
+    live at that layer's step only (caffeplus.memory.liveness
+    .workspace_buffers), so workspace takes bytes that activations leave
+    dead then instead of a buffer of its own beside the peak. The applied
+    plan (caffeplus.memory.apply) places the views and tells this manager
+    which pass runs; a call the layout does not cover (a reshape chose
+    bigger algorithms mid-pass) gets a private buffer until the plan is
+    placed again before the next pass."""
+    plan_name = 'shared'
+
+    def __init__(self, limit=0, net=None, name='placed workspace'):
+        super().__init__(limit, net, name)
+        self.views = {}             # (id(layer), 'forward' | 'backward') -> (ptr, bytes)
+        self.pass_kind = 'forward'
+        self.layout_stale = True    # the choices changed since the views were placed
+
+    def plan(self):
+        from caffeplus.backend import mathmode
+        budget = self.limit if self.limit > 0 else self.spare_bytes()
+        pairs = self.sites()
+        if search_mode() == 'timed' or any(getattr(l, '_auto_timed', False) for l, _ in pairs):
+            previous = set_search('timed')
+            try:
+                self._time_sites(pairs, budget)
+            finally:
+                set_search(previous)
+            self._buffer.resize(0, self, self.plan_name)
+            _cupy().get_default_memory_pool().free_all_blocks()   # timing's scratch
+        names = ['layer %s %s' % (layer.layer_param.name, s.kind) for layer, s in pairs]
+        size = plan_sites([s for _, s in pairs], budget, mathmode.deterministic(), names)
+        self.budget = budget
+        self._dirty = False
+        self.layout_stale = True
+        self.replans += 1
+        log.info('Workspace placed in the memory plan: %d call sites, budget %d bytes, '
+                 'largest call %d bytes', len(pairs), budget, size)
+        return size
+
+    def sizes(self, net):
+        """{layer index: (forward bytes, backward bytes)} of the chosen algorithms."""
+        self.ensure_planned()
+        index = {id(layer): i for i, layer in enumerate(net.layers)}
+        out = {}
+        for layer, s in self.sites():
+            i = index.get(id(layer))
+            if i is None or s.choice is None:
+                continue
+            fwd, bwd = out.get(i, (0, 0))
+            if s.kind in forward_kinds(layer):
+                fwd = max(fwd, s.choice.memory)
+            else:
+                bwd = max(bwd, s.choice.memory)
+            out[i] = (fwd, bwd)
+        return out
+
+    def set_views(self, views):
+        self.views = dict(views)
+        self.layout_stale = False
+
+    def workspace_bytes(self):
+        return max([n for _, n in self.views.values()] + [self._buffer.nbytes])
+
+    def _need(self, layer, kind):
+        sites = self._layers.get(id(layer), (None, ()))[1]
+        return max([s.choice.memory for s in sites if s.kind == kind and s.choice is not None]
+                   + [0])
+
+    @contextlib.contextmanager
+    def checkout(self, layer=None, kind=None):
+        self.ensure_planned()
+        if self._busy is not None:
+            raise CaffeplusError('workspace checked out twice (by %s, then %s %s)'
+                                 % (self._busy, layer, kind))
+        need = self._need(layer, kind)
+        view = self.views.get((id(layer), self.pass_kind))
+        if view is None or view[1] < need:
+            # Not in the layout (yet): a buffer of its own for this call.
+            if self._buffer.nbytes < need:
+                self._buffer.resize(need, layer, self.plan_name)
+            view = (self._buffer.ptr, self._buffer.nbytes)
+        self._busy = (layer, kind)
+        try:
+            yield view
+        finally:
+            self._busy = None
+
+    def release(self):
+        super().release()
+        self.views = {}
+        self.layout_stale = True
+
+
+def forward_kinds(layer):
+    """The call sites a layer's forward uses (a Deconvolution's forward is
+    the convolution's backward-data); the others run in its backward."""
+    return ('bwd_data',) if getattr(layer, 'reverse', False) else ('fwd',)
+
+
 class StockWorkspace:
     """Caffe 1.0: a layer's own workspace, grown to max(ws) * group * 3."""
     plan_name = 'stock'
@@ -439,7 +540,8 @@ def apply_workspace_plan(net, plan_name='arena', limit=0):
         for layer in net.layers:
             layer.memory_plan = 'stock'
         return None
-    arena = WorkspaceArena(limit=limit, net=net, name='arena of net %s' % net.name)
+    cls = WorkspaceArena if plan_name == 'arena' else PlacedWorkspace
+    arena = cls(limit=limit, net=net, name='%s workspace of net %s' % (plan_name, net.name))
     for layer in layers:
         layer.set_workspace_manager(arena, plan_name)
     net.workspace = arena

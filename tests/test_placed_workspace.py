@@ -1,0 +1,281 @@
+"""The convolution workspace placed in a reusing plan's arena
+(caffeplus.memory.workspace.PlacedWorkspace, liveness.workspace_buffers):
+each layer's forward and backward call gets bytes live at its own step only.
+
+CPU tests drive the planner and the applied plan with a stand-in manager
+(the layout is checked against every buffer live at the same step, and
+training stays bit-identical); the `gpu` tests run real cuDNN convolutions
+out of the placed views and compare with the `arena` plan.
+"""
+import numpy
+import pytest
+
+import caffeplus
+from caffeplus import log
+from caffeplus.io.prototxt import parse_text
+from caffeplus.memory import liveness, placement
+from caffeplus.memory.apply import apply_plan
+from caffeplus.memory.plan import make_plan
+from caffeplus.memory.workspace import PlacedWorkspace, Site, forward_kinds
+from caffeplus.proto import caffe_pb2
+
+NET = '''
+name: "convs"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+        dummy_data_param { data_filler { type: "gaussian" std: 1 }
+                           shape { dim: 4 dim: 3 dim: 16 dim: 16 }
+                           data_filler { type: "uniform" min: 0 max: 4.99 } shape { dim: 4 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 8 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2"
+        convolution_param { num_output: 8 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
+layer { name: "pool" type: "Pooling" bottom: "conv2" top: "pool"
+        pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "conv3" type: "Convolution" bottom: "pool" top: "conv3"
+        convolution_param { num_output: 6 kernel_size: 3 weight_filler { type: "xavier" } } }
+layer { name: "ip" type: "InnerProduct" bottom: "conv3" top: "ip"
+        inner_product_param { num_output: 5 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+'''
+KB = 1024
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    level = log.logger.level
+    log.logger.setLevel(30)
+    yield
+    log.logger.setLevel(level)
+
+
+def build(memory=None, seed=5):
+    caffeplus.set_random_seed(seed)
+    return caffeplus.Net(parse_text(NET, caffe_pb2.NetParameter()), caffeplus.TRAIN,
+                         memory=memory)
+
+
+def conv_indices(net):
+    return [i for i, l in enumerate(net.layers) if l.layer_param.type == 'Convolution']
+
+
+def check_layout(bufs, offsets):
+    placement.validate(bufs, offsets)       # no two buffers live at once share bytes
+
+
+# -- the planner ----------------------------------------------------------------------
+def test_workspace_buffers_live_at_their_layer_step_only():
+    net = build()
+    L = len(net.layers)
+    sizes = {i: (10 * KB * (i + 1), 20 * KB) for i in conv_indices(net)}
+    bufs = liveness.workspace_buffers(net, sizes, training=True)
+    for b in bufs:
+        _, name, pass_kind = b.key
+        i = net._layer_names.index(name)
+        step = i if pass_kind == 'forward' else 2 * L - 1 - i
+        assert (b.start, b.end, b.kind) == (step, step, 'workspace')
+        assert b.nbytes == sizes[i][0 if pass_kind == 'forward' else 1]
+    assert len(bufs) == 2 * len(sizes)
+    # Forward only (a TEST net): no backward workspace.
+    assert all(b.key[2] == 'forward'
+               for b in liveness.workspace_buffers(net, sizes, training=False))
+
+
+def test_placed_workspace_costs_at_most_a_separate_buffer():
+    net = build()
+    base = make_plan(net, 'shared')
+    big = 64 * KB
+    sizes = {i: (big, big) for i in conv_indices(net)}
+    plan = make_plan(net, 'shared', workspace=sizes)
+    check_layout(plan.buffers, plan.offsets)
+    # Never worse than the old layout (activations arena + one workspace buffer)...
+    assert base.arena_bytes <= plan.arena_bytes <= base.arena_bytes + big + 512
+    # ...and the breakdown adds up to the arena.
+    b = plan.breakdown
+    assert b['activations'] + b['activation_diffs'] + b['workspace'] == plan.arena_bytes
+    # Workspace of the first convolution's forward, when little else is live,
+    # costs nothing extra when it fits the bytes dead then.
+    first = conv_indices(net)[0]
+    small = {first: (512, 0)}
+    assert make_plan(net, 'shared', workspace=small).arena_bytes == base.arena_bytes
+
+
+def test_estimate_places_modelled_workspace_for_reusing_plans():
+    from caffeplus.memory import budget
+    net = build()
+    shared = budget.estimate_plan(net, 'shared')
+    placed = [b for b in shared.buffers if b.kind == 'workspace']
+    # 3x3 stride-1 convolutions: the model's fastest candidate needs workspace.
+    assert {b.key[1] for b in placed} == {'conv1', 'conv2', 'conv3'}
+    # Its share of the arena at the busiest step (the arena has alignment gaps).
+    assert 0 <= shared.breakdown["workspace"] <= 1.25 * max(b.nbytes for b in placed)
+    stock = budget.estimate_plan(net, 'stock')
+    assert 'workspace' not in {b.kind for b in stock.buffers}
+
+
+# -- the manager (no GPU: a limit, views given) -------------------------------------------
+class Cand:
+    def __init__(self, algo, memory, deterministic=True):
+        self.algo, self.memory, self.deterministic = algo, memory, deterministic
+        self.name = 'A%d' % algo
+
+
+class FakeConv:
+    def __init__(self, name, reverse=False):
+        self.reverse = reverse
+        self.layer_param = caffe_pb2.LayerParameter(name=name, type='Convolution')
+
+
+class FakeNet:
+    def __init__(self, layers):
+        self.layers = layers
+
+
+def test_placed_workspace_sizes_and_checkout():
+    conv, deconv = FakeConv('c'), FakeConv('d', reverse=True)
+    net = FakeNet([object(), conv, deconv])
+    ws = PlacedWorkspace(limit=10 ** 9)
+    ws.register(conv, [Site('fwd', [Cand(1, 300)]), Site('bwd_data', [Cand(2, 700)]),
+                       Site('bwd_filter', [Cand(3, 500)])])
+    ws.register(deconv, [Site('fwd', [Cand(4, 100)]), Site('bwd_data', [Cand(5, 900)]),
+                         Site('bwd_filter', [Cand(6, 50)])])
+    assert forward_kinds(conv) == ('fwd',) and forward_kinds(deconv) == ('bwd_data',)
+    # A Deconvolution's forward is the convolution's backward-data.
+    assert ws.sizes(net) == {1: (300, 700), 2: (900, 100)}
+    assert ws.layout_stale
+    ws.set_views({(id(conv), 'forward'): (4096, 300), (id(conv), 'backward'): (8192, 700)})
+    assert not ws.layout_stale
+    ws.pass_kind = 'forward'
+    with ws.checkout(conv, 'fwd') as (ptr, nbytes):
+        assert (ptr, nbytes) == (4096, 300)
+    ws.pass_kind = 'backward'
+    for kind in ('bwd_data', 'bwd_filter'):
+        with ws.checkout(conv, kind) as (ptr, nbytes):
+            assert (ptr, nbytes) == (8192, 700)
+    # A reshape re-registers: re-planned on the next checkout, the layout stale again.
+    ws.register(conv, [Site('fwd', [Cand(1, 200)]), Site('bwd_data', [Cand(2, 100)]),
+                       Site('bwd_filter', [Cand(3, 100)])])
+    ws.ensure_planned()
+    assert ws.layout_stale and ws.sizes(net)[1] == (200, 100)
+
+
+# -- the applied plan (CPU, a stand-in manager) ---------------------------------------------
+class StandIn:
+    """What AppliedPlan needs of a PlacedWorkspace, with fixed sizes."""
+
+    def __init__(self, sizes):
+        self._sizes = dict(sizes)
+        self.views = {}
+        self.layout_stale = True
+        self.pass_kind = None
+        self.passes = []
+        self.planned = 0
+
+    def sizes(self, net):
+        return dict(self._sizes)
+
+    def ensure_planned(self):
+        self.planned += 1
+
+    def set_views(self, views):
+        self.views = dict(views)
+        self.layout_stale = False
+
+
+def apply_with(net, name, sizes):
+    stand_in = StandIn(sizes)
+    plan = make_plan(net, name)
+    apply_plan(net, plan, training=True)
+    applied = net.applied_plan
+    applied.options['workspace'] = stand_in
+    applied.relayout()
+    return applied, stand_in
+
+
+def train(net, iters=3):
+    losses = []
+    for _ in range(iters):
+        net.clear_param_diffs()
+        losses.append(float(net.forward_prefilled()))
+        net.backward_all()
+        for p in net.learnable_params:
+            p.data[...] -= numpy.float32(0.05) * p.diff
+    return losses, [p.data.copy() for p in net.learnable_params]
+
+
+@pytest.mark.parametrize('name', ['shared', 'offload'])
+def test_applied_plan_places_views_apart_from_live_buffers(name):
+    net = build('stock')
+    sizes = {i: (32 * KB, 48 * KB) for i in conv_indices(net)}
+    applied, stand_in = apply_with(net, name, sizes)
+    L = len(net.layers)
+    assert set(stand_in.views) == {(id(net.layers[i]), k) for i in sizes
+                                   for k in ('forward', 'backward')}
+    # Every view lies in the arena, apart from every buffer live at its step.
+    arena_end = applied.arena_bytes
+    for (layer_id, pass_kind), (offset, nbytes) in stand_in.views.items():
+        i = [id(l) for l in net.layers].index(layer_id)
+        step = i if pass_kind == 'forward' else 2 * L - 1 - i
+        assert nbytes == sizes[i][0 if pass_kind == 'forward' else 1]
+        assert 0 <= offset and offset + nbytes <= arena_end
+        for e in applied.entries:
+            for life in e.lives:
+                if life.start <= step <= life.end:
+                    lo = life.offset
+                    hi = lo + life.buf.nbytes
+                    assert hi <= offset or offset + nbytes <= lo, (e.name, pass_kind, i)
+    assert applied.workspace_bytes == sum(sizes[i][0] + sizes[i][1] for i in sizes)
+    shares = applied.info()['arena_shares']
+    assert abs(sum(shares.values()) - 1.0) < 1e-9
+
+
+def test_passes_name_their_kind_and_training_is_unchanged():
+    ref = train(build('stock'))
+    net = build('stock')
+    sizes = {i: (16 * KB, 16 * KB) for i in conv_indices(net)}
+    applied, stand_in = apply_with(net, 'shared', sizes)
+    seen = []
+    net.before_layer_forward.append(lambda i: seen.append(stand_in.pass_kind))
+    net.before_layer_backward.append(lambda i: seen.append(stand_in.pass_kind))
+    got = train(net)
+    assert 'forward' in seen and 'backward' in seen
+    assert seen.index('backward') > seen.index('forward')
+    assert got[0] == ref[0]
+    for a, b in zip(got[1], ref[1]):
+        assert numpy.array_equal(a, b)
+
+
+def test_stale_layout_is_placed_again_before_the_next_pass():
+    net = build('stock')
+    conv = conv_indices(net)[0]
+    applied, stand_in = apply_with(net, 'shared', {conv: (KB, KB)})
+    before = applied.replans
+    stand_in._sizes = {conv: (4 * KB, 8 * KB)}
+    stand_in.layout_stale = True
+    net.forward_prefilled()
+    assert applied.replans == before + 1 and not stand_in.layout_stale
+    assert stand_in.views[(id(net.layers[conv]), 'backward')][1] == 8 * KB
+
+
+# -- on the GPU -----------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_shared_plan_runs_convolutions_in_placed_views():
+    from caffeplus.backend import mathmode
+    mathmode.set_math_mode('deterministic')
+    try:
+        caffeplus.set_mode_gpu()
+        ref_net = build('arena')
+        ref = train(ref_net)
+        net = build('shared')
+        ws = net.workspace
+        assert isinstance(ws, PlacedWorkspace)
+        got = train(net)
+        assert ws.views, 'no placed views'
+        assert ws._buffer.nbytes == 0, 'a call fell back to a private buffer'
+        assert numpy.allclose(got[0], ref[0], rtol=0, atol=0)
+        for a, b in zip(got[1], ref[1]):
+            assert numpy.array_equal(numpy.asarray(a), numpy.asarray(b))
+    finally:
+        mathmode.set_math_mode('strict')
+        caffeplus.set_mode_cpu()
