@@ -279,3 +279,24 @@ def test_gpu_shared_plan_runs_convolutions_in_placed_views():
     finally:
         mathmode.set_math_mode('strict')
         caffeplus.set_mode_cpu()
+
+
+def test_within_headroom_trades_a_little_time_for_the_peak():
+    from caffeplus.memory.workspace import within_headroom
+
+    class Timed(Cand):
+        def __init__(self, algo, memory, time, deterministic=True):
+            super().__init__(algo, memory, deterministic)
+            self.time = time
+
+    fast, near, slow = Timed(1, 900, 1.00), Timed(2, 100, 1.08), Timed(3, 0, 1.50)
+    cands = [fast, near, slow]
+    assert within_headroom(cands, fast, 1000) is fast          # fits: the fastest
+    assert within_headroom(cands, fast, 500) is near           # 8% slower, fits the room
+    assert within_headroom(cands, fast, 50) is fast            # only a 50% slower one fits
+    assert within_headroom(cands, fast, 50, slowdown=0.6) is slow
+    assert within_headroom([Timed(1, 900, 1.0), Timed(2, 10, 1.01, deterministic=False)],
+                           cands[0], 100, deterministic=True) is cands[0]
+    # Heuristic candidates carry no times: keep the fastest.
+    untimed = [Timed(1, 900, -1), Timed(2, 0, -1)]
+    assert within_headroom(untimed, untimed[0], 10) is untimed[0]

@@ -242,7 +242,7 @@ class AppliedPlan:
         placed = [life for e in entries if not e.persistent for life in e.lives]
         bufs = [liveness.Buffer(('life', i), 'x', (), life.buf.nbytes, life.start, life.end)
                 for i, life in enumerate(placed)]
-        ws_bufs = self._workspace_buffers()
+        ws_bufs = self._workspace_buffers(bufs)
         offsets, arena_bytes = placement.place(bufs + ws_bufs)
         self.arena_bytes = arena_bytes
         self.arena = xp.zeros(max(arena_bytes // FLOAT_BYTES, 1), dtype=numpy.float32)
@@ -279,11 +279,26 @@ class AppliedPlan:
         ws = self.options.get('workspace')
         return ws if ws is not None and hasattr(ws, 'set_views') else None
 
-    def _workspace_buffers(self):
+    def _workspace_buffers(self, bufs):
+        """The workspace views' buffers; first the manager learns, for each
+        layer's forward and backward step, how many bytes the other buffers
+        leave free below their peak, so that where a nearly-as-fast
+        algorithm fits there it need not raise the peak."""
         ws = self.workspace
         if ws is None:
             return []
-        return liveness.workspace_buffers(self.net, ws.sizes(self.net), self.training)
+        net = self.net
+        live = liveness.live_bytes_by_step(bufs, self.steps)
+        peak = max(live) if live else 0
+        room = {}
+        for i, layer in enumerate(net.layers):
+            room[(id(layer), 'forward')] = peak - live[i]
+            if self.training:
+                room[(id(layer), 'backward')] = peak - live[2 * self.L - 1 - i]
+        if room != getattr(ws, 'headroom', None):
+            ws.headroom = room
+            ws._dirty = True            # choose again with the new room
+        return liveness.workspace_buffers(net, ws.sizes(net), self.training)
 
     def _place_workspace(self, ws_bufs, offsets):
         ws = self.workspace

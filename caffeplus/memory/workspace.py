@@ -337,6 +337,9 @@ class PlacedWorkspace(WorkspaceArena):
     def __init__(self, limit=0, net=None, name='placed workspace'):
         super().__init__(limit, net, name)
         self.views = {}             # (id(layer), 'forward' | 'backward') -> (ptr, bytes)
+        # (id(layer), pass) -> bytes the plan's buffers leave free at that
+        # step below their peak (set by the applied plan before it plans).
+        self.headroom = {}
         self.pass_kind = 'forward'
         self.layout_stale = True    # the choices changed since the views were placed
 
@@ -354,6 +357,12 @@ class PlacedWorkspace(WorkspaceArena):
             _cupy().get_default_memory_pool().free_all_blocks()   # timing's scratch
         names = ['layer %s %s' % (layer.layer_param.name, s.kind) for layer, s in pairs]
         size = plan_sites([s for _, s in pairs], budget, mathmode.deterministic(), names)
+        for layer, s in pairs:
+            room = self.headroom.get((id(layer), 'forward' if s.kind in forward_kinds(layer)
+                                      else 'backward'))
+            if room is not None:
+                s.choice = within_headroom(s.candidates, s.choice, room,
+                                           mathmode.deterministic())
         self.budget = budget
         self._dirty = False
         self.layout_stale = True
@@ -414,6 +423,26 @@ class PlacedWorkspace(WorkspaceArena):
         super().release()
         self.views = {}
         self.layout_stale = True
+
+
+# A timed algorithm this much slower than the fastest still counts as fast
+# when it fits where the fastest would raise the plan's peak.
+HEADROOM_SLOWDOWN = 0.10
+
+
+def within_headroom(candidates, best, room, deterministic=False, slowdown=HEADROOM_SLOWDOWN):
+    """`best` (the fastest within the budget), unless its workspace exceeds
+    `room` (what the plan's buffers leave free at the call's step, so more
+    would raise the peak) and a timed candidate at most `slowdown` slower
+    fits there: then the fastest such candidate. Untimed candidates
+    (heuristics: no times) keep `best`."""
+    if best is None or best.memory <= room or getattr(best, 'time', -1) is None or \
+            getattr(best, 'time', -1) <= 0:
+        return best
+    limit = best.time * (1 + slowdown)
+    fits = [c for c in candidates if c.memory <= room and 0 < getattr(c, 'time', -1) <= limit
+            and (c.deterministic or not deterministic)]
+    return min(fits, key=lambda c: c.time) if fits else best
 
 
 def forward_kinds(layer):
