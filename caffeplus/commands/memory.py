@@ -287,7 +287,11 @@ def check_keep_names(spec):
 
 
 def _measure_child(param_bytes, name, gpu, opts):
-    """In the child: rebuild the net, plan `name` as the parent did, measure."""
+    """In the child: rebuild the net, plan `name` as the parent did, measure.
+    Algorithms are chosen as `caffeplus train -gpu` chooses them (timed for
+    the net's own workspace) unless CAFFEPLUS_CUDNN_SEARCH says otherwise."""
+    import os
+    os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
     from caffeplus.memory import budget as budget_mod, shapes
     from caffeplus.memory.measure import measure_plan
     param = caffe_pb2.NetParameter()
