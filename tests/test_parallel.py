@@ -164,9 +164,12 @@ def run_cli(cwd, *argv):
         os.chdir(old)
 
 
-def sub_env(**extra):
+def sub_env(path=(), **extra):
+    """The environment for a subprocess: this one's, with `path` entries,
+    ROOT and then the PYTHONPATH we run with (the GPU machine carries wheels
+    such as lmdb on it, so it must be kept, not replaced)."""
     e = dict(os.environ)
-    e['PYTHONPATH'] = ROOT + os.pathsep + e.get('PYTHONPATH', '')
+    e['PYTHONPATH'] = os.pathsep.join([str(p) for p in path] + [ROOT, e.get('PYTHONPATH', '')])
     e.setdefault('OPENBLAS_NUM_THREADS', '1')
     e.setdefault('OMP_NUM_THREADS', '1')
     e.update(OMPI_ALLOW_RUN_AS_ROOT='1', OMPI_ALLOW_RUN_AS_ROOT_CONFIRM='1',
@@ -399,21 +402,36 @@ layer { name: "loss" type: "EuclideanLoss" bottom: "c" bottom: "t" top: "loss" }
 
 class _Loopback:
     """A world of two identical ranks: a started all-reduce captures the
-    buffer now and, when waited for, writes back twice that. A bucket
-    started before its gradients were final loses the later part."""
+    buffer now and, when waited for, writes back twice that times the scale.
+    A bucket started before its gradients were final loses the later part.
+    `started` holds the sizes of the started slices, `slices` their
+    [start, end) in the flat buffer `base` (when given)."""
     kind, rank, world = 'loopback', 0, 2
 
-    def __init__(self):
+    def __init__(self, base=None):
         self.started = []
+        self.slices = []
+        self.base = base
 
-    def iallreduce_(self, array):
+    def iallreduce_(self, array, scale=None):
         snap = array.copy()
         self.started.append(array.size)
+        if self.base is not None:
+            start = (_address(array) - _address(self.base)) // array.itemsize
+            self.slices.append((start, start + array.size))
 
         class Req:
             def wait(_):
                 array[...] = snap * 2
+                if scale is not None:
+                    array[...] *= scale
         return Req()
+
+
+def _address(array):
+    if type(array).__module__.startswith('cupy'):
+        return array.data.ptr
+    return array.__array_interface__['data'][0]
 
 
 def _gradients(net, inputs, iter_size):
@@ -427,23 +445,27 @@ def _gradients(net, inputs, iter_size):
     return [backend.to_numpy(p.diff).copy() for p in net.learnable_params]
 
 
-@pytest.mark.parametrize('iter_size,bucket_bytes', [(1, 4), (2, 4), (2, 64), (1, 1 << 20)])
-def test_gradient_sync_buckets_start_after_gradients_are_final(iter_size, bucket_bytes):
+def _shared_net():
     from caffeplus.net import Net
-    from caffeplus.parallel.sync import GradientSync
-    import caffeplus
     from google.protobuf import text_format
     p = caffe_pb2.NetParameter()
     text_format.Merge(SHARED_NET, p)
     p.state.phase = caffe_pb2.TRAIN
+    return Net(p)
+
+
+@pytest.mark.parametrize('iter_size,bucket_bytes', [(1, 4), (2, 4), (2, 64), (1, 1 << 20)])
+def test_gradient_sync_buckets_start_after_gradients_are_final(iter_size, bucket_bytes):
+    from caffeplus.parallel.sync import GradientSync
+    import caffeplus
     rs = numpy.random.RandomState(0)
     inputs = [{'x': rs.randn(6, 5), 'y': rs.randn(6, 5), 't': rs.randn(6, 3)}
               for _ in range(iter_size)]
     caffeplus.set_random_seed(3)
-    plain = Net(p)
+    plain = _shared_net()
     want = _gradients(plain, inputs, iter_size)
     caffeplus.set_random_seed(3)
-    net = Net(p)
+    net = _shared_net()
     if not hasattr(net, 'on_layer_backward_done'):
         pytest.skip('Net has no on_layer_backward_done hook')
     solver = types.SimpleNamespace(net=net, param=caffe_pb2.SolverParameter(iter_size=iter_size))
@@ -465,18 +487,16 @@ def test_gradient_sync_buckets_start_after_gradients_are_final(iter_size, bucket
     for g, w in zip(got, want):
         numpy.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
     assert sum(comm.started) == sync.total
+    # Every bucket of the plan starts in backward, at the layer that makes it final.
+    assert sync.overlapped_last_iter == len(sync.buckets) == len(started_in_backward)
+    assert [layer for _, layer in sync.launches] == [b.layer for b in sync.buckets]
     if bucket_bytes == 4:
         assert len(started_in_backward) >= 2      # overlapped: several buckets in backward
 
 
 def test_gradient_sync_without_layer_wise_reduce():
-    from caffeplus.net import Net
-    from caffeplus.parallel.sync import GradientSync
-    from google.protobuf import text_format
-    p = caffe_pb2.NetParameter()
-    text_format.Merge(SHARED_NET, p)
-    p.state.phase = caffe_pb2.TRAIN
-    net = Net(p)
+    from caffeplus.parallel.sync import AFTER_BACKWARD, GradientSync
+    net = _shared_net()
     solver = types.SimpleNamespace(
         net=net, param=caffe_pb2.SolverParameter(iter_size=1, layer_wise_reduce=False))
     comm = _Loopback()
@@ -487,6 +507,213 @@ def test_gradient_sync_without_layer_wise_reduce():
     assert comm.started == []
     sync.on_gradients_ready()
     assert comm.started == [sync.total]
+    assert sync.launches == [(0, AFTER_BACKWARD)] and sync.overlapped_last_iter == 0
+
+
+# -- the bucket plan ------------------------------------------------------------------------
+def _vgg16_params():
+    """(layer index, floats) of VGG-16's learnable parameters (weights, then
+    biases), with the layer indices of the bench net's order (data first)."""
+    convs = [(3, 64), (64, 64), (64, 128), (128, 128), (128, 256), (256, 256), (256, 256),
+             (256, 512), (512, 512), (512, 512), (512, 512), (512, 512), (512, 512)]
+    fcs = [(25088, 4096), (4096, 4096), (4096, 1000)]
+    params, layer = [], 0
+    for cin, cout in convs:
+        layer += 2                                  # conv, relu (and pools between)
+        params += [(layer, cin * cout * 9), (layer, cout)]
+    for cin, cout in fcs:
+        layer += 3
+        params += [(layer, cin * cout), (layer, cout)]
+    return params
+
+
+def _check_plan(buckets, sizes, ready, cap):
+    """The invariants of plan_buckets."""
+    seen, pos = [], 0
+    for k, b in enumerate(buckets):
+        assert b.index == k and b.start == pos and b.end > b.start
+        assert b.size == sum(sizes[i] for i in b.params)
+        assert b.layer == min(ready[i] for i in b.params)     # final there, not before
+        if k:
+            assert b.layer < buckets[k - 1].layer               # launched in backward order
+        seen += b.params
+        pos = b.end
+    assert sorted(seen) == list(range(len(sizes)))              # every parameter once
+    assert pos == sum(sizes)                                    # the whole buffer, no gaps
+    for k, b in enumerate(buckets[:-1]):
+        nxt = buckets[k + 1]
+        # A bucket below the cap closed only because the next layer's
+        # parameters were large (or it is the last).
+        if b.size < cap:
+            first = [i for i in nxt.params if ready[i] == ready[nxt.params[0]]]
+            assert sum(sizes[i] for i in first) >= cap
+        # A layer's parameters are never split over two buckets.
+        assert not set(ready[i] for i in b.params) & set(ready[i] for i in nxt.params)
+
+
+def test_plan_buckets_vgg16_large_fc_gradients_go_alone_and_early():
+    from caffeplus.parallel.sync import backward_order, plan_buckets
+    params = _vgg16_params()
+    sizes = [n for _, n in params]
+    ready = [layer for layer, _ in params]
+    assert abs(sum(sizes) * 4 / 2 ** 20 - 527.8) < 0.1        # 138.3 M floats
+    cap = 25 * 2 ** 20 // 4
+    order = backward_order(ready)
+    buckets = plan_buckets(order, sizes, ready, cap)
+    _check_plan(buckets, sizes, ready, cap)
+    fc8, fc7, fc6 = (ready[-2], ready[-4], ready[-6])
+    # fc8, fc7 and fc6 (411 MB) each alone, each started by its own layer.
+    assert [(b.layer, b.params) for b in buckets[:3]] == [
+        (fc8, [30, 31]), (fc7, [28, 29]), (fc6, [26, 27])]
+    assert buckets[2].size * 4 == 25088 * 4096 * 4 + 4096 * 4
+    # Then the convolutions, in buckets of about the cap; the last one closes
+    # at conv1_1, the lowest layer with parameters.
+    assert all(b.size >= cap for b in buckets[3:-1])
+    assert buckets[-1].layer == ready[0]
+    assert len(buckets) <= 8
+
+
+@pytest.mark.parametrize('seed', range(6))
+def test_plan_buckets_invariants(seed):
+    from caffeplus.parallel.sync import backward_order, plan_buckets
+    rs = numpy.random.RandomState(seed)
+    n = rs.randint(1, 40)
+    ready = sorted(rs.randint(0, 25, size=n).tolist())       # a few layers with several params
+    sizes = (rs.randint(1, 50, size=n) * (1 + 40 * (rs.rand(n) < 0.2))).tolist()
+    cap = int(rs.choice([1, 30, 100, 10 ** 6]))
+    order = backward_order(ready)
+    buckets = plan_buckets(order, sizes, ready, cap)
+    _check_plan(buckets, sizes, ready, cap)
+    # Laid out in backward order: the buffer offsets follow `order`.
+    assert [i for b in buckets for i in b.params] == order
+    one = plan_buckets(order, sizes, ready, cap, layer_wise=False)
+    assert len(one) == 1 and one[0].size == sum(sizes) and one[0].params == order
+
+
+MLP_NET = '''
+name: "mlp"
+layer { name: "x" type: "Input" top: "x" top: "t" input_param { shape { dim: 4 dim: 5 }
+        shape { dim: 4 dim: 3 } } }
+layer { name: "ip1" type: "InnerProduct" bottom: "x" top: "ip1"
+        inner_product_param { num_output: 64 weight_filler { type: "gaussian" std: 0.3 }
+                              bias_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "relu1" type: "ReLU" bottom: "ip1" top: "ip1" }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.3 }
+                              bias_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "ip3" type: "InnerProduct" bottom: "ip2" top: "ip3"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "ip3" bottom: "t" top: "loss" }
+'''
+
+
+def test_gradient_sync_reduces_every_gradient_once_as_soon_as_final():
+    """ip1 (384 floats) is large for a 100-float bucket: ip3 (12) goes first and
+    alone, ip2 next, ip1 last, each from the hook of its own layer, each
+    slice of the buffer once; the result is the mean over the two ranks."""
+    import caffeplus
+    from caffeplus.net import Net
+    from caffeplus.parallel.sync import GradientSync
+    from google.protobuf import text_format
+    p = caffe_pb2.NetParameter()
+    text_format.Merge(MLP_NET, p)
+    p.state.phase = caffe_pb2.TRAIN
+    caffeplus.set_random_seed(5)
+    net = Net(p)
+    rs = numpy.random.RandomState(1)
+    net.blobs['x'].data[...] = rs.randn(4, 5)
+    net.blobs['t'].data[...] = rs.randn(4, 3)
+    solver = types.SimpleNamespace(net=net, param=caffe_pb2.SolverParameter(iter_size=1))
+    sync = GradientSync(solver, _Loopback(), bucket_bytes=400)
+    sync.comm.base = sync.flat
+    layer = {name: i for i, name in enumerate(net._layer_names)}
+    assert [(b.layer, b.size) for b in sync.buckets] == [
+        (layer['ip3'], 12), (layer['ip2'], 195), (layer['ip1'], 384)]
+    for it in range(2):                       # the bookkeeping starts again each iteration
+        sync.comm.started, sync.comm.slices = [], []
+        net.clear_param_diffs()
+        sync.on_start()
+        net.forward_prefilled()
+        net.backward_all()
+        want = [numpy.array(q.diff) for q in net.learnable_params]
+        assert sync.launches == [(0, layer['ip3']), (1, layer['ip2']), (2, layer['ip1'])]
+        sync.on_gradients_ready()
+        assert sync.comm.slices == [(0, 12), (12, 207), (207, 591)]
+        for q, w in zip(net.learnable_params, want):
+            assert numpy.array_equal(q.diff, w * 2 * numpy.float32(0.5))
+        # Each diff is still the view of the flat buffer the solver updates from.
+        for q, view in zip(net.learnable_params, sync.views):
+            assert q.diff_storage.array is view
+
+
+def test_comm_scale_is_applied_after_the_sum_on_every_rank(tmp_path):
+    """TCP (the base iallreduce_): sum in rank order, then times the scale,
+    the same bits on both ranks."""
+    import threading
+    from caffeplus.parallel.comm import SingleComm, TCPComm
+    a = numpy.arange(5, dtype=numpy.float32)
+    SingleComm().iallreduce_(a, numpy.float32(0.5)).wait()
+    assert a.tolist() == [0, 0.5, 1, 1.5, 2]
+    rs = numpy.random.RandomState(0)
+    arrays = [rs.randn(1001).astype(numpy.float32) for _ in range(2)]
+    want = (arrays[0] + arrays[1]) * numpy.float32(1 / 3.0)
+    out = {}
+    threads = [threading.Thread(target=_connect, args=(tmp_path, r, 2, out)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        work = [threading.Thread(target=lambda r=r: out[r].iallreduce_(
+            arrays[r], numpy.float32(1 / 3.0)).wait()) for r in (0, 1)]
+        for t in work:
+            t.start()
+        for t in work:
+            t.join(60)
+    finally:
+        out[0].close()
+        out[1].close()
+    assert arrays[0].tobytes() == arrays[1].tobytes() == want.tobytes()
+
+
+# -- the environment of a rank ------------------------------------------------------------
+def test_rank_environment_keeps_pythonpath_and_sets_gpu_defaults(tmp_path):
+    from caffeplus.parallel import launcher
+    carried = tmp_path / 'site'
+    carried.mkdir()
+    base = {'PYTHONPATH': str(carried), 'OMPI_COMM_WORLD_SIZE': '2', 'CAFFEPLUS_MPI': '1',
+            'HOME': '/somewhere'}
+    env = launcher.rank_environ(base, 1, 2, 0)
+    path = env['PYTHONPATH'].split(os.pathsep)
+    assert path[0] == str(carried)                      # the parent's own entries first
+    assert ROOT in path                                 # the caffeplus the parent runs
+    assert env['HOME'] == '/somewhere'
+    assert env['CAFFEPLUS_RANK'] == '1' and env['CAFFEPLUS_WORLD'] == '2'
+    assert 'OMPI_COMM_WORLD_SIZE' not in env and 'CAFFEPLUS_MPI' not in env
+    assert env['NCCL_NVLS_ENABLE'] == '0'               # never NVLink multicast
+    assert env['CAFFEPLUS_CUDNN_SEARCH'] == 'auto'      # as `caffeplus train -gpu 0`
+    assert base['PYTHONPATH'] == str(carried) and 'CAFFEPLUS_RANK' not in base
+    # What the user set stays.
+    env = launcher.rank_environ(dict(base, NCCL_NVLS_ENABLE='0', CAFFEPLUS_CUDNN_SEARCH='heuristic'),
+                                0, 2, 1)
+    assert env['CAFFEPLUS_CUDNN_SEARCH'] == 'heuristic'
+    cpu = launcher.rank_environ({}, 0, 2, None)
+    assert 'CAFFEPLUS_CUDNN_SEARCH' not in cpu and ROOT in cpu['PYTHONPATH'].split(os.pathsep)
+
+
+def test_rank_pythonpath_adds_the_parents_extra_folders(tmp_path):
+    import sys as _sys
+    from caffeplus.parallel import launcher
+    extra = tmp_path / 'wheels'
+    extra.mkdir()
+    stdlib = os.path.dirname(os.__file__)
+    got = launcher.rank_pythonpath('/first', ['', str(extra), stdlib, str(tmp_path / 'gone'),
+                                              'relative/dir', str(extra)])
+    parts = got.split(os.pathsep)
+    assert parts[0] == '/first' and parts.count(str(extra)) == 1
+    assert stdlib not in parts                          # the interpreter's own: left alone
+    assert str(tmp_path / 'gone') not in parts and 'relative/dir' not in parts
+    assert _sys.prefix not in parts
 
 
 # -- MPI on the CPU -------------------------------------------------------------------------
@@ -501,26 +728,30 @@ def _mpirun():
     return exe
 
 
-def mpirun(tmp_path, np_, *argv, timeout=120, **env):
+def mpirun(tmp_path, np_, *argv, timeout=120, path=(), **env):
     exe = _mpirun()
     cmd = [exe, '-np', str(np_), '--oversubscribe', '--bind-to', 'none']
     if hasattr(os, 'geteuid') and os.geteuid() == 0:
         cmd.append('--allow-run-as-root')
     cmd += [sys.executable, '-m', 'caffeplus'] + list(argv)
-    return subprocess.run(cmd, cwd=str(tmp_path), env=sub_env(**env), capture_output=True,
+    return subprocess.run(cmd, cwd=str(tmp_path), env=sub_env(path, **env), capture_output=True,
                           text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize('iter_size', [1, 2])
-def test_mpi_two_cpu_ranks_match_one_rank_on_the_full_batch(tmp_path, iter_size):
+@pytest.mark.parametrize('iter_size,bucket_mb', [(1, None), (2, None), (1, 0.001)])
+def test_mpi_two_cpu_ranks_match_one_rank_on_the_full_batch(tmp_path, iter_size, bucket_mb):
+    """bucket_mb 0.001 (1 KB): several Iallreduce in flight during backward."""
     need_data()
     full = write_job(tmp_path, 'full', batch=16)
     half = write_job(tmp_path, 'half', batch=8 // iter_size, iter_size=iter_size)
     assert run_cli(tmp_path, 'train', '-solver', full) == 0
     checks = tmp_path / 'checks'
     checks.mkdir()
-    proc = mpirun(tmp_path, 2, 'train', '-solver', half, CAFFEPLUS_PARALLEL_CHECK=checks)
+    env = {} if bucket_mb is None else {'CAFFEPLUS_BUCKET_MB': bucket_mb}
+    proc = mpirun(tmp_path, 2, 'train', '-solver', half, CAFFEPLUS_PARALLEL_CHECK=checks, **env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    if bucket_mb is not None:
+        assert 'in 3 buckets' in proc.stderr, proc.stderr[-3000:]
     assert 'Data-parallel training on 2 ranks (mpi): batch %d per rank, %d in all' \
         % (8 // iter_size, 16 // iter_size) in proc.stderr
     assert 'Iteration 6, Testing net (#0)' in proc.stderr
@@ -552,8 +783,7 @@ def test_mpi_failing_rank_stops_the_job(tmp_path):
     need_data()
     (tmp_path / 'boom_layer.py').write_text(BOOM_LAYER)
     s = write_job(tmp_path, 'boom', batch=8, extra=BOOM, snapshot=1)
-    proc = mpirun(tmp_path, 2, 'train', '-solver', s, timeout=90, PYTHONPATH=str(tmp_path)
-                  + os.pathsep + ROOT)
+    proc = mpirun(tmp_path, 2, 'train', '-solver', s, timeout=90, path=[tmp_path])
     assert proc.returncode != 0
     assert 'rank 1 of 2' in proc.stderr and 'boom on purpose' in proc.stderr, \
         proc.stderr[-4000:]
@@ -590,11 +820,15 @@ def test_supervised_cpu_ranks_match_one_rank(tmp_path, monkeypatch):
 def test_supervisor_names_the_failing_rank(tmp_path, monkeypatch):
     from caffeplus.parallel import supervise
     need_data()
-    (tmp_path / 'boom_layer.py').write_text(BOOM_LAYER)
+    mods = tmp_path / 'mods'
+    mods.mkdir()
+    (mods / 'boom_layer.py').write_text(BOOM_LAYER)
     s = write_job(tmp_path, 'boom', batch=8, extra=BOOM)
     args, param = _parsed(tmp_path, s)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv('PYTHONPATH', str(tmp_path) + os.pathsep + ROOT)
+    # On the supervisor's sys.path only (not PYTHONPATH, not the working
+    # folder): the ranks import what the process that started them could.
+    monkeypatch.syspath_prepend(str(mods))
     with pytest.raises(CaffeplusError) as info:
         supervise(args, param, [None, None])
     msg = str(info.value)
@@ -792,6 +1026,9 @@ def test_nccl_comm_one_rank(tmp_path):
         comm.iallreduce_(a).wait()
         comm.broadcast_(a)
         assert cupy.asnumpy(a).tolist() == list(range(10))
+        # Scaled on the comm stream; wait() orders the caller's stream after it.
+        comm.iallreduce_(a, numpy.float32(0.5)).wait()
+        assert cupy.asnumpy(a).tolist() == [k * 0.5 for k in range(10)]
         assert comm.bcast_obj('x') == 'x' and comm.gather_obj(3) == [3]
     comm.close()
 
@@ -839,7 +1076,8 @@ def test_two_gpus_match_one_gpu(tmp_path):
     need_data()
     full = write_job(tmp_path, 'full', batch=16, mode='GPU')
     half = write_job(tmp_path, 'half', batch=8, mode='GPU')
-    env = sub_env(CAFFEPLUS_PARALLEL_CHECK=str(tmp_path))
+    # 1 KB buckets: three NCCL all-reduces in flight during backward.
+    env = sub_env(CAFFEPLUS_PARALLEL_CHECK=str(tmp_path), CAFFEPLUS_BUCKET_MB='0.001')
     p1 = subprocess.run([sys.executable, '-m', 'caffeplus', 'train', '-solver', full, '-gpu',
                          '0'], cwd=str(tmp_path), env=env, capture_output=True, text=True,
                         timeout=300)
@@ -850,6 +1088,7 @@ def test_two_gpus_match_one_gpu(tmp_path):
     assert p2.returncode == 0, p2.stderr[-5000:]
     assert 'Using GPUs 0, 1' in p2.stderr
     assert 'Data-parallel training on 2 ranks (nccl): batch 8 per rank, 16 in all' in p2.stderr
+    assert 'in 3 buckets' in p2.stderr and 'overlapped with backward' in p2.stderr
     assert_weights_close(tmp_path / 'out' / 'full_iter_12.caffemodel',
                          tmp_path / 'out' / 'half_iter_12.caffemodel', rtol=1e-3, atol=1e-4)
     r0 = (tmp_path / 'rank0.checksums').read_text()
@@ -863,7 +1102,7 @@ def test_two_gpus_failing_rank(tmp_path):
     need_data()
     (tmp_path / 'boom_layer.py').write_text(BOOM_LAYER)
     s = write_job(tmp_path, 'boom', batch=8, extra=BOOM, mode='GPU')
-    env = sub_env(PYTHONPATH=str(tmp_path) + os.pathsep + ROOT)
+    env = sub_env([tmp_path])
     proc = subprocess.run([sys.executable, '-m', 'caffeplus', 'train', '-solver', s, '-gpu',
                            '0,1'], cwd=str(tmp_path), env=env, capture_output=True, text=True,
                           timeout=300)

@@ -2,7 +2,8 @@
 
     comm.rank, comm.world         this process's rank, the number of ranks
     comm.allreduce_(a)            in-place sum over the ranks (blocking)
-    req = comm.iallreduce_(a)     the same, started now; req.wait() finishes it
+    req = comm.iallreduce_(a, s)  the same, started now, then times s (if given);
+                                  req.wait() finishes it
     comm.broadcast_(a, root=0)    in-place copy of the root's array
     comm.barrier()
     comm.bcast_obj(obj, root=0)   a plain object (see encode_obj) from the root to every rank
@@ -18,11 +19,15 @@
     sends the sum back, so every rank gets the same bits.
   * NCCLComm: cupy.cuda.nccl on CuPy arrays; all-reduce and broadcast run on
     the caller's stream (allreduce_) or on the communicator's own stream
-    after an event on the caller's (iallreduce_, which returns without
-    waiting: req.wait() makes the caller's stream wait for the result, so
-    the host never blocks). Objects and barriers go over its host channel.
+    (a non-blocking stream of the highest priority, so a reduction starts
+    as soon as SMs free up) after an event on the caller's (iallreduce_,
+    which returns without waiting: the reduction and its scaling run on
+    that stream, and req.wait() makes the caller's stream wait for the
+    result, so the host never blocks). Objects and barriers go over its
+    host channel.
 
-Sums are Caffe's: ncclSum / MPI_SUM of float32 gradients; the caller scales.
+Sums are Caffe's: ncclSum / MPI_SUM of float32 gradients, then multiplied
+by the caller's scale (iallreduce_) in float32, the same on every rank.
 
 Objects (solver actions, data positions, snapshot states, the NCCL id) travel
 as JSON text plus raw bytes for NumPy arrays and bytes values (encode_obj /
@@ -226,8 +231,10 @@ class Communicator:
     def allreduce_(self, array):
         return array
 
-    def iallreduce_(self, array):
+    def iallreduce_(self, array, scale=None):
         self.allreduce_(array)
+        if scale is not None:
+            array *= scale
         return _Done()
 
     def broadcast_(self, array, root=0):
@@ -278,11 +285,13 @@ def _host(array):
 
 # -- MPI --------------------------------------------------------------------------------
 class _MPIRequest:
-    def __init__(self, req, back):
-        self.req, self.back = req, back
+    def __init__(self, req, host, back, scale):
+        self.req, self.host, self.back, self.scale = req, host, back, scale
 
     def wait(self):
         self.req.Wait()
+        if self.scale is not None:
+            self.host *= self.scale
         if self.back is not None:
             self.back()
 
@@ -311,13 +320,13 @@ class MPIComm(Communicator):
             back()
         return array
 
-    def iallreduce_(self, array):
+    def iallreduce_(self, array, scale=None):
         host, back = _host(array)
         _check_array(host, 'MPI all-reduce')
         if not host.size:
             return _Done()
         return _MPIRequest(self.comm.Iallreduce(self.MPI.IN_PLACE, host, op=self.MPI.SUM),
-                           back)
+                           host, back, scale)
 
     def broadcast_(self, array, root=0):
         host, back = _host(array)
@@ -667,8 +676,23 @@ class _CudaRequest:
         self.event = event
 
     def wait(self):
+        """The caller's stream waits for the event (the host does not)."""
         import cupy
         cupy.cuda.get_current_stream().wait_event(self.event)
+
+
+# Lower numbers are higher priorities; CUDA clamps a number outside the
+# device's range to its greatest priority (-5 on Hopper).
+COMM_STREAM_PRIORITY = -64
+
+
+def _comm_stream(cupy):
+    """A non-blocking stream of the device's highest priority: a reduction
+    queued behind backward gets SMs as soon as some free up."""
+    try:
+        return cupy.cuda.Stream(non_blocking=True, priority=COMM_STREAM_PRIORITY)
+    except Exception:   # a CuPy or driver without stream priorities: the default one
+        return cupy.cuda.Stream(non_blocking=True)
 
 
 class NCCLComm(Communicator):
@@ -694,7 +718,7 @@ class NCCLComm(Communicator):
             except Exception as exc:
                 raise RankFailure('NCCL initialisation failed on rank %d (GPU %d): %s'
                                   % (self.rank, self.device, exc))
-            self.stream = cupy.cuda.Stream(non_blocking=True)
+            self.stream = _comm_stream(cupy)
         self._sum = getattr(nccl, 'NCCL_SUM', 0)
 
     def _dtype(self, array):
@@ -719,16 +743,24 @@ class NCCLComm(Communicator):
                                  cupy.cuda.get_current_stream().ptr)
         return array
 
-    def iallreduce_(self, array):
+    def iallreduce_(self, array, scale=None):
         import cupy
         self._check(array, 'all-reduce')
         if not array.size:
             return _Done()
-        ready = cupy.cuda.get_current_stream().record()
+        # The comm stream waits for what the compute stream has queued so far
+        # (the gradients of this bucket); neither stream nor the host blocks.
+        ready = cupy.cuda.Event(disable_timing=True)
+        ready.record(cupy.cuda.get_current_stream())
         self.stream.wait_event(ready)
         self._comm.allReduce(array.data.ptr, array.data.ptr, array.size,
                              self._dtype(array), self._sum, self.stream.ptr)
-        return _CudaRequest(self.stream.record())
+        if scale is not None:
+            with self.stream:       # scaled on the comm stream, overlapped too
+                array *= scale
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(self.stream)
+        return _CudaRequest(done)
 
     def broadcast_(self, array, root=0):
         import cupy

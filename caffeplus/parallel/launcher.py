@@ -120,6 +120,75 @@ def launch(args, param, gpus):
     return supervise(args, param, gpus)
 
 
+# -- the environment of a rank ----------------------------------------------------------
+# Where the interpreter finds its own modules: a rank gets these anyway.
+def _interpreter_dirs():
+    import site
+    dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    try:
+        dirs.update(site.getsitepackages())
+    except AttributeError:      # some virtualenvs' site module
+        pass
+    user = getattr(site, 'getusersitepackages', lambda: None)()
+    if user:
+        dirs.add(user)
+    return [os.path.abspath(d) for d in dirs if d]
+
+
+def _under(path, dirs):
+    return any(path == d or path.startswith(d.rstrip(os.sep) + os.sep) for d in dirs)
+
+
+def rank_pythonpath(pythonpath, sys_path=None):
+    """PYTHONPATH for a rank: the parent's own PYTHONPATH first, then the
+    folder this caffeplus is imported from and whatever else the parent's
+    sys.path holds beyond the interpreter's own folders (wheels carried in
+    a folder put on sys.path, a source checkout), so a rank imports the
+    same caffeplus and the same packages as the process that started it."""
+    from caffeplus import __file__ as package_file
+    entries = [p for p in (pythonpath or '').split(os.pathsep) if p]
+    seen = {os.path.abspath(p) for p in entries}
+    own = _interpreter_dirs()
+    extra = [os.path.dirname(os.path.dirname(os.path.abspath(package_file)))]
+    extra += list(sys.path if sys_path is None else sys_path)
+    for p in extra:
+        if not p or not os.path.isabs(p) or not os.path.isdir(p):
+            continue
+        p = os.path.abspath(p)
+        if p not in seen and not _under(p, own):
+            entries.append(p)
+            seen.add(p)
+    return os.pathsep.join(entries)
+
+
+def gpu_rank_defaults(env):
+    """What a GPU rank runs with unless the environment says otherwise:
+    no NVLink multicast in NCCL (NVLS; the GPU machines' rule), and timed
+    convolution algorithm search as `caffeplus train -gpu N` uses (ranks do
+    not go through its use_device; without it they ran cuDNN's heuristic
+    choices, slower than the one-GPU run they are compared with)."""
+    env.setdefault('NCCL_NVLS_ENABLE', '0')
+    env.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
+    return env
+
+
+def rank_environ(base, rank, world, device):
+    """The environment of spawned rank `rank`: the parent's, PYTHONPATH
+    completed (rank_pythonpath), the rank variables, no MPI variables (a
+    spawned rank must not mistake itself for an MPI rank), GPU defaults."""
+    env = dict(base)
+    env.update(CAFFEPLUS_RANK=str(rank), CAFFEPLUS_WORLD=str(world),
+               CAFFEPLUS_LOCAL_RANK=str(rank))
+    for name in comm_mod._MPI_SIZE_VARS + ('CAFFEPLUS_MPI',):
+        env.pop(name, None)
+    path = rank_pythonpath(env.get('PYTHONPATH', ''))
+    if path:
+        env['PYTHONPATH'] = path
+    if device is not None:
+        gpu_rank_defaults(env)
+    return env
+
+
 # -- supervisor ---------------------------------------------------------------------
 def _describe(rank, device):
     return 'rank %d (%s)' % (rank, 'CPU' if device is None else 'GPU %d' % device)
@@ -159,15 +228,9 @@ def supervise(args, param, devices, count=None):
         write_job(rundir, args, param, devices, world)
         log.info('Starting %d ranks (one process per %s)', world, 'GPU' if gpus else 'rank')
         for rank, device in enumerate(devices):
-            env = dict(os.environ)
-            env.update(CAFFEPLUS_RANK=str(rank), CAFFEPLUS_WORLD=str(world),
-                       CAFFEPLUS_LOCAL_RANK=str(rank))
-            # Keep a spawned rank from mistaking itself for an MPI rank.
-            for name in comm_mod._MPI_SIZE_VARS + ('CAFFEPLUS_MPI',):
-                env.pop(name, None)
             proc = subprocess.Popen(
                 [sys.executable, '-m', 'caffeplus.parallel', rundir, str(rank)],
-                env=env, start_new_session=True)
+                env=rank_environ(os.environ, rank, world, device), start_new_session=True)
             children.append(_Child(rank, device, proc))
 
         def forward(signum, frame):
@@ -466,6 +529,7 @@ def run_mpi(args, param, gpus):
         if gpus:
             device = mpi_devices(gpus, getattr(args, 'gpu', ''), host.local_rank,
                                  host.local_size, device_count())
+            gpu_rank_defaults(os.environ)   # before NCCL starts (train.run restores the search)
             comm_mod.import_nccl()
         where = host.gather_obj((socket.gethostname(), device))
         if rank == 0:
