@@ -513,6 +513,9 @@ class DropoutLayer(NeuronLayer):
     """TRAIN: top = x * mask / (1 - ratio), mask ~ Bernoulli(1 - ratio); TEST: identity."""
     type = 'Dropout'
     backward_reads = NO_READS
+    # A device array of at least count bytes the TRAIN mask is written into
+    # (the `stock` plan lends Caffe 1.0's uint32 rand_vec_: caffeplus.memory.caffe1).
+    mask_buffer = None
 
     def __init__(self, layer_param):
         super().__init__(layer_param)
@@ -527,7 +530,7 @@ class DropoutLayer(NeuronLayer):
         x = bottom[0].data
         xp = _xp(x)
         if self.phase == caffe_pb2.TRAIN:
-            self.mask = _uniform(x.shape, xp) >= self.ratio
+            self.mask = self._new_mask(_uniform(x.shape, xp), xp)
             y = top[0].data
             xp.multiply(x, self.mask, out=y)
             y *= self.scale
@@ -535,6 +538,14 @@ class DropoutLayer(NeuronLayer):
             self.mask = None
             if not same_data(bottom[0], top[0]):
                 top[0].data[...] = x
+
+    def _new_mask(self, u, xp):
+        """u >= ratio, in mask_buffer's bytes when it is lent and large enough."""
+        buf = self.mask_buffer
+        if buf is None or backend.get_array_module(buf) is not xp or buf.nbytes < u.size:
+            return u >= self.ratio
+        mask = buf.view(numpy.bool_)[:u.size].reshape(u.shape)
+        return xp.greater_equal(u, self.ratio, out=mask)
 
     def _backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:

@@ -1,6 +1,6 @@
 """caffeplus time: Caffe's `caffe time`, layer-by-layer timing.
 
-    caffeplus time -model m.prototxt [-iterations 50] [-phase TRAIN] [-gpu 0]
+    caffeplus time -model m.prototxt [-iterations 50] [-phase TRAIN] [-gpu 0] [--memory stock]
 
 One forward and backward pass first (logging the initial loss), then
 --iterations timed forward-backward passes; per-layer means and totals in
@@ -18,10 +18,20 @@ Caffe's lines:
 The net's inputs are whatever its data layers produce (as Caffe, the
 benchmark assumes no externally fed input blobs). On the GPU each reading
 waits for the device, so the times are the layers' own.
+
+--memory PLAN applies a memory plan (caffeplus.memory.apply) before the
+first pass: `stock` reproduces BVLC Caffe 1.0's device memory (per-layer
+cuDNN workspaces and handles, its layers' own buffers), so the peak of
+`caffeplus time --memory stock -gpu 0` compares with `caffe time -gpu 0`'s;
+arena, shared, offload, auto as for training. Without it the net is built
+as caffeplus.Net builds it (every blob kept; on the GPU one workspace arena
+for the cuDNN calls, as plan `arena`). Each timed pass runs the way
+Net.forward/backward run it (the plan's and the fused chains' per-pass
+hooks), layer by layer.
 """
 import time
 
-from caffeplus import backend, log
+from caffeplus import backend, kernels, log
 from caffeplus.commands.train import add_device_arguments, parse_gpus, parse_phase, \
     parse_stages, use_device
 from caffeplus.errors import CaffeplusError
@@ -35,6 +45,10 @@ def add_arguments(parser):
                         help='the number of iterations to run')
     parser.add_argument('--phase', default='', help='network phase (TRAIN or TEST; default '
                         'TRAIN)')
+    parser.add_argument('--memory', default='', metavar='PLAN',
+                        help='memory plan: stock (BVLC Caffe 1.0\'s device memory, to compare '
+                        'with `caffe time`), arena, shared, offload or auto (default: none '
+                        'applied: every blob kept, one cuDNN workspace arena on the GPU)')
     add_device_arguments(parser)
 
 
@@ -60,6 +74,56 @@ class _Timer:
         return int((time.perf_counter() - self.t0) * 1e3)
 
 
+def parse_memory(name):
+    """The --memory plan name ('' or None: none), checked before the net is built."""
+    if not name:
+        return None
+    from caffeplus.memory.plan import check_plan_name
+    return check_plan_name(name.strip().lower())
+
+
+def _forward_pass(net, timer, per_layer):
+    """Net.forward_from_to over the whole net, each layer's forward timed
+    (Caffe's time calls Layer::Forward, which reshapes first, as here)."""
+    n = len(net.layers)
+    plan = net.applied_plan
+    if plan is not None:
+        plan.before_forward(0, n - 1)
+    kernels.begin_pass(net, 0, n - 1)       # fused chains run whole passes only
+    for i in range(n):
+        for hook in net.before_layer_forward:
+            hook(i)
+        timer.start()
+        net.layers[i].reshape(net.bottom_vecs[i], net.top_vecs[i])
+        net.layers[i].forward(net.bottom_vecs[i], net.top_vecs[i])
+        per_layer[i] += timer.micro()
+        for hook in net.after_layer_forward:
+            hook(i)
+    if plan is not None:
+        plan.after_forward(0, n - 1)
+
+
+def _backward_pass(net, timer, per_layer):
+    """Net.backward_from_to over the whole net, each layer's backward timed."""
+    n = len(net.layers)
+    plan = net.applied_plan
+    if plan is not None:
+        plan.before_backward(n - 1, 0)
+    kernels.begin_pass(net, n - 1, 0, backward=True)
+    for i in range(n - 1, -1, -1):
+        for hook in net.before_layer_backward:
+            hook(i)
+        timer.start()
+        if net.layer_need_backward[i]:
+            net.layers[i].backward(net.top_vecs[i], net.bottom_need_backward[i],
+                                   net.bottom_vecs[i])
+        per_layer[i] += timer.micro()
+        for hook in net.on_layer_backward_done:
+            hook(i)
+    if plan is not None:
+        plan.after_backward(n - 1, 0)
+
+
 def run(args):
     from caffeplus.net import Net
     if not args.model:
@@ -68,8 +132,11 @@ def run(args):
         raise CaffeplusError('--iterations must be positive (got %d)' % args.iterations)
     phase = parse_phase(args.phase, caffe_pb2.TRAIN)
     stages = parse_stages(args.stage)
+    plan = parse_memory(args.memory)
     use_device(parse_gpus(args.gpu), 'time')
-    net = Net(args.model, phase, level=args.level, stages=stages)
+    net = Net(args.model, phase, level=args.level, stages=stages, memory=plan)
+    if plan:
+        log.info('Memory plan: %s', plan)
     log.info('Performing Forward')
     initial_loss = net.forward_prefilled()
     log.info('Initial loss: %g', initial_loss)
@@ -89,18 +156,10 @@ def run(args):
         iter_timer = _Timer()
         iter_timer.start()
         forward_timer.start()
-        for i in range(n):
-            timer.start()
-            layers[i].forward(net.bottom_vecs[i], net.top_vecs[i])
-            forward_per_layer[i] += timer.micro()
+        _forward_pass(net, timer, forward_per_layer)
         forward_time += forward_timer.micro()
         backward_timer.start()
-        for i in range(n - 1, -1, -1):
-            timer.start()
-            if net.layer_need_backward[i]:
-                layers[i].backward(net.top_vecs[i], net.bottom_need_backward[i],
-                                   net.bottom_vecs[i])
-            backward_per_layer[i] += timer.micro()
+        _backward_pass(net, timer, backward_per_layer)
         backward_time += backward_timer.micro()
         log.info('Iteration: %d forward-backward time: %d ms.', j + 1, iter_timer.milli())
     log.info('Average time per layer: ')

@@ -568,7 +568,11 @@ def apply_workspace_plan(net, plan_name='arena', limit=0):
         net.memory_plan = 'stock'
         for layer in net.layers:
             layer.memory_plan = 'stock'
+        from caffeplus.memory import caffe1     # Caffe 1.0's layer buffers too
+        caffe1.attach(net)
         return None
+    from caffeplus.memory import caffe1
+    caffe1.detach(net)                          # a previous stock plan's
     cls = WorkspaceArena if plan_name == 'arena' else PlacedWorkspace
     arena = cls(limit=limit, net=net, name='%s workspace of net %s' % (plan_name, net.name))
     for layer in layers:
