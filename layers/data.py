@@ -24,7 +24,7 @@ import numpy
 
 from caffeplus import backend, log, rng
 from caffeplus.errors import CaffeplusError, NetError
-from caffeplus.fillers import fill_array
+from caffeplus.fillers import device_recipe, fill_array, fill_device
 from caffeplus.io import datum as datum_io
 from caffeplus.io import db as db_io
 from caffeplus.io.transformer import DataTransformer, from_layer_param
@@ -60,7 +60,12 @@ class InputLayer(Layer):
 
 @register
 class DummyDataLayer(Layer):
-    """Tops filled by fillers; constant fillers are filled once (as Caffe)."""
+    """Tops filled by fillers; constant fillers are filled once (as Caffe).
+
+    On the GPU the per-forward refill is drawn on the device, into each
+    top's own array (caffeplus.fillers.fill_device: no host draw, no copy,
+    no allocation); fillers without a device form, and the CPU, fill on the
+    host with fill_array as before."""
     type = 'DummyData'
     exact_num_bottom = 0
     min_num_top = 1
@@ -101,8 +106,11 @@ class DummyDataLayer(Layer):
         pass
 
     def _forward(self, bottom, top):
+        on_device = backend.mode() == backend.GPU
         for t, f, refill in zip(top, self.fillers, self.refill):
-            if refill:
+            if not refill:
+                continue
+            if not (on_device and fill_device(device_recipe(f, t.shape), t.data)):
                 t.data = fill_array(f, t.shape)
 
     def _backward(self, top, propagate_down, bottom):

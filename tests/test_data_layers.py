@@ -636,3 +636,204 @@ def test_solver_resume_continues_the_data_identically(tmp_path):
         numpy.testing.assert_array_equal(g, w)
     for s in (straight, first, resumed):
         s.net.layers[0].close()
+
+
+# -- DummyData: host refill on the CPU, device refill on the GPU ---------------------------
+DUMMY = ('name: "dummy" type: "DummyData" top: "a" top: "b" top: "c" dummy_data_param { '
+         'shape { dim: 3 dim: 5 } shape { dim: 4 dim: 2 dim: 3 } shape { dim: 7 } '
+         'data_filler { type: "gaussian" std: 2 mean: 1 } '
+         'data_filler { type: "xavier" } data_filler { type: "constant" value: 3 } }')
+
+
+def test_dummy_data_cpu_refill_is_fill_array_from_the_seeded_stream():
+    """The CPU path is unchanged: every forward draws, from caffeplus.rng,
+    what fill_array would; constant tops are written once."""
+    from caffeplus.fillers import fill_array
+    caffeplus.set_random_seed(11)
+    layer, tops = make(DUMMY, ntop=3)
+    for _ in range(3):
+        layer.forward([], tops)
+    got = [numpy.array(t.data) for t in tops]
+    next_draw = caffeplus.rng.get().random()
+    caffeplus.set_random_seed(11)
+    want = [fill_array(f, t.shape) for f, t in zip(layer.fillers, tops)]    # setup
+    for _ in range(3):
+        want[:2] = [fill_array(f, t.shape) for f, t in zip(layer.fillers[:2], tops)]
+    for g, w in zip(got, want):
+        assert numpy.array_equal(g, w)
+    assert numpy.array_equal(got[2], numpy.full(7, 3, numpy.float32))
+    assert caffeplus.rng.get().random() == next_draw    # the stream is where it was
+
+
+def _filler(text):
+    return text_format.Parse(text, caffe_pb2.FillerParameter())
+
+
+def test_device_recipes_follow_the_fillers():
+    from caffeplus.fillers import device_recipe
+    shape = (8, 3, 2, 2)                                       # fan_in 12, fan_out 32
+    assert device_recipe(_filler('type: "constant" value: 0.5'), shape) == ('constant', 0.5)
+    assert device_recipe(_filler('type: "uniform" min: -2 max: 3'), shape) == \
+        ('uniform', -2.0, 3.0)
+    kind, mean, std = device_recipe(_filler('type: "gaussian" mean: 1 std: 0.25'), shape)
+    assert (kind, mean, std) == ('normal', 1.0, 0.25)
+    kind, low, high = device_recipe(_filler('type: "xavier"'), shape)
+    assert kind == 'uniform' and high == -low and abs(high - (3.0 / 12) ** 0.5) < 1e-12
+    kind, low, high = device_recipe(_filler('type: "xavier" variance_norm: AVERAGE'), shape)
+    assert abs(high - (3.0 / 22) ** 0.5) < 1e-12
+    kind, mean, std = device_recipe(_filler('type: "msra" variance_norm: FAN_OUT'), shape)
+    assert kind == 'normal' and mean == 0 and abs(std - (2.0 / 32) ** 0.5) < 1e-7
+    assert device_recipe(_filler('type: "positive_unitball"'), shape) == ('unitball', 8)
+    # No device form: the host draws them.
+    assert device_recipe(_filler('type: "gaussian" sparse: 2'), shape) is None
+    assert device_recipe(_filler('type: "bilinear"'), shape) is None
+    assert device_recipe(_filler('type: "uniform"'), (0, 3)) == ('constant', 0.0)
+
+
+class _HostGen:
+    """DeviceRandom's interface on NumPy arrays (fills in place)."""
+
+    def __init__(self, seed=0):
+        self.rs = numpy.random.RandomState(seed)
+
+    def normal_(self, out, mean, std):
+        out[...] = self.rs.normal(mean, std, size=out.shape)
+
+    def uniform_(self, out, low, high):
+        out[...] = self.rs.uniform(low, high, size=out.shape)
+
+
+@pytest.mark.parametrize('text', ['type: "constant" value: 2', 'type: "uniform" min: 1 max: 4',
+                                  'type: "gaussian" std: 3', 'type: "xavier"', 'type: "msra"',
+                                  'type: "positive_unitball"'])
+def test_draw_into_fills_the_array_in_place(text):
+    from caffeplus.fillers import device_recipe, draw_into
+    shape = (6, 4, 5)
+    out = numpy.full(shape, numpy.nan, dtype=numpy.float32)
+    buf = out.__array_interface__['data'][0]
+    draw_into(device_recipe(_filler(text), shape), out, _HostGen())
+    assert out.__array_interface__['data'][0] == buf and out.dtype == numpy.float32
+    assert numpy.isfinite(out).all() and out.std() >= 0
+    if 'constant' in text:
+        assert (out == 2).all()
+    elif 'uniform' in text:
+        assert out.min() >= 1 and out.max() <= 4 and out.std() > 0
+    elif 'unitball' in text:
+        numpy.testing.assert_allclose(out.reshape(6, -1).sum(axis=1), 1, rtol=1e-5)
+        assert (out >= 0).all()
+
+
+class _FakeDevice:
+    made = []
+
+    def __init__(self, seed):
+        self.seed = seed
+        _FakeDevice.made.append(seed)
+
+
+def test_device_random_is_seeded_from_the_caffeplus_stream():
+    """Reproducible: the same random_seed gives the same device seed; each
+    rank (random_seed + rank) its own; a new seed starts new generators;
+    one generator per device; nothing drawn before a device fill needs it."""
+    from caffeplus.fillers import DeviceRandomRegistry
+    device = {'id': 0}
+    reg = DeviceRandomRegistry(_FakeDevice, device_id=lambda: device['id'])
+    caffeplus.set_random_seed(1701)
+    untouched = numpy.random.default_rng(1701).random()
+    first = reg.get()
+    assert reg.get() is first                             # kept while the seed stays
+    caffeplus.set_random_seed(1701)
+    again = reg.get()
+    assert again is not first and again.seed == first.seed
+    caffeplus.set_random_seed(1702)                       # rank 1 of a 1701 run
+    assert reg.get().seed != first.seed
+    device['id'] = 1
+    other = reg.get()
+    assert other.seed != first.seed and reg.get() is other
+    device['id'] = 0
+    # Building the registry and setting seeds draws nothing (the CPU stream
+    # stays bit-identical); get() draws one number.
+    caffeplus.set_random_seed(1701)
+    DeviceRandomRegistry(_FakeDevice)
+    assert caffeplus.rng.get().random() == untouched
+
+
+def test_device_random_falls_back_to_the_host_once(messages):
+    from caffeplus.fillers import DeviceRandomRegistry
+
+    def broken(seed):
+        raise OSError('libcurand.so: cannot open shared object file')
+    reg = DeviceRandomRegistry(broken, device_id=lambda: 0)
+    assert reg.get() is None and reg.get() is None
+    assert sum('cannot make a cuRAND generator' in m for m in messages) == 1
+
+
+def test_dummy_data_gpu_mode_refills_in_place_without_host_draws(monkeypatch):
+    """The layer's wiring in GPU mode (device simulated): tops the device
+    can fill are filled in their own array and nothing is drawn on the
+    host; a top without a device form (sparse gaussian) still is."""
+    from caffeplus.layers import data as data_mod
+    from caffeplus import backend
+    from caffeplus.fillers import draw_into
+    text = ('name: "d" type: "DummyData" top: "a" top: "b" dummy_data_param { '
+            'shape { dim: 4 dim: 6 } data_filler { type: "uniform" min: 2 max: 3 } '
+            'data_filler { type: "gaussian" sparse: 3 } }')
+    layer, tops = make(text, ntop=2)
+    arrays = [t.data for t in tops]
+    calls = []
+
+    def fill_device(recipe, out):
+        calls.append(recipe)
+        if recipe is None:
+            return False
+        draw_into(recipe, out, _HostGen())
+        return True
+    host = []
+    real_fill_array = data_mod.fill_array
+    monkeypatch.setattr(data_mod, 'fill_device', fill_device)
+    monkeypatch.setattr(data_mod, 'fill_array', lambda f, s: host.append(f.type) or
+                        real_fill_array(f, s))
+    monkeypatch.setattr(backend, 'mode', lambda: backend.GPU)
+    layer.forward([], tops)
+    assert calls == [('uniform', 2.0, 3.0), None]
+    assert host == ['gaussian']                           # the sparse one only
+    assert (2 <= tops[0].data).all() and (tops[0].data <= 3).all()
+    assert numpy.shares_memory(tops[0].data, arrays[0])  # drawn into the top's own array
+
+
+@pytest.mark.gpu
+def test_dummy_data_on_the_gpu_draws_in_place_reproducibly():
+    import cupy
+    caffeplus.set_mode_gpu(0)
+    try:
+        text = ('name: "d" type: "DummyData" top: "a" top: "b" top: "c" dummy_data_param { '
+                'shape { dim: 64 dim: 3 dim: 32 dim: 32 } shape { dim: 3 dim: 5 } '
+                'shape { dim: 9 dim: 4 } '
+                'data_filler { type: "gaussian" std: 2 mean: 1 } '
+                'data_filler { type: "gaussian" std: 1 } '          # 15 values: odd count
+                'data_filler { type: "uniform" min: -1 max: 5 } }')
+        runs = []
+        for seed in (5, 5, 6):
+            caffeplus.set_random_seed(seed)
+            layer, tops = make(text, ntop=3)
+            ptrs = [t.data.data.ptr for t in tops]
+            got = []
+            for _ in range(2):
+                layer.forward([], tops)
+                assert [t.data.data.ptr for t in tops] == ptrs    # the same arrays
+                assert all(isinstance(t.data, cupy.ndarray) for t in tops)
+                got.append([cupy.asnumpy(t.data) for t in tops])
+            runs.append(got)
+        first, again, other = runs
+        for a, b in zip(first, again):                    # reproducible
+            for x, y in zip(a, b):
+                assert numpy.array_equal(x, y)
+        assert not numpy.array_equal(first[0][0], first[1][0])   # a new batch each forward
+        assert not numpy.array_equal(first[0][0], other[0][0])   # another seed (rank)
+        big = first[1][0]
+        assert abs(big.mean() - 1) < 0.02 and abs(big.std() - 2) < 0.02
+        assert numpy.isfinite(first[1][1]).all() and first[1][1].std() > 0
+        u = first[1][2]
+        assert u.min() >= -1 and u.max() <= 5 and u.std() > 0
+    finally:
+        caffeplus.set_mode_cpu()
