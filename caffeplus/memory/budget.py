@@ -104,6 +104,18 @@ def iteration_seconds(net, choice=None, solver_type='SGD', stall=0.0):
 
 
 # -- estimated plans --------------------------------------------------------------
+def model_internals(net):
+    """{layer index: {'kept': bytes}}: the model's buffers each layer keeps
+    from forward to backward (workspace_model.internal_bytes), for
+    make_plan to place with their lifetimes."""
+    out = {}
+    for i in range(len(net.layers)):
+        n = wm.internal_bytes(net, i)
+        if n:
+            out[i] = {'kept': n}
+    return out
+
+
 def workspace_sizes(choice):
     """{layer index: (forward bytes, backward bytes)} of modelled algorithm
     choices, for make_plan's placed workspace (the model gives one size per
@@ -136,17 +148,24 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
     else:
         choice = {i: wm.fastest(l) for i, l in convs}
         workspace = wm.arena_workspace(net)
-    placed = workspace_sizes(choice) if name in ('shared', 'offload') else None
+    placing = name in ('shared', 'offload')
+    kept = model_internals(net) if placing else None
+    other = wm.other_bytes(net, name) - (sum(sum(k.values()) for k in kept.values())
+                                         if placing else 0)
     plan = make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
-                     offload_policy=offload_policy, workspace=placed)
-    if placed is not None:
+                     offload_policy=offload_policy,
+                     workspace=workspace_sizes(choice) if placing else None,
+                     internals=kept, other_bytes=other)
+    if placing:
         workspace = plan.breakdown['workspace']     # its share of the arena at the peak
+        other = plan.breakdown['other']             # with the internals' share
     stall = 0.0
     if name == 'offload' and plan.offloaded:
         bufs = liveness.buffers(net, keep=keep, training=training)
         stall = offload_stall_seconds(net, bufs, plan.offloaded, wm.step_seconds(net, choice))
     seconds = iteration_seconds(net, choice, solver_type, stall)
-    return _finish(plan, net, name, workspace, wm.other_bytes(net, name), seconds, choice)
+    return _finish(plan, net, name, workspace,
+                   other if placing else wm.other_bytes(net, name), seconds, choice)
 
 
 # -- auto -----------------------------------------------------------------------------
@@ -193,8 +212,9 @@ def search(net, solver_type='SGD', keep=(), training=True):
     bufs = liveness.buffers(net, keep=keep, training=training)
     steps = 2 * len(net.layers) if training else len(net.layers)
     params = sum(p.count for p in net.learnable_params) * liveness.FLOAT_BYTES
+    kept = liveness.internal_buffers(net, model_internals(net), training)
     fixed = params * (1 + (1 + HISTORY_COPIES.get(solver_type, 1) if training else 0)) + \
-        wm.other_bytes(net, 'auto')
+        wm.other_bytes(net, 'auto') - sum(b.nbytes for b in kept)
     convs = wm.conv_layers(net)
     timing = {}
     for cap in wm.workspace_levels(net):
@@ -212,7 +232,7 @@ def search(net, solver_type='SGD', keep=(), training=True):
     options = []
     for offloaded in sets:
         shortened = offload.shorten(bufs, offloaded, net) if offloaded else bufs
-        live = liveness.live_bytes_by_step(shortened, steps)
+        live = liveness.live_bytes_by_step(shortened + kept, steps)
         for cap, (steps_s, seconds, ws) in timing.items():
             stall = offload_stall_seconds(net, bufs, offloaded, steps_s, windows) \
                 if offloaded else 0.0
@@ -225,11 +245,14 @@ def _auto_plan(net, option, solver_type, keep, training):
     names = sorted({n for key in option.offloaded for n in key[1]})
     convs = wm.conv_layers(net)
     choice = {i: wm.fastest(l, option.cap) for i, l in convs}
+    kept = model_internals(net)
     plan = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
-                     offload_policy=names, workspace=workspace_sizes(choice))
+                     offload_policy=names, workspace=workspace_sizes(choice), internals=kept,
+                     other_bytes=wm.other_bytes(net, 'auto') -
+                     sum(sum(k.values()) for k in kept.values()))
     plan.name = 'auto'
-    plan = _finish(plan, net, 'auto', plan.breakdown['workspace'],
-                   wm.other_bytes(net, 'auto'), option.seconds, choice)
+    plan = _finish(plan, net, 'auto', plan.breakdown['workspace'], plan.breakdown['other'],
+                   option.seconds, choice)
     plan.workspace_cap = option.cap
     return plan
 

@@ -138,6 +138,22 @@ def workspace_buffers(net, sizes, training=True):
     return out
 
 
+def internal_buffers(net, sizes, training=True):
+    """Buffers a layer keeps from its forward to its backward (max pooling's
+    argmax, BatchNorm's normalised copy; caffeplus.memory.scratch): live
+    from the layer's forward step to its backward step (to its forward step
+    alone when it runs no backward). `sizes`: {layer index: {name: bytes}}."""
+    L = len(net.layers)
+    out = []
+    for i, named in sorted(sizes.items()):
+        end = 2 * L - 1 - i if training and net.layer_need_backward[i] else i
+        for name, nbytes in sorted(named.items()):
+            if nbytes:
+                out.append(Buffer(('internal', net._layer_names[i], name), 'internal', (),
+                                  int(nbytes), i, end))
+    return out
+
+
 def live_bytes_by_step(bufs, steps):
     """Bytes live at each step (a buffer counts at start..end inclusive)."""
     live = [0] * (steps + 1)

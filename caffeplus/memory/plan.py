@@ -75,12 +75,15 @@ def _arena_workspace(net):
 
 
 def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_policy='conv',
-              other_bytes=0, workspace=None):
+              other_bytes=0, workspace=None, internals=None):
     """Compute plan `name` for a built net. `workspace`: {layer index:
     (forward bytes, backward bytes)} of the convolutions' workspace; the
     reusing plans then place it in the arena beside the activations, live
     at its layer's step only (None: one separate workspace buffer of the
-    largest layer's need, as the `arena` plan)."""
+    largest layer's need, as the `arena` plan). `internals`: {layer index:
+    {name: bytes}} of the buffers layers keep from forward to backward
+    (caffeplus.memory.scratch); the reusing plans place them too, and count
+    their share of the arena under 'other'."""
     check_plan_name(name)
     if name == 'auto':
         raise CaffeplusError("plan 'auto' needs a budget: use caffeplus.memory.budget.plan_for_budget")
@@ -108,25 +111,33 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
         bufs = offload.shorten(bufs, offloaded, net)
     if workspace is not None:
         bufs = bufs + liveness.workspace_buffers(net, workspace, training)
+    if internals is not None:
+        bufs = bufs + liveness.internal_buffers(net, internals, training)
     offsets, arena = placement.place(bufs)
     shares = shares_at_peak(bufs, steps)
     breakdown['activations'] = int(arena * shares['data'])
+    in_arena = breakdown['activations']
     if workspace is not None:
         breakdown['workspace'] = int(arena * shares['workspace'])
+        in_arena += breakdown['workspace']
     else:
         breakdown['workspace'] = _arena_workspace(net)
-    breakdown['activation_diffs'] = arena - breakdown['activations'] - \
-        (breakdown['workspace'] if workspace is not None else 0)
+    if internals is not None:
+        kept = int(arena * shares['internal'])
+        breakdown['other'] += kept
+        in_arena += kept
+    breakdown['activation_diffs'] = arena - in_arena
     return MemoryPlan(name, breakdown, bufs, offsets, arena, offloaded, steps=steps)
 
 
 def shares_at_peak(bufs, steps):
-    """{kind: share of the bytes live at the busiest step} (data, diff, workspace):
+    """{kind: share of the bytes live at the busiest step} (data, diff,
+    workspace, internal):
     how a reusing plan's one arena splits between the breakdown's categories."""
     live = liveness.live_bytes_by_step(bufs, steps)
     peak_step = max(range(len(live)), key=live.__getitem__) if live else 0
     total = max(live[peak_step] if live else 0, 1)
-    out = dict.fromkeys(('data', 'diff', 'workspace'), 0.0)
+    out = dict.fromkeys(('data', 'diff', 'workspace', 'internal'), 0.0)
     for b in bufs:
         if b.start <= peak_step <= b.end:
             out[b.kind] = out.get(b.kind, 0.0) + b.nbytes / float(total)
