@@ -170,6 +170,7 @@ def sub_env(path=(), **extra):
     such as lmdb on it, so it must be kept, not replaced)."""
     e = dict(os.environ)
     e['PYTHONPATH'] = os.pathsep.join([str(p) for p in path] + [ROOT, e.get('PYTHONPATH', '')])
+    e['GLOG_minloglevel'] = '0'     # the tests read INFO lines (a GPU run script may raise it)
     e.setdefault('OPENBLAS_NUM_THREADS', '1')
     e.setdefault('OMP_NUM_THREADS', '1')
     e.update(OMPI_ALLOW_RUN_AS_ROOT='1', OMPI_ALLOW_RUN_AS_ROOT_CONFIRM='1',

@@ -77,6 +77,7 @@ def train_env():
     env = dict(os.environ)
     env['PYTHONPATH'] = ROOT + os.pathsep + env.get('PYTHONPATH', '')
     env.setdefault('NCCL_NVLS_ENABLE', '0')     # never NVLink multicast (the ranks set it too)
+    env['GLOG_minloglevel'] = '0'               # the rates are read from INFO lines
     return env
 
 
