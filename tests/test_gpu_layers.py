@@ -220,3 +220,191 @@ def test_reference_case_on_gpu(case, monkeypatch):
     if case.startswith('pool_'):
         layer = [l for l in net.layers if l.layer_param.type == 'Pooling'][0]
         print('%s: %s' % (case, 'cudnn' if layer.cudnn_agrees() else 'generic CuPy'))
+
+
+# -- CUDA-graph replays, math types, per-group convolutions (issue #6) ---------------
+def _conv_round(layer, bottom, top, dy):
+    layer.reshape(bottom, top)
+    layer.forward(bottom, top)
+    top[0].diff = dy
+    for b in layer.blobs:
+        b.diff[...] = 0
+    layer.backward(top, [True], bottom)
+    return [backend.to_numpy(a).copy() for a in
+            [top[0].data, bottom[0].diff] + [b.diff for b in layer.blobs]]
+
+
+@pytest.mark.parametrize('text', [
+    'type: "Convolution" convolution_param { num_output: 6 kernel_size: 3 group: 2 pad: 1 }',
+    'type: "Deconvolution" convolution_param { num_output: 4 kernel_size: 3 stride: 2 }',
+    'type: "Pooling" pooling_param { pool: MAX kernel_size: 2 stride: 2 }',
+    'type: "LRN" lrn_param { local_size: 5 alpha: 0.0001 beta: 0.75 }',
+    'type: "Softmax"', 'type: "Sigmoid"'])
+def test_replayed_calls_equal_direct_calls(text):
+    """From the second pass on the cuDNN calls run as CUDA graphs: every pass
+    gives bit for bit what the direct calls give."""
+    from caffeplus.cudnn import api
+    lp = _param(text)
+    rng = numpy.random.default_rng(11)
+    x = rng.standard_normal((2, 4, 8, 8)).astype(numpy.float32)
+    caffeplus.set_mode_gpu()
+    previous = api.set_graphs(False)
+    try:
+        layer = create_layer(lp)
+        bottom, top = [Blob(x.shape)], [Blob()]
+        bottom[0].data = x
+        layer.setup(bottom, top)
+        dy = rng.standard_normal(top[0].shape).astype(numpy.float32)
+        direct = _conv_round(layer, bottom, top, dy)
+        api.set_graphs(True)
+        launched = api.graph_stats()['launched']
+        for _ in range(4):
+            again = _conv_round(layer, bottom, top, dy)
+            for a, b in zip(again, direct):
+                numpy.testing.assert_array_equal(a, b)
+        assert api.graph_stats()['launched'] > launched, api.graph_stats()
+    finally:
+        api.set_graphs(previous)
+
+
+def test_replays_follow_new_pointers():
+    """A replay is keyed by its pointers: new arrays get their own graph, not
+    the old one's writes."""
+    lp = _param('type: "Convolution" convolution_param { num_output: 3 kernel_size: 3 }')
+    rng = numpy.random.default_rng(12)
+    caffeplus.set_mode_gpu()
+    layer = create_layer(lp)
+    x = rng.standard_normal((2, 2, 6, 6)).astype(numpy.float32)
+    bottom, top = [Blob(x.shape)], [Blob()]
+    bottom[0].data = x
+    layer.setup(bottom, top)
+    for i in range(3):
+        b2, t2 = [Blob(x.shape)], [Blob()]
+        b2[0].data = x * (i + 1)
+        layer.reshape(b2, t2)
+        layer.forward(b2, t2)
+        layer.forward(b2, t2)
+        layer.forward(b2, t2)
+        if i == 0:
+            first = backend.to_numpy(t2[0].data).copy()
+        _assert_close(backend.to_numpy(t2[0].data), first * (i + 1) - (
+            (i) * backend.to_numpy(layer.blobs[1].data).reshape(1, -1, 1, 1)), 1e-4, 'pass %d' % i)
+
+
+def test_grouped_convolution_per_group_variant():
+    """Timed search may run a grouped convolution one call per group: that
+    variant gives the same values."""
+    from caffeplus.memory import workspace
+    lp = _param('type: "Convolution" convolution_param { num_output: 8 kernel_size: 3 '
+                'group: 2 pad: 1 }')
+    x = numpy.random.default_rng(13).standard_normal((2, 6, 7, 7)).astype(numpy.float32)
+    _, y_cpu, dx_cpu, dp_cpu, params, dy = _run(lp, x, None, None, gpu=False)
+    previous = workspace.set_search('timed')
+    try:
+        layer, y_gpu, dx_gpu, dp_gpu, _, _ = _run(lp, x, dy, params, gpu=True)
+        assert layer._cd_groups is not None and layer._cd_groups.loops == 2
+        room = layer._manager().nbytes
+        for site in layer._sites.values():
+            assert site.choice is not None
+            per_group = [c for c in site.candidates if c.variant == 1 and c.memory <= room]
+            assert per_group, site.candidates
+            site.choice = per_group[0]
+        bottom, top = layer._last_bottom, layer._last_top
+        got = _conv_round(layer, bottom, top, dy)
+    finally:
+        workspace.set_search(previous)
+    for a, b, what in zip(got, [y_cpu, dx_cpu] + dp_cpu, ['top', 'dx', 'dw', 'db']):
+        _assert_close(a, b, 2e-4, 'per-group ' + what)
+
+
+@pytest.mark.parametrize('math', ['strict', 'tf32'])
+def test_tf32_mode_convolution_and_inner_product(math):
+    """TF32 mode reaches cuDNN (each algorithm with the math type it was
+    timed with) and cuBLAS; values stay within TF32's rounding."""
+    from caffeplus.backend import mathmode
+    from caffeplus.memory import workspace
+    rng = numpy.random.default_rng(14)
+    tol = 2e-4 if math == 'strict' else 2e-2
+    cases = [('type: "Convolution" convolution_param { num_output: 32 kernel_size: 3 pad: 1 }',
+              (4, 16, 12, 12)),
+             ('type: "InnerProduct" inner_product_param { num_output: 40 '
+              'weight_filler { type: "gaussian" std: 0.1 } bias_filler { type: "gaussian" } }',
+              (8, 3, 5, 7))]
+    for text, shape in cases:
+        lp = _param(text)
+        x = rng.standard_normal(shape).astype(numpy.float32)
+        _, y_cpu, dx_cpu, dp_cpu, params, dy = _run(lp, x, None, None, gpu=False)
+        old_math = mathmode.set_math_mode(math)
+        old_search = workspace.set_search('timed')
+        try:
+            layer, y_gpu, dx_gpu, dp_gpu, _, _ = _run(lp, x, dy, params, gpu=True)
+        finally:
+            mathmode.set_math_mode(old_math)
+            workspace.set_search(old_search)
+        for a, b, what in zip([y_gpu, dx_gpu] + dp_gpu, [y_cpu, dx_cpu] + dp_cpu,
+                              ['top', 'dx', 'dw', 'db']):
+            _assert_close(a, b, tol, '%s %s %s' % (lp.type, math, what))
+        if lp.type == 'Convolution':
+            for site in layer._sites.values():
+                cd = layer._descs_for(site.choice)
+                conv = cd.conv_for(site.choice.math)
+                assert (conv is cd.conv) == (math == 'strict' or site.choice.math == cd.math)
+
+
+@pytest.mark.parametrize('text,shape', [
+    ('inner_product_param { num_output: 7 }', (5, 3, 4)),
+    ('inner_product_param { num_output: 7 transpose: true }', (5, 12)),
+    ('inner_product_param { num_output: 6 bias_term: false }', (4, 9)),
+    ('inner_product_param { num_output: 3 axis: 2 }', (2, 3, 4, 5)),
+])
+def test_inner_product_gpu_matches_cpu(text, shape):
+    lp = caffe_pb2.LayerParameter()
+    text_format.Parse('name: "ip" type: "InnerProduct" %s' % text, lp)
+    lp.inner_product_param.weight_filler.type = 'gaussian'
+    lp.inner_product_param.bias_filler.type = 'gaussian'
+    x = numpy.random.default_rng(15).standard_normal(shape).astype(numpy.float32)
+    caffeplus.set_random_seed(3)
+    _, y_cpu, dx_cpu, dp_cpu, params, dy = _run(lp, x, None, None, gpu=False)
+    layer, y_gpu, dx_gpu, dp_gpu, _, _ = _run(lp, x, dy, params, gpu=True)
+    assert type(layer).__name__ == 'GPUInnerProductLayer'
+    _assert_close(y_gpu, y_cpu, 2e-5, 'top')
+    _assert_close(dx_gpu, dx_cpu, 2e-5, 'dx')
+    for i, (a, b) in enumerate(zip(dp_gpu, dp_cpu)):
+        _assert_close(a, b, 2e-5, 'param diff %d' % i)
+    # the parameter diffs accumulate (beta = 1), as Caffe's
+    layer.backward(layer._last_top, [True], layer._last_bottom)
+    for i, (b, once) in enumerate(zip(layer.blobs, dp_gpu)):
+        _assert_close(backend.to_numpy(b.diff), 2 * once, 2e-5, 'accumulated %d' % i)
+
+
+@pytest.mark.parametrize('axis,shapes', [(1, [(2, 3, 4, 5), (2, 1, 4, 5), (2, 4, 4, 5)]),
+                                         (0, [(1, 3, 2), (2, 3, 2)]),
+                                         (2, [(2, 3, 1, 2), (2, 3, 4, 2)])])
+def test_concat_gpu_matches_cpu(axis, shapes):
+    lp = caffe_pb2.LayerParameter()
+    text_format.Parse('name: "cat" type: "Concat" concat_param { axis: %d }' % axis, lp)
+    rng = numpy.random.default_rng(16)
+    xs = [rng.standard_normal(s).astype(numpy.float32) for s in shapes]
+    out = {}
+    for gpu in (False, True):
+        caffeplus.set_mode_gpu() if gpu else caffeplus.set_mode_cpu()
+        layer = create_layer(lp)
+        bottom = [Blob(s) for s in shapes]
+        for b, x in zip(bottom, xs):
+            b.data = x
+        top = [Blob()]
+        layer.setup(bottom, top)
+        layer.forward(bottom, top)
+        if not gpu:
+            dy = rng.standard_normal(top[0].shape).astype(numpy.float32)
+        top[0].diff = dy
+        prop = [True, False] + [True] * (len(bottom) - 2)
+        for b in bottom:
+            b.diff[...] = 7
+        layer.backward(top, prop, bottom)
+        out[gpu] = [backend.to_numpy(top[0].data).copy()] + \
+            [backend.to_numpy(b.diff).copy() for b in bottom]
+        if gpu:
+            assert type(layer).__name__ == 'GPUConcatLayer'
+    for a, b in zip(out[True], out[False]):
+        numpy.testing.assert_array_equal(a, b)

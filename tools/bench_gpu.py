@@ -12,8 +12,12 @@ momentum update (lr 0.01, momentum 0.9, no weight decay) on every learnable
 parameter: what caffeplus's SGDSolver runs on the GPU (Net.clear_param_diffs,
 one kernel for every parameter's update). Plan names: stock, arena, with
 ':timed' for cuDNN FindEx search and '/generic' for the fused kernels off
-(caffeplus.kernels; the generic CuPy layers and a per-parameter update). caffeplus's data layers (DummyData, refilled on the host each
-forward as stock Caffe does) run once before timing and are left out of
+(caffeplus.kernels; the generic CuPy layers and a per-parameter update),
+'/nographs' for cuDNN calls made directly instead of replayed as CUDA graphs,
+'/nogroups' for grouped convolutions without the one-call-per-group
+candidates (variants combine with '+': 'arena:timed/nographs+nogroups').
+caffeplus's data layers (DummyData, refilled on the host each forward as
+stock Caffe does) run once before timing and are left out of
 the timed iterations, as the stock-Caffe column of the bench README leaves
 out its `data` layer. Time: median of --iters iterations after --warmup,
 each bracketed by CUDA events. Peak memory: the device's used memory
@@ -82,11 +86,18 @@ def worker_caffeplus(args):
     caffeplus.set_mode_gpu(0)
     mathmode.set_math_mode('tf32' if args.tf32 else 'strict')
     # 'arena:timed/generic': plan arena, FindEx search, fused kernels off
-    # (the generic CuPy layers and a per-parameter update, as before them)
+    # (the generic CuPy layers and a per-parameter update, as before them);
+    # '/nographs': cuDNN calls made directly (no CUDA-graph replays);
+    # '/nogroups': grouped convolutions never timed one call per group
     spec, _, variant = args.plan.partition('/')
     plan, _, search = spec.partition(':')
-    generic = variant == 'generic'
+    variants = set(variant.split('+')) if variant else set()
+    generic = 'generic' in variants
     kernels.set_enabled(not generic)
+    from caffeplus.cudnn import api
+    api.set_graphs('nographs' not in variants)
+    if 'nogroups' in variants:
+        os.environ['CAFFEPLUS_CUDNN_PER_GROUP'] = '0'
     if (search or args.search) == 'timed':
         workspace.set_search('timed')
     os.environ.setdefault('GLOG_minloglevel', '2')
@@ -148,6 +159,7 @@ def worker_caffeplus(args):
                      for n in net.outputs if net._blob_dict[n].count == 1))
     chains = net.__dict__.get('_fused_chains') or []
     return dict(framework='caffeplus', plan=args.plan, net=args.net, tf32=args.tf32,
+                graphs=api.graph_stats(),
                 fused_chains=sum(1 for c in chains if c.fwd_done and c.bwd_done),
                 kernel_failures=kernels.failures(),
                 search=search or args.search, median_ms=statistics.median(times), times_ms=times,

@@ -32,6 +32,8 @@ def main(argv=None):
     ap.add_argument('--warmup', type=int, default=3)
     ap.add_argument('--tf32', action='store_true')
     ap.add_argument('--generic', action='store_true', help='fused kernels off')
+    ap.add_argument('--no-graphs', action='store_true',
+                    help='cuDNN calls made directly, not replayed as CUDA graphs')
     ap.add_argument('--top', type=int, default=12)
     args = ap.parse_args(argv)
 
@@ -45,6 +47,8 @@ def main(argv=None):
     caffeplus.set_mode_gpu(0)
     mathmode.set_math_mode('tf32' if args.tf32 else 'strict')
     kernels.set_enabled(not args.generic)
+    from caffeplus.cudnn import api
+    api.set_graphs(not args.no_graphs)
     workspace.set_search(args.search)
     net = caffeplus.Net(args.net, caffeplus.TRAIN)
     workspace.apply_workspace_plan(net, args.plan, 0)
@@ -117,9 +121,11 @@ def main(argv=None):
             device[key] += cupy.cuda.get_elapsed_time(e0, e1)
         recorded.clear()
     n = args.iters
-    print('net %s plan %s search %s tf32 %s fused %s: %.2f ms/iter on the device, host %.2f ms'
-          % (os.path.basename(args.net), args.plan, args.search, args.tf32, not args.generic,
-             total_dev / n, total_host * 1000 / n))
+    print('net %s plan %s search %s tf32 %s fused %s graphs %s: %.2f ms/iter on the device, '
+          'host %.2f ms' % (os.path.basename(args.net), args.plan, args.search, args.tf32,
+                            not args.generic, not args.no_graphs, total_dev / n,
+                            total_host * 1000 / n))
+    print('cuDNN graph replays: %s' % api.graph_stats())
     by_type = collections.defaultdict(lambda: collections.defaultdict(float))
     counts = collections.Counter()
     for i, layer in enumerate(net.layers):

@@ -2,10 +2,15 @@
 
     strict         (default) true FP32: cuDNN convolutions with
                    CUDNN_FMA_MATH (no tensor cores), CuPy/cuBLAS matmuls with
-                   the default (non-TF32) compute type.
-    tf32           TF32 tensor cores allowed: cuDNN TENSOR_OP_MATH, CuPy's
-                   float32 compute type COMPUTE_TYPE_TF32 (what CUPY_TF32=1
-                   selects). About 3e-4 relative error instead of 1e-6.
+                   the default (non-TF32) compute type, caffeplus.backend.blas
+                   GEMMs (InnerProduct) with CUBLAS_COMPUTE_32F.
+    tf32           TF32 tensor cores allowed: cuDNN algorithms searched under
+                   TENSOR_OP_MATH and each run with the math type cuDNN found
+                   it with (DEFAULT or TENSOR_OP, both TF32-capable; layers/
+                   cudnn.py _ConvDescs.conv_for), CuPy's float32 compute type
+                   COMPUTE_TYPE_TF32 (what CUPY_TF32=1 selects), blas GEMMs
+                   with CUBLAS_COMPUTE_32F_FAST_TF32 (bias sums stay FP32).
+                   About 3e-4 relative error instead of 1e-6.
     deterministic  strict, and only convolution algorithms cuDNN reports as
                    deterministic (bit-identical runs); MAX pooling uses
                    CUDNN_POOLING_MAX_DETERMINISTIC.

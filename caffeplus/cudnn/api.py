@@ -2,8 +2,19 @@
 
 Descriptors are owned objects: created in __init__, destroyed when the owner
 lets go of them (layers build them at reshape, never per call).
+
+Replays: cuDNN 9's legacy calls cost 30-150 us of host time each inside
+cuDNN (measured on an H100 with the arguments built once: an empty ctypes
+call costs 0.2 us), often more than the kernels they launch, so a net of
+small convolutions (GoogLeNet) waits on the host. A layer therefore hands
+each group of its cuDNN calls to a Replays object with a key naming
+everything the launch depends on (device pointers, algorithms, workspace,
+scalars); the second time a key comes, its calls are captured into a CUDA
+graph, which from then on is launched instead (a few microseconds), the
+same kernels with the same arguments.
 """
 import ctypes
+import os
 
 from caffeplus.cudnn.lib import BwdDataPerf, BwdFilterPerf, FwdPerf, call, library
 
@@ -179,19 +190,24 @@ _KIND = {
 
 
 class AlgoChoice:
-    """One candidate algorithm of one call site: id, workspace bytes, time."""
-    __slots__ = ('kind', 'algo', 'memory', 'time', 'deterministic', 'math')
+    """One candidate algorithm of one call site: id, workspace bytes, time,
+    the math type cuDNN ran it with (the convolution descriptor must carry
+    that type when the algorithm runs) and the variant: 0 for one call over
+    all groups, 1 for one call per group (a grouped convolution)."""
+    __slots__ = ('kind', 'algo', 'memory', 'time', 'deterministic', 'math', 'variant')
 
-    def __init__(self, kind, algo, memory, time, deterministic, math):
+    def __init__(self, kind, algo, memory, time, deterministic, math, variant=0):
         self.kind, self.algo, self.memory, self.time = kind, algo, memory, time
-        self.deterministic, self.math = deterministic, math
+        self.deterministic, self.math, self.variant = deterministic, math, variant
 
     @property
     def name(self):
         return _KIND[self.kind][4][self.algo]
 
     def __repr__(self):
-        return '<%s %s ws=%d t=%.3fms>' % (self.kind, self.name, self.memory, self.time)
+        return '<%s %s%s math=%d ws=%d t=%.3fms>' % (
+            self.kind, self.name, '/per-group' if self.variant else '', self.math, self.memory,
+            self.time)
 
 
 def _descs(kind, x, w, conv, y):
@@ -203,10 +219,12 @@ def _descs(kind, x, w, conv, y):
     return (x, y, conv, w)
 
 
-def heuristic_algorithms(kind, x, w, conv, y):
-    """Candidates from cuDNN's heuristics (no timing), best first."""
+def heuristic_algorithms(kind, x, w, conv, y, conv_for_math=None):
+    """Candidates from cuDNN's heuristics (no timing), best first. Each
+    candidate's workspace is asked for under its own math type, through
+    conv_for_math(math) -> ConvDesc where given."""
     get_name, _, ws_name, perf_t, _ = _KIND[kind]
-    count = ALGO_COUNTS[kind]
+    count = 2 * ALGO_COUNTS[kind]       # room for each algorithm under two math types
     perfs = (perf_t * count)()
     returned = ctypes.c_int()
     h = handle()
@@ -216,7 +234,8 @@ def heuristic_algorithms(kind, x, w, conv, y):
     for p in perfs[:returned.value]:
         if p.status != 0:
             continue
-        out.append(AlgoChoice(kind, p.algo, workspace_size(kind, x, w, conv, y, p.algo),
+        c = conv if conv_for_math is None else conv_for_math(p.mathType)
+        out.append(AlgoChoice(kind, p.algo, workspace_size(kind, x, w, c, y, p.algo),
                               p.time, p.determinism == DETERMINISTIC, p.mathType))
     return out
 
@@ -225,7 +244,7 @@ def timed_algorithms(kind, x, w, conv, y, xa, wa, ya, workspace, workspace_bytes
     """Candidates timed by cuDNN on real buffers (FindEx), fastest first.
     Writes into the output buffer (ya for fwd, xa for bwd_data, wa for bwd_filter)."""
     _, find_name, _, perf_t, _ = _KIND[kind]
-    count = ALGO_COUNTS[kind]
+    count = 2 * ALGO_COUNTS[kind]
     perfs = (perf_t * count)()
     returned = ctypes.c_int()
     h = handle()
@@ -318,3 +337,106 @@ def lrn_forward(lrn, x, xa, ya):
 def lrn_backward(lrn, x, ya, dya, xa, dxa):
     call('cudnnLRNCrossChannelBackward', handle().value, lrn.value, LRN_CROSS_CHANNEL, ONE,
          x.value, ptr(ya), x.value, ptr(dya), x.value, ptr(xa), ZERO, x.value, ptr(dxa))
+
+
+# -- CUDA-graph replays of cuDNN calls --------------------------------------------
+_graphs = {'on': None, 'streams': {}, 'captured': 0, 'failed': 0, 'launched': 0}
+
+
+def graphs_enabled():
+    """Replays on (the default) unless CAFFEPLUS_CUDNN_GRAPHS=0 or set_graphs(False)."""
+    on = _graphs['on']
+    if on is None:
+        on = _graphs['on'] = os.environ.get('CAFFEPLUS_CUDNN_GRAPHS', '1').strip().lower() \
+            not in ('0', 'off', 'false', 'no')
+    return on
+
+
+def set_graphs(on):
+    """Turn replays on or off (None: back to the environment); returns the previous state."""
+    previous = graphs_enabled()
+    _graphs['on'] = None if on is None else bool(on)
+    return previous
+
+
+def graph_stats():
+    """{'captured', 'failed', 'launched'} since the process started (tests, profiles)."""
+    return {k: _graphs[k] for k in ('captured', 'failed', 'launched')}
+
+
+_BUSY = object()
+
+
+def _capture(issue):
+    """issue()'s calls captured into a CUDA graph on a side stream; None if
+    they cannot be (the caller runs them directly), _BUSY if the current
+    stream is itself capturing (the calls belong in that capture)."""
+    import cupy
+    try:
+        if cupy.cuda.get_current_stream().is_capturing():
+            return _BUSY
+    except Exception:
+        return _BUSY
+    dev = cupy.cuda.runtime.getDevice()
+    stream = _graphs['streams'].get(dev)
+    if stream is None:
+        stream = _graphs['streams'][dev] = cupy.cuda.Stream(non_blocking=True)
+    graph = None
+    try:
+        with stream:        # handle() binds cuDNN to the capturing stream
+            stream.begin_capture()      # relaxed mode: other threads' calls stay legal
+            try:
+                issue()
+            finally:
+                graph = stream.end_capture()
+    except Exception:       # not capturable (or a real error: the direct call raises it)
+        _graphs['failed'] += 1
+        return None
+    _graphs['captured'] += 1
+    return graph
+
+
+class Replays:
+    """The CUDA graphs of one owner's cuDNN calls (see the module's docstring).
+
+    run(key, issue): issue() makes the calls through handle(); `key` holds
+    every value the calls read (pointers, algorithms, workspace, scalars)
+    beside the owner's descriptors, which never change once built (a new
+    geometry makes a new owner). A key seen once runs directly; the second
+    time it is captured and launched; then launched. At most MAX graphs are
+    kept (the oldest goes); an owner whose calls do not capture runs them
+    directly from then on."""
+    MAX = 8
+    __slots__ = ('graphs', 'seen', 'off')
+
+    def __init__(self):
+        self.graphs = {}
+        self.seen = set()
+        self.off = False
+
+    def run(self, key, issue):
+        if not (_graphs['on'] if _graphs['on'] is not None else graphs_enabled()) or self.off:
+            return issue()
+        graph = self.graphs.get(key)
+        if graph is None:
+            if key not in self.seen:
+                if len(self.seen) >= 4 * self.MAX:
+                    self.seen.clear()
+                self.seen.add(key)
+                return issue()
+            graph = _capture(issue)
+            if graph is None:
+                self.off = True
+                return issue()
+            if graph is _BUSY:
+                return issue()
+            self.seen.discard(key)
+            if len(self.graphs) >= self.MAX:
+                del self.graphs[next(iter(self.graphs))]
+            self.graphs[key] = graph
+        graph.launch()
+        _graphs['launched'] += 1
+
+    def clear(self):
+        self.graphs.clear()
+        self.seen.clear()
