@@ -25,8 +25,9 @@ already keep:
   LRN WITHIN_CHANNEL (cuDNN LCN) tempData1, 2    bottom, float32 each always
   Eltwise MAX, one top           max_idx_        top, int32           always
 
-("always": every forward touches it; "backward": the layer runs backward,
-net.layer_need_backward.) Left out: per-channel and per-sample vectors (a
+("always": every forward touches it; "backward": the layer runs backward:
+net.layer_need_backward, in a net that trains: TRAIN phase or
+force_backward.) Left out: per-channel and per-sample vectors (a
 BatchNorm's mean_/variance_/num_by_chans_, the multipliers; under 0.1% of
 any bench net), engine: CAFFE convolutions' col_buffer_, and LRN
 WITHIN_CHANNEL with engine CAFFE (a sub-net of five layers).
@@ -45,11 +46,15 @@ Who holds each buffer (Caffe1Buffer.holder):
             the generic LRN's scale): counted, nothing allocated.
   'caffe1'  attach() allocates it, zero-filled, on the layer
             (layer._caffe1_buffers). Where our layer has a buffer of the same
-            role (Caffe1Buffer.adopt: BatchNorm's normalized copy `_xn_buf`,
-            an in-place Scale's bottom copy `_keep_buf`, max pooling's int32
-            argmax `_arg_buf`, Dropout's mask `mask_buffer`), the layer is
-            handed Caffe's buffer and computes in it instead of its own, so
-            nothing is held twice.
+            role, the layer is handed Caffe's buffer and computes in it
+            instead of its own, so nothing is held twice: through the
+            attribute Caffe1Buffer.adopt names (BatchNorm's normalized copy
+            `_xn_buf`, an in-place Scale's bottom copy `_keep_buf`, max
+            pooling's int32 argmax `_arg_buf`, Dropout's `mask_buffer`), and,
+            for layers that declare what they keep (`internal_buffers()`,
+            caffeplus.memory.scratch), as the kept buffer Caffe1Buffer.role
+            names (x_norm, bottom_copy, argmax, mask), viewed in the declared
+            dtype when it fits in Caffe's bytes.
 
 The estimator (caffeplus.memory.workspace_model) counts, for `stock`,
 own_bytes(net) + extra_bytes(net): exactly what these buffers hold.
@@ -64,11 +69,12 @@ from caffeplus.proto import caffe_pb2
 
 CUDNN_LRN_MAX_N = 16        # Caffe 1.0 runs LRN through cuDNN up to this local_size
 ATTR = '_caffe1_buffers'    # where a layer holds what attach() allocated: {name: array}
-ADOPTED = '_caffe1_adopted'  # {layer attribute: array} handed to the layer's own code
+ADOPTED = '_caffe1_adopted'  # {layer attribute or ('kept', name): array} lent to the layer
+KEPT = '_scratch_own'        # caffeplus.memory.scratch: a layer's own kept buffers {name: array}
 HANDLE = '_caffe1_handle'    # the cuDNN handle a layer holds as Caffe's does
 
 Caffe1Buffer = collections.namedtuple(
-    'Caffe1Buffer', 'layer_index layer name shape dtype nbytes holder adopt')
+    'Caffe1Buffer', 'layer_index layer name shape dtype nbytes holder adopt role')
 
 
 def _count(shape):
@@ -78,13 +84,13 @@ def _count(shape):
     return n
 
 
-def _buffer(i, layer, name, shape, dtype, holder='caffe1', adopt=None):
+def _buffer(i, layer, name, shape, dtype, holder='caffe1', adopt=None, role=None):
     shape = tuple(int(d) for d in shape)
     dtype = numpy.dtype(dtype)
     if adopt is not None and not hasattr(type(layer), adopt):
         adopt = None            # this class has no buffer of that role
     return Caffe1Buffer(i, layer.layer_param.name, name, shape, dtype.name,
-                        _count(shape) * dtype.itemsize, holder, adopt)
+                        _count(shape) * dtype.itemsize, holder, adopt, role)
 
 
 def _engine(layer):
@@ -93,11 +99,21 @@ def _engine(layer):
 
 
 # -- Caffe 1.0's rules, one function per layer type ---------------------------------
+def _runs_backward(net, i):
+    """Whether layer i's backward runs: it needs one and the net trains (TRAIN
+    phase or force_backward, as the memory plans assume; a TEST net's
+    backward never runs under a solver)."""
+    trains = net.phase == caffe_pb2.TRAIN or bool(getattr(net.net_param, 'force_backward',
+                                                          False))
+    return trains and bool(net.layer_need_backward[i])
+
+
 def _batch_norm(net, i, layer):
     bottom, top = net.bottom_vecs[i][0], net.top_vecs[i][0]
     out = [_buffer(i, layer, 'temp_', bottom.shape, numpy.float32),
-           _buffer(i, layer, 'x_norm_', bottom.shape, numpy.float32, adopt='_xn_buf')]
-    if bottom is top and net.layer_need_backward[i]:
+           _buffer(i, layer, 'x_norm_', bottom.shape, numpy.float32, adopt='_xn_buf',
+                   role='x_norm')]
+    if bottom is top and _runs_backward(net, i):
         # In place, Backward_gpu copies the top diff here before overwriting it.
         out.append(_buffer(i, layer, 'x_norm_.diff', bottom.shape, numpy.float32))
     return out
@@ -107,7 +123,8 @@ def _scale(net, i, layer):
     bottom, top = net.bottom_vecs[i][0], net.top_vecs[i][0]
     if bottom is not top:
         return []
-    return [_buffer(i, layer, 'temp_', bottom.shape, numpy.float32, adopt='_keep_buf')]
+    return [_buffer(i, layer, 'temp_', bottom.shape, numpy.float32, adopt='_keep_buf',
+                    role='bottom_copy')]
 
 
 def _pooling(net, i, layer):
@@ -116,7 +133,8 @@ def _pooling(net, i, layer):
     top = net.top_vecs[i]
     if pool == P.MAX and len(top) == 1:
         # layer_factory: MAX pooling always runs Caffe's own PoolingLayer.
-        return [_buffer(i, layer, 'max_idx_', top[0].shape, numpy.int32, adopt='_arg_buf')]
+        return [_buffer(i, layer, 'max_idx_', top[0].shape, numpy.int32, adopt='_arg_buf',
+                        role='argmax')]
     if pool == P.STOCHASTIC and layer.phase == caffe_pb2.TRAIN:
         return [_buffer(i, layer, 'rand_idx_', top[0].shape, numpy.float32)]
     return []
@@ -126,7 +144,7 @@ def _dropout(net, i, layer):
     if layer.phase != caffe_pb2.TRAIN:
         return []
     return [_buffer(i, layer, 'rand_vec_', net.bottom_vecs[i][0].shape, numpy.uint32,
-                    adopt='mask_buffer')]
+                    adopt='mask_buffer', role='mask')]
 
 
 def _softmax_loss(net, i, layer):
@@ -267,6 +285,8 @@ def attach(net, handles=True, xp=None):
             if b.adopt is not None:
                 setattr(layer, b.adopt, array)
                 layer.__dict__.setdefault(ADOPTED, {})[b.adopt] = array
+            if b.role is not None:
+                _lend_kept(layer, b.role, array)
             total += b.nbytes
         made = _create_handles(net) if handles else 0
     except Exception:
@@ -275,6 +295,26 @@ def attach(net, handles=True, xp=None):
     log.info('Stock plan: %d bytes of Caffe 1.0 layer buffers, %d cuDNN handles of layers '
              'other than convolution', total, made)
     return total
+
+
+def _declared(layer):
+    """{name: (count, dtype)} the layer declares it keeps (caffeplus.memory.scratch)."""
+    fn = getattr(layer, 'internal_buffers', None)
+    return fn() if callable(fn) else {}
+
+
+def _lend_kept(layer, role, array):
+    """Make `array` the layer's own kept buffer `role`, in the dtype the layer
+    declares for it, when the layer declares one that fits in its bytes."""
+    want = _declared(layer).get(role)
+    if want is None:
+        return
+    count, dtype = int(want[0]), numpy.dtype(want[1])
+    if count * dtype.itemsize > array.nbytes or array.nbytes % dtype.itemsize:
+        return
+    view = array.view(dtype)            # 1-D and contiguous: a reinterpretation
+    layer.__dict__.setdefault(KEPT, {})[role] = view
+    layer.__dict__.setdefault(ADOPTED, {})[('kept', role)] = view
 
 
 def _create_handles(net):
@@ -315,6 +355,10 @@ def detach(net):
     for layer in net.layers:
         layer.__dict__.pop(ATTR, None)
         layer.__dict__.pop(HANDLE, None)        # cudnnDestroy when collected
-        for attr, array in (layer.__dict__.pop(ADOPTED, None) or {}).items():
-            if layer.__dict__.get(attr) is array:   # not replaced by the layer since
-                del layer.__dict__[attr]            # back to the class default (None)
+        kept = layer.__dict__.get(KEPT) or {}
+        for key, array in (layer.__dict__.pop(ADOPTED, None) or {}).items():
+            if isinstance(key, tuple):              # ('kept', name)
+                if kept.get(key[1]) is array:
+                    del kept[key[1]]                # the layer allocates its own again
+            elif layer.__dict__.get(key) is array:  # not replaced by the layer since
+                del layer.__dict__[key]             # back to the class default (None)
