@@ -18,8 +18,8 @@ import numpy
 from caffeplus import backend
 from caffeplus.blob import Blob, same_data as _same_data, same_diff as _same_diff
 from caffeplus.fillers import fill_array
-from caffeplus.functions import keep_copy as _keep_copy
 from caffeplus.layer import Layer, layer_error, register
+from caffeplus.memory import scratch
 from caffeplus.proto import caffe_pb2
 
 F32 = numpy.float32
@@ -27,6 +27,15 @@ F32 = numpy.float32
 
 def _xp(a):
     return backend.get_array_module(a)
+
+
+def keep_in(layer, name, x):
+    """A copy of x in the layer's kept buffer `name` (its own, or the memory
+    plan's view: caffeplus.memory.scratch)."""
+    buf = scratch.get(layer, name, x.size, x.dtype, backend.get_array_module(x))
+    buf = buf.reshape(x.shape)
+    buf[...] = x
+    return buf
 
 
 def _fail(layer, message):
@@ -110,6 +119,12 @@ class BatchNormLayer(Layer):
             _fail(self, 'bottom has %d channels but the statistics have %d'
                   % (self._channels(bottom[0]), self.blobs[0].count))
         top[0].reshape(bottom[0].shape)
+        self._kept = {} if self.use_global_stats else {'x_norm': (top[0].count, F32)}
+
+    def internal_buffers(self):
+        """The normalized output, kept for backward (in place, later layers
+        overwrite the top); placed by the memory plan (caffeplus.memory.scratch)."""
+        return getattr(self, '_kept', {})
 
     def _dims(self, blob):
         n = blob.shape[0]
@@ -144,7 +159,7 @@ class BatchNormLayer(Layer):
         std = xp.sqrt(var + self.eps)
         y /= std.reshape(1, c, 1)
         self._std = std
-        self._x_norm = None if self.use_global_stats else _keep_copy(self._x_norm, y)
+        self._x_norm = None if self.use_global_stats else keep_in(self, 'x_norm', y)
 
     def _backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
@@ -370,6 +385,13 @@ class ScaleLayer(Layer):
             self.bias_dims = _broadcast_dims(self, bottom[0], self.blobs[self.bias_param_id],
                                              p.axis, 'scale_param', 'bias')
         top[0].reshape(bottom[0].shape)
+        copies = _same_data(bottom[0], top[0]) and (len(bottom) > 1 or
+                                                     self.param_needs_backward(0))
+        self._kept = {'bottom_copy': (bottom[0].count, F32)} if copies else {}
+
+    def internal_buffers(self):
+        """In place, the bottom the scale gradient needs (caffeplus.memory.scratch)."""
+        return getattr(self, '_kept', {})
 
     def _scale_blob(self, bottom):
         return bottom[1] if len(bottom) > 1 else self.blobs[0]
@@ -380,7 +402,7 @@ class ScaleLayer(Layer):
         xp = _xp(x)
         if _same_data(bottom[0], top[0]) and (len(bottom) > 1 or self.param_needs_backward(0)):
             # In place: the scale gradient needs the bottom that is overwritten now.
-            self._bottom_copy = _keep_copy(self._bottom_copy, x)
+            self._bottom_copy = keep_in(self, 'bottom_copy', x)
         else:
             self._bottom_copy = None
         y = top[0].data.reshape(outer, dim, inner)

@@ -19,6 +19,7 @@ from caffeplus.im2col import (ConvGeometry, FLOAT, batch_chunks, conv_backward, 
                               im2col_backward, im2col_forward, scratch)
 from caffeplus.blob import Blob
 from caffeplus.layer import Layer, register
+from caffeplus.memory import scratch as kept_buffers
 from caffeplus.proto import caffe_pb2
 
 FLT_MAX = float(numpy.finfo(numpy.float32).max)
@@ -722,7 +723,7 @@ def clip_pool_geometry(x_hw, geom, out_hw):
 class _Pool:
     """One pooling operation with its size rule and internal argmax state."""
 
-    def __init__(self, layer, pp, x_shape):
+    def __init__(self, layer, pp, x_shape, kept_name='argmax'):
         if len(x_shape) != 4:
             _fail(layer, 'input must have 4 axes, corresponding to (num, channels, height, '
                   'width), got shape %s' % (x_shape,))
@@ -748,13 +749,26 @@ class _Pool:
         self.x_shape = tuple(x_shape)
         self.out_shape = tuple(x_shape[:2]) + (oh, ow)
         self.arg = None
+        self.layer = layer
+        self.kept_name = kept_name      # the layer's kept buffer for the argmax
+
+    def kept(self):
+        """{name: (count, dtype)}: the argmax MAX/STOCHASTIC keep for backward."""
+        if self.method not in (MAX, STOCHASTIC):
+            return {}
+        count = 1
+        for d in self.out_shape:
+            count *= int(d)
+        return {self.kept_name: (count,
+                                 _arg_dtype(self.geom.kernel[0] * self.geom.kernel[1] + 1))}
 
     def forward(self, x, y, train):
         xp = backend.get_array_module(x)
         if self.method in (MAX, STOCHASTIC):
-            if self.arg is None or self.arg.shape != y.shape or \
-                    backend.get_array_module(self.arg) is not xp:
-                self.arg = new_arg(xp, y.shape, self.geom)
+            # The layer's kept buffer: its own, or the memory plan's view.
+            count, dtype = self.kept()[self.kept_name]
+            self.arg = kept_buffers.get(self.layer, self.kept_name, count, dtype,
+                                        xp).reshape(y.shape)
         return pool_forward(self.method, x, self.geom, y, self.arg, train)
 
     def backward(self, dy, dx):
@@ -792,6 +806,10 @@ class PoolingLayer(Layer):
         self.pool = _Pool(self, self.layer_param.pooling_param, bottom[0].shape)
         for t in top:
             t.reshape(self.pool.out_shape)
+
+    def internal_buffers(self):
+        """MAX pooling's argmax, kept for backward (caffeplus.memory.scratch)."""
+        return self.pool.kept() if self.pool is not None else {}
 
     def _forward(self, bottom, top):
         self.pool.forward(bottom[0].data, top[0].data, self.phase == caffe_pb2.TRAIN)
@@ -849,12 +867,20 @@ class SPPLayer(Layer):
         if h <= 0 or w <= 0:
             _fail(self, 'input dimensions cannot be zero')
         pool = self.layer_param.spp_param.pool
-        self.pools = [_Pool(self, spp_pooling_param(l, h, w, pool), b.shape)
+        self.pools = [_Pool(self, spp_pooling_param(l, h, w, pool), b.shape,
+                            kept_name='argmax%d' % l)
                       for l in range(self.height_levels)]
         if self.height_levels == 1:
             top[0].reshape(self.pools[0].out_shape)
         else:
             top[0].reshape((n, sum(_prod(p.out_shape[1:]) for p in self.pools)))
+
+    def internal_buffers(self):
+        """Each level's argmax, kept for backward (caffeplus.memory.scratch)."""
+        out = {}
+        for p in getattr(self, 'pools', None) or ():
+            out.update(p.kept())
+        return out
 
     def _forward(self, bottom, top):
         x = bottom[0].data

@@ -304,3 +304,37 @@ def test_within_headroom_trades_a_little_time_for_the_peak():
     # Heuristic candidates carry no times: keep the fastest.
     untimed = [Timed(1, 900, -1), Timed(2, 0, -1)]
     assert within_headroom(untimed, untimed[0], 10) is untimed[0]
+
+
+# -- buffers layers keep from forward to backward (caffeplus.memory.scratch) -----------------
+def test_kept_layer_buffers_are_placed_with_their_lifetimes():
+    from caffeplus.memory import scratch
+    net = build('shared')
+    applied = net.applied_plan
+    L = len(net.layers)
+    pool = net._layer_names.index('pool')
+    assert scratch.declared(net.layers[pool]) == {'argmax': (4 * 8 * 8 * 8, numpy.dtype('int8'))}
+    view = applied.internal_views[pool]['argmax']
+    assert net.layers[pool]._scratch_views['argmax'] is view
+    base = applied.arena.ctypes.data
+    lo = view.ctypes.data - base
+    hi = lo + view.nbytes
+    # Live from the pooling's forward to its backward: no buffer live then shares its bytes.
+    for e in applied.entries:
+        for life in e.lives:
+            if life.end < pool or life.start > 2 * L - 1 - pool:
+                continue
+            assert life.offset + life.buf.nbytes <= lo or hi <= life.offset, e.name
+    # Training through the placed argmax is bit-identical to stock.
+    ref = train(build('stock'))
+    net = build('shared')
+    got = train(net)
+    assert got[0] == ref[0]
+    for a, b in zip(got[1], ref[1]):
+        assert numpy.array_equal(a, b)
+    # Without the plan the layer keeps a buffer of its own again.
+    from caffeplus.memory.apply import remove_plan
+    remove_plan(net)
+    assert net.layers[pool]._scratch_views == {}
+    net.forward_prefilled()
+    assert net.layers[pool]._scratch_own['argmax'].size == 4 * 8 * 8 * 8

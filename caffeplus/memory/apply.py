@@ -43,7 +43,7 @@ import numpy
 from caffeplus import backend, log
 from caffeplus.blob import HEAD_DEVICE, HEAD_HOST
 from caffeplus.errors import CaffeplusError
-from caffeplus.memory import liveness, placement
+from caffeplus.memory import liveness, placement, scratch
 from caffeplus.memory.plan import PLANS, check_plan_name, make_plan
 
 FLOAT_BYTES = liveness.FLOAT_BYTES
@@ -191,6 +191,8 @@ class AppliedPlan:
         self.runtime = None
         self.pause = None           # the step after which the last pass stopped
         self.workspace_bytes = 0    # of the arena: the placed workspace views
+        self.internals = {}
+        self.internal_views = {}
         self.replans = 0
         self._build(plan)
 
@@ -217,8 +219,8 @@ class AppliedPlan:
         by_storage = {}
         offloaded = set(plan.offloaded)
         for buf in plan.buffers:
-            if buf.kind == 'workspace':
-                continue        # the real workspace comes from self.workspace's choices
+            if buf.kind in ('workspace', 'internal'):
+                continue        # the real ones come from the layers (self.workspace, scratch)
             blob = blobs[buf.blobs[0]]
             storage = blob.data_storage if buf.kind == 'data' else blob.diff_storage
             if id(storage) in params:
@@ -243,7 +245,8 @@ class AppliedPlan:
         bufs = [liveness.Buffer(('life', i), 'x', (), life.buf.nbytes, life.start, life.end)
                 for i, life in enumerate(placed)]
         ws_bufs = self._workspace_buffers(bufs)
-        offsets, arena_bytes = placement.place(bufs + ws_bufs)
+        kept_bufs = self._internal_buffers()
+        offsets, arena_bytes = placement.place(bufs + ws_bufs + kept_bufs)
         self.arena_bytes = arena_bytes
         self.arena = xp.zeros(max(arena_bytes // FLOAT_BYTES, 1), dtype=numpy.float32)
         for b, life in zip(bufs, placed):
@@ -251,8 +254,14 @@ class AppliedPlan:
             lo = life.offset // FLOAT_BYTES
             life.view = self.arena[lo:lo + life.buf.nbytes // FLOAT_BYTES]
         self._place_workspace(ws_bufs, offsets)
+        self._place_internals(kept_bufs, offsets)
+        # Bytes the workspace views and kept buffers take from their first
+        # step: the offload runtime lets them land only after the copies
+        # out of an offloaded feature map that lay there have read it.
+        self.extra_regions = [(b.start, offsets[b.key], b.nbytes) for b in ws_bufs + kept_bufs]
         from caffeplus.memory.plan import shares_at_peak
-        typed = [b._replace(kind=life.buf.kind) for b, life in zip(bufs, placed)] + ws_bufs
+        typed = [b._replace(kind=life.buf.kind) for b, life in zip(bufs, placed)] + ws_bufs + \
+            kept_bufs
         self.shares = shares_at_peak(typed, self.steps)
         for e in entries:
             if e.persistent:
@@ -313,6 +322,42 @@ class AppliedPlan:
             views[(id(layers[layer_name]), pass_kind)] = (base + offsets[b.key], b.nbytes)
         ws.set_views(views)
         self.workspace_bytes = sum(b.nbytes for b in ws_bufs)
+
+    # -- buffers layers keep from forward to backward (caffeplus.memory.scratch) -------
+    def _internal_buffers(self):
+        net = self.net
+        self.internals = {}         # layer index -> {name: (count, dtype)}
+        for i, layer in enumerate(net.layers):
+            declared = scratch.declared(layer)
+            if declared:
+                self.internals[i] = declared
+        sizes = {i: {name: scratch.nbytes(c, d) for name, (c, d) in named.items()}
+                 for i, named in self.internals.items()}
+        return liveness.internal_buffers(net, sizes, self.training)
+
+    def _place_internals(self, kept_bufs, offsets):
+        net = self.net
+        views = {}
+        for b in kept_bufs:
+            _, layer_name, name = b.key
+            i = net._layer_names.index(layer_name)
+            count, dtype = self.internals[i][name]
+            views.setdefault(i, {})[name] = scratch.view_of(self.arena, offsets[b.key],
+                                                            count, dtype)
+        for i, layer in enumerate(net.layers):
+            if i in views or scratch.VIEWS in layer.__dict__:
+                scratch.set_views(layer, views.get(i, {}))
+        self.internal_views = views
+
+    def _internals_outgrown(self):
+        net = self.net
+        for i, layer in enumerate(net.layers):
+            have = getattr(self, 'internal_views', {}).get(i, {})
+            for name, (count, dtype) in scratch.declared(layer).items():
+                view = have.get(name)
+                if view is None or view.size < count or view.dtype != dtype:
+                    return True
+        return False
 
     def _set_workspace_pass(self, pass_kind, start):
         """Before a pass: the views it checks out; placed again first if the
@@ -389,6 +434,10 @@ class AppliedPlan:
             if arr is not None and any(arr is life.view for life in e.lives):
                 st.array = arr.copy() if copy else None
         self.entries = []
+        for layer in self.net.layers if self.net is not None else ():
+            if scratch.VIEWS in layer.__dict__:
+                scratch.set_views(layer, {})
+        self.internal_views = {}
         self.arena = None
 
     def relayout(self, lookahead_steps=None, replan=False, preserve=False):
@@ -406,6 +455,11 @@ class AppliedPlan:
                 if e.valid is not None and e.storage.array is not None:
                     index = None if e.valid is ANY else e.lives.index(e.valid)
                     kept[id(e.storage)] = (e.storage.array, index)
+        kept_internals = {}
+        if preserve:
+            for i, named in getattr(self, 'internal_views', {}).items():
+                for name, view in named.items():
+                    kept_internals[(i, name)] = view.copy()
         runtime_state = self.runtime.state_for_relayout() if self.runtime is not None else None
         if self.runtime is not None:
             self.runtime.close()
@@ -430,12 +484,19 @@ class AppliedPlan:
             life.view[:n] = array[:n]
             e.storage.array = life.view
             e.valid = ANY if index is None else life
+        for (i, name), old in kept_internals.items():
+            view = self.internal_views.get(i, {}).get(name)
+            if view is not None and view.dtype == old.dtype:
+                n = min(view.size, old.size)
+                view[:n] = old[:n]
         if runtime_state is not None and self.runtime is not None:
             self.runtime.restore_after_relayout(runtime_state)
         self.replans += 1
 
     def _outgrown(self):
         if backend.xp() is not self.xp:
+            return True
+        if self._internals_outgrown():
             return True
         for e in self.entries:
             if e.needed() > e.capacity():

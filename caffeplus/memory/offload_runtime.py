@@ -285,16 +285,21 @@ class OffloadRuntime:
         self.consume_at = [[] for _ in range(steps)]
         self.wait_copied_at = [[] for _ in range(steps)]
         lives = [life for e in self.applied.entries for life in e.lives]
+        # Every region that starts being written at some step: buffer lives,
+        # and the workspace views and kept layer buffers placed beside them.
+        regions = [(z.start, z.offset, z.buf.nbytes, z) for z in lives] + \
+            [(start, offset, nbytes, None)
+             for start, offset, nbytes in getattr(self.applied, 'extra_regions', ())]
         for it in self.items:
             self.out_at[it.last_fwd].append(it)
             self.consume_at[it.first_back].append(it)
             lo, hi = it.F.offset, it.F.offset + _align(it.F.buf.nbytes)
-            for z in lives:
-                if z is it.F or z.start <= it.last_fwd or z.start >= steps:
+            for start, offset, nbytes, z in regions:
+                if z is it.F or start <= it.last_fwd or start >= steps:
                     continue
-                zlo, zhi = z.offset, z.offset + _align(z.buf.nbytes)
-                if zlo < hi and lo < zhi:
-                    self.wait_copied_at[z.start].append(it)
+                zlo, zhi = offset, offset + _align(nbytes)
+                if zlo < hi and lo < zhi and it not in self.wait_copied_at[start]:
+                    self.wait_copied_at[start].append(it)
         self.by_bstart = sorted(self.items, key=lambda it: it.bstart)
 
     # -- hooks ----------------------------------------------------------------------
