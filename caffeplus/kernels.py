@@ -838,6 +838,14 @@ def flat(blob, diff=False):
     return a if type(a) is nd else None
 
 
+def array_module():
+    """The module of the kernels' arrays: CuPy, or NumPy when emulating."""
+    if _state['emulator'] is not None:
+        return numpy
+    import cupy
+    return cupy
+
+
 def empty(count, dtype=numpy.float32):
     """A scratch array of `count` values (float32, or `dtype`) on the device."""
     if _state['emulator'] is not None:

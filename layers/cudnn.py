@@ -33,6 +33,7 @@ from caffeplus.backend import mathmode
 from caffeplus.cudnn import api
 from caffeplus.errors import CaffeplusError
 from caffeplus.layer import register_engine
+from caffeplus.memory import scratch
 from caffeplus.layers.common import (ConcatLayer, EltwiseLayer, InnerProductLayer, SoftmaxLayer,
                                      SplitLayer)
 from caffeplus.layers.neuron import ELULayer, ReLULayer, SigmoidLayer, TanHLayer
@@ -632,6 +633,13 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
     _arg_buf = None
     _fused_arg = False
 
+    def internal_buffers(self):
+        """On the GPU, MAX pooling's kernel keeps an int32 argmax for backward."""
+        pool = self.pool
+        if pool is not None and pool.method == MAX and self._gpu_mode():
+            return {'argmax': (_prod(pool.out_shape), numpy.int32)}
+        return super().internal_buffers()
+
     def _pool_args(self):
         from caffeplus import kernels as K
         pool = self.pool
@@ -653,10 +661,9 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
         count = _prod(pool.out_shape)
         arg = y
         if pool.method == MAX:
-            if self._arg_buf is None or self._arg_buf.size < count or \
-                    not K.is_device(self._arg_buf):
-                self._arg_buf = K.empty(count, numpy.int32)
-            arg = self._arg_buf
+            # The kept argmax: the memory plan's view, else the layer's own.
+            self._arg_buf = arg = scratch.get(self, 'argmax', count, numpy.int32,
+                                              K.array_module())
         K.kernel('cp_pool_fwd')(K.elementwise_grid(count * K.UNROLL), (K.ELEMENTWISE_THREADS,),
                                 (x, y, arg) + self._pool_args())
         if pool.method == MAX:
@@ -950,6 +957,12 @@ def _fused(what, fn, *args):
         return False
 
 
+def _base_address(array):
+    """Where an array's data starts (CuPy or NumPy): a view's identity."""
+    data = array.data
+    return int(data.ptr) if hasattr(data, 'ptr') else array.__array_interface__['data'][0]
+
+
 def _view(buf, shape):
     """A cached view of buffer `buf` with `shape` (rebuilt when either changes)."""
     return buf[:_prod(shape)].reshape(shape)
@@ -1181,10 +1194,10 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         count = n * c * s
         if self._std_buf is None or self._std_buf.size < c or not K.is_device(self._std_buf):
             self._std_buf = K.empty(c)
-        if keep and (self._xn_buf is None or self._xn_buf.size < count or
-                     not K.is_device(self._xn_buf)):
-            self._xn_buf = K.empty(count)
-        key = (self._cfg, keep, id(self._std_buf), id(self._xn_buf))
+        if keep:
+            # The kept normalized copy: the memory plan's view, else the layer's own.
+            self._xn_buf = scratch.get(self, 'x_norm', count, numpy.float32, K.array_module())
+        key = (self._cfg, keep, id(self._std_buf), _base_address(self._xn_buf) if keep else None)
         if key != self._buf_key:
             self._my_std = self._std_buf[:c]
             self._my_xn = _view(self._xn_buf, (n, c, s)) if keep else None
@@ -1318,6 +1331,13 @@ class GPUScaleLayer(_FusedMixin, ScaleLayer):
     def _scale_grad_needed(self, bottom):
         return len(bottom) > 1 or self.param_needs_backward(0)
 
+    def internal_buffers(self):
+        """In a BatchNorm -> Scale chain the scale gradient reads BatchNorm's
+        kept normalized copy: nothing of its own to keep."""
+        if self._chain is not None:
+            return {}
+        return super().internal_buffers()
+
     def _fast_forward(self, bottom, top):
         from caffeplus import kernels as K
         outer, dim, inner = self.dims
@@ -1336,11 +1356,9 @@ class GPUScaleLayer(_FusedMixin, ScaleLayer):
         flags = (K.SC_BIAS if b is not None else 0)
         kp = y
         if keep:
-            if self._keep_buf is None or self._keep_buf.size < count or \
-                    not K.is_device(self._keep_buf):
-                self._keep_buf = K.empty(count)
-            kp = self._keep_buf
-            key = (self.dims, id(kp))
+            self._keep_buf = kp = scratch.get(self, 'bottom_copy', count, numpy.float32,
+                                              K.array_module())
+            key = (self.dims, _base_address(kp))
             if key != self._keep_key:
                 self._my_copy = _view(kp, self.dims)
                 self._keep_key = key

@@ -326,6 +326,11 @@ class AppliedPlan:
     # -- buffers layers keep from forward to backward (caffeplus.memory.scratch) -------
     def _internal_buffers(self):
         net = self.net
+        if backend.mode() == backend.GPU:
+            # Which layers run as fused chains decides what they keep
+            # (layers/cudnn.py: a chained Scale keeps nothing of its own).
+            from caffeplus import kernels
+            kernels.begin_pass(net, 0, len(net.layers) - 1, False)
         self.internals = {}         # layer index -> {name: (count, dtype)}
         for i, layer in enumerate(net.layers):
             declared = scratch.declared(layer)
