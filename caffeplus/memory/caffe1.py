@@ -65,12 +65,13 @@ import collections
 import numpy
 
 from caffeplus import backend, log
+from caffeplus.memory import scratch
 from caffeplus.proto import caffe_pb2
 
 CUDNN_LRN_MAX_N = 16        # Caffe 1.0 runs LRN through cuDNN up to this local_size
 ATTR = '_caffe1_buffers'    # where a layer holds what attach() allocated: {name: array}
 ADOPTED = '_caffe1_adopted'  # {layer attribute or ('kept', name): array} lent to the layer
-KEPT = '_scratch_own'        # caffeplus.memory.scratch: a layer's own kept buffers {name: array}
+KEPT = scratch.OWN           # a layer's own kept buffers {name: array}
 HANDLE = '_caffe1_handle'    # the cuDNN handle a layer holds as Caffe's does
 
 Caffe1Buffer = collections.namedtuple(
