@@ -205,9 +205,11 @@ def test_small_net_buffers_test_phase():
 def test_adopting_layers_name_their_buffers():
     net = small_net()
     adopt = {(b.layer, b.name): b.adopt for b in caffe1.stock_buffers(net) if b.adopt}
-    assert adopt == {('bn_a', 'x_norm_'): '_xn_buf', ('bn_b', 'x_norm_'): '_xn_buf',
-                     ('sc_a', 'temp_'): '_keep_buf', ('pmax', 'max_idx_'): '_arg_buf',
-                     ('drop', 'rand_vec_'): 'mask_buffer'}
+    assert adopt == {('drop', 'rand_vec_'): 'mask_buffer'}
+    role = {(b.layer, b.name): b.role for b in caffe1.stock_buffers(net) if b.role}
+    assert role == {('bn_a', 'x_norm_'): 'x_norm', ('bn_b', 'x_norm_'): 'x_norm',
+                    ('sc_a', 'temp_'): 'bottom_copy', ('pmax', 'max_idx_'): 'argmax',
+                    ('drop', 'rand_vec_'): 'mask'}
 
 
 # -- the estimate ----------------------------------------------------------------------------
@@ -286,14 +288,15 @@ def test_attach_lends_and_detach_takes_back():
     layers = dict(zip(net._layer_names, net.layers))
     held = caffe1.held(layers['bn_a'])
     assert sorted(held) == ['temp_', 'x_norm_', 'x_norm_.diff']
-    assert layers['bn_a']._xn_buf is held['x_norm_']
+    kept = layers['bn_a'].__dict__[caffe1.KEPT]['x_norm']     # BatchNorm declares x_norm
+    assert numpy.shares_memory(kept, held['x_norm_']) and kept.dtype == numpy.float32
     assert held['temp_'].nbytes == 2048 and not held['temp_'].any()       # zero-filled
     assert layers['drop'].mask_buffer is caffe1.held(layers['drop'])['rand_vec_']
     assert layers['drop'].mask_buffer.dtype == numpy.uint32
     assert not caffe1.held(layers['emax'])          # ours keeps its own mask
     caffe1.detach(net)
     _no_caffe1_state(net)
-    assert layers['bn_a']._xn_buf is None and layers['pmax']._arg_buf is None
+    assert not layers['bn_a'].__dict__.get(caffe1.KEPT)
 
 
 def test_attach_lends_declared_kept_buffers():
@@ -386,6 +389,10 @@ def _train_fused(lend, iters=2):
     caffeplus.set_random_seed(3)
     net = small_net(text=FUSED)
     if lend:
+        # On the GPU the fused max pooling declares its int32 argmax (on the host
+        # the generic code's smaller type): declare what the device would.
+        pool = net.layers[net.layer_index('pool1')]
+        pool.internal_buffers = lambda: {'argmax': (4 * 6 * 5 * 5, numpy.int32)}
         caffe1.attach(net, xp=numpy)
     losses = []
     for _ in range(iters):
@@ -612,6 +619,10 @@ def test_gpu_stock_plan_holds_caffes_buffers():
             assert array.nbytes == b.nbytes and array.dtype.name == b.dtype
             if b.adopt is not None:
                 assert getattr(layer, b.adopt) is array
+            if b.role is not None and b.role in layer.internal_buffers():
+                # the layer computes in Caffe's buffer (its kept one)
+                kept = layer.__dict__[caffe1.KEPT][b.role]
+                assert kept.data.ptr == array.data.ptr, (b.layer, b.role)
         for i in caffe1.handle_layers(net):
             assert caffe1.HANDLE in net.layers[i].__dict__
         assert [net.layers[i].layer_param.name for i in caffe1.handle_layers(net)] == \

@@ -47,14 +47,13 @@ Who holds each buffer (Caffe1Buffer.holder):
   'caffe1'  attach() allocates it, zero-filled, on the layer
             (layer._caffe1_buffers). Where our layer has a buffer of the same
             role, the layer is handed Caffe's buffer and computes in it
-            instead of its own, so nothing is held twice: through the
-            attribute Caffe1Buffer.adopt names (BatchNorm's normalized copy
-            `_xn_buf`, an in-place Scale's bottom copy `_keep_buf`, max
-            pooling's int32 argmax `_arg_buf`, Dropout's `mask_buffer`), and,
-            for layers that declare what they keep (`internal_buffers()`,
-            caffeplus.memory.scratch), as the kept buffer Caffe1Buffer.role
-            names (x_norm, bottom_copy, argmax, mask), viewed in the declared
-            dtype when it fits in Caffe's bytes.
+            instead of its own, so nothing is held twice: as the kept buffer
+            Caffe1Buffer.role names (BatchNorm's normalized copy x_norm, an
+            unchained in-place Scale's bottom_copy, max pooling's argmax),
+            when the layer declares it (`internal_buffers()`,
+            caffeplus.memory.scratch), viewed in the declared dtype if that
+            fits in Caffe's bytes; through the attribute Caffe1Buffer.adopt
+            names for Dropout's mask (`mask_buffer`).
 
 The estimator (caffeplus.memory.workspace_model) counts, for `stock`,
 own_bytes(net) + extra_bytes(net): exactly what these buffers hold.
@@ -112,8 +111,7 @@ def _runs_backward(net, i):
 def _batch_norm(net, i, layer):
     bottom, top = net.bottom_vecs[i][0], net.top_vecs[i][0]
     out = [_buffer(i, layer, 'temp_', bottom.shape, numpy.float32),
-           _buffer(i, layer, 'x_norm_', bottom.shape, numpy.float32, adopt='_xn_buf',
-                   role='x_norm')]
+           _buffer(i, layer, 'x_norm_', bottom.shape, numpy.float32, role='x_norm')]
     if bottom is top and _runs_backward(net, i):
         # In place, Backward_gpu copies the top diff here before overwriting it.
         out.append(_buffer(i, layer, 'x_norm_.diff', bottom.shape, numpy.float32))
@@ -124,8 +122,7 @@ def _scale(net, i, layer):
     bottom, top = net.bottom_vecs[i][0], net.top_vecs[i][0]
     if bottom is not top:
         return []
-    return [_buffer(i, layer, 'temp_', bottom.shape, numpy.float32, adopt='_keep_buf',
-                    role='bottom_copy')]
+    return [_buffer(i, layer, 'temp_', bottom.shape, numpy.float32, role='bottom_copy')]
 
 
 def _pooling(net, i, layer):
@@ -134,8 +131,7 @@ def _pooling(net, i, layer):
     top = net.top_vecs[i]
     if pool == P.MAX and len(top) == 1:
         # layer_factory: MAX pooling always runs Caffe's own PoolingLayer.
-        return [_buffer(i, layer, 'max_idx_', top[0].shape, numpy.int32, adopt='_arg_buf',
-                        role='argmax')]
+        return [_buffer(i, layer, 'max_idx_', top[0].shape, numpy.int32, role='argmax')]
     if pool == P.STOCHASTIC and layer.phase == caffe_pb2.TRAIN:
         return [_buffer(i, layer, 'rand_idx_', top[0].shape, numpy.float32)]
     return []
