@@ -114,6 +114,25 @@ def test_estimate_places_modelled_workspace_for_reusing_plans():
     assert 'workspace' not in {b.kind for b in stock.buffers}
 
 
+def test_filter_call_workspace_shares_bytes_with_the_diff_it_precedes():
+    """conv2's backward: the filter call (before the bottom's diff exists)
+    may use the bytes conv1's diff takes a moment later."""
+    net = build()
+    L = len(net.layers)
+    conv2 = net._layer_names.index('conv2')
+    t = 2 * L - 1 - conv2
+    big = 256 * KB
+    plan = make_plan(net, 'shared', workspace={conv2: (0, 0, big)})
+    check_layout(plan.buffers, plan.offsets)
+    early = [b for b in plan.buffers if b.key == ('workspace', 'conv2', 'backward_filter')]
+    assert len(early) == 1 and early[0].start == t - liveness.FILTER_FIRST
+    bottom_diff = [b for b in plan.buffers if b.kind == 'diff' and 'conv1' in b.blobs]
+    assert bottom_diff and bottom_diff[0].start == t
+    # Placed as a data call's workspace (at step t, beside that diff) it costs more.
+    late = make_plan(net, 'shared', workspace={conv2: (0, big, 0)})
+    assert plan.arena_bytes < late.arena_bytes
+
+
 # -- the manager (no GPU: a limit, views given) -------------------------------------------
 class Cand:
     def __init__(self, algo, memory, deterministic=True):
@@ -142,22 +161,26 @@ def test_placed_workspace_sizes_and_checkout():
                          Site('bwd_filter', [Cand(6, 50)])])
     assert forward_kinds(conv) == ('fwd',) and forward_kinds(deconv) == ('bwd_data',)
     # A Deconvolution's forward is the convolution's backward-data.
-    assert ws.sizes(net) == {1: (300, 700), 2: (900, 100)}
+    # (forward, backward data call, backward filter call): the filter call
+    # has a view of its own (it runs before the bottom's diff is written).
+    assert ws.sizes(net) == {1: (300, 700, 500), 2: (900, 100, 50)}
     assert ws.layout_stale
-    ws.set_views({(id(conv), 'forward'): (4096, 300), (id(conv), 'backward'): (8192, 700)})
+    ws.set_views({(id(conv), 'forward'): (4096, 300), (id(conv), 'backward'): (8192, 700),
+                  (id(conv), 'backward_filter'): (16384, 500)})
     assert not ws.layout_stale
     ws.pass_kind = 'forward'
     with ws.checkout(conv, 'fwd') as (ptr, nbytes):
         assert (ptr, nbytes) == (4096, 300)
     ws.pass_kind = 'backward'
-    for kind in ('bwd_data', 'bwd_filter'):
-        with ws.checkout(conv, kind) as (ptr, nbytes):
-            assert (ptr, nbytes) == (8192, 700)
+    with ws.checkout(conv, 'bwd_data') as (ptr, nbytes):
+        assert (ptr, nbytes) == (8192, 700)
+    with ws.checkout(conv, 'bwd_filter') as (ptr, nbytes):
+        assert (ptr, nbytes) == (16384, 500)
     # A reshape re-registers: re-planned on the next checkout, the layout stale again.
     ws.register(conv, [Site('fwd', [Cand(1, 200)]), Site('bwd_data', [Cand(2, 100)]),
                        Site('bwd_filter', [Cand(3, 100)])])
     ws.ensure_planned()
-    assert ws.layout_stale and ws.sizes(net)[1] == (200, 100)
+    assert ws.layout_stale and ws.sizes(net)[1] == (200, 100, 100)
 
 
 # -- the applied plan (CPU, a stand-in manager) ---------------------------------------------
@@ -338,3 +361,17 @@ def test_kept_layer_buffers_are_placed_with_their_lifetimes():
     assert net.layers[pool]._scratch_views == {}
     net.forward_prefilled()
     assert net.layers[pool]._scratch_own['argmax'].size == 4 * 8 * 8 * 8
+
+
+def test_within_headroom_allows_a_small_share_of_the_net_time():
+    from caffeplus.memory.workspace import within_headroom
+
+    class Timed(Cand):
+        def __init__(self, algo, memory, time):
+            super().__init__(algo, memory)
+            self.time = time
+
+    fast, mid = Timed(2, 327, 0.46), Timed(5, 194, 0.55)      # AlexNet conv3 bwd_data
+    assert within_headroom([fast, mid], fast, 200) is fast     # 20% slower: not by share
+    assert within_headroom([fast, mid], fast, 200, slack=0.1) is mid   # 0.09 ms <= 1% of 10 ms
+    assert within_headroom([fast, mid], fast, 100, slack=0.1) is fast  # nothing fits the room

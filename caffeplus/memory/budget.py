@@ -30,6 +30,7 @@ prefetch distance offload.shorten plans for). Copies that share a window
 share its time; a window's stall is what its copies take beyond its compute.
 """
 import collections
+import math
 import re
 
 from caffeplus.errors import CaffeplusError
@@ -120,7 +121,7 @@ def workspace_sizes(choice):
     """{layer index: (forward bytes, backward bytes)} of modelled algorithm
     choices, for make_plan's placed workspace (the model gives one size per
     layer for all three kinds)."""
-    return {i: (c.bytes, c.bytes) for i, c in choice.items()}
+    return {i: (c.bytes, c.bytes, c.bytes) for i, c in choice.items()}
 
 
 def _finish(plan, net, name, workspace, other, seconds, choice):
@@ -201,7 +202,8 @@ def _workspace_by_step(net, choice, steps, training):
     """Workspace bytes at each step for the algorithm `choice`."""
     ws = [0] * (steps + 1)
     for b in liveness.workspace_buffers(net, workspace_sizes(choice), training):
-        ws[b.start] = max(ws[b.start], b.nbytes)
+        t = int(math.ceil(b.start))         # a filter call's half step counts at its step
+        ws[t] = max(ws[t], b.nbytes)
     return ws
 
 

@@ -8,6 +8,7 @@ layer's declared `backward_reads`; buffers a user must still read after the
 iteration (net outputs, losses, inputs, `keep` names) live to the end.
 """
 import collections
+import math
 
 Buffer = collections.namedtuple('Buffer', 'key kind blobs nbytes start end')
 
@@ -118,23 +119,41 @@ def buffers(net, keep=(), training=True):
     return out
 
 
+# A layer's backward runs its filter-gradient call before the call that
+# writes its bottom's diff (layers/cudnn.py); for a one-bottom layer the
+# filter call's workspace lives half a step early, where that diff is not
+# live yet and may share its bytes.
+FILTER_FIRST = 0.5
+
+
 def workspace_buffers(net, sizes, training=True):
     """Buffers for the convolution workspace: a layer's forward call needs
     its workspace at its forward step only, its backward calls at its
     backward step only, so the planner can put workspace where activations
     are dead (the forward of the first layers, the end of backward) instead
-    of beside the peak. `sizes`: {layer index: (forward bytes, backward bytes)}."""
+    of beside the peak. `sizes`: {layer index: (forward bytes, backward
+    bytes[, backward filter-call bytes])}: with the third, the filter call
+    gets a buffer of its own, half a step before the others (FILTER_FIRST)
+    when the layer has one bottom."""
     L = len(net.layers)
     out = []
-    for i, (fwd_bytes, bwd_bytes) in sorted(sizes.items()):
+    for i, size in sorted(sizes.items()):
+        fwd_bytes, bwd_bytes = size[0], size[1]
+        filter_bytes = size[2] if len(size) > 2 else 0
         name = net._layer_names[i]
         if fwd_bytes:
             out.append(Buffer(('workspace', name, 'forward'), 'workspace', (), int(fwd_bytes),
                               i, i))
-        if bwd_bytes and training and net.layer_need_backward[i]:
-            t = 2 * L - 1 - i
+        if not (training and net.layer_need_backward[i]):
+            continue
+        t = 2 * L - 1 - i
+        if bwd_bytes:
             out.append(Buffer(('workspace', name, 'backward'), 'workspace', (), int(bwd_bytes),
                               t, t))
+        if filter_bytes:
+            early = t - FILTER_FIRST if len(net.bottom_vecs[i]) == 1 else t
+            out.append(Buffer(('workspace', name, 'backward_filter'), 'workspace', (),
+                              int(filter_bytes), early, early))
     return out
 
 
@@ -158,6 +177,7 @@ def live_bytes_by_step(bufs, steps):
     """Bytes live at each step (a buffer counts at start..end inclusive)."""
     live = [0] * (steps + 1)
     for b in bufs:
-        for t in range(max(b.start, 0), min(b.end, steps) + 1):
+        # A buffer of half a step (FILTER_FIRST) counts at its step.
+        for t in range(max(int(math.ceil(b.start)), 0), min(int(b.end + 0.5), steps) + 1):
             live[t] += b.nbytes
     return live

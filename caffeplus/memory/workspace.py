@@ -336,7 +336,7 @@ class PlacedWorkspace(WorkspaceArena):
 
     def __init__(self, limit=0, net=None, name='placed workspace'):
         super().__init__(limit, net, name)
-        self.views = {}             # (id(layer), 'forward' | 'backward') -> (ptr, bytes)
+        self.views = {}             # (id(layer), VIEW_NAMES[part]) -> (ptr, bytes)
         # (id(layer), pass) -> bytes the plan's buffers leave free at that
         # step below their peak (set by the applied plan before it plans).
         self.headroom = {}
@@ -357,12 +357,17 @@ class PlacedWorkspace(WorkspaceArena):
             _cupy().get_default_memory_pool().free_all_blocks()   # timing's scratch
         names = ['layer %s %s' % (layer.layer_param.name, s.kind) for layer, s in pairs]
         size = plan_sites([s for _, s in pairs], budget, mathmode.deterministic(), names)
+        # What all the calls take with the fastest choices: a call may be
+        # slower by HEADROOM_SHARE of it (or HEADROOM_SLOWDOWN of its own
+        # time) to keep the peak down.
+        total = sum(s.choice.time for _, s in pairs
+                    if s.choice is not None and (getattr(s.choice, 'time', -1) or -1) > 0)
         for layer, s in pairs:
-            room = self.headroom.get((id(layer), 'forward' if s.kind in forward_kinds(layer)
-                                      else 'backward'))
+            room = self.headroom.get((id(layer), VIEW_NAMES[view_part(layer, s.kind)]))
             if room is not None:
                 s.choice = within_headroom(s.candidates, s.choice, room,
-                                           mathmode.deterministic())
+                                           mathmode.deterministic(),
+                                           slack=HEADROOM_SHARE * total)
         self.budget = budget
         self._dirty = False
         self.layout_stale = True
@@ -372,7 +377,8 @@ class PlacedWorkspace(WorkspaceArena):
         return size
 
     def sizes(self, net):
-        """{layer index: (forward bytes, backward bytes)} of the chosen algorithms."""
+        """{layer index: (forward, backward, backward filter-call) bytes} of
+        the chosen algorithms (liveness.workspace_buffers)."""
         self.ensure_planned()
         index = {id(layer): i for i, layer in enumerate(net.layers)}
         out = {}
@@ -380,12 +386,10 @@ class PlacedWorkspace(WorkspaceArena):
             i = index.get(id(layer))
             if i is None or s.choice is None:
                 continue
-            fwd, bwd = out.get(i, (0, 0))
-            if s.kind in forward_kinds(layer):
-                fwd = max(fwd, s.choice.memory)
-            else:
-                bwd = max(bwd, s.choice.memory)
-            out[i] = (fwd, bwd)
+            sizes = list(out.get(i, (0, 0, 0)))
+            part = view_part(layer, s.kind)
+            sizes[part] = max(sizes[part], s.choice.memory)
+            out[i] = tuple(sizes)
         return out
 
     def set_views(self, views):
@@ -407,7 +411,7 @@ class PlacedWorkspace(WorkspaceArena):
             raise CaffeplusError('workspace checked out twice (by %s, then %s %s)'
                                  % (self._busy, layer, kind))
         need = self._need(layer, kind)
-        view = self.views.get((id(layer), self.pass_kind))
+        view = self.views.get((id(layer), VIEW_NAMES[view_part(layer, kind)]))
         if view is None or view[1] < need:
             # Not in the layout (yet): a buffer of its own for this call.
             if self._buffer.nbytes < need:
@@ -428,21 +432,35 @@ class PlacedWorkspace(WorkspaceArena):
 # A timed algorithm this much slower than the fastest still counts as fast
 # when it fits where the fastest would raise the plan's peak.
 HEADROOM_SLOWDOWN = 0.10
+# ...or when it is slower by at most this share of all the net's calls.
+HEADROOM_SHARE = 0.01
 
 
-def within_headroom(candidates, best, room, deterministic=False, slowdown=HEADROOM_SLOWDOWN):
+def within_headroom(candidates, best, room, deterministic=False, slowdown=HEADROOM_SLOWDOWN,
+                    slack=0.0):
     """`best` (the fastest within the budget), unless its workspace exceeds
     `room` (what the plan's buffers leave free at the call's step, so more
-    would raise the peak) and a timed candidate at most `slowdown` slower
-    fits there: then the fastest such candidate. Untimed candidates
-    (heuristics: no times) keep `best`."""
+    would raise the peak) and a timed candidate fits there that is at most
+    `slowdown` slower, or at most `slack` (ms) slower: then the fastest
+    such candidate. Untimed candidates (heuristics: no times) keep `best`."""
     if best is None or best.memory <= room or getattr(best, 'time', -1) is None or \
             getattr(best, 'time', -1) <= 0:
         return best
-    limit = best.time * (1 + slowdown)
+    limit = max(best.time * (1 + slowdown), best.time + slack)
     fits = [c for c in candidates if c.memory <= room and 0 < getattr(c, 'time', -1) <= limit
             and (c.deterministic or not deterministic)]
     return min(fits, key=lambda c: c.time) if fits else best
+
+
+VIEW_NAMES = ('forward', 'backward', 'backward_filter')
+
+
+def view_part(layer, kind):
+    """Which of a layer's workspace views a call site uses: 0 its forward,
+    1 its backward's data call, 2 its backward's filter call."""
+    if kind in forward_kinds(layer):
+        return 0
+    return 2 if kind == 'bwd_filter' else 1
 
 
 def forward_kinds(layer):
