@@ -480,6 +480,8 @@ class AppliedPlan:
         for e in self.entries:
             e.storage.released_reason = None
         old_entries, self.arena = self.entries, None
+        if not preserve:
+            self._drop_views(old_entries)
         self._build(plan)
         planned = {id(e.storage) for e in self.entries}
         for e in old_entries:
@@ -505,6 +507,26 @@ class AppliedPlan:
         if runtime_state is not None and self.runtime is not None:
             self.runtime.restore_after_relayout(runtime_state)
         self.replans += 1
+
+    def _drop_views(self, entries):
+        """Before a re-layout that keeps no values: let go of every view of
+        the old arena, so that it is freed before the new one is taken (two
+        arenas at once would be the peak)."""
+        for e in entries:
+            arr = e.storage.array
+            if arr is not None and any(arr is life.view for life in e.lives):
+                e.storage.array = None
+            for life in e.lives:
+                life.view = None
+        for layer in self.net.layers:
+            if scratch.VIEWS in layer.__dict__:
+                scratch.set_views(layer, {})
+        self.internal_views = {}
+        if self.xp is not numpy:
+            try:
+                self.xp.get_default_memory_pool().free_all_blocks()
+            except AttributeError:
+                pass
 
     def _outgrown(self):
         if backend.xp() is not self.xp:

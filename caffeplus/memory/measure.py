@@ -342,6 +342,9 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1):
             solver = _solver(net_param, solver_type, iterations)
             net = solver.net
             info = apply_plan(net, plan)
+            # Hold no reference to the arena: a re-layout (offload's
+            # calibrated look-ahead) must be able to free the old one.
+            info.pop('arena', None)
             _sync()
             pool.free_all_blocks()          # what construction left cached
             tracker.reset()
@@ -369,6 +372,9 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1):
             pool_peak = tracker.pool_peak
             run_iteration(net, solver, after_step)
             _sync()
+            applied = getattr(net, 'applied_plan', None)
+            if applied is not None and hasattr(applied, 'info'):
+                info = dict(info, **applied.info())     # the arena in use now
             breakdown = measured_breakdown(net, solver, info, plan, peak)
             return {
                 'peak_bytes': int(peak),
