@@ -721,6 +721,33 @@ extern "C" __global__ void cp_bn_bwd_apply(
             dx[o[u]] = __fdiv_rn(gg, sd);
         })
 }
+
+/* im2col of images n0 .. n0+B-1 of x (N, C, H, W) into col (K, B, P), K = C*KH*KW
+   in Caffe's (c, i, j) order, P = OH*OW: row k of image b is col[(k*B + b)*P ...],
+   so one image's columns are a (K x P) matrix of leading dimension B*P (a
+   strided-batched GEMM's operand). Zero where the window leaves the image. */
+extern "C" __global__ void cp_im2col(const float* x, float* col, const unsigned long long total,
+    const int n0, const int B, const int C, const int H, const int W, const int KH, const int KW,
+    const int OH, const int OW, const int SH, const int SW, const int PH, const int PW,
+    const int DH, const int DW)
+{
+    const unsigned long long P = (unsigned long long)OH * (unsigned long long)OW;
+    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long t = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         t < total; t += step) {
+        const unsigned long long r = t / P;
+        const unsigned long long p = t - r * P;
+        const int b = (int)(r % (unsigned long long)B);
+        const int k = (int)(r / (unsigned long long)B);
+        const int j = k % KW, i = (k / KW) % KH, c = k / (KW * KH);
+        const int oy = (int)(p / (unsigned long long)OW), ox = (int)(p % (unsigned long long)OW);
+        const int yy = oy * SH - PH + i * DH, xx = ox * SW - PW + j * DW;
+        float v = 0.0f;
+        if (yy >= 0 && yy < H && xx >= 0 && xx < W)
+            v = x[(((unsigned long long)(n0 + b) * C + c) * H + yy) * W + xx];
+        col[t] = v;
+    }
+}
 '''
 
 # The modules compiled on the device (one failing to build leaves the other);

@@ -205,17 +205,18 @@ class _ConvDescs:
     def candidates(self, kind):
         return api.heuristic_algorithms(kind, self.x, self.w, self.conv, self.y, self.conv_for)
 
-    def timer(self, kind, geometry_key=None, per_group=None):
+    def timer(self, kind, geometry_key=None, per_group=None, gemm=None):
         """A callable that times `kind` with FindEx on scratch arrays. With a
         geometry key, results are shared by every layer of that geometry
         (ResNet-50 repeats most of its convolutions), as cudnn.benchmark does.
         `per_group` (the split descriptors of a grouped convolution) adds its
-        candidates, variant 1, timed as one call per group."""
+        candidates, variant 1, timed as one call per group; `gemm` (a
+        _GemmConv) adds im2col + GEMM, variant 2, for fwd and bwd_filter."""
         def run(ws_ptr, ws_bytes):
             # FindEx results hold for one math mode (TF32 or strict) only.
             key = None if geometry_key is None else \
                 geometry_key + (kind, int(ws_bytes), mathmode.cudnn_math_type(),
-                                per_group is not None)
+                                per_group is not None, gemm is not None)
             if key is not None and key in _TIMED:
                 return list(_TIMED[key])
             import cupy
@@ -232,12 +233,158 @@ class _ConvDescs:
                         c.time *= per_group.loops
                         c.variant = 1
                     found = sorted(found + more, key=lambda c: c.time)
+                if gemm is not None and kind in ('fwd', 'bwd_filter'):
+                    t = gemm.time(kind, xa, wa, ya)
+                    found = sorted(found + [api.AlgoChoice(kind, GEMM_ALGO, gemm.memory(kind), t,
+                                                           True, self.math, variant=2)],
+                                   key=lambda c: c.time)
             finally:
                 del xa, ya, wa
             if key is not None and found:
                 _TIMED[key] = list(found)
             return found
         return run
+
+
+# -- convolution as im2col + cuBLAS (variant 2 of a call site) -------------------
+GEMM_ALGO = 100                 # AlgoChoice.algo of the im2col + GEMM variant
+GEMM_MAX_CHANNELS = 4           # input channels up to which it is timed (image layers)
+GEMM_CHUNK_BYTES = 256 << 20    # column buffer of one batch chunk, at most
+
+
+def _gemm_search():
+    """Whether timed search also times im2col + GEMM for convolutions over
+    few input channels (CAFFEPLUS_CUDNN_GEMM=0 turns it off)."""
+    return os.environ.get('CAFFEPLUS_CUDNN_GEMM', '1').strip().lower() \
+        not in ('0', 'off', 'false', 'no')
+
+
+class _DeviceOps:
+    """What _GemmConv launches: cp_im2col and cuBLAS (device pointers as ints)."""
+
+    @staticmethod
+    def im2col(x, col, n0, nb, g):
+        total = g.K * nb * g.P
+        _kernels.kernel('cp_im2col')(
+            _kernels.elementwise_grid(total), (_kernels.ELEMENTWISE_THREADS,),
+            (numpy.uint64(x), numpy.uint64(col), numpy.uint64(total), _kernels.i32(n0),
+             _kernels.i32(nb), _kernels.i32(g.c), _kernels.i32(g.h), _kernels.i32(g.w),
+             _kernels.i32(g.kh), _kernels.i32(g.kw), _kernels.i32(g.oh), _kernels.i32(g.ow),
+             _kernels.i32(g.sh), _kernels.i32(g.sw), _kernels.i32(g.ph), _kernels.i32(g.pw),
+             _kernels.i32(g.dh), _kernels.i32(g.dw)))
+
+    @staticmethod
+    def gemm_strided_batched(*args, **kw):
+        from caffeplus.backend import blas
+        blas.gemm_strided_batched(*args, **kw)
+
+    @staticmethod
+    def gemm(*args, **kw):
+        from caffeplus.backend import blas
+        blas.gemm(*args, **kw)
+
+
+class _GemmConv:
+    """A 2-D convolution (group 1) as Caffe 1.0 computes it without cuDNN:
+    im2col into the workspace, then cuBLAS, one batch chunk at a time.
+    cuDNN's kernels are slow on the few input channels of an image net's
+    first layer (AlexNet's conv1: 3 channels, 11x11, stride 4, most of its
+    convolution time in cuDNN); timed search weighs this variant against
+    cuDNN's algorithms for such layers.
+
+    Column buffer: (K, B, P) for a chunk of B images, K = C*KH*KW, P =
+    OH*OW, so image b's columns are a K x P matrix of leading dimension B*P.
+      forward:  y_b (M x P) = W (M x K) col_b, one strided-batched GEMM;
+      filter:   dW += sum_b dy_b col_b^T: a strided-batched GEMM into
+                per-image partial products (after the columns in the
+                workspace), summed into dW by one GEMM with a ones vector
+                (beta = 1, FP32).
+    (In cuBLAS's column-major terms each C-ordered r x c matrix is c x r.)"""
+
+    def __init__(self, layer):
+        g = layer.geom
+        self.n, self.c = layer.num, layer.channels
+        self.h, self.w = (int(d) for d in layer.in_spatial)
+        self.m = layer.num_output
+        self.kh, self.kw = (int(d) for d in g.kernel)
+        self.sh, self.sw = (int(d) for d in g.stride)
+        self.ph, self.pw = (int(d) for d in g.pad)
+        self.dh, self.dw = (int(d) for d in g.dilation)
+        self.oh, self.ow = (int(d) for d in layer.out_spatial)
+        self.K = self.c * self.kh * self.kw
+        self.P = self.oh * self.ow
+        self.B = max(1, min(self.n, GEMM_CHUNK_BYTES // max(1, self.K * self.P * FLOAT_BYTES)))
+        self.col_bytes = -(-self.K * self.B * self.P * FLOAT_BYTES // 256) * 256
+        self.part_bytes = self.B * self.m * self.K * FLOAT_BYTES
+        self._ones = None
+
+    @staticmethod
+    def eligible(layer):
+        return (_gemm_search() and not layer.reverse and layer.group == 1 and
+                layer.num_spatial == 2 and layer.channels <= GEMM_MAX_CHANNELS and
+                layer.num > 0 and _prod(layer.out_spatial) > 0)
+
+    def memory(self, kind):
+        return self.col_bytes + (self.part_bytes if kind == 'bwd_filter' else 0)
+
+    def chunks(self):
+        for n0 in range(0, self.n, self.B):
+            yield n0, min(self.B, self.n - n0)
+
+    def forward(self, x, w, y, ws, tf32=None, ops=_DeviceOps):
+        """y = conv(x, w) (no bias) on device pointers; ws: the column buffer."""
+        from caffeplus.backend import blas
+        M, K, P = self.m, self.K, self.P
+        for n0, nb in self.chunks():
+            ops.im2col(x, ws, n0, nb, self)
+            ops.gemm_strided_batched(blas.N, blas.N, P, M, K, ws, nb * P, P, w, K, 0,
+                                     y + n0 * M * P * FLOAT_BYTES, P, M * P, nb, tf32=tf32)
+
+    def ones(self, nb):
+        if self._ones is None or self._ones.size < nb:
+            import cupy
+            self._ones = cupy.ones(max(int(nb), 1), dtype=numpy.float32)
+        return int(self._ones.data.ptr)
+
+    def backward_filter(self, x, dy, dw, ws, tf32=None, ops=_DeviceOps, ones=None):
+        """dw += the filter gradient on device pointers; ws: columns, then partials."""
+        from caffeplus.backend import blas
+        M, K, P = self.m, self.K, self.P
+        part = ws + self.col_bytes
+        for n0, nb in self.chunks():
+            ops.im2col(x, ws, n0, nb, self)
+            ops.gemm_strided_batched(blas.T, blas.N, K, M, P, ws, nb * P, P,
+                                     dy + n0 * M * P * FLOAT_BYTES, P, M * P, part, K, M * K, nb,
+                                     tf32=tf32)
+            ops.gemm(blas.N, blas.N, M * K, 1, nb, part, M * K,
+                     ones if ones is not None else self.ones(nb), nb, dw, M * K, beta=1.0,
+                     tf32=False)
+
+    def time(self, kind, xa, wa, ya):
+        """Milliseconds of one call of `kind` on scratch arrays (median of 3)."""
+        import cupy
+        ws = cupy.empty(self.memory(kind), dtype=numpy.uint8)
+        wsp = int(ws.data.ptr)
+        x, w, y = int(xa.data.ptr), int(wa.data.ptr), int(ya.data.ptr)
+        if kind == 'fwd':
+            def run():
+                self.forward(x, w, y, wsp)
+        else:
+            dw = cupy.zeros(wa.shape, dtype=numpy.float32)
+            dwp = int(dw.data.ptr)
+
+            def run():
+                self.backward_filter(x, y, dwp, wsp)
+        run()
+        times = []
+        for _ in range(3):
+            e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+            e0.record()
+            run()
+            e1.record()
+            e1.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(e0, e1))
+        return sorted(times)[1]
 
 
 def _dptr(blob, diff=False):
@@ -258,6 +405,11 @@ def _conv_forward_calls(cd, conv, algo, reverse, x, w, y, b, ws, nbytes):
     if b:
         for g in range(cd.loops):
             api.add_tensor(cd.bias, b + g * cd.b_off, cd.top, y + g * cd.top_off)
+
+
+def _bias_add_calls(cd, b, y):
+    for g in range(cd.loops):
+        api.add_tensor(cd.bias, b + g * cd.b_off, cd.top, y + g * cd.top_off)
 
 
 def _conv_params_calls(cd, conv, algo, reverse, x, dtop, dw, db, ws, nbytes):
@@ -321,6 +473,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         super().layer_setup(bottom, top)
         self._cd = None
         self._cd_groups = None
+        self._gemm = None
         self._cd_key = None
         self._sites = {}
         self._ws = None
@@ -382,11 +535,14 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         # mode especially); the fastest of both wins per call site.
         per_group = _ConvDescs(self, True) if timed and cd.loops == 1 and self.group > 1 and \
             _per_group_search() else None
+        # Few input channels (an image net's first layer): im2col + GEMM too.
+        gemm = _GemmConv(self) if timed and cd.loops == 1 and _GemmConv.eligible(self) else None
         sites = {}
         for kind in workspace.KINDS:
-            sites[kind] = workspace.Site(kind, cd.candidates(kind),
-                                         timer=cd.timer(kind, gkey, per_group) if timed else None)
+            sites[kind] = workspace.Site(kind, cd.candidates(kind), timer=cd.timer(
+                kind, gkey, per_group, gemm) if timed else None)
         self._cd, self._cd_groups, self._sites, self._cd_key = cd, per_group, sites, key
+        self._gemm = gemm
         mgr = self._manager()
         mgr.register(self, list(sites.values()))
         if self.memory_plan == 'stock':
@@ -394,7 +550,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
 
     def _descs_for(self, choice):
         """The descriptors an algorithm choice runs with (per group or not)."""
-        if choice.variant and self._cd_groups is not None:
+        if choice.variant == 1 and self._cd_groups is not None:
             return self._cd_groups
         return self._cd
 
@@ -482,8 +638,21 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         conv = cd.conv_for(c.math)
         w = _dptr(self.blobs[0])
         b = _dptr(self.blobs[1]) if self.bias_term else 0
+        gemm = self._gemm if c.variant == 2 else None
         for bb, tt in zip(bottom, top):
             x, y = _dptr(bb), _dptr(tt)
+            if gemm is not None:
+                with mgr.checkout(self, kind) as (ws, nbytes):
+                    if not ws or nbytes < gemm.memory(kind):
+                        raise CaffeplusError('layer %s: the workspace (%d bytes) is smaller than '
+                                             'im2col + GEMM needs (%d)' % (
+                                                 self.layer_param.name, nbytes,
+                                                 gemm.memory(kind)))
+                    gemm.forward(x, w, y, ws)
+                if b:
+                    cd.replays.run(('bias', x, y, b), functools.partial(
+                        _bias_add_calls, cd, b, y))
+                continue
             with mgr.checkout(self, kind) as (ws, nbytes):
                 cd.replays.run((kind, x, w, y, b, ws, nbytes, c.algo, c.math, c.variant),
                                functools.partial(_conv_forward_calls, cd, conv, c.algo,
@@ -505,7 +674,19 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         dcd = self._descs_for(dc)
         for i, (bb, tt) in enumerate(zip(bottom, top)):
             dtop = _dptr(tt, True)
-            if dw:
+            if dw and fc.variant == 2 and self._gemm is not None:
+                x = _dptr(bb)
+                if db:
+                    self._cd.replays.run(('bias', dtop, db), functools.partial(
+                        _conv_params_calls, self._cd, None, 0, self.reverse, 0, dtop, 0, db, 0, 0))
+                with mgr.checkout(self, 'bwd_filter') as (ws, nbytes):
+                    if not ws or nbytes < self._gemm.memory('bwd_filter'):
+                        raise CaffeplusError('layer %s: the workspace (%d bytes) is smaller than '
+                                             'im2col + GEMM needs (%d)' % (
+                                                 self.layer_param.name, nbytes,
+                                                 self._gemm.memory('bwd_filter')))
+                    self._gemm.backward_filter(x, dtop, dw, ws)
+            elif dw:
                 x = _dptr(bb)
                 with mgr.checkout(self, 'bwd_filter') as (ws, nbytes):
                     fcd.replays.run(('bwd_filter', x, dtop, dw, db, ws, nbytes, fc.algo, fc.math,

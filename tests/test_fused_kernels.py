@@ -432,3 +432,134 @@ def test_batchnorm_split_over_blocks_gpu(name, monkeypatch):
     case = [c for c in LAYER_CASES if c[0] == name][0]
     _check_layer_case(case, gpu=True)
     assert kernels.failures()[before:] == []
+
+
+# -- convolution as im2col + GEMM (layers/cudnn.py _GemmConv) --------------------------
+class _FakeConvLayer:
+    """The attributes _GemmConv reads off a convolution layer."""
+
+    def __init__(self, n, c, hw, m, kernel, stride, pad, dilation):
+        from caffeplus.im2col import ConvGeometry
+        self.geom = ConvGeometry(tuple(kernel), tuple(stride), tuple(pad), tuple(dilation))
+        self.num, self.channels, self.in_spatial, self.num_output = n, c, tuple(hw), m
+        self.out_spatial = self.geom.conv_out_shape(hw)
+        self.reverse, self.group, self.num_spatial = False, 1, 2
+
+
+GEMM_GEOMS = [(3, 2, (7, 6), 4, (3, 2), (2, 1), (1, 0), (1, 2)),
+              (5, 3, (11, 11), 6, (5, 5), (4, 4), (2, 2), (1, 1)),
+              (2, 1, (4, 5), 3, (1, 1), (1, 1), (0, 0), (1, 1))]
+
+
+def _caffe_columns(x, layer):
+    """Caffe's per-image columns (N, K, P) from the generic im2col."""
+    from caffeplus.im2col import im2col_forward
+    n = x.shape[0]
+    oh, ow = layer.out_spatial
+    out = numpy.empty((n, layer.channels * layer.geom.kernel_count, oh, ow), numpy.float32)
+    im2col_forward(x, layer.geom, out)
+    return out.reshape(n, out.shape[1], oh * ow)
+
+
+@pytest.mark.parametrize('geom', GEMM_GEOMS)
+def test_im2col_kernel_emulated(geom, emulated):
+    """cp_im2col writes image b's Caffe columns at rows (k*B + b) of the chunk."""
+    layer = _FakeConvLayer(*geom)
+    x = numpy.random.default_rng(21).standard_normal(
+        (layer.num, layer.channels) + layer.in_spatial).astype(numpy.float32)
+    cols = _caffe_columns(x, layer)
+    K, P = cols.shape[1], cols.shape[2]
+    k = kernels.kernel('cp_im2col')
+    for n0, nb in [(0, layer.num), (1, layer.num - 1)]:
+        col = numpy.full(K * nb * P, numpy.nan, numpy.float32)
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (layer.geom.kernel, layer.geom.stride,
+                                                  layer.geom.pad, layer.geom.dilation)
+        oh, ow = layer.out_spatial
+        i32 = kernels.i32
+        k((2,), (64,), (x.reshape(-1), col, numpy.uint64(col.size), i32(n0), i32(nb),
+                        i32(layer.channels), i32(layer.in_spatial[0]), i32(layer.in_spatial[1]),
+                        i32(kh), i32(kw), i32(oh), i32(ow), i32(sh), i32(sw), i32(ph), i32(pw),
+                        i32(dh), i32(dw)))
+        want = cols[n0:n0 + nb].transpose(1, 0, 2).reshape(-1)
+        numpy.testing.assert_array_equal(col, want)
+
+
+class _FlatMemory:
+    """Device memory stood in for by one float32 array: 'pointers' are byte
+    offsets; im2col and the column-major cuBLAS calls as NumPy."""
+
+    def __init__(self, nbytes):
+        self.mem = numpy.zeros(nbytes // 4 + 1, numpy.float32)
+
+    def put(self, addr, a):
+        self.mem[addr // 4:addr // 4 + a.size] = a.reshape(-1)
+
+    def get(self, addr, n):
+        return self.mem[addr // 4:addr // 4 + n].copy()
+
+    def _mat(self, addr, rows, cols, ld, trans):
+        """Column-major rows x cols matrix at addr (op applied)."""
+        i = numpy.arange(rows)[:, None] + numpy.arange(cols)[None, :] * ld
+        a = self.mem[addr // 4 + i]
+        return a.T if trans else a
+
+    def im2col(self, x, col, n0, nb, g):
+        layer = _FakeConvLayer(g.n, g.c, (g.h, g.w), g.m, (g.kh, g.kw), (g.sh, g.sw),
+                               (g.ph, g.pw), (g.dh, g.dw))
+        xs = self.get(x, g.n * g.c * g.h * g.w).reshape(g.n, g.c, g.h, g.w)
+        cols = _caffe_columns(xs, layer)[n0:n0 + nb]
+        self.put(col, cols.transpose(1, 0, 2))
+
+    def gemm_strided_batched(self, ta, tb, m, n, k, a, lda, sa, b, ldb, sb, c, ldc, sc, batch,
+                             beta=0.0, tf32=None):
+        for i in range(batch):
+            self.gemm(ta, tb, m, n, k, a + 4 * i * sa, lda, b + 4 * i * sb, ldb, c + 4 * i * sc,
+                      ldc, beta=beta)
+
+    def gemm(self, ta, tb, m, n, k, a, lda, b, ldb, c, ldc, beta=0.0, tf32=None):
+        A = self._mat(a, k if ta else m, m if ta else k, lda, ta).astype(numpy.float64)
+        B = self._mat(b, n if tb else k, k if tb else n, ldb, tb).astype(numpy.float64)
+        idx = c // 4 + numpy.arange(m)[:, None] + numpy.arange(n)[None, :] * ldc
+        self.mem[idx] = (A @ B + beta * self.mem[idx]).astype(numpy.float32)
+
+
+@pytest.mark.parametrize('geom', GEMM_GEOMS)
+@pytest.mark.parametrize('chunk', [None, 2])
+def test_gemm_convolution_plan(geom, chunk, monkeypatch):
+    """_GemmConv's cuBLAS calls (operands, leading dimensions, strides,
+    chunks) compute the convolution and its filter gradient."""
+    from caffeplus import im2col
+    from caffeplus.layers import cudnn as L
+    layer = _FakeConvLayer(*geom)
+    if chunk:       # column buffer for `chunk` images
+        monkeypatch.setattr(L, 'GEMM_CHUNK_BYTES',
+                            chunk * layer.channels * layer.geom.kernel_count *
+                            int(numpy.prod(layer.out_spatial)) * 4)
+    g = L._GemmConv(layer)
+    assert g.B == (chunk or layer.num)
+    rng = numpy.random.default_rng(22)
+    x = rng.standard_normal((layer.num, layer.channels) + layer.in_spatial).astype(numpy.float32)
+    w = rng.standard_normal((layer.num_output, layer.channels) + layer.geom.kernel
+                            ).astype(numpy.float32)
+    y_shape = (layer.num, layer.num_output) + tuple(layer.out_spatial)
+    dy = rng.standard_normal(y_shape).astype(numpy.float32)
+    dw0 = rng.standard_normal(w.shape).astype(numpy.float32)
+    sizes = [x.nbytes, w.nbytes, dy.nbytes, dy.nbytes, w.nbytes, g.memory('bwd_filter'), 4 * g.B]
+    addrs = numpy.cumsum([0] + [-(-s // 256) * 256 for s in sizes])
+    mem = _FlatMemory(int(addrs[-1]))
+    X, W, Y, DY, DW, WS, ONES = (int(a) for a in addrs[:-1])
+    mem.put(X, x)
+    mem.put(W, w)
+    mem.put(DY, dy)
+    mem.put(DW, dw0)
+    mem.put(ONES, numpy.ones(g.B, numpy.float32))
+    g.forward(X, W, Y, WS, ops=mem)
+    want = numpy.empty(y_shape, numpy.float32)
+    im2col.conv_forward(x, w, None, layer.geom, 1, want)
+    numpy.testing.assert_allclose(mem.get(Y, dy.size).reshape(y_shape), want, rtol=1e-5,
+                                  atol=1e-5)
+    g.backward_filter(X, DY, DW, WS, ops=mem, ones=ONES)
+    dw = dw0.copy()
+    im2col.conv_backward(x, w, dy, layer.geom, 1, dw=dw)
+    numpy.testing.assert_allclose(mem.get(DW, w.size).reshape(w.shape), dw, rtol=1e-4,
+                                  atol=1e-4)

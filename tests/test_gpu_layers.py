@@ -408,3 +408,37 @@ def test_concat_gpu_matches_cpu(axis, shapes):
             assert type(layer).__name__ == 'GPUConcatLayer'
     for a, b in zip(out[True], out[False]):
         numpy.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize('math', ['strict', 'tf32'])
+def test_convolution_im2col_gemm_variant(math):
+    """Timed search weighs im2col + cuBLAS against cuDNN for few input
+    channels; that variant gives the convolution's values and gradients."""
+    from caffeplus.backend import mathmode
+    from caffeplus.memory import workspace
+    lp = _param('type: "Convolution" convolution_param { num_output: 8 kernel_size: 5 '
+                'stride: 2 pad: 1 }')
+    x = numpy.random.default_rng(17).standard_normal((5, 3, 15, 13)).astype(numpy.float32)
+    _, y_cpu, dx_cpu, dp_cpu, params, dy = _run(lp, x, None, None, gpu=False)
+    old_search = workspace.set_search('timed')
+    old_math = mathmode.set_math_mode(math)
+    try:
+        layer, _, _, _, _, _ = _run(lp, x, dy, params, gpu=True)
+        assert layer._gemm is not None
+        for kind in ('fwd', 'bwd_filter'):
+            site = layer._sites[kind]
+            gemm = [c for c in site.candidates if c.variant == 2]
+            assert gemm and gemm[0].name == 'IM2COL_GEMM', site.candidates
+            site.choice = gemm[0]
+        mgr = layer._manager()
+        mgr._buffer.resize(max(mgr.nbytes, layer._gemm.memory('bwd_filter')), layer, 'arena')
+        got = _conv_round(layer, layer._last_bottom, layer._last_top, dy)
+        got2 = _conv_round(layer, layer._last_bottom, layer._last_top, dy)
+    finally:
+        workspace.set_search(old_search)
+        mathmode.set_math_mode(old_math)
+    tol = 2e-4 if math == 'strict' else 2e-2
+    for a, b, what in zip(got, [y_cpu, dx_cpu] + dp_cpu, ['top', 'dx', 'dw', 'db']):
+        _assert_close(a, b, tol, 'im2col+GEMM %s %s' % (math, what))
+    for a, b in zip(got, got2):
+        numpy.testing.assert_array_equal(a, b)

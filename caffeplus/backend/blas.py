@@ -51,3 +51,17 @@ def gemm(transa, transb, m, n, k, a, lda, b, ldb, c, ldc, beta=0.0, tf32=None):
     lib.gemmEx(_handle(), transa, transb, int(m), int(n), int(k), _SCALARS[1.0], a, _R_32F,
                int(lda), b, _R_32F, int(ldb), _SCALARS[float(beta)], c, _R_32F, int(ldc),
                _COMPUTE_32F_FAST_TF32 if tf32 else _COMPUTE_32F, _GEMM_DEFAULT)
+
+
+def gemm_strided_batched(transa, transb, m, n, k, a, lda, stride_a, b, ldb, stride_b, c, ldc,
+                         stride_c, batch, beta=0.0, tf32=None):
+    """C_i = op(A_i) op(B_i) + beta C_i for i < batch, X_i = X + i * stride_x
+    (elements; a stride of 0 shares the matrix); as gemm() otherwise."""
+    if tf32 is None:
+        tf32 = mathmode.tf32()
+    lib = _lib()
+    lib.gemmStridedBatchedEx(
+        _handle(), transa, transb, int(m), int(n), int(k), _SCALARS[1.0], a, _R_32F, int(lda),
+        int(stride_a), b, _R_32F, int(ldb), int(stride_b), _SCALARS[float(beta)], c, _R_32F,
+        int(ldc), int(stride_c), int(batch), _COMPUTE_32F_FAST_TF32 if tf32 else _COMPUTE_32F,
+        _GEMM_DEFAULT)

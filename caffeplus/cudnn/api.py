@@ -193,7 +193,8 @@ class AlgoChoice:
     """One candidate algorithm of one call site: id, workspace bytes, time,
     the math type cuDNN ran it with (the convolution descriptor must carry
     that type when the algorithm runs) and the variant: 0 for one call over
-    all groups, 1 for one call per group (a grouped convolution)."""
+    all groups, 1 for one call per group (a grouped convolution), 2 for
+    caffeplus's im2col + cuBLAS GEMM instead of cuDNN (layers/cudnn.py)."""
     __slots__ = ('kind', 'algo', 'memory', 'time', 'deterministic', 'math', 'variant')
 
     def __init__(self, kind, algo, memory, time, deterministic, math, variant=0):
@@ -202,12 +203,14 @@ class AlgoChoice:
 
     @property
     def name(self):
+        if self.variant == 2:
+            return 'IM2COL_GEMM'
         return _KIND[self.kind][4][self.algo]
 
     def __repr__(self):
         return '<%s %s%s math=%d ws=%d t=%.3fms>' % (
-            self.kind, self.name, '/per-group' if self.variant else '', self.math, self.memory,
-            self.time)
+            self.kind, self.name, '/per-group' if self.variant == 1 else '', self.math,
+            self.memory, self.time)
 
 
 def _descs(kind, x, w, conv, y):
