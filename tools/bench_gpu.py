@@ -158,8 +158,15 @@ def worker_caffeplus(args):
     loss = float(sum(float(cupy.asarray(net._blob_dict[n].data).sum())
                      for n in net.outputs if net._blob_dict[n].count == 1))
     chains = net.__dict__.get('_fused_chains') or []
+    algorithms = {}
+    for layer in workspace.workspace_layers(net):
+        try:
+            algorithms[layer.layer_param.name] = {k: repr(c) for k, c in
+                                                  layer.algorithms().items()}
+        except Exception as exc:    # noqa: BLE001 -- a record, not a measurement
+            algorithms[layer.layer_param.name] = str(exc)
     return dict(framework='caffeplus', plan=args.plan, net=args.net, tf32=args.tf32,
-                graphs=api.graph_stats(),
+                graphs=api.graph_stats(), algorithms=algorithms,
                 fused_chains=sum(1 for c in chains if c.fwd_done and c.bwd_done),
                 kernel_failures=kernels.failures(),
                 search=search or args.search, median_ms=statistics.median(times), times_ms=times,
