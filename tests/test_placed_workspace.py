@@ -375,3 +375,21 @@ def test_within_headroom_allows_a_small_share_of_the_net_time():
     assert within_headroom([fast, mid], fast, 200) is fast     # 20% slower: not by share
     assert within_headroom([fast, mid], fast, 200, slack=0.1) is mid   # 0.09 ms <= 1% of 10 ms
     assert within_headroom([fast, mid], fast, 100, slack=0.1) is fast  # nothing fits the room
+
+
+def test_offload_runtime_waits_before_a_filter_calls_half_step_workspace():
+    """The offload runtime schedules waits per whole step: a workspace view
+    half a step early lands during its layer's step."""
+    from caffeplus.memory import offload_runtime
+    ref = train(build('stock'))
+    net = build('stock')
+    sizes = {i: (8 * KB, 8 * KB, 64 * KB) for i in conv_indices(net)}
+    plan = make_plan(net, 'offload', offload_policy='all')
+    apply_plan(net, plan, training=True, runtime_options={'simulate': 'lazy'}, lookahead=1)
+    applied = net.applied_plan
+    applied.options['workspace'] = StandIn(sizes)
+    applied.relayout()
+    assert any(start != int(start) for start, _, _ in applied.extra_regions)
+    assert isinstance(applied.runtime, offload_runtime.OffloadRuntime)
+    got = train(net)
+    assert got[0] == ref[0]

@@ -42,6 +42,7 @@ someone waits on them ('lazy', the slowest legal copy engine: a missing
 wait shows up as wrong numbers).
 """
 import ctypes
+import math
 import time
 
 import numpy
@@ -287,8 +288,9 @@ class OffloadRuntime:
         lives = [life for e in self.applied.entries for life in e.lives]
         # Every region that starts being written at some step: buffer lives,
         # and the workspace views and kept layer buffers placed beside them.
+        # (A filter call's workspace, half a step early, lands during its step.)
         regions = [(z.start, z.offset, z.buf.nbytes, z) for z in lives] + \
-            [(start, offset, nbytes, None)
+            [(int(math.ceil(start)), offset, nbytes, None)
              for start, offset, nbytes in getattr(self.applied, 'extra_regions', ())]
         for it in self.items:
             self.out_at[it.last_fwd].append(it)
