@@ -117,6 +117,52 @@ def model_internals(net):
     return out
 
 
+def placed_workspace_sizes(net, bufs, steps, training=True, cap=None):
+    """{layer index: (forward, backward data, backward filter) bytes}: the
+    model's algorithms as the placed workspace chooses them at run time
+    (caffeplus.memory.workspace.within_headroom): the fastest, unless its
+    workspace exceeds what the other buffers leave free below their peak at
+    its step and a candidate at most 10% slower (or slower by at most 1% of
+    all the convolutions' time) fits there."""
+    from caffeplus.memory.workspace import HEADROOM_SHARE, HEADROOM_SLOWDOWN
+    L = len(net.layers)
+    live = liveness.live_bytes_by_step(bufs, steps)
+    starting = [0] * (steps + 1)
+    for b in bufs:
+        if 0 <= b.start <= steps:
+            starting[int(b.start)] += b.nbytes
+    peak = max(live) if live else 0
+    convs = wm.conv_layers(net)
+    seconds = {i: wm.layer_seconds(net, i)[0] for i, _ in convs}
+    total = sum(seconds.values()) * len(wm.KINDS)
+    out = {}
+    for i, layer in convs:
+        t = 2 * L - 1 - i
+        rooms = {'fwd': peak - live[i]}
+        if training and t <= steps:
+            rooms['bwd_data'] = peak - live[t]
+            early = starting[t] if len(net.bottom_vecs[i]) == 1 else 0
+            rooms['bwd_filter'] = peak - live[t] + early
+        sizes = []
+        for kind in wm.KINDS:
+            cands = wm.candidates(layer, kind)
+            if cap is not None:
+                cands = [c for c in cands if c.bytes <= cap] or \
+                    [min(cands, key=lambda c: c.bytes)]
+            best = min(cands, key=lambda c: (c.time_factor, c.bytes))
+            room = rooms.get(kind)
+            pick = best
+            if room is not None and best.bytes > room:
+                limit = max(best.time_factor * (1 + HEADROOM_SLOWDOWN),
+                            best.time_factor + HEADROOM_SHARE * total / max(seconds[i], 1e-12))
+                fits = [c for c in cands if c.bytes <= room and c.time_factor <= limit]
+                if fits:
+                    pick = min(fits, key=lambda c: (c.time_factor, c.bytes))
+            sizes.append(pick.bytes)
+        out[i] = tuple(sizes)
+    return out
+
+
 def workspace_sizes(choice):
     """{layer index: (forward bytes, backward bytes)} of modelled algorithm
     choices, for make_plan's placed workspace (the model gives one size per
@@ -153,9 +199,13 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
     kept = model_internals(net) if placing else None
     other = wm.other_bytes(net, name) - (sum(sum(k.values()) for k in kept.values())
                                          if placing else 0)
+    sizes = None
+    if placing:
+        bare = make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
+                         offload_policy=offload_policy, internals=kept)
+        sizes = placed_workspace_sizes(net, bare.buffers, bare.steps, training)
     plan = make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
-                     offload_policy=offload_policy,
-                     workspace=workspace_sizes(choice) if placing else None,
+                     offload_policy=offload_policy, workspace=sizes,
                      internals=kept, other_bytes=other)
     if placing:
         workspace = plan.breakdown['workspace']     # its share of the arena at the peak
@@ -248,8 +298,11 @@ def _auto_plan(net, option, solver_type, keep, training):
     convs = wm.conv_layers(net)
     choice = {i: wm.fastest(l, option.cap) for i, l in convs}
     kept = model_internals(net)
+    bare = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
+                     offload_policy=names, internals=kept)
+    sizes = placed_workspace_sizes(net, bare.buffers, bare.steps, training, cap=option.cap)
     plan = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
-                     offload_policy=names, workspace=workspace_sizes(choice), internals=kept,
+                     offload_policy=names, workspace=sizes, internals=kept,
                      other_bytes=wm.other_bytes(net, 'auto') -
                      sum(sum(k.values()) for k in kept.values()))
     plan.name = 'auto'

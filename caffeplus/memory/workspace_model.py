@@ -157,15 +157,34 @@ class ConvShape:
         return 2.0 * self.weight_count * self.num * _prod(self.col_spatial)
 
 
-def candidates(layer):
-    """The algorithm candidates of one convolution layer, least workspace first."""
+# Fitted to cuDNN 9.19's timed choices on the H100 (tools/dump_algorithms.py,
+# FP32): the fastest stride-1 algorithms (Winograd non-fused, FFT) need
+# about 2.25 x the bytes of the call's input and output maps (VGG-16's
+# conv1_2, conv2_1, conv2_2, AlexNet's conv2: 2.15-2.26); forward and
+# backward-data also have a tiled FFT a few percent slower in a small
+# fraction of that (0.05-0.25: 0.15 here); backward-filter has none.
+TRANSFORM_FACTOR = 2.25
+TILING_FACTOR = 0.15
+TILING_TIME = 1.04
+
+
+def candidates(layer, kind=None):
+    """The algorithm candidates of one convolution layer (for call site
+    `kind`: fwd, bwd_data, bwd_filter; None: those every kind has)."""
     s = ConvShape(layer)
     if s.is_1x1:
         return [Candidate('gemm', 0, 1.0)]
-    out = [Candidate('implicit', 0, 1.6),
-           Candidate('precomp', 8 * (s.im_channels // s.group) * s.geom.kernel_count, 1.15)]
+    # Backward-filter's GEMM-like algorithms are far slower than its
+    # transforms (2-2.7x on VGG-16's first layers), the others' less so.
+    slow = 2.0 if kind == 'bwd_filter' else 1.0
+    out = [Candidate('implicit', 0, 1.6 * slow),
+           Candidate('precomp', 8 * (s.im_channels // s.group) * s.geom.kernel_count,
+                     1.15 * slow)]
+    maps = FLOAT_BYTES * (s.in_count + s.out_count)
     if s.unit_stride:
-        out.append(Candidate('transform', FLOAT_BYTES * (s.in_count + s.out_count), 1.0))
+        out.append(Candidate('transform', int(TRANSFORM_FACTOR * maps), 1.0))
+        if kind in ('fwd', 'bwd_data'):
+            out.append(Candidate('tiling', int(TILING_FACTOR * maps), TILING_TIME))
     else:
         out.append(Candidate('explicit', s.column_bytes, 1.0))
     return out
@@ -232,18 +251,32 @@ def internal_bytes(net, i, plan_name=None):
             caffe_pb2.PoolingParameter.MAX, caffe_pb2.PoolingParameter.STOCHASTIC):
         return 4 * top[0].count
     if t == 'LRN':
-        return FLOAT_BYTES * bottom[0].count
+        # cuDNN's LRN (across channels, on the GPU) keeps nothing between passes.
+        across = layer.layer_param.lrn_param.norm_region == caffe_pb2.LRNParameter.ACROSS_CHANNELS
+        return 0 if across else FLOAT_BYTES * bottom[0].count
     if t == 'Dropout' and training:
         return bottom[0].count
     if t == 'BatchNorm' and not getattr(layer, 'use_global_stats', not training):
         return FLOAT_BYTES * top[0].count
     if t == 'Scale' and bottom and top and bottom[0].data_storage is top[0].data_storage:
+        if _after_in_place_batch_norm(net, i):
+            return 0        # a BatchNorm -> Scale chain: its gradient reads BatchNorm's copy
         learns = len(bottom) > 1 or layer.param_needs_backward(0)
         return FLOAT_BYTES * bottom[0].count if learns and net.layer_need_backward[i] else 0
     if t == 'Eltwise' and layer.layer_param.eltwise_param.operation == \
             caffe_pb2.EltwiseParameter.MAX:
         return 4 * top[0].count
     return 0
+
+
+def _after_in_place_batch_norm(net, i):
+    """Layer i directly follows a BatchNorm in place on the same blob (the
+    GPU runs the two as one chain, layers/cudnn.py)."""
+    if i == 0 or net.layers[i - 1].layer_param.type != 'BatchNorm':
+        return False
+    blob = net.bottom_vecs[i][0]
+    return any(b is blob for b in net.bottom_vecs[i - 1]) and \
+        any(t is blob for t in net.top_vecs[i - 1])
 
 
 def internals(net, plan_name=None):
