@@ -522,6 +522,11 @@ def test_cli_memory_flags_reach_the_solver_param(tmp_path):
 
 # -- GPU -----------------------------------------------------------------------------------------
 GPU_BATCH = {'lenet': None, 'cifar10_bn': 8, 'googlenet': 4, 'resnet50': 4}
+# ResNet-50 only: offload differed from shared on the H100 (2026-11-22) while
+# CIFAR10-BN and GoogLeNet were bit-identical; suspected: the offload copies
+# against the fused BatchNorm->Scale->ReLU chains. Open in the memory issue.
+RESNET_OFFLOAD = pytest.param('resnet50', marks=pytest.mark.xfail(
+    strict=False, reason='ResNet-50 offload vs shared not bit-identical on the H100 (open)'))
 STOCK_WORKSPACE = 8 * 2 ** 20       # Caffe 1.0's per-layer cuDNN workspace limit
 
 
@@ -557,12 +562,8 @@ def test_gpu_shared_bit_identical_to_stock_deterministic(tmp_path, name):
     assert_identical(stock, shared)
 
 
-@pytest.mark.xfail(strict=False, reason='ResNet-50 only: offload differs from shared on the '
-                   'H100 (2026-11-22) while CIFAR10-BN and GoogLeNet are bit-identical; suspected '
-                   'interplay of the offload copies with the fused BatchNorm->Scale->ReLU chains; '
-                   'open in the memory issue')
 @pytest.mark.gpu
-@pytest.mark.parametrize('name', ['cifar10_bn', 'googlenet', 'resnet50'])
+@pytest.mark.parametrize('name', ['cifar10_bn', 'googlenet', RESNET_OFFLOAD])
 @pytest.mark.parametrize('lookahead', [1, 'auto'])
 def test_gpu_offload_bit_identical_to_shared(tmp_path, name, lookahead):
     need_model(name)
@@ -583,12 +584,8 @@ extern "C" __global__ void caffeplus_spin(long long cycles) {
 }''', 'caffeplus_spin')
 
 
-@pytest.mark.xfail(strict=False, reason='ResNet-50 only: offload differs from shared on the '
-                   'H100 (2026-11-22) while CIFAR10-BN and GoogLeNet are bit-identical; suspected '
-                   'interplay of the offload copies with the fused BatchNorm->Scale->ReLU chains; '
-                   'open in the memory issue')
 @pytest.mark.gpu
-@pytest.mark.parametrize('name', ['cifar10_bn', 'resnet50'])
+@pytest.mark.parametrize('name', ['cifar10_bn', RESNET_OFFLOAD])
 def test_gpu_offload_with_a_delayed_copy_stream_loses_nothing(tmp_path, name):
     """Every copy waits behind a ~2 ms spin kernel on the copy stream: the
     compute stream must wait on the copy events, and results stay identical."""
