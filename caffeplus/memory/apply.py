@@ -36,6 +36,7 @@ the blob and how to keep it, never stale numbers. A pass that starts in the
 middle (forward(start=...)) first checks that what it reads from before its
 start is still there.
 """
+import math
 import weakref
 
 import numpy
@@ -242,7 +243,13 @@ class AppliedPlan:
         if any(e.offloaded for e in entries):
             self._set_lookahead(entries, self.options.get('lookahead_steps') or {})
         placed = [life for e in entries if not e.persistent for life in e.lives]
-        bufs = [liveness.Buffer(('life', i), 'x', (), life.buf.nbytes, life.start, life.end)
+        # An offloaded map's return copy is issued before its first step's
+        # layer runs, so it must not share bytes with a filter call's
+        # workspace placed half a step early (liveness.FILTER_FIRST).
+        returning = {id(e.lives[1]) for e in entries if e.offloaded and len(e.lives) > 1}
+        bufs = [liveness.Buffer(('life', i), 'x', (), life.buf.nbytes,
+                                math.ceil(life.start) - liveness.FILTER_FIRST
+                                if id(life) in returning else life.start, life.end)
                 for i, life in enumerate(placed)]
         ws_bufs = self._workspace_buffers(bufs)
         kept_bufs = self._internal_buffers()
@@ -300,8 +307,9 @@ class AppliedPlan:
         live = liveness.live_bytes_by_step(bufs, self.steps)
         starting = [0] * (self.steps + 1)       # bytes of the buffers a step first writes
         for b in bufs:
-            if 0 <= b.start <= self.steps:
-                starting[b.start] += b.nbytes
+            t = int(math.ceil(b.start))
+            if 0 <= t <= self.steps:
+                starting[t] += b.nbytes
         peak = max(live) if live else 0
         room = {}
         for i, layer in enumerate(net.layers):

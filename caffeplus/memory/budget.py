@@ -129,8 +129,9 @@ def placed_workspace_sizes(net, bufs, steps, training=True, cap=None):
     live = liveness.live_bytes_by_step(bufs, steps)
     starting = [0] * (steps + 1)
     for b in bufs:
-        if 0 <= b.start <= steps:
-            starting[int(b.start)] += b.nbytes
+        t = int(math.ceil(b.start))
+        if 0 <= t <= steps:
+            starting[t] += b.nbytes
     peak = max(live) if live else 0
     convs = wm.conv_layers(net)
     seconds = {i: wm.layer_seconds(net, i)[0] for i, _ in convs}

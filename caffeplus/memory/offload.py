@@ -9,7 +9,7 @@ Policies: 'conv' (the inputs of convolution layers, vDNN's conv policy),
 'all' (every such buffer), or a list of blob names.
 """
 from caffeplus.errors import CaffeplusError
-from caffeplus.memory.liveness import Buffer
+from caffeplus.memory.liveness import FILTER_FIRST, Buffer
 
 CONV_TYPES = ('Convolution', 'Deconvolution')
 
@@ -78,8 +78,10 @@ def shorten(bufs, offloaded, net, lookahead=1):
         first_back = min(bwd)
         out.append(Buffer(buf.key + ('forward',), buf.kind, buf.blobs, buf.nbytes,
                           buf.start, max(fwd)))
+        # (Half a step early: the copy back is issued before that step's
+        # layer runs; see liveness.FILTER_FIRST.)
         out.append(Buffer(buf.key + ('backward',), buf.kind, buf.blobs, buf.nbytes,
-                          max(first_back - lookahead, max(fwd) + 1), buf.end))
+                          max(first_back - lookahead, max(fwd) + 1) - FILTER_FIRST, buf.end))
     return out
 
 
