@@ -189,6 +189,9 @@ def fill_device(recipe, out):
     gen = _DEVICE_RANDOM.get()
     if gen is None:
         return False
+    # Each fill starts from a seed drawn from caffeplus.rng, whose state
+    # snapshots keep: a resumed run draws the same device numbers.
+    gen.reseed(_DEVICE_RANDOM.seed_for(rng.get()))
     draw_into(recipe, out, gen)
     return True
 
@@ -207,6 +210,11 @@ class DeviceRandom:
         curand.setPseudoRandomGeneratorSeed(self._handle, int(seed))
         # cuRAND draws normals in pairs: an odd count takes its last one here.
         self._pair = cupy.empty(2, dtype=numpy.float32)
+
+    def reseed(self, seed):
+        """Restart the stream at `seed` (Philox: cheap, no state to rebuild)."""
+        self._curand.setPseudoRandomGeneratorSeed(self._handle, int(seed))
+        self._curand.setGeneratorOffset(self._handle, 0)
 
     def __del__(self):
         handle = getattr(self, '_handle', None)
@@ -243,11 +251,12 @@ class DeviceRandom:
 
 
 class DeviceRandomRegistry:
-    """One device generator per GPU, made on first use and seeded with a
-    number drawn from caffeplus.rng then. A new caffeplus.rng generator
-    (set_random_seed: the solver's random_seed + rank) starts new device
-    generators, so a seeded run draws the same device numbers again and
-    every rank its own. Nothing is drawn from caffeplus.rng in CPU mode."""
+    """One device generator per GPU, made on first use; every fill reseeds
+    it with a number drawn from caffeplus.rng (fill_device), so a seeded run
+    draws the same device numbers again, every rank its own (the solver's
+    random_seed + rank), and a run resumed from a snapshot (which keeps
+    caffeplus.rng's state) those of the uninterrupted run. Nothing is drawn
+    from caffeplus.rng in CPU mode."""
 
     def __init__(self, factory, device_id=None):
         self.factory = factory

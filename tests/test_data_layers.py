@@ -817,14 +817,17 @@ def test_dummy_data_on_the_gpu_draws_in_place_reproducibly():
             caffeplus.set_random_seed(seed)
             layer, tops = make(text, ntop=3)
             ptrs = [t.data.data.ptr for t in tops]
-            # The device path takes one seed from caffeplus.rng, nothing more
-            # (the host path would draw every value from it).
+            # The device path takes one seed per filled top from
+            # caffeplus.rng, nothing more (the host path would draw every
+            # value from it); the generator's first use draws one too.
             probe = numpy.random.default_rng()
             probe.bit_generator.state = caffeplus.rng.get_state()
             probe.integers(0, 2 ** 63 - 1)
             got = []
             for _ in range(2):
                 layer.forward([], tops)
+                for _ in tops:
+                    probe.integers(0, 2 ** 63 - 1)
                 assert caffeplus.rng.get_state() == probe.bit_generator.state
                 assert [t.data.data.ptr for t in tops] == ptrs    # the same arrays
                 assert all(isinstance(t.data, cupy.ndarray) for t in tops)
