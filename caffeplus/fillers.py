@@ -251,7 +251,8 @@ class DeviceRandom:
 
 
 class DeviceRandomRegistry:
-    """One device generator per GPU, made on first use; every fill reseeds
+    """One device generator per GPU, made on first use (drawing nothing);
+    every fill reseeds
     it with a number drawn from caffeplus.rng (fill_device), so a seeded run
     draws the same device numbers again, every rank its own (the solver's
     random_seed + rank), and a run resumed from a snapshot (which keeps
@@ -277,9 +278,10 @@ class DeviceRandomRegistry:
         device = self.device_id()
         gen = self._gens.get(device)
         if gen is None:
-            seed = self.seed_for(source)
             try:
-                gen = self.factory(seed)
+                # Seeded by every fill (fill_device); made without a draw, so
+                # that a resumed run's stream of draws is the first run's.
+                gen = self.factory(0)
             except Exception as exc:    # no cuRAND library: the host path it is
                 from caffeplus import log
                 log.warning('cannot make a cuRAND generator (%s); DummyData fills on the '

@@ -106,7 +106,10 @@ class DummyDataLayer(Layer):
         pass
 
     def _forward(self, bottom, top):
-        on_device = backend.mode() == backend.GPU
+        # CAFFEPLUS_DUMMYDATA_ON_HOST=1: draw on the host as stock Caffe does
+        # (a GPU run then sees a CPU run's numbers; slower).
+        on_device = backend.mode() == backend.GPU and \
+            os.environ.get('CAFFEPLUS_DUMMYDATA_ON_HOST', '') in ('', '0')
         for t, f, refill in zip(top, self.fillers, self.refill):
             if not refill:
                 continue
