@@ -393,3 +393,31 @@ def test_offload_runtime_waits_before_a_filter_calls_half_step_workspace():
     assert isinstance(applied.runtime, offload_runtime.OffloadRuntime)
     got = train(net)
     assert got[0] == ref[0]
+
+
+def test_relayout_without_values_reuses_the_arena_when_it_fits():
+    """Offload's calibrated look-ahead places the buffers again: the old
+    arena's bytes serve again when the new layout fits, so two arenas never
+    coexist; training stays bit-identical."""
+    import weakref
+    ref = train(build('stock'))
+    net = build('stock')
+    plan = make_plan(net, 'offload', offload_policy='all')
+    apply_plan(net, plan, training=True, runtime_options={'simulate': 'lazy'}, lookahead=1)
+    applied = net.applied_plan
+    net.clear_param_diffs()
+    base = applied._base
+    applied.relayout(lookahead_steps={e.names: 1 for e in applied.entries if e.offloaded})
+    assert applied._base is base                       # same size: the same bytes
+    assert applied.arena.size * 4 >= applied.arena_bytes
+    old = weakref.ref(base)
+    del base
+    applied.relayout(lookahead_steps={e.names: 4 for e in applied.entries if e.offloaded})
+    import gc
+    gc.collect()
+    # Reused when it fits, else gone: never two arenas.
+    assert old() is None or applied._base is old()
+    got = train(net)
+    assert got[0] == ref[0]
+    for a, b in zip(got[1], ref[1]):
+        assert numpy.array_equal(a, b)

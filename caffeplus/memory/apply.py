@@ -255,7 +255,17 @@ class AppliedPlan:
         kept_bufs = self._internal_buffers()
         offsets, arena_bytes = placement.place(bufs + ws_bufs + kept_bufs)
         self.arena_bytes = arena_bytes
-        self.arena = xp.zeros(max(arena_bytes // FLOAT_BYTES, 1), dtype=numpy.float32)
+        count = max(arena_bytes // FLOAT_BYTES, 1)
+        spare, self._spare = getattr(self, '_spare', None), None
+        if spare is not None and spare.size >= count and backend.get_array_module(spare) is xp:
+            # A re-layout that keeps no values: the old arena's bytes serve
+            # again (layers' cached views of it stay harmless), so two arenas
+            # never coexist.
+            spare[:count].fill(0)
+            self.arena = spare[:count]
+        else:
+            self.arena = xp.zeros(count, dtype=numpy.float32)
+        self._base = self.arena if spare is None or self.arena.base is None else spare
         for b, life in zip(bufs, placed):
             life.offset = offsets[b.key]
             lo = life.offset // FLOAT_BYTES
@@ -459,7 +469,7 @@ class AppliedPlan:
             if scratch.VIEWS in layer.__dict__:
                 scratch.set_views(layer, {})
         self.internal_views = {}
-        self.arena = None
+        self.arena = self._base = self._spare = None
 
     def relayout(self, lookahead_steps=None, replan=False, preserve=False):
         """Place the buffers again (new shapes, a new offload look-ahead).
@@ -519,7 +529,9 @@ class AppliedPlan:
     def _drop_views(self, entries):
         """Before a re-layout that keeps no values: let go of every view of
         the old arena, so that it is freed before the new one is taken (two
-        arenas at once would be the peak)."""
+        arenas at once would be the peak), or kept to serve again when the
+        new layout fits in it (_build)."""
+        self._spare = getattr(self, '_base', None)
         for e in entries:
             arr = e.storage.array
             if arr is not None and any(arr is life.view for life in e.lives):
