@@ -1342,8 +1342,12 @@ def _begin_pass(net, start, end, backward):
     if not chains:
         return
     from caffeplus import kernels
-    on = kernels.active() and not (net.debug_info or net.before_layer_forward or
-                                   net.after_layer_forward or net.before_layer_backward)
+    # Hooks that look at blobs between a chain's layers need it unfused;
+    # hooks marked chain_safe (the offload runtime's copies and waits, which
+    # act at step boundaries on whole buffers) do not.
+    watchers = [h for h in (net.before_layer_forward + net.after_layer_forward +
+                            net.before_layer_backward) if not getattr(h, 'chain_safe', False)]
+    on = kernels.active() and not (net.debug_info or watchers)
     for ch in chains:
         if backward:
             ch.bwd_done = False

@@ -66,6 +66,17 @@ def choose_lookahead(step_seconds, last_fwd, first_back, nbytes, bandwidth, marg
     return max(k, 1)
 
 
+def _chain_safe(method):
+    """A per-layer hook that acts on whole buffers at step boundaries: fused
+    layer chains (layers/cudnn.py) may stay fused while it is installed, as
+    they are under the plans without offload (else offload would run other
+    arithmetic than `shared`)."""
+    def hook(i):
+        return method(i)
+    hook.chain_safe = True
+    return hook
+
+
 # -- devices ----------------------------------------------------------------------------
 class CupyDevice:
     """Streams, events and pinned memory of the current GPU."""
@@ -273,9 +284,9 @@ class OffloadRuntime:
         self._next = 0
         self.pending_lookahead = None
         self.stats = {'copies_out': 0, 'copies_in': 0, 'bytes_out': 0, 'bytes_in': 0}
-        self._hooks = [(net.before_layer_forward, self._before_forward_layer),
-                       (net.after_layer_forward, self._after_forward_layer),
-                       (net.before_layer_backward, self._before_backward_layer)]
+        self._hooks = [(net.before_layer_forward, _chain_safe(self._before_forward_layer)),
+                       (net.after_layer_forward, _chain_safe(self._after_forward_layer)),
+                       (net.before_layer_backward, _chain_safe(self._before_backward_layer))]
         for hooks, fn in self._hooks:
             hooks.append(fn)
 
