@@ -421,3 +421,21 @@ def test_relayout_without_values_reuses_the_arena_when_it_fits():
     assert got[0] == ref[0]
     for a, b in zip(got[1], ref[1]):
         assert numpy.array_equal(a, b)
+
+
+def test_headroom_is_what_the_buffers_leave_below_their_peak():
+    net = build()
+    plan = make_plan(net, 'shared')
+    live = liveness.live_bytes_by_step(plan.buffers, plan.steps)
+    room = liveness.headroom(net, plan.buffers, plan.steps)
+    L = len(net.layers)
+    conv2 = net._layer_names.index('conv2')
+    t = 2 * L - 1 - conv2
+    assert room[(conv2, 'forward')] == max(live) - live[conv2]
+    assert room[(conv2, 'backward')] == max(live) - live[t]
+    # The filter call runs before conv1's diff (written by conv2's backward) exists.
+    written = sum(b.nbytes for b in plan.buffers if b.start == t)
+    assert written > 0
+    assert room[(conv2, 'backward_filter')] == room[(conv2, 'backward')] + written
+    assert (conv2, 'backward') not in liveness.headroom(net, plan.buffers, plan.steps,
+                                                         training=False)

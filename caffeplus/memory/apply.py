@@ -314,22 +314,9 @@ class AppliedPlan:
         if ws is None:
             return []
         net = self.net
-        live = liveness.live_bytes_by_step(bufs, self.steps)
-        starting = [0] * (self.steps + 1)       # bytes of the buffers a step first writes
-        for b in bufs:
-            t = int(math.ceil(b.start))
-            if 0 <= t <= self.steps:
-                starting[t] += b.nbytes
-        peak = max(live) if live else 0
-        room = {}
-        for i, layer in enumerate(net.layers):
-            room[(id(layer), 'forward')] = peak - live[i]
-            if self.training:
-                t = 2 * self.L - 1 - i
-                room[(id(layer), 'backward')] = peak - live[t]
-                # The filter call runs before the bottom's diff is written.
-                early = starting[t] if len(net.bottom_vecs[i]) == 1 else 0
-                room[(id(layer), 'backward_filter')] = peak - live[t] + early
+        layers = net.layers
+        room = {(id(layers[i]), part): n for (i, part), n in
+                liveness.headroom(net, bufs, self.steps, self.training).items()}
         if room != getattr(ws, 'headroom', None):
             ws.headroom = room
             ws._dirty = True            # choose again with the new room

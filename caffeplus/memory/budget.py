@@ -125,25 +125,14 @@ def placed_workspace_sizes(net, bufs, steps, training=True, cap=None):
     its step and a candidate at most 10% slower (or slower by at most 1% of
     all the convolutions' time) fits there."""
     from caffeplus.memory.workspace import HEADROOM_SHARE, HEADROOM_SLOWDOWN
-    L = len(net.layers)
-    live = liveness.live_bytes_by_step(bufs, steps)
-    starting = [0] * (steps + 1)
-    for b in bufs:
-        t = int(math.ceil(b.start))
-        if 0 <= t <= steps:
-            starting[t] += b.nbytes
-    peak = max(live) if live else 0
+    room = liveness.headroom(net, bufs, steps, training)
     convs = wm.conv_layers(net)
     seconds = {i: wm.layer_seconds(net, i)[0] for i, _ in convs}
     total = sum(seconds.values()) * len(wm.KINDS)
+    parts = {'fwd': 'forward', 'bwd_data': 'backward', 'bwd_filter': 'backward_filter'}
     out = {}
     for i, layer in convs:
-        t = 2 * L - 1 - i
-        rooms = {'fwd': peak - live[i]}
-        if training and t <= steps:
-            rooms['bwd_data'] = peak - live[t]
-            early = starting[t] if len(net.bottom_vecs[i]) == 1 else 0
-            rooms['bwd_filter'] = peak - live[t] + early
+        rooms = {kind: room.get((i, part)) for kind, part in parts.items()}
         sizes = []
         for kind in wm.KINDS:
             cands = wm.candidates(layer, kind)
@@ -151,12 +140,12 @@ def placed_workspace_sizes(net, bufs, steps, training=True, cap=None):
                 cands = [c for c in cands if c.bytes <= cap] or \
                     [min(cands, key=lambda c: c.bytes)]
             best = min(cands, key=lambda c: (c.time_factor, c.bytes))
-            room = rooms.get(kind)
+            free = rooms.get(kind)
             pick = best
-            if room is not None and best.bytes > room:
+            if free is not None and best.bytes > free:
                 limit = max(best.time_factor * (1 + HEADROOM_SLOWDOWN),
                             best.time_factor + HEADROOM_SHARE * total / max(seconds[i], 1e-12))
-                fits = [c for c in cands if c.bytes <= room and c.time_factor <= limit]
+                fits = [c for c in cands if c.bytes <= free and c.time_factor <= limit]
                 if fits:
                     pick = min(fits, key=lambda c: (c.time_factor, c.bytes))
             sizes.append(pick.bytes)
