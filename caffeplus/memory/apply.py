@@ -21,8 +21,13 @@ Caffe); `shared` reuses dead buffers; `offload` also moves chosen feature
 maps to pinned host memory between their forward and backward use
 (caffeplus.memory.offload_runtime); `auto` is whichever of these
 caffeplus.memory.budget picks for a budget. On the GPU the plan also sets
-the cuDNN workspace (caffeplus.memory.workspace: `stock` one buffer per
-layer, the others one arena, within `workspace_limit`).
+the cuDNN workspace (caffeplus.memory.workspace): `stock` one buffer per
+layer, `arena` one buffer for the net, and the reusing plans views in their
+own arena, each live at its call's step only (PlacedWorkspace,
+liveness.workspace_buffers). The buffers layers keep from forward to
+backward (max pooling's argmax, BatchNorm's normalized copy: declared by
+`internal_buffers()`, taken through caffeplus.memory.scratch) are placed in
+the arena too, live from the layer's forward to its backward.
 
 Release tracking. Net.forward_from_to / backward_from_to call the applied
 plan before and after they run (Net.applied_plan). Before: every release

@@ -19,6 +19,13 @@ GPU can spare after the net's other memory (blobs not yet allocated, with a
 margin). A reshape that changes a layer's candidates marks the arena for a
 re-plan before the next checkout.
 
+Placed (the reusing plans: shared, offload, auto). The algorithms are
+chosen as the arena chooses them, then the memory plan places each layer's
+forward, backward-data and backward-filter workspace in its own arena, live
+at that call's step only (PlacedWorkspace); where the fastest algorithm
+would raise the plan's peak, a timed one that fits the bytes left free there
+and is at most 10% slower (or 1% of the net's convolution time) is used.
+
 Stock. Each convolution layer owns its workspace, sized exactly as Caffe
 1.0's CuDNNConvolutionLayer::Reshape sizes it: per kind, the first _v7
 heuristic result whose workspace is <= 8 MiB; the layer allocates
