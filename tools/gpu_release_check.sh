@@ -2,10 +2,13 @@
 # The release check on the GPU machine, in one device call:
 #   1. every gpu-marked test of the suite,
 #   2. `caffeplus memory -gpu 0` (measured plans beside the planner's estimate) on the bench nets,
-#   3. tools/bench_gpu.py on the nets not yet benchmarked (caffeplus vs PyTorch in the same run).
+#   3. tools/bench_gpu.py on the nets not yet benchmarked (caffeplus vs PyTorch in the same run),
+#   4. (STEPS=stock) tools/bench_stock_memory.py: the `stock` plan against stock Caffe's peaks.
+# Prefer running it through tools/gpu_snapshot.sh (the committed tree only).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
 # (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
-# env: STEPS (tests,memory,probe,bench), MEMORY_NETS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S
+# env: STEPS (tests,memory,probe,bench,stock), MEMORY_NETS, MEMORY_PLANS, BENCH_NETS, TEST_S,
+#      MEMORY_S, BENCH_S
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -40,7 +43,7 @@ if has memory; then
   for n in ${MEMORY_NETS:-alexnet_b128 googlenet_b64 vgg16_b64 resnet50_b64}; do
     stamp "memory $n"
     GLOG_minloglevel=2 timeout "${MEMORY_S:-100}" python3 -m caffeplus memory -model .gpu_carry/bench/$n.prototxt \
-      -gpu 0 --plans stock,arena,shared,offload --json > "$OUT/memory_$n.json" 2> "$OUT/memory_$n.err"
+      -gpu 0 --plans ${MEMORY_PLANS:-stock,arena,shared,offload} --json > "$OUT/memory_$n.json" 2> "$OUT/memory_$n.err"
     echo "rc=$?" >> "$OUT/memory_$n.err"
     python3 - "$OUT/memory_$n.json" <<'PY'
 import json, sys
@@ -71,5 +74,10 @@ if has bench; then
     --json "$OUT/bench.json" --md "$OUT/gpu_results.md" > "$OUT/bench.log" 2>&1
   echo "rc=$?" >> "$OUT/bench.log"
   tail -n 20 "$OUT/bench.log"
+fi
+if has stock; then
+  stamp "stock plan against stock Caffe"
+  timeout "${STOCK_S:-300}" python3 tools/bench_stock_memory.py ${STOCK_NETS:-alexnet_b128 googlenet_b64 vgg16_b64 resnet50_b64} \
+    --bench-dir .gpu_carry/bench --timeout 100 --json "$OUT/stock.json" --md "$OUT/stock.md" 2>&1 | tail -n 8
 fi
 stamp done
