@@ -42,7 +42,7 @@ fi
 if has memory; then
   for n in ${MEMORY_NETS:-alexnet_b128 googlenet_b64 vgg16_b64 resnet50_b64}; do
     stamp "memory $n"
-    GLOG_minloglevel=2 timeout "${MEMORY_S:-100}" python3 -m caffeplus memory -model .gpu_carry/bench/$n.prototxt \
+    GLOG_minloglevel=2 timeout "${MEMORY_S:-280}" python3 -m caffeplus memory -model .gpu_carry/bench/$n.prototxt \
       -gpu 0 --plans ${MEMORY_PLANS:-stock,arena,shared,offload} --json > "$OUT/memory_$n.json" 2> "$OUT/memory_$n.err"
     echo "rc=$?" >> "$OUT/memory_$n.err"
     python3 - "$OUT/memory_$n.json" <<'PY'
