@@ -213,6 +213,11 @@ class Layer:
         except Exception as exc:        # out of GPU memory: name the layer
             _reraise_out_of_memory(self, 'forward', exc)
             raise
+        return self.weighted_loss(top)
+
+    def weighted_loss(self, top):
+        """Caffe's loss of a forward: each top's data dotted with its diff,
+        where the loss weight (set in the diff at setup) is not zero."""
         loss = 0.0
         for i, w in enumerate(self.loss_weights):
             if w:

@@ -1808,12 +1808,7 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
             raise
         if self._host_loss is not None and len(self.loss_weights) == 1:
             return self._host_loss if self.loss_weights[0] else 0.0
-        loss = 0.0
-        for i, w in enumerate(self.loss_weights):
-            if w:
-                xp = backend.get_array_module(top[i].data)
-                loss += float(xp.dot(top[i].data.ravel(), top[i].diff.ravel()))
-        return loss
+        return self.weighted_loss(top)
 
     def _fast_forward(self, bottom, top):
         from caffeplus import kernels as K
