@@ -202,6 +202,29 @@ def _time_steps(step, args, cupy_events):
     return times
 
 
+def bvlc_torch_model(torch, arch):
+    """BVLC's own AlexNet in PyTorch (96 conv1 filters, LRN, two groups in
+    conv2/4/5), the same work as the bench prototxt: torchvision's AlexNet
+    (64 filters, no LRN, no groups) does less. Only AlexNet is offered."""
+    if arch != 'alexnet':
+        raise SystemExit('--torch-models bvlc: only alexnet has a BVLC model here')
+    nn = torch.nn
+
+    def lrn():
+        return nn.LocalResponseNorm(5, alpha=1e-4, beta=0.75, k=1.0)
+    return nn.Sequential(
+        nn.Conv2d(3, 96, 11, stride=4), nn.ReLU(inplace=True), lrn(), nn.MaxPool2d(3, 2),
+        nn.Conv2d(96, 256, 5, padding=2, groups=2), nn.ReLU(inplace=True), lrn(),
+        nn.MaxPool2d(3, 2),
+        nn.Conv2d(256, 384, 3, padding=1), nn.ReLU(inplace=True),
+        nn.Conv2d(384, 384, 3, padding=1, groups=2), nn.ReLU(inplace=True),
+        nn.Conv2d(384, 256, 3, padding=1, groups=2), nn.ReLU(inplace=True),
+        nn.MaxPool2d(3, 2), nn.Flatten(),
+        nn.Linear(256 * 6 * 6, 4096), nn.ReLU(inplace=True), nn.Dropout(0.5),
+        nn.Linear(4096, 4096), nn.ReLU(inplace=True), nn.Dropout(0.5),
+        nn.Linear(4096, 1000))
+
+
 def worker_torch(args):
     import torch
     import torchvision
@@ -221,7 +244,10 @@ def worker_torch(args):
     kw = {'weights': None}
     if arch == 'googlenet':
         kw.update(aux_logits=True, init_weights=True)
-    model = getattr(torchvision.models, TORCH_MODELS[arch])(**kw).to(dev).train()
+    if args.plan == 'bvlc':
+        model = bvlc_torch_model(torch, arch).to(dev).train()
+    else:
+        model = getattr(torchvision.models, TORCH_MODELS[arch])(**kw).to(dev).train()
     size = 227 if arch == 'alexnet' else 224
     x = torch.randn(batch, 3, size, size, device=dev)
     y = torch.zeros(batch, dtype=torch.long, device=dev)
@@ -239,7 +265,7 @@ def worker_torch(args):
         opt.step()
     times = _time_steps(step, args, cupy_events=False)
     sampler.finish()
-    return dict(framework='pytorch', plan='-', net=args.net, tf32=args.tf32, search='benchmark',
+    return dict(framework='pytorch', plan=args.plan if args.plan == 'bvlc' else '-', net=args.net, tf32=args.tf32, search='benchmark',
                 median_ms=statistics.median(times), times_ms=times,
                 peak_used_mib=sampler.peak / MiB, baseline_used_mib=baseline / MiB,
                 peak_pool_mib=torch.cuda.max_memory_reserved() / MiB,
@@ -290,7 +316,8 @@ def markdown(results, args):
              'pool/reserved MiB | workspace MiB | vs PyTorch time | vs PyTorch memory |',
              '|---|---|---|---|---|---|---|---|---|---|---|']
     torch_ref = {(r['net'], r['tf32']): r for r in results
-                 if r.get('framework') == 'pytorch' and 'error' not in r}
+                 if r.get('framework') == 'pytorch' and r.get('plan', '-') == '-' and
+                 'error' not in r}
     for r in results:
         if 'error' in r:
             lines.append('| %s | %s | %s | %s | error: %s | | | | | | |' % (
@@ -315,6 +342,9 @@ def main(argv=None):
     ap.add_argument('--nets', default='alexnet_b128,resnet50_b32')
     ap.add_argument('--plans', default='stock,arena')
     ap.add_argument('--torch', action='store_true', help='measure PyTorch in the same run')
+    ap.add_argument('--torch-models', default='torchvision',
+                    help="PyTorch peers: torchvision (the issue's peer), bvlc (AlexNet as BVLC "
+                         "defines it: same work as the prototxt), or both, separated by ','")
     ap.add_argument('--tf32', default='off', choices=('off', 'on', 'both'))
     ap.add_argument('--iters', type=int, default=20)
     ap.add_argument('--warmup', type=int, default=3)
@@ -339,7 +369,8 @@ def main(argv=None):
         for net in args.nets.split(','):
             runs = [('caffeplus', p) for p in args.plans.split(',')]
             if args.torch:
-                runs.append(('pytorch', '-'))
+                for variant in args.torch_models.split(','):
+                    runs.append(('pytorch', '-' if variant == 'torchvision' else variant))
             for kind, plan in runs:
                 r = run_worker(kind, net, args, plan, tf32)
                 results.append(r)
