@@ -265,7 +265,8 @@ def worker_torch(args):
         opt.step()
     times = _time_steps(step, args, cupy_events=False)
     sampler.finish()
-    return dict(framework='pytorch', plan=args.plan if args.plan == 'bvlc' else '-', net=args.net, tf32=args.tf32, search='benchmark',
+    return dict(framework='pytorch', plan=args.plan if args.plan == 'bvlc' else '-',
+                net=args.net, tf32=args.tf32, search='benchmark',
                 median_ms=statistics.median(times), times_ms=times,
                 peak_used_mib=sampler.peak / MiB, baseline_used_mib=baseline / MiB,
                 peak_pool_mib=torch.cuda.max_memory_reserved() / MiB,
