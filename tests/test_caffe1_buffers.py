@@ -214,7 +214,7 @@ def test_adopting_layers_name_their_buffers():
 
 # -- the estimate ----------------------------------------------------------------------------
 def expected_stock_other(net):
-    return wm.CONTEXT_BYTES + wm.HANDLE_BYTES * (wm.stock_handles(net) +
+    return wm.RUNTIME_BYTES + wm.HANDLE_BYTES * (wm.stock_handles(net) +
                                                  len(caffe_handles(net))) + \
         sum(v[2] for v in caffe_rules(net).values())
 
@@ -225,7 +225,7 @@ def test_estimate_counts_the_buffers(name):
     assert wm.other_bytes(net, 'stock') == expected_stock_other(net)
     assert wm.internals(net, 'stock') == caffe1.own_bytes(net) + caffe1.extra_bytes(net)
     # the other plans keep our layers' own model
-    assert wm.other_bytes(net, 'arena') == wm.CONTEXT_BYTES + wm.internals(net)
+    assert wm.other_bytes(net, "arena") == wm.RUNTIME_BYTES + wm.internals(net)
 
 
 def test_memory_estimate_json_stock_other(capsys):
