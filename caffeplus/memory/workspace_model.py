@@ -59,27 +59,20 @@ which our layers keep themselves or caffe1.attach adds on the GPU.
 
 Fixed cost ("other")
 --------------------
-CONTEXT_BYTES is the CUDA context, CuPy, cuBLAS and one cuDNN handle: what a
-process holds on the device before any blob. For `stock`, Caffe's per-layer
-cuDNN handles add HANDLE_BYTES each: 3 per group per convolution layer
-(with a CUDA stream each) and one per other layer Caffe builds as a cuDNN
-class (ReLU, AVE pooling, LRN, softmax...: caffe1.handle_layers).
+RUNTIME_BYTES is what the process holds on the device besides the plan's
+buffers: the CUDA context, CuPy, cuBLAS's workspace, cuDNN, the fused
+kernels and the captured CUDA graphs. It is MEASURED: the "other" of the
+`arena` and `shared` plans on the H100 (2026-11-22,
+benchmarks/memory_results.md: 637-684 MiB over AlexNet, GoogLeNet, VGG-16
+and ResNet-50; mean 660 MiB).
 
-Since every plan runs in caffeplus's runtime (CuPy, cuBLAS's workspace,
-the fused kernels, captured CUDA graphs), the fixed cost is RUNTIME_BYTES,
-measured as the "other" of the `arena` and `shared` plans on the H100
-(2026-11-22, benchmarks/memory_results.md: 637-684 MiB over AlexNet,
-GoogLeNet, VGG-16 and ResNet-50, mean 660 MiB); with it the handle cost
-that keeps the stock estimates on stock Caffe's figures is 5 MiB
-(CONTEXT_BYTES and 6 MiB below are the earlier fit, kept for reference).
-
-Both stock constants are a FIT to the six stock Caffe measurements in bench/README.md, not
-measured directly: with Caffe's layer buffers and the workspace model
-above, least squares over the six nets gives 555 MiB + 6.0 MiB per handle
-(residuals -299 MiB on GoogLeNet b64 to +263 MiB on ResNet-50 b32, the
-workspace model's error on 1x1 convolutions most likely). The previous fit
-(570 MiB, 8 MiB per handle) counted only the convolutions' handles, which
-absorbed the others.
+For `stock`, Caffe's per-layer cuDNN handles add HANDLE_BYTES each: 3 per
+group per convolution layer (with a CUDA stream each) and one per other
+layer Caffe builds as a cuDNN class (ReLU, AVE pooling, LRN, softmax...:
+caffe1.handle_layers). HANDLE_BYTES is a FIT: with RUNTIME_BYTES, Caffe's
+layer buffers and the workspace model above, 5 MiB puts the stock estimate
+within 2.7% of all six stock Caffe figures in bench/README.md (an earlier
+least-squares fit of both constants gave 555 MiB + 6 MiB per handle).
 
 Layer times (for `auto` and iter_ms estimates)
 ----------------------------------------------
@@ -92,7 +85,7 @@ and ResNet-50, whose many small layers dominate). Good to tens of percent:
 `auto` only compares plans of one net with it.
 
 CALIBRATION: `caffeplus memory -gpu 0` prints measured beside estimated
-numbers; adjust CONTEXT_BYTES, HANDLE_BYTES, the candidate sizes and the
+numbers; adjust RUNTIME_BYTES, HANDLE_BYTES, the candidate sizes and the
 internal-buffer table until the estimates are within 5%.
 """
 import collections
@@ -103,7 +96,6 @@ from caffeplus.memory.liveness import FLOAT_BYTES
 MiB = 2 ** 20
 STOCK_WORKSPACE_LIMIT = 8 * 1024 * 1024     # Caffe's workspace_limit_bytes
 STREAMS_PER_GROUP = 3                       # Caffe's CUDNN_STREAMS_PER_GROUP
-CONTEXT_BYTES = 555 * MiB                   # a fit (see "Fixed cost" above)
 RUNTIME_BYTES = 660 * MiB                   # measured (see "Fixed cost" above)
 HANDLE_BYTES = 5 * MiB                      # a fit (see "Fixed cost" above)
 CONV_FLOPS = 22e12                          # effective FP32 convolution FLOP/s
