@@ -438,3 +438,17 @@ def test_convert_imageset_progress_bar_only_on_a_terminal():
     pipe = io.StringIO()
     Progress(5000, stream=pipe).update(5, force=True)          # not a terminal
     assert quiet.getvalue() == '' and pipe.getvalue() == ''
+
+
+def test_max_batch_search_finds_the_largest_fitting_multiple():
+    from tools import max_batch
+    assert max_batch.largest(lambda b: b <= 100, 16, 1000) == 96
+    assert max_batch.largest(lambda b: True, 16, 1000) == 992
+    assert max_batch.largest(lambda b: False, 16, 1000) == 0
+    # The estimate: LeNet at batch 64 fits 1 GiB, not 1 MiB.
+    from conftest import ROOT
+    import os
+    lenet = os.path.join(ROOT, 'examples', 'mnist', 'lenet_train_test.prototxt')
+    if os.path.exists(lenet):
+        assert max_batch.fits_estimate(lenet, 64, 2 ** 30) is not None
+        assert max_batch.fits_estimate(lenet, 64, 2 ** 20) is None

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""The largest batch a net trains at within a memory budget: caffeplus's
+`auto` plan against PyTorch's default allocator (the memory issue's
+"largest VGG-16 batch on the 80 GB card" comparison).
+
+    python3 tools/max_batch.py --model ../shared/bench/vgg16_b64.prototxt --budget 78G
+    python3 tools/max_batch.py --model .gpu_carry/bench/vgg16_b64.prototxt --gpu 0 --torch vgg16
+
+Without --gpu: the planner's estimate only (binary search on the batch for
+the largest whose `auto` plan fits --budget). With --gpu: that batch is then
+trained for real (`caffeplus memory -gpu --plans auto`, one process per
+try), stepping down until a measured run fits. --torch ARCH: the largest
+batch torchvision's ARCH trains at (SGD with momentum, one process per try,
+until CUDA runs out of memory). Prints both and their ratio.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+STEP = 16
+
+
+def fits_estimate(model, batch, budget):
+    """The auto plan's estimated peak for `batch`, or None when none fits."""
+    from caffeplus.errors import CaffeplusError
+    from caffeplus.memory import budget as budget_mod, shapes
+    with shapes.quiet():
+        net = shapes.build_net(shapes.load_net_param(model, batch=batch))
+        try:
+            return budget_mod.plan_for_budget(net, budget).peak_bytes
+        except CaffeplusError:
+            return None
+
+
+def largest(fits, low, high):
+    """Largest multiple of STEP in [low, high] for which fits(batch) holds
+    (fits must be monotone); 0 when none does."""
+    lo, hi = 0, high // STEP
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * STEP):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * STEP if lo * STEP >= low else 0
+
+
+def measured_fits(model, batch, budget, gpu, timeout):
+    cmd = [sys.executable, '-m', 'caffeplus', 'memory', '-model', model, '-gpu', str(gpu),
+           '--plans', 'auto', '--budget', str(budget), '--batch', str(batch),
+           '--iterations', '1', '--json']
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    try:
+        entry = json.loads(p.stdout)['plans']['auto']
+    except (ValueError, KeyError):
+        return None
+    if 'measure_error' in entry:
+        return None
+    return entry['peak_bytes'] if entry['peak_bytes'] <= budget else None
+
+
+TORCH_STEP = r'''
+import sys, torch, torchvision
+arch, batch = sys.argv[1], int(sys.argv[2])
+torch.backends.cudnn.benchmark = True
+model = getattr(torchvision.models, arch)(weights=None).cuda().train()
+opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+x = torch.randn(batch, 3, 224, 224, device='cuda')
+y = torch.zeros(batch, dtype=torch.long, device='cuda')
+for _ in range(2):
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+torch.cuda.synchronize()
+print('peak', torch.cuda.max_memory_allocated())
+'''
+
+
+def torch_fits(arch, batch, timeout):
+    try:
+        p = subprocess.run([sys.executable, '-c', TORCH_STEP, arch, str(batch)],
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False
+    return p.returncode == 0 and 'peak' in p.stdout
+
+
+def main(argv=None):
+    from caffeplus.memory.budget import format_bytes, parse_bytes
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    ap.add_argument('--model', required=True)
+    ap.add_argument('--budget', default='78G')
+    ap.add_argument('--max-batch', type=int, default=8192)
+    ap.add_argument('--gpu', type=int, default=None)
+    ap.add_argument('--torch', default=None, help='torchvision architecture, e.g. vgg16')
+    ap.add_argument('--timeout', type=int, default=240)
+    ap.add_argument('--json', default=None)
+    args = ap.parse_args(argv)
+    budget = parse_bytes(args.budget)
+    est = largest(lambda b: fits_estimate(args.model, b, budget) is not None, STEP,
+                  args.max_batch)
+    print('caffeplus auto, estimate: largest batch %d within %s' % (est, format_bytes(budget)))
+    result = {'budget': budget, 'estimated_batch': est}
+    if args.gpu is not None and est:
+        batch = est
+        while batch >= STEP and measured_fits(args.model, batch, budget, args.gpu,
+                                              args.timeout) is None:
+            batch -= STEP
+        result['measured_batch'] = batch
+        print('caffeplus auto, measured: largest batch %d' % batch)
+    if args.torch:
+        tb = largest(lambda b: torch_fits(args.torch, b, args.timeout), STEP, args.max_batch)
+        result['torch_batch'] = tb
+        print('PyTorch %s: largest batch %d' % (args.torch, tb))
+        ours = result.get('measured_batch', est)
+        if tb:
+            print('ratio: %.2fx (target >= 4x)' % (ours / float(tb)))
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
