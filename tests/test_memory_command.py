@@ -13,7 +13,7 @@ import caffeplus
 from caffeplus import cli
 from caffeplus.blob import Blob
 from caffeplus.errors import CaffeplusError
-from caffeplus.memory import budget, measure, shapes, workspace_model as wm
+from caffeplus.memory import budget, liveness, measure, shapes, workspace_model as wm
 from caffeplus.memory.plan import CATEGORIES, PLANS, make_plan
 
 from conftest import ROOT, SHARED
@@ -430,3 +430,15 @@ def test_in_own_process_returns_the_result_and_the_error():
     assert memory_command.in_own_process(memory_command.check_keep_names, 'a, b,') == ['a', 'b']
     with pytest.raises(CaffeplusError, match='-gpu must be one device ID'):
         memory_command.in_own_process(memory_command.parse_gpu, 'x')
+
+
+def test_auto_offloads_no_more_than_the_host_budget():
+    net = shapes.build_net(shapes.load_net_param(bench('vgg16_b64'), batch=256))
+    free = budget.plan_for_budget(net, budget.parse_bytes('14G'))
+    host = budget.offload.host_bytes(liveness.buffers(net), free.offloaded)
+    assert host > 2 ** 30                                  # it offloads to fit 14 GiB
+    capped = budget.plan_for_budget(net, budget.parse_bytes('40G'), host_budget=2 ** 30)
+    assert budget.offload.host_bytes(liveness.buffers(net), capped.offloaded) <= 2 ** 30
+    with pytest.raises(CaffeplusError, match=r'at most 1.00 GiB offloaded to host memory'):
+        budget.plan_for_budget(net, budget.parse_bytes('14G'), host_budget=2 ** 30)
+    assert budget.default_host_budget() is None or budget.default_host_budget() > 0

@@ -25,14 +25,15 @@ if ROOT not in sys.path:
 STEP = 16
 
 
-def fits_estimate(model, batch, budget):
-    """The auto plan's estimated peak for `batch`, or None when none fits."""
+def fits_estimate(model, batch, budget, host_budget=None):
+    """The auto plan's estimated peak for `batch` (offloading at most
+    `host_budget` bytes to pinned host memory), or None when none fits."""
     from caffeplus.errors import CaffeplusError
     from caffeplus.memory import budget as budget_mod, shapes
     with shapes.quiet():
         net = shapes.build_net(shapes.load_net_param(model, batch=batch))
         try:
-            return budget_mod.plan_for_budget(net, budget).peak_bytes
+            return budget_mod.plan_for_budget(net, budget, host_budget=host_budget).peak_bytes
         except CaffeplusError:
             return None
 
@@ -50,10 +51,11 @@ def largest(fits, low, high):
     return lo * STEP if lo * STEP >= low else 0
 
 
-def measured_fits(model, batch, budget, gpu, timeout):
+def measured_fits(model, batch, budget, gpu, timeout, host_budget=None):
     cmd = [sys.executable, '-m', 'caffeplus', 'memory', '-model', model, '-gpu', str(gpu),
            '--plans', 'auto', '--budget', str(budget), '--batch', str(batch),
-           '--iterations', '1', '--json']
+           '--iterations', '1', '--json'] + \
+        (['--host-budget', str(host_budget)] if host_budget else [])
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -99,20 +101,26 @@ def main(argv=None):
     ap.add_argument('--model', required=True)
     ap.add_argument('--budget', default='78G')
     ap.add_argument('--max-batch', type=int, default=8192)
+    ap.add_argument('--host-budget', default=None,
+                    help='pinned host memory to offload to (default: 75%% of this '
+                         "machine's memory with --gpu, no limit without)")
     ap.add_argument('--gpu', type=int, default=None)
     ap.add_argument('--torch', default=None, help='torchvision architecture, e.g. vgg16')
     ap.add_argument('--timeout', type=int, default=240)
     ap.add_argument('--json', default=None)
     args = ap.parse_args(argv)
+    from caffeplus.memory.budget import default_host_budget
     budget = parse_bytes(args.budget)
-    est = largest(lambda b: fits_estimate(args.model, b, budget) is not None, STEP,
+    host = parse_bytes(args.host_budget) if args.host_budget else \
+        (default_host_budget() if args.gpu is not None else None)
+    est = largest(lambda b: fits_estimate(args.model, b, budget, host) is not None, STEP,
                   args.max_batch)
     print('caffeplus auto, estimate: largest batch %d within %s' % (est, format_bytes(budget)))
-    result = {'budget': budget, 'estimated_batch': est}
+    result = {'budget': budget, 'host_budget': host, 'estimated_batch': est}
     if args.gpu is not None and est:
         batch = est
         while batch >= STEP and measured_fits(args.model, batch, budget, args.gpu,
-                                              args.timeout) is None:
+                                              args.timeout, host) is None:
             batch -= STEP
         result['measured_batch'] = batch
         print('caffeplus auto, measured: largest batch %d' % batch)

@@ -63,6 +63,10 @@ def add_arguments(parser):
                         help='override the batch size of the data/DummyData/Input tops')
     parser.add_argument('--budget', default=None,
                         help="memory budget for plan 'auto', e.g. 12G, 800M, 1.5GiB")
+    parser.add_argument('--host-budget', default=None,
+                        help="pinned host memory plan 'auto' may offload to, e.g. 64G "
+                             '(default: 75%% of this machine\'s memory with -gpu, no limit with '
+                             '--estimate)')
     parser.add_argument('--plot', default=None,
                         help='write charts: NAME.png (bars) and NAME_timeline.png')
     parser.add_argument('--json', action='store_true', help='print the results as JSON')
@@ -193,6 +197,10 @@ def run(args):
     budget = budget_mod.parse_bytes(args.budget) if args.budget is not None else None
     gpu = parse_gpu(args.gpu)
     measuring = gpu is not None and not args.estimate
+    if args.host_budget is not None:
+        host_budget = budget_mod.parse_bytes(args.host_budget)
+    else:
+        host_budget = budget_mod.default_host_budget() if measuring else None
     if not measuring and not args.estimate and not args.json:
         print('caffeplus memory: no -gpu given: showing estimates', file=sys.stderr)
 
@@ -217,14 +225,14 @@ def run(args):
     for name in plans:
         estimates[name] = budget_mod.estimate_plan(
             net, name, solver_type=args.solver_type, keep=keep, offload_policy=args.offload,
-            budget=budget_for_auto)
+            budget=budget_for_auto, host_budget=host_budget)
 
     results = {}
     for name, plan in estimates.items():
         entry = plan_entry(plan, budget)
         entry['curve'] = estimate_curve(plan)
         if measuring:
-            entry = _measure(param, plan, gpu, args, entry, budget_for_auto)
+            entry = _measure(param, plan, gpu, args, entry, budget_for_auto, host_budget)
         results[name] = entry
 
     title = 'net %s, batch %s, solver %s' % (net.name, batch, args.solver_type)
@@ -247,7 +255,7 @@ def run(args):
     return 0
 
 
-def _measure(param, plan, gpu, args, estimate_entry, budget_for_auto=None):
+def _measure(param, plan, gpu, args, estimate_entry, budget_for_auto=None, host_budget=None):
     """The measured entry of one plan, with the estimate beside it. The plan
     runs in a process of its own, as `caffe time` does: the peak is the
     device's used memory, so nothing another plan left behind (cuDNN
@@ -260,6 +268,7 @@ def _measure(param, plan, gpu, args, estimate_entry, budget_for_auto=None):
                                   {'solver_type': args.solver_type,
                                    'keep': check_keep_names(args.keep),
                                    'offload': args.offload, 'budget': budget_for_auto,
+                                   'host_budget': host_budget,
                                    'iterations': args.iterations, 'level': args.level,
                                    'stages': [st for st in (args.stage or '').split(',') if st]
                                    or None})
@@ -300,7 +309,7 @@ def _measure_child(param_bytes, name, gpu, opts):
         net = shapes.build_net(param, level=opts['level'], stages=opts['stages'])
         plan = budget_mod.estimate_plan(net, name, solver_type=opts['solver_type'],
                                         keep=opts['keep'], offload_policy=opts['offload'],
-                                        budget=opts['budget'])
+                                        budget=opts['budget'], host_budget=opts['host_budget'])
     del net
     return measure_plan(param, plan, gpu, solver_type=opts['solver_type'],
                         iterations=opts['iterations'])

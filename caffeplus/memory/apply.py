@@ -744,7 +744,9 @@ def apply_named_plan(net, name, keep=(), offload_policy='conv', workspace_limit=
     def make(n):
         if name == 'auto':
             from caffeplus.memory import budget as budget_module
-            return budget_module.plan_for_budget(n, budget or None, solver_type, keep, training)
+            # Applied here: the offloaded maps must fit this machine's memory.
+            return budget_module.plan_for_budget(n, budget or None, solver_type, keep, training,
+                                                 host_budget=budget_module.default_host_budget())
         return make_plan(n, name, solver_type=solver_type, keep=keep, training=training,
                          offload_policy=offload_policy)
 

@@ -170,14 +170,14 @@ def _finish(plan, net, name, workspace, other, seconds, choice):
 
 
 def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_policy='conv',
-                  budget=None):
+                  budget=None, host_budget=None):
     """A MemoryPlan for `name` with the workspace model's workspace and other
     and an estimated iteration time (`est_iter_ms`). 'auto' needs `budget`
     (None: no limit, the fastest plan)."""
     from caffeplus.memory.plan import check_plan_name
     check_plan_name(name)
     if name == 'auto':
-        return plan_for_budget(net, budget, solver_type, keep, training)
+        return plan_for_budget(net, budget, solver_type, keep, training, host_budget)
     convs = wm.conv_layers(net)
     if name == 'stock':
         choice = {i: wm.stock_candidate(l) for i, l in convs}
@@ -210,7 +210,22 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
 
 
 # -- auto -----------------------------------------------------------------------------
-Option = collections.namedtuple('Option', 'peak seconds cap offloaded arena')
+Option = collections.namedtuple('Option', 'peak seconds cap offloaded arena host')
+
+# Offloaded maps wait in pinned host memory: a plan applied on this machine
+# may pin at most this share of its physical memory (the rest is the
+# program's, the page cache's, other processes').
+HOST_SHARE = 0.75
+
+
+def default_host_budget():
+    """Bytes of pinned host memory a plan applied here may use (HOST_SHARE of
+    the physical memory; None where the system does not say)."""
+    import os
+    try:
+        return int(HOST_SHARE * os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _offload_sets(net, bufs, keep, steps, windows):
@@ -275,11 +290,13 @@ def search(net, solver_type='SGD', keep=(), training=True):
     for offloaded in sets:
         shortened = offload.shorten(bufs, offloaded, net) if offloaded else bufs
         live = liveness.live_bytes_by_step(shortened + kept, steps)
+        host = offload.host_bytes(bufs, offloaded)
         for cap, (steps_s, seconds, ws) in timing.items():
             stall = offload_stall_seconds(net, bufs, offloaded, steps_s, windows) \
                 if offloaded else 0.0
             busiest = max(a + w for a, w in zip(live, ws))
-            options.append(Option(fixed + busiest, seconds + stall, cap, offloaded, busiest))
+            options.append(Option(fixed + busiest, seconds + stall, cap, offloaded, busiest,
+                                  host))
     return options
 
 
@@ -306,11 +323,15 @@ def _auto_plan(net, option, solver_type, keep, training):
 PLACEMENT_TRIES = 12
 
 
-def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True):
+def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True, host_budget=None):
     """The `auto` MemoryPlan: least estimated time with peak <= budget
-    (None: no limit). CaffeplusError with the smallest feasible budget when
-    nothing fits."""
+    (None: no limit), offloading at most `host_budget` bytes to pinned host
+    memory (None: no limit). CaffeplusError with the smallest feasible
+    budget when nothing fits."""
     options = search(net, solver_type, keep, training)
+    if host_budget is not None:
+        options = [o for o in options if o.host <= host_budget] or \
+            [min(options, key=lambda o: o.host)]
     fits = [o for o in options if budget is None or o.peak <= budget]
     fits.sort(key=lambda o: (round(o.seconds, 9), o.peak))
     for option in fits[:PLACEMENT_TRIES]:
@@ -322,11 +343,13 @@ def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True):
     least = min(sorted(options, key=lambda o: (o.peak, o.seconds))[:PLACEMENT_TRIES],
                 key=lambda o: _auto_plan(net, o, solver_type, keep, training).peak_bytes)
     peak = _auto_plan(net, least, solver_type, keep, training).peak_bytes
+    host = '' if host_budget is None else \
+        ' with at most %s offloaded to host memory' % format_bytes(host_budget)
     raise CaffeplusError(
-        'no plan for net %s fits a budget of %s (%d bytes): the smallest peak any plan '
+        'no plan for net %s fits a budget of %s (%d bytes)%s: the smallest peak any plan '
         'reaches is %s (%d bytes: shared, %d feature maps offloaded, convolution workspace '
         'within %s a call); the smallest budget that fits is %s'
-        % (net.name, format_bytes(budget), budget, format_bytes(peak), peak,
+        % (net.name, format_bytes(budget), budget, host, format_bytes(peak), peak,
            len(least.offloaded), format_bytes(least.cap), _budget_string(peak)))
 
 
