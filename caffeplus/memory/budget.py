@@ -122,13 +122,10 @@ def placed_workspace_sizes(net, bufs, steps, training=True, cap=None):
     model's algorithms as the placed workspace chooses them at run time
     (caffeplus.memory.workspace.within_headroom): the fastest, unless its
     workspace exceeds what the other buffers leave free below their peak at
-    its step and a candidate at most 10% slower (or slower by at most 1% of
-    all the convolutions' time) fits there."""
-    from caffeplus.memory.workspace import HEADROOM_SHARE, HEADROOM_SLOWDOWN
+    its step and a candidate at most 10% slower fits there."""
+    from caffeplus.memory.workspace import HEADROOM_SLOWDOWN
     room = liveness.headroom(net, bufs, steps, training)
     convs = wm.conv_layers(net)
-    seconds = {i: wm.layer_seconds(net, i)[0] for i, _ in convs}
-    total = sum(seconds.values()) * len(wm.KINDS)
     parts = {'fwd': 'forward', 'bwd_data': 'backward', 'bwd_filter': 'backward_filter'}
     out = {}
     for i, layer in convs:
@@ -143,8 +140,7 @@ def placed_workspace_sizes(net, bufs, steps, training=True, cap=None):
             free = rooms.get(kind)
             pick = best
             if free is not None and best.bytes > free:
-                limit = max(best.time_factor * (1 + HEADROOM_SLOWDOWN),
-                            best.time_factor + HEADROOM_SHARE * total / max(seconds[i], 1e-12))
+                limit = best.time_factor * (1 + HEADROOM_SLOWDOWN)
                 fits = [c for c in cands if c.bytes <= free and c.time_factor <= limit]
                 if fits:
                     pick = min(fits, key=lambda c: (c.time_factor, c.bytes))

@@ -267,21 +267,32 @@ class WorkspaceArena:
 
     def plan(self):
         """Choose every site's algorithm and size the buffer to the largest."""
-        from caffeplus.backend import mathmode
-        budget = self.limit if self.limit > 0 else self.spare_bytes()
-        pairs = self.sites()
-        if search_mode() == 'timed':
-            self._time_sites(pairs, budget)
-        names = ['layer %s %s' % (layer.layer_param.name, s.kind) for layer, s in pairs]
-        size = plan_sites([s for _, s in pairs], budget, mathmode.deterministic(), names)
+        budget, pairs, size = self._choose()
         owner = pairs[0][0] if pairs else self
         self._buffer.resize(size, owner, self.plan_name)
-        self.budget = budget
-        self._dirty = False
-        self.replans += 1
         log.info('Workspace arena: %d call sites, budget %d bytes, buffer %d bytes',
                  len(pairs), budget, size)
         return size
+
+    def _choose(self):
+        """Every site's algorithm within the budget (timed first where the
+        search asks for it): (budget, [(layer, site)], the largest choice)."""
+        from caffeplus.backend import mathmode
+        budget = self.limit if self.limit > 0 else self.spare_bytes()
+        pairs = self.sites()
+        if self._timing_wanted(pairs):
+            self._time_sites(pairs, budget)
+        names = ['layer %s %s' % (layer.layer_param.name, s.kind) for layer, s in pairs]
+        size = plan_sites([s for _, s in pairs], budget, mathmode.deterministic(), names)
+        self.budget = budget
+        self._dirty = False
+        self.replans += 1
+        return budget, pairs, size
+
+    def _timing_wanted(self, pairs):
+        """set_search('timed'); the auto search times through the layers
+        (_CudnnConvolutionMixin._ensure_planned)."""
+        return search_mode() == 'timed'
 
     def _time_sites(self, pairs, budget):
         """FindEx every site that can be timed, inside the arena's buffer
@@ -350,35 +361,34 @@ class PlacedWorkspace(WorkspaceArena):
         self.pass_kind = 'forward'
         self.layout_stale = True    # the choices changed since the views were placed
 
+    def _timing_wanted(self, pairs):
+        # Planned from the applied plan, not from a layer's first call: the
+        # layers' auto search (timed under a net's own workspace) asks here.
+        return search_mode() == 'timed' or any(getattr(l, '_auto_timed', False)
+                                               for l, _ in pairs)
+
+    def _time_sites(self, pairs, budget):
+        previous = set_search('timed')
+        try:
+            super()._time_sites(pairs, budget)
+        finally:
+            set_search(previous)
+        self._buffer.resize(0, self, self.plan_name)
+        _cupy().get_default_memory_pool().free_all_blocks()   # timing's scratch
+
     def plan(self):
+        """Choose as the arena does; then, where the fastest choice's
+        workspace exceeds what the plan leaves free at its step, a nearly
+        as fast one that fits (within_headroom). The views are placed by
+        the applied plan afterwards (layout_stale)."""
         from caffeplus.backend import mathmode
-        budget = self.limit if self.limit > 0 else self.spare_bytes()
-        pairs = self.sites()
-        if search_mode() == 'timed' or any(getattr(l, '_auto_timed', False) for l, _ in pairs):
-            previous = set_search('timed')
-            try:
-                self._time_sites(pairs, budget)
-            finally:
-                set_search(previous)
-            self._buffer.resize(0, self, self.plan_name)
-            _cupy().get_default_memory_pool().free_all_blocks()   # timing's scratch
-        names = ['layer %s %s' % (layer.layer_param.name, s.kind) for layer, s in pairs]
-        size = plan_sites([s for _, s in pairs], budget, mathmode.deterministic(), names)
-        # What all the calls take with the fastest choices: a call may be
-        # slower by HEADROOM_SHARE of it (or HEADROOM_SLOWDOWN of its own
-        # time) to keep the peak down.
-        total = sum(s.choice.time for _, s in pairs
-                    if s.choice is not None and (getattr(s.choice, 'time', -1) or -1) > 0)
+        budget, pairs, size = self._choose()
         for layer, s in pairs:
             room = self.headroom.get((id(layer), VIEW_NAMES[view_part(layer, s.kind)]))
             if room is not None:
                 s.choice = within_headroom(s.candidates, s.choice, room,
-                                           mathmode.deterministic(),
-                                           slack=HEADROOM_SHARE * total)
-        self.budget = budget
-        self._dirty = False
+                                           mathmode.deterministic())
         self.layout_stale = True
-        self.replans += 1
         log.info('Workspace placed in the memory plan: %d call sites, budget %d bytes, '
                  'largest call %d bytes', len(pairs), budget, size)
         return size
@@ -437,25 +447,23 @@ class PlacedWorkspace(WorkspaceArena):
 
 
 # A timed algorithm this much slower than the fastest still counts as fast
-# when it fits where the fastest would raise the plan's peak.
+# when it fits where the fastest would raise the plan's peak. (An allowance
+# of 1% of the net's convolution time on top, tried on the H100 on
+# 2026-11-22, slowed AlexNet's `shared` iterations from 14.6 to 17-19 ms for
+# no memory saved.)
 HEADROOM_SLOWDOWN = 0.10
-# ...or when it is slower by at most this share of all the net's calls.
-# Off: at 1% AlexNet's `shared` iterations measured 17-19 ms against 14.6 ms
-# without it (H100, 2026-11-22), for no memory saved.
-HEADROOM_SHARE = 0.0
 
 
-def within_headroom(candidates, best, room, deterministic=False, slowdown=HEADROOM_SLOWDOWN,
-                    slack=0.0):
+def within_headroom(candidates, best, room, deterministic=False, slowdown=HEADROOM_SLOWDOWN):
     """`best` (the fastest within the budget), unless its workspace exceeds
     `room` (what the plan's buffers leave free at the call's step, so more
     would raise the peak) and a timed candidate fits there that is at most
-    `slowdown` slower, or at most `slack` (ms) slower: then the fastest
-    such candidate. Untimed candidates (heuristics: no times) keep `best`."""
+    `slowdown` slower: then the fastest such candidate. Untimed candidates
+    (heuristics: no times) keep `best`."""
     if best is None or best.memory <= room or getattr(best, 'time', -1) is None or \
             getattr(best, 'time', -1) <= 0:
         return best
-    limit = max(best.time * (1 + slowdown), best.time + slack)
+    limit = best.time * (1 + slowdown)
     fits = [c for c in candidates if c.memory <= room and 0 < getattr(c, 'time', -1) <= limit
             and (c.deterministic or not deterministic)]
     return min(fits, key=lambda c: c.time) if fits else best
