@@ -392,9 +392,9 @@ def test_relayout_without_values_reuses_the_arena_when_it_fits():
     apply_plan(net, plan, training=True, runtime_options={'simulate': 'lazy'}, lookahead=1)
     applied = net.applied_plan
     net.clear_param_diffs()
-    base = applied._base
+    base = applied.arena_base()
     applied.relayout(lookahead_steps={e.names: 1 for e in applied.entries if e.offloaded})
-    assert applied._base is base                       # same size: the same bytes
+    assert applied.arena_base() is base                # same size: the same bytes
     assert applied.arena.size * 4 >= applied.arena_bytes
     old = weakref.ref(base)
     del base
@@ -402,7 +402,7 @@ def test_relayout_without_values_reuses_the_arena_when_it_fits():
     import gc
     gc.collect()
     # Reused when it fits, else gone: never two arenas.
-    assert old() is None or applied._base is old()
+    assert old() is None or applied.arena_base() is old()
     got = train(net)
     assert got[0] == ref[0]
     for a, b in zip(got[1], ref[1]):

@@ -211,7 +211,9 @@ class AppliedPlan:
         return self.options.get('training', True)
 
     # -- layout ---------------------------------------------------------------------
-    def _build(self, plan):
+    def _build(self, plan, spare=None):
+        """Place the plan's buffers in an arena: `spare`, an old arena whose
+        values are dead, serves again when the layout fits in it."""
         net = self.net
         self.plan = plan
         L = len(net.layers)
@@ -261,7 +263,6 @@ class AppliedPlan:
         offsets, arena_bytes = placement.place(bufs + ws_bufs + kept_bufs)
         self.arena_bytes = arena_bytes
         count = max(arena_bytes // FLOAT_BYTES, 1)
-        spare, self._spare = getattr(self, '_spare', None), None
         if spare is not None and spare.size >= count and backend.get_array_module(spare) is xp:
             # A re-layout that keeps no values: the old arena's bytes serve
             # again (layers' cached views of it stay harmless), so two arenas
@@ -270,7 +271,6 @@ class AppliedPlan:
             self.arena = spare[:count]
         else:
             self.arena = xp.zeros(count, dtype=numpy.float32)
-        self._base = self.arena if spare is None or self.arena.base is None else spare
         for b, life in zip(bufs, placed):
             life.offset = offsets[b.key]
             lo = life.offset // FLOAT_BYTES
@@ -461,7 +461,7 @@ class AppliedPlan:
             if scratch.VIEWS in layer.__dict__:
                 scratch.set_views(layer, {})
         self.internal_views = {}
-        self.arena = self._base = self._spare = None
+        self.arena = None
 
     def relayout(self, lookahead_steps=None, replan=False, preserve=False):
         """Place the buffers again (new shapes, a new offload look-ahead).
@@ -489,10 +489,13 @@ class AppliedPlan:
             self.runtime = None
         for e in self.entries:
             e.storage.released_reason = None
-        old_entries, self.arena = self.entries, None
+        old_entries, spare = self.entries, None
         if not preserve:
+            spare = self.arena_base()
             self._drop_views(old_entries)
-        self._build(plan)
+        self.arena = None
+        self._build(plan, spare)
+        del spare
         planned = {id(e.storage) for e in self.entries}
         for e in old_entries:
             # Persistent now (e.g. no longer reused after a reshape): its own copy.
@@ -518,12 +521,17 @@ class AppliedPlan:
             self.runtime.restore_after_relayout(runtime_state)
         self.replans += 1
 
+    def arena_base(self):
+        """The whole array behind the arena (a reused arena is a view of it)."""
+        arena = self.arena
+        if arena is None:
+            return None
+        return arena.base if arena.base is not None else arena
+
     def _drop_views(self, entries):
         """Before a re-layout that keeps no values: let go of every view of
         the old arena, so that it is freed before the new one is taken (two
-        arenas at once would be the peak), or kept to serve again when the
-        new layout fits in it (_build)."""
-        self._spare = getattr(self, '_base', None)
+        arenas at once would be the peak), unless it serves again (_build)."""
         for e in entries:
             arr = e.storage.array
             if arr is not None and any(arr is life.view for life in e.lives):
