@@ -1334,6 +1334,18 @@ def _find_chains(net):
     return chains
 
 
+def _chain_backward(layer, what):
+    """Whether the layer's chain took its backward: done already by the
+    chain's last layer, or run now because `layer` is that layer."""
+    ch = layer._chain
+    if ch is None:
+        return False
+    if ch.bwd_done:
+        return True
+    from caffeplus import kernels
+    return ch.head is layer and ch.bwd_active and kernels.active() and _fused(what, ch.backward)
+
+
 def _begin_pass(net, start, end, backward):
     """kernels.begin_pass: which chains run fused in this pass of `net`."""
     chains = net.__dict__.get('_fused_chains')
@@ -1618,13 +1630,8 @@ class GPUScaleLayer(_FusedMixin, ScaleLayer):
 
     def _backward(self, top, propagate_down, bottom):
         from caffeplus import kernels
-        ch = self._chain
-        if ch is not None:
-            if ch.bwd_done:
-                return
-            if ch.head is self and ch.bwd_active and kernels.active() and \
-                    _fused('BatchNorm-Scale backward', ch.backward):
-                return
+        if _chain_backward(self, 'BatchNorm-Scale backward'):
+            return
         if not (kernels.active() and _fused('Scale backward', self._fast_backward, top,
                                             propagate_down, bottom)):
             super()._backward(top, propagate_down, bottom)
@@ -1673,13 +1680,8 @@ def _relu_forward(self, bottom, top):
 
 def _relu_backward(self, top, propagate_down, bottom):
     from caffeplus import kernels
-    ch = self._chain
-    if ch is not None:
-        if ch.bwd_done:
-            return
-        if ch.head is self and ch.bwd_active and kernels.active() and \
-                _fused('BatchNorm-Scale-ReLU backward', ch.backward):
-            return
+    if _chain_backward(self, 'BatchNorm-Scale-ReLU backward'):
+        return
     if not propagate_down[0]:
         return
     if not (kernels.active() and _fused('ReLU backward', self._fast_backward, top,
