@@ -117,34 +117,34 @@ def model_internals(net):
     return out
 
 
+# The model's candidates in the terms of cuDNN's (caffeplus.cudnn.api.AlgoChoice),
+# for the rule both choose by (workspace.within_headroom).
+_Modelled = collections.namedtuple('_Modelled', 'memory time deterministic')
+
+
 def placed_workspace_sizes(net, bufs, steps, training=True, cap=None):
     """{layer index: (forward, backward data, backward filter) bytes}: the
     model's algorithms as the placed workspace chooses them at run time
     (caffeplus.memory.workspace.within_headroom): the fastest, unless its
     workspace exceeds what the other buffers leave free below their peak at
     its step and a candidate at most 10% slower fits there."""
-    from caffeplus.memory.workspace import HEADROOM_SLOWDOWN
+    from caffeplus.memory.workspace import within_headroom
     room = liveness.headroom(net, bufs, steps, training)
-    convs = wm.conv_layers(net)
     parts = {'fwd': 'forward', 'bwd_data': 'backward', 'bwd_filter': 'backward_filter'}
     out = {}
-    for i, layer in convs:
-        rooms = {kind: room.get((i, part)) for kind, part in parts.items()}
+    for i, layer in wm.conv_layers(net):
         sizes = []
         for kind in wm.KINDS:
             cands = wm.candidates(layer, kind)
             if cap is not None:
                 cands = [c for c in cands if c.bytes <= cap] or \
                     [min(cands, key=lambda c: c.bytes)]
-            best = min(cands, key=lambda c: (c.time_factor, c.bytes))
-            free = rooms.get(kind)
-            pick = best
-            if free is not None and best.bytes > free:
-                limit = best.time_factor * (1 + HEADROOM_SLOWDOWN)
-                fits = [c for c in cands if c.bytes <= free and c.time_factor <= limit]
-                if fits:
-                    pick = min(fits, key=lambda c: (c.time_factor, c.bytes))
-            sizes.append(pick.bytes)
+            # Fastest first, the smaller of equally fast ones first.
+            ranked = [_Modelled(c.bytes, c.time_factor, True)
+                      for c in sorted(cands, key=lambda c: (c.time_factor, c.bytes))]
+            free = room.get((i, parts[kind]))
+            pick = ranked[0] if free is None else within_headroom(ranked, ranked[0], free)
+            sizes.append(pick.memory)
         out[i] = tuple(sizes)
     return out
 
