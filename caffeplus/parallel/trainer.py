@@ -71,16 +71,15 @@ def shard_data_layers(net, comm):
 
 
 def _json_default(obj):
-    import numpy
-    if isinstance(obj, numpy.integer):
-        return int(obj)
-    if isinstance(obj, numpy.floating):
-        return float(obj)
-    if isinstance(obj, numpy.ndarray):
-        return obj.tolist()
+    """The solver sidecar's conversions (NumPy scalars and arrays), and bytes
+    as hex: data readers' states carry raw keys."""
+    from caffeplus.solver.state import _json_default as sidecar_default
     if isinstance(obj, bytes):
         return obj.hex()
-    raise TypeError('cannot store %r in a rank state' % type(obj))
+    try:
+        return sidecar_default(obj)
+    except TypeError:
+        raise TypeError('cannot store %r in a rank state' % type(obj)) from None
 
 
 class RankTrainer:
