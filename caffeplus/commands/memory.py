@@ -131,7 +131,7 @@ def parse_gpu(spec):
 
 
 def check_keep(net, spec):
-    keep = [n.strip() for n in (spec or '').split(',') if n.strip()]
+    keep = check_keep_names(spec)
     missing = [n for n in keep if n not in net.blobs]
     if missing:
         raise CaffeplusError('--keep: net %s has no blob named %s (its blobs: %s)'
