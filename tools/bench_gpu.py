@@ -40,7 +40,21 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_MODELS = {'alexnet': 'alexnet', 'vgg16': 'vgg16', 'resnet50': 'resnet50',
-                'googlenet': 'googlenet'}
+                'googlenet': 'googlenet', 'alexnettv': 'alexnet'}
+# Input side per architecture (default 224). 'alexnettv' is torchvision's
+# AlexNet written as a Caffe net (benchmarks/nets/): the same work in both
+# frameworks, where BVLC's AlexNet (96 conv1 filters, LRN, groups) does more.
+INPUT_SIZE = {'alexnet': 227}
+NETS_DIR = os.path.join(ROOT, 'benchmarks', 'nets')
+
+
+def net_path(bench_dir, net):
+    """The bench net's prototxt: the shared bench folder's, else benchmarks/nets'."""
+    for folder in (bench_dir, NETS_DIR):
+        path = os.path.join(folder, net + '.prototxt')
+        if os.path.exists(path):
+            return path
+    raise SystemExit('no prototxt for bench net %r in %s or %s' % (net, bench_dir, NETS_DIR))
 DATA_TYPES = ('DummyData', 'Input', 'Data', 'ImageData', 'HDF5Data', 'MemoryData')
 MiB = 1024 * 1024
 
@@ -111,7 +125,7 @@ def worker_caffeplus(args):
     sampler = Sampler(used, pool.total_bytes)
     sampler.start()
     t0 = time.time()
-    net = caffeplus.Net(os.path.join(args.bench_dir, args.net + '.prototxt'), caffeplus.TRAIN)
+    net = caffeplus.Net(net_path(args.bench_dir, args.net), caffeplus.TRAIN)
     workspace.apply_workspace_plan(net, plan, args.workspace_limit)
     params = net.learnable_params
     start = 0
@@ -248,7 +262,7 @@ def worker_torch(args):
         model = bvlc_torch_model(torch, arch).to(dev).train()
     else:
         model = getattr(torchvision.models, TORCH_MODELS[arch])(**kw).to(dev).train()
-    size = 227 if arch == 'alexnet' else 224
+    size = INPUT_SIZE.get(arch, 224)
     x = torch.randn(batch, 3, size, size, device=dev)
     y = torch.zeros(batch, dtype=torch.long, device=dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

@@ -27,13 +27,16 @@ arena, shared, offload, auto as for training. Without it the net is built
 as caffeplus.Net builds it (every blob kept; on the GPU one workspace arena
 for the cuDNN calls, as plan `arena`). Each timed pass runs the way
 Net.forward/backward run it (the plan's and the fused chains' per-pass
-hooks), layer by layer.
+hooks), layer by layer. With a plan other than stock on the GPU, the
+convolutions time their algorithms as `caffeplus train` does
+(CAFFEPLUS_CUDNN_SEARCH=auto unless set), so `time` measures what training runs.
 """
+import os
 import time
 
 from caffeplus import backend, kernels, log
 from caffeplus.commands.train import add_device_arguments, parse_gpus, parse_phase, \
-    parse_stages, use_device
+    parse_stages, restored_search_setting, use_device
 from caffeplus.errors import CaffeplusError
 from caffeplus.proto import caffe_pb2
 
@@ -124,7 +127,17 @@ def _backward_pass(net, timer, per_layer):
         plan.after_backward(n - 1, 0)
 
 
+# Plans whose convolutions choose algorithms in caffeplus's own workspace;
+# `time` then searches as `train` does, so it times what training runs.
+TRAINING_SEARCH_PLANS = ('arena', 'shared', 'offload', 'auto')
+
+
 def run(args):
+    with restored_search_setting():
+        return _run(args)
+
+
+def _run(args):
     from caffeplus.net import Net
     if not args.model:
         raise CaffeplusError('Need a model definition to time (--model).')
@@ -133,7 +146,10 @@ def run(args):
     phase = parse_phase(args.phase, caffe_pb2.TRAIN)
     stages = parse_stages(args.stage)
     plan = parse_memory(args.memory)
-    use_device(parse_gpus(args.gpu), 'time')
+    gpus = parse_gpus(args.gpu)
+    if gpus and plan in TRAINING_SEARCH_PLANS:
+        os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
+    use_device(gpus, 'time')
     net = Net(args.model, phase, level=args.level, stages=stages, memory=plan)
     if plan:
         log.info('Memory plan: %s', plan)

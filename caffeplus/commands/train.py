@@ -19,8 +19,9 @@ before the first was acted on exits at once (status 143).
 
 The helpers here (GPU list, stages, phase) serve `test` and `time` too.
 """
-import re
+import contextlib
 import os
+import re
 import signal
 
 from caffeplus import backend, log
@@ -255,17 +256,23 @@ def _parallel():
     return parallel
 
 
-def run(args):
-    # use_device sets CAFFEPLUS_CUDNN_SEARCH for this run only; restore it so
-    # an in-process caller (pycaffe scripts, tests) keeps its own setting.
+@contextlib.contextmanager
+def restored_search_setting():
+    """A command may set CAFFEPLUS_CUDNN_SEARCH for its own run only; restore
+    it so an in-process caller (pycaffe scripts, tests) keeps its setting."""
     saved = os.environ.get('CAFFEPLUS_CUDNN_SEARCH')
     try:
-        return _run(args)
+        yield
     finally:
         if saved is None:
             os.environ.pop('CAFFEPLUS_CUDNN_SEARCH', None)
         else:
             os.environ['CAFFEPLUS_CUDNN_SEARCH'] = saved
+
+
+def run(args):
+    with restored_search_setting():
+        return _run(args)
 
 
 def _run(args):
