@@ -824,6 +824,11 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
             return {'argmax': (_prod(pool.out_shape), numpy.int32)}
         return super().internal_buffers()
 
+    def forget_kept_buffers(self):
+        super().forget_kept_buffers()
+        self._arg_buf = None
+        self._fused_arg = False
+
     def _pool_args(self):
         from caffeplus import kernels as K
         pool = self.pool
@@ -1386,6 +1391,10 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
     def _reshaped(self, bottom, top):
         self._cfg = self._dims(bottom[0])
 
+    def forget_kept_buffers(self):
+        super().forget_kept_buffers()
+        self._xn_buf = self._buf_key = self._my_xn = None
+
     def _buffers(self, keep):
         """The layer's std and normalized copy: views of device buffers reused
         across calls (the generic code's self._std and self._x_norm)."""
@@ -1537,6 +1546,10 @@ class GPUScaleLayer(_FusedMixin, ScaleLayer):
         if self._chain is not None:
             return {}
         return super().internal_buffers()
+
+    def forget_kept_buffers(self):
+        super().forget_kept_buffers()
+        self._keep_buf = self._keep_key = self._my_copy = None
 
     def _fast_forward(self, bottom, top):
         from caffeplus import kernels as K

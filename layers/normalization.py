@@ -126,6 +126,10 @@ class BatchNormLayer(Layer):
         overwrite the top); placed by the memory plan (caffeplus.memory.scratch)."""
         return getattr(self, '_kept', {})
 
+    def forget_kept_buffers(self):
+        """caffeplus.memory.scratch.forget: the kept normalized copy is dead."""
+        self._x_norm = None
+
     def _dims(self, blob):
         n = blob.shape[0]
         c = self.blobs[0].count
@@ -392,6 +396,10 @@ class ScaleLayer(Layer):
     def internal_buffers(self):
         """In place, the bottom the scale gradient needs (caffeplus.memory.scratch)."""
         return getattr(self, '_kept', {})
+
+    def forget_kept_buffers(self):
+        """caffeplus.memory.scratch.forget: the kept bottom copy is dead."""
+        self._bottom_copy = None
 
     def _scale_blob(self, bottom):
         return bottom[1] if len(bottom) > 1 else self.blobs[0]

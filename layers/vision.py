@@ -811,6 +811,11 @@ class PoolingLayer(Layer):
         """MAX pooling's argmax, kept for backward (caffeplus.memory.scratch)."""
         return self.pool.kept() if self.pool is not None else {}
 
+    def forget_kept_buffers(self):
+        """caffeplus.memory.scratch.forget: the argmax view is dead."""
+        if self.pool is not None:
+            self.pool.arg = None
+
     def _forward(self, bottom, top):
         self.pool.forward(bottom[0].data, top[0].data, self.phase == caffe_pb2.TRAIN)
         if len(top) > 1:
@@ -881,6 +886,11 @@ class SPPLayer(Layer):
         for p in getattr(self, 'pools', None) or ():
             out.update(p.kept())
         return out
+
+    def forget_kept_buffers(self):
+        """caffeplus.memory.scratch.forget: the argmax views are dead."""
+        for p in getattr(self, 'pools', None) or ():
+            p.arg = None
 
     def _forward(self, bottom, top):
         x = bottom[0].data

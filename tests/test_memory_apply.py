@@ -631,3 +631,138 @@ def test_gpu_released_blob_through_pycaffe_host_view():
         assert type(kept.applied_plan.arena).__module__.startswith('cupy')
     finally:
         caffeplus.set_mode_cpu()
+
+
+def test_relayout_lets_the_old_arena_go_before_taking_a_larger_one(monkeypatch):
+    """A re-layout that keeps no values (the offload look-ahead calibrated)
+    and needs a larger arena must drop every reference to the old one before
+    allocating, so the two never coexist (on the GPU that was the peak)."""
+    import weakref
+    shared = sgd_run(small_net(memory='shared'), 3)     # (the nets share a random stream)
+    net = small_net()
+    apply_named_plan(net, 'offload', offload_policy='all', lookahead=1)
+    sgd_run(net, 1)
+    applied = net.applied_plan
+    old = weakref.ref(applied.arena_base())
+    old_bytes = applied.arena_bytes
+    alive_at_allocation = []
+    real_zeros = numpy.zeros
+
+    def zeros(*args, **kw):
+        alive_at_allocation.append(old() is not None)
+        return real_zeros(*args, **kw)
+    monkeypatch.setattr(numpy, 'zeros', zeros)
+    # A new look-ahead whose layout needs more room than the old arena has.
+    from caffeplus.memory import placement
+    real_place = placement.place
+    monkeypatch.setattr(placement, 'place', lambda bufs: (real_place(bufs)[0],
+                                                          2 * real_place(bufs)[1]))
+    far = {it.entry.names: it.first_back - it.last_fwd for it in applied.runtime.items}
+    applied.relayout(lookahead_steps=far)
+    monkeypatch.setattr(numpy, 'zeros', real_zeros)
+    assert applied.arena_bytes > old_bytes
+    assert alive_at_allocation and not any(alive_at_allocation)
+    assert old() is None
+    got = sgd_run(net, 2)               # after the one before the re-layout
+    assert got[0] == shared[0][1:]
+    assert all(numpy.array_equal(a, b) for a, b in zip(shared[1], got[1]))
+
+
+def test_measure_times_only_settled_iterations():
+    """measure_plan's timed iterations start once offload's look-ahead is
+    calibrated and the re-layout it asked for is done."""
+    from caffeplus.memory import measure
+    net = small_net()
+    assert measure.plan_settled(net)                    # no plan
+    apply_named_plan(net, 'offload', offload_policy='all', lookahead='auto',
+                     runtime_options={'simulate': 'lazy', 'bandwidth': 1e3})
+    settled = []
+    for _ in range(4):
+        settled.append(measure.plan_settled(net))
+        sgd_run(net, 1)
+    # calibrated on the second iteration, placed again at the start of the third
+    assert settled == [False, False, False, True]
+    assert net.applied_plan.replans == 1
+
+
+def test_copy_in_waits_for_its_own_copy_out(monkeypatch):
+    """Copies out and in run on two streams: every prefetch makes the copy-in
+    stream wait for its own map's copy out (the host copy must be whole),
+    whatever the compute stream waited for before; and the numbers stay."""
+    shared = sgd_run(small_net(memory='shared'))
+    waits = []
+    real_wait = offload_runtime.SimDevice.wait
+
+    def wait(self, stream, event):
+        waits.append((stream, event))
+        real_wait(self, stream, event)
+    monkeypatch.setattr(offload_runtime.SimDevice, 'wait', wait)
+    net = small_net()
+    apply_named_plan(net, 'offload', offload_policy='all', runtime_options={'simulate': 'lazy'})
+    rt = net.applied_plan.runtime
+    real_prefetch = rt._prefetch
+    checked = []
+
+    def prefetch(it):
+        del waits[:]
+        real_prefetch(it)
+        checked.append(any(s == rt.device.in_stream and e is it.copied_ev for s, e in waits))
+    rt._prefetch = prefetch
+    assert sgd_run(net)[0] == shared[0]
+    assert checked and all(checked)
+
+
+
+BN_NET = '''
+name: "bn_small"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+        dummy_data_param { data_filler { type: "gaussian" std: 1 } shape { dim: 16 dim: 3 dim: 64 dim: 64 }
+                           data_filler { type: "constant" value: 1 } shape { dim: 16 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 32 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }
+layer { name: "bn1" type: "BatchNorm" bottom: "conv1" top: "conv1" }
+layer { name: "sc1" type: "Scale" bottom: "conv1" top: "conv1" scale_param { bias_term: true } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+        pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
+        convolution_param { num_output: 32 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }
+layer { name: "bn2" type: "BatchNorm" bottom: "conv2" top: "conv2" }
+layer { name: "sc2" type: "Scale" bottom: "conv2" top: "conv2" scale_param { bias_term: true } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
+layer { name: "ip" type: "InnerProduct" bottom: "conv2" top: "ip"
+        inner_product_param { num_output: 10 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+'''
+
+
+@pytest.mark.gpu
+def test_gpu_relayout_frees_the_old_arena(monkeypatch):
+    """On the GPU a growing re-layout leaves one arena in the process: the
+    layers' cached views of kept buffers (pooling's argmax, BatchNorm's
+    normalized copy, Scale's bottom copy) no longer hold the old one."""
+    import cupy
+    from caffeplus.memory import placement
+    caffeplus.set_mode_gpu(0)
+    try:
+        net = small_net(text=BN_NET)
+        apply_named_plan(net, 'offload', offload_policy='all', lookahead=1)
+        sgd_run(net, 2)
+        pool = cupy.get_default_memory_pool()
+        cupy.cuda.Device().synchronize()
+        pool.free_all_blocks()
+        applied = net.applied_plan
+        before, old_bytes = pool.total_bytes(), applied.arena_bytes
+        real_place = placement.place
+        monkeypatch.setattr(placement, 'place', lambda bufs: (real_place(bufs)[0],
+                                                              2 * real_place(bufs)[1]))
+        far = {it.entry.names: it.first_back - it.last_fwd for it in applied.runtime.items}
+        applied.relayout(lookahead_steps=far)
+        sgd_run(net, 1)
+        cupy.cuda.Device().synchronize()
+        pool.free_all_blocks()
+        grew = pool.total_bytes() - before
+        # one arena of twice the size instead of the old one: + old_bytes, not + 2 x
+        assert grew < 1.5 * old_bytes, (grew, old_bytes)
+    finally:
+        caffeplus.set_mode_cpu()

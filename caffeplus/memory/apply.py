@@ -61,6 +61,18 @@ __all__ = ['apply_plan', 'apply_named_plan', 'apply_solver_plans', 'remove_plan'
            'AppliedPlan', 'PLANS']
 
 
+def release_cached(xp):
+    """Hand the device memory that CuPy's pool caches but no array holds back
+    to the device: arrays a plan replaced (a net's first blobs, its default
+    workspace, an old arena) would else stay in the process's footprint."""
+    if xp is numpy:
+        return
+    try:
+        xp.get_default_memory_pool().free_all_blocks()
+    except AttributeError:
+        pass
+
+
 # -- names and options ---------------------------------------------------------------
 def check_keep(net, keep, what='keep'):
     """The `keep` names as a list; CaffeplusError for a name that is no blob of `net`."""
@@ -212,8 +224,10 @@ class AppliedPlan:
 
     # -- layout ---------------------------------------------------------------------
     def _build(self, plan, spare=None):
-        """Place the plan's buffers in an arena: `spare`, an old arena whose
-        values are dead, serves again when the layout fits in it."""
+        """Place the plan's buffers in an arena. `spare`: a list holding an
+        old arena whose values are dead (the only reference to it); it
+        serves again when the layout fits in it, else it is let go before
+        the new arena is taken, so two arenas never coexist."""
         net = self.net
         self.plan = plan
         L = len(net.layers)
@@ -263,13 +277,16 @@ class AppliedPlan:
         offsets, arena_bytes = placement.place(bufs + ws_bufs + kept_bufs)
         self.arena_bytes = arena_bytes
         count = max(arena_bytes // FLOAT_BYTES, 1)
-        if spare is not None and spare.size >= count and backend.get_array_module(spare) is xp:
+        old = spare.pop() if spare else None
+        if old is not None and old.size >= count and backend.get_array_module(old) is xp:
             # A re-layout that keeps no values: the old arena's bytes serve
-            # again (layers' cached views of it stay harmless), so two arenas
-            # never coexist.
-            spare[:count].fill(0)
-            self.arena = spare[:count]
+            # again (layers' cached views of it stay harmless).
+            old[:count].fill(0)
+            self.arena = old[:count]
         else:
+            if old is not None:
+                del old                 # the last reference: back to the device first
+                release_cached(xp)
             self.arena = xp.zeros(count, dtype=numpy.float32)
         for b, life in zip(bufs, placed):
             life.offset = offsets[b.key]
@@ -489,13 +506,12 @@ class AppliedPlan:
             self.runtime = None
         for e in self.entries:
             e.storage.released_reason = None
-        old_entries, spare = self.entries, None
+        old_entries, spare = self.entries, []
         if not preserve:
-            spare = self.arena_base()
+            spare.append(self.arena_base())
             self._drop_views(old_entries)
         self.arena = None
         self._build(plan, spare)
-        del spare
         planned = {id(e.storage) for e in self.entries}
         for e in old_entries:
             # Persistent now (e.g. no longer reused after a reshape): its own copy.
@@ -520,6 +536,8 @@ class AppliedPlan:
         if runtime_state is not None and self.runtime is not None:
             self.runtime.restore_after_relayout(runtime_state)
         self.replans += 1
+        del kept, kept_internals, old_entries
+        release_cached(self.xp)         # the old arena, when the values came over
 
     def arena_base(self):
         """The whole array behind the arena (a reused arena is a view of it)."""
@@ -540,13 +558,9 @@ class AppliedPlan:
                 life.view = None
         for layer in self.net.layers:
             if scratch.VIEWS in layer.__dict__:
-                scratch.set_views(layer, {})
+                scratch.forget(layer)
         self.internal_views = {}
-        if self.xp is not numpy:
-            try:
-                self.xp.get_default_memory_pool().free_all_blocks()
-            except AttributeError:
-                pass
+        release_cached(self.xp)
 
     def _outgrown(self):
         if backend.xp() is not self.xp:
@@ -712,6 +726,7 @@ def apply_plan(net, plan, keep=(), training=None, workspace_limit=None, lookahea
         training = plan.steps == 2 * len(net.layers) if plan.steps else _training_default(net)
     if plan.name not in PLACING:
         manager = _apply_workspace(net, plan, workspace_limit)
+        release_cached(backend.xp())    # e.g. the net's first workspace, now replaced
         return {'applier': 'caffeplus.memory.apply', 'plan': plan.name, 'arena': None,
                 'arena_bytes': 0, 'workspace_manager': manager}
     if make is None:
@@ -731,6 +746,7 @@ def apply_plan(net, plan, keep=(), training=None, workspace_limit=None, lookahea
                'workspace': manager}
     applied = AppliedPlan(net, plan, options)
     net.applied_plan = applied
+    release_cached(backend.xp())    # the arrays the arena replaced
     info = applied.info()
     info['workspace_manager'] = manager
     return info

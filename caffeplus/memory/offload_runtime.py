@@ -9,20 +9,27 @@ bytes before B begins. This runtime makes that safe with a copy stream and
 events, through the net's per-layer hooks (Net.before_layer_forward,
 after_layer_forward, before_layer_backward):
 
-  after forward step f   record `ready` on the compute stream; the copy
+  after forward step f   record `ready` on the compute stream; the copy-out
                          stream waits on it and copies F -> a pinned host
-                         buffer; record `copied` on the copy stream.
+                         buffer; record `copied` on the copy-out stream.
   before a step whose    the compute stream waits on `copied` (once): the
   writers land on F      layer may overwrite F's bytes only after the copy
                          has read them.
   before step B.start    record `free` on the compute stream (everything
-                         that used B's bytes before is done); the copy
-                         stream waits on it and copies host -> B; record
-                         `fetched`; the Storage now points at B.
+                         that used B's bytes before is done, the copies out
+                         of maps that lay there included: the compute stream
+                         waited for those); the copy-in stream waits on it
+                         and on `copied` (the host copy is whole), copies
+                         host -> B; record `fetched`; the Storage now
+                         points at B.
   before step b          the compute stream waits on `fetched`.
-  a new iteration        the compute stream waits for the copy stream's
-                         tail (nothing of the last iteration still runs),
+  a new iteration        the compute stream waits for both copy streams'
+                         tails (nothing of the last iteration still runs),
                          every offloaded Storage points at F again.
+
+Copies out and copies in run on two streams, so that the two directions of
+the link (separate copy engines) work at once: backward's prefetches need
+not queue behind forward's last copies out.
 
 Pinned buffers come from a pool (one buffer per offloaded Storage, kept
 across iterations and handed to the next runtime after a re-layout).
@@ -38,8 +45,8 @@ every buffer before reading it).
 
 On the CPU there is no copy engine: the same logic runs over simulated
 streams (SimDevice) whose copies run at once ('eager') or only when
-someone waits on them ('lazy', the slowest legal copy engine: a missing
-wait shows up as wrong numbers).
+someone waits on them ('lazy', the slowest legal copy engine, each stream
+on its own: a missing wait shows up as wrong numbers).
 """
 import ctypes
 import math
@@ -85,7 +92,8 @@ class CupyDevice:
     def __init__(self, delay=None):
         import cupy
         self.cupy = cupy
-        self.copy_stream = cupy.cuda.Stream(non_blocking=True)
+        self.out_stream = cupy.cuda.Stream(non_blocking=True)      # device -> host
+        self.in_stream = cupy.cuda.Stream(non_blocking=True)       # host -> device
         self.delay = delay          # tests: callable(stream), enqueued before each copy
 
     def compute(self):
@@ -105,18 +113,19 @@ class CupyDevice:
 
     def d2h(self, view, host):
         if self.delay is not None:
-            self.delay(self.copy_stream)
+            self.delay(self.out_stream)
         view.data.copy_to_host_async(ctypes.c_void_p(host.ctypes.data), view.nbytes,
-                                     stream=self.copy_stream)
+                                     stream=self.out_stream)
 
     def h2d(self, host, view):
         if self.delay is not None:
-            self.delay(self.copy_stream)
+            self.delay(self.in_stream)
         view.data.copy_from_host_async(ctypes.c_void_p(host.ctypes.data), view.nbytes,
-                                       stream=self.copy_stream)
+                                       stream=self.in_stream)
 
     def synchronize(self):
-        self.copy_stream.synchronize()
+        self.out_stream.synchronize()
+        self.in_stream.synchronize()
         self.compute().synchronize()
 
     def seconds(self, a, b):
@@ -124,16 +133,18 @@ class CupyDevice:
 
 
 class _SimEvent:
-    __slots__ = ('done', 'time')
+    __slots__ = ('done', 'time', 'stream')
 
     def __init__(self, done=False):
         self.done = done
         self.time = time.perf_counter() if done else None
+        self.stream = None
 
 
 class SimDevice:
-    """CPU stand-in: compute is synchronous; the copy stream is a queue of
-    copies run at once ('eager') or when waited on ('lazy')."""
+    """CPU stand-in: compute is synchronous; each copy stream is a queue of
+    copies run at once ('eager') or when waited on ('lazy'), the two
+    streams independent of each other but for the waits between them."""
     kind = 'sim'
     COMPUTE = 'compute'
 
@@ -142,8 +153,9 @@ class SimDevice:
             raise CaffeplusError("offload simulation mode must be 'eager' or 'lazy', not %r"
                                  % (mode,))
         self.mode = mode
-        self.copy_stream = 'copy'
-        self.queue = []             # callables and _SimEvent markers, in order
+        self.out_stream, self.in_stream = 'out', 'in'
+        # per stream: callables and _SimEvent markers, in order
+        self.queues = {self.out_stream: [], self.in_stream: []}
         self.bandwidth = bandwidth
         self.copies = 0
 
@@ -151,20 +163,27 @@ class SimDevice:
         return self.COMPUTE
 
     def record(self, stream, timing=False):
-        if stream == self.COMPUTE or not self.queue:
+        if stream == self.COMPUTE or not self.queues[stream]:
             return _SimEvent(True)
         ev = _SimEvent(False)
-        self.queue.append(ev)
+        ev.stream = stream
+        self.queues[stream].append(ev)
         return ev
 
     def wait(self, stream, event):
-        if stream == self.COMPUTE and not event.done:
-            self._run_until(event)
-        # The copy stream waiting on compute: compute is already done.
+        if event.done:
+            return
+        if stream == self.COMPUTE:
+            self._run_until(event.stream, event)
+        elif event.stream != stream:
+            # Later work on `stream` runs only after the other stream's event.
+            self.queues[stream].append(lambda: self._run_until(event.stream, event))
+        # (Compute's events are done when recorded: compute is synchronous.)
 
-    def _run_until(self, event=None):
-        while self.queue:
-            op = self.queue.pop(0)
+    def _run_until(self, stream, event=None):
+        queue = self.queues[stream]
+        while queue:
+            op = queue.pop(0)
             if isinstance(op, _SimEvent):
                 op.done = True
                 op.time = time.perf_counter()
@@ -173,13 +192,13 @@ class SimDevice:
             else:
                 op()
 
-    def _enqueue(self, op):
+    def _enqueue(self, stream, op):
         self.copies += 1
         if self.mode == 'eager':
-            self._run_until()
+            self._run_until(stream)
             op()
         else:
-            self.queue.append(op)
+            self.queues[stream].append(op)
 
     def host_buffer(self, count):
         return numpy.empty(max(count, 1), numpy.float32)
@@ -187,15 +206,17 @@ class SimDevice:
     def d2h(self, view, host):
         def op():
             host[:view.size] = view
-        self._enqueue(op)
+        self._enqueue(self.out_stream, op)
 
     def h2d(self, host, view):
         def op():
             view[...] = host[:view.size]
-        self._enqueue(op)
+        self._enqueue(self.in_stream, op)
 
     def synchronize(self):
-        self._run_until()
+        while any(self.queues.values()):
+            for stream in self.queues:
+                self._run_until(stream)
 
     def seconds(self, a, b):
         return (b.time or 0.0) - (a.time or 0.0)
@@ -356,9 +377,9 @@ class OffloadRuntime:
     def _copy_out(self, it):
         dev = self.device
         ready = dev.record(dev.compute())
-        dev.wait(dev.copy_stream, ready)
+        dev.wait(dev.out_stream, ready)
         dev.d2h(it.F.view, it.host)
-        it.copied_ev = dev.record(dev.copy_stream)
+        it.copied_ev = dev.record(dev.out_stream)
         it.copied, it.copied_waited, it.fetched, it.consumed = True, False, False, False
         self.stats['copies_out'] += 1
         self.stats['bytes_out'] += it.F.view.nbytes
@@ -366,11 +387,12 @@ class OffloadRuntime:
     def _prefetch(self, it):
         dev = self.device
         free = dev.record(dev.compute())
-        dev.wait(dev.copy_stream, free)
+        dev.wait(dev.in_stream, free)
+        dev.wait(dev.in_stream, it.copied_ev)      # the host copy is whole
         timing = self._timing is not None
-        start = dev.record(dev.copy_stream, timing=True) if timing else None
+        start = dev.record(dev.in_stream, timing=True) if timing else None
         dev.h2d(it.host, it.B.view)
-        it.fetched_ev = dev.record(dev.copy_stream, timing=timing)
+        it.fetched_ev = dev.record(dev.in_stream, timing=timing)
         if timing:
             self._timing['copies'].append((it.B.view.nbytes, start, it.fetched_ev))
         it.entry.storage.array = it.B.view
@@ -384,7 +406,8 @@ class OffloadRuntime:
             return
         dev = self.device
         if self._tail is not None:
-            dev.wait(dev.compute(), self._tail)     # last iteration's copies are done
+            for ev in self._tail:                   # last iteration's copies are done
+                dev.wait(dev.compute(), ev)
             self._tail = None
         for it in self.items:
             it.reset()
@@ -401,7 +424,7 @@ class OffloadRuntime:
         for it in self.items:
             if it.fetched and not it.consumed:
                 dev.wait(compute, it.fetched_ev)        # the user may read it now
-        self._tail = dev.record(dev.copy_stream)
+        self._tail = (dev.record(dev.out_stream), dev.record(dev.in_stream))
 
     def end_forward(self, start, end):
         if self._timing is not None:

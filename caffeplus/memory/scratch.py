@@ -4,7 +4,7 @@ place them like blobs, and handed out by the applied plan.
 
 A layer declares them with `internal_buffers()` -> {name: (count, dtype)}
 for its current shapes (what its next forward keeps), and takes them with
-`scratch.get(layer, name, count, dtype, xp)`: a 1-D array of `count`
+`scratch.get(layer, name, count, dtype, xp)` (in each forward): a 1-D array of `count`
 elements, the plan's view when a reusing plan placed the buffer (live from
 the layer's forward step to its backward step, its bytes lent to other
 buffers the rest of the iteration), else an array of the layer's own, kept
@@ -55,6 +55,17 @@ def set_views(layer, views):
         for name in list(own):
             if name in views:
                 del own[name]
+
+
+def forget(layer):
+    """The plan's views are dead (a re-layout that keeps no values): drop
+    them, and every copy of them the layer cached (its
+    `forget_kept_buffers()`), so nothing holds the old arena's memory; the
+    layer's next forward takes its buffers anew."""
+    layer.__dict__[VIEWS] = {}
+    fn = getattr(layer, 'forget_kept_buffers', None)
+    if callable(fn):
+        fn()
 
 
 def view_of(arena, offset_bytes, count, dtype):
