@@ -557,8 +557,9 @@ class AppliedPlan:
             for life in e.lives:
                 life.view = None
         for layer in self.net.layers:
-            if scratch.VIEWS in layer.__dict__:
-                scratch.forget(layer)
+            # Every layer: one in a fused chain may hold a view of another's
+            # kept buffer (a chained Scale, BatchNorm's normalized copy).
+            scratch.forget(layer)
         self.internal_views = {}
         release_cached(self.xp)
 
