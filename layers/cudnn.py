@@ -155,9 +155,15 @@ class _ConvDescs:
     in TF32 mode the type cuDNN timed the chosen algorithm with (conv_for),
     as cuDNN asks (an algorithm found under TENSOR_OP_MATH may have run
     with DEFAULT_MATH). `replays` holds the CUDA graphs of this geometry's
-    calls (caffeplus.cudnn.api.Replays)."""
+    calls (caffeplus.cudnn.api.Replays).
 
-    def __init__(self, layer, split):
+    With `chunks` > 1 each call runs over the batch in that many slices of
+    num / chunks images (the filter and bias gradients accumulate, beta 1):
+    the same algorithm on a smaller batch needs less workspace (Winograd's
+    and FFT's transforms grow with the batch), so a fast algorithm can fit
+    where the whole batch's workspace would raise the peak."""
+
+    def __init__(self, layer, split, chunks=1):
         n = layer.num
         if layer.reverse:
             xsp, ysp, cx, cy = layer.out_spatial, layer.in_spatial, layer.num_output, layer.channels
@@ -165,12 +171,12 @@ class _ConvDescs:
             xsp, ysp, cx, cy = layer.in_spatial, layer.out_spatial, layer.channels, layer.num_output
         group = layer.group
         G = group if split else 1
-        self.loops = G
+        nc = n // chunks
         x_full = (n, cx) + tuple(xsp)
         y_full = (n, cy) + tuple(ysp)
         self.x_full, self.y_full = x_full, y_full
-        self.x = api.TensorDesc((n, cx // G) + tuple(xsp), _contiguous_strides(x_full))
-        self.y = api.TensorDesc((n, cy // G) + tuple(ysp), _contiguous_strides(y_full))
+        self.x = api.TensorDesc((nc, cx // G) + tuple(xsp), _contiguous_strides(x_full))
+        self.y = api.TensorDesc((nc, cy // G) + tuple(ysp), _contiguous_strides(y_full))
         w_shape = tuple(layer.blobs[0].shape)
         self.w_shape = w_shape
         self.w = api.FilterDesc((w_shape[0] // G,) + tuple(w_shape[1:]))
@@ -179,11 +185,21 @@ class _ConvDescs:
         self._conv_args = (tuple(geom.pad), tuple(geom.stride), tuple(geom.dilation), group // G)
         self.conv = api.ConvDesc(*self._conv_args, math=self.math)
         self._convs = {self.math: self.conv}
-        self.x_off = (cx // G) * _prod(xsp) * FLOAT_BYTES
-        self.y_off = (cy // G) * _prod(ysp) * FLOAT_BYTES
-        self.w_off = (_prod(w_shape) // G) * FLOAT_BYTES
         m = layer.num_output
-        self.b_off = (m // G) * FLOAT_BYTES
+        # Each of the `loops` calls reads and writes at these byte offsets
+        # from the last: the next group's channels, or the next batch slice
+        # (the same filter and bias).
+        if chunks > 1:
+            self.loops = chunks
+            self.x_off = nc * cx * _prod(xsp) * FLOAT_BYTES
+            self.y_off = nc * cy * _prod(ysp) * FLOAT_BYTES
+            self.w_off = self.b_off = 0
+        else:
+            self.loops = G
+            self.x_off = (cx // G) * _prod(xsp) * FLOAT_BYTES
+            self.y_off = (cy // G) * _prod(ysp) * FLOAT_BYTES
+            self.w_off = (_prod(w_shape) // G) * FLOAT_BYTES
+            self.b_off = (m // G) * FLOAT_BYTES
         self.bias = api.TensorDesc((1, m // G) + (1,) * len(geom.kernel)) \
             if layer.bias_term else None
         self.top = self.x if layer.reverse else self.y
@@ -205,18 +221,22 @@ class _ConvDescs:
     def candidates(self, kind):
         return api.heuristic_algorithms(kind, self.x, self.w, self.conv, self.y, self.conv_for)
 
-    def timer(self, kind, geometry_key=None, per_group=None, gemm=None):
+    def timer(self, kind, geometry_key=None, per_group=None, gemm=None, chunked=None):
         """A callable that times `kind` with FindEx on scratch arrays. With a
         geometry key, results are shared by every layer of that geometry
         (ResNet-50 repeats most of its convolutions), as cudnn.benchmark does.
         `per_group` (the split descriptors of a grouped convolution) adds its
         candidates, variant 1, timed as one call per group; `gemm` (a
-        _GemmConv) adds im2col + GEMM, variant 2, for fwd and bwd_filter."""
+        _GemmConv) adds im2col + GEMM, variant 2, for fwd and bwd_filter;
+        `chunked` ({variant: batch-sliced descriptors}) adds each slicing's
+        candidates, timed as one call per slice."""
+        chunked = chunked or {}
+
         def run(ws_ptr, ws_bytes):
             # FindEx results hold for one math mode (TF32 or strict) only.
             key = None if geometry_key is None else \
                 geometry_key + (kind, int(ws_bytes), mathmode.cudnn_math_type(),
-                                per_group is not None, gemm is not None)
+                                per_group is not None, gemm is not None, tuple(sorted(chunked)))
             if key is not None and key in _TIMED:
                 return list(_TIMED[key])
             import cupy
@@ -232,6 +252,13 @@ class _ConvDescs:
                     for c in more:
                         c.time *= per_group.loops
                         c.variant = 1
+                    found = sorted(found + more, key=lambda c: c.time)
+                for variant, sliced in sorted(chunked.items()):
+                    more = api.timed_algorithms(kind, sliced.x, sliced.w, sliced.conv, sliced.y,
+                                                xa, wa, ya, ws_ptr or None, ws_bytes)
+                    for c in more:
+                        c.time *= sliced.loops
+                        c.variant = variant
                     found = sorted(found + more, key=lambda c: c.time)
                 if gemm is not None and kind in ('fwd', 'bwd_filter'):
                     t = gemm.time(kind, xa, wa, ya)
@@ -453,6 +480,17 @@ def _workspace():
     return workspace
 
 
+# Batch slicings timed as variants of a call site: variant -> slices.
+CHUNK_VARIANTS = {3: 2, 4: 4}
+
+
+def _chunk_search():
+    """Whether timed search also times each call over halves and quarters
+    of the batch (CAFFEPLUS_CUDNN_CHUNKS=0 turns it off)."""
+    return os.environ.get('CAFFEPLUS_CUDNN_CHUNKS', '1').strip().lower() \
+        not in ('0', 'off', 'false', 'no')
+
+
 def _per_group_search():
     """Whether timed search also times grouped convolutions one call per
     group (CAFFEPLUS_CUDNN_PER_GROUP=0 turns it off)."""
@@ -476,6 +514,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         super().layer_setup(bottom, top)
         self._cd = None
         self._cd_groups = None
+        self._cd_chunks = {}
         self._gemm = None
         self._cd_key = None
         self._sites = {}
@@ -540,11 +579,16 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             _per_group_search() else None
         # Few input channels (an image net's first layer): im2col + GEMM too.
         gemm = _GemmConv(self) if timed and cd.loops == 1 and _GemmConv.eligible(self) else None
+        # The batch in halves and quarters: less workspace at about the speed.
+        chunked = {v: _ConvDescs(self, False, k) for v, k in CHUNK_VARIANTS.items()
+                   if timed and cd.loops == 1 and self.num % k == 0 and self.num >= 2 * k and
+                   _chunk_search()}
         sites = {}
         for kind in workspace.KINDS:
             sites[kind] = workspace.Site(kind, cd.candidates(kind), timer=cd.timer(
-                kind, gkey, per_group, gemm) if timed else None)
+                kind, gkey, per_group, gemm, chunked) if timed else None)
         self._cd, self._cd_groups, self._sites, self._cd_key = cd, per_group, sites, key
+        self._cd_chunks = chunked
         self._gemm = gemm
         mgr = self._manager()
         mgr.register(self, list(sites.values()))
@@ -555,6 +599,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         """The descriptors an algorithm choice runs with (per group or not)."""
         if choice.variant == 1 and self._cd_groups is not None:
             return self._cd_groups
+        if choice.variant in self._cd_chunks:
+            return self._cd_chunks[choice.variant]
         return self._cd
 
     def _timed_search(self):

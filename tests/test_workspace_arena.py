@@ -390,3 +390,42 @@ def test_pycaffe_host_views_stay_in_sync(tmp_path):
     net.forward()
     numpy.testing.assert_allclose(net.blobs['conv3'].data, out1, rtol=1e-5, atol=1e-5)
     assert numpy.shares_memory(held, net.blobs['conv3'].data)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('variant', [3, 4])
+def test_batch_sliced_calls_match_the_cpu(tmp_path, variant):
+    """Timed search adds each call run over halves (variant 3) and quarters
+    (4) of the batch; forced onto those candidates (the smallest workspace
+    of each), every convolution's output, bottom gradient and accumulated
+    filter and bias gradients match the CPU."""
+    from caffeplus.layers import cudnn as L
+    x, dy = _inputs()
+    previous = workspace.set_search('timed')
+    try:
+        caffeplus.set_mode_gpu()
+        net = _net(tmp_path)
+        w = _weights(net)
+        _run(net, x, dy)                # search
+        forced = 0
+        for layer, s in net.workspace.sites():
+            sliced = [c for c in s.candidates if c.variant == variant]
+            if layer._cd.loops == 1:
+                assert sliced, (layer.layer_param.name, s.kind)
+                s.choice = min(sliced, key=lambda c: (c.memory, c.time))
+                forced += 1
+        assert forced == 9
+        assert all(layer._descs_for(s.choice).loops == L.CHUNK_VARIANTS[variant]
+                   for layer, s in net.workspace.sites())
+        arena = net.workspace       # the buffer must hold the largest forced choice
+        need = max(s.choice.memory for _, s in arena.sites())
+        arena._buffer.resize(max(need, arena._buffer.nbytes), net.layers[1], arena.plan_name)
+        _set_weights(net, w)
+        got = _run(net, x, dy)
+        for name in ('conv1', 'conv2', 'conv3'):
+            got[name + '_db'] = backend.to_numpy(net.layer_dict[name].blobs[1].diff).copy() \
+                if len(net.layer_dict[name].blobs) > 1 else None
+    finally:
+        workspace.set_search(previous)
+    ref = _cpu_reference(tmp_path, x, dy, w)
+    _close({k: v for k, v in got.items() if k in ref}, ref, tol=5e-3)

@@ -194,7 +194,8 @@ class AlgoChoice:
     the math type cuDNN ran it with (the convolution descriptor must carry
     that type when the algorithm runs) and the variant: 0 for one call over
     all groups, 1 for one call per group (a grouped convolution), 2 for
-    caffeplus's im2col + cuBLAS GEMM instead of cuDNN (layers/cudnn.py)."""
+    caffeplus's im2col + cuBLAS GEMM instead of cuDNN, 3 and 4 for one call
+    per half and per quarter of the batch (layers/cudnn.py)."""
     __slots__ = ('kind', 'algo', 'memory', 'time', 'deterministic', 'math', 'variant')
 
     def __init__(self, kind, algo, memory, time, deterministic, math, variant=0):
@@ -209,8 +210,11 @@ class AlgoChoice:
 
     def __repr__(self):
         return '<%s %s%s math=%d ws=%d t=%.3fms>' % (
-            self.kind, self.name, '/per-group' if self.variant == 1 else '', self.math,
+            self.kind, self.name, _VARIANT_NAMES.get(self.variant, ''), self.math,
             self.memory, self.time)
+
+
+_VARIANT_NAMES = {1: '/per-group', 3: '/halves', 4: '/quarters'}
 
 
 def _descs(kind, x, w, conv, y):

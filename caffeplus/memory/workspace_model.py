@@ -167,6 +167,11 @@ class ConvShape:
 TRANSFORM_FACTOR = 2.25
 TILING_FACTOR = 0.15
 TILING_TIME = 1.04
+# Timed search also runs each call over halves and quarters of the batch
+# (layers/cudnn.py CHUNK_VARIANTS): the transforms' workspace scales with
+# the slice, the time about stays (a guess until measured: 3% slower).
+CHUNK_SLICES = (2, 4)
+CHUNK_TIME = 1.03
 
 
 def candidates(layer, kind=None):
@@ -184,6 +189,8 @@ def candidates(layer, kind=None):
     maps = FLOAT_BYTES * (s.in_count + s.out_count)
     if s.unit_stride:
         out.append(Candidate('transform', int(TRANSFORM_FACTOR * maps), 1.0))
+        out.extend(Candidate('transform/%d' % k, int(TRANSFORM_FACTOR * maps) // k, CHUNK_TIME)
+                   for k in CHUNK_SLICES if s.num % k == 0 and s.num >= 2 * k)
         if kind in ('fwd', 'bwd_data'):
             out.append(Candidate('tiling', int(TILING_FACTOR * maps), TILING_TIME))
     else:
