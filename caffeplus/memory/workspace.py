@@ -457,16 +457,20 @@ HEADROOM_SLOWDOWN = 0.10
 def within_headroom(candidates, best, room, deterministic=False, slowdown=HEADROOM_SLOWDOWN):
     """`best` (the fastest within the budget), unless its workspace exceeds
     `room` (what the plan's buffers leave free at the call's step, so more
-    would raise the peak) and a timed candidate fits there that is at most
-    `slowdown` slower: then the fastest such candidate. Untimed candidates
-    (heuristics: no times) keep `best`."""
+    would raise the peak): then, of the timed candidates at most `slowdown`
+    slower, the one that raises the peak least (the fastest of those; one
+    that fits raises it not at all). Untimed candidates (heuristics: no
+    times) keep `best`."""
     if best is None or best.memory <= room or getattr(best, 'time', -1) is None or \
             getattr(best, 'time', -1) <= 0:
         return best
     limit = best.time * (1 + slowdown)
-    fits = [c for c in candidates if c.memory <= room and 0 < getattr(c, 'time', -1) <= limit
+    near = [c for c in candidates if 0 < getattr(c, 'time', -1) <= limit
             and (c.deterministic or not deterministic)]
-    return min(fits, key=lambda c: c.time) if fits else best
+    if not near:
+        return best
+    pick = min(near, key=lambda c: (max(c.memory - room, 0), c.time))
+    return pick if max(pick.memory - room, 0) < best.memory - room else best
 
 
 VIEW_NAMES = ('forward', 'backward', 'backward_filter')

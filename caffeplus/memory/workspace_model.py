@@ -188,16 +188,19 @@ def candidates(layer, kind=None):
                      1.15 * slow)]
     maps = FLOAT_BYTES * (s.in_count + s.out_count)
     if s.unit_stride:
-        out.append(Candidate('transform', int(TRANSFORM_FACTOR * maps), 1.0))
-        out.extend(Candidate('transform/%d' % k, int(TRANSFORM_FACTOR * maps) // k, CHUNK_TIME)
-                   for k in CHUNK_SLICES if s.num % k == 0 and s.num >= 2 * k)
+        big = Candidate('transform', int(TRANSFORM_FACTOR * maps), 1.0)
+        out.append(big)
         if kind in ('fwd', 'bwd_data'):
             out.append(Candidate('tiling', int(TILING_FACTOR * maps), TILING_TIME))
     else:
         # Strided (AlexNet's conv1, ResNet's stem): cuDNN's implicit GEMMs
         # beat the explicit column buffer (1.31 vs 1.43 ms on AlexNet's conv1).
         out[0] = Candidate('implicit', 0, 1.0 * slow)
-        out.append(Candidate('explicit', s.column_bytes, 1.09))
+        big = Candidate('explicit', s.column_bytes, 1.09)
+        out.append(big)
+    # The batch-sized workspace, run over slices of the batch.
+    out.extend(Candidate('%s/%d' % (big.name, k), big.bytes // k, big.time_factor * CHUNK_TIME)
+               for k in CHUNK_SLICES if s.num % k == 0 and s.num >= 2 * k)
     return out
 
 
