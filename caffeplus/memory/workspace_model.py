@@ -165,6 +165,10 @@ class ConvShape:
 # backward-data also have a tiled FFT a few percent slower in a small
 # fraction of that (0.05-0.25: 0.15 here); backward-filter has none.
 TRANSFORM_FACTOR = 2.25
+# On small maps (AlexNet's 13 x 13 conv3-5) the fastest are FFTs padded to a
+# power of two: 3.5-6 x the maps (2026-11-24, tools/dump_algorithms.py).
+SMALL_MAP = 16
+SMALL_TRANSFORM_FACTOR = 4.0
 TILING_FACTOR = 0.15
 TILING_TIME = 1.04
 # Timed search also runs each call over halves and quarters of the batch
@@ -188,14 +192,16 @@ def candidates(layer, kind=None):
                      1.15 * slow)]
     maps = FLOAT_BYTES * (s.in_count + s.out_count)
     if s.unit_stride:
-        big = Candidate('transform', int(TRANSFORM_FACTOR * maps), 1.0)
+        factor = SMALL_TRANSFORM_FACTOR if max(s.col_spatial) <= SMALL_MAP else TRANSFORM_FACTOR
+        big = Candidate('transform', int(factor * maps), 1.0)
         out.append(big)
         if kind in ('fwd', 'bwd_data'):
             out.append(Candidate('tiling', int(TILING_FACTOR * maps), TILING_TIME))
     else:
         # Strided (AlexNet's conv1, ResNet's stem): cuDNN's implicit GEMMs
-        # beat the explicit column buffer (1.31 vs 1.43 ms on AlexNet's conv1).
-        out[0] = Candidate('implicit', 0, 1.0 * slow)
+        # beat the explicit column buffer (1.31 vs 1.43 ms on AlexNet's conv1),
+        # backward-filter's too (1.35 ms, no workspace, 2026-11-24).
+        out[0] = Candidate('implicit', 0, 1.0)
         big = Candidate('explicit', s.column_bytes, 1.09)
         out.append(big)
     # The batch-sized workspace, run over slices of the batch.
