@@ -9,7 +9,9 @@ each, the first iteration whose loss differs and the parameter blobs that
 differ: plain; nographs (cuDNN calls made directly, not replayed as CUDA
 graphs); nochains (fused kernels off: the generic layers); syncout (the
 device synchronised after every copy out is enqueued, so copies out
-finish before anything else runs); syncin (likewise after every copy in).
+finish before anything else runs); syncin (likewise after every copy in);
+unchained (the offload hooks not chain-safe: the BatchNorm->Scale->ReLU
+and Eltwise->ReLU chains unfused, the other fused kernels on).
 """
 import argparse
 import os
@@ -46,6 +48,9 @@ def main(argv=None):
         def h2d(self, host, view):
             real_h2d(self, host, view)
             cupy.cuda.Device().synchronize()
+        real_safe = offload_runtime._chain_safe
+        if variant == 'unchained':
+            offload_runtime._chain_safe = lambda method: (lambda i: method(i))
         if variant == 'syncout':
             offload_runtime.CupyDevice.d2h = d2h
         if variant == 'syncin':
@@ -55,6 +60,7 @@ def main(argv=None):
                              **kw)
         finally:
             offload_runtime.CupyDevice.d2h, offload_runtime.CupyDevice.h2d = real_d2h, real_h2d
+            offload_runtime._chain_safe = real_safe
 
     for variant in args.variants.split(','):
         shared = run('shared', variant)
