@@ -73,14 +73,19 @@ def choose_lookahead(step_seconds, last_fwd, first_back, nbytes, bandwidth, marg
     return max(k, 1)
 
 
-def _chain_safe(method):
-    """A per-layer hook that acts on whole buffers at step boundaries: fused
-    layer chains (layers/cudnn.py) may stay fused while it is installed, as
-    they are under the plans without offload (else offload would run other
-    arithmetic than `shared`)."""
+def _hook(method, chain_safe):
+    """The runtime's per-layer hook. Marked chain_safe (option fused_chains)
+    it lets the fused layer chains (layers/cudnn.py) stay fused, as they are
+    under the plans without offload, so offload would run `shared`'s
+    arithmetic. Off by default: on the H100 (2026-11-24,
+    tools/offload_race_probe.py) ResNet-50 under offload with the chains
+    fused gave losses that changed from run to run from the third
+    iteration on, while with every fused kernel off, or the chains alone
+    unfused, offload matched shared; not reproduced on the CPU (kernel
+    emulator, lazy copy streams), cause not found yet."""
     def hook(i):
         return method(i)
-    hook.chain_safe = True
+    hook.chain_safe = bool(chain_safe)
     return hook
 
 
@@ -279,7 +284,8 @@ class OffloadRuntime:
     """Copies for the offloaded storages of an AppliedPlan (see the module docstring).
     Options: simulate ('eager'|'lazy', CPU), delay (GPU tests: callable(stream)
     enqueued before every copy), bandwidth (bytes/s for the CPU model),
-    calibrate_at (iteration whose times choose an 'auto' look-ahead)."""
+    calibrate_at (iteration whose times choose an 'auto' look-ahead),
+    fused_chains (keep the fused layer chains: see _hook)."""
 
     def __init__(self, applied, **options):
         from caffeplus.memory import offload
@@ -305,9 +311,10 @@ class OffloadRuntime:
         self._next = 0
         self.pending_lookahead = None
         self.stats = {'copies_out': 0, 'copies_in': 0, 'bytes_out': 0, 'bytes_in': 0}
-        self._hooks = [(net.before_layer_forward, _chain_safe(self._before_forward_layer)),
-                       (net.after_layer_forward, _chain_safe(self._after_forward_layer)),
-                       (net.before_layer_backward, _chain_safe(self._before_backward_layer))]
+        safe = options.get('fused_chains', False)
+        self._hooks = [(net.before_layer_forward, _hook(self._before_forward_layer, safe)),
+                       (net.after_layer_forward, _hook(self._after_forward_layer, safe)),
+                       (net.before_layer_backward, _hook(self._before_backward_layer, safe))]
         for hooks, fn in self._hooks:
             hooks.append(fn)
 
