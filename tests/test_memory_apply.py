@@ -577,6 +577,25 @@ def test_gpu_offload_bit_identical_to_shared(tmp_path, name, lookahead):
     assert_identical(shared, off)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize('lookahead', [1, 'auto'])
+def test_gpu_resnet_offload_bit_identical_to_shared_with_the_same_layers(tmp_path, lookahead):
+    """ResNet-50's offload runs the BatchNorm chains unfused (see
+    RESNET_OFFLOAD); against shared with the chains unfused too (a per-layer
+    hook that is not chain-safe), the copies must change nothing."""
+    need_model('resnet50')
+    param, test_nets = cpe.net_param('resnet50', str(tmp_path), GPU_BATCH['resnet50'])
+
+    def unfuse(solver):
+        solver.net.before_layer_forward.append(lambda i: None)
+    shared = cpe.train(param, 'shared', 6, test_nets, gpu=0, math='deterministic',
+                       solver_hook=unfuse)
+    off = cpe.train(param, 'offload', 6, test_nets, gpu=0, math='deterministic', offload='all',
+                    lookahead=lookahead, runtime_options={})
+    assert off.info['offloaded'] and off.info['offload_stats']['copies_in'] > 0
+    assert_identical(shared, off)
+
+
 def _spin_kernel():
     import cupy
     return cupy.RawKernel(r'''
