@@ -273,7 +273,9 @@ class AppliedPlan:
                                 if id(life) in returning else life.start, life.end)
                 for i, life in enumerate(placed)]
         ws_bufs = self._workspace_buffers(bufs)
-        kept_bufs = self._internal_buffers()
+        unfused = any(e.offloaded for e in entries) and \
+            not self.options.get('runtime', {}).get('fused_chains', False)
+        kept_bufs = self._internal_buffers(unfused)
         offsets, arena_bytes = placement.place(bufs + ws_bufs + kept_bufs)
         self.arena_bytes = arena_bytes
         count = max(arena_bytes // FLOAT_BYTES, 1)
@@ -359,13 +361,22 @@ class AppliedPlan:
         self.workspace_bytes = sum(b.nbytes for b in ws_bufs)
 
     # -- buffers layers keep from forward to backward (caffeplus.memory.scratch) -------
-    def _internal_buffers(self):
+    def _internal_buffers(self, unfused=False):
         net = self.net
         if backend.mode() == backend.GPU:
             # Which layers run as fused chains decides what they keep
             # (layers/cudnn.py: a chained Scale keeps nothing of its own).
+            # Offload's hooks unfuse them (offload_runtime._hook): a hook
+            # that is not chain-safe stands in for them while deciding.
             from caffeplus import kernels
-            kernels.begin_pass(net, 0, len(net.layers) - 1, False)
+            stand_in = (lambda i: None) if unfused else None
+            if stand_in is not None:
+                net.before_layer_forward.append(stand_in)
+            try:
+                kernels.begin_pass(net, 0, len(net.layers) - 1, False)
+            finally:
+                if stand_in is not None:
+                    net.before_layer_forward.remove(stand_in)
         self.internals = {}         # layer index -> {name: (count, dtype)}
         for i, layer in enumerate(net.layers):
             declared = scratch.declared(layer)

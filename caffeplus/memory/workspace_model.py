@@ -254,9 +254,10 @@ def stock_handles(net):
 
 
 # -- layer-internal buffers --------------------------------------------------------
-def internal_bytes(net, i, plan_name=None):
+def internal_bytes(net, i, plan_name=None, fused_chains=True):
     """Bytes layer i keeps for itself from forward to backward (see above);
-    under `stock`, Caffe 1.0's buffers (caffeplus.memory.caffe1)."""
+    under `stock`, Caffe 1.0's buffers (caffeplus.memory.caffe1); without
+    `fused_chains` (offload), a Scale after BatchNorm keeps its own copy."""
     layer = net.layers[i]
     own = getattr(layer, 'internal_bytes', None)
     if callable(own):
@@ -279,7 +280,7 @@ def internal_bytes(net, i, plan_name=None):
     if t == 'BatchNorm' and not getattr(layer, 'use_global_stats', not training):
         return FLOAT_BYTES * top[0].count
     if t == 'Scale' and bottom and top and bottom[0].data_storage is top[0].data_storage:
-        if _after_in_place_batch_norm(net, i):
+        if fused_chains and _after_in_place_batch_norm(net, i):
             return 0        # a BatchNorm -> Scale chain: its gradient reads BatchNorm's copy
         learns = len(bottom) > 1 or layer.param_needs_backward(0)
         return FLOAT_BYTES * bottom[0].count if learns and net.layer_need_backward[i] else 0
@@ -306,7 +307,9 @@ def internals(net, plan_name=None):
         declared = sum(int(l.internal_bytes()) for l in net.layers
                        if callable(getattr(l, 'internal_bytes', None)))
         return caffe1.own_bytes(net) + caffe1.extra_bytes(net) + declared
-    return sum(internal_bytes(net, i) for i in range(len(net.layers)))
+    # Offload runs the layer chains unfused (offload_runtime._hook).
+    fused = plan_name != 'offload'
+    return sum(internal_bytes(net, i, fused_chains=fused) for i in range(len(net.layers)))
 
 
 def other_bytes(net, plan_name):
