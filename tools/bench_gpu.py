@@ -309,6 +309,21 @@ def run_worker(kind, net, args, plan='-', tf32=0):
                 error=(p.stderr or p.stdout)[-1500:])
 
 
+def _commit():
+    """The snapshot's commit (tools/gpu_snapshot.sh writes COMMIT), else git's."""
+    try:
+        with open(os.path.join(ROOT, 'COMMIT')) as f:
+            return f.read().strip()
+    except OSError:
+        pass
+    try:
+        return subprocess.run(['git', '-C', ROOT, 'rev-parse', '--short', 'HEAD'],
+                              capture_output=True, text=True, timeout=10).stdout.strip() or \
+            'unknown'
+    except (OSError, subprocess.SubprocessError):
+        return 'unknown'
+
+
 def gpu_name():
     try:
         return subprocess.run(['nvidia-smi', '--query-gpu=name,driver_version',
@@ -320,7 +335,7 @@ def gpu_name():
 
 def markdown(results, args):
     lines = ['## %s, %s, commit %s' % (time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
-                                       gpu_name(), os.environ.get('CAFFEPLUS_COMMIT', 'unknown')),
+                                       gpu_name(), os.environ.get('CAFFEPLUS_COMMIT') or _commit()),
              '',
              'One iteration = forward + backward + SGD momentum; median of %d after %d warm-up; '
              'caffeplus without its data layers; algorithm search: %s. Peak = device memory used '
