@@ -92,7 +92,10 @@ def one(args):
                 'replans': getattr(applied, 'replans', 0),
                 'chains_whole': sum(1 for c in chains if c.fwd_done and c.bwd_done),
                 'chains': len(chains), 'loss': loss,
-                'big_allocs': [(where(s), m) for s, m in state['big']][:12]}), flush=True)
+                'big_allocs': [(where(s), m) for s, m in state['big']][:12],
+                'outside': {'%s %s' % k: v >> 20 for k, v in
+                            getattr(getattr(applied, 'workspace', None), 'outside', {}).items()}
+                }), flush=True)
     return 0
 
 
@@ -124,6 +127,8 @@ def main(argv=None):
                       config, r['iter'], r['ms'], r['pool_peak_mib'], r['peak_at'],
                       r['pool_total_mib'], r['arena_mib'], r['replans'], r['chains_whole'],
                       r['chains'], r['loss'], r['big_allocs']), flush=True)
+            if r.get('outside'):
+                print('    calls outside the layout (MiB):', r['outside'], flush=True)
         if p.returncode:
             print('%s: exit %d: %s' % (config, p.returncode, p.stderr[-1500:]), flush=True)
     return 0

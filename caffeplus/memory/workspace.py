@@ -360,6 +360,7 @@ class PlacedWorkspace(WorkspaceArena):
         self.headroom = {}
         self.pass_kind = 'forward'
         self.layout_stale = True    # the choices changed since the views were placed
+        self.outside = {}           # (layer name, kind) -> bytes of calls the layout missed
 
     def _timing_wanted(self, pairs):
         # Planned from the applied plan, not from a layer's first call: the
@@ -412,6 +413,9 @@ class PlacedWorkspace(WorkspaceArena):
     def set_views(self, views):
         self.views = dict(views)
         self.layout_stale = False
+        # The private buffer served calls the old layout missed: the new one
+        # covers them, so it goes (else it stays beside the arena for good).
+        self._buffer.resize(0, self, self.plan_name)
 
     def workspace_bytes(self):
         return max([n for _, n in self.views.values()] + [self._buffer.nbytes])
@@ -433,6 +437,12 @@ class PlacedWorkspace(WorkspaceArena):
             # Not in the layout (yet): a buffer of its own for this call.
             if self._buffer.nbytes < need:
                 self._buffer.resize(need, layer, self.plan_name)
+            key = (getattr(getattr(layer, 'layer_param', None), 'name', str(layer)), kind)
+            if key not in self.outside:
+                log.info('Placed workspace: layer %s %s needs %d bytes, its view in the plan '
+                         'has %d: a buffer of its own until the plan is placed again',
+                         key[0], kind, need, 0 if view is None else view[1])
+            self.outside[key] = max(self.outside.get(key, 0), need)
             view = (self._buffer.ptr, self._buffer.nbytes)
         self._busy = (layer, kind)
         try:
