@@ -12,7 +12,9 @@ device synchronised after every copy out is enqueued, so copies out
 finish before anything else runs); syncin (likewise after every copy in);
 fused (runtime option fused_chains: the BatchNorm->Scale->ReLU and
 Eltwise->ReLU chains stay fused under offload, as under shared; the plain
-variant runs them unfused, offload's default).
+variant runs them unfused, offload's default); fused-bn and fused-sum (only
+the BatchNorm chains, or only the Eltwise->ReLU chains, fused, in both
+plans).
 """
 import argparse
 import os
@@ -37,8 +39,14 @@ def main(argv=None):
     work = tempfile.mkdtemp()
     param, test_nets = cpe.net_param(args.model, work, args.batch)
 
+    from caffeplus.layers import cudnn as L
+    real_find = L._find_chains
+
     def run(plan, variant='plain', **kw):
         api.set_graphs(variant != 'nographs')
+        keep = {'fused-bn': L._Chain, 'fused-sum': L._SumChain}.get(variant)
+        L._find_chains = real_find if keep is None else \
+            (lambda net: [c for c in real_find(net) if isinstance(c, keep)])
         kernels.set_enabled(variant != 'nochains')
         real_d2h, real_h2d = offload_runtime.CupyDevice.d2h, offload_runtime.CupyDevice.h2d
 
@@ -62,7 +70,7 @@ def main(argv=None):
     for variant in args.variants.split(','):
         shared = run('shared', variant)
         off = run('offload', variant, offload='all', lookahead=1,
-                  runtime_options={'fused_chains': variant == 'fused'})
+                  runtime_options={'fused_chains': variant.startswith('fused')})
         diff = cpe.differences(shared, off)
         print('%-9s %s' % (variant, 'identical' if not diff else '; '.join(diff[:4])),
               flush=True)
