@@ -931,6 +931,23 @@ def set_chain_planner(fn):
     _state['planner'] = fn
 
 
+def set_chain_heads(fn):
+    """fn(net) -> {layer index: index of the chain member whose backward runs
+    the whole chain's} (layers/cudnn.py)."""
+    _state['heads'] = fn
+
+
+def chain_heads(net):
+    """{layer index: the layer whose backward step runs its backward} for
+    the layers of fused chains (empty when the fused kernels are off): a
+    chain's backward writes its members' bottom diffs at its head's step,
+    earlier than their own, which the memory planner must know."""
+    fn = _state.get('heads')
+    if fn is None or not active():
+        return {}
+    return fn(net)
+
+
 def begin_pass(net, start, end, backward=False):
     """Called by Net.forward_from_to / backward_from_to before their layers
     run: lets chains of layers (BatchNorm -> Scale -> ReLU in place) know

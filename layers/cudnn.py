@@ -1420,9 +1420,20 @@ def _begin_pass(net, start, end, backward):
             ch.fwd_active = on and start <= ch.first and ch.last <= end
 
 
+def _chain_heads(net):
+    """kernels.chain_heads: every chain member -> its last layer, whose
+    backward (first in backward order) runs the chain's."""
+    chains = net.__dict__.get('_fused_chains')
+    if chains is None:
+        chains = net._fused_chains = _find_chains(net)
+    return {j: ch.last for ch in chains if ch.needs_backward
+            for j in range(ch.first, ch.last + 1)}
+
+
 def _register_planner():
     from caffeplus import kernels
     kernels.set_chain_planner(_begin_pass)
+    kernels.set_chain_heads(_chain_heads)
 
 
 @register_engine('CUDNN')

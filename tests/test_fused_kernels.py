@@ -643,3 +643,30 @@ def test_offload_relayout_frees_the_old_arena_with_chains_emulated(emulated, mon
                for sc in chained)
     applied.relayout(lookahead_steps={})
     assert old() is None
+
+
+def test_liveness_knows_a_chain_writes_at_its_head_step(emulated):
+    """An Eltwise->ReLU chain's backward runs at the ReLU's step and writes
+    the Eltwise's bottom diffs there, a step before the Eltwise's own: the
+    planner must start those diffs' lives there (on the H100, offload placed
+    the ReLU's top data in the same bytes, and the fused backward read it
+    while overwriting it)."""
+    from caffeplus.memory import liveness
+    caffeplus.set_random_seed(11)
+    param = caffe_pb2.NetParameter()
+    text_format.Parse(RESNET, param)
+    net = caffeplus.Net(param, caffeplus.TRAIN)
+    L = len(net.layers)
+    names = net._layer_names
+    relu, elt = names.index('relu2'), names.index('sum')
+    bottoms = [net._blob_names[b] for b in net.bottom_id_vecs[elt]]
+
+    def starts():
+        return {n: b.start for b in liveness.buffers(net) if b.kind == 'diff'
+                for n in b.blobs if n in bottoms}
+    assert all(s <= 2 * L - 1 - relu < 2 * L - 1 - elt for s in starts().values())
+    previous = kernels.set_enabled(False)        # unfused: the Eltwise's own step
+    try:
+        assert starts()['conv2'] == 2 * L - 1 - elt
+    finally:
+        kernels.set_enabled(previous)

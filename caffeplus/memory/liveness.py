@@ -76,17 +76,25 @@ def buffers(net, keep=(), training=True):
     # not activations.
     param_storages = {id(p.data_storage) for p in net.param_blobs} | \
         {id(p.diff_storage) for p in net.param_blobs}
+    # A fused chain's backward (layers/cudnn.py) runs at its last member's
+    # step: its members read and write there too (e.g. an Eltwise->ReLU
+    # chain writes the Eltwise's bottom diffs a step before the Eltwise's).
+    from caffeplus import kernels
+    heads = kernels.chain_heads(net)
     for i, layer in enumerate(net.layers):
         reads = layer.backward_reads
         does_backward = training and net.layer_need_backward[i]
+        back = sorted({bwd(i), bwd(heads.get(i, i))})
         for blob, blob_id in zip(net.bottom_vecs[i], net.bottom_id_vecs[i]):
             touch('data', blob, names[blob_id], fwd(i))
             if does_backward and 'bottom_data' in reads:
-                touch('data', blob, names[blob_id], bwd(i))
+                for s in back:
+                    touch('data', blob, names[blob_id], s)
         for k, (blob, blob_id) in enumerate(zip(net.top_vecs[i], net.top_id_vecs[i])):
             touch('data', blob, names[blob_id], fwd(i))
             if does_backward and 'top_data' in reads:
-                touch('data', blob, names[blob_id], bwd(i))
+                for s in back:
+                    touch('data', blob, names[blob_id], s)
             if training and layer.loss(k):
                 # The loss weight sits in the top's diff from setup on.
                 touch('diff', blob, names[blob_id], 0)
@@ -95,11 +103,13 @@ def buffers(net, keep=(), training=True):
             continue
         # Backward reads the top diffs and writes the bottom diffs it propagates to.
         for blob, blob_id in zip(net.top_vecs[i], net.top_id_vecs[i]):
-            touch('diff', blob, names[blob_id], bwd(i), read=True)
+            for s in back:
+                touch('diff', blob, names[blob_id], s, read=True)
         for blob, blob_id, prop in zip(net.bottom_vecs[i], net.bottom_id_vecs[i],
                                        net.bottom_need_backward[i]):
             if prop:
-                touch('diff', blob, names[blob_id], bwd(i))
+                for s in back:
+                    touch('diff', blob, names[blob_id], s)
 
     out = []
     for (kind, storage_id), (start, end, blob_names, nbytes) in intervals.items():
