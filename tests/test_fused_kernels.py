@@ -584,27 +584,26 @@ def _train_plan(plan, **options):
     return losses, [backend.to_numpy(p.data).copy() for p in net.learnable_params], fused
 
 
-def test_offload_with_fused_chains_matches_shared_emulated(emulated):
-    """With the runtime option fused_chains, the offload runtime's per-layer
-    hooks (copies and waits at step boundaries) leave the
-    BatchNorm->Scale->ReLU chains fused: offload runs the arithmetic of
-    `shared` and stays bit-identical to it here (on the H100 it did not:
-    see offload_runtime._hook; hence not the default)."""
+def test_offload_keeps_chains_fused_and_matches_shared_emulated(emulated):
+    """The offload runtime's per-layer hooks (copies and waits at step
+    boundaries) leave the BatchNorm->Scale->ReLU chains fused: offload runs
+    the arithmetic of `shared` and stays bit-identical to it."""
     shared = _train_plan('shared')
     off = _train_plan('offload', offload_policy='all', lookahead=1,
-                      runtime_options={'simulate': 'lazy', 'fused_chains': True})
+                      runtime_options={'simulate': 'lazy'})
     assert all(done == (True, True) for step in off[2] for done in step)
     assert off[0] == shared[0]
     for a, b in zip(off[1], shared[1]):
         assert numpy.array_equal(a, b)
 
 
-def test_offload_unfuses_chains_by_default_emulated(emulated):
-    """By default offload runs the chains' layers one by one (the generic
-    GPU layers): the same training as shared up to rounding."""
+def test_offload_without_fused_chains_emulated(emulated):
+    """Runtime option fused_chains=False: offload runs the chains' layers one
+    by one (the generic GPU layers): the same training as shared up to
+    rounding."""
     shared = _train_plan('shared')
     off = _train_plan('offload', offload_policy='all', lookahead=1,
-                      runtime_options={'simulate': 'lazy'})
+                      runtime_options={'simulate': 'lazy', 'fused_chains': False})
     assert not any(done[0] or done[1] for step in off[2] for done in step)
     numpy.testing.assert_allclose(off[0], shared[0], rtol=1e-4)
     for a, b in zip(off[1], shared[1]):

@@ -522,13 +522,6 @@ def test_cli_memory_flags_reach_the_solver_param(tmp_path):
 
 # -- GPU -----------------------------------------------------------------------------------------
 GPU_BATCH = {'lenet': None, 'cifar10_bn': 8, 'googlenet': 4, 'resnet50': 4}
-# ResNet-50 only. Offload runs the fused BatchNorm->Scale->ReLU chains
-# unfused by default (offload_runtime._hook: with them fused, ResNet-50's
-# losses changed from run to run on the H100, 2026-11-24), so its arithmetic
-# differs from shared's (fused) by rounding; CIFAR10-BN and GoogLeNet match.
-RESNET_OFFLOAD = pytest.param('resnet50', marks=pytest.mark.xfail(
-    strict=False, reason='ResNet-50: offload unfuses the BatchNorm chains (fused under offload '
-    'they read wrong values on the H100, cause not found), so it rounds differently from shared'))
 STOCK_WORKSPACE = 8 * 2 ** 20       # Caffe 1.0's per-layer cuDNN workspace limit
 
 
@@ -570,7 +563,7 @@ def test_gpu_shared_bit_identical_to_stock_deterministic(tmp_path, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize('name', ['cifar10_bn', 'googlenet', RESNET_OFFLOAD])
+@pytest.mark.parametrize('name', ['cifar10_bn', 'googlenet', 'resnet50'])
 @pytest.mark.parametrize('lookahead', [1, 'auto'])
 def test_gpu_offload_bit_identical_to_shared(tmp_path, name, lookahead):
     need_model(name)
@@ -585,9 +578,9 @@ def test_gpu_offload_bit_identical_to_shared(tmp_path, name, lookahead):
 @pytest.mark.gpu
 @pytest.mark.parametrize('lookahead', [1, 'auto'])
 def test_gpu_resnet_offload_bit_identical_to_shared_with_the_same_layers(tmp_path, lookahead):
-    """ResNet-50's offload runs the BatchNorm chains unfused (see
-    RESNET_OFFLOAD); against shared with the chains unfused too (a per-layer
-    hook that is not chain-safe), the copies must change nothing."""
+    """Offload with fused_chains=False runs the chains layer by layer;
+    against shared with the chains unfused too (a per-layer hook that is not
+    chain-safe), the copies must change nothing."""
     need_model('resnet50')
     param, test_nets = cpe.net_param('resnet50', str(tmp_path), GPU_BATCH['resnet50'])
 
@@ -596,7 +589,7 @@ def test_gpu_resnet_offload_bit_identical_to_shared_with_the_same_layers(tmp_pat
     shared = cpe.train(param, 'shared', 6, test_nets, gpu=0, math='deterministic',
                        solver_hook=unfuse)
     off = cpe.train(param, 'offload', 6, test_nets, gpu=0, math='deterministic', offload='all',
-                    lookahead=lookahead, runtime_options={})
+                    lookahead=lookahead, runtime_options={'fused_chains': False})
     assert off.info['offloaded'] and off.info['offload_stats']['copies_in'] > 0
     assert_identical(shared, off)
 
@@ -611,7 +604,7 @@ extern "C" __global__ void caffeplus_spin(long long cycles) {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize('name', ['cifar10_bn', RESNET_OFFLOAD])
+@pytest.mark.parametrize('name', ['cifar10_bn', 'resnet50'])
 def test_gpu_offload_with_a_delayed_copy_stream_loses_nothing(tmp_path, name):
     """Every copy waits behind a ~2 ms spin kernel on the copy stream: the
     compute stream must wait on the copy events, and results stay identical."""

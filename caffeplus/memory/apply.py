@@ -274,7 +274,7 @@ class AppliedPlan:
                 for i, life in enumerate(placed)]
         ws_bufs = self._workspace_buffers(bufs)
         unfused = any(e.offloaded for e in entries) and \
-            not self.options.get('runtime', {}).get('fused_chains', False)
+            not self.options.get('runtime', {}).get('fused_chains', True)
         kept_bufs = self._internal_buffers(unfused)
         offsets, arena_bytes = placement.place(bufs + ws_bufs + kept_bufs)
         self.arena_bytes = arena_bytes
@@ -366,8 +366,9 @@ class AppliedPlan:
         if backend.mode() == backend.GPU:
             # Which layers run as fused chains decides what they keep
             # (layers/cudnn.py: a chained Scale keeps nothing of its own).
-            # Offload's hooks unfuse them (offload_runtime._hook): a hook
-            # that is not chain-safe stands in for them while deciding.
+            # Offload with fused_chains=False unfuses them
+            # (offload_runtime._hook): a hook that is not chain-safe stands
+            # in for its hooks while deciding.
             from caffeplus import kernels
             stand_in = (lambda i: None) if unfused else None
             if stand_in is not None:

@@ -108,8 +108,8 @@ def iteration_seconds(net, choice=None, solver_type='SGD', stall=0.0):
 def model_internals(net, fused_chains=True):
     """{layer index: {'kept': bytes}}: the model's buffers each layer keeps
     from forward to backward (workspace_model.internal_bytes), for
-    make_plan to place with their lifetimes (offload runs the layer chains
-    unfused: offload_runtime._hook)."""
+    make_plan to place with their lifetimes (`fused_chains`: as the GPU
+    runs them, the default)."""
     out = {}
     for i in range(len(net.layers)):
         n = wm.internal_bytes(net, i, fused_chains=fused_chains)
@@ -183,7 +183,7 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
         choice = {i: wm.fastest(l) for i, l in convs}
         workspace = wm.arena_workspace(net)
     placing = name in ('shared', 'offload')
-    kept = model_internals(net, fused_chains=name != 'offload') if placing else None
+    kept = model_internals(net) if placing else None
     other = wm.other_bytes(net, name) - (sum(sum(k.values()) for k in kept.values())
                                          if placing else 0)
     sizes = None
@@ -266,11 +266,9 @@ def search(net, solver_type='SGD', keep=(), training=True):
     bufs = liveness.buffers(net, keep=keep, training=training)
     steps = 2 * len(net.layers) if training else len(net.layers)
     params = sum(p.count for p in net.learnable_params) * liveness.FLOAT_BYTES
-    # Offloading unfuses the layer chains (offload_runtime._hook): more kept.
-    kept = {fused: liveness.internal_buffers(net, model_internals(net, fused), training)
-            for fused in (True, False)}
+    kept = liveness.internal_buffers(net, model_internals(net), training)
     fixed = params * (1 + (1 + HISTORY_COPIES.get(solver_type, 1) if training else 0)) + \
-        wm.other_bytes(net, 'auto') - sum(b.nbytes for b in kept[True])
+        wm.other_bytes(net, 'auto') - sum(b.nbytes for b in kept)
     convs = wm.conv_layers(net)
     timing = {}
     for cap in wm.workspace_levels(net):
@@ -288,7 +286,7 @@ def search(net, solver_type='SGD', keep=(), training=True):
     options = []
     for offloaded in sets:
         shortened = offload.shorten(bufs, offloaded, net) if offloaded else bufs
-        live = liveness.live_bytes_by_step(shortened + kept[not offloaded], steps)
+        live = liveness.live_bytes_by_step(shortened + kept, steps)
         host = offload.host_bytes(bufs, offloaded)
         for cap, (steps_s, seconds, ws) in timing.items():
             stall = offload_stall_seconds(net, bufs, offloaded, steps_s, windows) \
@@ -303,13 +301,13 @@ def _auto_plan(net, option, solver_type, keep, training):
     names = sorted({n for key in option.offloaded for n in key[1]})
     convs = wm.conv_layers(net)
     choice = {i: wm.fastest(l, option.cap) for i, l in convs}
-    kept = model_internals(net, fused_chains=not names)     # offload unfuses the chains
+    kept = model_internals(net)
     bare = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
                      offload_policy=names, internals=kept)
     sizes = placed_workspace_sizes(net, bare.buffers, bare.steps, training, cap=option.cap)
     plan = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
                      offload_policy=names, workspace=sizes, internals=kept,
-                     other_bytes=wm.other_bytes(net, 'offload' if names else 'auto') -
+                     other_bytes=wm.other_bytes(net, 'auto') -
                      sum(sum(k.values()) for k in kept.values()))
     plan.name = 'auto'
     plan = _finish(plan, net, 'auto', plan.breakdown['workspace'], plan.breakdown['other'],

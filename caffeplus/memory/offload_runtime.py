@@ -74,15 +74,14 @@ def choose_lookahead(step_seconds, last_fwd, first_back, nbytes, bandwidth, marg
 
 
 def _hook(method, chain_safe):
-    """The runtime's per-layer hook. Marked chain_safe (option fused_chains)
-    it lets the fused layer chains (layers/cudnn.py) stay fused, as they are
-    under the plans without offload, so offload would run `shared`'s
-    arithmetic. Off by default: on the H100 (2026-11-24,
-    tools/offload_race_probe.py) ResNet-50 under offload with the chains
-    fused gave losses that changed from run to run from the third
-    iteration on, while with every fused kernel off, or the chains alone
-    unfused, offload matched shared; not reproduced on the CPU (kernel
-    emulator, lazy copy streams), cause not found yet."""
+    """The runtime's per-layer hook. Marked chain_safe (option fused_chains,
+    the default) it lets the fused layer chains (layers/cudnn.py) stay
+    fused, as they are under the plans without offload, so offload runs
+    `shared`'s arithmetic. (fused_chains=False runs them layer by layer.
+    A chain's backward writes at its last member's step; until the planner
+    knew that (liveness.buffers, kernels.chain_heads), offload placed an
+    Eltwise->ReLU chain's top data where the chain wrote the Eltwise's
+    bottom diffs: ResNet-50's wrong offload results on the H100.)"""
     def hook(i):
         return method(i)
     hook.chain_safe = bool(chain_safe)
@@ -285,7 +284,7 @@ class OffloadRuntime:
     Options: simulate ('eager'|'lazy', CPU), delay (GPU tests: callable(stream)
     enqueued before every copy), bandwidth (bytes/s for the CPU model),
     calibrate_at (iteration whose times choose an 'auto' look-ahead),
-    fused_chains (keep the fused layer chains: see _hook)."""
+    fused_chains (True: keep the fused layer chains; see _hook)."""
 
     def __init__(self, applied, **options):
         from caffeplus.memory import offload
@@ -311,7 +310,7 @@ class OffloadRuntime:
         self._next = 0
         self.pending_lookahead = None
         self.stats = {'copies_out': 0, 'copies_in': 0, 'bytes_out': 0, 'bytes_in': 0}
-        safe = options.get('fused_chains', False)
+        safe = options.get('fused_chains', True)
         self._hooks = [(net.before_layer_forward, _hook(self._before_forward_layer, safe)),
                        (net.after_layer_forward, _hook(self._after_forward_layer, safe)),
                        (net.before_layer_backward, _hook(self._before_backward_layer, safe))]

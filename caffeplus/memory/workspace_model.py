@@ -257,7 +257,8 @@ def stock_handles(net):
 def internal_bytes(net, i, plan_name=None, fused_chains=True):
     """Bytes layer i keeps for itself from forward to backward (see above);
     under `stock`, Caffe 1.0's buffers (caffeplus.memory.caffe1); without
-    `fused_chains` (offload), a Scale after BatchNorm keeps its own copy."""
+    `fused_chains` (offload's fused_chains=False), a Scale after BatchNorm
+    keeps its own copy."""
     layer = net.layers[i]
     own = getattr(layer, 'internal_bytes', None)
     if callable(own):
@@ -307,9 +308,7 @@ def internals(net, plan_name=None):
         declared = sum(int(l.internal_bytes()) for l in net.layers
                        if callable(getattr(l, 'internal_bytes', None)))
         return caffe1.own_bytes(net) + caffe1.extra_bytes(net) + declared
-    # Offload runs the layer chains unfused (offload_runtime._hook).
-    fused = plan_name != 'offload'
-    return sum(internal_bytes(net, i, fused_chains=fused) for i in range(len(net.layers)))
+    return sum(internal_bytes(net, i) for i in range(len(net.layers)))
 
 
 def other_bytes(net, plan_name):
