@@ -484,18 +484,21 @@ def _workspace():
 CHUNK_VARIANTS = {3: 2, 4: 4}
 
 
+def _switched_on(variable):
+    """An on-by-default switch: off when the variable says 0/off/false/no."""
+    return os.environ.get(variable, '1').strip().lower() not in ('0', 'off', 'false', 'no')
+
+
 def _chunk_search():
     """Whether timed search also times each call over halves and quarters
     of the batch (CAFFEPLUS_CUDNN_CHUNKS=0 turns it off)."""
-    return os.environ.get('CAFFEPLUS_CUDNN_CHUNKS', '1').strip().lower() \
-        not in ('0', 'off', 'false', 'no')
+    return _switched_on('CAFFEPLUS_CUDNN_CHUNKS')
 
 
 def _per_group_search():
     """Whether timed search also times grouped convolutions one call per
     group (CAFFEPLUS_CUDNN_PER_GROUP=0 turns it off)."""
-    return os.environ.get('CAFFEPLUS_CUDNN_PER_GROUP', '1').strip().lower() \
-        not in ('0', 'off', 'false', 'no')
+    return _switched_on('CAFFEPLUS_CUDNN_PER_GROUP')
 
 
 def search_default():
@@ -1399,9 +1402,7 @@ def _chain_backward(layer, what):
 
 def _begin_pass(net, start, end, backward):
     """kernels.begin_pass: which chains run fused in this pass of `net`."""
-    chains = net.__dict__.get('_fused_chains')
-    if chains is None:
-        chains = net._fused_chains = _find_chains(net)
+    chains = _chains(net)
     if not chains:
         return
     from caffeplus import kernels
@@ -1420,13 +1421,18 @@ def _begin_pass(net, start, end, backward):
             ch.fwd_active = on and start <= ch.first and ch.last <= end
 
 
-def _chain_heads(net):
-    """kernels.chain_heads: every chain member -> its last layer, whose
-    backward (first in backward order) runs the chain's."""
+def _chains(net):
+    """The net's fused chains, found once."""
     chains = net.__dict__.get('_fused_chains')
     if chains is None:
         chains = net._fused_chains = _find_chains(net)
-    return {j: ch.last for ch in chains if ch.needs_backward
+    return chains
+
+
+def _chain_heads(net):
+    """kernels.chain_heads: every chain member -> its last layer, whose
+    backward (first in backward order) runs the chain's."""
+    return {j: ch.last for ch in _chains(net) if ch.needs_backward
             for j in range(ch.first, ch.last + 1)}
 
 

@@ -105,14 +105,13 @@ def iteration_seconds(net, choice=None, solver_type='SGD', stall=0.0):
 
 
 # -- estimated plans --------------------------------------------------------------
-def model_internals(net, fused_chains=True):
+def model_internals(net):
     """{layer index: {'kept': bytes}}: the model's buffers each layer keeps
     from forward to backward (workspace_model.internal_bytes), for
-    make_plan to place with their lifetimes (`fused_chains`: as the GPU
-    runs them, the default)."""
+    make_plan to place with their lifetimes."""
     out = {}
     for i in range(len(net.layers)):
-        n = wm.internal_bytes(net, i, fused_chains=fused_chains)
+        n = wm.internal_bytes(net, i)
         if n:
             out[i] = {'kept': n}
     return out

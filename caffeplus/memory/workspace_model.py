@@ -254,11 +254,9 @@ def stock_handles(net):
 
 
 # -- layer-internal buffers --------------------------------------------------------
-def internal_bytes(net, i, plan_name=None, fused_chains=True):
+def internal_bytes(net, i, plan_name=None):
     """Bytes layer i keeps for itself from forward to backward (see above);
-    under `stock`, Caffe 1.0's buffers (caffeplus.memory.caffe1); without
-    `fused_chains` (offload's fused_chains=False), a Scale after BatchNorm
-    keeps its own copy."""
+    under `stock`, Caffe 1.0's buffers (caffeplus.memory.caffe1)."""
     layer = net.layers[i]
     own = getattr(layer, 'internal_bytes', None)
     if callable(own):
@@ -281,7 +279,7 @@ def internal_bytes(net, i, plan_name=None, fused_chains=True):
     if t == 'BatchNorm' and not getattr(layer, 'use_global_stats', not training):
         return FLOAT_BYTES * top[0].count
     if t == 'Scale' and bottom and top and bottom[0].data_storage is top[0].data_storage:
-        if fused_chains and _after_in_place_batch_norm(net, i):
+        if _after_in_place_batch_norm(net, i):
             return 0        # a BatchNorm -> Scale chain: its gradient reads BatchNorm's copy
         learns = len(bottom) > 1 or layer.param_needs_backward(0)
         return FLOAT_BYTES * bottom[0].count if learns and net.layer_need_backward[i] else 0
