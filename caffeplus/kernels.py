@@ -748,6 +748,37 @@ extern "C" __global__ void cp_im2col(const float* x, float* col, const unsigned 
         col[t] = v;
     }
 }
+
+/* A convolution's bias gradient, db[c] += sum over n, s of dy (N, C, S), in
+   two launches: part[c P + p] = the sum over block (c, p)'s share of channel
+   c (grid C * P), then one thread per channel adds its P partials in order
+   (deterministic: fixed shares, fixed order). */
+extern "C" __global__ void cp_channel_sum_part(const float* dy, double* part,
+    const unsigned N, const unsigned C, const unsigned S, const unsigned P)
+{
+    __shared__ double sh[66];
+    const unsigned c = blockIdx.x / P, p = blockIdx.x - c * P;
+    const unsigned M = N * S, base = c * S, step = C * S;
+    unsigned lo, hi;
+    cp_share(M, p, P, &lo, &hi);
+    double a = 0.0, b = 0.0;
+    float v[CP_U];
+    CP_RANGE_LOOP(lo, hi, S, base, step,
+        v[u] = dy[o[u]];,
+        a += (double)v[u];)
+    cp_block_sum2(&a, &b, sh);
+    if (threadIdx.x == 0) part[blockIdx.x] = a;
+}
+
+extern "C" __global__ void cp_channel_sum_apply(const double* part, float* db,
+    const unsigned C, const unsigned P)
+{
+    const unsigned c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    double s = 0.0;
+    for (unsigned p = 0; p < P; ++p) s += part[c * P + p];
+    db[c] = __fadd_rn(db[c], (float)s);
+}
 '''
 
 # The modules compiled on the device (one failing to build leaves the other);
@@ -976,6 +1007,30 @@ def blocks_per_channel(c, m):
     if c >= SPLIT_CHANNELS or m < 2 * SPLIT_MIN_VALUES:
         return 1
     return max(1, min(SPLIT_CHANNELS // c, m // SPLIT_MIN_VALUES))
+
+
+# Blocks of cp_channel_sum_part: about two per SM in all, each at least
+# SUM_MIN_VALUES values of its channel.
+SUM_BLOCKS = 264
+SUM_MIN_VALUES = 4096
+SUM_THREADS = 256
+
+
+def sum_blocks_per_channel(c, m):
+    """P of cp_channel_sum_part for c channels of m values each."""
+    return int(max(1, min(-(-SUM_BLOCKS // max(c, 1)), m // SUM_MIN_VALUES)))
+
+
+def channel_sums(dy, part, db, n, c, s, p):
+    """db[:c] += dy (n, c, s) summed over n and s (float32; double partials
+    in `part`, at least c * p of them). dy, part, db: device arrays, or
+    device addresses (ints)."""
+    def arg(a):
+        return numpy.uint64(a) if isinstance(a, int) else a
+    kernel('cp_channel_sum_part')((c * p,), (SUM_THREADS,),
+                                  (arg(dy), arg(part), u32(n), u32(c), u32(s), u32(p)))
+    kernel('cp_channel_sum_apply')(((c + 127) // 128,), (128,),
+                                   (arg(part), arg(db), u32(c), u32(p)))
 
 
 def channel_block(m):

@@ -669,3 +669,43 @@ def test_liveness_knows_a_chain_writes_at_its_head_step(emulated):
         assert starts()['conv2'] == 2 * L - 1 - elt
     finally:
         kernels.set_enabled(previous)
+
+
+CHANNEL_SUM_SHAPES = [(1, 1, 1), (2, 3, 5), (4, 7, 33), (3, 2, 700), (128, 5, 1)]
+
+
+def _check_channel_sums(xp, shape, min_values, monkeypatch):
+    """kernels.channel_sums: db += dy summed over batch and space, per channel
+    (a convolution's bias gradient), over one or several blocks a channel."""
+    monkeypatch.setattr(kernels, 'SUM_MIN_VALUES', min_values)
+    n, c, s = shape
+    rng = numpy.random.default_rng(n * 100 + c * 10 + s)
+    dy = rng.standard_normal(shape).astype(numpy.float32)
+    db0 = rng.standard_normal(c).astype(numpy.float32)
+    p = kernels.sum_blocks_per_channel(c, n * s)
+    results = []
+    for _ in range(2):
+        db = xp.asarray(db0.copy())
+        part = kernels.empty(c * p, numpy.float64)
+        kernels.channel_sums(xp.asarray(dy.reshape(-1)), part, db, n, c, s, p)
+        results.append(numpy.asarray(db.get() if hasattr(db, 'get') else db))
+    want = (db0.astype(numpy.float64) + dy.astype(numpy.float64).sum(axis=(0, 2)))
+    numpy.testing.assert_allclose(results[0], want, rtol=2e-7, atol=1e-6)
+    numpy.testing.assert_array_equal(results[0], results[1])     # deterministic
+    return p
+
+
+@pytest.mark.parametrize('shape', CHANNEL_SUM_SHAPES)
+@pytest.mark.parametrize('min_values', [4096, 16])
+def test_channel_sums_emulated(shape, min_values, emulated, monkeypatch):
+    p = _check_channel_sums(numpy, shape, min_values, monkeypatch)
+    if min_values == 16 and shape[0] * shape[2] >= 64:
+        assert p > 1        # the case covers several blocks a channel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('shape', CHANNEL_SUM_SHAPES + [(128, 96, 3025), (64, 384, 169)])
+def test_channel_sums_gpu(shape, monkeypatch):
+    cupy = pytest.importorskip('cupy')
+    kernels.reset_kernels()
+    _check_channel_sums(cupy, shape, kernels.SUM_MIN_VALUES, monkeypatch)

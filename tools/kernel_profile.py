@@ -87,15 +87,21 @@ def main(argv=None):
     ap.add_argument('--steps', type=int, default=20)
     ap.add_argument('--top', type=int, default=25)
     ap.add_argument('--only', choices=('caffeplus', 'pytorch'))
+    ap.add_argument('--plans', default='arena', help="caffeplus's plans, comma-separated")
     args = ap.parse_args(argv)
     import torch
     torch.zeros(1, device='cuda')
     if args.only != 'pytorch':
         from tools.gpu_host_probe import _build
-        t0 = time.time()
-        _, step = _build(args.net, args.bench_dir, args.tf32)
-        print('caffeplus set-up %.1f s' % (time.time() - t0))
-        _profile(torch, step, args.steps, args.top, 'caffeplus %s tf32=%d' % (args.net, args.tf32))
+        for plan in args.plans.split(','):
+            t0 = time.time()
+            # stock: Caffe 1.0's heuristic choice under 8 MB; the others timed
+            _, step = _build(args.net, args.bench_dir, args.tf32, plan=plan,
+                             search='heuristic' if plan == 'stock' else 'timed')
+            print('caffeplus %s set-up %.1f s' % (plan, time.time() - t0))
+            _profile(torch, step, args.steps, args.top,
+                     'caffeplus %s %s tf32=%d' % (plan, args.net, args.tf32))
+            del step
     if args.only != 'caffeplus':
         step = _torch_step(torch, args.net, args.tf32)
         _profile(torch, step, args.steps, args.top, 'pytorch %s tf32=%d' % (args.net, args.tf32))
