@@ -52,6 +52,8 @@ def largest(fits, low, high):
 
 
 def measured_fits(model, batch, budget, gpu, timeout, host_budget=None):
+    """The measured peak of one `auto` training iteration at `batch`, or None
+    if it failed or timed out."""
     cmd = [sys.executable, '-m', 'caffeplus', 'memory', '-model', model, '-gpu', str(gpu),
            '--plans', 'auto', '--budget', str(budget), '--batch', str(batch),
            '--iterations', '1', '--json'] + \
@@ -66,7 +68,7 @@ def measured_fits(model, batch, budget, gpu, timeout, host_budget=None):
         return None
     if 'measure_error' in entry:
         return None
-    return entry['peak_bytes'] if entry['peak_bytes'] <= budget else None
+    return entry['peak_bytes']
 
 
 TORCH_STEP = r'''
@@ -118,12 +120,21 @@ def main(argv=None):
     print('caffeplus auto, estimate: largest batch %d within %s' % (est, format_bytes(budget)))
     result = {'budget': budget, 'host_budget': host, 'estimated_batch': est}
     if args.gpu is not None and est:
-        batch = est
-        while batch >= STEP and measured_fits(args.model, batch, budget, args.gpu,
-                                              args.timeout, host) is None:
-            batch -= STEP
-        result['measured_batch'] = batch
-        print('caffeplus auto, measured: largest batch %d' % batch)
+        batch, tries = est, []
+        while batch >= STEP:
+            peak = measured_fits(args.model, batch, budget, args.gpu, args.timeout, host)
+            tries.append((batch, peak))
+            print('  batch %d: measured peak %s' % (batch, format_bytes(peak) if peak else
+                                                       'none (failed or timed out)'), flush=True)
+            if peak is not None and peak <= budget:
+                break
+            # Over budget: scale the batch down by the overshoot (each try
+            # is minutes at these batches); failed: an eighth down.
+            shrink = int(batch * budget / peak) if peak else batch - max(batch // 8, STEP)
+            batch = min(batch - STEP, shrink // STEP * STEP)
+        result['measured_batch'] = max(batch, 0)
+        result['measured_tries'] = tries
+        print('caffeplus auto, measured: largest batch %d' % max(batch, 0))
     if args.torch:
         tb = largest(lambda b: torch_fits(args.torch, b, args.timeout), STEP, args.max_batch)
         result['torch_batch'] = tb
