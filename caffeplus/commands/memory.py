@@ -28,7 +28,7 @@ data/DummyData/Input top. `auto` picks the fastest plan whose peak fits --budget
 limit with --estimate, the GPU's memory with -gpu); when none fits, the error
 names the smallest budget that would. --keep a,b keeps those blobs readable
 after the iteration (reusing plans may overwrite them otherwise); --offload
-picks the offload policy (conv, all, or blob names separated by ',').
+picks the offload policy (conv, all, free, or blob names separated by ',').
 
 --json prints {"plans": {PLAN: {"peak_bytes": N, "breakdown": {CATEGORY: N},
 "iter_ms": T or null, "estimated": true|false, ...}}, ...} and nothing else
@@ -75,7 +75,8 @@ def add_arguments(parser):
     parser.add_argument('--keep', default='',
                         help="blobs to keep readable after the iteration, separated by ','")
     parser.add_argument('--offload', default='conv',
-                        help="offload policy of plan 'offload': conv, all, or blob names")
+                        help="offload policy of plan 'offload': conv, all, free (the maps whose "
+                             "copies the measured step times hide), or blob names")
     parser.add_argument('--solver_type', default='SGD',
                         help='solver whose history to count (SGD, Nesterov, AdaGrad, RMSProp, '
                              'AdaDelta, Adam)')

@@ -190,7 +190,8 @@ def add_arguments(parser):
                         help="blobs that stay readable after forward under reusing plans, "
                              "separated by ','")
     parser.add_argument('--offload', default=None,
-                        help="offload policy: conv, all, or blob names separated by ','")
+                        help="offload policy: conv, all, free (what the measured step times hide), "
+                             "or blob names separated by ','")
     parser.add_argument('--math', default=None,
                         help='GPU math: strict (default), tf32, deterministic')
 

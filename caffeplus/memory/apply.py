@@ -98,11 +98,11 @@ def _net_keep(net):
 
 
 def _offload_policy(values):
-    """caffeplus_param.offload (repeated string) -> 'conv' | 'all' | [names]."""
+    """caffeplus_param.offload (repeated string) -> 'conv' | 'all' | 'free' | [names]."""
     values = [v.strip() for v in values if v and v.strip()]
     if not values:
         return 'conv'
-    if len(values) == 1 and values[0] in ('conv', 'all'):
+    if len(values) == 1 and values[0] in ('conv', 'all', 'free'):
         return values[0]
     names = []
     for v in values:
@@ -222,6 +222,36 @@ class AppliedPlan:
     def training(self):
         return self.options.get('training', True)
 
+    @property
+    def choosing_free_offload(self):
+        """Offload policy 'free' before its maps are chosen: the runtime times
+        an iteration of the plan without offload, then chooses."""
+        return getattr(self.plan, 'offload_policy', None) == 'free' and \
+            'offload_hidden' not in self.options.get('plan_overrides', {})
+
+    def adopt_free_offload(self, hidden):
+        """Policy 'free': offload the maps of `hidden` ({buffer key:
+        free_offload.Hidden}) from now on; placed again at once (called at
+        the start of a full forward, which rewrites every buffer)."""
+        overrides = dict(self.options.get('plan_overrides', {}))
+        overrides.update(offload_policy='free', offload_hidden=dict(hidden))
+        self.options['plan_overrides'] = overrides
+        from caffeplus.memory import offload
+        net = self.net
+        lookahead = {}
+        for b in liveness.buffers(net, keep=self.options.get('keep', ()),
+                                  training=self.training):
+            if b.key in hidden:
+                _, bwd = offload._uses(net, b)
+                lookahead[tuple(b.blobs)] = min(bwd) - hidden[b.key].prefetch
+        from caffeplus.memory.budget import format_bytes
+        log.info('Memory plan %s: offload policy free: %d feature maps whose copies the '
+                 'measured step times hide (%s)', self.name, len(hidden),
+                 ', '.join('%s: %s' % (k, v) for k, v in (
+                     ('bandwidth', format_bytes(getattr(self.runtime, 'bandwidth', 0) or 0) +
+                      '/s'),)))
+        self.relayout(lookahead_steps=lookahead, replan=True)
+
     # -- layout ---------------------------------------------------------------------
     def _build(self, plan, spare=None):
         """Place the plan's buffers in an arena. `spare`: a list holding an
@@ -317,7 +347,7 @@ class AppliedPlan:
         self.entries = [e for e in entries if not e.persistent]
         self.persistent = [e for e in entries if e.persistent]
         self._reasons()
-        if any(e.offloaded for e in self.entries):
+        if any(e.offloaded for e in self.entries) or self.choosing_free_offload:
             from caffeplus.memory import offload_runtime
             self.runtime = offload_runtime.OffloadRuntime(self, **self.options.get('runtime', {}))
         self.pause = None
@@ -500,7 +530,7 @@ class AppliedPlan:
             self.options['lookahead_steps'] = dict(lookahead_steps)
         plan = self.plan
         if replan:
-            plan = self.options['make_plan'](self.net)
+            plan = self.options['make_plan'](self.net, **self.options.get('plan_overrides', {}))
         kept = {}
         if preserve:
             for e in self.entries:
@@ -646,6 +676,9 @@ class AppliedPlan:
         if self._outgrown():
             log.info('Memory plan %s: blobs changed size; placing the buffers again', self.name)
             self.relayout(replan=True, preserve=start > 0)
+        elif start == 0 and self.runtime is not None and \
+                self.runtime.pending_offload is not None:
+            self.adopt_free_offload(self.runtime.pending_offload)
         elif start == 0 and self.runtime is not None and self.runtime.pending_lookahead:
             # A full forward rewrites every buffer before reading it: the
             # arena may move now (the offload look-ahead was calibrated).
@@ -745,10 +778,13 @@ def apply_plan(net, plan, keep=(), training=None, workspace_limit=None, lookahea
     if make is None:
         offloaded = sorted({n for key in plan.offloaded for n in key[1]})
         name = 'offload' if plan.offloaded else 'shared'
+        if plan.offload_policy == 'free':
+            offloaded, name = 'free', 'offload'
 
-        def make(n, _keep=tuple(keep), _training=training):
-            return make_plan(n, name, keep=_keep, training=_training,
-                             offload_policy=offloaded or 'conv')
+        def make(n, _keep=tuple(keep), _training=training, **overrides):
+            kw = dict(offload_policy=offloaded or 'conv')
+            kw.update(overrides)
+            return make_plan(n, name, keep=_keep, training=_training, **kw)
     if lookahead is None:
         lookahead = 'auto' if backend.mode() == backend.GPU else 1
     # The workspace first: on the GPU the reusing plans place it in their
@@ -778,14 +814,15 @@ def apply_named_plan(net, name, keep=(), offload_policy='conv', workspace_limit=
     if training is None:
         training = _training_default(net)
 
-    def make(n):
+    def make(n, **overrides):
         if name == 'auto':
             from caffeplus.memory import budget as budget_module
             # Applied here: the offloaded maps must fit this machine's memory.
             return budget_module.plan_for_budget(n, budget or None, solver_type, keep, training,
                                                  host_budget=budget_module.default_host_budget())
-        return make_plan(n, name, solver_type=solver_type, keep=keep, training=training,
-                         offload_policy=offload_policy)
+        kw = dict(offload_policy=offload_policy)
+        kw.update(overrides)
+        return make_plan(n, name, solver_type=solver_type, keep=keep, training=training, **kw)
 
     plan = make(net)
     return apply_plan(net, plan, keep=keep, training=training, workspace_limit=workspace_limit,

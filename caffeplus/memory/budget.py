@@ -185,19 +185,27 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
     kept = model_internals(net) if placing else None
     other = wm.other_bytes(net, name) - (sum(sum(k.values()) for k in kept.values())
                                          if placing else 0)
+    hidden = None
+    if name == 'offload' and offload_policy == 'free' and training:
+        # What the runtime would choose, from the modelled step times.
+        from caffeplus.memory import free_offload
+        bufs = liveness.buffers(net, keep=keep, training=training)
+        hidden = free_offload.choose_hidden(
+            net, bufs, offload.choose(net, bufs, 'all', keep), wm.step_seconds(net, choice),
+            PCIE_BANDWIDTH, host_budget=host_budget)
     sizes = None
     if placing:
         bare = make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
-                         offload_policy=offload_policy, internals=kept)
+                         offload_policy=offload_policy, internals=kept, offload_hidden=hidden)
         sizes = placed_workspace_sizes(net, bare.buffers, bare.steps, training)
     plan = make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
                      offload_policy=offload_policy, workspace=sizes,
-                     internals=kept, other_bytes=other)
+                     internals=kept, other_bytes=other, offload_hidden=hidden)
     if placing:
         workspace = plan.breakdown['workspace']     # its share of the arena at the peak
         other = plan.breakdown['other']             # with the internals' share
     stall = 0.0
-    if name == 'offload' and plan.offloaded:
+    if name == 'offload' and plan.offloaded and hidden is None:     # 'free': none by choice
         bufs = liveness.buffers(net, keep=keep, training=training)
         stall = offload_stall_seconds(net, bufs, plan.offloaded, wm.step_seconds(net, choice))
     seconds = iteration_seconds(net, choice, solver_type, stall)

@@ -329,7 +329,8 @@ def plan_settled(net):
     """Whether the applied plan will keep its layout: no offload runtime, or
     one whose look-ahead is calibrated with no re-layout pending."""
     runtime = getattr(getattr(net, 'applied_plan', None), 'runtime', None)
-    return runtime is None or (runtime.calibrated and not runtime.pending_lookahead)
+    return runtime is None or (runtime.calibrated and not runtime.pending_lookahead and
+                               runtime.pending_offload is None)
 
 
 def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1):

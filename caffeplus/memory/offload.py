@@ -6,7 +6,9 @@ before the first backward step that reads it. On the device it is then two
 short lives instead of one long one.
 
 Policies: 'conv' (the inputs of convolution layers, vDNN's conv policy),
-'all' (every such buffer), or a list of blob names.
+'all' (every such buffer), 'free' (those whose copies the measured step
+times hide: caffeplus.memory.free_offload, chosen at run time), or a list
+of blob names.
 """
 from caffeplus.errors import CaffeplusError
 from caffeplus.memory.liveness import FILTER_FIRST, Buffer
@@ -37,6 +39,8 @@ def choose(net, bufs, policy, keep=()):
     from caffeplus.memory.liveness import written_once
     # Values that must outlive the iteration (DummyData's constant tops) stay put.
     keep = set(keep) | set(net.outputs) | set(net.inputs) | written_once(net)
+    if policy == 'free':
+        policy = 'all'          # the candidates; free_offload picks among them
     if isinstance(policy, str) and policy not in ('conv', 'all'):
         policy = [n for n in policy.split(',') if n]
     if not isinstance(policy, str):
@@ -65,10 +69,14 @@ def choose(net, bufs, policy, keep=()):
     return tuple(chosen)
 
 
-def shorten(bufs, offloaded, net, lookahead=1):
+def shorten(bufs, offloaded, net, lookahead=1, hidden=None):
     """Replace each offloaded buffer by its two device lives: until its last
-    forward use, and from `lookahead` layers before its first backward use."""
+    forward use, and from `lookahead` layers before its first backward use.
+    `hidden`: {key: free_offload.Hidden} for maps chosen by policy 'free':
+    the first life lasts until the step before `release` (its copy out has
+    ended by then), the second starts at `prefetch`."""
     offloaded = set(offloaded)
+    hidden = hidden or {}
     out = []
     for buf in bufs:
         if buf.key not in offloaded:
@@ -76,6 +84,13 @@ def shorten(bufs, offloaded, net, lookahead=1):
             continue
         fwd, bwd = _uses(net, buf)
         first_back = min(bwd)
+        h = hidden.get(buf.key)
+        if h is not None:
+            out.append(Buffer(buf.key + ('forward',), buf.kind, buf.blobs, buf.nbytes,
+                              buf.start, h.release - 1))
+            out.append(Buffer(buf.key + ('backward',), buf.kind, buf.blobs, buf.nbytes,
+                              h.prefetch - FILTER_FIRST, buf.end))
+            continue
         out.append(Buffer(buf.key + ('forward',), buf.kind, buf.blobs, buf.nbytes,
                           buf.start, max(fwd)))
         # (Half a step early: the copy back is issued before that step's

@@ -135,6 +135,26 @@ class CupyDevice:
     def seconds(self, a, b):
         return self.cupy.cuda.get_elapsed_time(a, b) / 1e3
 
+    def measure_bandwidth(self, nbytes=64 << 20):
+        """Bytes a second of the slower direction of a pinned copy of `nbytes`
+        (policy 'free' times an iteration with no copies of its own)."""
+        cupy = self.cupy
+        count = nbytes // 4
+        host = self.host_buffer(count)
+        dev = cupy.empty(count, numpy.float32)
+        worst = 0.0
+        for _ in range(2):          # the first pair warms up
+            a = self.record(self.out_stream, timing=True)
+            self.d2h(dev, host)
+            b = self.record(self.out_stream, timing=True)
+            self.wait(self.in_stream, b)
+            self.h2d(host, dev)
+            c = self.record(self.in_stream, timing=True)
+            c.synchronize()
+            worst = max(self.seconds(a, b), self.seconds(b, c))
+        del dev, host
+        return nbytes / worst if worst > 0 else None
+
 
 class _SimEvent:
     __slots__ = ('done', 'time', 'stream')
@@ -302,7 +322,10 @@ class OffloadRuntime:
             it.host = _host_buffer(self.device, it.count)
         self._schedule()
         self.iteration = 0
-        self.calibrated = applied.options.get('lookahead') != 'auto'
+        # Policy 'free' before its choice: time an iteration, then choose.
+        self.choosing = applied.choosing_free_offload
+        self.pending_offload = None
+        self.calibrated = applied.options.get('lookahead') != 'auto' and not self.choosing
         self.bandwidth = None
         self.step_seconds = None
         self._timing = None
@@ -467,11 +490,16 @@ class OffloadRuntime:
         copy_s = sum(max(dev.seconds(a, b), 0.0) for _, a, b in timing['copies'])
         bandwidth = self.options.get('bandwidth') or \
             (copy_bytes / copy_s if copy_s > 0 else None)
+        if bandwidth is None and hasattr(dev, 'measure_bandwidth'):
+            bandwidth = dev.measure_bandwidth()
         if bandwidth is None:
             from caffeplus.memory.budget import PCIE_BANDWIDTH
             bandwidth = PCIE_BANDWIDTH
         self.bandwidth, self.step_seconds = bandwidth, seconds
         self.calibrated = True
+        if self.choosing:
+            self.pending_offload = self._choose_free(seconds, bandwidth)
+            return
         choice = {}
         for it in self.items:
             choice[it.entry.names] = choose_lookahead(seconds, it.last_fwd, it.first_back,
@@ -481,12 +509,27 @@ class OffloadRuntime:
             # Placed again at the start of the next full forward (AppliedPlan).
             self.pending_lookahead = choice
 
+    def _choose_free(self, seconds, bandwidth):
+        """Policy 'free': the maps whose copies these times hide
+        (caffeplus.memory.free_offload), within the pinned-memory share of
+        this machine."""
+        from caffeplus.memory import free_offload, liveness, offload
+        from caffeplus.memory.budget import default_host_budget
+        applied = self.applied
+        net = applied.net
+        keep = applied.options.get('keep', ())
+        bufs = liveness.buffers(net, keep=keep, training=applied.training)
+        candidates = offload.choose(net, bufs, 'all', keep)
+        host = self.options.get('host_budget', default_host_budget())
+        return free_offload.choose_hidden(net, bufs, candidates, seconds, bandwidth,
+                                          host_budget=host)
+
     def lookaheads(self):
         return {it.name: it.first_back - it.bstart for it in self.items}
 
     # -- lifetime ---------------------------------------------------------------------
     def state_for_relayout(self):
-        return {'iteration': self.iteration, 'calibrated': self.calibrated,
+        return {'iteration': self.iteration, 'calibrated': self.calibrated or self.choosing,
                 'bandwidth': self.bandwidth, 'step_seconds': self.step_seconds,
                 'stats': dict(self.stats)}
 

@@ -34,6 +34,8 @@ def check_plan_name(name):
 
 
 class MemoryPlan:
+    offload_policy = None       # the offload plan's policy (make_plan)
+
     def __init__(self, name, breakdown, buffers=(), offsets=None, arena_bytes=0,
                  offloaded=(), estimated=True, steps=0):
         self.name = name
@@ -75,7 +77,7 @@ def _arena_workspace(net):
 
 
 def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_policy='conv',
-              other_bytes=0, workspace=None, internals=None):
+              other_bytes=0, workspace=None, internals=None, offload_hidden=None):
     """Compute plan `name` for a built net. `workspace`: {layer index:
     (forward bytes, backward bytes)} of the convolutions' workspace; the
     reusing plans then place it in the arena beside the activations, live
@@ -83,7 +85,10 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     largest layer's need, as the `arena` plan). `internals`: {layer index:
     {name: bytes}} of the buffers layers keep from forward to backward
     (caffeplus.memory.scratch); the reusing plans place them too, and count
-    their share of the arena under 'other'."""
+    their share of the arena under 'other'. Offload policy 'free' offloads
+    the maps of `offload_hidden` ({buffer key: free_offload.Hidden}, chosen
+    from measured times by the runtime or from modelled ones by the
+    estimate), nothing before they are chosen."""
     check_plan_name(name)
     if name == 'auto':
         raise CaffeplusError("plan 'auto' needs a budget: use caffeplus.memory.budget.plan_for_budget")
@@ -105,7 +110,12 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
         whole = [liveness.Buffer(b.key, b.kind, b.blobs, b.nbytes, 0, steps) for b in bufs]
         return MemoryPlan(name, breakdown, whole, steps=steps)
     offloaded = ()
-    if name == 'offload':
+    if name == 'offload' and offload_policy == 'free':
+        from caffeplus.memory import offload
+        hidden = offload_hidden or {}
+        offloaded = tuple(b.key for b in bufs if b.key in hidden)
+        bufs = offload.shorten(bufs, offloaded, net, hidden=hidden)
+    elif name == 'offload':
         from caffeplus.memory import offload
         offloaded = offload.choose(net, bufs, offload_policy, keep)
         bufs = offload.shorten(bufs, offloaded, net)
@@ -127,7 +137,9 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
         breakdown['other'] += kept
         in_arena += kept
     breakdown['activation_diffs'] = arena - in_arena
-    return MemoryPlan(name, breakdown, bufs, offsets, arena, offloaded, steps=steps)
+    plan = MemoryPlan(name, breakdown, bufs, offsets, arena, offloaded, steps=steps)
+    plan.offload_policy = offload_policy if name == 'offload' else None
+    return plan
 
 
 def shares_at_peak(bufs, steps):

@@ -1,0 +1,124 @@
+"""Offload policy 'free' (caffeplus.memory.free_offload): only the feature
+maps whose copies the step times hide.
+
+The choice is checked against a replay of the runtime's two copy streams
+written here (each stream runs its copies one after another in issue order;
+a copy back starts when issued and when its copy out has ended), so a
+choice whose copies would make compute wait fails; training under the
+policy is checked bit-identical to `shared` on the CPU (simulated copies).
+"""
+import numpy
+import pytest
+
+from caffeplus.memory import free_offload, liveness, offload
+from caffeplus.memory.apply import apply_named_plan
+from caffeplus.memory.budget import estimate_plan
+from test_memory_apply import small_net, sgd_run
+
+
+def _setup(seconds=None):
+    net = small_net()
+    bufs = liveness.buffers(net, training=True)
+    cands = offload.choose(net, bufs, 'all')
+    L = len(net.layers)
+    steps = seconds or [1.0] * (2 * L)
+    return net, bufs, cands, steps
+
+
+def _replay(net, bufs, hidden, steps, bandwidth, margin=free_offload.MARGIN):
+    """Each chosen map's copies as the runtime issues them: (out end, release
+    start, back end, consumer start); asserts the streams never overlap."""
+    starts = [sum(steps[:s]) for s in range(len(steps))]
+    uses = {b.key: (offload._uses(net, b), b.nbytes) for b in bufs if b.key in hidden}
+    out_order = sorted(hidden, key=lambda k: (max(uses[k][0][0]), min(uses[k][0][1])))
+    t, out_end = 0.0, {}
+    for k in out_order:
+        (fwd, _), n = uses[k]
+        t = max(t, starts[max(fwd)] + steps[max(fwd)]) + n * margin / bandwidth
+        out_end[k] = t
+    t, result = 0.0, {}
+    for k in sorted(hidden, key=lambda k: hidden[k].prefetch):
+        (_, bwd), n = uses[k]
+        t = max(t, starts[hidden[k].prefetch], out_end[k]) + n * margin / bandwidth
+        result[k] = (out_end[k], starts[hidden[k].release], t, starts[min(bwd)])
+    return result
+
+
+def test_fast_link_offloads_every_map_with_an_idle_gap():
+    net, bufs, cands, steps = _setup()
+    hidden = free_offload.choose_hidden(net, bufs, cands, steps, 1e18)
+    assert hidden
+    for b in bufs:
+        if b.key in cands:
+            fwd, bwd = offload._uses(net, b)
+            # Copies take no time: only a gap of fewer than 3 steps stops it.
+            assert (b.key in hidden) == (min(bwd) - max(fwd) >= 3), b.key
+
+
+def test_no_link_offloads_nothing():
+    net, bufs, cands, steps = _setup()
+    assert free_offload.choose_hidden(net, bufs, cands, steps, 0) == {}
+    assert free_offload.choose_hidden(net, bufs, cands, steps, 1e-3) == {}
+
+
+@pytest.mark.parametrize('bandwidth', [300.0, 1000.0, 3000.0, 1e4])
+def test_chosen_copies_end_in_time(bandwidth):
+    """With a link that hides some copies but not all, every chosen copy
+    out ends before its bytes are released, every copy back before its
+    consumer, and each map leaves the device for at least a step."""
+    net, bufs, cands, steps = _setup([0.5 + 0.1 * (i % 5) for i in range(2 * len(
+        small_net().layers))])
+    hidden = free_offload.choose_hidden(net, bufs, cands, steps, bandwidth)
+    for key, (out_end, released, back_end, needed) in _replay(
+            net, bufs, hidden, steps, bandwidth).items():
+        assert out_end <= released + 1e-9, key
+        assert back_end <= needed + 1e-9, key
+        assert hidden[key].release < hidden[key].prefetch
+    every = free_offload.choose_hidden(net, bufs, cands, steps, 1e18)
+    assert set(hidden) <= set(every)
+
+
+def test_a_slower_link_hides_fewer_bytes():
+    net, bufs, cands, steps = _setup()
+    size = {b.key: b.nbytes for b in bufs}
+    hidden_bytes = [sum(size[k] for k in free_offload.choose_hidden(net, bufs, cands, steps, bw))
+                    for bw in (100.0, 1000.0, 1e4, 1e18)]
+    assert hidden_bytes == sorted(hidden_bytes) and hidden_bytes[0] < hidden_bytes[-1]
+
+
+def test_host_budget_limits_the_choice():
+    net, bufs, cands, steps = _setup()
+    size = {b.key: b.nbytes for b in bufs}
+    every = free_offload.choose_hidden(net, bufs, cands, steps, 1e18)
+    cap = sum(size[k] for k in every) - 1
+    some = free_offload.choose_hidden(net, bufs, cands, steps, 1e18, host_budget=cap)
+    assert sum(size[k] for k in some) <= cap and len(some) < len(every)
+
+
+@pytest.mark.parametrize('bandwidth,mode', [(1e15, 'lazy'), (1e15, 'eager'), (1.0, 'lazy')])
+def test_free_policy_trains_bit_identical_to_shared(bandwidth, mode):
+    """The runtime times iteration 2 without offload, chooses, places the
+    arena again and trains on with the chosen maps offloaded."""
+    shared = sgd_run(small_net(memory='shared'), iters=6)
+    net = small_net()
+    apply_named_plan(net, 'offload', offload_policy='free',
+                     runtime_options={'simulate': mode, 'bandwidth': bandwidth})
+    got = sgd_run(net, iters=6)
+    assert shared[0] == got[0]
+    assert all(numpy.array_equal(a, b) for a, b in zip(shared[1], got[1]))
+    applied = net.applied_plan
+    chosen = applied.options['plan_overrides']['offload_hidden']
+    assert applied.replans == 1
+    if bandwidth > 1e9:
+        assert chosen and applied.runtime.stats['copies_in'] > 0
+        assert set(applied.info()['offloaded']) == {n for k in chosen for n in k[1]}
+    else:
+        assert chosen == {} and applied.runtime is None
+
+
+def test_free_estimate_adds_no_time_and_no_memory():
+    net = small_net()
+    shared = estimate_plan(net, 'shared')
+    free = estimate_plan(net, 'offload', offload_policy='free')
+    assert free.est_iter_ms == pytest.approx(shared.est_iter_ms)
+    assert free.peak_bytes <= shared.peak_bytes
