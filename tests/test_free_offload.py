@@ -122,3 +122,29 @@ def test_free_estimate_adds_no_time_and_no_memory():
     free = estimate_plan(net, 'offload', offload_policy='free')
     assert free.est_iter_ms == pytest.approx(shared.est_iter_ms)
     assert free.peak_bytes <= shared.peak_bytes
+
+
+def test_copy_out_follows_the_last_forward_use_even_when_bytes_are_held_into_backward(
+        monkeypatch):
+    """A slow copy out holds its map's bytes into backward (release >= L): the
+    copy must still be issued after the map's last forward use, not at the
+    end of the held life."""
+    L = len(small_net().layers)
+    real = free_offload.choose_hidden
+
+    def held_long(*args, **kw):
+        hidden = real(*args, **kw)
+        return {k: free_offload.Hidden(max(h.release, L + 1), h.prefetch)
+                for k, h in hidden.items() if h.prefetch > L + 1}
+    monkeypatch.setattr(free_offload, 'choose_hidden', held_long)
+    shared = sgd_run(small_net(memory='shared'), iters=5)
+    net = small_net()
+    apply_named_plan(net, 'offload', offload_policy='free',
+                     runtime_options={'simulate': 'lazy', 'bandwidth': 1e15})
+    got = sgd_run(net, iters=5)
+    assert shared[0] == got[0]
+    assert all(numpy.array_equal(a, b) for a, b in zip(shared[1], got[1]))
+    rt = net.applied_plan.runtime
+    assert rt.items and rt.stats['copies_out'] == rt.stats['copies_in'] > 0
+    for it in rt.items:
+        assert it.last_fwd < L <= it.F.end

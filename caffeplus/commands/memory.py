@@ -284,7 +284,7 @@ def _measure(param, plan, gpu, args, estimate_entry, budget_for_auto=None, host_
         max(measured['peak_bytes'], 1), 2)
     for key in ('arena_bytes', 'offloaded', 'budget', 'workspace_cap', 'fits_budget',
                 'est_iter_ms'):
-        if key in estimate_entry:
+        if key in estimate_entry and key not in entry:     # the measured, where measured
             entry[key] = estimate_entry[key]
     entry['curve'] = estimate_entry['curve']
     entry['measured_curve'] = [measured['baseline_bytes'] + v

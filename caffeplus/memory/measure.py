@@ -407,6 +407,11 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1):
                 'live_curve': curve,
                 'applier': info.get('applier'),
                 'device': gpu,
+                # As applied (offload 'free' chooses its maps at run time).
+                'arena_bytes': int(info.get('arena_bytes') or 0),
+                'offloaded': list(info.get('offloaded') or []),
+                'offload_bandwidth': getattr(getattr(applied, 'runtime', None),
+                                             'bandwidth', None),
             }
     finally:
         del solver, net, info

@@ -277,10 +277,12 @@ class _Item:
     __slots__ = ('entry', 'F', 'B', 'last_fwd', 'first_back', 'count', 'host', 'copied',
                  'copied_ev', 'copied_waited', 'fetched', 'fetched_ev', 'consumed')
 
-    def __init__(self, entry, first_back):
+    def __init__(self, entry, last_fwd, first_back):
         self.entry = entry
         self.F, self.B = entry.lives[0], entry.lives[1]
-        self.last_fwd = self.F.end
+        # The copy out follows the last forward use; F may end later (policy
+        # 'free' holds its bytes until the copy is predicted done).
+        self.last_fwd = last_fwd
         self.first_back = first_back
         self.count = self.F.view.size
         self.host = None
@@ -316,8 +318,8 @@ class OffloadRuntime:
         self.items = []
         for e in applied.entries:
             if e.offloaded:
-                _, bwd = offload._uses(net, e.lives[0].buf)
-                self.items.append(_Item(e, min(bwd)))
+                fwd, bwd = offload._uses(net, e.lives[0].buf)
+                self.items.append(_Item(e, max(fwd), min(bwd)))
         for it in self.items:
             it.host = _host_buffer(self.device, it.count)
         self._schedule()
