@@ -15,6 +15,22 @@ from caffeplus.memory.apply import apply_named_plan
 from caffeplus.memory.budget import estimate_plan
 from test_memory_apply import small_net, sgd_run
 
+# A chain of equal maps: its peak is where forward turns into backward (every
+# conv input kept), so maps away from there can leave the device.
+CONVS = 7
+CHAIN = 'name: "chain"\n' \
+    'layer { name: "data" type: "DummyData" top: "data" top: "label" dummy_data_param { ' \
+    'data_filler { type: "gaussian" std: 1 } shape { dim: 4 dim: 6 dim: 10 dim: 10 } ' \
+    'data_filler { type: "uniform" min: 0 max: 4.99 } shape { dim: 4 } } }\n' + ''.join(
+        'layer { name: "c%d" type: "Convolution" bottom: "%s" top: "c%d" convolution_param { '
+        'num_output: 6 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }\n'
+        'layer { name: "r%d" type: "ReLU" bottom: "c%d" top: "c%d" }\n'
+        % (i, 'data' if i == 1 else 'c%d' % (i - 1), i, i, i, i) for i in range(1, CONVS + 1)) + \
+    'layer { name: "ip" type: "InnerProduct" bottom: "c%d" top: "ip" inner_product_param { ' \
+    'num_output: 5 weight_filler { type: "xavier" } } }\n' \
+    'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }\n' \
+    % CONVS
+
 
 def _setup(seconds=None):
     net = small_net()
@@ -97,10 +113,11 @@ def test_host_budget_limits_the_choice():
 
 @pytest.mark.parametrize('bandwidth,mode', [(1e15, 'lazy'), (1e15, 'eager'), (1.0, 'lazy')])
 def test_free_policy_trains_bit_identical_to_shared(bandwidth, mode):
-    """The runtime times iteration 2 without offload, chooses, places the
-    arena again and trains on with the chosen maps offloaded."""
-    shared = sgd_run(small_net(memory='shared'), iters=6)
-    net = small_net()
+    """The runtime times an early iteration without offload, chooses, places
+    the arena again and trains on with the chosen maps offloaded."""
+    shared_net = small_net(memory='shared', text=CHAIN)
+    shared = sgd_run(shared_net, iters=6)
+    net = small_net(text=CHAIN)
     apply_named_plan(net, 'offload', offload_policy='free',
                      runtime_options={'simulate': mode, 'bandwidth': bandwidth})
     got = sgd_run(net, iters=6)
@@ -112,8 +129,35 @@ def test_free_policy_trains_bit_identical_to_shared(bandwidth, mode):
     if bandwidth > 1e9:
         assert chosen and applied.runtime.stats['copies_in'] > 0
         assert set(applied.info()['offloaded']) == {n for k in chosen for n in k[1]}
+        assert applied.arena_bytes < shared_net.applied_plan.arena_bytes
     else:
         assert chosen == {} and applied.runtime is None
+
+
+def test_free_policy_offloads_nothing_where_the_arena_would_not_shrink(monkeypatch):
+    """Maps chosen but whose absences do not lower the placed arena (here:
+    each is absent only where the arena is not at its peak) stay on the
+    device: the plan goes back to no offload."""
+    L = len(small_net().layers)
+    real = free_offload.choose_hidden
+
+    def no_gain(*args, **kw):
+        hidden = real(*args, **kw)
+        # absent only during the first step of backward, far from the peak
+        return {k: free_offload.Hidden(L, L + 1) for k, h in hidden.items()
+                if h.release <= L < L + 1 < h.prefetch}
+    monkeypatch.setattr(free_offload, 'choose_hidden', no_gain)
+    shared_net = small_net(memory='shared')
+    shared = sgd_run(shared_net, iters=5)
+    net = small_net()
+    apply_named_plan(net, 'offload', offload_policy='free',
+                     runtime_options={'simulate': 'lazy', 'bandwidth': 1e15})
+    got = sgd_run(net, iters=5)
+    assert shared[0] == got[0]
+    applied = net.applied_plan
+    assert applied.options['plan_overrides']['offload_hidden'] == {}
+    assert applied.runtime is None and applied.replans == 2
+    assert applied.arena_bytes == shared_net.applied_plan.arena_bytes
 
 
 def test_free_estimate_adds_no_time_and_no_memory():
@@ -129,16 +173,19 @@ def test_copy_out_follows_the_last_forward_use_even_when_bytes_are_held_into_bac
     """A slow copy out holds its map's bytes into backward (release >= L): the
     copy must still be issued after the map's last forward use, not at the
     end of the held life."""
-    L = len(small_net().layers)
+    L = len(small_net(text=CHAIN).layers)
     real = free_offload.choose_hidden
+    held = []
 
     def held_long(*args, **kw):
         hidden = real(*args, **kw)
-        return {k: free_offload.Hidden(max(h.release, L + 1), h.prefetch)
-                for k, h in hidden.items() if h.prefetch > L + 1}
+        first = min(hidden, key=lambda k: hidden[k].release)     # the others lower the peak
+        held.append(first)
+        hidden[first] = free_offload.Hidden(L + 1, hidden[first].prefetch)
+        return hidden
     monkeypatch.setattr(free_offload, 'choose_hidden', held_long)
-    shared = sgd_run(small_net(memory='shared'), iters=5)
-    net = small_net()
+    shared = sgd_run(small_net(memory='shared', text=CHAIN), iters=5)
+    net = small_net(text=CHAIN)
     apply_named_plan(net, 'offload', offload_policy='free',
                      runtime_options={'simulate': 'lazy', 'bandwidth': 1e15})
     got = sgd_run(net, iters=5)
@@ -146,5 +193,5 @@ def test_copy_out_follows_the_last_forward_use_even_when_bytes_are_held_into_bac
     assert all(numpy.array_equal(a, b) for a, b in zip(shared[1], got[1]))
     rt = net.applied_plan.runtime
     assert rt.items and rt.stats['copies_out'] == rt.stats['copies_in'] > 0
-    for it in rt.items:
-        assert it.last_fwd < L <= it.F.end
+    (it,) = [it for it in rt.items if it.entry.names == held[0][1]]
+    assert it.last_fwd < L <= it.F.end and it.F.end + 1 < it.B.start

@@ -245,12 +245,23 @@ class AppliedPlan:
                 _, bwd = offload._uses(net, b)
                 lookahead[tuple(b.blobs)] = min(bwd) - hidden[b.key].prefetch
         from caffeplus.memory.budget import format_bytes
-        log.info('Memory plan %s: offload policy free: %d feature maps whose copies the '
-                 'measured step times hide (%s)', self.name, len(hidden),
-                 ', '.join('%s: %s' % (k, v) for k, v in (
-                     ('bandwidth', format_bytes(getattr(self.runtime, 'bandwidth', 0) or 0) +
-                      '/s'),)))
+        bandwidth = getattr(self.runtime, 'bandwidth', None) or 0
+        before = self.arena_bytes
         self.relayout(lookahead_steps=lookahead, replan=True)
+        if hidden and self.arena_bytes >= before:
+            # Placed, the held and returning lives fragment the arena more
+            # than the absences save (peaks at the end of backward): no offload.
+            log.info('Memory plan %s: offload policy free: %d feature maps could move to host '
+                     'memory unseen, but the arena would not shrink (%s, was %s): none moves',
+                     self.name, len(hidden), format_bytes(self.arena_bytes),
+                     format_bytes(before))
+            self.adopt_free_offload({})
+            return
+        log.info('Memory plan %s: offload policy free: %d feature maps (%s) move to host memory '
+                 'while the measured steps hide their copies (link %s/s); arena %s, was %s',
+                 self.name, len(hidden), format_bytes(sum(
+                     e.lives[0].buf.nbytes for e in self.entries if e.offloaded)),
+                 format_bytes(bandwidth), format_bytes(self.arena_bytes), format_bytes(before))
 
     # -- layout ---------------------------------------------------------------------
     def _build(self, plan, spare=None):

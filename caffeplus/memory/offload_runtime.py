@@ -58,7 +58,19 @@ from caffeplus.errors import CaffeplusError
 
 MARGIN = 1.25
 CALIBRATE_AT = 2            # the iteration whose times choose the look-ahead
+MAX_RETIMES = 3             # later ones, while an iteration captured CUDA graphs
 _POOL = {}                  # (device kind, count) -> [host float32 arrays]
+
+
+def _captures():
+    """CUDA graphs captured so far (caffeplus.cudnn.api's replays): an
+    iteration that captures some spends host time the device waits for, so
+    its step times are not the run's."""
+    try:
+        from caffeplus.cudnn import api
+    except ImportError:          # no ctypes cuDNN bindings here: nothing captures
+        return 0
+    return api.graph_stats()['captured']
 
 
 def choose_lookahead(step_seconds, last_fwd, first_back, nbytes, bandwidth, margin=MARGIN):
@@ -445,9 +457,9 @@ class OffloadRuntime:
             it.entry.storage.array = it.F.view
         self._next = 0              # into by_bstart: the next prefetch to issue
         self.iteration += 1
-        if not self.calibrated and self.iteration == self.options.get('calibrate_at',
+        if not self.calibrated and self.iteration >= self.options.get('calibrate_at',
                                                                       CALIBRATE_AT):
-            self._timing = {'steps': [], 'copies': []}
+            self._timing = {'steps': [], 'copies': [], 'captures': _captures()}
 
     def _pause(self):
         dev = self.device
@@ -472,6 +484,9 @@ class OffloadRuntime:
         self._pause()
         if timing is not None and end == 0:
             self._timing = None
+            retries = self.iteration - self.options.get('calibrate_at', CALIBRATE_AT)
+            if _captures() != timing['captures'] and retries < MAX_RETIMES:
+                return      # CUDA graphs were captured in it: not a typical iteration
             self._calibrate(timing)
 
     # -- look-ahead ------------------------------------------------------------------
