@@ -195,3 +195,15 @@ def test_copy_out_follows_the_last_forward_use_even_when_bytes_are_held_into_bac
     assert rt.items and rt.stats['copies_out'] == rt.stats['copies_in'] > 0
     (it,) = [it for it in rt.items if it.entry.names == held[0][1]]
     assert it.last_fwd < L <= it.F.end and it.F.end + 1 < it.B.start
+
+
+def test_an_estimated_free_plan_starts_without_offload():
+    """caffeplus memory applies the estimate's plan; its modelled choice must
+    not be what the runtime times: the runtime starts from no offload."""
+    from caffeplus.memory.apply import apply_plan
+    net = small_net(text=CHAIN)
+    plan = estimate_plan(net, 'offload', offload_policy='free')
+    assert plan.offloaded            # the model hides some
+    apply_plan(net, plan, runtime_options={'simulate': 'lazy', 'bandwidth': 1e15})
+    applied = net.applied_plan
+    assert applied.info()['offloaded'] == [] and applied.runtime.choosing

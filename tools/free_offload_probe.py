@@ -23,6 +23,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('model')
     ap.add_argument('--iterations', type=int, default=8)
+    ap.add_argument('--baseline', action='store_true',
+                    help='first time the same iterations under plan shared, in this process')
     args = ap.parse_args(argv)
     os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
     import cupy
@@ -41,11 +43,26 @@ def main(argv=None):
                     arena_before=self.applied.arena_bytes, iteration=self.iteration)
         return hidden
     offload_runtime.OffloadRuntime._choose_free = spy
+    pool = cupy.get_default_memory_pool()
+    if args.baseline:
+        solver = measure._solver(read_net_param(args.model), 'SGD', args.iterations)
+        apply_named_plan(solver.net, 'shared', training=True)
+        times = []
+        for it in range(args.iterations):
+            cupy.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            measure.run_iteration(solver.net, solver)
+            cupy.cuda.Device().synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        print('shared: ' + ', '.join('%.1f' % t for t in times) + ' ms', flush=True)
+        del solver
+        import gc
+        gc.collect()
+        pool.free_all_blocks()
     solver = measure._solver(read_net_param(args.model), 'SGD', args.iterations)
     net = solver.net
     apply_named_plan(net, 'offload', offload_policy='free', training=True)
     L = len(net.layers)
-    pool = cupy.get_default_memory_pool()
     for it in range(args.iterations):
         cupy.cuda.Device().synchronize()
         t0 = time.perf_counter()
@@ -59,6 +76,29 @@ def main(argv=None):
     if not seen:
         print('the runtime never chose (not calibrated)')
         return 1
+    runtime = net.applied_plan.runtime
+    steady = {}
+    if runtime is not None:
+        # One more iteration with every step timed: where offload's steps
+        # take longer than the calibration's, compute waited for a copy.
+        runtime.time_next_iteration(lambda sec: steady.update(seconds=sec))
+        measure.run_iteration(net, solver)
+        cupy.cuda.Device().synchronize()
+    if steady:
+        cal, now = seen['seconds'], steady['seconds']
+        print('timed iteration under offload: forward %.1f ms, backward %.1f ms'
+              % (sum(now[:L]) * 1e3, sum(now[L:]) * 1e3))
+        names = net._layer_names
+        waits = {}
+        for s_ in range(2 * L):
+            who = ['copied:' + it.name for it in runtime.wait_copied_at[s_]] + \
+                ['fetched:' + it.name for it in runtime.consume_at[s_]]
+            waits[s_] = who
+        worst = sorted(range(2 * L), key=lambda t: cal[t] - now[t])[:15]
+        for t in worst:
+            where = ('fwd ' + names[t]) if t < L else ('bwd ' + names[2 * L - 1 - t])
+            print('  step %3d %-28s %.2f -> %.2f ms  waits %s'
+                  % (t, where[:28], cal[t] * 1e3, now[t] * 1e3, ' '.join(waits[t])[:120]))
     s = seen['seconds']
     print('chose at iteration %d: forward %.1f ms, backward %.1f ms, link %s/s'
           % (seen['iteration'], sum(s[:L]) * 1e3, sum(s[L:]) * 1e3,

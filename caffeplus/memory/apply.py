@@ -796,6 +796,10 @@ def apply_plan(net, plan, keep=(), training=None, workspace_limit=None, lookahea
             kw = dict(offload_policy=offloaded or 'conv')
             kw.update(overrides)
             return make_plan(n, name, keep=_keep, training=_training, **kw)
+    if plan.offload_policy == 'free' and plan.offloaded:
+        # An estimate's choice (modelled times): the runtime chooses from
+        # measured ones, timing the plan without offload first.
+        plan = make(net, offload_policy='free')
     if lookahead is None:
         lookahead = 'auto' if backend.mode() == backend.GPU else 1
     # The workspace first: on the GPU the reusing plans place it in their

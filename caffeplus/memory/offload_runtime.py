@@ -343,6 +343,7 @@ class OffloadRuntime:
         self.bandwidth = None
         self.step_seconds = None
         self._timing = None
+        self._probe = None
         self._tail = None
         self._next = 0
         self.pending_lookahead = None
@@ -457,8 +458,9 @@ class OffloadRuntime:
             it.entry.storage.array = it.F.view
         self._next = 0              # into by_bstart: the next prefetch to issue
         self.iteration += 1
-        if not self.calibrated and self.iteration >= self.options.get('calibrate_at',
-                                                                      CALIBRATE_AT):
+        if (not self.calibrated and self.iteration >= self.options.get('calibrate_at',
+                                                                       CALIBRATE_AT)) or \
+                self._probe is not None:
             self._timing = {'steps': [], 'copies': [], 'captures': _captures()}
 
     def _pause(self):
@@ -482,6 +484,10 @@ class OffloadRuntime:
         if timing is not None:
             timing['end_backward'] = self.device.record(self.device.compute(), timing=True)
         self._pause()
+        if timing is not None and end == 0 and self._probe is not None:
+            self._timing, probe, self._probe = None, self._probe, None
+            probe(self._seconds(timing))
+            return
         if timing is not None and end == 0:
             self._timing = None
             retries = self.iteration - self.options.get('calibrate_at', CALIBRATE_AT)
@@ -490,7 +496,8 @@ class OffloadRuntime:
             self._calibrate(timing)
 
     # -- look-ahead ------------------------------------------------------------------
-    def _calibrate(self, timing):
+    def _seconds(self, timing):
+        """Seconds of each of the 2L steps of a timed iteration."""
         dev = self.device
         dev.synchronize()
         L = self.L
@@ -503,6 +510,16 @@ class OffloadRuntime:
                 nxt = timing.get('end_forward' if s < L else 'end_backward')
             if nxt is not None:
                 seconds[s] = max(dev.seconds(ev, nxt), 0.0)
+        return seconds
+
+    def time_next_iteration(self, done):
+        """Probes: time the next full iteration's steps, as calibration does,
+        and call done(step seconds) after its backward (nothing changes)."""
+        self._probe = done
+
+    def _calibrate(self, timing):
+        dev = self.device
+        seconds = self._seconds(timing)
         copy_bytes = sum(c[0] for c in timing['copies'])
         copy_s = sum(max(dev.seconds(a, b), 0.0) for _, a, b in timing['copies'])
         bandwidth = self.options.get('bandwidth') or \
