@@ -749,6 +749,22 @@ extern "C" __global__ void cp_im2col(const float* x, float* col, const unsigned 
     }
 }
 
+/* The loss layer's report to the host, out[0..4] = normalizer, label error
+   flag and value, loss, loss weight (top diff; 0 without one). `out` is
+   pinned host memory the kernel writes directly: a read-back through a copy
+   would queue behind the offload copies on the copy engine. */
+extern "C" __global__ void cp_loss_report(const float* info, const float* top,
+    const float* dtop, float* out, const int has_dtop)
+{
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        out[0] = info[0];
+        out[1] = info[1];
+        out[2] = info[2];
+        out[3] = top[0];
+        out[4] = has_dtop ? dtop[0] : 0.0f;
+    }
+}
+
 /* A convolution's bias gradient, db[c] += sum over n, s of dy (N, C, S), in
    two launches: part[c P + p] = the sum over block (c, p)'s share of channel
    c (grid C * P), then one thread per channel adds its P partials in order

@@ -1887,12 +1887,12 @@ class GPUSplitLayer(SplitLayer):
 
 @register_engine('CUDNN')
 class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
-    """SoftmaxWithLoss (one top) through caffeplus.kernels on the GPU: two
-    kernels and one small read-back forward (the loss's normalizer, the
-    label check, and the loss and its weight for Layer.forward's weighted
-    loss, which would otherwise cost a dot and a second read-back), one
-    kernel backward; the generic code makes two host synchronisations and
-    about twenty CuPy operations each way."""
+    """SoftmaxWithLoss (one top) through caffeplus.kernels on the GPU: three
+    kernels and one synchronisation forward (the last kernel writes the
+    loss's normalizer, the label check, and the loss and its weight for
+    Layer.forward's weighted loss into pinned host memory), one kernel
+    backward; the generic code makes two host synchronisations and about
+    twenty CuPy operations each way."""
     engine = 'FUSED'
     _bufs = None
     _fwd_key = None
@@ -1941,10 +1941,7 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
         self._args = args
         self._fwd_key = (bottom[0]._shape, bottom[1]._shape)
         dtop = K.flat(top[0], diff=True)
-        if dtop is not None:        # info[3:5] = the loss and its top diff (the weight)
-            _copy_floats(info, 3, y, 0, 1)
-            _copy_floats(info, 4, dtop, 0, 1)
-        host = _to_host(info)
+        host = self._report(info, y, dtop)
         flag, value = float(host[1]), float(host[2])
         if dtop is not None:
             # Layer.forward's float(dot(top, top diff)) of one float32 value each
@@ -1955,6 +1952,30 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
                        '[0, %d)%s' % (value, classes, '' if ign is None else
                                       ' or loss_param.ignore_label (%d)' % ign))
         return True
+
+    _pinned = None
+
+    def _report(self, info, y, dtop):
+        """[normalizer, label error flag, its value, loss, loss weight] on the
+        host, written by cp_loss_report straight into pinned memory: one
+        synchronisation with the compute stream, no copy on the copy engines
+        (behind offload's copies there it waited for milliseconds)."""
+        from caffeplus import kernels as K
+        if K.emulating():
+            out = numpy.zeros(5, numpy.float32)
+            K.kernel('cp_loss_report')((1,), (32,), (info, y, dtop if dtop is not None else y,
+                                                     out, K.i32(dtop is not None)))
+            return out
+        import cupy
+        if self._pinned is None:
+            mem = cupy.cuda.alloc_pinned_memory(5 * 4)
+            self._pinned = (mem, numpy.frombuffer(mem, numpy.float32, 5))
+        out = self._pinned[1]
+        K.kernel('cp_loss_report')((1,), (32,), (
+            info, y, dtop if dtop is not None else y, numpy.uint64(out.ctypes.data),
+            K.i32(dtop is not None)))
+        cupy.cuda.get_current_stream().synchronize()
+        return out.copy()
 
     def _forward(self, bottom, top):
         from caffeplus import kernels
@@ -1986,24 +2007,8 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
             super()._backward(top, propagate_down, bottom)
 
 
-def _copy_floats(dst, i, src, j, n):
-    """dst[i:i + n] = src[j:j + n] on the device, asynchronous (no kernel, no views)."""
-    from caffeplus import kernels as K
-    if K.emulating():
-        dst[i:i + n] = src[j:j + n]
-        return
-    import cupy
-    cupy.cuda.runtime.memcpyAsync(int(dst.data.ptr) + 4 * i, int(src.data.ptr) + 4 * j, 4 * n,
-                                  cupy.cuda.runtime.memcpyDeviceToDevice,
-                                  cupy.cuda.get_current_stream().ptr)
-
-
 def _row_block(classes):
     return 32 if classes <= 64 else 128 if classes <= 512 else 256
-
-
-def _to_host(a):
-    return a.get() if hasattr(a, 'get') and not isinstance(a, numpy.ndarray) else numpy.asarray(a)
 
 
 @register_engine('CUDNN')
