@@ -117,6 +117,7 @@ def _training_default(net):
 
 # -- the applied plan -----------------------------------------------------------------
 ANY = 'any'
+SPARE_SLACK = 16        # an old arena serves a new layout if at most 1/16 larger
 
 
 def storage_uses(net, training=True):
@@ -229,6 +230,15 @@ class AppliedPlan:
         return getattr(self.plan, 'offload_policy', None) == 'free' and \
             'offload_hidden' not in self.options.get('plan_overrides', {})
 
+    def _free_offload_shrinks(self, hidden):
+        """Whether offloading `hidden` lowers the placed feature maps' arena
+        (the plans' own placement, before the workspace joins it)."""
+        make = self.options['make_plan']
+        overrides = dict(self.options.get('plan_overrides', {}))
+        now = make(self.net, **dict(overrides, offload_hidden={}))
+        then = make(self.net, **dict(overrides, offload_hidden=dict(hidden)))
+        return then.arena_bytes < now.arena_bytes
+
     def adopt_free_offload(self, hidden):
         """Policy 'free': offload the maps of `hidden` ({buffer key:
         free_offload.Hidden}) from now on; placed again at once (called at
@@ -238,6 +248,17 @@ class AppliedPlan:
         self.options['plan_overrides'] = overrides
         from caffeplus.memory import offload
         net = self.net
+        if not hidden or not self._free_offload_shrinks(hidden):
+            # Nothing to move, or the absences fall where the arena is not
+            # at its peak (VGG's and AlexNet's peaks end backward): stay as is.
+            log.info('Memory plan %s: offload policy free: %d feature maps could move to host '
+                     'memory unseen, none where the arena peaks: none moves',
+                     self.name, len(hidden))
+            self.options['plan_overrides']['offload_hidden'] = {}
+            if self.runtime is not None:        # it only timed: nothing to copy
+                self.runtime.close()
+                self.runtime = None
+            return
         lookahead = {}
         for b in liveness.buffers(net, keep=self.options.get('keep', ()),
                                   training=self.training):
@@ -255,7 +276,8 @@ class AppliedPlan:
                      'memory unseen, but the arena would not shrink (%s, was %s): none moves',
                      self.name, len(hidden), format_bytes(self.arena_bytes),
                      format_bytes(before))
-            self.adopt_free_offload({})
+            self.options['plan_overrides']['offload_hidden'] = {}
+            self.relayout(replan=True)
             return
         log.info('Memory plan %s: offload policy free: %d feature maps (%s) move to host memory '
                  'while the measured steps hide their copies (link %s/s); arena %s, was %s',
@@ -321,7 +343,9 @@ class AppliedPlan:
         self.arena_bytes = arena_bytes
         count = max(arena_bytes // FLOAT_BYTES, 1)
         old = spare.pop() if spare else None
-        if old is not None and old.size >= count and backend.get_array_module(old) is xp:
+        # (Not when much larger: a view would keep all of it allocated.)
+        if old is not None and count <= old.size <= count + count // SPARE_SLACK and \
+                backend.get_array_module(old) is xp:
             # A re-layout that keeps no values: the old arena's bytes serve
             # again (layers' cached views of it stay harmless).
             old[:count].fill(0)
