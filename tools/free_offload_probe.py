@@ -54,6 +54,10 @@ def main(argv=None):
             measure.run_iteration(solver.net, solver)
             cupy.cuda.Device().synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
+            ap = solver.net.applied_plan
+            print('shared iteration %d: arena %s, workspace views %s, pool %s, replans %d'
+                  % (it + 1, format_bytes(ap.arena_bytes), format_bytes(ap.workspace_bytes),
+                     format_bytes(pool.total_bytes()), ap.replans))
         print('shared: ' + ', '.join('%.1f' % t for t in times) + ' ms', flush=True)
         del solver
         import gc
@@ -69,10 +73,11 @@ def main(argv=None):
         measure.run_iteration(net, solver)
         cupy.cuda.Device().synchronize()
         applied = net.applied_plan
-        print('iteration %d: %.1f ms, pool %s, arena %s, offloaded %d, replans %d'
-              % (it + 1, (time.perf_counter() - t0) * 1e3, format_bytes(pool.total_bytes()),
-                 format_bytes(applied.arena_bytes), len(applied.info()['offloaded']),
-                 applied.replans), flush=True)
+        print('iteration %d: %.1f ms, pool %s, arena %s, workspace views %s, offloaded %d, '
+              'replans %d' % (it + 1, (time.perf_counter() - t0) * 1e3,
+                              format_bytes(pool.total_bytes()), format_bytes(applied.arena_bytes),
+                              format_bytes(applied.workspace_bytes),
+                              len(applied.info()['offloaded']), applied.replans), flush=True)
     if not seen:
         print('the runtime never chose (not calibrated)')
         return 1
