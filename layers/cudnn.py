@@ -813,9 +813,15 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
 
     def __init__(self, layer_param):
         super().__init__(layer_param)
-        if backend.mode() == backend.GPU and \
-                self.layer_param.pooling_param.pool in (MAX, AVE):
-            self.backward_reads = READS_BOTH        # cuDNN's backward reads x and y
+        if backend.mode() == backend.GPU:
+            self.backward_reads = self.gpu_backward_reads()
+
+    def gpu_backward_reads(self):
+        """cuDNN's pooling backward reads x and y (the estimate, built on the
+        CPU, plans with these: caffeplus.memory.shapes.build_net)."""
+        if self.layer_param.pooling_param.pool in (MAX, AVE):
+            return READS_BOTH
+        return self.backward_reads
 
     def layer_setup(self, bottom, top):
         super().layer_setup(bottom, top)
@@ -968,7 +974,10 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
     def __init__(self, layer_param):
         super().__init__(layer_param)
         if backend.mode() == backend.GPU:
-            self.backward_reads = READS_BOTH
+            self.backward_reads = self.gpu_backward_reads()
+
+    def gpu_backward_reads(self):
+        return READS_BOTH           # cuDNN's LRN backward reads x and y
 
     def layer_setup(self, bottom, top):
         super().layer_setup(bottom, top)
@@ -1168,7 +1177,10 @@ class CuDNNELULayer(_CudnnActivationMixin, ELULayer):
     def __init__(self, layer_param):
         super().__init__(layer_param)
         if backend.mode() == backend.GPU:
-            self.backward_reads = READS_BOTH
+            self.backward_reads = self.gpu_backward_reads()
+
+    def gpu_backward_reads(self):
+        return READS_BOTH           # cuDNN's activation backward reads x and y
 
     @property
     def act_mode(self):

@@ -781,3 +781,24 @@ def test_gpu_relayout_frees_the_old_arena(monkeypatch):
         assert grew < 1.5 * old_bytes, (grew, old_bytes)
     finally:
         caffeplus.set_mode_cpu()
+
+
+def test_a_plan_made_for_other_layers_is_refused():
+    """A plan made where pooling's backward reads nothing (the CPU layer,
+    with its argmax mask) does not fit a net whose pooling reads x and y
+    (cuDNN's): applied, the backward would read bytes the plan gave away.
+    The estimate's nets plan with the GPU layers' reads."""
+    from caffeplus.memory import shapes
+    from caffeplus.memory.apply import apply_plan
+    from caffeplus.memory.plan import make_plan
+    net = small_net()
+    plan = make_plan(net, 'shared')
+    pool = net.layers[net._layer_names.index('pool1')]
+    pool.backward_reads = frozenset(('bottom_data', 'top_data'))
+    with pytest.raises(CaffeplusError, match=r"does not fit net small: blob pool1 .*backward "
+                                              r"of pool1"):
+        apply_plan(net, plan)
+    virtual = shapes.build_net(param_of(NET))
+    vpool = virtual.layers[virtual._layer_names.index('pool1')]
+    assert vpool.backward_reads == frozenset(('bottom_data', 'top_data'))
+    apply_plan(net, make_plan(virtual, 'shared'))     # made with the GPU's reads: fits

@@ -321,6 +321,16 @@ class AppliedPlan:
         uses = storage_uses(net, self.training)
         for e in entries:
             e.uses = tuple(sorted(uses.get(id(e.storage), ())))
+            outside = [u for u in e.uses if e.live_at(u) is None]
+            if outside:
+                # e.g. a plan made on the CPU's layers applied to the GPU's,
+                # whose backward reads more: values would be overwritten.
+                raise CaffeplusError(
+                    "memory plan '%s' does not fit net %s: blob %s (%s) is used at step %d "
+                    "(%s), outside its planned lives %s; make the plan on this net"
+                    % (plan.name, net.name, e.name, e.kind, outside[0],
+                       self._step_name(outside[0]),
+                       ', '.join('%g-%g' % (life.start, life.end) for life in e.lives)))
             e.lives.sort(key=lambda life: life.start)
             e.persistent = len(e.lives) == 1 and e.lives[0].start <= 0 and \
                 e.lives[0].end >= self.steps
@@ -530,6 +540,11 @@ class AppliedPlan:
                     "offloaded to host memory by memory plan '%s' between its last forward use "
                     "(layer %s) and its return for backward (layer %s); %s"
                     % (self.name, where(first.end)[1], where(e.lives[1].start)[1], KEEP_HINT))
+
+    def _step_name(self, t):
+        L = self.L
+        names = self.net._layer_names
+        return 'forward of %s' % names[t] if t < L else 'backward of %s' % names[2 * L - 1 - t]
 
     def _reason_at(self, e, t):
         if t < e.lives[0].start:

@@ -200,7 +200,10 @@ def load_net_param(model, batch=None, phase=caffe_pb2.TRAIN, shapes=None):
 
 
 def build_net(param, phase=caffe_pb2.TRAIN, virtual=True, level=0, stages=None):
-    """caffeplus.Net of `param` (a NetParameter); shape-only when `virtual`."""
+    """caffeplus.Net of `param` (a NetParameter); shape-only when `virtual`.
+    A virtual net is built on the CPU for estimates of the GPU: its layers
+    declare what their GPU twins' backward reads (cuDNN's pooling, LRN and
+    ELU read x and y), so plans made on it keep what the GPU needs."""
     from caffeplus import backend
     from caffeplus.net import Net
     with quiet():
@@ -210,7 +213,12 @@ def build_net(param, phase=caffe_pb2.TRAIN, virtual=True, level=0, stages=None):
         backend.set_mode_cpu()           # virtual allocation is for CPU storage
         try:
             with shape_only():
-                return Net(param, phase, level=level, stages=stages)
+                net = Net(param, phase, level=level, stages=stages)
         finally:
             if mode == backend.GPU:
                 backend.set_mode_gpu()
+        for layer in net.layers:
+            gpu_reads = getattr(layer, 'gpu_backward_reads', None)
+            if gpu_reads is not None:
+                layer.backward_reads = gpu_reads()
+        return net
