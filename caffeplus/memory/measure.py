@@ -22,6 +22,10 @@ What is measured:
                   process uses the GPU
   pool_peak_bytes the most bytes live in CuPy's pool at any moment (a
                   MemoryHook sees every malloc and free)
+  steady_peak_bytes, steady_pool_peak_bytes
+                  the same over the timed iterations only, once the plan has
+                  settled (offload 'free' times its first iterations without
+                  offload, so its run's peak is shared's)
   breakdown       parameters, parameter_diffs, solver_history, activations,
                   activation_diffs: the device memory behind the net's and
                   the solver's arrays after the iteration (each allocation
@@ -383,14 +387,19 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1):
             if settling:
                 run_iteration(net, solver)      # the new layout's first pass
             _sync()
+            tracker.sample()
+            warm_peak, warm_pool = tracker.device_peak, tracker.pool_peak
+            tracker.reset()
             t0 = time.perf_counter()
             for _ in range(iterations):
                 run_iteration(net, solver)
             _sync()
             iter_ms = (time.perf_counter() - t0) * 1e3 / iterations
             tracker.sample()
-            peak = tracker.device_peak
-            pool_peak = tracker.pool_peak
+            # The run's peak counts the first iterations (and offload 'free'
+            # times them without offload); the steady one only the timed.
+            steady_peak, steady_pool = tracker.device_peak, tracker.pool_peak
+            peak, pool_peak = max(warm_peak, steady_peak), max(warm_pool, steady_pool)
             run_iteration(net, solver, after_step)
             _sync()
             applied = getattr(net, 'applied_plan', None)
@@ -403,6 +412,8 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1):
                 'iter_ms': iter_ms,
                 'estimated': False,
                 'pool_peak_bytes': int(pool_peak),
+                'steady_peak_bytes': int(steady_peak),
+                'steady_pool_peak_bytes': int(steady_pool),
                 'baseline_bytes': int(baseline),
                 'live_curve': curve,
                 'applier': info.get('applier'),
