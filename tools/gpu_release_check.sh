@@ -7,8 +7,8 @@
 # Prefer running it through tools/gpu_snapshot.sh (the committed tree only).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
 # (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
-# env: STEPS (tests,memory,probe,bench,stock), MEMORY_NETS, MEMORY_PLANS, BENCH_NETS, TEST_S,
-#      MEMORY_S, BENCH_S
+# env: STEPS (tests,memory,probe,bench,stock), MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
+#      MEMORY_ITERS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -43,7 +43,8 @@ if has memory; then
   for n in ${MEMORY_NETS:-alexnet_b128 googlenet_b64 vgg16_b64 resnet50_b64}; do
     stamp "memory $n"
     GLOG_minloglevel=2 timeout "${MEMORY_S:-280}" python3 -m caffeplus memory -model .gpu_carry/bench/$n.prototxt \
-      -gpu 0 --plans ${MEMORY_PLANS:-stock,arena,shared,offload} --json > "$OUT/memory_$n.json" 2> "$OUT/memory_$n.err"
+      -gpu 0 --plans ${MEMORY_PLANS:-stock,arena,shared,offload} --offload ${MEMORY_OFFLOAD:-conv} \
+      --iterations ${MEMORY_ITERS:-3} --json > "$OUT/memory_$n.json" 2> "$OUT/memory_$n.err"
     echo "rc=$?" >> "$OUT/memory_$n.err"
     python3 - "$OUT/memory_$n.json" <<'PY'
 import json, sys
@@ -52,8 +53,9 @@ try:
 except Exception as exc:
     print('  no JSON:', exc); sys.exit()
 for name, p in doc['plans'].items():
-    print('  %-8s peak %7.0f MiB  iter %s ms  estimate err %s%%' % (
-        name, p['peak_bytes'] / 2**20, p.get('iter_ms'), p.get('estimate_error_pct')))
+    print('  %-8s peak %7.0f MiB (steady %7.0f)  iter %s ms  estimate err %s%%  offloaded %d' % (
+        name, p['peak_bytes'] / 2**20, p.get('steady_peak_bytes', 0) / 2**20, p.get('iter_ms'),
+        p.get('estimate_error_pct'), len(p.get('offloaded') or [])))
 PY
     tail -n 3 "$OUT/memory_$n.err"
   done
