@@ -279,9 +279,11 @@ def _measure(param, plan, gpu, args, estimate_entry, budget_for_auto=None, host_
         return entry
     entry = {k: v for k, v in measured.items() if k != 'live_curve'}
     entry['estimate'] = estimate
+    # Against the steady peak: the estimate is of the settled plan (offload
+    # 'free' runs its first iterations as shared while it measures).
+    settled = measured.get('steady_peak_bytes') or measured['peak_bytes']
     entry['estimate_error_pct'] = round(
-        100.0 * (estimate['peak_bytes'] - measured['peak_bytes']) /
-        max(measured['peak_bytes'], 1), 2)
+        100.0 * (estimate['peak_bytes'] - settled) / max(settled, 1), 2)
     for key in ('arena_bytes', 'offloaded', 'budget', 'workspace_cap', 'fits_budget',
                 'est_iter_ms'):
         if key in estimate_entry and key not in entry:     # the measured, where measured
