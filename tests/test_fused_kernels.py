@@ -565,6 +565,49 @@ def test_gemm_convolution_plan(geom, chunk, monkeypatch):
                                   atol=1e-4)
 
 
+@pytest.mark.parametrize('n,c,hw,m,parts', [(3, 4, (5, 6), 7, 2), (2, 6, (3, 3), 5, None),
+                                              (4, 2, (1, 9), 3, 3)])
+def test_gemm_1x1_convolution_plan(n, c, hw, m, parts, monkeypatch):
+    """A 1x1 stride-1 convolution as cuBLAS calls straight on the images (no
+    im2col): forward, data gradient and filter gradient (partials of
+    `parts` images at a time) against the generic CPU convolution."""
+    from caffeplus import im2col
+    from caffeplus.layers import cudnn as L
+    layer = _FakeConvLayer(n, c, hw, m, (1, 1), (1, 1), (0, 0), (1, 1))
+    if parts:
+        monkeypatch.setattr(L, 'GEMM_CHUNK_BYTES', parts * m * c * 4)
+    g = L._GemmConv(layer)
+    assert g.direct and g.memory('fwd') == 0 and g.memory('bwd_data') == 0
+    assert g.B == (parts or n) and g.kinds() == ('fwd', 'bwd_data', 'bwd_filter')
+    rng = numpy.random.default_rng(23)
+    x = rng.standard_normal((n, c) + hw).astype(numpy.float32)
+    w = rng.standard_normal((m, c, 1, 1)).astype(numpy.float32)
+    y_shape = (n, m) + hw
+    dy = rng.standard_normal(y_shape).astype(numpy.float32)
+    dw0 = rng.standard_normal(w.shape).astype(numpy.float32)
+    sizes = [x.nbytes, w.nbytes, dy.nbytes, dy.nbytes, w.nbytes, x.nbytes,
+             g.memory('bwd_filter'), 4 * g.B]
+    addrs = numpy.cumsum([0] + [-(-s // 256) * 256 for s in sizes])
+    mem = _FlatMemory(int(addrs[-1]))
+    X, W, Y, DY, DW, DX, WS, ONES = (int(a) for a in addrs[:-1])
+    for addr, a in ((X, x), (W, w), (DY, dy), (DW, dw0), (ONES, numpy.ones(g.B, numpy.float32))):
+        mem.put(addr, a)
+    geom = layer.geom
+    g.forward(X, W, Y, None, ops=mem)
+    want = numpy.empty(y_shape, numpy.float32)
+    im2col.conv_forward(x, w, None, geom, 1, want)
+    numpy.testing.assert_allclose(mem.get(Y, dy.size).reshape(y_shape), want, rtol=1e-5,
+                                  atol=1e-5)
+    g.backward_data(DY, W, DX, ops=mem)
+    dw, dx = dw0.copy(), numpy.empty_like(x)
+    im2col.conv_backward(x, w, dy, geom, 1, dw=dw, dx=dx)
+    numpy.testing.assert_allclose(mem.get(DX, x.size).reshape(x.shape), dx, rtol=1e-4,
+                                  atol=1e-4)
+    g.backward_filter(X, DY, DW, WS, ops=mem, ones=ONES)
+    numpy.testing.assert_allclose(mem.get(DW, w.size).reshape(w.shape), dw, rtol=1e-4,
+                                  atol=1e-4)
+
+
 def _train_plan(plan, **options):
     from caffeplus.memory.apply import apply_named_plan
     caffeplus.set_random_seed(11)

@@ -430,7 +430,7 @@ def test_convolution_im2col_gemm_variant(math, monkeypatch):
         for kind in ('fwd', 'bwd_filter'):
             site = layer._sites[kind]
             gemm = [c for c in site.candidates if c.variant == 2]
-            assert gemm and gemm[0].name == 'IM2COL_GEMM', site.candidates
+            assert gemm and gemm[0].name == 'CUBLAS_GEMM', site.candidates
             site.choice = gemm[0]
         mgr = layer._manager()
         mgr._buffer.resize(max(mgr.nbytes, layer._gemm.memory('bwd_filter')), layer, 'arena')
@@ -446,3 +446,37 @@ def test_convolution_im2col_gemm_variant(math, monkeypatch):
     # whose algorithm may sum with atomics)
     for i in (0, 2):
         numpy.testing.assert_array_equal(got[i], got2[i])
+
+
+@pytest.mark.parametrize('math', ['strict', 'tf32'])
+def test_convolution_1x1_gemm_variant(math):
+    """Timed search weighs cuBLAS against cuDNN for every call of a 1x1
+    stride-1 convolution (on by default); forced to it, the three calls give
+    the convolution's values and gradients, the same bits every pass."""
+    from caffeplus.backend import mathmode
+    from caffeplus.memory import workspace
+    lp = _param('type: "Convolution" convolution_param { num_output: 24 kernel_size: 1 }')
+    x = numpy.random.default_rng(19).standard_normal((6, 16, 9, 7)).astype(numpy.float32)
+    _, y_cpu, dx_cpu, dp_cpu, params, dy = _run(lp, x, None, None, gpu=False)
+    old_search = workspace.set_search('timed')
+    old_math = mathmode.set_math_mode(math)
+    try:
+        layer, _, _, _, _, _ = _run(lp, x, dy, params, gpu=True)
+        assert layer._gemm is not None and layer._gemm.direct
+        for kind in ('fwd', 'bwd_data', 'bwd_filter'):
+            site = layer._sites[kind]
+            gemm = [c for c in site.candidates if c.variant == 2]
+            assert gemm and gemm[0].name == 'CUBLAS_GEMM', site.candidates
+            site.choice = gemm[0]
+        mgr = layer._manager()
+        mgr._buffer.resize(max(mgr.nbytes, layer._gemm.memory('bwd_filter')), layer, 'arena')
+        got = _conv_round(layer, layer._last_bottom, layer._last_top, dy)
+        got2 = _conv_round(layer, layer._last_bottom, layer._last_top, dy)
+    finally:
+        workspace.set_search(old_search)
+        mathmode.set_math_mode(old_math)
+    tol = 2e-4 if math == 'strict' else 2e-2
+    for a, b, what in zip(got, [y_cpu, dx_cpu] + dp_cpu, ['top', 'dx', 'dw', 'db']):
+        _assert_close(a, b, tol, '1x1 GEMM %s %s' % (math, what))
+    for a, b in zip(got, got2):
+        numpy.testing.assert_array_equal(a, b)

@@ -194,7 +194,7 @@ class AlgoChoice:
     the math type cuDNN ran it with (the convolution descriptor must carry
     that type when the algorithm runs) and the variant: 0 for one call over
     all groups, 1 for one call per group (a grouped convolution), 2 for
-    caffeplus's im2col + cuBLAS GEMM instead of cuDNN, 3 and 4 for one call
+    caffeplus's cuBLAS GEMM (after im2col but for 1x1) instead of cuDNN, 3 and 4 for one call
     per half and per quarter of the batch (layers/cudnn.py)."""
     __slots__ = ('kind', 'algo', 'memory', 'time', 'deterministic', 'math', 'variant')
 
@@ -205,7 +205,7 @@ class AlgoChoice:
     @property
     def name(self):
         if self.variant == 2:
-            return 'IM2COL_GEMM'
+            return 'CUBLAS_GEMM'        # im2col + GEMM, or GEMM alone for 1x1 (layers/cudnn.py)
         return _KIND[self.kind][4][self.algo]
 
     def __repr__(self):
