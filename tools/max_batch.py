@@ -61,12 +61,15 @@ def measured_fits(model, batch, budget, gpu, timeout, host_budget=None):
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
+        print('    timed out after %d s' % timeout)
         return None
     try:
         entry = json.loads(p.stdout)['plans']['auto']
     except (ValueError, KeyError):
+        print('    no result (exit %d): %s' % (p.returncode, p.stderr.strip()[-400:]))
         return None
     if 'measure_error' in entry:
+        print('    failed: %s' % entry['measure_error'].strip()[-400:])
         return None
     return entry['peak_bytes']
 
