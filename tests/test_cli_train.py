@@ -271,6 +271,13 @@ def test_memory_flags_are_parsed_and_stored(tiny):
     assert 'keep: "ip"\n  keep: "loss"' in text and 'offload: "conv"' in text
     with pytest.raises(SystemExit):
         run_cli(tiny, 'train', '-solver', 'short.prototxt', '--memory', 'lots')
+    # the spellings the issues use: dashes, and policy 'free'
+    rc, cap = run_cli(tiny, 'train', '-solver', 'short.prototxt', '--memory', 'offload',
+                      '--workspace-limit', '32M', '--memory-budget', '1G', '--offload', 'free')
+    assert rc == 0
+    text = '\n'.join(cap.messages)
+    assert 'workspace_limit: 33554432' in text and 'memory_budget: 1073741824' in text
+    assert 'offload: "free"' in text
 
 
 def test_train_usage_lists_caffe_flags(capsys):

@@ -182,9 +182,9 @@ def add_arguments(parser):
                         help='action to take when a SIGHUP signal is received')
     parser.add_argument('--memory', default=None, choices=MEMORY_PLANS,
                         help='memory plan for the nets (stock, arena, shared, offload, auto)')
-    parser.add_argument('--workspace_limit', default=None,
+    parser.add_argument('--workspace_limit', '--workspace-limit', default=None,
                         help='cap on the cuDNN workspace, in bytes (suffixes K, M, G allowed)')
-    parser.add_argument('--memory_budget', default=None,
+    parser.add_argument('--memory_budget', '--memory-budget', default=None,
                         help='memory budget for the auto plan, in bytes (suffixes K, M, G)')
     parser.add_argument('--keep', default=None,
                         help="blobs that stay readable after forward under reusing plans, "
