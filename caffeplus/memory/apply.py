@@ -243,40 +243,35 @@ class AppliedPlan:
         """Policy 'free': offload the maps of `hidden` ({buffer key:
         free_offload.Hidden}) from now on; placed again at once (called at
         the start of a full forward, which rewrites every buffer)."""
+        from caffeplus.memory import offload
+        from caffeplus.memory.budget import format_bytes
         overrides = dict(self.options.get('plan_overrides', {}))
         overrides.update(offload_policy='free', offload_hidden=dict(hidden))
         self.options['plan_overrides'] = overrides
-        from caffeplus.memory import offload
-        net = self.net
-        if not hidden or not self._free_offload_shrinks(hidden):
-            # Nothing to move, or the absences fall where the arena is not
-            # at its peak (VGG's and AlexNet's peaks end backward): stay as is.
-            log.info('Memory plan %s: offload policy free: %d feature maps could move to host '
-                     'memory unseen, none where the arena peaks: none moves',
-                     self.name, len(hidden))
-            self.options['plan_overrides']['offload_hidden'] = {}
-            if self.runtime is not None:        # it only timed: nothing to copy
-                self.runtime.close()
-                self.runtime = None
+        if not hidden:
+            self._no_free_offload('no feature map\'s copies hide in the measured steps')
             return
+        if not self._free_offload_shrinks(hidden):
+            # The absences fall where the arena is not at its peak (VGG's
+            # and AlexNet's peaks end backward).
+            self._no_free_offload('%d feature maps could move unseen, none where the arena '
+                                  'peaks' % len(hidden))
+            return
+        net = self.net
         lookahead = {}
         for b in liveness.buffers(net, keep=self.options.get('keep', ()),
                                   training=self.training):
             if b.key in hidden:
                 _, bwd = offload._uses(net, b)
                 lookahead[tuple(b.blobs)] = min(bwd) - hidden[b.key].prefetch
-        from caffeplus.memory.budget import format_bytes
         bandwidth = getattr(self.runtime, 'bandwidth', None) or 0
         before = self.arena_bytes
         self.relayout(lookahead_steps=lookahead, replan=True)
-        if hidden and self.arena_bytes >= before:
-            # Placed, the held and returning lives fragment the arena more
-            # than the absences save (peaks at the end of backward): no offload.
-            log.info('Memory plan %s: offload policy free: %d feature maps could move to host '
-                     'memory unseen, but the arena would not shrink (%s, was %s): none moves',
-                     self.name, len(hidden), format_bytes(self.arena_bytes),
-                     format_bytes(before))
-            self.options['plan_overrides']['offload_hidden'] = {}
+        if self.arena_bytes >= before:
+            # Placed with the workspace, the held and returning lives
+            # fragment the arena more than the absences save.
+            self._no_free_offload('placed, the arena would not shrink (%s, was %s)'
+                                  % (format_bytes(self.arena_bytes), format_bytes(before)))
             self.relayout(replan=True)
             return
         log.info('Memory plan %s: offload policy free: %d feature maps (%s) move to host memory '
@@ -284,6 +279,14 @@ class AppliedPlan:
                  self.name, len(hidden), format_bytes(sum(
                      e.lives[0].buf.nbytes for e in self.entries if e.offloaded)),
                  format_bytes(bandwidth), format_bytes(self.arena_bytes), format_bytes(before))
+
+    def _no_free_offload(self, why):
+        """Policy 'free' keeps every map on the device from now on."""
+        log.info('Memory plan %s: offload policy free: %s; no map moves', self.name, why)
+        self.options['plan_overrides']['offload_hidden'] = {}
+        if self.runtime is not None and not any(e.offloaded for e in self.entries):
+            self.runtime.close()        # it only timed: nothing to copy
+            self.runtime = None
 
     # -- layout ---------------------------------------------------------------------
     def _build(self, plan, spare=None):
