@@ -444,3 +444,21 @@ def test_auto_offloads_no_more_than_the_host_budget():
     with pytest.raises(CaffeplusError, match=r'at most 1.00 GiB offloaded to host memory'):
         budget.plan_for_budget(net, budget.parse_bytes('14G'), host_budget=2 ** 30)
     assert budget.default_host_budget() is None or budget.default_host_budget() > 0
+
+
+def test_table_shows_the_steady_peak_and_errs_against_it():
+    """A measured plan whose run peak exceeds its settled peak (offload
+    'free' measures as shared first) shows both; the estimate's error is
+    against the settled one, as the JSON's estimate_error_pct."""
+    from caffeplus.memory.report import format_table
+    MiB = 2 ** 20
+    breakdown = {'parameters': 100 * MiB}
+    results = {'offload': {'peak_bytes': 1000 * MiB, 'steady_peak_bytes': 800 * MiB,
+                           'breakdown': breakdown, 'iter_ms': 10.0, 'estimated': False,
+                           'estimate': {'peak_bytes': 840 * MiB, 'breakdown': breakdown,
+                                        'iter_ms': 9.0}},
+               'shared': {'peak_bytes': 900 * MiB, 'steady_peak_bytes': 900 * MiB,
+                          'breakdown': breakdown, 'iter_ms': 9.5, 'estimated': False}}
+    text = format_table(results)
+    assert '800.0 MiB  steady peak' in text and text.count('steady peak') == 1
+    assert 'estimate (+5.0%)' in text
