@@ -462,3 +462,19 @@ def test_table_shows_the_steady_peak_and_errs_against_it():
     text = format_table(results)
     assert '800.0 MiB  steady peak' in text and text.count('steady peak') == 1
     assert 'estimate (+5.0%)' in text
+
+
+def test_free_offload_estimate_moves_only_what_hides(capsys):
+    """`--offload free` estimates from the modelled step times: on ResNet-50
+    some maps move, no time is added, and the peak is below `shared`'s but
+    above what offloading every convolution input reaches."""
+    path = bench('resnet50_b32')
+    free = memory_json(capsys, '-model', path, '--plans', 'shared,offload', '--offload',
+                       'free')['plans']
+    conv = memory_json(capsys, '-model', path, '--plans', 'offload', '--offload',
+                       'all')['plans']['offload']
+    shared, off = free['shared'], free['offload']
+    assert off['offloaded'] and len(off['offloaded']) < len(conv['offloaded'])
+    assert off['est_iter_ms'] == pytest.approx(shared['est_iter_ms'])
+    assert conv['est_iter_ms'] > shared['est_iter_ms']
+    assert conv['peak_bytes'] < off['peak_bytes'] < shared['peak_bytes']
