@@ -29,7 +29,10 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}:/tmp/site
 # the machine cannot build an editable install, so link it.
 [ -e caffeplus/layers ] || ln -s ../layers caffeplus/layers
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/env.log"
-git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$OUT/env.log"
+# A snapshot (tools/gpu_snapshot.sh) names its commit in COMMIT; git would
+# report the enclosing checkout's.
+if [ -f COMMIT ]; then echo "commit $(cat COMMIT)"; else git log -1 --format='commit %h %s' 2>/dev/null; fi \
+  | tee -a "$OUT/env.log"
 
 if has tests; then
   stamp "gpu-marked tests"
