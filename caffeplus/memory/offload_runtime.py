@@ -36,12 +36,20 @@ across iterations and handed to the next runtime after a re-layout).
 
 Look-ahead. Fixed (an int, 1 by default on the CPU) or 'auto' (the default
 on the GPU): the runtime times one iteration (events around every step,
-and the host->device copies it makes), then, for each buffer, takes the
-least k such that the k steps before its consumer take longer than
-copying it back (bytes / measured bandwidth, with a 25% margin), at most
-the gap since its last forward use; if that changes anything, the arena is
-placed again at the start of the next full forward pass (which rewrites
-every buffer before reading it).
+and the host->device copies it makes; an iteration that captured CUDA
+graphs is timed again, up to MAX_RETIMES times), then, for each buffer,
+takes the least k such that the k steps before its consumer take longer
+than copying it back (bytes / measured bandwidth, with a 25% margin), at
+most the gap since its last forward use; if that changes anything, the
+arena is placed again at the start of the next full forward pass (which
+rewrites every buffer before reading it).
+
+Policy 'free'. The plan starts with nothing offloaded; the runtime times an
+iteration the same way (the link's bandwidth measured by a pinned copy),
+chooses the maps whose copies those times hide
+(caffeplus.memory.free_offload) and hands them over as `pending_offload`;
+AppliedPlan.adopt_free_offload places the arena again with them, holding
+each map's bytes until its copy out is predicted done.
 
 On the CPU there is no copy engine: the same logic runs over simulated
 streams (SimDevice) whose copies run at once ('eager') or only when
