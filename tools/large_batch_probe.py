@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""Why a large batch fails on the GPU: one net at one batch, a plan applied,
+two training iterations; prints the exception and where it was raised.
+
+    python tools/large_batch_probe.py .gpu_carry/bench/vgg16_b64.prototxt --batch 672 \\
+        [--plan shared | --plan auto --budget 78G]
+
+(Session 4: `tools/max_batch.py` saw every VGG-16 `auto` try from batch 672
+up fail without recording why; batch 576 trained. 672 is where conv1's
+output passes 2**31 elements, the limit of 32-bit sizes.)
+"""
+import argparse
+import os
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    ap.add_argument('model')
+    ap.add_argument('--batch', type=int, required=True)
+    ap.add_argument('--plan', default='shared')
+    ap.add_argument('--budget', default=None)
+    args = ap.parse_args(argv)
+    os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
+    import caffeplus
+    from caffeplus.memory import measure, shapes
+    from caffeplus.memory.apply import apply_named_plan
+    from caffeplus.memory.budget import parse_bytes
+    caffeplus.set_mode_gpu(0)
+    param = shapes.load_net_param(args.model, batch=args.batch)
+    largest = max(int(d) for layer in param.layer for s in layer.dummy_data_param.shape
+                  for d in [1] + list(s.dim))
+    print('batch %d (largest input dim %d)' % (args.batch, largest), flush=True)
+    step = 'build'
+    try:
+        solver = measure._solver(param, 'SGD', 2)
+        net = solver.net
+        biggest = max(net._blobs, key=lambda b: b.count)
+        print('largest blob: %s, %d elements (2**31 = %d)'
+              % (net._blob_names[net._blobs.index(biggest)], biggest.count, 2 ** 31), flush=True)
+        step = 'plan'
+        apply_named_plan(net, args.plan, training=True,
+                         budget=parse_bytes(args.budget) if args.budget else None)
+        for i in range(2):
+            step = 'iteration %d' % (i + 1)
+            t0 = time.time()
+            measure.run_iteration(net, solver)
+            print('%s: %.1f s' % (step, time.time() - t0), flush=True)
+    except BaseException as exc:      # noqa: BLE001 -- the point is to see it
+        print('FAILED at %s: %s: %s' % (step, type(exc).__name__, exc))
+        print(''.join(traceback.format_exc().splitlines(True)[-25:]))
+        return 1
+    print('ok')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
