@@ -25,17 +25,16 @@ def main(argv=None):
     ap.add_argument('--batch', type=int, required=True)
     ap.add_argument('--plan', default='shared')
     ap.add_argument('--budget', default=None)
+    ap.add_argument('--cpu', action='store_true', help='run on the CPU (a check of the script)')
     args = ap.parse_args(argv)
     os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
     import caffeplus
     from caffeplus.memory import measure, shapes
     from caffeplus.memory.apply import apply_named_plan
     from caffeplus.memory.budget import parse_bytes
-    caffeplus.set_mode_gpu(0)
+    if not args.cpu:
+        caffeplus.set_mode_gpu(0)
     param = shapes.load_net_param(args.model, batch=args.batch)
-    largest = max(int(d) for layer in param.layer for s in layer.dummy_data_param.shape
-                  for d in [1] + list(s.dim))
-    print('batch %d (largest input dim %d)' % (args.batch, largest), flush=True)
     step = 'build'
     try:
         solver = measure._solver(param, 'SGD', 2)
