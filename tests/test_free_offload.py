@@ -214,3 +214,16 @@ def test_an_estimated_free_plan_starts_without_offload():
     apply_plan(net, plan, runtime_options={'simulate': 'lazy', 'bandwidth': 1e15})
     applied = net.applied_plan
     assert applied.info()['offloaded'] == [] and applied.runtime.choosing
+
+
+def test_a_relayout_before_the_timing_keeps_the_choice_to_come():
+    """A re-layout before the timed iteration (the placed workspace's, after
+    the algorithm search) must not mark the runtime calibrated: policy
+    'free' still times and chooses."""
+    net = small_net(text=CHAIN)
+    apply_named_plan(net, 'offload', offload_policy='free',
+                     runtime_options={'simulate': 'lazy', 'bandwidth': 1e15})
+    sgd_run(net, iters=1)
+    net.applied_plan.relayout()
+    sgd_run(net, iters=5)
+    assert net.applied_plan.options['plan_overrides']['offload_hidden']

@@ -571,7 +571,7 @@ class OffloadRuntime:
 
     # -- lifetime ---------------------------------------------------------------------
     def state_for_relayout(self):
-        return {'iteration': self.iteration, 'calibrated': self.calibrated or self.choosing,
+        return {'iteration': self.iteration, 'calibrated': self.calibrated,
                 'bandwidth': self.bandwidth, 'step_seconds': self.step_seconds,
                 'stats': dict(self.stats)}
 
