@@ -243,7 +243,6 @@ class AppliedPlan:
         """Policy 'free': offload the maps of `hidden` ({buffer key:
         free_offload.Hidden}) from now on; placed again at once (called at
         the start of a full forward, which rewrites every buffer)."""
-        from caffeplus.memory import offload
         from caffeplus.memory.budget import format_bytes
         overrides = dict(self.options.get('plan_overrides', {}))
         overrides.update(offload_policy='free', offload_hidden=dict(hidden))
@@ -257,16 +256,9 @@ class AppliedPlan:
             self._no_free_offload('%d feature maps could move unseen, none where the arena '
                                   'peaks' % len(hidden))
             return
-        net = self.net
-        lookahead = {}
-        for b in liveness.buffers(net, keep=self.options.get('keep', ()),
-                                  training=self.training):
-            if b.key in hidden:
-                _, bwd = offload._uses(net, b)
-                lookahead[tuple(b.blobs)] = min(bwd) - hidden[b.key].prefetch
         bandwidth = getattr(self.runtime, 'bandwidth', None) or 0
         before = self.arena_bytes
-        self.relayout(lookahead_steps=lookahead, replan=True)
+        self.relayout(replan=True)      # _set_lookahead takes the chosen prefetch steps
         if self.arena_bytes >= before:
             # Placed with the workspace, the held and returning lives
             # fragment the arena more than the absences save.
@@ -503,19 +495,23 @@ class AppliedPlan:
 
     def _set_lookahead(self, entries, lookahead_steps):
         """Offloaded storages: their backward life starts `lookahead` steps
-        before the first backward use (per storage when calibrated)."""
+        before the first backward use (per storage when calibrated; policy
+        'free': at the prefetch step it chose)."""
         from caffeplus.memory import offload
         net = self.net
         default = self.options.get('lookahead') or 1
         if not isinstance(default, int):
             default = 1
+        hidden = self.options.get('plan_overrides', {}).get('offload_hidden') or {}
         for e in entries:
             if not e.offloaded or len(e.lives) != 2:
                 e.offloaded = False
                 continue
             fwd, bwd = offload._uses(net, e.lives[0].buf)
             last_fwd, first_back = e.lives[0].end, min(bwd)
-            k = int(lookahead_steps.get(e.names, default))
+            chosen = hidden.get(e.lives[0].buf.key[:2])      # the key before shorten's suffix
+            k = first_back - chosen.prefetch if chosen is not None else \
+                int(lookahead_steps.get(e.names, default))
             e.lives[1].start = max(first_back - max(k, 1), last_fwd + 1)
 
     def _reasons(self):

@@ -117,8 +117,3 @@ def choose_hidden(net, bufs, candidates, step_seconds, bandwidth, margin=MARGIN,
         plan = trial
         host += item[1]
     return plan
-
-
-def names_of(bufs, hidden):
-    """{blob names of a buffer: Hidden} (how the applied plan knows storages)."""
-    return {b.blobs: hidden[b.key] for b in bufs if b.key in hidden}
