@@ -451,6 +451,7 @@ def test_image_data_shuffle_is_seeded_and_resumable():
 
 
 def test_image_data_errors_name_image_and_list(tmp_path):
+    need(os.path.join(IO, 'images', 'img_00.png'))
     lst = tmp_path / 'list.txt'
     lst.write_text('\nno_such_image.png 1\nimg_00.png 3\n')
     with pytest.raises(CaffeplusError, match=r"no_such_image.png.*line 2.*list.txt"):

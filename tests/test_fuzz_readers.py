@@ -79,6 +79,7 @@ def test_fuzz_target(worker, target):
 def test_fuzz_engine_sees_crashes_hangs_and_memory():
     """The worker reports a crash, a hang and an unbounded allocation as
     problems (so a clean CI run means something)."""
+    need(REFERENCE)       # the worker seeds its targets from the reference files
     w = fr.Worker(time_limit=2.0)
     try:
         w.start()
@@ -96,6 +97,7 @@ def test_fuzz_engine_sees_crashes_hangs_and_memory():
 
 
 def test_fuzz_tool_command_line(tmp_path):
+    need(REFERENCE)
     out = subprocess.run([sys.executable, os.path.join(ROOT, 'tools', 'fuzz_readers.py'),
                           '--seconds', '3', '--targets', 'datum,binaryproto', '--out',
                           str(tmp_path / 'findings')],

@@ -71,6 +71,7 @@ def test_load_stock_hdf5_weights_equal_binary(tmp_path):
 
 
 def test_write_caffemodel_is_readable_and_round_trips_values(tmp_path):
+    need(os.path.join(IO, 'lenet_iter_2.caffemodel'))
     net = lenet(tmp_path)
     net.copy_from(os.path.join(IO, 'lenet_iter_2.caffemodel'))
     out = tmp_path / 'out.caffemodel'
@@ -90,6 +91,7 @@ def test_write_caffemodel_is_readable_and_round_trips_values(tmp_path):
 
 
 def test_hdf5_layout_matches_caffe(tmp_path):
+    need(os.path.join(IO, 'lenet_iter_2.caffemodel'))
     net = lenet(tmp_path)
     net.copy_from(os.path.join(IO, 'lenet_iter_2.caffemodel'))
     out = tmp_path / 'out.caffemodel.h5'
@@ -120,6 +122,7 @@ def test_legacy_4d_blob_shapes_load(tmp_path):
 
 
 def test_weight_shape_mismatch_names_layer_index_and_shapes(tmp_path):
+    need(os.path.join(IO, 'lenet_iter_2.caffemodel'))
     text = LENET_NO_DATA.replace('num_output: 500', 'num_output: 400')
     path = tmp_path / 'small.prototxt'
     path.write_text(text)
@@ -132,6 +135,7 @@ def test_weight_shape_mismatch_names_layer_index_and_shapes(tmp_path):
 
 
 def test_truncated_caffemodel_is_a_clear_error(tmp_path):
+    need(os.path.join(IO, 'lenet_iter_2.caffemodel'))
     src = open(os.path.join(IO, 'lenet_iter_2.caffemodel'), 'rb').read()
     bad = tmp_path / 'truncated.caffemodel'
     bad.write_bytes(src[:len(src) // 2])
