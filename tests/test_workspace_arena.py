@@ -65,6 +65,58 @@ def test_plan_sites_buffer_is_largest_choice():
         assert s.choice.memory <= 250
 
 
+def _knee_sites():
+    # Two convolutions: conv_a's Winograd-like 900 MB buys 5% on a 10 ms
+    # call over a 90 MB chunked variant; conv_b needs 200 MB to be 2x faster.
+    return [Site('fwd', [Cand(7, 900 * MB, 10.0), Cand(7, 90 * MB, 10.5), Cand(1, 0, 20.0)]),
+            Site('bwd_data', [Cand(5, 200 * MB, 4.0), Cand(0, 0, 8.0)])]
+
+
+def brute_force_knee(sites, budget, tolerance):
+    """Try every budget level; the least whose summed time is within tolerance."""
+    def total(limit):
+        return sum(min(c.time for c in s.candidates if c.memory <= limit) for s in sites)
+    levels = sorted({c.memory for s in sites for c in s.candidates if c.memory <= budget})
+    return min(b for b in levels if total(b) <= total(budget) * (1 + tolerance))
+
+
+@pytest.mark.parametrize('tolerance', [0.0, 0.03, 0.05, 0.2, 0.5, 1.0])
+def test_knee_budget_is_the_least_within_tolerance(tolerance):
+    sites = _knee_sites()
+    got = workspace.knee_budget(sites, 10 ** 12, tolerance=tolerance)
+    assert got == brute_force_knee(sites, 10 ** 12, tolerance)
+    # 14 ms fastest; 900 MB -> 90 MB costs 0.5 ms (3.6%); 200 MB -> 0 costs 4 ms.
+    assert got == {0.0: 900 * MB, 0.03: 900 * MB, 0.05: 200 * MB, 0.2: 200 * MB,
+                   0.5: 90 * MB, 1.0: 0}[tolerance]
+
+
+def test_knee_keeps_a_tighter_budget_and_the_arena_shrinks_to_it():
+    sites = _knee_sites()
+    assert workspace.knee_budget(sites, 150 * MB, tolerance=0.5) == 90 * MB
+    budget = workspace.knee_budget(sites, 10 ** 12, tolerance=0.05)
+    assert plan_sites(sites, budget) == 200 * MB
+    assert [s.choice.memory for s in sites] == [90 * MB, 200 * MB]
+
+
+def test_knee_needs_times_and_can_be_turned_off(monkeypatch):
+    untimed = [Site('fwd', [Cand(7, 900 * MB, -1.0), Cand(1, 0, -1.0)])]   # heuristics
+    assert workspace.knee_budget(untimed, 10 ** 12, tolerance=0.5) == 10 ** 12
+    sites = _knee_sites()
+    assert workspace.knee_budget(sites, 10 ** 12, tolerance=-1) == 10 ** 12
+    monkeypatch.setenv('CAFFEPLUS_WORKSPACE_TOLERANCE', '-1')
+    assert workspace.knee_budget(sites, 10 ** 12) == 10 ** 12
+    monkeypatch.setenv('CAFFEPLUS_WORKSPACE_TOLERANCE', 'fast')
+    with pytest.raises(CaffeplusError, match='CAFFEPLUS_WORKSPACE_TOLERANCE'):
+        workspace.knee_budget(sites, 10 ** 12)
+
+
+def test_knee_with_deterministic_math_weighs_deterministic_candidates_only():
+    sites = [Site('fwd', [Cand(7, 900 * MB, 10.0, deterministic=False),
+                          Cand(6, 500 * MB, 12.0), Cand(1, 0, 30.0)])]
+    assert workspace.knee_budget(sites, 10 ** 12, deterministic=True, tolerance=0.03) \
+        == 500 * MB
+
+
 def test_stock_choice_is_first_within_8mb():
     cands = [Cand(6, STOCK_WORKSPACE_LIMIT + 1), Cand(1, STOCK_WORKSPACE_LIMIT), Cand(0, 0)]
     assert choose_stock(cands).algo == 1

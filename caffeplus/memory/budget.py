@@ -179,8 +179,9 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
         choice = {i: wm.stock_candidate(l) for i, l in convs}
         workspace = wm.stock_workspace(net)
     else:
-        choice = {i: wm.fastest(l) for i, l in convs}
-        workspace = wm.arena_workspace(net)
+        cap = wm.knee_cap(net)
+        choice = {i: wm.fastest(l, cap) for i, l in convs}
+        workspace = wm.arena_workspace(net, cap)
     placing = name in ('shared', 'offload')
     kept = model_internals(net) if placing else None
     other = wm.other_bytes(net, name) - (sum(sum(k.values()) for k in kept.values())
@@ -197,7 +198,7 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
     if placing:
         bare = make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
                          offload_policy=offload_policy, internals=kept, offload_hidden=hidden)
-        sizes = placed_workspace_sizes(net, bare.buffers, bare.steps, training)
+        sizes = placed_workspace_sizes(net, bare.buffers, bare.steps, training, cap=cap)
     plan = make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
                      offload_policy=offload_policy, workspace=sizes,
                      internals=kept, other_bytes=other, offload_hidden=hidden)

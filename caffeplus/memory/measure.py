@@ -96,16 +96,21 @@ class PeakTracker:
             name = 'CaffeplusPeakTracker'
 
             def malloc_postprocess(hook, **kw):
+                self._mine[kw['mem_ptr']] = kw['mem_size']
                 self.live += kw['mem_size']
                 self.pool_peak = max(self.pool_peak, self.live)
 
             def free_postprocess(hook, **kw):
-                self.live -= kw['mem_size']
+                # Only blocks taken while tracking: arrays of earlier work
+                # freed meanwhile (a garbage collection) would drive the
+                # count below zero.
+                self.live -= self._mine.pop(kw['mem_ptr'], 0)
 
             def alloc_postprocess(hook, **kw):
                 self.sample()
 
         self._hook = _Hook()
+        self._mine = {}             # device pointer -> bytes, of blocks taken while tracking
         self.live = 0
         self.pool_peak = 0
         self.device_peak = 0

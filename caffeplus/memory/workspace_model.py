@@ -246,6 +246,34 @@ def arena_workspace(net, cap=None):
     return max([fastest(l, cap).bytes for _, l in conv_layers(net)] + [0])
 
 
+def knee_cap(net, tolerance=None):
+    """The workspace cap the arena takes without a user's limit
+    (caffeplus.memory.workspace.knee_budget, on the model's candidates): the
+    least at which the convolutions' modelled time, every call site at its
+    fastest candidate within the cap, is within the tolerance of their time
+    without a cap. None: no cap (the knee is off)."""
+    from caffeplus.memory.workspace import knee_tolerance
+    if tolerance is None:
+        tolerance = knee_tolerance()
+    if tolerance < 0:
+        return None
+    sites = [(ConvShape(l).flops, candidates(l, kind))
+             for _, l in conv_layers(net) for kind in KINDS]
+    if not sites:
+        return None
+
+    def total(cap):
+        return sum(flops * min(c.time_factor for c in cands if cap is None or c.bytes <= cap)
+                   for flops, cands in sites)
+
+    best = total(None)
+    for cap in sorted({c.bytes for _, cands in sites for c in cands}):
+        if all(any(c.bytes <= cap for c in cands) for _, cands in sites) and \
+                total(cap) <= best * (1.0 + tolerance):
+            return cap
+    return None
+
+
 def workspace_levels(net):
     """Every distinct arena size a cap can produce, ascending."""
     sizes = {0}
