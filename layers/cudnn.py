@@ -87,12 +87,31 @@ def _as4d(shape):
     return tuple(shape)
 
 
-# cuDNN's tensor descriptors index with 32-bit ints: larger blobs run generically.
+# cuDNN's tensor descriptors index with 32-bit ints. Convolution and pooling
+# run larger blobs in equal slices of the batch that fit (batch_slices), one
+# cuDNN call per slice; the other layers run them generically.
 MAX_CUDNN_COUNT = 2 ** 31 - 1
 
 
 def _fits(*shapes):
     return all(_prod(s) <= MAX_CUDNN_COUNT for s in shapes)
+
+
+def batch_slices(num, *item_shapes):
+    """How many equal slices of a batch of `num` items, each item of the
+    given shapes (one image's tensors), each cuDNN call must run over so
+    that every tensor of a call fits MAX_CUDNN_COUNT: 1 when the whole
+    batch does, the fewest dividing `num` otherwise, None when one item
+    alone does not fit."""
+    per = max([_prod(s) for s in item_shapes] + [1])
+    if per > MAX_CUDNN_COUNT or num < 1:
+        return None
+    if num * per <= MAX_CUDNN_COUNT:
+        return 1
+    for k in range(2, num + 1):
+        if num % k == 0 and (num // k) * per <= MAX_CUDNN_COUNT:
+            return k
+    return None
 
 
 def _addr(array, offset_bytes=0):
@@ -189,6 +208,7 @@ class _ConvDescs:
         # Each of the `loops` calls reads and writes at these byte offsets
         # from the last: the next group's channels, or the next batch slice
         # (the same filter and bias).
+        self.batch_chunks = chunks
         if chunks > 1:
             self.loops = chunks
             self.x_off = nc * cx * _prod(xsp) * FLOAT_BYTES
@@ -237,17 +257,24 @@ class _ConvDescs:
         def run(ws_ptr, ws_bytes):
             # FindEx results hold for one math mode (TF32 or strict) only.
             key = None if geometry_key is None else \
-                geometry_key + (kind, int(ws_bytes), mathmode.cudnn_math_type(),
+                geometry_key + (kind, int(ws_bytes), mathmode.cudnn_math_type(), self.batch_chunks,
                                 per_group is not None, gemm is not None, tuple(sorted(chunked)))
             if key is not None and key in _TIMED:
                 return list(_TIMED[key])
             import cupy
-            xa = cupy.random.standard_normal(self.x_full, dtype=numpy.float32)
-            ya = cupy.random.standard_normal(self.y_full, dtype=numpy.float32)
+            # A sliced call touches its first slice only: scratch of one
+            # slice (a batch too large for one call would double its bytes).
+            k = self.batch_chunks if not chunked else 1
+            xa = cupy.random.standard_normal((self.x_full[0] // k,) + self.x_full[1:],
+                                             dtype=numpy.float32)
+            ya = cupy.random.standard_normal((self.y_full[0] // k,) + self.y_full[1:],
+                                             dtype=numpy.float32)
             wa = cupy.random.standard_normal(self.w_shape, dtype=numpy.float32)
             try:
                 found = api.timed_algorithms(kind, self.x, self.w, self.conv, self.y, xa, wa, ya,
                                              ws_ptr or None, ws_bytes)
+                for c in found:
+                    c.time *= self.batch_chunks       # one call per slice
                 if per_group is not None:
                     more = api.timed_algorithms(kind, per_group.x, per_group.w, per_group.conv,
                                                 per_group.y, xa, wa, ya, ws_ptr or None, ws_bytes)
@@ -512,13 +539,17 @@ def _bias_gradient(cd, dtop, db):
     (calc_bias_diff) took 2.1 of AlexNet's 9.2 ms a TF32 iteration on the
     H100 (tools/kernel_profile.py); it stays as the fallback."""
     if _channel_sums_ok[0]:
-        n, c = cd.top_full[0], cd.top_full[1]
+        # A top too large for one call is summed slice by slice (the kernel
+        # indexes with 32-bit ints); each slice adds to db.
+        pieces = cd.batch_chunks if _prod(cd.top_full) > MAX_CUDNN_COUNT else 1
+        n, c = cd.top_full[0] // pieces, cd.top_full[1]
         s = _prod(cd.top_full[2:])
         p = _kernels.sum_blocks_per_channel(c, n * s)
         if cd.bias_part is None or cd.bias_part.size < c * p:
             cd.bias_part = _kernels.empty(c * p, numpy.float64)
         try:
-            _kernels.channel_sums(dtop, cd.bias_part, db, n, c, s, p)
+            for g in range(pieces):
+                _kernels.channel_sums(dtop + g * cd.top_off, cd.bias_part, db, n, c, s, p)
             return
         except Exception as exc:        # the extra module did not build here
             _channel_sums_ok[0] = False
@@ -613,8 +644,19 @@ class _CudnnConvolutionMixin(_CudnnMixin):
     def _cudnn_geometry_ok(self):
         if not (self.channel_axis == 1 and 1 <= self.num_spatial <= 3 and self.num > 0):
             return False
-        return _fits((self.num, self.channels) + tuple(self.in_spatial),
-                     (self.num, self.num_output) + tuple(self.out_spatial))
+        k = self._batch_slices()
+        # Caffe's per-group calls (plan stock) over batch slices too: not built.
+        return k is not None and (k == 1 or not self._split_groups())
+
+    def _batch_slices(self):
+        """Slices of the batch each cuDNN call runs over (batch_slices): 1
+        unless an input or output blob exceeds cuDNN's 32-bit count."""
+        return batch_slices(self.num, (self.channels,) + tuple(self.in_spatial),
+                            (self.num_output,) + tuple(self.out_spatial))
+
+    def _call_loops(self):
+        """The calls one cuDNN operation of the current descriptors makes."""
+        return self.group if self._split_groups() else self._batch_slices()
 
     def _split_groups(self):
         return self.memory_plan == 'stock' and self.group > 1
@@ -629,7 +671,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         if plan_name == 'stock' and backend.mode() == backend.GPU and cudnn_available():
             manager.create_handles()
         if self._cd is not None:
-            if self._cd.loops == (self.group if self._split_groups() else 1) and \
+            if self._cd.loops == self._call_loops() and \
                     getattr(self, '_built_timed', False) == self._timed_search():
                 manager.register(self, list(self._sites.values()))     # same descriptors
                 if plan_name == 'stock':
@@ -646,7 +688,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
 
     def _key(self):
         return (self.num, tuple(self.in_spatial), tuple(self.out_spatial), self._split_groups(),
-                mathmode.generation(), _workspace().search_mode(), backend.device())
+                self._batch_slices(), mathmode.generation(), _workspace().search_mode(),
+                backend.device())
 
     def _build_cudnn(self):
         """Descriptors and call sites for the current shapes (cached)."""
@@ -654,7 +697,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         if key == self._cd_key:
             return
         workspace = _workspace()
-        cd = _ConvDescs(self, self._split_groups())
+        slices = self._batch_slices()
+        cd = _ConvDescs(self, self._split_groups(), slices)
         timed = self._timed_search()
         self._built_timed = timed
         self._auto_timed = timed and workspace.search_mode() != 'timed'
@@ -668,7 +712,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         gemm = _GemmConv(self) if timed and cd.loops == 1 and _GemmConv.eligible(self) else None
         # The batch in halves and quarters: less workspace at about the speed.
         chunked = {v: _ConvDescs(self, False, k) for v, k in CHUNK_VARIANTS.items()
-                   if timed and cd.loops == 1 and self.num % k == 0 and self.num >= 2 * k and
+                   if timed and cd.loops == 1 and slices == 1 and self.num % k == 0 and
+                   self.num >= 2 * k and
                    _chunk_search()}
         sites = {}
         for kind in workspace.KINDS:
@@ -756,7 +801,10 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         if self._cd is None:
             return 0
         from caffeplus.memory import workspace
-        cd = self._cd if self._cd.loops == self.group else _ConvDescs(self, True)
+        if self._cd.batch_chunks > 1:
+            cd = self._cd           # too large for one call: Caffe 1.0 could not run it
+        else:
+            cd = self._cd if self._cd.loops == self.group else _ConvDescs(self, True)
         choices = [workspace.choose_stock(cd.candidates(k)) for k in workspace.KINDS]
         return workspace.stock_bytes(choices, self.group)
 
@@ -864,6 +912,19 @@ def cudnn_pool_size(size, kernel, stride, pad):
     return 1 + (size + 2 * pad - kernel) // stride
 
 
+def _pool_forward_calls(pd, xd, x, yd, y, loops):
+    k, x_step, y_step = loops
+    for g in range(k):
+        api.pooling_forward(pd, xd, x + g * x_step, yd, y + g * y_step)
+
+
+def _pool_backward_calls(pd, yd, y, dy, xd, x, dx, loops):
+    k, x_step, y_step = loops
+    for g in range(k):
+        api.pooling_backward(pd, yd, y + g * y_step, dy + g * y_step, xd, x + g * x_step,
+                             dx + g * x_step)
+
+
 @register_engine('CUDNN')
 class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
     """MAX and AVE pooling through cuDNN where cuDNN's output shape equals
@@ -891,7 +952,7 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
         """Whether cuDNN computes exactly Caffe's pooling for this geometry."""
         pool = self.pool
         if pool is None or pool.method not in (MAX, AVE) or self._ntop != 1 or \
-                not _fits(pool.x_shape):
+                self._batch_slices() is None:
             return False
         (kh, kw), (sh, sw), (ph, pw) = pool.geom
         h, w = pool.x_shape[2:]
@@ -908,7 +969,8 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
         from caffeplus.backend import mathmode
         from caffeplus.cudnn import api
         pool = self.pool
-        key = (pool.x_shape, pool.out_shape, tuple(pool.geom), pool.method,
+        k = self._batch_slices()
+        key = (pool.x_shape, pool.out_shape, tuple(pool.geom), pool.method, k,
                mathmode.generation(), backend.device())
         if key == self._pd_key:
             return
@@ -916,10 +978,18 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
             mode = api.POOL_MAX_DETERMINISTIC if mathmode.deterministic() else api.POOL_MAX
         else:
             mode = api.POOL_AVG_INCLUDE_PAD
+        n = pool.x_shape[0] // k
+        x_slice, y_slice = (n,) + tuple(pool.x_shape[1:]), (n,) + tuple(pool.out_shape[1:])
         self._pd = (api.PoolDesc(mode, pool.geom.kernel, pool.geom.pad, pool.geom.stride),
-                    api.TensorDesc(pool.x_shape), api.TensorDesc(pool.out_shape))
+                    api.TensorDesc(x_slice), api.TensorDesc(y_slice))
+        # One call per batch slice (a blob over cuDNN's 32-bit count): byte steps.
+        self._pool_loops = (k, _prod(x_slice) * FLOAT_BYTES, _prod(y_slice) * FLOAT_BYTES)
         self._replays = api.Replays()
         self._pd_key = key
+
+    def _batch_slices(self):
+        pool = self.pool
+        return batch_slices(pool.x_shape[0], pool.x_shape[1:], pool.out_shape[1:])
 
     def _ready(self, *arrays):
         if not self.cudnn_agrees() or not self._cudnn_usable(*arrays):
@@ -936,7 +1006,8 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
             return super()._forward(bottom, top)
         pd, xd, yd = self._pd
         x, y = _dptr(bottom[0]), _dptr(top[0])
-        self._replays.run(('f', x, y), functools.partial(api.pooling_forward, pd, xd, x, yd, y))
+        self._replays.run(('f', x, y), functools.partial(_pool_forward_calls, pd, xd, x, yd, y,
+                                                         self._pool_loops))
 
     def _backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
@@ -951,7 +1022,7 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
         y, dy = _dptr(top[0]), _dptr(top[0], True)
         x, dx = _dptr(bottom[0]), _dptr(bottom[0], True)
         self._replays.run(('b', y, dy, x, dx), functools.partial(
-            api.pooling_backward, pd, yd, y, dy, xd, x, dx))
+            _pool_backward_calls, pd, yd, y, dy, xd, x, dx, self._pool_loops))
 
     # -- Caffe's windows where cuDNN's differ (the ceil rule): caffeplus.kernels
     _arg_buf = None

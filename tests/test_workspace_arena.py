@@ -481,3 +481,83 @@ def test_batch_sliced_calls_match_the_cpu(tmp_path, variant):
     ref = _cpu_reference(tmp_path, x, dy, w, bias=True)
     assert sorted(got) == sorted(ref) and 'conv2_db' in ref
     _close(got, ref, tol=5e-3)
+
+
+# -- blobs over cuDNN's 32-bit element count: calls over slices of the batch ---------------
+def test_batch_slices_are_the_fewest_equal_slices_that_fit(monkeypatch):
+    from caffeplus.layers import cudnn as L
+    monkeypatch.setattr(L, 'MAX_CUDNN_COUNT', 1000)
+    assert L.batch_slices(8, (10, 10)) == 1              # 800 values
+    assert L.batch_slices(8, (10, 10), (5, 30)) == 2     # 8 x 150 > 1000, 4 x 150 fits
+    assert L.batch_slices(12, (300,)) == 4               # 3 x 300 fits, 6 x 300 does not
+    assert L.batch_slices(7, (300,)) == 7                # prime: one image a call
+    assert L.batch_slices(8, (1001,)) is None            # one image alone is too large
+    monkeypatch.setattr(L, 'MAX_CUDNN_COUNT', 2 ** 31 - 1)
+    # VGG-16's conv1_2 at batch 672: 64 x 224 x 224 values an image, 2.16e9 in all.
+    assert L.batch_slices(672, (64, 224, 224)) == 2
+    assert L.batch_slices(576, (64, 224, 224)) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('search', ['heuristic', 'timed'])
+def test_convolutions_over_batch_slices_match_the_cpu(tmp_path, monkeypatch, search):
+    """With cuDNN's count lowered so that every blob of the net is too large
+    for one call, each convolution runs its calls over quarters of the
+    batch; outputs, bottom gradients and the accumulated filter and bias
+    gradients match the CPU."""
+    from caffeplus.layers import cudnn as L
+    x, dy = _inputs()
+    # conv1's top, 32 x 28 x 28 an image: a quarter of the batch (2 images) fits.
+    monkeypatch.setattr(L, 'MAX_CUDNN_COUNT', 2 * 32 * 28 * 28)
+    previous = workspace.set_search(search)
+    try:
+        caffeplus.set_mode_gpu()
+        net = _net(tmp_path)
+        w = _weights(net)
+        got = _run(net, x, dy, bias=True)
+        convs = [l for l in net.layers if hasattr(l, '_cd')]
+        assert [l._cd.loops for l in convs] == [4, 4, 4]
+        assert all(l._cd.batch_chunks == 4 for l in convs)
+    finally:
+        workspace.set_search(previous)
+    ref = _cpu_reference(tmp_path, x, dy, w, bias=True)
+    assert sorted(got) == sorted(ref) and 'conv2_db' in ref
+    _close(got, ref, tol=5e-3 if search == 'timed' else 2e-4)
+
+
+POOL_NET = '''
+name: "pools"
+force_backward: true
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 6 dim: 4 dim: 12 dim: 12 } } }
+layer { name: "pmax" type: "Pooling" bottom: "data" top: "pmax"
+  pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "pave" type: "Pooling" bottom: "pmax" top: "pave"
+  pooling_param { pool: AVE kernel_size: 3 stride: 1 pad: 1 } }
+'''
+
+
+@pytest.mark.gpu
+def test_pooling_over_batch_slices_matches_the_cpu(tmp_path, monkeypatch):
+    from caffeplus.layers import cudnn as L
+    rng = numpy.random.default_rng(5)
+    x = rng.standard_normal((6, 4, 12, 12)).astype(numpy.float32)
+    dy = rng.standard_normal((6, 4, 6, 6)).astype(numpy.float32)
+    # pmax's bottom, 4 x 12 x 12 an image: thirds of the batch (2 images) fit.
+    monkeypatch.setattr(L, 'MAX_CUDNN_COUNT', 2 * 4 * 12 * 12)
+
+    def run():
+        net = _net(tmp_path, POOL_NET, 'pools.prototxt')
+        net.blobs['data'].data[...] = x
+        net.forward()
+        net.blobs['pave'].diff[...] = dy
+        net.backward()
+        return net, {'pave': backend.to_numpy(net.blobs['pave'].data).copy(),
+                     'dx': backend.to_numpy(net.blobs['data'].diff).copy()}
+
+    caffeplus.set_mode_gpu()
+    net, got = run()
+    pools = [l for l in net.layers if hasattr(l, '_pool_loops')]
+    assert [l._pool_loops[0] for l in pools] == [3, 1]     # pave's blobs fit whole
+    caffeplus.set_mode_cpu()
+    _, ref = run()
+    _close(got, ref, tol=1e-6)

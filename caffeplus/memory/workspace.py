@@ -17,8 +17,9 @@ nbytes)`) and gives it back. The budget is `limit` bytes when given (the
 solver's caffeplus_param.workspace_limit, --workspace_limit), else what the
 GPU can spare after the net's other memory (blobs not yet allocated, with a
 margin), lowered where timed candidates show the extra workspace buys less
-than KNEE_TOLERANCE of the convolutions' time (knee_budget). A reshape that changes a layer's candidates marks the arena for a
-re-plan before the next checkout.
+than KNEE_TOLERANCE of the convolutions' time (knee_budget). A reshape
+that changes a layer's candidates marks the arena for a re-plan before the
+next checkout.
 
 Placed (the reusing plans: shared, offload, auto). The algorithms are
 chosen as the arena chooses them, then the memory plan places each layer's
