@@ -49,7 +49,12 @@ def main(argv=None):
             step = 'iteration %d' % (i + 1)
             t0 = time.time()
             measure.run_iteration(net, solver)
-            print('%s: %.1f s' % (step, time.time() - t0), flush=True)
+            used = ''
+            if not args.cpu:
+                import cupy
+                free, total = cupy.cuda.runtime.memGetInfo()
+                used = ', device memory used now %.1f GiB' % ((total - free) / 2 ** 30)
+            print('%s: %.1f s%s' % (step, time.time() - t0, used), flush=True)
     except BaseException as exc:      # noqa: BLE001 -- the point is to see it
         print('FAILED at %s: %s: %s' % (step, type(exc).__name__, exc))
         print(''.join(traceback.format_exc().splitlines(True)[-25:]))
