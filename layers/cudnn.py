@@ -1885,30 +1885,40 @@ class _FusedReLUMixin:
     """ReLU (any slope) through cp_relu_fwd / cp_relu_bwd; a link of a chain."""
     _chain = None
 
+    # Elementwise: a blob over the kernels' 32-bit count runs in pieces
+    # (the generic code's temporaries would take 1-4 bytes per value more).
     def _fast_forward(self, bottom, top):
         from caffeplus import kernels as K
         n = bottom[0]._count
-        if not 0 < n <= K.MAX_COUNT:
+        if n <= 0:
             return False
         x, y = K.flat(bottom[0]), K.flat(top[0])
         if x is None or y is None:
             return False
-        K.kernel('cp_relu_fwd')(K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,),
-                                (x, y, K.u32(n), F32(self.slope)))
+        for o, m in _pieces(n, K.MAX_COUNT):
+            K.kernel('cp_relu_fwd')(K.elementwise_grid(m), (K.ELEMENTWISE_THREADS,),
+                                    (x[o:o + m], y[o:o + m], K.u32(m), F32(self.slope)))
         return True
 
     def _fast_backward(self, top, propagate_down, bottom):
         from caffeplus import kernels as K
         n = top[0]._count
-        if not 0 < n <= K.MAX_COUNT:
+        if n <= 0:
             return False
         ref = K.flat(top[0]) if self.slope >= 0 else K.flat(bottom[0])
         dy, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
         if ref is None or dy is None or dx is None:
             return False
-        K.kernel('cp_relu_bwd')(K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,),
-                                (dy, ref, dx, K.u32(n), F32(self.slope)))
+        for o, m in _pieces(n, K.MAX_COUNT):
+            K.kernel('cp_relu_bwd')(K.elementwise_grid(m), (K.ELEMENTWISE_THREADS,),
+                                    (dy[o:o + m], ref[o:o + m], dx[o:o + m], K.u32(m),
+                                     F32(self.slope)))
         return True
+
+
+def _pieces(n, most):
+    """(offset, length) of consecutive pieces of n values, each at most `most`."""
+    return [(o, min(most, n - o)) for o in range(0, n, most)]
 
 
 # The fused kernels replace cuDNN's activation for ReLU (same values; one

@@ -752,3 +752,12 @@ def test_channel_sums_gpu(shape, monkeypatch):
     cupy = pytest.importorskip('cupy')
     kernels.reset_kernels()
     _check_channel_sums(cupy, shape, kernels.SUM_MIN_VALUES, monkeypatch)
+
+
+@pytest.mark.parametrize('name', ['relu', 'relu_inplace', 'relu_leaky', 'relu_negative_slope'])
+def test_relu_over_the_kernels_count_runs_in_pieces(name, emulated, monkeypatch):
+    # Blobs of 2**31 values or more (VGG-16's conv1 tops from batch 668 on)
+    # run the elementwise kernels piece by piece: here pieces of 17 values.
+    monkeypatch.setattr(kernels, 'MAX_COUNT', 17)
+    case = [c for c in LAYER_CASES if c[0] == name][0]
+    _check_layer_case(case, gpu=False)
