@@ -343,6 +343,18 @@ def test_arena_workspace_is_the_largest_fastest_need():
     assert wm.arena_workspace(net, cap=0) == 0
 
 
+def test_measuring_solver_applies_no_plan_of_its_own():
+    # The plan measured is applied by measure itself; a solver's own 'shared'
+    # arena built first would sit beside it (and alone exceed the GPU at
+    # VGG-16 batch 1536).
+    from caffeplus.solver import get_solver
+    param = shapes.load_net_param(LENET, batch=2)
+    solver = measure._solver(param, 'SGD', 1)
+    assert solver.net.applied_plan is None
+    sp = solver.param
+    assert get_solver(sp).net.applied_plan is not None       # the default: 'shared'
+
+
 def test_knee_cap_is_the_least_cap_within_tolerance_of_the_model():
     net = shapes.build_net(shapes.load_net_param(bench('vgg16_b64')))
     convs = [l for _, l in wm.conv_layers(net)]

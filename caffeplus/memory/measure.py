@@ -245,7 +245,9 @@ def _solver(net_param, solver_type, iterations):
     sp.snapshot = 0
     sp.snapshot_after_train = False
     sp.random_seed = 1701
-    return get_solver(sp)
+    # No plan of the solver's own: the caller applies the one it measures
+    # (at VGG-16 batch 1536 a 'shared' arena alone would not fit the GPU).
+    return get_solver(sp, memory_plans=False)
 
 
 def run_iteration(net, solver, after_step=None):

@@ -88,8 +88,11 @@ class Solver:
     # solver.net.blobs[...] after solver.step(), as with Caffe.
     default_memory_plan = 'shared'
 
-    def __init__(self, param, rank=0, solver_count=1, solver_path=None):
+    def __init__(self, param, rank=0, solver_count=1, solver_path=None, memory_plans=True):
         self.solver_path = solver_path
+        # False: the nets keep no plan (caffeplus.memory.measure applies the
+        # one it measures; a shared arena built first would sit beside it).
+        self._memory_plans = memory_plans
         if not isinstance(param, caffe_pb2.SolverParameter):
             self.solver_path = os.fspath(param)
             param = read_solver_file(self.solver_path)
@@ -145,6 +148,8 @@ class Solver:
         class's default_memory_plan applies: 'shared' (what `caffeplus train`
         and caffeplus.solver.get_solver build), 'stock' for the solvers
         pycaffe scripts create (caffeplus.SGDSolver, caffeplus.get_solver)."""
+        if not getattr(self, '_memory_plans', True):
+            return
         from caffeplus.memory.apply import apply_solver_plans
         apply_solver_plans(self, default=self.default_memory_plan)
 
