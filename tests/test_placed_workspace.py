@@ -323,6 +323,7 @@ def test_within_headroom_trades_a_little_time_for_the_peak():
     # Only a 50% slower one fits: the 8% slower one raises the peak least.
     assert within_headroom(cands, fast, 50) is near
     assert within_headroom(cands, fast, 50, slowdown=0.6) is slow
+    assert within_headroom(cands, fast, 50, slowdown=float('inf')) is slow    # auto's budget
     assert within_headroom([fast, Timed(4, 950, 1.05)], fast, 50) is fast   # no better
     assert within_headroom([Timed(1, 900, 1.0), Timed(2, 10, 1.01, deterministic=False)],
                            cands[0], 100, deterministic=True) is cands[0]

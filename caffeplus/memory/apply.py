@@ -803,7 +803,13 @@ def _apply_workspace(net, plan, limit):
     if plan.name == 'auto' and not limit:
         # 0 would mean "what the GPU spares"; the search chose a cap.
         limit = max(int(getattr(plan, 'workspace_cap', 0)), 1)
-    return ws.apply_workspace_plan(net, 'stock' if plan.name == 'stock' else plan.name, limit)
+    manager = ws.apply_workspace_plan(net, 'stock' if plan.name == 'stock' else plan.name, limit)
+    if plan.name == 'auto' and getattr(plan, 'budget', None) and manager is not None:
+        # Under a budget no workspace may raise the placed peak while a
+        # slower algorithm fits (VGG-16 b1536 at 76 GiB: the 10%-slower rule
+        # left 10 GiB of workspace at the peak, 7 GiB more than planned).
+        manager.headroom_slowdown = float('inf')
+    return manager
 
 
 def apply_plan(net, plan, keep=(), training=None, workspace_limit=None, lookahead=None,

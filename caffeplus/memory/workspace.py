@@ -417,6 +417,9 @@ class PlacedWorkspace(WorkspaceArena):
         # step below their peak (set by the applied plan before it plans).
         self.headroom = {}
         self.pass_kind = 'forward'
+        # How much slower an algorithm that fits the headroom may be than the
+        # fastest (within_headroom); plan 'auto' under a budget: any.
+        self.headroom_slowdown = HEADROOM_SLOWDOWN
         self.layout_stale = True    # the choices changed since the views were placed
         self.outside = {}           # (layer name, kind) -> bytes of calls the layout missed
 
@@ -446,7 +449,7 @@ class PlacedWorkspace(WorkspaceArena):
             room = self.headroom.get((id(layer), VIEW_NAMES[view_part(layer, s.kind)]))
             if room is not None:
                 s.choice = within_headroom(s.candidates, s.choice, room,
-                                           mathmode.deterministic())
+                                           mathmode.deterministic(), self.headroom_slowdown)
         self.layout_stale = True
         log.info('Workspace placed in the memory plan: %d call sites, budget %d bytes, '
                  'largest call %d bytes', len(pairs), budget, size)
