@@ -683,6 +683,57 @@ def test_relayout_lets_the_old_arena_go_before_taking_a_larger_one(monkeypatch):
     assert all(numpy.array_equal(a, b) for a, b in zip(shared[1], got[1]))
 
 
+class OutOfMemoryError(Exception):
+    """Named as CuPy's (caffeplus.memory.workspace.is_out_of_memory)."""
+
+
+@pytest.mark.parametrize('refusal', ['over_the_limit', 'out_of_memory'])
+def test_a_calibrated_lookahead_that_does_not_fit_keeps_the_old_one(monkeypatch, refusal):
+    """adopt_lookahead: when the look-ahead's arena exceeds arena_limit (plan
+    auto's budget) or cannot be allocated, the buffers stay placed with the
+    look-ahead they had, the runtime asks for nothing more, and training
+    goes on as under shared."""
+    shared = sgd_run(small_net(memory='shared'), 3)
+    net = small_net()
+    apply_named_plan(net, 'offload', offload_policy='all', lookahead=1)
+    sgd_run(net, 1)
+    applied = net.applied_plan
+    old_bytes = applied.arena_bytes
+    from caffeplus.memory import placement
+    real_place = placement.place
+    grow = {'on': False}    # the far look-ahead's layout (the next one): twice the bytes
+
+    def place(bufs):
+        offsets, size = real_place(bufs)
+        if grow['on']:
+            grow['on'] = False
+            return offsets, 2 * size
+        return offsets, size
+    monkeypatch.setattr(placement, 'place', place)
+    if refusal == 'over_the_limit':
+        applied.arena_limit = old_bytes
+    else:
+        real_zeros = numpy.zeros
+
+        def zeros(count, *args, **kw):
+            if count > old_bytes // 4 + 1:
+                raise OutOfMemoryError('Out of memory allocating %d bytes' % (4 * count))
+            return real_zeros(count, *args, **kw)
+        monkeypatch.setattr(numpy, 'zeros', zeros)
+    far = {it.entry.names: it.first_back - it.last_fwd for it in applied.runtime.items}
+    before = dict(applied.options.get('lookahead_steps') or {})
+    applied.runtime.calibrated = True
+    grow['on'] = True
+    applied.adopt_lookahead(far)
+    assert applied.options['lookahead_steps'] == before
+    assert applied.runtime.calibrated and not applied.runtime.pending_lookahead
+    assert applied.replans >= 1
+    monkeypatch.setattr(placement, 'place', real_place)
+    got = sgd_run(net, 2)
+    assert got[0] == shared[0][1:]
+    assert all(numpy.array_equal(a, b) for a, b in zip(shared[1], got[1]))
+
+
 def test_measure_times_only_settled_iterations():
     """measure_plan's timed iterations start once offload's look-ahead is
     calibrated and the re-layout it asked for is done."""

@@ -213,6 +213,13 @@ class AppliedPlan:
         self.internals = {}
         self.internal_views = {}
         self.replans = 0
+        # The most the arena may take when a calibrated look-ahead would
+        # place it again: plan 'auto' keeps within its budget (what the
+        # parameters, history and runtime leave of it); None: no bound but
+        # the device's.
+        budget = getattr(plan, 'budget', None)
+        self.arena_limit = int(budget - plan.peak_bytes + plan.arena_bytes) \
+            if budget and plan.arena_bytes else None
         self._build(plan)
 
     @property
@@ -271,6 +278,36 @@ class AppliedPlan:
                  self.name, len(hidden), format_bytes(sum(
                      e.lives[0].buf.nbytes for e in self.entries if e.offloaded)),
                  format_bytes(bandwidth), format_bytes(self.arena_bytes), format_bytes(before))
+
+    def adopt_lookahead(self, steps):
+        """Place the buffers again with the calibrated prefetch steps; if the
+        arena that takes does not fit the device, or exceeds arena_limit
+        (plan 'auto''s budget), keep the look-ahead it had (prefetches may
+        then wait on the link; VGG-16 b1792 under 76 GiB wanted a 98 GB
+        arena)."""
+        from caffeplus.memory import workspace
+        from caffeplus.memory.budget import format_bytes
+        before = dict(self.options.get('lookahead_steps') or {})
+        state = self.runtime.state_for_relayout() if self.runtime is not None else None
+        why = None
+        try:
+            self.relayout(lookahead_steps=steps)
+        except Exception as exc:        # CuPy's and CUDA's out-of-memory types
+            if not workspace.is_out_of_memory(exc):
+                raise
+            why = 'does not fit the device (%s)' % workspace.requested_bytes(exc)
+        if why is None and self.arena_limit is not None and self.arena_bytes > self.arena_limit:
+            why = 'takes %s, over the %s the budget leaves' % (
+                format_bytes(self.arena_bytes), format_bytes(self.arena_limit))
+        if why is None:
+            return
+        log.info('Memory plan %s: the calibrated offload look-ahead is not used: its arena %s; '
+                 'prefetches keep their planned steps', self.name, why)
+        self.relayout(lookahead_steps=before)
+        if self.runtime is not None:
+            if state is not None:       # calibrated: it proposes nothing again
+                self.runtime.restore_after_relayout(state)
+            self.runtime.pending_lookahead = None
 
     def _no_free_offload(self, why):
         """Policy 'free' keeps every map on the device from now on."""
@@ -731,7 +768,7 @@ class AppliedPlan:
         elif start == 0 and self.runtime is not None and self.runtime.pending_lookahead:
             # A full forward rewrites every buffer before reading it: the
             # arena may move now (the offload look-ahead was calibrated).
-            self.relayout(lookahead_steps=self.runtime.pending_lookahead)
+            self.adopt_lookahead(self.runtime.pending_lookahead)
         self._set_workspace_pass('forward', start)
         what = 'forward from layer %s' % self.net._layer_names[start]
         self._check_start(start, end, what)
