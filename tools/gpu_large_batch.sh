@@ -9,8 +9,8 @@ mkdir -p "$OUT"
 NET=${NET:-.gpu_carry/bench/vgg16_b64.prototxt}
 BUDGET=${BUDGET:-76G}
 export GLOG_minloglevel=2
-best=0
-for b in ${BATCHES:-1536 2048}; do
+best=${MEASURE_BATCH:-0}      # set: measure at that batch without probing
+for b in ${BATCHES-1536 2048}; do
   echo "== batch $b, auto within $BUDGET"
   timeout "${PROBE_S:-200}" python3 tools/large_batch_probe.py "$NET" --batch "$b" --plan auto \
     --budget "$BUDGET" > "$OUT/probe_$b.log" 2>&1
