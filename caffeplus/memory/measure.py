@@ -96,6 +96,9 @@ class PeakTracker:
             name = 'CaffeplusPeakTracker'
 
             def malloc_postprocess(hook, **kw):
+                # A block handed out again was freed unseen (hooks are per
+                # thread): its old size is not live any more.
+                self.live -= self._mine.get(kw['mem_ptr'], 0)
                 self._mine[kw['mem_ptr']] = kw['mem_size']
                 self.live += kw['mem_size']
                 self.pool_peak = max(self.pool_peak, self.live)
