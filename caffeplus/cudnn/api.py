@@ -214,7 +214,7 @@ class AlgoChoice:
             self.memory, self.time)
 
 
-_VARIANT_NAMES = {1: '/per-group', 3: '/halves', 4: '/quarters'}
+_VARIANT_NAMES = {1: '/per-group', 3: '/halves', 4: '/quarters', 5: '/eighths'}
 
 
 def _descs(kind, x, w, conv, y):
