@@ -132,7 +132,8 @@ def test_bench_nets_against_stock_caffe_figures(capsys, net):
     # `auto` without a budget: the fastest plan, no slower than any other.
     auto_ms = plans['auto']['est_iter_ms']
     assert all(auto_ms <= p['est_iter_ms'] + 1e-6 for p in plans.values())
-    assert plans['auto']['peak_bytes'] <= plans['shared']['peak_bytes']
+    # (Its workspace is the fastest's, not the knee's of the other plans.)
+    assert plans['auto']['peak_bytes'] < plans['stock']['peak_bytes']
 
 
 def test_batch_override_scales_activations_proportionally(capsys):
