@@ -172,7 +172,10 @@ def test_free_estimate_adds_no_time_and_no_memory():
     shared = estimate_plan(net, 'shared')
     free = estimate_plan(net, 'offload', offload_policy='free')
     assert free.est_iter_ms == pytest.approx(shared.est_iter_ms)
-    assert free.peak_bytes <= shared.peak_bytes
+    # Beside the offload runtime's own memory (measured: 60-64 MiB on the H100).
+    from caffeplus.memory import workspace_model as wm
+    assert free.peak_bytes <= shared.peak_bytes + wm.OFFLOAD_RUNTIME_BYTES
+    assert free.breakdown['other'] >= shared.breakdown['other'] + wm.OFFLOAD_RUNTIME_BYTES
 
 
 def test_copy_out_follows_the_last_forward_use_even_when_bytes_are_held_into_backward(

@@ -75,7 +75,10 @@ def test_lenet_estimate_json_has_every_plan_and_category(capsys):
     plans = doc['plans']
     assert doc['net'] == 'LeNet' and doc['batch'] == 64
     assert plans['shared']['peak_bytes'] < plans['stock']['peak_bytes']
-    assert plans['offload']['peak_bytes'] <= plans['shared']['peak_bytes']
+    # LeNet's maps are smaller than the offload runtime's own memory.
+    assert plans['offload']['offloaded']
+    assert plans['offload']['peak_bytes'] <= plans['shared']['peak_bytes'] + \
+        wm.OFFLOAD_RUNTIME_BYTES
     # LeNet's parameters: 431,080 floats.
     assert plans['stock']['breakdown']['parameters'] == 431080 * 4
 

@@ -300,8 +300,9 @@ def search(net, solver_type='SGD', keep=(), training=True):
             stall = offload_stall_seconds(net, bufs, offloaded, steps_s, windows) \
                 if offloaded else 0.0
             busiest = max(a + w for a, w in zip(live, ws))
-            options.append(Option(fixed + busiest, seconds + stall, cap, offloaded, busiest,
-                                  host))
+            runtime = wm.OFFLOAD_RUNTIME_BYTES if offloaded else 0
+            options.append(Option(fixed + busiest + runtime, seconds + stall, cap, offloaded,
+                                  busiest, host))
     return options
 
 
@@ -316,7 +317,8 @@ def _auto_plan(net, option, solver_type, keep, training):
     plan = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
                      offload_policy=names, workspace=sizes, internals=kept,
                      other_bytes=wm.other_bytes(net, 'auto') -
-                     sum(sum(k.values()) for k in kept.values()))
+                     sum(sum(k.values()) for k in kept.values()) +
+                     (wm.OFFLOAD_RUNTIME_BYTES if option.offloaded else 0))
     plan.name = 'auto'
     plan = _finish(plan, net, 'auto', plan.breakdown['workspace'], plan.breakdown['other'],
                    option.seconds, choice)

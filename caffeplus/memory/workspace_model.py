@@ -98,6 +98,10 @@ STOCK_WORKSPACE_LIMIT = 8 * 1024 * 1024     # Caffe's workspace_limit_bytes
 STREAMS_PER_GROUP = 3                       # Caffe's CUDNN_STREAMS_PER_GROUP
 RUNTIME_BYTES = 660 * MiB                   # measured (see "Fixed cost" above)
 HANDLE_BYTES = 5 * MiB                      # a fit (see "Fixed cost" above)
+# The offload runtime's own device memory (copy streams, events, its
+# kernels): measured as `offload` less `shared` on AlexNet b128 where
+# nothing moves, 60 and 64 MiB (2026-11-24, e04418e and 8f19b0e).
+OFFLOAD_RUNTIME_BYTES = 62 * MiB
 CONV_FLOPS = 22e12                          # effective FP32 convolution FLOP/s
 LAYER_OVERHEAD = 0.3e-3                     # seconds per layer call (launches, sync)
 MEMORY_BANDWIDTH = 1.5e12                   # effective bytes/s of elementwise layers
@@ -184,6 +188,10 @@ TILING_TIME = 1.04
 # over eighths for the filter gradient).
 CHUNK_SLICES = (2, 4, 8)
 CHUNK_TIME = {2: 1.02, 4: 1.06, 8: 1.08}
+# Small maps' FFTs neither tile nor slice cheaply: AlexNet's conv3-5 (13 x 13)
+# at b128 run 13-50% slower over halves (tools/dump_algorithms.py, db0798f),
+# and their tiled FFTs are no faster than the implicit GEMMs.
+SMALL_CHUNK_TIME = {2: 1.3, 4: 1.5, 8: 1.7}
 
 
 def candidates(layer, kind=None):
@@ -199,11 +207,13 @@ def candidates(layer, kind=None):
            Candidate('precomp', 8 * (s.im_channels // s.group) * s.geom.kernel_count,
                      1.15 * slow)]
     maps = FLOAT_BYTES * (s.in_count + s.out_count)
+    small = max(s.col_spatial) <= SMALL_MAP
+    chunk_time = SMALL_CHUNK_TIME if small else CHUNK_TIME
     if s.unit_stride:
-        factor = SMALL_TRANSFORM_FACTOR if max(s.col_spatial) <= SMALL_MAP else TRANSFORM_FACTOR
+        factor = SMALL_TRANSFORM_FACTOR if small else TRANSFORM_FACTOR
         big = Candidate('transform', int(factor * maps), 1.0)
         out.append(big)
-        if kind in ('fwd', 'bwd_data'):
+        if kind in ('fwd', 'bwd_data') and not small:
             out.append(Candidate('tiling', int(TILING_FACTOR * maps), TILING_TIME))
     else:
         # Strided (AlexNet's conv1, ResNet's stem): cuDNN's implicit GEMMs
@@ -214,7 +224,7 @@ def candidates(layer, kind=None):
         out.append(big)
     # The batch-sized workspace, run over slices of the batch.
     out.extend(Candidate('%s/%d' % (big.name, k), big.bytes // k,
-                         big.time_factor * CHUNK_TIME[k])
+                         big.time_factor * chunk_time[k])
                for k in CHUNK_SLICES if s.num % k == 0 and s.num >= 2 * k)
     return out
 
@@ -350,6 +360,8 @@ def other_bytes(net, plan_name):
     """The estimate's "other": the runtime's fixed cost, stock's per-layer
     handles, and the layers' internal buffers (for stock, Caffe 1.0's)."""
     other = RUNTIME_BYTES + internals(net, plan_name)
+    if plan_name == 'offload':
+        other += OFFLOAD_RUNTIME_BYTES
     if plan_name == 'stock':
         other += HANDLE_BYTES * (stock_handles(net) + caffe1.handle_count(net))
     return other
