@@ -466,12 +466,32 @@ def test_memory_command_measures_with_the_estimate_beside(capsys):
         assert entry['estimate']['peak_bytes'] > 0
 
 
+MEASURED = os.path.join(ROOT, 'benchmarks', 'memory', '2026-11-24-s5')
+
+
+@pytest.mark.parametrize('net', ['alexnet_b128', 'googlenet_b64', 'resnet50_b64'])
+def test_estimates_within_five_percent_of_the_recorded_measurements(capsys, net):
+    """The model against the H100's measured peaks committed with it
+    (caffeplus memory -gpu 0 at e04418e; the measuring code is unchanged
+    since): stock, arena and shared within 5%, offload 'free' within 6%
+    of its steady peak (the runtime chooses its maps from measured times)."""
+    path = os.path.join(MEASURED, 'memory_%s_e04418e.json' % net)
+    measured = json.load(open(path))['plans']
+    doc = memory_json(capsys, '-model', bench(net), '--plans', 'stock,arena,shared,offload',
+                      '--offload', 'free')
+    for name, entry in doc['plans'].items():
+        real = measured[name].get('steady_peak_bytes') or measured[name]['peak_bytes']
+        error = (entry['peak_bytes'] - real) / float(real)
+        assert abs(error) <= (0.06 if name == 'offload' else 0.05), (name, round(100 * error, 2))
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize('net', ['alexnet_b128', 'resnet50_b32'])
-@pytest.mark.xfail(strict=False, reason='target not met yet: AlexNet shared is estimated 8.5% '
-                   'under its measured peak on the H100 (2026-11-24; the model of cuDNN\'s FFT '
-                   'workspace on small maps); errors in benchmarks/memory_results.md')
+@pytest.mark.xfail(strict=False, reason='not re-run on the H100 since the model of small maps '
+                   'changed (146325d); against the measurements recorded at e04418e the '
+                   'estimates are within 5% (test_estimates_within_five_percent_of_the_'
+                   'recorded_measurements); errors in benchmarks/memory_results.md')
 def test_estimate_within_five_percent_of_the_measurement(capsys, net):
     code, out, err = memory(capsys, '-model', bench(net), '-gpu', '0', '--json',
                             '--plans', 'stock,arena,shared')
