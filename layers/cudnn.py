@@ -656,10 +656,6 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         return batch_slices(self.num, (self.channels,) + tuple(self.in_spatial),
                             (self.num_output,) + tuple(self.out_spatial))
 
-    def _call_loops(self):
-        """The calls one cuDNN operation of the current descriptors makes."""
-        return self.group if self._split_groups() else self._batch_slices()
-
     def _split_groups(self):
         return self.memory_plan == 'stock' and self.group > 1
 
@@ -673,14 +669,19 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         if plan_name == 'stock' and backend.mode() == backend.GPU and cudnn_available():
             manager.create_handles()
         if self._cd is not None:
-            if self._cd.loops == self._call_loops() and \
+            # The plan decides per-group calls (stock) and timed search: the
+            # descriptors serve again only if they describe the same calls.
+            if self._cd_key == self._key() and \
                     getattr(self, '_built_timed', False) == self._timed_search():
                 manager.register(self, list(self._sites.values()))     # same descriptors
                 if plan_name == 'stock':
                     manager.plan()
             else:
                 self._cd_key = None
-                self._build_cudnn()
+                if self._cudnn_geometry_ok():
+                    self._build_cudnn()
+                else:               # runs generically now (e.g. stock's groups over slices)
+                    self._cd, self._sites = None, {}
 
     def _manager(self):
         if self._ws is None:

@@ -759,5 +759,24 @@ def test_relu_over_the_kernels_count_runs_in_pieces(name, emulated, monkeypatch)
     # Blobs of 2**31 values or more (VGG-16's conv1 tops from batch 668 on)
     # run the elementwise kernels piece by piece: here pieces of 17 values.
     monkeypatch.setattr(kernels, 'MAX_COUNT', 17)
+    launches = []
+    real_kernel = kernels.kernel
+
+    def counting(kernel_name):
+        k = real_kernel(kernel_name)
+        if not kernel_name.startswith('cp_relu'):
+            return k
+
+        def launch(*args, **kw):
+            launches.append(kernel_name)
+            return k(*args, **kw)
+        return launch
+    monkeypatch.setattr(kernels, 'kernel', counting)
     case = [c for c in LAYER_CASES if c[0] == name][0]
     _check_layer_case(case, gpu=False)
+    count = int(numpy.prod(case[2][0]))
+    pieces = -(-count // 17)
+    # Two passes, each one launch a piece forward and one backward (the
+    # generic code, which the old path fell back to, launches none).
+    assert launches.count('cp_relu_fwd') == 2 * pieces
+    assert launches.count('cp_relu_bwd') == 2 * pieces

@@ -288,6 +288,7 @@ class AppliedPlan:
         from caffeplus.memory import workspace
         from caffeplus.memory.budget import format_bytes
         before = dict(self.options.get('lookahead_steps') or {})
+        before_bytes = self.arena_bytes
         state = self.runtime.state_for_relayout() if self.runtime is not None else None
         why = None
         try:
@@ -296,14 +297,17 @@ class AppliedPlan:
             if not workspace.is_out_of_memory(exc):
                 raise
             why = 'does not fit the device (%s)' % workspace.requested_bytes(exc)
-        if why is None and self.arena_limit is not None and self.arena_bytes > self.arena_limit:
+        # (An arena already over the limit may keep its size: the limit is
+        # the model's, and the real workspace can come out larger.)
+        limit = None if self.arena_limit is None else max(self.arena_limit, before_bytes)
+        if why is None and limit is not None and self.arena_bytes > limit:
             why = 'takes %s, over the %s the budget leaves' % (
-                format_bytes(self.arena_bytes), format_bytes(self.arena_limit))
+                format_bytes(self.arena_bytes), format_bytes(limit))
         if why is None:
             return
         log.info('Memory plan %s: the calibrated offload look-ahead is not used: its arena %s; '
                  'prefetches keep their planned steps', self.name, why)
-        self.relayout(lookahead_steps=before)
+        self.relayout(lookahead_steps=before, reuse=False)
         if self.runtime is not None:
             if state is not None:       # calibrated: it proposes nothing again
                 self.runtime.restore_after_relayout(state)
@@ -608,10 +612,12 @@ class AppliedPlan:
         self.internal_views = {}
         self.arena = None
 
-    def relayout(self, lookahead_steps=None, replan=False, preserve=False):
+    def relayout(self, lookahead_steps=None, replan=False, preserve=False, reuse=True):
         """Place the buffers again (new shapes, a new offload look-ahead).
         `preserve`: storages holding values keep them (copied over); else
-        the new arena starts as a fresh plan's (nothing computed yet)."""
+        the new arena starts as a fresh plan's (nothing computed yet), in
+        the old arena's bytes where they fit, unless `reuse` is False (a
+        refused larger arena must go)."""
         if lookahead_steps is not None:
             self.options['lookahead_steps'] = dict(lookahead_steps)
         plan = self.plan
@@ -636,7 +642,7 @@ class AppliedPlan:
             e.storage.released_reason = None
         old_entries, spare = self.entries, []
         if not preserve:
-            spare.append(self.arena_base())
+            spare.append(self.arena_base() if reuse else None)
             self._drop_views(old_entries)
         self.arena = None
         self._build(plan, spare)
