@@ -561,3 +561,58 @@ def test_pooling_over_batch_slices_matches_the_cpu(tmp_path, monkeypatch):
     caffeplus.set_mode_cpu()
     _, ref = run()
     _close(got, ref, tol=1e-6)
+
+
+DECONV_NET = '''
+name: "deconv"
+force_backward: true
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 8 dim: 6 dim: 9 dim: 9 } } }
+layer { name: "up" type: "Deconvolution" bottom: "data" top: "up"
+  convolution_param { num_output: 4 kernel_size: 4 stride: 2 pad: 1 group: 2
+                      weight_filler { type: "gaussian" std: 0.1 } bias_filler { type: "constant" value: 0.2 } } }
+layer { name: "down" type: "Convolution" bottom: "up" top: "down"
+  convolution_param { num_output: 6 kernel_size: 3 stride: 2 weight_filler { type: "gaussian" std: 0.1 } } }
+'''
+
+
+@pytest.mark.gpu
+def test_deconvolution_over_batch_slices_matches_the_cpu(tmp_path, monkeypatch):
+    """A Deconvolution (forward = cuDNN's backward data, grouped) and a
+    strided convolution over quarters of the batch, as the convolution test
+    above: top, bottom gradient, filter and bias gradients match the CPU."""
+    from caffeplus.layers import cudnn as L
+    rng = numpy.random.default_rng(7)
+    x = rng.standard_normal((8, 6, 9, 9)).astype(numpy.float32)
+    # up's top, 4 x 18 x 18 an image: quarters of the batch (2 images) fit.
+    monkeypatch.setattr(L, 'MAX_CUDNN_COUNT', 2 * 4 * 18 * 18)
+
+    def run():
+        net = _net(tmp_path, DECONV_NET, 'deconv.prototxt')
+        for layer in net.layers:
+            for b in layer.blobs:
+                b.data = rng_w.standard_normal(b.shape).astype(numpy.float32) * 0.1
+        net.blobs['data'].data[...] = x
+        net.forward()
+        top = net.blobs['down']
+        top.diff[...] = dy
+        for layer in net.layers:
+            for b in layer.blobs:
+                b.diff[...] = 0
+        net.backward()
+        out = {'down': backend.to_numpy(top.data).copy(),
+               'ddata': backend.to_numpy(net.blobs['data'].diff).copy()}
+        for name in ('up', 'down'):
+            for k, b in enumerate(net.layer_dict[name].blobs):
+                out['%s_%d' % (name, k)] = backend.to_numpy(b.diff).copy()
+        return net, out
+
+    dy = rng.standard_normal((8, 6, 8, 8)).astype(numpy.float32)
+    caffeplus.set_mode_gpu()
+    rng_w = numpy.random.default_rng(9)
+    net, got = run()
+    up = net.layer_dict['up']
+    assert up._cd is not None and up._cd.batch_chunks == 4 and up._cd.loops == 4
+    caffeplus.set_mode_cpu()
+    rng_w = numpy.random.default_rng(9)
+    _, ref = run()
+    _close(got, ref, tol=2e-4)
