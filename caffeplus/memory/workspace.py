@@ -154,19 +154,29 @@ def knee_budget(sites, budget, deterministic=False, tolerance=None):
     pools = [_timed_pool(s, deterministic) for s in sites]
     if tolerance < 0 or not pools or any(p is None for p in pools):
         return budget
+    knee = least_within([[(c.memory, c.time) for c in p] for p in pools], tolerance, budget)
+    return budget if knee is None else knee
 
-    def total(limit):
-        times = [min((c.time for c in p if c.memory <= limit), default=None) for p in pools]
+
+def least_within(sites, tolerance, limit=None):
+    """The least workspace level at which `sites` (per site, its candidates
+    as (bytes, time) pairs) take, each at its fastest candidate within the
+    level, at most (1 + tolerance) times their summed time within `limit`
+    (None: no limit). None when there is no such level. Shared by the
+    arena's knee (knee_budget) and the estimate's (workspace_model.knee_cap)."""
+    def total(level):
+        times = [min((t for b, t in site if level is None or b <= level), default=None)
+                 for site in sites]
         return None if None in times else sum(times)
 
-    best = total(budget)
-    if best is None:
-        return budget
-    for limit in sorted({c.memory for p in pools for c in p if c.memory <= budget}):
-        t = total(limit)
+    best = total(limit)
+    if not sites or best is None:
+        return None
+    for level in sorted({b for site in sites for b, _ in site if limit is None or b <= limit}):
+        t = total(level)
         if t is not None and t <= best * (1.0 + tolerance):
-            return limit
-    return budget
+            return level
+    return None
 
 
 def knee_tolerance():

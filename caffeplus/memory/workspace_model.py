@@ -265,26 +265,17 @@ def knee_cap(net, tolerance=None):
     least at which the convolutions' modelled time, every call site at its
     fastest candidate within the cap, is within the tolerance of their time
     without a cap. None: no cap (the knee is off)."""
-    from caffeplus.memory.workspace import knee_tolerance
+    from caffeplus.memory.workspace import knee_tolerance, least_within
     if tolerance is None:
         tolerance = knee_tolerance()
     if tolerance < 0:
         return None
-    sites = [(ConvShape(l).flops, candidates(l, kind))
-             for _, l in conv_layers(net) for kind in KINDS]
-    if not sites:
-        return None
-
-    def total(cap):
-        return sum(flops * min(c.time_factor for c in cands if cap is None or c.bytes <= cap)
-                   for flops, cands in sites)
-
-    best = total(None)
-    for cap in sorted({c.bytes for _, cands in sites for c in cands}):
-        if all(any(c.bytes <= cap for c in cands) for _, cands in sites) and \
-                total(cap) <= best * (1.0 + tolerance):
-            return cap
-    return None
+    sites = []
+    for _, l in conv_layers(net):
+        flops = ConvShape(l).flops
+        sites.extend([(c.bytes, flops * c.time_factor) for c in candidates(l, kind)]
+                     for kind in KINDS)
+    return least_within(sites, tolerance)
 
 
 def workspace_levels(net):
