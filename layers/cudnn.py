@@ -257,14 +257,16 @@ class _ConvDescs:
         def run(ws_ptr, ws_bytes):
             # FindEx results hold for one math mode (TF32 or strict) only.
             key = None if geometry_key is None else \
-                geometry_key + (kind, int(ws_bytes), mathmode.cudnn_math_type(), self.batch_chunks,
-                                per_group is not None, gemm is not None, tuple(sorted(chunked)))
+                geometry_key + (kind, int(ws_bytes), mathmode.cudnn_math_type(),
+                                self.batch_chunks, per_group is not None, gemm is not None,
+                                tuple(sorted(chunked)))
             if key is not None and key in _TIMED:
                 return list(_TIMED[key])
             import cupy
             # A sliced call touches its first slice only: scratch of one
             # slice (a batch too large for one call would double its bytes).
-            k = self.batch_chunks if not chunked else 1
+            # (The sliced variants come only with an unsliced primary: k 1.)
+            k = self.batch_chunks
             xa = cupy.random.standard_normal((self.x_full[0] // k,) + self.x_full[1:],
                                              dtype=numpy.float32)
             ya = cupy.random.standard_normal((self.y_full[0] // k,) + self.y_full[1:],
@@ -804,10 +806,9 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         if self._cd is None:
             return 0
         from caffeplus.memory import workspace
-        if self._cd.batch_chunks > 1:
-            cd = self._cd           # too large for one call: Caffe 1.0 could not run it
-        else:
-            cd = self._cd if self._cd.loops == self.group else _ConvDescs(self, True)
+        # (Sliced, too large for one call, Caffe 1.0 could not run it: as sliced.)
+        cd = self._cd if self._cd.batch_chunks > 1 or self._cd.loops == self.group \
+            else _ConvDescs(self, True)
         choices = [workspace.choose_stock(cd.candidates(k)) for k in workspace.KINDS]
         return workspace.stock_bytes(choices, self.group)
 
@@ -1898,9 +1899,9 @@ class _FusedReLUMixin:
         x, y = K.flat(bottom[0]), K.flat(top[0])
         if x is None or y is None:
             return False
-        for o, m in _pieces(n, K.MAX_COUNT):
+        for m, (xs, ys) in _pieces(n, K.MAX_COUNT, x, y):
             K.kernel('cp_relu_fwd')(K.elementwise_grid(m), (K.ELEMENTWISE_THREADS,),
-                                    (x[o:o + m], y[o:o + m], K.u32(m), F32(self.slope)))
+                                    (xs, ys, K.u32(m), F32(self.slope)))
         return True
 
     def _fast_backward(self, top, propagate_down, bottom):
@@ -1912,16 +1913,19 @@ class _FusedReLUMixin:
         dy, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
         if ref is None or dy is None or dx is None:
             return False
-        for o, m in _pieces(n, K.MAX_COUNT):
+        for m, (dys, refs, dxs) in _pieces(n, K.MAX_COUNT, dy, ref, dx):
             K.kernel('cp_relu_bwd')(K.elementwise_grid(m), (K.ELEMENTWISE_THREADS,),
-                                    (dy[o:o + m], ref[o:o + m], dx[o:o + m], K.u32(m),
-                                     F32(self.slope)))
+                                    (dys, refs, dxs, K.u32(m), F32(self.slope)))
         return True
 
 
-def _pieces(n, most):
-    """(offset, length) of consecutive pieces of n values, each at most `most`."""
-    return [(o, min(most, n - o)) for o in range(0, n, most)]
+def _pieces(n, most, *arrays):
+    """(count, the arrays' views) of consecutive pieces of n values, each at
+    most `most`; one piece (every blob below 2**31 values) passes the
+    arrays themselves, without making views on this per-layer path."""
+    if n <= most:
+        return [(n, arrays)]
+    return [(min(most, n - o), tuple(a[o:o + most] for a in arrays)) for o in range(0, n, most)]
 
 
 # The fused kernels replace cuDNN's activation for ReLU (same values; one
