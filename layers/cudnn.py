@@ -1033,11 +1033,22 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
     _fused_arg = False
 
     def internal_buffers(self):
-        """On the GPU, MAX pooling's kernel keeps an int32 argmax for backward."""
+        """On the GPU, MAX pooling's kernel keeps an int32 argmax for
+        backward; cuDNN keeps nothing (its backward reads x and y)."""
         pool = self.pool
         if pool is not None and pool.method == MAX and self._gpu_mode():
+            if cudnn_available() and self.cudnn_agrees():
+                return {}
             return {'argmax': (_prod(pool.out_shape), numpy.int32)}
         return super().internal_buffers()
+
+    def gpu_internal_bytes(self):
+        """What internal_buffers keeps on a GPU with cuDNN (for the estimate,
+        made on a CPU net: workspace_model.internal_bytes)."""
+        pool = self.pool
+        if pool is None or pool.method != MAX or self.cudnn_agrees():
+            return 0
+        return 4 * _prod(pool.out_shape)
 
     def forget_kept_buffers(self):
         super().forget_kept_buffers()

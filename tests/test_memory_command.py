@@ -130,7 +130,11 @@ def test_bench_nets_against_stock_caffe_figures(capsys, net):
     assert plans['shared']['peak_bytes'] < plans['stock']['peak_bytes']
     assert plans['offload']['breakdown']['activations'] < \
         plans['shared']['breakdown']['activations']
-    assert plans['offload']['peak_bytes'] <= plans['shared']['peak_bytes']
+    # (Beside the offload runtime's own memory: on AlexNet, where shared
+    # makes norm1 and norm2 again, offloading the convolutions' inputs
+    # saves no more than that.)
+    assert plans['offload']['peak_bytes'] <= plans['shared']['peak_bytes'] + \
+        wm.OFFLOAD_RUNTIME_BYTES
     assert plans['offload']['offloaded']
     # `auto` without a budget: the fastest plan, no slower than any other.
     auto_ms = plans['auto']['est_iter_ms']
@@ -393,11 +397,17 @@ def test_plan_applier_fallback_and_offload_refusal():
 
 
 @pytest.mark.parametrize('model, batch', [(LENET, 8), ('googlenet_b64', 1)])
-def test_shared_plan_in_a_real_arena_trains_identically(model, batch):
+@pytest.mark.parametrize('applier', ['static', 'runtime'])
+def test_shared_plan_in_a_real_arena_trains_identically(model, batch, applier, monkeypatch):
     """Every buffer of the shared plan placed at its offset in one NumPy
     arena: two training iterations give bit-identical losses and weights,
-    so no buffer is overwritten while still needed."""
+    so no buffer is overwritten while still needed. The static applier
+    (measure.apply_static) has no hooks to make maps again in backward
+    (caffeplus.memory.recompute): its plan has none; the runtime's does
+    (GoogLeNet's norm1 and norm2, read again by the 3x3 convolutions)."""
     path = model if os.path.isabs(model) else bench(model)
+    if applier == 'static':
+        monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', '0')
 
     def train(plan_name):
         caffeplus.set_random_seed(5)
@@ -407,8 +417,15 @@ def test_shared_plan_in_a_real_arena_trains_identically(model, batch):
         net = solver.net
         if plan_name:
             plan = make_plan(net, plan_name)
-            info = measure.apply_static(net, plan, xp=numpy)
-            assert info['arena'].nbytes >= plan.arena_bytes
+            if applier == 'static':
+                assert not plan.recomputed
+                info = measure.apply_static(net, plan, xp=numpy)
+                assert info['arena'].nbytes >= plan.arena_bytes
+            else:
+                from caffeplus.memory import apply
+                assert bool(plan.recomputed) == (model != LENET)
+                apply.apply_plan(net, plan)
+                assert net.applied_plan.arena_bytes > 0
         losses = []
         for _ in range(2):
             measure.run_iteration(net, solver)
@@ -549,6 +566,7 @@ def test_free_offload_estimate_moves_only_what_hides(capsys):
                        'all')['plans']['offload']
     shared, off = free['shared'], free['offload']
     assert off['offloaded'] and len(off['offloaded']) < len(conv['offloaded'])
-    assert off['est_iter_ms'] == pytest.approx(shared['est_iter_ms'])
+    # (A map offloaded is not made again: no more time than shared's.)
+    assert off['est_iter_ms'] <= shared['est_iter_ms'] + 1e-6
     assert conv['est_iter_ms'] > shared['est_iter_ms']
     assert conv['peak_bytes'] < off['peak_bytes'] < shared['peak_bytes']

@@ -36,7 +36,7 @@ if [ -f COMMIT ]; then echo "commit $(cat COMMIT)"; else git log -1 --format='co
 
 if has tests; then
   stamp "gpu-marked tests"
-  timeout "${TEST_S:-260}" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu tests \
+  timeout "${TEST_S:-260}" python3 -m pytest -q -p no:cacheprovider -rfExX --tb=short -m gpu tests \
     > "$OUT/pytest_gpu.log" 2>&1
   echo "rc=$?" >> "$OUT/pytest_gpu.log"
   tail -n 30 "$OUT/pytest_gpu.log"

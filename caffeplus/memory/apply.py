@@ -163,13 +163,14 @@ class _Life:
 class _Entry:
     """A planned Storage: its blobs, its lives, whether it stays outside the arena."""
     __slots__ = ('storage', 'kind', 'names', 'blobs', 'lives', 'persistent', 'offloaded',
-                 'reasons', 'uses', 'valid', 'stale')
+                 'reasons', 'uses', 'valid', 'stale', 'producer')
 
     def __init__(self, storage, kind, names, blobs):
         self.storage, self.kind, self.names, self.blobs = storage, kind, names, blobs
         self.lives = []
         self.persistent = False
         self.offloaded = False
+        self.producer = None        # a map made again in backward: its layer (recompute)
         self.reasons = {}
         self.uses = ()
         # The life whose values the storage holds now: ANY right after the
@@ -213,6 +214,7 @@ class AppliedPlan:
         self.internals = {}
         self.internal_views = {}
         self.replans = 0
+        self._recompute_hook = None
         # The most the arena may take when a calibrated look-ahead would
         # place it again: plan 'auto' keeps within its budget (what the
         # parameters, history and runtime leave of it); None: no bound but
@@ -339,6 +341,7 @@ class AppliedPlan:
             {id(p.diff_storage) for p in net.param_blobs}
         by_storage = {}
         offloaded = set(plan.offloaded)
+        again = getattr(plan, 'recomputed', None) or {}
         for buf in plan.buffers:
             if buf.kind in ('workspace', 'internal'):
                 continue        # the real ones come from the layers (self.workspace, scratch)
@@ -353,6 +356,8 @@ class AppliedPlan:
             entry.lives.append(_Life(buf))
             if buf.key[:2] in offloaded or buf.key in offloaded:
                 entry.offloaded = True
+            if buf.key[:2] in again:
+                entry.producer = again[buf.key[:2]]
         entries = list(by_storage.values())
         uses = storage_uses(net, self.training)
         for e in entries:
@@ -431,7 +436,46 @@ class AppliedPlan:
         if any(e.offloaded for e in self.entries) or self.choosing_free_offload:
             from caffeplus.memory import offload_runtime
             self.runtime = offload_runtime.OffloadRuntime(self, **self.options.get('runtime', {}))
+        self._hook_recompute()
         self.pause = None
+
+    # -- maps made again in backward (caffeplus.memory.recompute) ------------------------
+    def _hook_recompute(self):
+        """Hook the backward steps at which a map made again is first read.
+        After the offload runtime's hooks: a copy out of a map that lay in
+        the same bytes must have read them before the producer writes there."""
+        self._unhook_recompute()
+        at = {}
+        for e in self.entries:
+            if e.producer is not None and len(e.lives) == 2:
+                at.setdefault(int(math.ceil(e.lives[1].start)), []).append(e)
+        self.recompute_at = at
+        if not at:
+            return
+
+        def hook(i, _self=weakref.ref(self)):
+            applied = _self()
+            if applied is not None:
+                applied._recompute_before(i)
+        hook.chain_safe = True          # it runs no layer of a fused chain
+        self._recompute_hook = hook
+        self.net.before_layer_backward.append(hook)
+
+    def _unhook_recompute(self):
+        hook, self._recompute_hook = self._recompute_hook, None
+        net = self.net
+        if hook is not None and net is not None and hook in net.before_layer_backward:
+            net.before_layer_backward.remove(hook)
+
+    def _recompute_before(self, i):
+        """Before backward step 2L-1-i: run the producers of the maps first
+        read there again, into the maps' second lives."""
+        net = self.net
+        for e in self.recompute_at.get(2 * self.L - 1 - i, ()):
+            e.storage.array = e.lives[1].view
+            e.storage.released_reason = None
+            p = e.producer
+            net.layers[p].forward(net.bottom_vecs[p], net.top_vecs[p])
 
     # -- the convolution workspace, placed with the buffers ----------------------------
     @property
@@ -575,11 +619,18 @@ class AppliedPlan:
                 "not written yet at this point of the iteration: memory plan '%s' lends its "
                 "memory to other blobs until %s of layer %s; %s"
                 % (self.name, phase, layer, KEEP_HINT))
-            if len(e.lives) > 1:
+            back = int(math.ceil(e.lives[1].start)) if len(e.lives) > 1 else None
+            if back is not None and e.producer is not None:
+                e.reasons['between'] = (
+                    "released by memory plan '%s' after its last forward use (layer %s); layer "
+                    "%s makes it again for backward (layer %s); %s"
+                    % (self.name, where(first.end)[1], net._layer_names[e.producer],
+                       where(back)[1], KEEP_HINT))
+            elif back is not None:
                 e.reasons['between'] = (
                     "offloaded to host memory by memory plan '%s' between its last forward use "
                     "(layer %s) and its return for backward (layer %s); %s"
-                    % (self.name, where(first.end)[1], where(e.lives[1].start)[1], KEEP_HINT))
+                    % (self.name, where(first.end)[1], where(back)[1], KEEP_HINT))
 
     def _step_name(self, t):
         L = self.L
@@ -599,6 +650,7 @@ class AppliedPlan:
         if self.runtime is not None:
             self.runtime.close()
             self.runtime = None
+        self._unhook_recompute()
         for e in self.entries:
             st = e.storage
             st.released_reason = None
@@ -779,6 +831,9 @@ class AppliedPlan:
         what = 'forward from layer %s' % self.net._layer_names[start]
         self._check_start(start, end, what)
         self._unmark(start)
+        for e in self.entries:
+            if e.producer is not None and start <= e.producer:
+                e.storage.array = e.lives[0].view       # forward writes its first life
         if self.runtime is not None:
             self.runtime.begin_forward(start, end)
 

@@ -34,7 +34,7 @@ import math
 import re
 
 from caffeplus.errors import CaffeplusError
-from caffeplus.memory import liveness, offload, placement, workspace_model as wm
+from caffeplus.memory import liveness, offload, recompute, workspace_model as wm
 from caffeplus.memory.plan import HISTORY_COPIES, make_plan
 
 PCIE_BANDWIDTH = 50e9
@@ -209,13 +209,14 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
     if name == 'offload' and plan.offloaded and hidden is None:     # 'free': none by choice
         bufs = liveness.buffers(net, keep=keep, training=training)
         stall = offload_stall_seconds(net, bufs, plan.offloaded, wm.step_seconds(net, choice))
-    seconds = iteration_seconds(net, choice, solver_type, stall)
+    seconds = iteration_seconds(net, choice, solver_type, stall) + \
+        recompute.extra_seconds(plan.recomputed, wm.step_seconds(net, choice))
     return _finish(plan, net, name, workspace,
                    other if placing else wm.other_bytes(net, name), seconds, choice)
 
 
 # -- auto -----------------------------------------------------------------------------
-Option = collections.namedtuple('Option', 'peak seconds cap offloaded arena host')
+Option = collections.namedtuple('Option', 'peak seconds cap offloaded arena host recompute')
 
 # Offloaded maps wait in pinned host memory: a plan applied on this machine
 # may pin at most this share of its physical memory (the rest is the
@@ -251,11 +252,6 @@ def _offload_sets(net, bufs, keep, steps, windows):
     if conv and tuple(conv) not in sets:
         sets.append(tuple(conv))
     return sets
-
-
-def _arena_bytes(net, bufs, offloaded):
-    shortened = offload.shorten(bufs, offloaded, net) if offloaded else bufs
-    return placement.place(shortened)[1]
 
 
 def _workspace_by_step(net, choice, steps, training):
@@ -294,15 +290,21 @@ def search(net, solver_type='SGD', keep=(), training=True):
     options = []
     for offloaded in sets:
         shortened = offload.shorten(bufs, offloaded, net) if offloaded else bufs
-        live = liveness.live_bytes_by_step(shortened + kept, steps)
-        host = offload.host_bytes(bufs, offloaded)
-        for cap, (steps_s, seconds, ws) in timing.items():
-            stall = offload_stall_seconds(net, bufs, offloaded, steps_s, windows) \
-                if offloaded else 0.0
-            busiest = max(a + w for a, w in zip(live, ws))
-            runtime = wm.OFFLOAD_RUNTIME_BYTES if offloaded else 0
-            options.append(Option(fixed + busiest + runtime, seconds + stall, cap, offloaded,
-                                  busiest, host))
+        # With and without the maps made again (less memory, a little more time).
+        again = recompute.choose(net, bufs, keep, training, offloaded)
+        for redo in ((False, True) if again else (False,)):
+            lives = recompute.shorten(shortened, again, net) if redo else shortened
+            live = liveness.live_bytes_by_step(lives + kept, steps)
+            host = offload.host_bytes(bufs, offloaded)
+            for cap, (steps_s, seconds, ws) in timing.items():
+                stall = offload_stall_seconds(net, bufs, offloaded, steps_s, windows) \
+                    if offloaded else 0.0
+                if redo:
+                    stall += recompute.extra_seconds(again, steps_s)
+                busiest = max(a + w for a, w in zip(live, ws))
+                runtime = wm.OFFLOAD_RUNTIME_BYTES if offloaded else 0
+                options.append(Option(fixed + busiest + runtime, seconds + stall, cap, offloaded,
+                                      busiest, host, redo))
     return options
 
 
@@ -312,10 +314,11 @@ def _auto_plan(net, option, solver_type, keep, training):
     choice = {i: wm.fastest(l, option.cap) for i, l in convs}
     kept = model_internals(net)
     bare = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
-                     offload_policy=names, internals=kept)
+                     offload_policy=names, internals=kept, recompute=option.recompute)
     sizes = placed_workspace_sizes(net, bare.buffers, bare.steps, training, cap=option.cap)
     plan = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
                      offload_policy=names, workspace=sizes, internals=kept,
+                     recompute=option.recompute,
                      other_bytes=wm.other_bytes(net, 'auto') -
                      sum(sum(k.values()) for k in kept.values()) +
                      (wm.OFFLOAD_RUNTIME_BYTES if option.offloaded else 0))

@@ -202,11 +202,11 @@ def apply_static(net, plan, xp=None):
     if plan.name in ('stock', 'arena'):
         return {'applier': 'static', 'arena': None}
     cupy = xp if xp is not None else _cupy()
-    if plan.offloaded:
+    if plan.offloaded or getattr(plan, 'recomputed', None):
         raise CaffeplusError(
             "measuring plan '%s' needs the GPU runtime's plan applier "
             "(caffeplus.memory.apply.apply_plan), which copies offloaded feature maps to the "
-            "host and back; this build has none" % plan.name)
+            "host and back and makes released ones again; this build has none" % plan.name)
     params = {id(p.data_storage) for p in net.learnable_params} | \
         {id(p.diff_storage) for p in net.learnable_params}
     arena = cupy.zeros(max(plan.arena_bytes // FLOAT_BYTES + 1, 1), dtype='float32')

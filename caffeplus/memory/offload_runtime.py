@@ -373,7 +373,7 @@ class OffloadRuntime:
         # Every region that starts being written at some step: buffer lives,
         # and the workspace views and kept layer buffers placed beside them.
         # (A filter call's workspace, half a step early, lands during its step.)
-        regions = [(z.start, z.offset, z.buf.nbytes, z) for z in lives] + \
+        regions = [(int(math.ceil(z.start)), z.offset, z.buf.nbytes, z) for z in lives] + \
             [(int(math.ceil(start)), offset, nbytes, None)
              for start, offset, nbytes in getattr(self.applied, 'extra_regions', ())]
         for it in self.items:

@@ -35,6 +35,7 @@ def check_plan_name(name):
 
 class MemoryPlan:
     offload_policy = None       # the offload plan's policy (make_plan)
+    recomputed = {}             # {buffer key: layer index}: maps made again (recompute)
 
     def __init__(self, name, breakdown, buffers=(), offsets=None, arena_bytes=0,
                  offloaded=(), estimated=True, steps=0):
@@ -54,7 +55,8 @@ class MemoryPlan:
     def to_dict(self):
         return {'peak_bytes': self.peak_bytes, 'breakdown': dict(self.breakdown),
                 'arena_bytes': self.arena_bytes, 'estimated': self.estimated,
-                'offloaded': list(self.offloaded)}
+                'offloaded': list(self.offloaded),
+                'recomputed': sorted(n for key in self.recomputed for n in key[1])}
 
     def to_json(self):
         return json.dumps(self.to_dict(), indent=1)
@@ -77,7 +79,8 @@ def _arena_workspace(net):
 
 
 def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_policy='conv',
-              other_bytes=0, workspace=None, internals=None, offload_hidden=None):
+              other_bytes=0, workspace=None, internals=None, offload_hidden=None,
+              recompute=True):
     """Compute plan `name` for a built net. `workspace`: {layer index:
     (forward bytes, backward bytes)} of the convolutions' workspace; the
     reusing plans then place it in the arena beside the activations, live
@@ -88,7 +91,8 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     their share of the arena under 'other'. Offload policy 'free' offloads
     the maps of `offload_hidden` ({buffer key: free_offload.Hidden}, chosen
     from measured times by the runtime or from modelled ones by the
-    estimate), nothing before they are chosen."""
+    estimate), nothing before they are chosen. `recompute`: the reusing
+    plans make cheap maps again in backward (caffeplus.memory.recompute)."""
     check_plan_name(name)
     if name == 'auto':
         raise CaffeplusError("plan 'auto' needs a budget: use caffeplus.memory.budget.plan_for_budget")
@@ -109,6 +113,7 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
         breakdown['workspace'] = _stock_workspace(net) if name == 'stock' else _arena_workspace(net)
         whole = [liveness.Buffer(b.key, b.kind, b.blobs, b.nbytes, 0, steps) for b in bufs]
         return MemoryPlan(name, breakdown, whole, steps=steps)
+    whole = bufs
     offloaded = ()
     if name == 'offload' and offload_policy == 'free':
         from caffeplus.memory import offload
@@ -119,6 +124,11 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
         from caffeplus.memory import offload
         offloaded = offload.choose(net, bufs, offload_policy, keep)
         bufs = offload.shorten(bufs, offloaded, net)
+    # Cheap maps made again in backward (after offload's choice: what it
+    # moves stays its own).
+    from caffeplus.memory import recompute as recompute_mod
+    again = recompute_mod.choose(net, whole, keep, training, offloaded) if recompute else {}
+    bufs = recompute_mod.shorten(bufs, again, net)
     if workspace is not None:
         bufs = bufs + liveness.workspace_buffers(net, workspace, training)
     if internals is not None:
@@ -139,6 +149,7 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     breakdown['activation_diffs'] = arena - in_arena
     plan = MemoryPlan(name, breakdown, bufs, offsets, arena, offloaded, steps=steps)
     plan.offload_policy = offload_policy if name == 'offload' else None
+    plan.recomputed = again
     return plan
 
 

@@ -305,6 +305,9 @@ def internal_bytes(net, i, plan_name=None):
     bottom, top = net.bottom_vecs[i], net.top_vecs[i]
     from caffeplus.proto import caffe_pb2
     training = layer.phase == caffe_pb2.TRAIN
+    gpu_own = getattr(layer, 'gpu_internal_bytes', None)
+    if callable(gpu_own):
+        return int(gpu_own())       # cuDNN's pooling keeps no argmax
     if t == 'Pooling' and layer.layer_param.pooling_param.pool in (
             caffe_pb2.PoolingParameter.MAX, caffe_pb2.PoolingParameter.STOCHASTIC):
         return 4 * top[0].count

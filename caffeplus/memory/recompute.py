@@ -1,0 +1,165 @@
+"""Feature maps a cheap layer makes again in backward instead of keeping them.
+
+On the GPU, cuDNN's LRN and pooling backward read their input and their
+output, so an LRN's or a pooling layer's output stays on the device from
+its forward to its backward even though forward read it only once, at the
+next layer. Its input stays there anyway (the same backward reads it), so
+the reusing plans (`shared`, `offload`, `auto`) let the output's memory go
+after its last forward use and run the producing layer's forward again just
+before the first backward step that reads the output: the same
+deterministic call on the same input gives the same bits, and one
+memory-bound forward (AlexNet's norm1: a fraction of a millisecond) buys the
+map's bytes back for most of the iteration (checkpointing, for the layers
+where it is cheap).
+
+A map is made again only when
+  * one layer writes it (no layer works on it in place; a Split's tops
+    share it), a layer of RECOMPUTE_TYPES that draws no random numbers;
+  * it is read in backward, after an idle gap;
+  * every input of its producer is a single device life that is written by
+    no later layer and still live at that first backward read, and is not
+    itself made again (of a map and its producer's input, the larger is);
+  * it holds at least MIN_SHARE of the bytes live at the iteration's
+    busiest step (data and diffs): a forward per small map would cost more
+    time than its bytes are worth (GoogLeNet's auxiliary average pools).
+Under plan `offload` the maps its policy offloads are chosen first: they
+are neither made again nor inputs to what is. CAFFEPLUS_RECOMPUTE=0 turns
+this off.
+"""
+import os
+
+from caffeplus.memory.liveness import FILTER_FIRST, Buffer
+
+RECOMPUTE_TYPES = ('LRN', 'Pooling')
+MIN_SHARE = 0.02
+# Pooling methods whose forward is a function of its input (STOCHASTIC draws).
+_POOL_METHODS = (0, 1)          # PoolingParameter.MAX, AVE
+
+
+def enabled():
+    return os.environ.get('CAFFEPLUS_RECOMPUTE', '1').strip().lower() not in \
+        ('0', 'false', 'off', 'no')
+
+
+def _cheap(layer):
+    kind = layer.layer_param.type
+    if kind == 'Pooling':
+        return layer.layer_param.pooling_param.pool in _POOL_METHODS
+    return kind in RECOMPUTE_TYPES
+
+
+def _writers(net, names):
+    """Indices of the layers whose tops include one of `names` (a Split's
+    tops share their bottom's memory and write nothing)."""
+    out = []
+    for i, layer in enumerate(net.layers):
+        if layer.layer_param.type == 'Split':
+            continue
+        if names & {net._blob_names[b] for b in net.top_id_vecs[i]}:
+            out.append(i)
+    return out
+
+
+def _data_steps(net, buf):
+    """(forward steps, backward steps) at which a data buffer is used; a
+    fused chain's members read at their head's step (kernels.chain_heads)."""
+    from caffeplus import kernels
+    heads = kernels.chain_heads(net)
+    L = len(net.layers)
+    names = set(buf.blobs)
+    fwd, bwd = [], []
+    for i, layer in enumerate(net.layers):
+        bottoms = {net._blob_names[b] for b in net.bottom_id_vecs[i]}
+        tops = {net._blob_names[b] for b in net.top_id_vecs[i]}
+        if names & (bottoms | tops):
+            fwd.append(i)
+        if not net.layer_need_backward[i]:
+            continue
+        reads = layer.backward_reads
+        if ('bottom_data' in reads and names & bottoms) or \
+                ('top_data' in reads and names & tops):
+            bwd.extend({2 * L - 1 - i, 2 * L - 1 - heads.get(i, i)})
+    return fwd, bwd
+
+
+def choose(net, bufs, keep=(), training=True, offloaded=()):
+    """{buffer key: producer layer index} for the data buffers of `bufs`
+    (liveness.buffers) that are made again in backward (the module
+    docstring's rules); empty when disabled or for forward-only plans.
+    `offloaded`: keys of the buffers an offload plan moves to the host,
+    which are neither made again nor inputs to what is."""
+    if not training or not enabled():
+        return {}
+    gone = {b.key for b in bufs if b.key in set(offloaded)}
+    gone_blobs = {n for b in bufs if b.key in gone for n in b.blobs}
+    from caffeplus.memory.liveness import data_layer_tops, written_once
+    keep = set(keep) | set(net.outputs) | set(net.inputs) | written_once(net) | \
+        data_layer_tops(net)
+    from caffeplus.memory.liveness import live_bytes_by_step
+    L = len(net.layers)
+    least = MIN_SHARE * max(live_bytes_by_step(bufs, 2 * L))
+    data = {b.key: b for b in bufs if b.kind == 'data'}
+    by_blob = {n: b for b in data.values() for n in b.blobs}
+    producers = {}
+    for key, buf in data.items():
+        if set(buf.blobs) & keep or key in gone or buf.nbytes < least or \
+                (buf.start <= 0 and buf.end >= 2 * L):
+            continue
+        writers = _writers(net, set(buf.blobs))
+        if len(writers) != 1:
+            continue
+        p = writers[0]
+        layer = net.layers[p]
+        bottoms = [net._blob_names[b] for b in net.bottom_id_vecs[p]]
+        if not _cheap(layer) or len(net.top_id_vecs[p]) != 1 or set(bottoms) & set(buf.blobs):
+            continue
+        fwd, bwd = _data_steps(net, buf)
+        if not bwd or max(fwd) + 1 >= min(bwd):
+            continue
+        first_back = min(bwd)
+        ok = True
+        for name in bottoms:
+            src = by_blob.get(name)
+            if src is None or name in gone_blobs or \
+                    not (src.start <= p and src.end >= first_back) or \
+                    any(w > p for w in _writers(net, set(src.blobs))):
+                ok = False
+                break
+        if ok:
+            producers[key] = (p, first_back, tuple(bottoms))
+    # A producer's input must hold its values when the producer runs again,
+    # so of a map and its producer's input (LRN -> pooling) only one is made
+    # again: the larger first.
+    chosen, taken, inputs = {}, set(), set()
+    for key in sorted(producers, key=lambda k: (-data[k].nbytes, k)):
+        p, _, bottoms = producers[key]
+        if set(bottoms) & taken or set(data[key].blobs) & inputs:
+            continue
+        chosen[key] = p
+        taken.update(data[key].blobs)
+        inputs.update(bottoms)
+    return chosen
+
+
+def shorten(bufs, chosen, net):
+    """Replace each buffer made again by its two device lives: until its last
+    forward use, and from (half a step before, where a filter call's
+    workspace lies) its first backward use."""
+    if not chosen:
+        return list(bufs)
+    out = []
+    for buf in bufs:
+        if buf.key not in chosen:
+            out.append(buf)
+            continue
+        fwd, bwd = _data_steps(net, buf)
+        out.append(Buffer(buf.key + ('forward',), buf.kind, buf.blobs, buf.nbytes,
+                          buf.start, max(fwd)))
+        out.append(Buffer(buf.key + ('again',), buf.kind, buf.blobs, buf.nbytes,
+                          min(bwd) - FILTER_FIRST, buf.end))
+    return out
+
+
+def extra_seconds(chosen, step_seconds):
+    """The time the producers' second forwards add to an iteration."""
+    return sum(step_seconds[p] for p in set(chosen.values()))

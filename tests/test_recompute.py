@@ -1,0 +1,258 @@
+"""Maps made again in backward (caffeplus.memory.recompute): which ones, the
+memory they give back, and training that stays bit-identical to stock."""
+import os
+import sys
+
+import numpy
+import pytest
+
+import caffeplus
+from caffeplus import log
+from caffeplus.errors import CaffeplusError
+from caffeplus.io.prototxt import parse_text
+from caffeplus.memory import budget, liveness, recompute, shapes
+from caffeplus.memory.plan import make_plan
+from caffeplus.proto import caffe_pb2
+from conftest import ROOT, SHARED
+
+sys.path.insert(0, ROOT)
+from tools import check_plans_equal as cpe  # noqa: E402
+
+# conv1 -> ReLU -> LRN -> conv2: conv2's backward reads the LRN's output,
+# the LRN's backward its input (conv1), so norm1 can be made again from
+# conv1 just before conv2's backward.
+LRN_NET = '''
+name: "lrn"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+        dummy_data_param { data_filler { type: "gaussian" std: 1 }
+                           shape { dim: 4 dim: 3 dim: 14 dim: 14 }
+                           data_filler { type: "uniform" min: 0 max: 2.99 } shape { dim: 4 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 8 kernel_size: 3 weight_filler { type: "xavier" } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "norm1" type: "LRN" bottom: "conv1" top: "norm1"
+        lrn_param { local_size: 5 alpha: 0.1 beta: 0.75 } }
+layer { name: "conv2" type: "Convolution" bottom: "norm1" top: "conv2"
+        convolution_param { num_output: 8 kernel_size: 3 weight_filler { type: "xavier" } } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
+layer { name: "conv3" type: "Convolution" bottom: "conv2" top: "conv3"
+        convolution_param { num_output: 4 kernel_size: 3 stride: 2
+                            weight_filler { type: "xavier" } } }
+layer { name: "ip" type: "InnerProduct" bottom: "conv3" top: "ip"
+        inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+'''
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    level = log.logger.level
+    log.logger.setLevel(30)
+    yield
+    log.logger.setLevel(level)
+
+
+def bench_path(name):
+    path = os.path.join(SHARED, 'bench', name + '.prototxt')
+    if not os.path.exists(path):
+        pytest.skip('bench net not found: %s' % path)
+    return path
+
+
+def param_of(text):
+    return parse_text(text, caffe_pb2.NetParameter())
+
+
+def build(text=LRN_NET, memory=None, keep=None, seed=3):
+    caffeplus.set_random_seed(seed)
+    return caffeplus.Net(param_of(text), caffeplus.TRAIN, memory=memory, keep=keep)
+
+
+def chosen_names(net, keep=(), offloaded=()):
+    bufs = liveness.buffers(net, keep=keep)
+    return {n for key in recompute.choose(net, bufs, keep, True, offloaded) for n in key[1]}
+
+
+def sgd_run(net, iters=4, lr=0.05):
+    losses = []
+    for _ in range(iters):
+        net.clear_param_diffs()
+        losses.append(net.forward_prefilled())
+        net.backward_all()
+        for p in net.learnable_params:
+            p.data[...] -= numpy.float32(lr) * p.diff
+    return losses, [p.data.copy() for p in net.learnable_params]
+
+
+# -- which maps ------------------------------------------------------------------------------
+def test_an_lrn_output_read_again_by_a_convolution_is_made_again(monkeypatch):
+    net = build()
+    assert chosen_names(net) == {'norm1'}
+    plan = make_plan(net, 'shared')
+    lives = [b for b in plan.buffers if b.blobs == ('norm1',) and b.kind == 'data']
+    L = len(net.layers)
+    conv2 = net._layer_names.index('conv2')
+    # Until conv2's forward, then from (half a step before) conv2's backward.
+    back = 2 * L - 1 - conv2        # (the CPU's LRN backward reads its input only)
+    assert [(b.start, b.end) for b in lives] == [
+        (conv2 - 1, conv2), (back - liveness.FILTER_FIRST, back)]
+    # Not when kept, not under the plans that keep everything, not when off.
+    assert chosen_names(net, keep=('norm1',)) == set()
+    assert not make_plan(net, 'stock').recomputed and not make_plan(net, 'arena').recomputed
+    monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', '0')
+    assert chosen_names(net) == set() and not make_plan(net, 'shared').recomputed
+
+
+def test_what_offload_moves_is_not_made_again():
+    net = build()
+    bufs = liveness.buffers(net)
+    norm1 = [b.key for b in bufs if b.blobs == ('norm1',) and b.kind == 'data']
+    conv1 = [b.key for b in bufs if b.blobs == ('conv1',) and b.kind == 'data']
+    assert chosen_names(net, offloaded=norm1) == set()
+    # Nor a map whose producer's input is offloaded (it would not be there).
+    assert chosen_names(net, offloaded=conv1) == set()
+    plan = make_plan(net, 'offload', offload_policy='conv')     # conv2's input: norm1
+    assert any(k[1] == ('norm1',) for k in plan.offloaded) and not plan.recomputed
+
+
+def test_random_producers_are_not_made_again():
+    # STOCHASTIC pooling draws random numbers; MAX pooling would be made
+    # again only where its input stays (on the CPU its backward reads an argmax).
+    pooled = LRN_NET.replace(
+        'type: "LRN" bottom: "conv1" top: "norm1"\n        lrn_param { local_size: 5 alpha: 0.1 '
+        'beta: 0.75 }',
+        'type: "Pooling" bottom: "conv1" top: "norm1"\n        pooling_param { pool: STOCHASTIC '
+        'kernel_size: 3 stride: 1 }')
+    assert 'STOCHASTIC' in pooled
+    assert chosen_names(build(pooled)) == set()
+
+
+def test_a_map_or_its_producers_input_not_both(monkeypatch):
+    """AlexNet (GPU reads): norm1 -> pool1 -> conv2. Both norm1's and pool1's
+    outputs qualify, but pool1 made again reads norm1, so only the larger,
+    norm1, is; norm2 likewise. The estimate gives the bytes back."""
+    net = shapes.build_net(shapes.load_net_param(bench_path('alexnet_b128')))
+    assert chosen_names(net) == {'norm1', 'norm2'}
+    with_ = budget.estimate_plan(net, 'shared')
+    monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', '0')
+    without = budget.estimate_plan(net, 'shared')
+    norm_bytes = sum(net.blobs[n].count * 4 for n in ('norm1', 'norm2'))
+    assert with_.peak_bytes <= without.peak_bytes - norm_bytes // 2
+    # The second forwards of the two LRNs are in the estimated time.
+    extra = recompute.extra_seconds(with_.recomputed, budget.wm.step_seconds(net, {
+        i: budget.wm.fastest(l, budget.wm.knee_cap(net)) for i, l in budget.wm.conv_layers(net)}))
+    assert with_.est_iter_ms == pytest.approx(without.est_iter_ms + extra * 1e3)
+    assert extra > 0
+
+
+def test_small_maps_are_not_worth_a_forward():
+    net = shapes.build_net(shapes.load_net_param(bench_path('googlenet_b64')))
+    bufs = liveness.buffers(net)
+    peak = max(liveness.live_bytes_by_step(bufs, 2 * len(net.layers)))
+    again = recompute.choose(net, bufs)
+    sizes = {b.key: b.nbytes for b in bufs}
+    assert again and all(sizes[k] >= recompute.MIN_SHARE * peak for k in again)
+    assert 'loss1/ave_pool' not in {n for k in again for n in k[1]}
+
+
+# -- running ---------------------------------------------------------------------------------
+def test_training_with_maps_made_again_is_bit_identical_to_stock():
+    stock = sgd_run(build())
+    net = build(memory='shared')
+    assert net.applied_plan.plan.recomputed
+    shared = sgd_run(net)
+    assert stock[0] == shared[0]
+    assert all(numpy.array_equal(a, b) for a, b in zip(stock[1], shared[1]))
+
+
+def test_a_map_made_again_is_released_in_between_and_says_so():
+    net = build(memory='shared')
+    net.forward()
+    with pytest.raises(CaffeplusError) as info:
+        net.blobs['norm1'].data
+    msg = str(info.value)
+    assert 'norm1' in msg and 'makes it again' in msg and 'keep' in msg
+    net.backward()
+    # Kept, it stays readable with stock's values.
+    kept = build(memory='shared', keep=['norm1'])
+    assert not kept.applied_plan.plan.recomputed
+    kept.forward()
+    stock = build()
+    stock.forward()
+    assert numpy.array_equal(kept.blobs['norm1'].data, stock.blobs['norm1'].data)
+
+
+def test_partial_passes_check_the_map_made_again():
+    net = build(memory='shared')
+    net.forward()
+    net.backward()
+    # conv2's forward reads norm1, whose first life was reused in backward.
+    with pytest.raises(CaffeplusError, match='norm1'):
+        net.forward(start='conv2')
+    # Backward in two halves: the second starts below conv2, where norm1
+    # was made again by the first. (Each net built and run in turn: the
+    # DummyData refills draw from the seeded generator.)
+
+    def halves(memory):
+        n = build(memory=memory)
+        n.forward()
+        n.backward(end='conv2')
+        n.backward(start='norm1')
+        return [p.diff.copy() for p in n.learnable_params]
+    for a, b in zip(halves('shared'), halves(None)):
+        assert numpy.array_equal(a, b)
+
+
+def test_offload_beside_maps_made_again_is_bit_identical(tmp_path):
+    """GoogLeNet on the CPU: shared makes norm2 and the large pools again;
+    offload 'all' (simulated, lazy copies) moves the rest."""
+    if not os.path.exists(cpe.model_path('googlenet')):
+        pytest.skip('model not found')
+    param, test_nets = cpe.net_param('googlenet', str(tmp_path), 2)
+    stock = cpe.train(param, 'stock', 2, test_nets)
+    shared = cpe.train(param, 'shared', 2, test_nets)
+    assert not cpe.differences(stock, shared)
+
+
+# -- GPU -------------------------------------------------------------------------------------
+ALEX_LIKE = '''
+name: "alexlike"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+        dummy_data_param { data_filler { type: "gaussian" std: 1 }
+                           shape { dim: 8 dim: 3 dim: 31 dim: 31 }
+                           data_filler { type: "uniform" min: 0 max: 4.99 } shape { dim: 8 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 16 kernel_size: 5 stride: 2
+                            weight_filler { type: "xavier" } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "norm1" type: "LRN" bottom: "conv1" top: "norm1"
+        lrn_param { local_size: 5 alpha: 0.0001 beta: 0.75 } }
+layer { name: "pool1" type: "Pooling" bottom: "norm1" top: "pool1"
+        pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
+        convolution_param { num_output: 16 kernel_size: 3 pad: 1
+                            weight_filler { type: "xavier" } } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
+layer { name: "ip" type: "InnerProduct" bottom: "conv2" top: "ip"
+        inner_product_param { num_output: 5 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+'''
+
+
+@pytest.mark.gpu
+def test_gpu_lrn_made_again_for_cudnn_pooling_is_bit_identical(tmp_path):
+    """On the GPU cuDNN's pooling backward reads norm1 (its input): shared
+    makes it again from conv1 before pool1's backward. Against arena (same
+    algorithms), deterministic math, bit for bit."""
+    param = param_of(ALEX_LIKE)
+    arena, shared = [cpe.train(param, plan, 10, 0, gpu=0, math='deterministic')
+                     for plan in ('arena', 'shared')]
+    assert not cpe.differences(arena, shared), cpe.differences(arena, shared)
+    from caffeplus import backend
+    backend.set_mode_gpu(0)
+    try:
+        net = shapes.build_net(param, virtual=False)
+        plan = make_plan(net, 'shared')
+        assert {n for k in plan.recomputed for n in k[1]} == {'norm1'}
+    finally:
+        backend.set_mode_cpu()
