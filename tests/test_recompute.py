@@ -52,6 +52,18 @@ def _quiet():
     log.logger.setLevel(level)
 
 
+@pytest.fixture(autouse=True)
+def _strict_math_after():
+    """The GPU test trains with deterministic math (a global setting)."""
+    yield
+    try:
+        from caffeplus.backend import mathmode
+    except ImportError:
+        return
+    if mathmode.math_mode() != 'strict':
+        mathmode.set_math_mode('strict')
+
+
 def bench_path(name):
     path = os.path.join(SHARED, 'bench', name + '.prototxt')
     if not os.path.exists(path):
