@@ -7,6 +7,9 @@ is the bottleneck the device time includes the gaps it leaves).
     python tools/profile_gpu.py --net ../shared/bench/resnet50_b64.prototxt \\
         --plan arena --search timed --iters 10 [--tf32] [--generic]
 
+(--plan shared/offload/auto applies the whole memory plan, not only its
+workspace.)
+
 Layers are timed by wrapping their methods, not through the net's per-layer
 hooks, so fused chains of layers (caffeplus.kernels) stay fused. The step is
 the benchmark's (tools/bench_gpu.py): clear diffs, forward, backward, the
@@ -50,8 +53,13 @@ def main(argv=None):
     from caffeplus.cudnn import api
     api.set_graphs(not args.no_graphs)
     workspace.set_search(args.search)
-    net = caffeplus.Net(args.net, caffeplus.TRAIN)
-    workspace.apply_workspace_plan(net, args.plan, 0)
+    if args.plan in ('stock', 'arena'):
+        net = caffeplus.Net(args.net, caffeplus.TRAIN)
+        workspace.apply_workspace_plan(net, args.plan, 0)
+    else:
+        # The reusing plans place the workspace with the activations (and
+        # make maps again in backward): the whole memory plan.
+        net = caffeplus.Net(args.net, caffeplus.TRAIN, memory=args.plan)
     params = net.learnable_params
     hist = [Blob(p.shape) for p in params]
     for h in hist:

@@ -1,0 +1,53 @@
+#!/bin/bash
+# Side-by-side probes of memory plans on the GPU, in one device call (run
+# through tools/gpu_snapshot.sh; outputs under $OUT):
+#   PROFILE="net:plan,plan net:plan"  tools/profile_gpu.py per plan (device ms by layer)
+#   ALGOS="net:plan,plan"             tools/dump_algorithms.py JSON per plan
+#   MEMORY="net:plans:budget:iters"   caffeplus memory -gpu 0 (budget '-' for none)
+# e.g. PROFILE="alexnet_b128:arena,shared" MEMORY="vgg16_b256:shared,auto:12G:5"
+set -u
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+B=.gpu_carry/bench
+for spec in ${PROFILE:-}; do
+  net=${spec%%:*}; plans=${spec#*:}
+  for plan in ${plans//,/ }; do
+    echo "== profile $net $plan"
+    GLOG_minloglevel=2 timeout 240 python3 tools/profile_gpu.py --net $B/$net.prototxt \
+      --plan $plan --iters ${PROFILE_ITERS:-20} --top ${PROFILE_TOP:-30} \
+      > "$OUT/profile_${net}_$plan.log" 2>&1
+    echo "rc=$?" >> "$OUT/profile_${net}_$plan.log"
+    grep -E "ms/iter|rc=" "$OUT/profile_${net}_$plan.log"
+  done
+done
+for spec in ${ALGOS:-}; do
+  net=${spec%%:*}; plans=${spec#*:}
+  for plan in ${plans//,/ }; do
+    echo "== algorithms $net $plan"
+    GLOG_minloglevel=2 timeout 240 python3 tools/dump_algorithms.py --plan $plan \
+      --json "$OUT/algos_${net}_$plan.json" $B/$net.prototxt > "$OUT/algos_${net}_$plan.log" 2>&1
+    echo "rc=$?"
+  done
+done
+for spec in ${MEMORY:-}; do
+  IFS=: read -r net plans budget iters <<< "$spec"
+  echo "== memory $net $plans budget $budget"
+  extra=""; [ "$budget" != "-" ] && extra="--budget $budget"
+  GLOG_minloglevel=2 timeout ${MEMORY_S:-300} python3 -m caffeplus memory -model $B/$net.prototxt \
+    -gpu 0 --plans $plans $extra --offload ${MEMORY_OFFLOAD:-free} --iterations ${iters:-5} --json \
+    > "$OUT/memory_${net}_${plans//,/_}.json" 2> "$OUT/memory_${net}_${plans//,/_}.err"
+  echo "rc=$?"
+  python3 - "$OUT/memory_${net}_${plans//,/_}.json" <<'PY'
+import json, sys
+try:
+    doc = json.load(open(sys.argv[1]))
+except Exception as exc:
+    print('  no JSON:', exc); sys.exit()
+for name, p in doc['plans'].items():
+    print('  %-8s peak %7.0f MiB (steady %7.0f)  iter %s ms  est %s ms  estimate err %s%%  offloaded %d'
+          % (name, p['peak_bytes'] / 2**20, (p.get('steady_peak_bytes') or 0) / 2**20,
+             p.get('iter_ms'), (p.get('estimate') or {}).get('iter_ms'), p.get('estimate_error_pct'),
+             len(p.get('offloaded') or [])))
+PY
+  tail -n 2 "$OUT/memory_${net}_${plans//,/_}.err"
+done
