@@ -5,6 +5,7 @@
 #   ALGOS="net:plan,plan"             tools/dump_algorithms.py JSON per plan
 #   MEMORY="net:plans:budget:iters"   caffeplus memory -gpu 0 (budget '-' for none)
 # e.g. PROFILE="alexnet_b128:arena,shared" MEMORY="vgg16_b256:shared,auto:12G:5"
+# PROFILE_FULL=1 prints the profiles (the device tool brings back 8 files at most).
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -17,7 +18,8 @@ for spec in ${PROFILE:-}; do
       --plan $plan --iters ${PROFILE_ITERS:-20} --top ${PROFILE_TOP:-30} \
       > "$OUT/profile_${net}_$plan.log" 2>&1
     echo "rc=$?" >> "$OUT/profile_${net}_$plan.log"
-    grep -E "ms/iter|rc=" "$OUT/profile_${net}_$plan.log"
+    if [ -n "${PROFILE_FULL:-}" ]; then cat "$OUT/profile_${net}_$plan.log"
+    else grep -E "ms/iter|rc=" "$OUT/profile_${net}_$plan.log"; fi
   done
 done
 for spec in ${ALGOS:-}; do
