@@ -3,7 +3,11 @@
 two training iterations; prints the exception and where it was raised.
 
     python tools/large_batch_probe.py .gpu_carry/bench/vgg16_b64.prototxt --batch 672 \\
-        [--plan shared | --plan auto --budget 78G]
+        [--plan shared | --plan auto --budget 78G] [--iterations 6 --card 12G]
+
+--card emulates a smaller card: CuPy's pool is limited to what the card
+would leave beside the memory in use at the start (the CUDA context), so a
+plan that exceeds it fails as it would there.
 
 (Session 4: `tools/max_batch.py` saw every VGG-16 `auto` try from batch 672
 up fail without recording why; batch 576 trained. 672 is where conv1's
@@ -25,6 +29,10 @@ def main(argv=None):
     ap.add_argument('--batch', type=int, required=True)
     ap.add_argument('--plan', default='shared')
     ap.add_argument('--budget', default=None)
+    ap.add_argument('--iterations', type=int, default=2)
+    ap.add_argument('--card', default=None,
+                    help='act as a card of this size (e.g. 12G): CuPy\'s pool may take what '
+                         'it leaves beside the memory in use before the net is built')
     ap.add_argument('--cpu', action='store_true', help='run on the CPU (a check of the script)')
     args = ap.parse_args(argv)
     os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
@@ -36,6 +44,17 @@ def main(argv=None):
         caffeplus.set_mode_gpu(0)
     param = shapes.load_net_param(args.model, batch=args.batch)
     step = 'build'
+    tracker = None
+    if not args.cpu:
+        import cupy
+        if args.card:
+            cupy.cuda.Device().synchronize()
+            free, total = cupy.cuda.runtime.memGetInfo()
+            limit = parse_bytes(args.card) - (total - free)
+            cupy.get_default_memory_pool().set_limit(size=limit)
+            print('card of %s: the pool may take %.2f GiB (%.2f GiB in use before)'
+                  % (args.card, limit / 2 ** 30, (total - free) / 2 ** 30), flush=True)
+        tracker = measure.PeakTracker().__enter__()
     try:
         solver = measure._solver(param, 'SGD', 2)
         net = solver.net
@@ -45,16 +64,39 @@ def main(argv=None):
         step = 'plan'
         apply_named_plan(net, args.plan, training=True,
                          budget=parse_bytes(args.budget) if args.budget else None)
-        for i in range(2):
+        where = {}
+        if tracker is not None:
+            # The step at which the pool's live bytes were highest (hooks
+            # marked chain_safe leave the fused layer chains fused).
+            L = len(net.layers)
+
+            def mark(t):
+                def hook(i):
+                    if tracker.live >= where.get('live', -1):
+                        where.update(live=tracker.live, step=t(i))
+                hook.chain_safe = True
+                return hook
+            net.before_layer_forward.append(mark(lambda i: 'forward of %s' % net._layer_names[i]))
+            net.before_layer_backward.append(
+                mark(lambda i: 'backward of %s' % net._layer_names[i]))
+        for i in range(args.iterations):
             step = 'iteration %d' % (i + 1)
             t0 = time.time()
+            if tracker is not None:
+                tracker.reset()
+                where.clear()
             measure.run_iteration(net, solver)
             used = ''
-            if not args.cpu:
+            if tracker is not None:
                 import cupy
+                cupy.cuda.Device().synchronize()
                 free, total = cupy.cuda.runtime.memGetInfo()
-                used = ', device memory used now %.1f GiB' % ((total - free) / 2 ** 30)
-            print('%s: %.1f s%s' % (step, time.time() - t0, used), flush=True)
+                used = (', device memory used now %.2f GiB, pool peak %.2f GiB (highest before '
+                        'a layer: %.2f GiB, %s)' % ((total - free) / 2 ** 30,
+                                                    tracker.pool_peak / 2 ** 30,
+                                                    where.get('live', 0) / 2 ** 30,
+                                                    where.get('step')))
+            print('%s: %.2f s%s' % (step, time.time() - t0, used), flush=True)
     except BaseException as exc:      # noqa: BLE001 -- the point is to see it
         print('FAILED at %s: %s: %s' % (step, type(exc).__name__, exc))
         print(''.join(traceback.format_exc().splitlines(True)[-25:]))
