@@ -800,6 +800,15 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         self._ensure_planned(self._manager())
         return max([s.choice.memory for s in self._sites.values() if s.choice is not None] + [0])
 
+    def chosen_workspace_bytes(self):
+        """workspace_bytes() of the algorithms chosen so far, without
+        choosing (a plan made to be applied: the memory plan's own manager
+        chooses later; planning now would time the candidates with the
+        net's default arena, what the whole GPU spares)."""
+        if self._cd is None or not self._sites:
+            return super().workspace_bytes()
+        return max([s.choice.memory for s in self._sites.values() if s.choice is not None] + [0])
+
     def stock_workspace_bytes(self):
         """What Caffe 1.0 allocates for this layer: per-group descriptors,
         first _v7 algorithm within 8 MiB per kind, max * group * 3."""

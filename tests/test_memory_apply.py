@@ -711,8 +711,15 @@ def test_a_calibrated_lookahead_that_does_not_fit_keeps_the_old_one(monkeypatch,
             return offsets, int(size * factor) // 4 * 4
         return offsets, size
     monkeypatch.setattr(placement, 'place', place)
+    taken = []
     if refusal != 'out_of_memory':
         applied.arena_limit = old_bytes
+        real_zeros = numpy.zeros
+
+        def zeros(count, *args, **kw):
+            taken.append(count)
+            return real_zeros(count, *args, **kw)
+        monkeypatch.setattr(numpy, 'zeros', zeros)
     else:
         real_zeros = numpy.zeros
 
@@ -727,6 +734,8 @@ def test_a_calibrated_lookahead_that_does_not_fit_keeps_the_old_one(monkeypatch,
     grow['on'] = True
     applied.adopt_lookahead(far)
     assert applied.options['lookahead_steps'] == before
+    # Over the limit: refused before the larger arena is taken.
+    assert all(c <= old_bytes // 4 + 1 for c in taken)
     assert applied.runtime.calibrated and not applied.runtime.pending_lookahead
     assert applied.replans >= 1
     # The refused arena is let go, not kept as the old layout's bytes (a

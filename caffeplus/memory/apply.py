@@ -120,6 +120,11 @@ ANY = 'any'
 SPARE_SLACK = 16        # an old arena serves a new layout if at most 1/16 larger
 
 
+class _OverLimit(Exception):
+    """A layout larger than the arena may be (AppliedPlan.adopt_lookahead),
+    found before the arena is taken."""
+
+
 def storage_uses(net, training=True):
     """{id(storage): set of steps} at which a pass reads or writes it (the
     touches caffeplus.memory.liveness derives intervals from)."""
@@ -215,6 +220,7 @@ class AppliedPlan:
         self.internal_views = {}
         self.replans = 0
         self._recompute_hook = None
+        self._layout_limit = None   # adopt_lookahead: refuse a larger layout untaken
         # The most the arena may take when a calibrated look-ahead would
         # place it again: plan 'auto' keeps within its budget (what the
         # parameters, history and runtime leave of it); None: no bound but
@@ -293,18 +299,23 @@ class AppliedPlan:
         before_bytes = self.arena_bytes
         state = self.runtime.state_for_relayout() if self.runtime is not None else None
         why = None
+        # (An arena already over the limit may keep its size: the limit is
+        # the model's, and the real workspace can come out larger.)
+        limit = None if self.arena_limit is None else max(self.arena_limit, before_bytes)
+        # Refused before it is taken: VGG-16 b256 under 12 GiB briefly held
+        # a 3 GiB larger arena, over the budget, only to give it back.
+        self._layout_limit = limit
         try:
             self.relayout(lookahead_steps=steps)
+        except _OverLimit as over:
+            why = 'takes %s, over the %s the budget leaves' % (
+                format_bytes(over.args[0]), format_bytes(limit))
         except Exception as exc:        # CuPy's and CUDA's out-of-memory types
             if not workspace.is_out_of_memory(exc):
                 raise
             why = 'does not fit the device (%s)' % workspace.requested_bytes(exc)
-        # (An arena already over the limit may keep its size: the limit is
-        # the model's, and the real workspace can come out larger.)
-        limit = None if self.arena_limit is None else max(self.arena_limit, before_bytes)
-        if why is None and limit is not None and self.arena_bytes > limit:
-            why = 'takes %s, over the %s the budget leaves' % (
-                format_bytes(self.arena_bytes), format_bytes(limit))
+        finally:
+            self._layout_limit = None
         if why is None:
             return
         log.info('Memory plan %s: the calibrated offload look-ahead is not used: its arena %s; '
@@ -391,6 +402,8 @@ class AppliedPlan:
             not self.options.get('runtime', {}).get('fused_chains', True)
         kept_bufs = self._internal_buffers(unfused)
         offsets, arena_bytes = placement.place(bufs + ws_bufs + kept_bufs)
+        if self._layout_limit is not None and arena_bytes > self._layout_limit:
+            raise _OverLimit(arena_bytes)
         self.arena_bytes = arena_bytes
         count = max(arena_bytes // FLOAT_BYTES, 1)
         old = spare.pop() if spare else None

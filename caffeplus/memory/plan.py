@@ -75,7 +75,11 @@ def _stock_workspace(net):
 
 
 def _arena_workspace(net):
-    return max([layer.workspace_bytes() for layer in net.layers] + [0])
+    """The largest workspace the layers' algorithms chosen so far need (a
+    cuDNN convolution does not choose here: the plan's own workspace
+    manager does, once the plan is applied)."""
+    return max([getattr(layer, 'chosen_workspace_bytes', layer.workspace_bytes)()
+                for layer in net.layers] + [0])
 
 
 def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_policy='conv',
