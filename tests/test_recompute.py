@@ -127,6 +127,34 @@ def test_what_offload_moves_is_not_made_again():
     assert any(k[1] == ('norm1',) for k in plan.offloaded) and not plan.recomputed
 
 
+# The LRN reads one of two Split tops (which share conv1's memory); the
+# other branch runs a convolution on it, after a TanH in place on it when
+# `late` is set.
+SPLIT_NET = LRN_NET.replace(
+    'layer { name: "norm1" type: "LRN" bottom: "conv1" top: "norm1"',
+    'layer { name: "split" type: "Split" bottom: "conv1" top: "a" top: "b" }\n'
+    'layer { name: "norm1" type: "LRN" bottom: "a" top: "norm1"').replace(
+    'layer { name: "ip" type: "InnerProduct" bottom: "conv3"',
+    'layer { name: "conv3b" type: "Convolution" bottom: "b" top: "conv3b"\n'
+    '        convolution_param { num_output: 4 kernel_size: 5 stride: 2\n'
+    '                            weight_filler { type: "xavier" } } }\n'
+    'layer { name: "sum" type: "Eltwise" bottom: "conv3" bottom: "conv3b" top: "s" }\n'
+    'layer { name: "ip" type: "InnerProduct" bottom: "s"')
+
+
+def test_a_producer_whose_input_changes_later_is_not_run_again():
+    assert chosen_names(build(SPLIT_NET)) == {'norm1'}
+    # The TanH changes the LRN's input in place after the LRN ran (through
+    # the other Split top): run again, the LRN would see other values.
+    late = SPLIT_NET.replace(
+        'layer { name: "conv2"',
+        'layer { name: "late" type: "TanH" bottom: "b" top: "b" }\nlayer { name: "conv2"')
+    assert chosen_names(build(late)) == set()
+    stock = sgd_run(build(late), 3)
+    shared = sgd_run(build(late, memory='shared'), 3)
+    assert stock[0] == shared[0]
+
+
 def test_random_producers_are_not_made_again():
     # STOCHASTIC pooling draws random numbers; MAX pooling would be made
     # again only where its input stays (on the CPU its backward reads an argmax).
