@@ -258,9 +258,9 @@ def _set_weights(net, w):
             b.data = v
 
 
-def _cpu_reference(tmp_path, x, dy, w, bias=False):
+def _cpu_reference(tmp_path, x, dy, w, bias=False, text=CONV_NET):
     caffeplus.set_mode_cpu()
-    net = _net(tmp_path, name='cpu.prototxt')
+    net = _net(tmp_path, text=text, name='cpu.prototxt')
     _set_weights(net, w)
     return _run(net, x, dy, bias)
 
@@ -271,10 +271,10 @@ def _close(a, b, tol=2e-4):
         numpy.testing.assert_allclose(a[k], b[k], rtol=tol, atol=tol * scale, err_msg=k)
 
 
-def _inputs():
+def _inputs(batch=8):
     rng = numpy.random.default_rng(11)
-    x = rng.standard_normal((8, 16, 28, 28)).astype(numpy.float32)
-    dy = rng.standard_normal((8, 8, 13, 13)).astype(numpy.float32)
+    x = rng.standard_normal((batch, 16, 28, 28)).astype(numpy.float32)
+    dy = rng.standard_normal((batch, 8, 13, 13)).astype(numpy.float32)
     return x, dy
 
 
@@ -447,18 +447,21 @@ def test_pycaffe_host_views_stay_in_sync(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize('variant', [3, 4])
+@pytest.mark.parametrize('variant', [3, 4, 5])
 def test_batch_sliced_calls_match_the_cpu(tmp_path, variant):
-    """Timed search adds each call run over halves (variant 3) and quarters
-    (4) of the batch; forced onto those candidates (the smallest workspace
-    of each), every convolution's output, bottom gradient and accumulated
-    filter and bias gradients match the CPU."""
+    """Timed search adds each call run over halves (variant 3), quarters
+    (4) and eighths (5, from batch 16 on) of the batch; forced onto those
+    candidates (the smallest workspace of each), every convolution's
+    output, bottom gradient and accumulated filter and bias gradients match
+    the CPU."""
     from caffeplus.layers import cudnn as L
-    x, dy = _inputs()
+    batch = 16 if variant == 5 else 8
+    text = CONV_NET.replace('dim: 8 dim: 16 dim: 28', 'dim: %d dim: 16 dim: 28' % batch)
+    x, dy = _inputs(batch)
     previous = workspace.set_search('timed')
     try:
         caffeplus.set_mode_gpu()
-        net = _net(tmp_path)
+        net = _net(tmp_path, text=text)
         w = _weights(net)
         _run(net, x, dy)                # search
         forced = 0
@@ -478,7 +481,7 @@ def test_batch_sliced_calls_match_the_cpu(tmp_path, variant):
         got = _run(net, x, dy, bias=True)
     finally:
         workspace.set_search(previous)
-    ref = _cpu_reference(tmp_path, x, dy, w, bias=True)
+    ref = _cpu_reference(tmp_path, x, dy, w, bias=True, text=text)
     assert sorted(got) == sorted(ref) and 'conv2_db' in ref
     _close(got, ref, tol=5e-3)
 
@@ -637,3 +640,31 @@ def test_making_a_plan_to_apply_chooses_no_algorithms(tmp_path):
     x, dy = _inputs()
     _run(net, x, dy)
     assert all(s.choice is not None for s in sites)
+
+
+@pytest.mark.gpu
+def test_a_new_workspace_plan_keeps_the_descriptors_only_for_the_same_calls(tmp_path):
+    """set_workspace_manager reuses a convolution's descriptors only when
+    they describe the calls the new plan makes: arena -> arena keeps them;
+    stock runs a grouped convolution one call per group (Caffe 1.0), so
+    arena -> stock -> arena builds them anew each time; results match the
+    CPU throughout."""
+    x, dy = _inputs()
+    caffeplus.set_mode_gpu()
+    net = _net(tmp_path)
+    w = _weights(net)
+    _run(net, x, dy)
+    conv2 = net.layers[net._layer_names.index('conv2')]
+    assert conv2.group == 2
+    cd = conv2._cd
+    workspace.apply_workspace_plan(net, 'arena', 0)
+    assert conv2._cd is cd
+    ref = _cpu_reference(tmp_path, x, dy, w)
+    caffeplus.set_mode_gpu()
+    workspace.apply_workspace_plan(net, 'stock', 0)
+    assert conv2._split_groups() and conv2._cd is not cd
+    stock_cd = conv2._cd
+    _close(_run(net, x, dy), ref)
+    workspace.apply_workspace_plan(net, 'arena', 0)
+    assert not conv2._split_groups() and conv2._cd is not stock_cd
+    _close(_run(net, x, dy), ref)
