@@ -513,11 +513,26 @@ def test_estimates_within_five_percent_of_the_recorded_measurements(capsys, net)
 @pytest.mark.slow
 @pytest.mark.parametrize('net', ['alexnet_b128', 'resnet50_b32'])
 def test_estimate_within_five_percent_of_the_measurement(capsys, net):
+    """Each plan is measured in a process of its own, as the whole device's
+    used memory: what this test process holds (its CUDA context, and what
+    the GPU tests before it left cached: about 5 GB in a full run) is
+    counted too, so it is freed as far as it can be, and what remains is
+    taken off the measurement."""
+    import gc
+    import cupy
+    gc.collect()
+    cupy.get_default_memory_pool().free_all_blocks()
+    cupy.get_default_pinned_memory_pool().free_all_blocks()
+    cupy.cuda.Device(0).synchronize()
+    free, total = cupy.cuda.runtime.memGetInfo()
+    held_here = total - free
     code, out, err = memory(capsys, '-model', bench(net), '-gpu', '0', '--json',
                             '--plans', 'stock,arena,shared')
     assert code == 0, err
     for name, entry in json.loads(out)['plans'].items():
-        assert abs(entry['estimate_error_pct']) <= 5, (name, entry['estimate_error_pct'])
+        real = (entry.get('steady_peak_bytes') or entry['peak_bytes']) - held_here
+        error = (entry['estimate']['peak_bytes'] - real) / float(real)
+        assert abs(error) <= 0.05, (name, round(100 * error, 2), held_here)
 
 
 # -- each measured plan in its own process ----------------------------------------------
