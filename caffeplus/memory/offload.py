@@ -17,7 +17,11 @@ CONV_TYPES = ('Convolution', 'Deconvolution')
 
 
 def _uses(net, buf):
-    """Forward and backward steps at which a data buffer is used."""
+    """Forward and backward steps at which a data buffer is used; a fused
+    chain's members read at their head's step too (kernels.chain_heads, as
+    liveness.buffers)."""
+    from caffeplus import kernels
+    heads = kernels.chain_heads(net)
     L = len(net.layers)
     names = set(buf.blobs)
     fwd, bwd = [], []
@@ -30,7 +34,7 @@ def _uses(net, buf):
             continue
         if ('bottom_data' in layer.backward_reads and names & bottoms) or \
                 ('top_data' in layer.backward_reads and names & tops):
-            bwd.append(2 * L - 1 - i)
+            bwd.extend(sorted({2 * L - 1 - i, 2 * L - 1 - heads.get(i, i)}))
     return fwd, bwd
 
 

@@ -29,6 +29,7 @@ this off.
 import os
 
 from caffeplus.memory.liveness import FILTER_FIRST, Buffer
+from caffeplus.memory.offload import _uses
 
 RECOMPUTE_TYPES = ('LRN', 'Pooling')
 MIN_SHARE = 0.02
@@ -58,28 +59,6 @@ def _writers(net, names):
         if names & {net._blob_names[b] for b in net.top_id_vecs[i]}:
             out.append(i)
     return out
-
-
-def _data_steps(net, buf):
-    """(forward steps, backward steps) at which a data buffer is used; a
-    fused chain's members read at their head's step (kernels.chain_heads)."""
-    from caffeplus import kernels
-    heads = kernels.chain_heads(net)
-    L = len(net.layers)
-    names = set(buf.blobs)
-    fwd, bwd = [], []
-    for i, layer in enumerate(net.layers):
-        bottoms = {net._blob_names[b] for b in net.bottom_id_vecs[i]}
-        tops = {net._blob_names[b] for b in net.top_id_vecs[i]}
-        if names & (bottoms | tops):
-            fwd.append(i)
-        if not net.layer_need_backward[i]:
-            continue
-        reads = layer.backward_reads
-        if ('bottom_data' in reads and names & bottoms) or \
-                ('top_data' in reads and names & tops):
-            bwd.extend({2 * L - 1 - i, 2 * L - 1 - heads.get(i, i)})
-    return fwd, bwd
 
 
 def choose(net, bufs, keep=(), training=True, offloaded=()):
@@ -113,7 +92,7 @@ def choose(net, bufs, keep=(), training=True, offloaded=()):
         bottoms = [net._blob_names[b] for b in net.bottom_id_vecs[p]]
         if not _cheap(layer) or len(net.top_id_vecs[p]) != 1 or set(bottoms) & set(buf.blobs):
             continue
-        fwd, bwd = _data_steps(net, buf)
+        fwd, bwd = _uses(net, buf)
         if not bwd or max(fwd) + 1 >= min(bwd):
             continue
         first_back = min(bwd)
@@ -152,7 +131,7 @@ def shorten(bufs, chosen, net):
         if buf.key not in chosen:
             out.append(buf)
             continue
-        fwd, bwd = _data_steps(net, buf)
+        fwd, bwd = _uses(net, buf)
         out.append(Buffer(buf.key + ('forward',), buf.kind, buf.blobs, buf.nbytes,
                           buf.start, max(fwd)))
         out.append(Buffer(buf.key + ('again',), buf.kind, buf.blobs, buf.nbytes,
