@@ -251,6 +251,33 @@ def test_auto_fits_the_budget_and_trades_time_for_memory():
     assert tight.offloaded and tight.peak_bytes <= smallest
 
 
+def test_auto_under_a_budget_moves_no_more_than_it_needs():
+    """VGG-16 b256 under 12 GiB: the search's fastest set that fits moves 12
+    maps; refined, fewer stay away, the placed plan still fits, and each
+    refinement is faster than the plan before it."""
+    net = shapes.build_net(shapes.load_net_param(bench('vgg16_b256')))
+    limit = budget.parse_bytes('12G')
+    space = budget.search_space(net)
+    fits = sorted((o for o in budget.search(net, space=space) if o.peak <= limit),
+                  key=lambda o: o.seconds)
+
+    def place(option):
+        return budget._auto_plan(net, option, 'SGD', (), True, budgeted=True)
+    first = next(o for o in fits if place(o).peak_bytes <= limit)
+    steps = budget.refine(space, place(first), first, limit, place)
+    assert steps
+    times = [place(first).est_iter_ms] + [p.est_iter_ms for p in steps]
+    assert all(b < a for a, b in zip(times, times[1:]))
+    assert all(p.peak_bytes <= limit for p in steps)
+    plan = budget.plan_for_budget(net, limit)
+    assert plan.peak_bytes <= limit and plan.est_iter_ms == pytest.approx(times[-1])
+    assert 0 < len(plan.offloaded) < len(first.offloaded)
+    # The placed workspace under a budget takes slower algorithms where the
+    # fastest would raise the peak: its time counts them.
+    unbudgeted = budget._auto_plan(net, first, 'SGD', (), True)
+    assert place(first).est_iter_ms >= unbudgeted.est_iter_ms
+
+
 def test_impossible_budget_names_the_smallest_that_fits(capsys):
     code, out, err = memory(capsys, '-model', bench('alexnet_b128'), '--estimate',
                             '--plans', 'auto', '--budget', '100M')

@@ -20,7 +20,11 @@ For each (W, S) the peak is parameters + diffs + history + other + the
 activation arena of S (best-fit placement of the shortened lives) + W, and
 the time is the layer-time model under W's algorithms plus the offload
 stalls. The plan of least time whose peak fits is chosen (ties: the smaller
-peak). If none fits, CaffeplusError says the smallest budget that would.
+peak) and placed; under a budget its placed workspace may take any slower
+algorithm that keeps the peak down (as the runtime's does), and its set is
+then refined: maps are put back one at a time while the placed plan still
+fits and gets faster (refine). If none fits, CaffeplusError says the
+smallest budget that would.
 
 Offload cost model: copying B bytes each way takes B / PCIE_BANDWIDTH
 (50 GB/s, pinned host memory). The copy out overlaps the forward steps from
@@ -122,18 +126,23 @@ def model_internals(net):
 _Modelled = collections.namedtuple('_Modelled', 'memory time deterministic')
 
 
-def placed_workspace_sizes(net, bufs, steps, training=True, cap=None):
+def placed_workspace_sizes(net, bufs, steps, training=True, cap=None, slowdown=None,
+                           factors=None):
     """{layer index: (forward, backward data, backward filter) bytes}: the
     model's algorithms as the placed workspace chooses them at run time
     (caffeplus.memory.workspace.within_headroom): the fastest, unless its
     workspace exceeds what the other buffers leave free below their peak at
-    its step and a candidate at most 10% slower fits there."""
-    from caffeplus.memory.workspace import within_headroom
+    its step and a candidate at most 10% slower (`slowdown`: plan auto under
+    a budget takes any, as its runtime does) fits there. `factors`: a dict
+    to fill with each layer's (forward, backward) time factors of those
+    picks, for workspace_model.step_seconds."""
+    from caffeplus.memory.workspace import HEADROOM_SLOWDOWN, within_headroom
     room = liveness.headroom(net, bufs, steps, training)
     parts = {'fwd': 'forward', 'bwd_data': 'backward', 'bwd_filter': 'backward_filter'}
+    slowdown = HEADROOM_SLOWDOWN if slowdown is None else slowdown
     out = {}
     for i, layer in wm.conv_layers(net):
-        sizes = []
+        sizes, times = [], []
         for kind in wm.KINDS:
             cands = wm.candidates(layer, kind)
             if cap is not None:
@@ -143,9 +152,13 @@ def placed_workspace_sizes(net, bufs, steps, training=True, cap=None):
             ranked = [_Modelled(c.bytes, c.time_factor, True)
                       for c in sorted(cands, key=lambda c: (c.time_factor, c.bytes))]
             free = room.get((i, parts[kind]))
-            pick = ranked[0] if free is None else within_headroom(ranked, ranked[0], free)
+            pick = ranked[0] if free is None else \
+                within_headroom(ranked, ranked[0], free, slowdown=slowdown)
             sizes.append(pick.memory)
+            times.append(pick.time)
         out[i] = tuple(sizes)
+        if factors is not None:
+            factors[i] = (times[0], (times[1] + times[2]) / 2.0)
     return out
 
 
@@ -263,10 +276,11 @@ def _workspace_by_step(net, choice, steps, training):
     return ws
 
 
-def search(net, solver_type='SGD', keep=(), training=True):
-    """Every (cap, offload set) option the search weighs, as Option tuples.
-    `peak` is a lower bound here (the most bytes live at one step, workspace
-    placed at its layer's step); plan_for_budget places the ones it picks."""
+# What the search weighs every option against (search_space).
+_Space = collections.namedtuple('_Space', 'net keep training bufs steps kept fixed timing windows')
+
+
+def search_space(net, solver_type='SGD', keep=(), training=True):
     bufs = liveness.buffers(net, keep=keep, training=training)
     steps = 2 * len(net.layers) if training else len(net.layers)
     params = sum(p.count for p in net.learnable_params) * liveness.FLOAT_BYTES
@@ -283,39 +297,103 @@ def search(net, solver_type='SGD', keep=(), training=True):
         steps_s = wm.step_seconds(net, choice)
         timing[cap] = (steps_s, iteration_seconds(net, choice, solver_type),
                        _workspace_by_step(net, choice, steps, training))
-    fastest_steps = timing[max(timing)][0]
     windows = offload_windows(net, bufs, offload.choose(
         net, bufs, 'all', set(keep) | liveness.written_once(net))) if training else {}
-    sets = _offload_sets(net, bufs, keep, fastest_steps, windows) if training else [()]
+    return _Space(net, keep, training, bufs, steps, kept, fixed, timing, windows)
+
+
+def _options_of(space, offloaded, caps=None):
+    """The options of one offload set: each workspace cap (all, or `caps`),
+    with and without the maps made again (less memory, a little more time)."""
+    net, bufs = space.net, space.bufs
+    shortened = offload.shorten(bufs, offloaded, net) if offloaded else bufs
+    again = recompute.choose(net, bufs, space.keep, space.training, offloaded)
+    host = offload.host_bytes(bufs, offloaded)
+    out = []
+    for redo in ((False, True) if again else (False,)):
+        lives = recompute.shorten(shortened, again, net) if redo else shortened
+        live = liveness.live_bytes_by_step(lives + space.kept, space.steps)
+        for cap, (steps_s, seconds, ws) in space.timing.items():
+            if caps is not None and cap not in caps:
+                continue
+            stall = offload_stall_seconds(net, bufs, offloaded, steps_s, space.windows) \
+                if offloaded else 0.0
+            if redo:
+                stall += recompute.extra_seconds(again, steps_s)
+            busiest = max(a + w for a, w in zip(live, ws))
+            runtime = wm.OFFLOAD_RUNTIME_BYTES if offloaded else 0
+            out.append(Option(space.fixed + busiest + runtime, seconds + stall, cap,
+                              tuple(offloaded), busiest, host, redo))
+    return out
+
+
+def search(net, solver_type='SGD', keep=(), training=True, space=None):
+    """Every (cap, offload set) option the search weighs, as Option tuples.
+    `peak` is a lower bound here (the most bytes live at one step, workspace
+    placed at its layer's step); plan_for_budget places the ones it picks."""
+    space = space or search_space(net, solver_type, keep, training)
+    fastest_steps = space.timing[max(space.timing)][0]
+    sets = _offload_sets(net, space.bufs, keep, fastest_steps, space.windows) \
+        if training else [()]
     options = []
     for offloaded in sets:
-        shortened = offload.shorten(bufs, offloaded, net) if offloaded else bufs
-        # With and without the maps made again (less memory, a little more time).
-        again = recompute.choose(net, bufs, keep, training, offloaded)
-        for redo in ((False, True) if again else (False,)):
-            lives = recompute.shorten(shortened, again, net) if redo else shortened
-            live = liveness.live_bytes_by_step(lives + kept, steps)
-            host = offload.host_bytes(bufs, offloaded)
-            for cap, (steps_s, seconds, ws) in timing.items():
-                stall = offload_stall_seconds(net, bufs, offloaded, steps_s, windows) \
-                    if offloaded else 0.0
-                if redo:
-                    stall += recompute.extra_seconds(again, steps_s)
-                busiest = max(a + w for a, w in zip(live, ws))
-                runtime = wm.OFFLOAD_RUNTIME_BYTES if offloaded else 0
-                options.append(Option(fixed + busiest + runtime, seconds + stall, cap, offloaded,
-                                      busiest, host, redo))
+        options.extend(_options_of(space, offloaded))
     return options
 
 
-def _auto_plan(net, option, solver_type, keep, training):
+# Refining an offload set: its largest maps tried, at most this many rounds,
+# at most this many placed a round.
+REFINE_MAPS = 24
+REFINE_ROUNDS = 32
+REFINE_PLACED = 3
+
+
+def refine(space, plan, option, budget, place):
+    """Placed plans with fewer maps away than `plan` (the placed `option`),
+    each faster than the last: the search's sets are prefixes of one order,
+    and at VGG-16 b256 under 12 GiB the fastest that fits moves 12 maps
+    (9.2 GB each way) where fewer fit. A round puts back the offloaded map
+    whose return saves the most estimated time, of those whose peak, placed
+    (`place`: option -> plan), still fits; the search's lower bound screens
+    them first (same workspace cap)."""
+    out = []
+    sizes = dict((b.key, b.nbytes) for b in space.bufs)
+    for _ in range(REFINE_ROUNDS):
+        trials = []
+        for key in sorted(option.offloaded, key=lambda k: -sizes.get(k, 0))[:REFINE_MAPS]:
+            rest = [k for k in option.offloaded if k != key]
+            trials.extend(o for o in _options_of(space, rest, caps=(option.cap,))
+                          if o.peak <= budget and o.seconds < option.seconds)
+        trials.sort(key=lambda o: o.seconds)
+        for trial in trials[:REFINE_PLACED]:
+            placed = place(trial)
+            if placed.peak_bytes <= budget and placed.est_iter_ms < plan.est_iter_ms:
+                option, plan = trial, placed
+                out.append(plan)
+                break
+        else:
+            break
+    return out
+
+
+def _auto_plan(net, option, solver_type, keep, training, budgeted=False):
+    """The placed plan of a search option. `budgeted`: under a budget the
+    placed workspace takes any slower algorithm that keeps the peak down
+    (as the runtime's does: apply._apply_workspace), and the estimated time
+    counts the algorithms so taken."""
     names = sorted({n for key in option.offloaded for n in key[1]})
     convs = wm.conv_layers(net)
     choice = {i: wm.fastest(l, option.cap) for i, l in convs}
     kept = model_internals(net)
     bare = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
                      offload_policy=names, internals=kept, recompute=option.recompute)
-    sizes = placed_workspace_sizes(net, bare.buffers, bare.steps, training, cap=option.cap)
+    factors = {} if budgeted else None
+    sizes = placed_workspace_sizes(net, bare.buffers, bare.steps, training, cap=option.cap,
+                                   slowdown=float('inf') if budgeted else None,
+                                   factors=factors)
+    seconds = option.seconds
+    if budgeted and training:
+        seconds = _placed_seconds(net, option, choice, factors, solver_type, keep)
     plan = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
                      offload_policy=names, workspace=sizes, internals=kept,
                      recompute=option.recompute,
@@ -324,9 +402,23 @@ def _auto_plan(net, option, solver_type, keep, training):
                      (wm.OFFLOAD_RUNTIME_BYTES if option.offloaded else 0))
     plan.name = 'auto'
     plan = _finish(plan, net, 'auto', plan.breakdown['workspace'], plan.breakdown['other'],
-                   option.seconds, choice)
+                   seconds, choice)
     plan.workspace_cap = option.cap
     return plan
+
+
+def _placed_seconds(net, option, choice, factors, solver_type, keep):
+    """An option's estimated time with the algorithms its placed workspace
+    took (placed_workspace_sizes' factors)."""
+    steps_s = wm.step_seconds(net, choice, factors)
+    seconds = sum(steps_s) + wm.update_seconds(net, HISTORY_COPIES.get(solver_type, 1))
+    bufs = liveness.buffers(net, keep=keep, training=True)
+    if option.offloaded:
+        seconds += offload_stall_seconds(net, bufs, option.offloaded, steps_s)
+    if option.recompute:
+        seconds += recompute.extra_seconds(
+            recompute.choose(net, bufs, keep, True, option.offloaded), steps_s)
+    return seconds
 
 
 # Placed plans tried before giving up on a budget (each is a best-fit placement).
@@ -338,17 +430,31 @@ def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True, host
     (None: no limit), offloading at most `host_budget` bytes to pinned host
     memory (None: no limit). CaffeplusError with the smallest feasible
     budget when nothing fits."""
-    options = search(net, solver_type, keep, training)
+    space = search_space(net, solver_type, keep, training)
+    options = search(net, solver_type, keep, training, space)
     if host_budget is not None:
         options = [o for o in options if o.host <= host_budget] or \
             [min(options, key=lambda o: o.host)]
     fits = [o for o in options if budget is None or o.peak <= budget]
     fits.sort(key=lambda o: (round(o.seconds, 9), o.peak))
-    for option in fits[:PLACEMENT_TRIES]:
-        plan = _auto_plan(net, option, solver_type, keep, training)
-        if budget is None or plan.peak_bytes <= budget:
+    if budget is None:
+        for option in fits[:PLACEMENT_TRIES]:
+            plan = _auto_plan(net, option, solver_type, keep, training)
             plan.budget = budget
             return plan
+    # Under a budget: the first of the search's choices that fits once
+    # placed, then fewer maps away where that fits too (refine).
+
+    def place(option):
+        return _auto_plan(net, option, solver_type, keep, training, budgeted=True)
+    for option in fits[:PLACEMENT_TRIES]:
+        plan = place(option)
+        if plan.peak_bytes > budget:
+            continue
+        if option.offloaded:
+            plan = ([plan] + refine(space, plan, option, budget, place))[-1]
+        plan.budget = budget
+        return plan
     # Nothing fits once placed: the least peak any option reaches.
     least = min(sorted(options, key=lambda o: (o.peak, o.seconds))[:PLACEMENT_TRIES],
                 key=lambda o: _auto_plan(net, o, solver_type, keep, training).peak_bytes)

@@ -390,10 +390,11 @@ def update_seconds(net, history_copies=1):
     return params * (3 + 2 * history_copies) / MEMORY_BANDWIDTH / CAFFEPLUS_SPEEDUP
 
 
-def step_seconds(net, choice=None):
+def step_seconds(net, choice=None, factors=None):
     """Seconds of each of the 2L steps (forward then backward) of one
     iteration; `choice` maps a conv layer index to its Candidate (default:
-    the fastest)."""
+    the fastest); `factors` maps one to (forward, backward) time factors
+    instead (calls chosen one by one: the placed workspace's)."""
     L = len(net.layers)
     steps = [0.0] * (2 * L)
     for i, layer in enumerate(net.layers):
@@ -402,6 +403,9 @@ def step_seconds(net, choice=None):
             cand = (choice or {}).get(i) or fastest(layer)
             factor = cand.time_factor
         f, b = layer_seconds(net, i, factor)
+        if factors and i in factors:
+            fwd, bwd = factors[i]
+            f, b = f * fwd / factor, b * bwd / factor
         steps[i] += f / CAFFEPLUS_SPEEDUP
         steps[2 * L - 1 - i] += b / CAFFEPLUS_SPEEDUP
     return steps
