@@ -35,9 +35,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _cpu_mode_and_seed():
     import caffeplus
+    from caffeplus.backend import mathmode
     caffeplus.set_mode_cpu()
     caffeplus.set_random_seed(1701)
+    mode = mathmode.math_mode()
     yield
+    # GPU tests train with deterministic math (a global setting): it must
+    # not reach the tests after them (a workspace test once found it set).
+    if mathmode.math_mode() != mode:
+        mathmode.set_math_mode(mode)
 
 
 def need(path):

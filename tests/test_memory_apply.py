@@ -17,10 +17,9 @@ import pytest
 import caffeplus
 from caffeplus import log
 from caffeplus.errors import CaffeplusError
-from caffeplus.io.prototxt import parse_text
 from caffeplus.memory import offload_runtime
 from caffeplus.memory.apply import apply_named_plan, apply_solver_plans, remove_plan
-from caffeplus.proto import caffe_pb2
+from plan_helpers import param_of, sgd_run
 from conftest import ROOT
 
 sys.path.insert(0, ROOT)
@@ -73,18 +72,6 @@ def _quiet():
     log.logger.setLevel(level)
 
 
-@pytest.fixture(autouse=True)
-def _strict_math_after():
-    """The GPU tests train with caffeplus_param.math deterministic (global)."""
-    yield
-    try:
-        from caffeplus.backend import mathmode
-    except ImportError:
-        return
-    if mathmode.math_mode() != 'strict':
-        mathmode.set_math_mode('strict')
-
-
 @pytest.fixture(scope='module', autouse=True)
 def _single_blas_thread():
     try:
@@ -96,25 +83,9 @@ def _single_blas_thread():
         yield
 
 
-def param_of(text):
-    return parse_text(text, caffe_pb2.NetParameter())
-
-
 def small_net(memory=None, keep=None, seed=3, text=NET):
     caffeplus.set_random_seed(seed)
     return caffeplus.Net(param_of(text), caffeplus.TRAIN, memory=memory, keep=keep)
-
-
-def sgd_run(net, iters=4, lr=0.05):
-    """A plain SGD loop over the net's passes; losses and final weights."""
-    losses = []
-    for _ in range(iters):
-        net.clear_param_diffs()
-        losses.append(net.forward_prefilled())
-        net.backward_all()
-        for p in net.learnable_params:
-            p.data[...] -= numpy.float32(lr) * p.diff
-    return losses, [p.data.copy() for p in net.learnable_params]
 
 
 def assert_identical(a, b):

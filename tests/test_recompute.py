@@ -9,10 +9,9 @@ import pytest
 import caffeplus
 from caffeplus import log
 from caffeplus.errors import CaffeplusError
-from caffeplus.io.prototxt import parse_text
 from caffeplus.memory import budget, liveness, recompute, shapes
 from caffeplus.memory.plan import make_plan
-from caffeplus.proto import caffe_pb2
+from plan_helpers import param_of, sgd_run
 from conftest import ROOT, SHARED
 
 sys.path.insert(0, ROOT)
@@ -52,27 +51,11 @@ def _quiet():
     log.logger.setLevel(level)
 
 
-@pytest.fixture(autouse=True)
-def _strict_math_after():
-    """The GPU test trains with deterministic math (a global setting)."""
-    yield
-    try:
-        from caffeplus.backend import mathmode
-    except ImportError:
-        return
-    if mathmode.math_mode() != 'strict':
-        mathmode.set_math_mode('strict')
-
-
 def bench_path(name):
     path = os.path.join(SHARED, 'bench', name + '.prototxt')
     if not os.path.exists(path):
         pytest.skip('bench net not found: %s' % path)
     return path
-
-
-def param_of(text):
-    return parse_text(text, caffe_pb2.NetParameter())
 
 
 def build(text=LRN_NET, memory=None, keep=None, seed=3):
@@ -83,17 +66,6 @@ def build(text=LRN_NET, memory=None, keep=None, seed=3):
 def chosen_names(net, keep=(), offloaded=()):
     bufs = liveness.buffers(net, keep=keep)
     return {n for key in recompute.choose(net, bufs, keep, True, offloaded) for n in key[1]}
-
-
-def sgd_run(net, iters=4, lr=0.05):
-    losses = []
-    for _ in range(iters):
-        net.clear_param_diffs()
-        losses.append(net.forward_prefilled())
-        net.backward_all()
-        for p in net.learnable_params:
-            p.data[...] -= numpy.float32(lr) * p.diff
-    return losses, [p.data.copy() for p in net.learnable_params]
 
 
 # -- which maps ------------------------------------------------------------------------------
