@@ -27,7 +27,11 @@ own arena, each live at its call's step only (PlacedWorkspace,
 liveness.workspace_buffers). The buffers layers keep from forward to
 backward (max pooling's argmax, BatchNorm's normalized copy: declared by
 `internal_buffers()`, taken through caffeplus.memory.scratch) are placed in
-the arena too, live from the layer's forward to its backward.
+the arena too, live from the layer's forward to its backward. A map the
+plan makes again in backward (caffeplus.memory.recompute: an LRN's or a
+pooling layer's output) has two lives like an offloaded one; a backward
+hook points its Storage at the second and runs the producing layer's
+forward into it just before its first backward use.
 
 Release tracking. Net.forward_from_to / backward_from_to call the applied
 plan before and after they run (Net.applied_plan). Before: every release
