@@ -798,7 +798,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         if self._cd is None or not self._sites:
             return super().workspace_bytes()
         self._ensure_planned(self._manager())
-        return max([s.choice.memory for s in self._sites.values() if s.choice is not None] + [0])
+        return self.chosen_workspace_bytes()
 
     def chosen_workspace_bytes(self):
         """workspace_bytes() of the algorithms chosen so far, without

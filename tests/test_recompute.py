@@ -65,7 +65,7 @@ def build(text=LRN_NET, memory=None, keep=None, seed=3):
 
 def chosen_names(net, keep=(), offloaded=()):
     bufs = liveness.buffers(net, keep=keep)
-    return {n for key in recompute.choose(net, bufs, keep, True, offloaded) for n in key[1]}
+    return {n for key in recompute.choose(net, bufs, True, offloaded) for n in key[1]}
 
 
 # -- which maps ------------------------------------------------------------------------------

@@ -39,17 +39,6 @@ for spec in ${MEMORY:-}; do
     -gpu 0 --plans $plans $extra --offload ${MEMORY_OFFLOAD:-free} --iterations ${iters:-5} --json \
     > "$OUT/memory_${net}_${plans//,/_}.json" 2> "$OUT/memory_${net}_${plans//,/_}.err"
   echo "rc=$?"
-  python3 - "$OUT/memory_${net}_${plans//,/_}.json" <<'PY'
-import json, sys
-try:
-    doc = json.load(open(sys.argv[1]))
-except Exception as exc:
-    print('  no JSON:', exc); sys.exit()
-for name, p in doc['plans'].items():
-    print('  %-8s peak %7.0f MiB (steady %7.0f)  iter %s ms  est %s ms  estimate err %s%%  offloaded %d'
-          % (name, p['peak_bytes'] / 2**20, (p.get('steady_peak_bytes') or 0) / 2**20,
-             p.get('iter_ms'), (p.get('estimate') or {}).get('iter_ms'), p.get('estimate_error_pct'),
-             len(p.get('offloaded') or [])))
-PY
+  python3 tools/memory_summary.py "$OUT/memory_${net}_${plans//,/_}.json"
   tail -n 2 "$OUT/memory_${net}_${plans//,/_}.err"
 done

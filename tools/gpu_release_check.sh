@@ -49,17 +49,7 @@ if has memory; then
       -gpu 0 --plans ${MEMORY_PLANS:-stock,arena,shared,offload} --offload ${MEMORY_OFFLOAD:-conv} \
       --iterations ${MEMORY_ITERS:-3} --json > "$OUT/memory_$n.json" 2> "$OUT/memory_$n.err"
     echo "rc=$?" >> "$OUT/memory_$n.err"
-    python3 - "$OUT/memory_$n.json" <<'PY'
-import json, sys
-try:
-    doc = json.load(open(sys.argv[1]))
-except Exception as exc:
-    print('  no JSON:', exc); sys.exit()
-for name, p in doc['plans'].items():
-    print('  %-8s peak %7.0f MiB (steady %7.0f)  iter %s ms  estimate err %s%%  offloaded %d' % (
-        name, p['peak_bytes'] / 2**20, p.get('steady_peak_bytes', 0) / 2**20, p.get('iter_ms'),
-        p.get('estimate_error_pct'), len(p.get('offloaded') or [])))
-PY
+    python3 tools/memory_summary.py "$OUT/memory_$n.json"
     tail -n 3 "$OUT/memory_$n.err"
   done
 fi

@@ -68,8 +68,6 @@ def main(argv=None):
         if tracker is not None:
             # The step at which the pool's live bytes were highest (hooks
             # marked chain_safe leave the fused layer chains fused).
-            L = len(net.layers)
-
             def mark(t):
                 def hook(i):
                     if tracker.live >= where.get('live', -1):

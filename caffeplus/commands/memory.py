@@ -156,7 +156,7 @@ def plan_entry(plan, budget=None):
         'est_iter_ms': round(plan.est_iter_ms, 3),
         'arena_bytes': int(plan.arena_bytes),
         'offloaded': offloaded_names(plan),
-        'recomputed': sorted(n for key in plan.recomputed for n in key[1]),
+        'recomputed': plan.recomputed_names(),
     }
     if plan.name == 'auto':
         entry['budget'] = plan.budget

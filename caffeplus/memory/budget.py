@@ -195,6 +195,7 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
         cap = wm.knee_cap(net)
         choice = {i: wm.fastest(l, cap) for i, l in convs}
         workspace = wm.arena_workspace(net, cap)
+    steps_s = wm.step_seconds(net, choice)
     placing = name in ('shared', 'offload')
     kept = model_internals(net) if placing else None
     other = wm.other_bytes(net, name) - (sum(sum(k.values()) for k in kept.values())
@@ -205,7 +206,7 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
         from caffeplus.memory import free_offload
         bufs = liveness.buffers(net, keep=keep, training=training)
         hidden = free_offload.choose_hidden(
-            net, bufs, offload.choose(net, bufs, 'all', keep), wm.step_seconds(net, choice),
+            net, bufs, offload.choose(net, bufs, 'all', keep), steps_s,
             PCIE_BANDWIDTH, host_budget=host_budget)
     sizes = None
     if placing:
@@ -221,9 +222,9 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
     stall = 0.0
     if name == 'offload' and plan.offloaded and hidden is None:     # 'free': none by choice
         bufs = liveness.buffers(net, keep=keep, training=training)
-        stall = offload_stall_seconds(net, bufs, plan.offloaded, wm.step_seconds(net, choice))
+        stall = offload_stall_seconds(net, bufs, plan.offloaded, steps_s)
     seconds = iteration_seconds(net, choice, solver_type, stall) + \
-        recompute.extra_seconds(plan.recomputed, wm.step_seconds(net, choice))
+        recompute.extra_seconds(plan.recomputed, steps_s)
     return _finish(plan, net, name, workspace,
                    other if placing else wm.other_bytes(net, name), seconds, choice)
 
@@ -307,7 +308,7 @@ def _options_of(space, offloaded, caps=None):
     with and without the maps made again (less memory, a little more time)."""
     net, bufs = space.net, space.bufs
     shortened = offload.shorten(bufs, offloaded, net) if offloaded else bufs
-    again = recompute.choose(net, bufs, space.keep, space.training, offloaded)
+    again = recompute.choose(net, bufs, space.training, offloaded)
     host = offload.host_bytes(bufs, offloaded)
     out = []
     for redo in ((False, True) if again else (False,)):
@@ -333,7 +334,7 @@ def search(net, solver_type='SGD', keep=(), training=True, space=None):
     placed at its layer's step); plan_for_budget places the ones it picks."""
     space = space or search_space(net, solver_type, keep, training)
     fastest_steps = space.timing[max(space.timing)][0]
-    sets = _offload_sets(net, space.bufs, keep, fastest_steps, space.windows) \
+    sets = _offload_sets(net, space.bufs, space.keep, fastest_steps, space.windows) \
         if training else [()]
     options = []
     for offloaded in sets:
@@ -393,7 +394,8 @@ def _auto_plan(net, option, solver_type, keep, training, budgeted=False):
                                    factors=factors)
     seconds = option.seconds
     if budgeted and training:
-        seconds = _placed_seconds(net, option, choice, factors, solver_type, keep)
+        seconds = _placed_seconds(net, option, choice, factors, solver_type, keep,
+                                  bare.recomputed)
     plan = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
                      offload_policy=names, workspace=sizes, internals=kept,
                      recompute=option.recompute,
@@ -407,18 +409,15 @@ def _auto_plan(net, option, solver_type, keep, training, budgeted=False):
     return plan
 
 
-def _placed_seconds(net, option, choice, factors, solver_type, keep):
+def _placed_seconds(net, option, choice, factors, solver_type, keep, again):
     """An option's estimated time with the algorithms its placed workspace
-    took (placed_workspace_sizes' factors)."""
+    took (placed_workspace_sizes' factors); `again`: its maps made again."""
     steps_s = wm.step_seconds(net, choice, factors)
     seconds = sum(steps_s) + wm.update_seconds(net, HISTORY_COPIES.get(solver_type, 1))
-    bufs = liveness.buffers(net, keep=keep, training=True)
     if option.offloaded:
+        bufs = liveness.buffers(net, keep=keep, training=True)
         seconds += offload_stall_seconds(net, bufs, option.offloaded, steps_s)
-    if option.recompute:
-        seconds += recompute.extra_seconds(
-            recompute.choose(net, bufs, keep, True, option.offloaded), steps_s)
-    return seconds
+    return seconds + recompute.extra_seconds(again, steps_s)
 
 
 # Placed plans tried before giving up on a budget (each is a best-fit placement).
@@ -437,11 +436,10 @@ def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True, host
             [min(options, key=lambda o: o.host)]
     fits = [o for o in options if budget is None or o.peak <= budget]
     fits.sort(key=lambda o: (round(o.seconds, 9), o.peak))
-    if budget is None:
-        for option in fits[:PLACEMENT_TRIES]:
-            plan = _auto_plan(net, option, solver_type, keep, training)
-            plan.budget = budget
-            return plan
+    if budget is None:          # the fastest; every option fits
+        plan = _auto_plan(net, fits[0], solver_type, keep, training)
+        plan.budget = None
+        return plan
     # Under a budget: the first of the search's choices that fits once
     # placed, then fewer maps away where that fits too (refine).
 

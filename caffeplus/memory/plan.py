@@ -56,7 +56,11 @@ class MemoryPlan:
         return {'peak_bytes': self.peak_bytes, 'breakdown': dict(self.breakdown),
                 'arena_bytes': self.arena_bytes, 'estimated': self.estimated,
                 'offloaded': list(self.offloaded),
-                'recomputed': sorted(n for key in self.recomputed for n in key[1])}
+                'recomputed': self.recomputed_names()}
+
+    def recomputed_names(self):
+        """The blobs whose maps the plan makes again in backward."""
+        return sorted(n for key in self.recomputed for n in key[1])
 
     def to_json(self):
         return json.dumps(self.to_dict(), indent=1)
@@ -131,7 +135,7 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     # Cheap maps made again in backward (after offload's choice: what it
     # moves stays its own).
     from caffeplus.memory import recompute as recompute_mod
-    again = recompute_mod.choose(net, whole, keep, training, offloaded) if recompute else {}
+    again = recompute_mod.choose(net, whole, training, offloaded) if recompute else {}
     bufs = recompute_mod.shorten(bufs, again, net)
     if workspace is not None:
         bufs = bufs + liveness.workspace_buffers(net, workspace, training)

@@ -28,7 +28,7 @@ this off.
 """
 import os
 
-from caffeplus.memory.liveness import FILTER_FIRST, Buffer
+from caffeplus.memory.liveness import FILTER_FIRST, Buffer, live_bytes_by_step
 from caffeplus.memory.offload import _uses
 
 RECOMPUTE_TYPES = ('LRN', 'Pooling')
@@ -49,45 +49,44 @@ def _cheap(layer):
     return kind in RECOMPUTE_TYPES
 
 
-def _writers(net, names):
-    """Indices of the layers whose tops include one of `names` (a Split's
-    tops share their bottom's memory and write nothing)."""
-    out = []
+def _writers_by_blob(net):
+    """{blob name: indices of the layers with it as a top} (a Split's tops
+    share their bottom's memory and write nothing)."""
+    out = {}
     for i, layer in enumerate(net.layers):
-        if layer.layer_param.type == 'Split':
-            continue
-        if names & {net._blob_names[b] for b in net.top_id_vecs[i]}:
-            out.append(i)
+        if layer.layer_param.type != 'Split':
+            for b in net.top_id_vecs[i]:
+                out.setdefault(net._blob_names[b], []).append(i)
     return out
 
 
-def choose(net, bufs, keep=(), training=True, offloaded=()):
+def choose(net, bufs, training=True, offloaded=()):
     """{buffer key: producer layer index} for the data buffers of `bufs`
-    (liveness.buffers) that are made again in backward (the module
+    (liveness.buffers; what must stay readable there, `keep` included, lives
+    the whole iteration) that are made again in backward (the module
     docstring's rules); empty when disabled or for forward-only plans.
     `offloaded`: keys of the buffers an offload plan moves to the host,
     which are neither made again nor inputs to what is."""
     if not training or not enabled():
         return {}
-    gone = {b.key for b in bufs if b.key in set(offloaded)}
+    gone = set(offloaded)
     gone_blobs = {n for b in bufs if b.key in gone for n in b.blobs}
-    from caffeplus.memory.liveness import data_layer_tops, written_once
-    keep = set(keep) | set(net.outputs) | set(net.inputs) | written_once(net) | \
-        data_layer_tops(net)
-    from caffeplus.memory.liveness import live_bytes_by_step
     L = len(net.layers)
     least = MIN_SHARE * max(live_bytes_by_step(bufs, 2 * L))
     data = {b.key: b for b in bufs if b.kind == 'data'}
     by_blob = {n: b for b in data.values() for n in b.blobs}
+    writers_of = _writers_by_blob(net)
+
+    def writers(names):
+        return sorted({i for n in names for i in writers_of.get(n, ())})
     producers = {}
     for key, buf in data.items():
-        if set(buf.blobs) & keep or key in gone or buf.nbytes < least or \
-                (buf.start <= 0 and buf.end >= 2 * L):
+        if key in gone or buf.nbytes < least or (buf.start <= 0 and buf.end >= 2 * L):
+            continue        # offloaded, small, or kept readable the whole iteration
+        writers_here = writers(buf.blobs)
+        if len(writers_here) != 1:
             continue
-        writers = _writers(net, set(buf.blobs))
-        if len(writers) != 1:
-            continue
-        p = writers[0]
+        p = writers_here[0]
         layer = net.layers[p]
         bottoms = [net._blob_names[b] for b in net.bottom_id_vecs[p]]
         if not _cheap(layer) or len(net.top_id_vecs[p]) != 1 or set(bottoms) & set(buf.blobs):
@@ -101,17 +100,17 @@ def choose(net, bufs, keep=(), training=True, offloaded=()):
             src = by_blob.get(name)
             if src is None or name in gone_blobs or \
                     not (src.start <= p and src.end >= first_back) or \
-                    any(w > p for w in _writers(net, set(src.blobs))):
+                    any(w > p for w in writers(src.blobs)):
                 ok = False
                 break
         if ok:
-            producers[key] = (p, first_back, tuple(bottoms))
+            producers[key] = (p, tuple(bottoms))
     # A producer's input must hold its values when the producer runs again,
     # so of a map and its producer's input (LRN -> pooling) only one is made
     # again: the larger first.
     chosen, taken, inputs = {}, set(), set()
     for key in sorted(producers, key=lambda k: (-data[k].nbytes, k)):
-        p, _, bottoms = producers[key]
+        p, bottoms = producers[key]
         if set(bottoms) & taken or set(data[key].blobs) & inputs:
             continue
         chosen[key] = p
