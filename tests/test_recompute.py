@@ -268,3 +268,122 @@ def test_gpu_lrn_made_again_for_cudnn_pooling_is_bit_identical(tmp_path):
         assert {n for k in plan.recomputed for n in k[1]} == {'norm1'}
     finally:
         backend.set_mode_cpu()
+
+
+# -- convolutions run again (plan auto's search, or CAFFEPLUS_RECOMPUTE=convs) ---------------
+# conv1's output (16 channels) is read by conv2's forward and, after the
+# pooling, inner product and loss, by conv2's and relu1's backward; its
+# input (data) stays for conv1's own backward.
+CONV_NET = '''
+name: "convs"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+        dummy_data_param { data_filler { type: "gaussian" std: 1 }
+                           shape { dim: 4 dim: 3 dim: 14 dim: 14 }
+                           data_filler { type: "uniform" min: 0 max: 2.99 } shape { dim: 4 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 16 kernel_size: 3 pad: 1
+                            weight_filler { type: "xavier" } bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2"
+        convolution_param { num_output: 8 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
+layer { name: "pool" type: "Pooling" bottom: "conv2" top: "pool"
+        pooling_param { pool: AVE kernel_size: 2 stride: 2 } }
+layer { name: "ip" type: "InnerProduct" bottom: "pool" top: "ip"
+        inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+'''
+
+
+def chosen_chains(net, convs):
+    bufs = liveness.buffers(net)
+    return {key[1]: tuple(net._layer_names[i] for i in chain)
+            for key, chain in recompute.choose(net, bufs, True, convs=convs).items()}
+
+
+def test_a_convolution_and_its_relu_run_again_only_when_asked(monkeypatch):
+    net = build(CONV_NET)
+    # (The average pool's output, read by the inner product's backward, is
+    # made again either way.)
+    assert chosen_chains(net, convs=False) == {('pool',): ('pool',)}
+    assert chosen_chains(net, convs=True) == {('pool',): ('pool',),
+                                              ('conv1',): ('conv1', 'relu1')}
+    assert 'conv1' not in make_plan(net, 'shared').recomputed_names()
+    assert 'conv1' in make_plan(net, 'shared', recompute='convs').recomputed_names()
+    monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', 'convs')
+    assert 'conv1' in make_plan(net, 'shared').recomputed_names()
+    # In place after the convolution, only layers whose forward depends on
+    # the map alone: TanH is not on the list, BatchNorm would move its
+    # running averages twice.
+    tanh = CONV_NET.replace('name: "relu1" type: "ReLU"', 'name: "relu1" type: "TanH"')
+    assert ('conv1',) not in chosen_chains(build(tanh), convs=True)
+
+
+def test_a_convolution_run_again_gets_its_forward_workspace_at_that_step():
+    net = build(CONV_NET)
+    conv1 = net._layer_names.index('conv1')
+    plan = make_plan(net, 'shared', recompute='convs', workspace={conv1: (1000, 2000, 3000)})
+    again = [b for b in plan.buffers if b.key == ('workspace', 'conv1', 'again')]
+    back = [b for b in plan.buffers if b.key == ('data', ('conv1',), 'again')]
+    assert len(again) == 1 and len(back) == 1
+    assert again[0].nbytes == 1000 and again[0].start == again[0].end == back[0].start
+    # Placed apart from the map it makes and from everything live then.
+    lo, hi = plan.offsets[again[0].key], plan.offsets[again[0].key] + 1000
+    for b in plan.buffers:
+        if b is not again[0] and b.start <= again[0].start <= b.end:
+            o = plan.offsets[b.key]
+            assert o + b.nbytes <= lo or o >= hi, b.key
+
+
+def test_training_with_convolutions_run_again_is_bit_identical_to_stock(monkeypatch):
+    stock = sgd_run(build(CONV_NET))
+    monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', 'convs')
+    net = build(CONV_NET, memory='shared')
+    assert net.applied_plan.plan.recomputed_names() == ['conv1', 'pool']
+    shared = sgd_run(net)
+    assert stock[0] == shared[0]
+    assert all(numpy.array_equal(a, b) for a, b in zip(stock[1], shared[1]))
+    net.forward()
+    with pytest.raises(CaffeplusError, match='layer conv1 makes it again'):
+        net.blobs['conv1'].data
+
+
+def test_auto_runs_convolutions_again_where_that_beats_the_host_link(monkeypatch):
+    """VGG-16 b256 within 12 GiB: conv1_1's output (3.3 GB, 66 ms each way
+    over the link) is made again from the data in 0.7 ms."""
+    net = shapes.build_net(shapes.load_net_param(bench_path('vgg16_b64'), batch=256))
+    limit = budget.parse_bytes('12G')
+    plan = budget.plan_for_budget(net, limit)
+    assert plan.peak_bytes <= limit
+    assert 'conv1_1' in plan.recomputed_names()
+    monkeypatch.setattr(recompute, 'CONV_TYPES', ())
+    without = budget.plan_for_budget(net, limit)
+    assert without.peak_bytes <= limit and 'conv1_1' not in without.recomputed_names()
+    assert plan.est_iter_ms < 0.8 * without.est_iter_ms
+    assert host_bytes(net, plan) < host_bytes(net, without)
+
+
+def host_bytes(net, plan):
+    return budget.offload.host_bytes(liveness.buffers(net), plan.offloaded)
+
+
+@pytest.mark.gpu
+def test_gpu_convolutions_run_again_are_bit_identical(tmp_path, monkeypatch):
+    """cuDNN: conv1 and relu1 run again before conv2's backward, conv1's
+    forward call in its own ('again') workspace view. Against arena, with
+    deterministic math, bit for bit."""
+    param = param_of(CONV_NET.replace('dim: 4 dim: 3 dim: 14 dim: 14',
+                                      'dim: 16 dim: 3 dim: 64 dim: 64').replace(
+                                          'shape { dim: 4 }', 'shape { dim: 16 }'))
+    monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', 'convs')
+    arena, shared = [cpe.train(param, plan, 10, 0, gpu=0, math='deterministic')
+                     for plan in ('arena', 'shared')]
+    assert not cpe.differences(arena, shared), cpe.differences(arena, shared)
+    from caffeplus import backend
+    backend.set_mode_gpu(0)
+    try:
+        net = shapes.build_net(param, virtual=False)
+        plan = make_plan(net, 'shared')
+        assert 'conv1' in plan.recomputed_names()
+    finally:
+        backend.set_mode_cpu()

@@ -53,7 +53,7 @@ import numpy
 from caffeplus import backend, log
 from caffeplus.blob import HEAD_DEVICE, HEAD_HOST
 from caffeplus.errors import CaffeplusError
-from caffeplus.memory import liveness, placement, scratch
+from caffeplus.memory import liveness, placement, recompute, scratch
 from caffeplus.memory.plan import PLANS, check_plan_name, make_plan
 
 FLOAT_BYTES = liveness.FLOAT_BYTES
@@ -179,7 +179,7 @@ class _Entry:
         self.lives = []
         self.persistent = False
         self.offloaded = False
-        self.producer = None        # a map made again in backward: its layer (recompute)
+        self.producer = None        # a map made again in backward: its layers (recompute)
         self.reasons = {}
         self.uses = ()
         # The life whose values the storage holds now: ANY right after the
@@ -486,13 +486,21 @@ class AppliedPlan:
 
     def _recompute_before(self, i):
         """Before backward step 2L-1-i: run the producers of the maps first
-        read there again, into the maps' second lives."""
+        read there again, into the maps' second lives (a convolution's call
+        takes its 'again' workspace view)."""
         net = self.net
+        ws = self.workspace
         for e in self.recompute_at.get(2 * self.L - 1 - i, ()):
             e.storage.array = e.lives[1].view
             e.storage.released_reason = None
-            p = e.producer
-            net.layers[p].forward(net.bottom_vecs[p], net.top_vecs[p])
+            if ws is not None:
+                ws.again = True
+            try:
+                for p in e.producer:
+                    net.layers[p].forward(net.bottom_vecs[p], net.top_vecs[p])
+            finally:
+                if ws is not None:
+                    ws.again = False
 
     # -- the convolution workspace, placed with the buffers ----------------------------
     @property
@@ -516,7 +524,10 @@ class AppliedPlan:
         if room != getattr(ws, 'headroom', None):
             ws.headroom = room
             ws._dirty = True            # choose again with the new room
-        return liveness.workspace_buffers(net, ws.sizes(net), self.training)
+        sizes = ws.sizes(net)
+        plan = self.plan
+        return liveness.workspace_buffers(net, sizes, self.training) + \
+            recompute.workspace_buffers(net, plan.buffers, getattr(plan, 'recomputed', {}), sizes)
 
     def _place_workspace(self, ws_bufs, offsets):
         ws = self.workspace
@@ -595,10 +606,21 @@ class AppliedPlan:
             self.relayout(preserve=start > 0 or pass_kind == 'backward')
         ws.pass_kind = pass_kind
 
+    def planned_lookahead(self, e):
+        """The prefetch distance plan `auto` planned for an offloaded entry
+        whose bytes it holds (offload_timing), else 0."""
+        held = getattr(self.plan, 'offload_holds', None) or {}
+        h = held.get(e.lives[0].buf.key[:2])        # the key before shorten's suffix
+        if h is None:
+            return 0
+        from caffeplus.memory import offload
+        return min(offload._uses(self.net, e.lives[0].buf)[1]) - h.prefetch
+
     def _set_lookahead(self, entries, lookahead_steps):
         """Offloaded storages: their backward life starts `lookahead` steps
         before the first backward use (per storage when calibrated; policy
-        'free': at the prefetch step it chose)."""
+        'free': at the prefetch step it chose; maps plan `auto` holds: at
+        least as early as it planned)."""
         from caffeplus.memory import offload
         net = self.net
         default = self.options.get('lookahead') or 1
@@ -612,8 +634,13 @@ class AppliedPlan:
             fwd, bwd = offload._uses(net, e.lives[0].buf)
             last_fwd, first_back = e.lives[0].end, min(bwd)
             chosen = hidden.get(e.lives[0].buf.key[:2])      # the key before shorten's suffix
-            k = first_back - chosen.prefetch if chosen is not None else \
-                int(lookahead_steps.get(e.names, default))
+            planned = self.planned_lookahead(e)
+            if chosen is not None:
+                k = first_back - chosen.prefetch
+            elif e.names in lookahead_steps:
+                k = max(int(lookahead_steps[e.names]), planned)
+            else:
+                k = planned or default
             e.lives[1].start = max(first_back - max(k, 1), last_fwd + 1)
 
     def _reasons(self):
@@ -641,7 +668,7 @@ class AppliedPlan:
                 e.reasons['between'] = (
                     "released by memory plan '%s' after its last forward use (layer %s); layer "
                     "%s makes it again for backward (layer %s); %s"
-                    % (self.name, where(first.end)[1], net._layer_names[e.producer],
+                    % (self.name, where(first.end)[1], net._layer_names[e.producer[0]],
                        where(back)[1], KEEP_HINT))
             elif back is not None:
                 e.reasons['between'] = (
@@ -849,7 +876,7 @@ class AppliedPlan:
         self._check_start(start, end, what)
         self._unmark(start)
         for e in self.entries:
-            if e.producer is not None and start <= e.producer:
+            if e.producer is not None and start <= e.producer[0]:
                 e.storage.array = e.lives[0].view       # forward writes its first life
         if self.runtime is not None:
             self.runtime.begin_forward(start, end)

@@ -38,7 +38,8 @@ import math
 import re
 
 from caffeplus.errors import CaffeplusError
-from caffeplus.memory import liveness, offload, recompute, workspace_model as wm
+from caffeplus.memory import liveness, offload, offload_timing, recompute, \
+    workspace_model as wm
 from caffeplus.memory.plan import HISTORY_COPIES, make_plan
 
 PCIE_BANDWIDTH = 50e9
@@ -230,7 +231,7 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
 
 
 # -- auto -----------------------------------------------------------------------------
-Option = collections.namedtuple('Option', 'peak seconds cap offloaded arena host recompute')
+Option = collections.namedtuple('Option', 'peak seconds cap offloaded arena host recompute held')
 
 # Offloaded maps wait in pinned host memory: a plan applied on this machine
 # may pin at most this share of its physical memory (the rest is the
@@ -305,26 +306,45 @@ def search_space(net, solver_type='SGD', keep=(), training=True):
 
 def _options_of(space, offloaded, caps=None):
     """The options of one offload set: each workspace cap (all, or `caps`),
-    with and without the maps made again (less memory, a little more time)."""
+    without maps made again, with the cheap ones made again and with
+    convolutions run again too (less memory, a little more time),
+    and, with maps offloaded, with their bytes held while their copies run
+    (offload_timing: no waiting, more memory) or lent at once."""
     net, bufs = space.net, space.bufs
     shortened = offload.shorten(bufs, offloaded, net) if offloaded else bufs
-    again = recompute.choose(net, bufs, space.training, offloaded)
+    again = {True: recompute.choose(net, bufs, space.training, offloaded),
+             'convs': recompute.choose(net, bufs, space.training, offloaded, convs=True)}
     host = offload.host_bytes(bufs, offloaded)
+    redos = [False] + [r for r in (True, 'convs') if again[r]]
+    if again['convs'] == again[True]:
+        redos = redos[:2]           # no convolution to run again
+    lent = {}           # live bytes by step of the lent lives, the same for every cap
+
+    def live(lives, redo):
+        lives = recompute.shorten(lives, again[redo], net) if redo else lives
+        return liveness.live_bytes_by_step(lives + space.kept, space.steps)
     out = []
-    for redo in ((False, True) if again else (False,)):
-        lives = recompute.shorten(shortened, again, net) if redo else shortened
-        live = liveness.live_bytes_by_step(lives + space.kept, space.steps)
-        for cap, (steps_s, seconds, ws) in space.timing.items():
-            if caps is not None and cap not in caps:
-                continue
-            stall = offload_stall_seconds(net, bufs, offloaded, steps_s, space.windows) \
-                if offloaded else 0.0
-            if redo:
-                stall += recompute.extra_seconds(again, steps_s)
-            busiest = max(a + w for a, w in zip(live, ws))
-            runtime = wm.OFFLOAD_RUNTIME_BYTES if offloaded else 0
-            out.append(Option(space.fixed + busiest + runtime, seconds + stall, cap,
-                              tuple(offloaded), busiest, host, redo))
+    runtime = wm.OFFLOAD_RUNTIME_BYTES if offloaded else 0
+    for cap, (steps_s, seconds, ws) in space.timing.items():
+        if caps is not None and cap not in caps:
+            continue
+        variants = [(False, None, offload_stall_seconds(net, bufs, offloaded, steps_s,
+                                                       space.windows) if offloaded else 0.0)]
+        if offloaded:
+            holds, stall = offload_timing.schedule(net, bufs, offloaded, steps_s)
+            variants.append((True, offload.shorten(bufs, offloaded, net, hidden=holds), stall))
+        for held, lives, stall in variants:
+            for redo in redos:
+                if held:
+                    by_step = live(lives, redo)
+                else:
+                    if redo not in lent:
+                        lent[redo] = live(shortened, redo)
+                    by_step = lent[redo]
+                extra = recompute.extra_seconds(again[redo], steps_s) if redo else 0.0
+                busiest = max(a + w for a, w in zip(by_step, ws))
+                out.append(Option(space.fixed + busiest + runtime, seconds + stall + extra, cap,
+                                  tuple(offloaded), busiest, host, redo, held))
     return out
 
 
@@ -386,8 +406,14 @@ def _auto_plan(net, option, solver_type, keep, training, budgeted=False):
     convs = wm.conv_layers(net)
     choice = {i: wm.fastest(l, option.cap) for i, l in convs}
     kept = model_internals(net)
+    holds = None
+    if option.held:
+        bufs = liveness.buffers(net, keep=keep, training=training)
+        holds = offload_timing.schedule(net, bufs, option.offloaded,
+                                        wm.step_seconds(net, choice))[0]
     bare = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
-                     offload_policy=names, internals=kept, recompute=option.recompute)
+                     offload_policy=names, internals=kept, recompute=option.recompute,
+                     offload_holds=holds)
     factors = {} if budgeted else None
     sizes = placed_workspace_sizes(net, bare.buffers, bare.steps, training, cap=option.cap,
                                    slowdown=float('inf') if budgeted else None,
@@ -395,10 +421,10 @@ def _auto_plan(net, option, solver_type, keep, training, budgeted=False):
     seconds = option.seconds
     if budgeted and training:
         seconds = _placed_seconds(net, option, choice, factors, solver_type, keep,
-                                  bare.recomputed)
+                                  bare.recomputed, holds)
     plan = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
                      offload_policy=names, workspace=sizes, internals=kept,
-                     recompute=option.recompute,
+                     recompute=option.recompute, offload_holds=holds,
                      other_bytes=wm.other_bytes(net, 'auto') -
                      sum(sum(k.values()) for k in kept.values()) +
                      (wm.OFFLOAD_RUNTIME_BYTES if option.offloaded else 0))
@@ -409,14 +435,19 @@ def _auto_plan(net, option, solver_type, keep, training, budgeted=False):
     return plan
 
 
-def _placed_seconds(net, option, choice, factors, solver_type, keep, again):
+def _placed_seconds(net, option, choice, factors, solver_type, keep, again, holds=None):
     """An option's estimated time with the algorithms its placed workspace
-    took (placed_workspace_sizes' factors); `again`: its maps made again."""
+    took (placed_workspace_sizes' factors); `again`: its maps made again;
+    `holds`: its held maps (offload_timing)."""
     steps_s = wm.step_seconds(net, choice, factors)
     seconds = sum(steps_s) + wm.update_seconds(net, HISTORY_COPIES.get(solver_type, 1))
     if option.offloaded:
         bufs = liveness.buffers(net, keep=keep, training=True)
-        seconds += offload_stall_seconds(net, bufs, option.offloaded, steps_s)
+        if holds is not None:
+            seconds += offload_timing.schedule(net, bufs, option.offloaded, steps_s,
+                                               holds=holds)[1]
+        else:
+            seconds += offload_stall_seconds(net, bufs, option.offloaded, steps_s)
     return seconds + recompute.extra_seconds(again, steps_s)
 
 
@@ -445,10 +476,21 @@ def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True, host
 
     def place(option):
         return _auto_plan(net, option, solver_type, keep, training, budgeted=True)
-    for option in fits[:PLACEMENT_TRIES]:
-        plan = place(option)
-        if plan.peak_bytes > budget:
+    # The fastest few first (the first that fits once placed), then, as a
+    # lower bound can come out over the budget placed, the fastest that
+    # fits of those with the least peaks.
+    least_first = sorted(fits, key=lambda o: (o.peak, o.seconds))[:PLACEMENT_TRIES]
+    for group in (fits[:PLACEMENT_TRIES], least_first):
+        placed = []
+        for option in group:
+            plan = place(option)
+            if plan.peak_bytes <= budget:
+                placed.append((plan.est_iter_ms, len(placed), option, plan))
+                if group is not least_first:
+                    break
+        if not placed:
             continue
+        _, _, option, plan = min(placed)
         if option.offloaded:
             plan = ([plan] + refine(space, plan, option, budget, place))[-1]
         plan.budget = budget

@@ -76,9 +76,10 @@ def choose(net, bufs, policy, keep=()):
 def shorten(bufs, offloaded, net, lookahead=1, hidden=None):
     """Replace each offloaded buffer by its two device lives: until its last
     forward use, and from `lookahead` layers before its first backward use.
-    `hidden`: {key: free_offload.Hidden} for maps chosen by policy 'free':
-    the first life lasts until the step before `release` (its copy out has
-    ended by then), the second starts at `prefetch`."""
+    `hidden`: {key: free_offload.Hidden} for maps chosen by policy 'free'
+    or held by plan `auto` (offload_timing): the first life lasts until the
+    step before `release` (its copy out has ended by then), the second
+    starts at `prefetch`."""
     offloaded = set(offloaded)
     hidden = hidden or {}
     out = []

@@ -544,8 +544,10 @@ class OffloadRuntime:
             return
         choice = {}
         for it in self.items:
-            choice[it.entry.names] = choose_lookahead(seconds, it.last_fwd, it.first_back,
-                                                      it.F.view.nbytes, bandwidth)
+            choice[it.entry.names] = max(
+                choose_lookahead(seconds, it.last_fwd, it.first_back, it.F.view.nbytes,
+                                 bandwidth),
+                self.applied.planned_lookahead(it.entry))
         current = {it.entry.names: it.first_back - it.bstart for it in self.items}
         if choice != current:
             # Placed again at the start of the next full forward (AppliedPlan).

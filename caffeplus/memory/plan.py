@@ -35,7 +35,8 @@ def check_plan_name(name):
 
 class MemoryPlan:
     offload_policy = None       # the offload plan's policy (make_plan)
-    recomputed = {}             # {buffer key: layer index}: maps made again (recompute)
+    offload_holds = {}          # {buffer key: free_offload.Hidden}: auto's held maps
+    recomputed = {}             # {buffer key: producer layer indices}: maps made again
 
     def __init__(self, name, breakdown, buffers=(), offsets=None, arena_bytes=0,
                  offloaded=(), estimated=True, steps=0):
@@ -88,7 +89,7 @@ def _arena_workspace(net):
 
 def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_policy='conv',
               other_bytes=0, workspace=None, internals=None, offload_hidden=None,
-              recompute=True):
+              recompute=True, offload_holds=None):
     """Compute plan `name` for a built net. `workspace`: {layer index:
     (forward bytes, backward bytes)} of the convolutions' workspace; the
     reusing plans then place it in the arena beside the activations, live
@@ -100,7 +101,11 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     the maps of `offload_hidden` ({buffer key: free_offload.Hidden}, chosen
     from measured times by the runtime or from modelled ones by the
     estimate), nothing before they are chosen. `recompute`: the reusing
-    plans make cheap maps again in backward (caffeplus.memory.recompute)."""
+    plans make cheap maps again in backward (caffeplus.memory.recompute;
+    'convs': convolutions too).
+    `offload_holds`: {buffer key: free_offload.Hidden} of offloaded maps
+    whose bytes stay theirs while their copies run (plan auto's
+    caffeplus.memory.offload_timing)."""
     check_plan_name(name)
     if name == 'auto':
         raise CaffeplusError("plan 'auto' needs a budget: use caffeplus.memory.budget.plan_for_budget")
@@ -131,14 +136,17 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     elif name == 'offload':
         from caffeplus.memory import offload
         offloaded = offload.choose(net, bufs, offload_policy, keep)
-        bufs = offload.shorten(bufs, offloaded, net)
+        offload_holds = {k: h for k, h in (offload_holds or {}).items() if k in offloaded}
+        bufs = offload.shorten(bufs, offloaded, net, hidden=offload_holds)
     # Cheap maps made again in backward (after offload's choice: what it
     # moves stays its own).
     from caffeplus.memory import recompute as recompute_mod
-    again = recompute_mod.choose(net, whole, training, offloaded) if recompute else {}
+    again = recompute_mod.choose(net, whole, training, offloaded,
+                                 convs=recompute == 'convs') if recompute else {}
     bufs = recompute_mod.shorten(bufs, again, net)
     if workspace is not None:
-        bufs = bufs + liveness.workspace_buffers(net, workspace, training)
+        bufs = bufs + liveness.workspace_buffers(net, workspace, training) + \
+            recompute_mod.workspace_buffers(net, bufs, again, workspace)
     if internals is not None:
         bufs = bufs + liveness.internal_buffers(net, internals, training)
     offsets, arena = placement.place(bufs)
@@ -158,6 +166,8 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     plan = MemoryPlan(name, breakdown, bufs, offsets, arena, offloaded, steps=steps)
     plan.offload_policy = offload_policy if name == 'offload' else None
     plan.recomputed = again
+    if name == 'offload' and offload_policy != 'free' and offload_holds:
+        plan.offload_holds = dict(offload_holds)
     return plan
 
 

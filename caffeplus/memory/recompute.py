@@ -15,6 +15,11 @@ where it is cheap).
 A map is made again only when
   * one layer writes it (no layer works on it in place; a Split's tops
     share it), a layer of RECOMPUTE_TYPES that draws no random numbers;
+    or, where the caller asks for convolutions too (`convs`: plan `auto`
+    weighs their time against the bytes), a Convolution followed only by
+    layers of IN_PLACE_AFTER working on it in place (VGG-16's conv1_1 and
+    relu1_1: 0.7 ms at batch 256 for 3.3 GB that would otherwise cross
+    the host link twice, 66 ms each way);
   * it is read in backward, after an idle gap;
   * every input of its producer is a single device life that is written by
     no later layer and still live at that first backward read, and is not
@@ -24,7 +29,13 @@ A map is made again only when
     time than its bytes are worth (GoogLeNet's auxiliary average pools).
 Under plan `offload` the maps its policy offloads are chosen first: they
 are neither made again nor inputs to what is. CAFFEPLUS_RECOMPUTE=0 turns
-this off.
+this off; CAFFEPLUS_RECOMPUTE=convs runs convolutions again in every
+reusing plan, not only where `auto`'s search finds it pays.
+
+A convolution run again needs its forward workspace at that backward step:
+workspace_buffers gives it a buffer of its own there ('again'), which the
+placed workspace (caffeplus.memory.workspace) lends to that call, so the
+same algorithm runs and gives the same bits.
 """
 import os
 
@@ -32,14 +43,27 @@ from caffeplus.memory.liveness import FILTER_FIRST, Buffer, live_bytes_by_step
 from caffeplus.memory.offload import _uses
 
 RECOMPUTE_TYPES = ('LRN', 'Pooling')
+CONV_TYPES = ('Convolution',)
+# In-place layers after a convolution whose forward is a function of the
+# map alone (no state, no random numbers; BatchNorm's running averages
+# would move twice).
+IN_PLACE_AFTER = ('ReLU',)
 MIN_SHARE = 0.02
 # Pooling methods whose forward is a function of its input (STOCHASTIC draws).
 _POOL_METHODS = (0, 1)          # PoolingParameter.MAX, AVE
 
 
+def _setting():
+    return os.environ.get('CAFFEPLUS_RECOMPUTE', '1').strip().lower()
+
+
 def enabled():
-    return os.environ.get('CAFFEPLUS_RECOMPUTE', '1').strip().lower() not in \
-        ('0', 'false', 'off', 'no')
+    return _setting() not in ('0', 'false', 'off', 'no')
+
+
+def convs_always():
+    """CAFFEPLUS_RECOMPUTE=convs: convolutions run again in every reusing plan."""
+    return _setting() == 'convs'
 
 
 def _cheap(layer):
@@ -60,15 +84,39 @@ def _writers_by_blob(net):
     return out
 
 
-def choose(net, bufs, training=True, offloaded=()):
-    """{buffer key: producer layer index} for the data buffers of `bufs`
+def _producer(net, writers, blobs, convs):
+    """The layers that make a map (its writers, in order), as a tuple, if
+    they may run again: one layer of RECOMPUTE_TYPES, or with `convs` a
+    convolution and the in-place layers after it; else None."""
+    if not writers:
+        return None
+    head = net.layers[writers[0]]
+    if len(net.top_id_vecs[writers[0]]) != 1 or \
+            {net._blob_names[b] for b in net.bottom_id_vecs[writers[0]]} & set(blobs):
+        return None
+    if len(writers) == 1 and _cheap(head):
+        return tuple(writers)
+    if not convs or head.layer_param.type not in CONV_TYPES:
+        return None
+    for i in writers[1:]:
+        names = [net._blob_names[b] for b in net.bottom_id_vecs[i] + net.top_id_vecs[i]]
+        if net.layers[i].layer_param.type not in IN_PLACE_AFTER or \
+                len(names) != 2 or not set(names) <= set(blobs):
+            return None
+    return tuple(writers)
+
+
+def choose(net, bufs, training=True, offloaded=(), convs=False):
+    """{buffer key: producer layer indices} for the data buffers of `bufs`
     (liveness.buffers; what must stay readable there, `keep` included, lives
     the whole iteration) that are made again in backward (the module
     docstring's rules); empty when disabled or for forward-only plans.
     `offloaded`: keys of the buffers an offload plan moves to the host,
-    which are neither made again nor inputs to what is."""
+    which are neither made again nor inputs to what is. `convs`:
+    convolutions (and their in-place ReLUs) may run again too."""
     if not training or not enabled():
         return {}
+    convs = convs or convs_always()
     gone = set(offloaded)
     gone_blobs = {n for b in bufs if b.key in gone for n in b.blobs}
     L = len(net.layers)
@@ -83,14 +131,11 @@ def choose(net, bufs, training=True, offloaded=()):
     for key, buf in data.items():
         if key in gone or buf.nbytes < least or (buf.start <= 0 and buf.end >= 2 * L):
             continue        # offloaded, small, or kept readable the whole iteration
-        writers_here = writers(buf.blobs)
-        if len(writers_here) != 1:
+        chain = _producer(net, writers(buf.blobs), buf.blobs, convs)
+        if chain is None:
             continue
-        p = writers_here[0]
-        layer = net.layers[p]
+        p = chain[0]
         bottoms = [net._blob_names[b] for b in net.bottom_id_vecs[p]]
-        if not _cheap(layer) or len(net.top_id_vecs[p]) != 1 or set(bottoms) & set(buf.blobs):
-            continue
         fwd, bwd = _uses(net, buf)
         if not bwd or max(fwd) + 1 >= min(bwd):
             continue
@@ -104,16 +149,16 @@ def choose(net, bufs, training=True, offloaded=()):
                 ok = False
                 break
         if ok:
-            producers[key] = (p, tuple(bottoms))
+            producers[key] = (chain, tuple(bottoms))
     # A producer's input must hold its values when the producer runs again,
     # so of a map and its producer's input (LRN -> pooling) only one is made
     # again: the larger first.
     chosen, taken, inputs = {}, set(), set()
     for key in sorted(producers, key=lambda k: (-data[k].nbytes, k)):
-        p, bottoms = producers[key]
+        chain, bottoms = producers[key]
         if set(bottoms) & taken or set(data[key].blobs) & inputs:
             continue
-        chosen[key] = p
+        chosen[key] = chain
         taken.update(data[key].blobs)
         inputs.update(bottoms)
     return chosen
@@ -140,4 +185,21 @@ def shorten(bufs, chosen, net):
 
 def extra_seconds(chosen, step_seconds):
     """The time the producers' second forwards add to an iteration."""
-    return sum(step_seconds[p] for p in set(chosen.values()))
+    return sum(step_seconds[p] for p in {i for chain in chosen.values() for i in chain})
+
+
+def workspace_buffers(net, lives, chosen, sizes):
+    """Workspace for the convolutions run again: each gets its forward
+    call's bytes (`sizes`: {layer index: (forward bytes, ...)}) at the step
+    its map comes back, half a step early like that map's second life
+    (`lives`: shorten's buffers), apart from everything live then."""
+    out = []
+    for b in lives:
+        if b.key[-1] != 'again' or b.key[:-1] not in chosen:
+            continue
+        for p in chosen[b.key[:-1]]:
+            nbytes = int(sizes.get(p, (0,))[0] or 0)
+            if nbytes and net.layers[p].layer_param.type in CONV_TYPES:
+                out.append(Buffer(('workspace', net._layer_names[p], 'again'), 'workspace', (),
+                                  nbytes, b.start, b.start))
+    return out

@@ -436,6 +436,9 @@ class PlacedWorkspace(WorkspaceArena):
         self.headroom_slowdown = HEADROOM_SLOWDOWN
         self.layout_stale = True    # the choices changed since the views were placed
         self.outside = {}           # (layer name, kind) -> bytes of calls the layout missed
+        # A convolution's forward run again in backward (caffeplus.memory
+        # .recompute): its call takes the 'again' view, placed at that step.
+        self.again = False
 
     def _timing_wanted(self, pairs):
         # Planned from the applied plan, not from a layer's first call: the
@@ -507,7 +510,10 @@ class PlacedWorkspace(WorkspaceArena):
             raise CaffeplusError('workspace checked out twice (by %s, then %s %s)'
                                  % (self._busy, layer, kind))
         need = self._need(layer, kind)
-        view = self.views.get((id(layer), VIEW_NAMES[view_part(layer, kind)]))
+        part = VIEW_NAMES[view_part(layer, kind)]
+        if self.again and part == 'forward':
+            part = 'again'
+        view = self.views.get((id(layer), part))
         if view is None or view[1] < need:
             # Not in the layout (yet): a buffer of its own for this call.
             if self._buffer.nbytes < need:
