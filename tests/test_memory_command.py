@@ -251,12 +251,15 @@ def test_auto_fits_the_budget_and_trades_time_for_memory():
     assert tight.offloaded and tight.peak_bytes <= smallest
 
 
-def test_auto_under_a_budget_moves_no_more_than_it_needs():
-    """VGG-16 b256 under 12 GiB: the search's fastest set that fits moves 12
-    maps; refined, fewer stay away, the placed plan still fits, and each
-    refinement is faster than the plan before it."""
+def test_auto_under_a_budget_moves_no_more_than_it_needs(monkeypatch):
+    """VGG-16 b256 under 12 GiB (planned within 98% of it), no convolution
+    run again: the search's fastest set that fits moves 12 maps; refined,
+    fewer stay away, the placed plan still fits, and each refinement is
+    faster than the plan before it."""
+    monkeypatch.setattr(budget.recompute, 'CONV_TYPES', ())
     net = shapes.build_net(shapes.load_net_param(bench('vgg16_b256')))
-    limit = budget.parse_bytes('12G')
+    asked = budget.parse_bytes('12G')
+    limit = int(asked * (1 - budget.BUDGET_MARGIN))
     space = budget.search_space(net)
     fits = sorted((o for o in budget.search(net, space=space) if o.peak <= limit),
                   key=lambda o: o.seconds)
@@ -269,7 +272,7 @@ def test_auto_under_a_budget_moves_no_more_than_it_needs():
     times = [place(first).est_iter_ms] + [p.est_iter_ms for p in steps]
     assert all(b < a for a, b in zip(times, times[1:]))
     assert all(p.peak_bytes <= limit for p in steps)
-    plan = budget.plan_for_budget(net, limit)
+    plan = budget.plan_for_budget(net, asked)
     assert plan.peak_bytes <= limit and plan.est_iter_ms == pytest.approx(times[-1])
     assert 0 < len(plan.offloaded) < len(first.offloaded)
     # The placed workspace under a budget takes slower algorithms where the

@@ -64,6 +64,8 @@ def main(argv=None):
         step = 'plan'
         apply_named_plan(net, args.plan, training=True,
                          budget=parse_bytes(args.budget) if args.budget else None)
+        for line in outside_the_arena(net):
+            print(line, flush=True)
         where = {}
         if tracker is not None:
             # The step at which the pool's live bytes were highest (hooks
@@ -97,10 +99,31 @@ def main(argv=None):
             print('%s: %.2f s%s' % (step, time.time() - t0, used), flush=True)
     except BaseException as exc:      # noqa: BLE001 -- the point is to see it
         print('FAILED at %s: %s: %s' % (step, type(exc).__name__, exc))
-        print(''.join(traceback.format_exc().splitlines(True)[-25:]))
+        print(''.join(line for line in traceback.format_exc().splitlines(True)
+                      if 'site-packages' not in line and 'core.pyx' not in line
+                      and 'memory.pyx' not in line))
         return 1
     print('ok')
     return 0
+
+
+def outside_the_arena(net, least=32 << 20):
+    """Lines naming the blob storages of at least `least` bytes that the
+    applied plan does not place in its arena (kept whole: allocated on
+    first touch beside it)."""
+    applied = getattr(net, 'applied_plan', None)
+    if applied is None or not hasattr(applied, 'entries'):
+        return []
+    placed = {id(e.storage) for e in applied.entries}
+    params = {id(p.data_storage) for p in net.param_blobs} | \
+        {id(p.diff_storage) for p in net.param_blobs}
+    out = []
+    for name, blob in zip(net._blob_names, net._blobs):
+        for kind, st in (('data', blob.data_storage), ('diff', blob.diff_storage)):
+            nbytes = blob.count * 4
+            if nbytes >= least and id(st) not in placed and id(st) not in params:
+                out.append('outside the arena: %s %s, %.1f MiB' % (name, kind, nbytes / 2 ** 20))
+    return out
 
 
 if __name__ == '__main__':

@@ -230,6 +230,9 @@ class AppliedPlan:
         # parameters, history and runtime leave of it); None: no bound but
         # the device's.
         budget = getattr(plan, 'budget', None)
+        if budget:
+            from caffeplus.memory.budget import BUDGET_MARGIN
+            budget = int(budget * (1 - BUDGET_MARGIN))      # as the plan was made
         self.arena_limit = int(budget - plan.peak_bytes + plan.arena_bytes) \
             if budget and plan.arena_bytes else None
         self._build(plan)

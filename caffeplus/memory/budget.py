@@ -453,6 +453,8 @@ def _placed_seconds(net, option, choice, factors, solver_type, keep, again, hold
 
 # Placed plans tried before giving up on a budget (each is a best-fit placement).
 PLACEMENT_TRIES = 12
+# The share of a budget plan auto leaves unplanned, for the estimate's error.
+BUDGET_MARGIN = 0.02
 
 
 def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True, host_budget=None):
@@ -465,6 +467,11 @@ def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True, host
     if host_budget is not None:
         options = [o for o in options if o.host <= host_budget] or \
             [min(options, key=lambda o: o.host)]
+    # Under a budget, plan within BUDGET_MARGIN of it: the estimate is
+    # within about 2% of the measured peak (VGG-16 b256 planned at 99.8% of
+    # 12 GiB measured 1.9% over the estimate, over the budget).
+    budget, asked = (None, None) if budget is None else \
+        (int(budget * (1 - BUDGET_MARGIN)), budget)
     fits = [o for o in options if budget is None or o.peak <= budget]
     fits.sort(key=lambda o: (round(o.seconds, 9), o.peak))
     if budget is None:          # the fastest; every option fits
@@ -493,7 +500,7 @@ def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True, host
         _, _, option, plan = min(placed)
         if option.offloaded:
             plan = ([plan] + refine(space, plan, option, budget, place))[-1]
-        plan.budget = budget
+        plan.budget = asked
         return plan
     # Nothing fits once placed: the least peak any option reaches.
     least = min(sorted(options, key=lambda o: (o.peak, o.seconds))[:PLACEMENT_TRIES],
@@ -504,9 +511,11 @@ def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True, host
     raise CaffeplusError(
         'no plan for net %s fits a budget of %s (%d bytes)%s: the smallest peak any plan '
         'reaches is %s (%d bytes: shared, %d feature maps offloaded, convolution workspace '
-        'within %s a call); the smallest budget that fits is %s'
-        % (net.name, format_bytes(budget), budget, host, format_bytes(peak), peak,
-           len(least.offloaded), format_bytes(least.cap), _budget_string(peak)))
+        'within %s a call); the smallest budget that fits is %s (%s leaves the estimate a '
+        'margin)' % (net.name, format_bytes(asked), asked, host, format_bytes(peak), peak,
+                     len(least.offloaded), format_bytes(least.cap),
+                     _budget_string(peak / (1 - BUDGET_MARGIN)),
+                     '%g%%' % (BUDGET_MARGIN * 100)))
 
 
 def _budget_string(n):
