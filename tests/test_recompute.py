@@ -361,6 +361,19 @@ def test_auto_runs_convolutions_again_where_that_beats_the_host_link(monkeypatch
     assert without.peak_bytes <= limit and 'conv1_1' not in without.recomputed_names()
     assert plan.est_iter_ms < 0.8 * without.est_iter_ms
     assert host_bytes(net, plan) < host_bytes(net, without)
+    # Not every convolution that could: the cheapest per byte first.
+    every = recompute.choose(net, liveness.buffers(net), True, plan.offloaded, convs=True)
+    heads = {chain[0] for chain in plan.recomputed.values()}
+    assert len(heads) < len({chain[0] for chain in every.values()})
+
+
+def test_a_chosen_set_of_convolutions_runs_again_and_no_other():
+    net = build(CONV_NET)
+    conv1 = net._layer_names.index('conv1')
+    bufs = liveness.buffers(net)
+    assert ('conv1',) in {k[1] for k in recompute.choose(net, bufs, True, convs=(conv1,))}
+    assert ('conv1',) not in {k[1] for k in recompute.choose(net, bufs, True, convs=(conv1 + 2,))}
+    assert 'conv1' in make_plan(net, 'shared', recompute=(conv1,)).recomputed_names()
 
 
 def host_bytes(net, plan):

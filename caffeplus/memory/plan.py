@@ -102,7 +102,7 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     from measured times by the runtime or from modelled ones by the
     estimate), nothing before they are chosen. `recompute`: the reusing
     plans make cheap maps again in backward (caffeplus.memory.recompute;
-    'convs': convolutions too).
+    'convs': convolutions too; a tuple of layer indices: those convolutions).
     `offload_holds`: {buffer key: free_offload.Hidden} of offloaded maps
     whose bytes stay theirs while their copies run (plan auto's
     caffeplus.memory.offload_timing)."""
@@ -141,8 +141,9 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     # Cheap maps made again in backward (after offload's choice: what it
     # moves stays its own).
     from caffeplus.memory import recompute as recompute_mod
+    convs = recompute == 'convs' or (not isinstance(recompute, (bool, str)) and recompute)
     again = recompute_mod.choose(net, whole, training, offloaded,
-                                 convs=recompute == 'convs') if recompute else {}
+                                 convs=convs) if recompute else {}
     bufs = recompute_mod.shorten(bufs, again, net)
     if workspace is not None:
         bufs = bufs + liveness.workspace_buffers(net, workspace, training) + \

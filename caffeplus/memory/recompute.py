@@ -113,10 +113,12 @@ def choose(net, bufs, training=True, offloaded=(), convs=False):
     docstring's rules); empty when disabled or for forward-only plans.
     `offloaded`: keys of the buffers an offload plan moves to the host,
     which are neither made again nor inputs to what is. `convs`:
-    convolutions (and their in-place ReLUs) may run again too."""
+    convolutions (and their in-place ReLUs) may run again too (True: any;
+    a collection of layer indices: those)."""
     if not training or not enabled():
         return {}
-    convs = convs or convs_always()
+    if convs_always():
+        convs = True
     gone = set(offloaded)
     gone_blobs = {n for b in bufs if b.key in gone for n in b.blobs}
     L = len(net.layers)
@@ -131,8 +133,9 @@ def choose(net, bufs, training=True, offloaded=(), convs=False):
     for key, buf in data.items():
         if key in gone or buf.nbytes < least or (buf.start <= 0 and buf.end >= 2 * L):
             continue        # offloaded, small, or kept readable the whole iteration
-        chain = _producer(net, writers(buf.blobs), buf.blobs, convs)
-        if chain is None:
+        chain = _producer(net, writers(buf.blobs), buf.blobs, bool(convs))
+        if chain is None or (len(chain) > 1 or not _cheap(net.layers[chain[0]])) and \
+                convs is not True and chain[0] not in convs:
             continue
         p = chain[0]
         bottoms = [net._blob_names[b] for b in net.bottom_id_vecs[p]]
