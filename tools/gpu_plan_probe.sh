@@ -5,7 +5,8 @@
 #   ALGOS="net:plan,plan"             tools/dump_algorithms.py JSON per plan
 #   MEMORY="net:plans:budget:iters"   caffeplus memory -gpu 0 (budget '-' for none)
 # e.g. PROFILE="alexnet_b128:arena,shared" MEMORY="vgg16_b256:shared,auto:12G:5"
-# PROFILE_FULL=1 prints the profiles (the device tool brings back 8 files at most).
+# PROFILE_FULL=1 prints the profiles (the device tool brings back 8 files at most);
+# PROFILE_BUDGET=12G profiles plan auto under that budget.
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -16,6 +17,7 @@ for spec in ${PROFILE:-}; do
     echo "== profile $net $plan"
     GLOG_minloglevel=2 timeout 240 python3 tools/profile_gpu.py --net $B/$net.prototxt \
       --plan $plan --iters ${PROFILE_ITERS:-20} --top ${PROFILE_TOP:-30} \
+      ${PROFILE_BUDGET:+--budget $PROFILE_BUDGET} \
       > "$OUT/profile_${net}_$plan.log" 2>&1
     echo "rc=$?" >> "$OUT/profile_${net}_$plan.log"
     if [ -n "${PROFILE_FULL:-}" ]; then cat "$OUT/profile_${net}_$plan.log"

@@ -38,6 +38,7 @@ def main(argv=None):
     ap.add_argument('--no-graphs', action='store_true',
                     help='cuDNN calls made directly, not replayed as CUDA graphs')
     ap.add_argument('--top', type=int, default=12)
+    ap.add_argument('--budget', default=None, help="plan auto's memory budget (e.g. 12G)")
     args = ap.parse_args(argv)
 
     import cupy
@@ -56,6 +57,11 @@ def main(argv=None):
     if args.plan in ('stock', 'arena'):
         net = caffeplus.Net(args.net, caffeplus.TRAIN)
         workspace.apply_workspace_plan(net, args.plan, 0)
+    elif args.budget:
+        from caffeplus.memory.apply import apply_named_plan
+        from caffeplus.memory.budget import parse_bytes
+        net = caffeplus.Net(args.net, caffeplus.TRAIN)
+        apply_named_plan(net, args.plan, training=True, budget=parse_bytes(args.budget))
     else:
         # The reusing plans place the workspace with the activations (and
         # make maps again in backward): the whole memory plan.
