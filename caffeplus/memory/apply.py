@@ -380,7 +380,10 @@ class AppliedPlan:
         uses = storage_uses(net, self.training)
         for e in entries:
             e.uses = tuple(sorted(uses.get(id(e.storage), ())))
-            outside = [u for u in e.uses if e.live_at(u) is None]
+            # (A use by a filter call alone may end a life half a step early:
+            # recompute.again_lives.)
+            outside = [u for u in e.uses if e.live_at(u) is None and
+                       not any(life.end == u - liveness.FILTER_FIRST for life in e.lives)]
             if outside:
                 # e.g. a plan made on the CPU's layers applied to the GPU's,
                 # whose backward reads more: values would be overwritten.
@@ -467,8 +470,9 @@ class AppliedPlan:
         self._unhook_recompute()
         at = {}
         for e in self.entries:
-            if e.producer is not None and len(e.lives) == 2:
-                at.setdefault(int(math.ceil(e.lives[1].start)), []).append(e)
+            if e.producer is not None and len(e.lives) >= 2:
+                for life in e.lives[1:]:
+                    at.setdefault(int(math.ceil(life.start)), []).append((e, life))
         self.recompute_at = at
         if not at:
             return
@@ -489,21 +493,21 @@ class AppliedPlan:
 
     def _recompute_before(self, i):
         """Before backward step 2L-1-i: run the producers of the maps first
-        read there again, into the maps' second lives (a convolution's call
-        takes its 'again' workspace view)."""
+        read there again, into those lives (a convolution's call takes its
+        own 'again@step' workspace view)."""
         net = self.net
         ws = self.workspace
-        for e in self.recompute_at.get(2 * self.L - 1 - i, ()):
-            e.storage.array = e.lives[1].view
+        for e, life in self.recompute_at.get(2 * self.L - 1 - i, ()):
+            e.storage.array = life.view
             e.storage.released_reason = None
             if ws is not None:
-                ws.again = True
+                ws.again = recompute.again_view(life.start)
             try:
                 for p in e.producer:
                     net.layers[p].forward(net.bottom_vecs[p], net.top_vecs[p])
             finally:
                 if ws is not None:
-                    ws.again = False
+                    ws.again = None
 
     # -- the convolution workspace, placed with the buffers ----------------------------
     @property
