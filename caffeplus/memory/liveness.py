@@ -187,20 +187,25 @@ def headroom(net, bufs, steps, training=True):
     """{(layer index, 'forward' | 'backward' | 'backward_filter'): bytes}
     the buffers `bufs` leave free below their own peak at each of a layer's
     workspace calls: a workspace that fits there does not raise the peak.
-    Counted by half steps (live_bytes_by_half_step): the filter call runs
-    half a step early, before the layer's bottom diff is written, and a map
-    only that call reads (recompute.again_lives) is gone for the data call."""
+    The filter call runs before the layer's bottom diff is written, so for a
+    one-bottom layer the buffers its backward step first writes are free
+    then too (FILTER_FIRST)."""
     L = len(net.layers)
-    live = live_bytes_by_half_step(bufs, steps)
+    live = live_bytes_by_step(bufs, steps)
+    starting = [0] * (steps + 1)        # bytes of the buffers a step first writes
+    for b in bufs:
+        t = int(math.ceil(b.start))
+        if 0 <= t <= steps:
+            starting[t] += b.nbytes
     peak = max(live) if live else 0
     room = {}
     for i in range(L):
-        room[(i, 'forward')] = peak - live[2 * i]
+        room[(i, 'forward')] = peak - live[i]
         t = 2 * L - 1 - i
         if training and t <= steps:
-            room[(i, 'backward')] = peak - live[2 * t]
-            early = 2 * t - 1 if len(net.bottom_vecs[i]) == 1 else 2 * t
-            room[(i, 'backward_filter')] = peak - live[early]
+            room[(i, 'backward')] = peak - live[t]
+            early = starting[t] if len(net.bottom_vecs[i]) == 1 else 0
+            room[(i, 'backward_filter')] = peak - live[t] + early
     return room
 
 
