@@ -380,10 +380,7 @@ class AppliedPlan:
         uses = storage_uses(net, self.training)
         for e in entries:
             e.uses = tuple(sorted(uses.get(id(e.storage), ())))
-            # (A use by a filter call alone may end a life half a step early:
-            # recompute.again_lives.)
-            outside = [u for u in e.uses if e.live_at(u) is None and
-                       not any(life.end == u - liveness.FILTER_FIRST for life in e.lives)]
+            outside = [u for u in e.uses if e.live_at(u) is None]
             if outside:
                 # e.g. a plan made on the CPU's layers applied to the GPU's,
                 # whose backward reads more: values would be overwritten.
@@ -470,9 +467,8 @@ class AppliedPlan:
         self._unhook_recompute()
         at = {}
         for e in self.entries:
-            if e.producer is not None and len(e.lives) >= 2:
-                for life in e.lives[1:]:
-                    at.setdefault(int(math.ceil(life.start)), []).append((e, life))
+            if e.producer is not None and len(e.lives) == 2:
+                at.setdefault(int(math.ceil(e.lives[1].start)), []).append(e)
         self.recompute_at = at
         if not at:
             return
@@ -493,21 +489,21 @@ class AppliedPlan:
 
     def _recompute_before(self, i):
         """Before backward step 2L-1-i: run the producers of the maps first
-        read there again, into those lives (a convolution's call takes its
-        own 'again@step' workspace view)."""
+        read there again, into the maps' second lives (a convolution's call
+        takes its 'again' workspace view)."""
         net = self.net
         ws = self.workspace
-        for e, life in self.recompute_at.get(2 * self.L - 1 - i, ()):
-            e.storage.array = life.view
+        for e in self.recompute_at.get(2 * self.L - 1 - i, ()):
+            e.storage.array = e.lives[1].view
             e.storage.released_reason = None
             if ws is not None:
-                ws.again = recompute.again_view(life.start)
+                ws.again = True
             try:
                 for p in e.producer:
                     net.layers[p].forward(net.bottom_vecs[p], net.top_vecs[p])
             finally:
                 if ws is not None:
-                    ws.again = None
+                    ws.again = False
 
     # -- the convolution workspace, placed with the buffers ----------------------------
     @property

@@ -225,8 +225,7 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
         bufs = liveness.buffers(net, keep=keep, training=training)
         stall = offload_stall_seconds(net, bufs, plan.offloaded, steps_s)
     seconds = iteration_seconds(net, choice, solver_type, stall) + \
-        recompute.extra_seconds(net, liveness.buffers(net, keep=keep, training=training),
-                                plan.recomputed, steps_s)
+        recompute.extra_seconds(plan.recomputed, steps_s)
     return _finish(plan, net, name, workspace,
                    other if placing else wm.other_bytes(net, name), seconds, choice)
 
@@ -270,13 +269,12 @@ def _offload_sets(net, bufs, keep, steps, windows):
     return sets
 
 
-def _workspace_by_half_step(net, choice, steps, training):
-    """Workspace bytes at each half step (liveness.live_bytes_by_half_step)
-    for the algorithm `choice`."""
-    ws = [0] * (2 * steps + 1)
+def _workspace_by_step(net, choice, steps, training):
+    """Workspace bytes at each step for the algorithm `choice`."""
+    ws = [0] * (steps + 1)
     for b in liveness.workspace_buffers(net, workspace_sizes(choice), training):
-        h = int(round(2 * b.start))         # a filter call's at its half step
-        ws[h] = max(ws[h], b.nbytes)
+        t = int(math.ceil(b.start))         # a filter call's half step counts at its step
+        ws[t] = max(ws[t], b.nbytes)
     return ws
 
 
@@ -300,7 +298,7 @@ def search_space(net, solver_type='SGD', keep=(), training=True):
             continue            # the same algorithms as a smaller cap
         steps_s = wm.step_seconds(net, choice)
         timing[cap] = (steps_s, iteration_seconds(net, choice, solver_type),
-                       _workspace_by_half_step(net, choice, steps, training))
+                       _workspace_by_step(net, choice, steps, training))
     windows = offload_windows(net, bufs, offload.choose(
         net, bufs, 'all', set(keep) | liveness.written_once(net))) if training else {}
     return _Space(net, keep, training, bufs, steps, kept, fixed, timing, windows)
@@ -323,7 +321,7 @@ def _options_of(space, offloaded, caps=None):
 
     def live(lives, redo):
         lives = recompute.shorten(lives, again[redo], net) if redo else lives
-        return liveness.live_bytes_by_half_step(lives + space.kept, space.steps)
+        return liveness.live_bytes_by_step(lives + space.kept, space.steps)
     out = []
     runtime = wm.OFFLOAD_RUNTIME_BYTES if offloaded else 0
     for cap, (steps_s, seconds, ws) in space.timing.items():
@@ -342,8 +340,7 @@ def _options_of(space, offloaded, caps=None):
                     if redo not in lent:
                         lent[redo] = live(shortened, redo)
                     by_step = lent[redo]
-                extra = recompute.extra_seconds(net, bufs, again[redo], steps_s) \
-                    if redo else 0.0
+                extra = recompute.extra_seconds(again[redo], steps_s) if redo else 0.0
                 busiest = max(a + w for a, w in zip(by_step, ws))
                 out.append(Option(space.fixed + busiest + runtime, seconds + stall + extra, cap,
                                   tuple(offloaded), busiest, host, redo, held))
@@ -363,8 +360,8 @@ def _conv_prefixes(space, offloaded):
     cheap = recompute.choose(net, bufs, space.training, offloaded)
     sizes = dict((b.key, b.nbytes) for b in bufs)
     steps = space.timing[max(space.timing)][0]
-    heads = sorted({chain[0]: recompute.extra_seconds(net, bufs, {key: chain}, steps) /
-                    sizes[key] for key, chain in every.items() if key not in cheap}.items(),
+    heads = sorted({chain[0]: (sum(steps[i] for i in chain) / sizes[key])
+                    for key, chain in every.items() if key not in cheap}.items(),
                    key=lambda kv: kv[1])
     n = len(heads)
     cuts = sorted({n} | {int(math.ceil(n * f / CONV_PREFIXES))
@@ -465,14 +462,14 @@ def _placed_seconds(net, option, choice, factors, solver_type, keep, again, hold
     `holds`: its held maps (offload_timing)."""
     steps_s = wm.step_seconds(net, choice, factors)
     seconds = sum(steps_s) + wm.update_seconds(net, HISTORY_COPIES.get(solver_type, 1))
-    bufs = liveness.buffers(net, keep=keep, training=True)
     if option.offloaded:
+        bufs = liveness.buffers(net, keep=keep, training=True)
         if holds is not None:
             seconds += offload_timing.schedule(net, bufs, option.offloaded, steps_s,
                                                holds=holds)[1]
         else:
             seconds += offload_stall_seconds(net, bufs, option.offloaded, steps_s)
-    return seconds + recompute.extra_seconds(net, bufs, again, steps_s)
+    return seconds + recompute.extra_seconds(again, steps_s)
 
 
 # Placed plans tried before giving up on a budget (each is a best-fit placement).

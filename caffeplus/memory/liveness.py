@@ -209,19 +209,6 @@ def headroom(net, bufs, steps, training=True):
     return room
 
 
-def live_bytes_by_half_step(bufs, steps):
-    """Bytes live at each half step 0, 0.5, 1, ..., steps (index 2t): a
-    filter call's workspace and a map needed by that call alone
-    (caffeplus.memory.recompute) live half a step before the diff the
-    layer's step then writes, and do not count beside it."""
-    live = [0] * (2 * steps + 1)
-    for b in bufs:
-        for h in range(max(int(math.ceil(2 * b.start)), 0),
-                       min(int(math.floor(2 * b.end)), 2 * steps) + 1):
-            live[h] += b.nbytes
-    return live
-
-
 def live_bytes_by_step(bufs, steps):
     """Bytes live at each step (a buffer counts at start..end inclusive)."""
     live = [0] * (steps + 1)

@@ -167,47 +167,10 @@ def choose(net, bufs, training=True, offloaded=(), convs=False):
     return chosen
 
 
-def _filter_only(net, buf, step):
-    """Whether backward step `step` reads the map only in a convolution's
-    filter-gradient call: one Convolution, its single bottom, in no fused
-    chain. That call runs before the layer writes its bottom's diff
-    (liveness.FILTER_FIRST), so the map may be gone during the rest of the
-    step and come back for the next reader."""
-    from caffeplus import kernels
-    L = len(net.layers)
-    i = 2 * L - 1 - step
-    if not 0 <= i < L or i in set(kernels.chain_heads(net).values()):
-        return False
-    layer = net.layers[i]
-    bottoms = [net._blob_names[b] for b in net.bottom_id_vecs[i]]
-    tops = {net._blob_names[b] for b in net.top_id_vecs[i]}
-    return layer.layer_param.type in CONV_TYPES and len(bottoms) == 1 and \
-        bottoms[0] in buf.blobs and not tops & set(buf.blobs)
-
-
-def again_lives(net, buf, chain):
-    """(start, end) of each backward life of a map made again by `chain`:
-    from half a step before its first backward use; a convolution chain's
-    map leaves again after a use by a filter call alone (_filter_only) and
-    comes back for the next use (VGG-16's conv1_1: gone while conv1_2's
-    data call writes conv1_1's diff, back for relu1_1's backward; one more
-    0.7 ms forward for 3.3 GB at b256)."""
-    bwd = sorted(set(_uses(net, buf)[1]))
-    split = len(chain) > 1 or net.layers[chain[0]].layer_param.type in CONV_TYPES
-    lives, start = [], bwd[0] - FILTER_FIRST
-    for u, nxt in zip(bwd, bwd[1:] + [None]):
-        if nxt is not None and split and _filter_only(net, buf, u):
-            lives.append((start, u - FILTER_FIRST))
-            start = nxt - FILTER_FIRST
-    lives.append((start, buf.end))
-    return lives
-
-
 def shorten(bufs, chosen, net):
-    """Replace each buffer made again by its device lives: until its last
-    forward use, then again_lives (the first from half a step before its
-    first backward use, where a filter call's workspace lies); keys end in
-    'forward', 'again', 'again2', ..."""
+    """Replace each buffer made again by its two device lives: until its last
+    forward use, and from (half a step before, where a filter call's
+    workspace lies) its first backward use."""
     if not chosen:
         return list(bufs)
     out = []
@@ -218,41 +181,28 @@ def shorten(bufs, chosen, net):
         fwd, bwd = _uses(net, buf)
         out.append(Buffer(buf.key + ('forward',), buf.kind, buf.blobs, buf.nbytes,
                           buf.start, max(fwd)))
-        for k, (start, end) in enumerate(again_lives(net, buf, chosen[buf.key])):
-            out.append(Buffer(buf.key + ('again' + (str(k + 1) if k else ''),), buf.kind,
-                              buf.blobs, buf.nbytes, start, end))
+        out.append(Buffer(buf.key + ('again',), buf.kind, buf.blobs, buf.nbytes,
+                          min(bwd) - FILTER_FIRST, buf.end))
     return out
 
 
-def extra_seconds(net, bufs, chosen, step_seconds):
-    """The time the producers' second (and later) forwards add to an iteration."""
-    out = 0.0
-    for buf in bufs:
-        chain = chosen.get(buf.key)
-        if chain is not None:
-            out += len(again_lives(net, buf, chain)) * sum(step_seconds[p] for p in chain)
-    return out
+def extra_seconds(chosen, step_seconds):
+    """The time the producers' second forwards add to an iteration."""
+    return sum(step_seconds[p] for p in {i for chain in chosen.values() for i in chain})
 
 
 def workspace_buffers(net, lives, chosen, sizes):
-    """Workspace for the convolutions run again: each run gets its forward
+    """Workspace for the convolutions run again: each gets its forward
     call's bytes (`sizes`: {layer index: (forward bytes, ...)}) at the step
     its map comes back, half a step early like that map's second life
     (`lives`: shorten's buffers), apart from everything live then."""
     out = []
     for b in lives:
-        if not str(b.key[-1]).startswith('again') or b.key[:-1] not in chosen:
+        if b.key[-1] != 'again' or b.key[:-1] not in chosen:
             continue
         for p in chosen[b.key[:-1]]:
             nbytes = int(sizes.get(p, (0,))[0] or 0)
             if nbytes and net.layers[p].layer_param.type in CONV_TYPES:
-                out.append(Buffer(('workspace', net._layer_names[p], again_view(b.start)),
-                                  'workspace', (), nbytes, b.start, b.start))
+                out.append(Buffer(('workspace', net._layer_names[p], 'again'), 'workspace', (),
+                                  nbytes, b.start, b.start))
     return out
-
-
-def again_view(start):
-    """The placed workspace's view name of a convolution run again for a
-    life starting at `start` (caffeplus.memory.workspace.PlacedWorkspace)."""
-    import math
-    return 'again@%d' % int(math.ceil(start))

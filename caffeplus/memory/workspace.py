@@ -437,8 +437,8 @@ class PlacedWorkspace(WorkspaceArena):
         self.layout_stale = True    # the choices changed since the views were placed
         self.outside = {}           # (layer name, kind) -> bytes of calls the layout missed
         # A convolution's forward run again in backward (caffeplus.memory
-        # .recompute): the name of its view, placed at that step ('again@t').
-        self.again = None
+        # .recompute): its call takes the 'again' view, placed at that step.
+        self.again = False
 
     def _timing_wanted(self, pairs):
         # Planned from the applied plan, not from a layer's first call: the
@@ -511,8 +511,8 @@ class PlacedWorkspace(WorkspaceArena):
                                  % (self._busy, layer, kind))
         need = self._need(layer, kind)
         part = VIEW_NAMES[view_part(layer, kind)]
-        if self.again is not None and part == 'forward':
-            part = self.again
+        if self.again and part == 'forward':
+            part = 'again'
         view = self.views.get((id(layer), part))
         if view is None or view[1] < need:
             # Not in the layout (yet): a buffer of its own for this call.
