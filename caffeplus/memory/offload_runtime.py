@@ -44,6 +44,9 @@ most the gap since its last forward use; if that changes anything, the
 arena is placed again at the start of the next full forward pass (which
 rewrites every buffer before reading it).
 
+Plan `auto`'s held maps (caffeplus.memory.offload_timing) keep the lives
+it planned: the calibrated look-ahead never fetches one later than planned.
+
 Policy 'free'. The plan starts with nothing offloaded; the runtime times an
 iteration the same way (the link's bandwidth measured by a pinned copy),
 chooses the maps whose copies those times hide
