@@ -17,8 +17,10 @@ relative to the fastest (1.0):
   name        bytes                                        time  when
   gemm        0 (1x1 stride-1 convolutions are plain GEMMs) 1.0   1x1, stride 1, no pad
   implicit    0          (IMPLICIT_GEMM / ALGO_0-like)       1.6   otherwise
-  precomp     8 B x (C/g) x prod(kernel) (an index buffer,    1.15  otherwise
-              IMPLICIT_PRECOMP_GEMM-like)
+  precomp     8 B x (C/g) x prod(kernel) (an index buffer,    1.15  forward only
+              IMPLICIT_PRECOMP_GEMM-like; cuDNN's backward
+              calls have none: with no workspace to spare,
+              VGG-16 b256's conv1_2 measured 1.56x, 2026-11-24)
   transform   4 B x (input + output feature map), the maps   1.0   stride 1, dilation 1
               once in a tiled transform domain
               (FFT_TILING / WINOGRAD_NONFUSED-like)
@@ -203,9 +205,10 @@ def candidates(layer, kind=None):
     # Backward-filter's GEMM-like algorithms are far slower than its
     # transforms (2-2.7x on VGG-16's first layers), the others' less so.
     slow = 2.0 if kind == 'bwd_filter' else 1.0
-    out = [Candidate('implicit', 0, 1.6 * slow),
-           Candidate('precomp', 8 * (s.im_channels // s.group) * s.geom.kernel_count,
-                     1.15 * slow)]
+    out = [Candidate('implicit', 0, 1.6 * slow)]
+    if kind in (None, 'fwd'):
+        out.append(Candidate('precomp', 8 * (s.im_channels // s.group) * s.geom.kernel_count,
+                             1.15 * slow))
     maps = FLOAT_BYTES * (s.in_count + s.out_count)
     small = max(s.col_spatial) <= SMALL_MAP
     chunk_time = SMALL_CHUNK_TIME if small else CHUNK_TIME
