@@ -231,8 +231,8 @@ class AppliedPlan:
         # the device's.
         budget = getattr(plan, 'budget', None)
         if budget:
-            from caffeplus.memory.budget import BUDGET_MARGIN
-            budget = int(budget * (1 - BUDGET_MARGIN))      # as the plan was made
+            from caffeplus.memory.budget import planned_budget
+            budget = planned_budget(budget)         # as the plan was made
         self.arena_limit = int(budget - plan.peak_bytes + plan.arena_bytes) \
             if budget and plan.arena_bytes else None
         self._build(plan)

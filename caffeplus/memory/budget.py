@@ -313,7 +313,7 @@ def _options_of(space, offloaded, caps=None):
     net, bufs = space.net, space.bufs
     shortened = offload.shorten(bufs, offloaded, net) if offloaded else bufs
     again = {True: recompute.choose(net, bufs, space.training, offloaded)}
-    for heads in _conv_prefixes(space, offloaded):
+    for heads in _conv_prefixes(space, offloaded, again[True]):
         again[heads] = recompute.choose(net, bufs, space.training, offloaded, convs=heads)
     host = offload.host_bytes(bufs, offloaded)
     redos = [False] + [r for r in again if again[r]]
@@ -351,13 +351,13 @@ def _options_of(space, offloaded, caps=None):
 CONV_PREFIXES = 6
 
 
-def _conv_prefixes(space, offloaded):
+def _conv_prefixes(space, offloaded, cheap):
     """Sets of convolutions (tuples of layer indices) to run again, each a
     prefix of the eligible ones ordered by forward time per byte given
-    back (cheapest first: VGG-16's conv1_1, 0.7 ms for 3.3 GB)."""
+    back (cheapest first: VGG-16's conv1_1, 0.7 ms for 3.3 GB). `cheap`:
+    what recompute.choose makes again without convolutions."""
     net, bufs = space.net, space.bufs
     every = recompute.choose(net, bufs, space.training, offloaded, convs=True)
-    cheap = recompute.choose(net, bufs, space.training, offloaded)
     sizes = dict((b.key, b.nbytes) for b in bufs)
     steps = space.timing[max(space.timing)][0]
     heads = sorted({chain[0]: (sum(steps[i] for i in chain) / sizes[key])
@@ -478,6 +478,11 @@ PLACEMENT_TRIES = 12
 BUDGET_MARGIN = 0.02
 
 
+def planned_budget(budget):
+    """The bytes plan auto plans within under `budget` (BUDGET_MARGIN less)."""
+    return int(budget * (1 - BUDGET_MARGIN))
+
+
 def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True, host_budget=None):
     """The `auto` MemoryPlan: least estimated time with peak <= budget
     (None: no limit), offloading at most `host_budget` bytes to pinned host
@@ -491,8 +496,7 @@ def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True, host
     # Under a budget, plan within BUDGET_MARGIN of it: the estimate is
     # within about 2% of the measured peak (VGG-16 b256 planned at 99.8% of
     # 12 GiB measured 1.9% over the estimate, over the budget).
-    budget, asked = (None, None) if budget is None else \
-        (int(budget * (1 - BUDGET_MARGIN)), budget)
+    budget, asked = (None, None) if budget is None else (planned_budget(budget), budget)
     fits = [o for o in options if budget is None or o.peak <= budget]
     fits.sort(key=lambda o: (round(o.seconds, 9), o.peak))
     if budget is None:          # the fastest; every option fits

@@ -141,7 +141,7 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     # Cheap maps made again in backward (after offload's choice: what it
     # moves stays its own).
     from caffeplus.memory import recompute as recompute_mod
-    convs = recompute == 'convs' or (not isinstance(recompute, (bool, str)) and recompute)
+    convs = True if recompute == 'convs' else recompute if isinstance(recompute, tuple) else False
     again = recompute_mod.choose(net, whole, training, offloaded,
                                  convs=convs) if recompute else {}
     bufs = recompute_mod.shorten(bufs, again, net)

@@ -86,8 +86,9 @@ def _writers_by_blob(net):
 
 def _producer(net, writers, blobs, convs):
     """The layers that make a map (its writers, in order), as a tuple, if
-    they may run again: one layer of RECOMPUTE_TYPES, or with `convs` a
-    convolution and the in-place layers after it; else None."""
+    they may run again: one layer of RECOMPUTE_TYPES, or a convolution that
+    `convs` allows (True: any; else the layer indices in it) and the
+    in-place layers after it; else None."""
     if not writers:
         return None
     head = net.layers[writers[0]]
@@ -96,7 +97,8 @@ def _producer(net, writers, blobs, convs):
         return None
     if len(writers) == 1 and _cheap(head):
         return tuple(writers)
-    if not convs or head.layer_param.type not in CONV_TYPES:
+    if not convs or head.layer_param.type not in CONV_TYPES or \
+            (convs is not True and writers[0] not in convs):
         return None
     for i in writers[1:]:
         names = [net._blob_names[b] for b in net.bottom_id_vecs[i] + net.top_id_vecs[i]]
@@ -133,9 +135,8 @@ def choose(net, bufs, training=True, offloaded=(), convs=False):
     for key, buf in data.items():
         if key in gone or buf.nbytes < least or (buf.start <= 0 and buf.end >= 2 * L):
             continue        # offloaded, small, or kept readable the whole iteration
-        chain = _producer(net, writers(buf.blobs), buf.blobs, bool(convs))
-        if chain is None or (len(chain) > 1 or not _cheap(net.layers[chain[0]])) and \
-                convs is not True and chain[0] not in convs:
+        chain = _producer(net, writers(buf.blobs), buf.blobs, convs)
+        if chain is None:
             continue
         p = chain[0]
         bottoms = [net._blob_names[b] for b in net.bottom_id_vecs[p]]
