@@ -366,15 +366,22 @@ def conv_backward(x, w, dy, geom, group, dx=None, dw=None, db=None):
         return
     wg = w.reshape(group, m // group, -1)
     dwg = dw.reshape(wg.shape) if dw is not None else None
-    for sl in batch_chunks(xp, x.shape[0], _col_item_bytes(x.shape[1], geom, out_shape)):
-        dyg = to_groups(dy[sl], group, minor, 'dy')               # (G, M/G, n*P)
-        if dwg is not None:
-            col = unfold(x[sl], geom, out_shape, group, minor)
-            dwg += xp.matmul(dyg, col.transpose(0, 2, 1))         # (G, M/G, Kg)
-        if dx is not None:
-            dcol = scratch(xp, (group, wg.shape[2], dyg.shape[2]), 'col')
-            _matmul(wg.transpose(0, 2, 1), dyg, dcol)
-            fold(dcol, x[sl].shape, geom, out_shape, minor, out=dx[sl])
+    chunks = list(batch_chunks(xp, x.shape[0], _col_item_bytes(x.shape[1], geom, out_shape)))
+    # Every read of x before the first write of dx, as cuDNN's filter call
+    # before its data call: a memory plan may put dx where x was
+    # (caffeplus.memory.recompute.again_lives).
+    passes = [(True, False), (False, True)] if len(chunks) > 1 and dwg is not None and \
+        dx is not None else [(True, True)]
+    for want_dw, want_dx in passes:
+        for sl in chunks:
+            dyg = to_groups(dy[sl], group, minor, 'dy')           # (G, M/G, n*P)
+            if dwg is not None and want_dw:
+                col = unfold(x[sl], geom, out_shape, group, minor)
+                dwg += xp.matmul(dyg, col.transpose(0, 2, 1))     # (G, M/G, Kg)
+            if dx is not None and want_dx:
+                dcol = scratch(xp, (group, wg.shape[2], dyg.shape[2]), 'col')
+                _matmul(wg.transpose(0, 2, 1), dyg, dcol)
+                fold(dcol, x[sl].shape, geom, out_shape, minor, out=dx[sl])
 
 
 def deconv_forward(x, w, b, geom, group, y):

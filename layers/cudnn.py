@@ -260,8 +260,10 @@ class _ConvDescs:
                 geometry_key + (kind, int(ws_bytes), mathmode.cudnn_math_type(),
                                 self.batch_chunks, per_group is not None, gemm is not None,
                                 tuple(sorted(chunked)))
-            if key is not None and key in _TIMED:
-                return list(_TIMED[key])
+            if key is not None:
+                found = _timed_within(key, len(geometry_key) + 1)
+                if found is not None:
+                    return found
             import cupy
             # A sliced call touches its first slice only: scratch of one
             # slice (a batch too large for one call would double its bytes).
@@ -592,6 +594,27 @@ def _conv_data_calls(cd, conv, algo, reverse, dtop, w, dx, ws, nbytes):
 _TIMED = {}
 
 
+def _timed_within(key, at):
+    """FindEx's results for `key` (its workspace bytes at index `at`): its
+    own, or those of the same search in a larger workspace less what needs
+    more than this one, or else of the largest smaller one (plan auto times
+    before it plans, in what the device spares then:
+    caffeplus.memory.calibration.measure_net; timing again inside the placed
+    arena would need the call's arrays twice). None: not timed yet."""
+    if key in _TIMED:
+        return list(_TIMED[key])
+    ws = key[at]
+    same = sorted((other[at], found) for other, found in _TIMED.items()
+                  if len(other) == len(key) and other[:at] == key[:at] and
+                  other[at + 1:] == key[at + 1:])
+    for size, found in same:
+        if size >= ws:
+            return [c for c in found if c.memory <= ws] or None
+    # Only smaller searches: their candidates, not more (timing again may
+    # not fit beside the arena: a 12 GiB card under VGG-16 b256).
+    return list(same[-1][1]) if same else None
+
+
 def _workspace():
     from caffeplus.memory import workspace
     return workspace
@@ -768,6 +791,21 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                 tuple(self.out_spatial), tuple(self.blobs[0].shape), tuple(g.kernel),
                 tuple(g.pad), tuple(g.stride), tuple(g.dilation), self.group,
                 mathmode.generation(), mathmode.deterministic(), backend.device())
+
+    def time_calls(self, ws_ptr, ws_bytes):
+        """{kind: cuDNN's candidates timed with FindEx} for this layer's
+        calls, as the timed search weighs them (batch slicings and the
+        cuBLAS variant included), in a workspace of `ws_bytes`; without a
+        plan (caffeplus.memory.calibration.measure_net: plan auto's search
+        weighs measured algorithms)."""
+        slices = self._batch_slices()
+        cd = _ConvDescs(self, False, slices)
+        chunked = {v: _ConvDescs(self, False, k) for v, k in CHUNK_VARIANTS.items()
+                   if cd.loops == 1 and slices == 1 and self.num % k == 0 and
+                   self.num >= 2 * k and _chunk_search()}
+        gemm = _GemmConv(self) if cd.loops == 1 and _GemmConv.eligible(self) else None
+        return {kind: cd.timer(kind, self._geometry_key(), None, gemm, chunked)(ws_ptr, ws_bytes)
+                for kind in _workspace().KINDS}
 
     def _ensure_planned(self, mgr):
         """The manager's plan; with the auto search, FindEx times the sites

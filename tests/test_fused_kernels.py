@@ -673,8 +673,8 @@ def test_offload_relayout_frees_the_old_arena_with_chains_emulated(emulated, mon
     applied = net.applied_plan
     old = weakref.ref(applied.arena_base())
     real_place = placement.place
-    monkeypatch.setattr(placement, 'place', lambda bufs: (real_place(bufs)[0],
-                                                          2 * real_place(bufs)[1]))
+    monkeypatch.setattr(placement, 'place', lambda bufs, *a: (real_place(bufs, *a)[0],
+                                                          2 * real_place(bufs, *a)[1]))
     # On the GPU the plan knows the chains, so a chained Scale keeps nothing
     # of its own (no views of its own), yet holds BatchNorm's normalized copy.
     from caffeplus.memory import scratch

@@ -641,8 +641,8 @@ def test_relayout_lets_the_old_arena_go_before_taking_a_larger_one(monkeypatch):
     # A new look-ahead whose layout needs more room than the old arena has.
     from caffeplus.memory import placement
     real_place = placement.place
-    monkeypatch.setattr(placement, 'place', lambda bufs: (real_place(bufs)[0],
-                                                          2 * real_place(bufs)[1]))
+    monkeypatch.setattr(placement, 'place', lambda bufs, *a: (real_place(bufs, *a)[0],
+                                                          2 * real_place(bufs, *a)[1]))
     far = {it.entry.names: it.first_back - it.last_fwd for it in applied.runtime.items}
     applied.relayout(lookahead_steps=far)
     monkeypatch.setattr(numpy, 'zeros', real_zeros)
@@ -675,8 +675,8 @@ def test_a_calibrated_lookahead_that_does_not_fit_keeps_the_old_one(monkeypatch,
     grow = {'on': False}    # the far look-ahead's layout (the next one): more bytes
     factor = 1.05 if refusal == 'a_little_over' else 2.0
 
-    def place(bufs):
-        offsets, size = real_place(bufs)
+    def place(bufs, *a):
+        offsets, size = real_place(bufs, *a)
         if grow['on']:
             grow['on'] = False
             return offsets, int(size * factor) // 4 * 4
@@ -807,8 +807,8 @@ def test_gpu_relayout_frees_the_old_arena(monkeypatch):
         applied = net.applied_plan
         before, old_bytes = pool.total_bytes(), applied.arena_bytes
         real_place = placement.place
-        monkeypatch.setattr(placement, 'place', lambda bufs: (real_place(bufs)[0],
-                                                              2 * real_place(bufs)[1]))
+        monkeypatch.setattr(placement, 'place', lambda bufs, *a: (real_place(bufs, *a)[0],
+                                                              2 * real_place(bufs, *a)[1]))
         far = {it.entry.names: it.first_back - it.last_fwd for it in applied.runtime.items}
         applied.relayout(lookahead_steps=far)
         sgd_run(net, 1)

@@ -253,19 +253,19 @@ def test_auto_fits_the_budget_and_trades_time_for_memory():
 
 def test_auto_under_a_budget_moves_no_more_than_it_needs(monkeypatch):
     """VGG-16 b256 under 12 GiB (planned within 98% of it), no convolution
-    run again: the search's fastest set that fits moves 12 maps; refined,
+    run again: the search's fastest set that fits moves maps; refined,
     fewer stay away, the placed plan still fits, and each refinement is
     faster than the plan before it."""
     monkeypatch.setattr(budget.recompute, 'CONV_TYPES', ())
     net = shapes.build_net(shapes.load_net_param(bench('vgg16_b256')))
     asked = budget.parse_bytes('12G')
     limit = int(asked * (1 - budget.BUDGET_MARGIN))
-    space = budget.search_space(net)
+    space = budget.search_space(net, budget=limit)
     fits = sorted((o for o in budget.search(net, space=space) if o.peak <= limit),
                   key=lambda o: o.seconds)
 
     def place(option):
-        return budget._auto_plan(net, option, 'SGD', (), True, budgeted=True)
+        return budget._auto_plan(net, option, 'SGD', (), True, budget=limit)
     first = next(o for o in fits if place(o).peak_bytes <= limit)
     steps = budget.refine(space, place(first), first, limit, place)
     assert steps
@@ -273,12 +273,14 @@ def test_auto_under_a_budget_moves_no_more_than_it_needs(monkeypatch):
     assert all(b < a for a, b in zip(times, times[1:]))
     assert all(p.peak_bytes <= limit for p in steps)
     plan = budget.plan_for_budget(net, asked)
-    assert plan.peak_bytes <= limit and plan.est_iter_ms == pytest.approx(times[-1])
+    assert plan.peak_bytes <= limit and plan.est_iter_ms <= times[-1] + 1e-6
     assert 0 < len(plan.offloaded) < len(first.offloaded)
-    # The placed workspace under a budget takes slower algorithms where the
-    # fastest would raise the peak: its time counts them.
-    unbudgeted = budget._auto_plan(net, first, 'SGD', (), True)
-    assert place(first).est_iter_ms >= unbudgeted.est_iter_ms
+    # Placed under a budget, each call gets the hole left at its step: the
+    # runtime keeps every call within the bytes the plan placed for it.
+    convs = [net._layer_names[i] for i, _ in budget.wm.conv_layers(net)]
+    assert {name for name, _ in plan.call_workspace} == set(convs)
+    views = {b.key[1:]: b.nbytes for b in plan.buffers if b.kind == 'workspace'}
+    assert all(views.get(key, 0) == n for key, n in plan.call_workspace.items())
 
 
 def test_impossible_budget_names_the_smallest_that_fits(capsys):

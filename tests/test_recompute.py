@@ -151,7 +151,8 @@ def test_a_map_or_its_producers_input_not_both(monkeypatch):
     norm_bytes = sum(net.blobs[n].count * 4 for n in ('norm1', 'norm2'))
     assert with_.peak_bytes <= without.peak_bytes - norm_bytes // 2
     # The second forwards of the two LRNs are in the estimated time.
-    extra = recompute.extra_seconds(with_.recomputed, budget.wm.step_seconds(net, {
+    extra = recompute.extra_seconds(net, liveness.buffers(net), with_.recomputed,
+                                    budget.wm.step_seconds(net, {
         i: budget.wm.fastest(l, budget.wm.knee_cap(net)) for i, l in budget.wm.conv_layers(net)}))
     assert with_.est_iter_ms == pytest.approx(without.est_iter_ms + extra * 1e3)
     assert extra > 0
@@ -320,24 +321,53 @@ def test_a_convolution_and_its_relu_run_again_only_when_asked(monkeypatch):
 
 
 def test_a_convolution_run_again_gets_its_forward_workspace_at_that_step():
+    """conv1's map is read in backward by conv2's filter call alone, then by
+    relu1: it is made again for the one (gone while conv2's data call writes
+    conv1's diff) and again for the other, each run with its own workspace."""
     net = build(CONV_NET)
     conv1 = net._layer_names.index('conv1')
-    plan = make_plan(net, 'shared', recompute='convs', workspace={conv1: (1000, 2000, 3000)})
-    again = [b for b in plan.buffers if b.key == ('workspace', 'conv1', 'again')]
-    back = [b for b in plan.buffers if b.key == ('data', ('conv1',), 'again')]
-    assert len(again) == 1 and len(back) == 1
-    assert again[0].nbytes == 1000 and again[0].start == again[0].end == back[0].start
-    # Placed apart from the map it makes and from everything live then.
-    lo, hi = plan.offsets[again[0].key], plan.offsets[again[0].key] + 1000
-    for b in plan.buffers:
-        if b is not again[0] and b.start <= again[0].start <= b.end:
-            o = plan.offsets[b.key]
-            assert o + b.nbytes <= lo or o >= hi, b.key
+    L = len(net.layers)
+    u1 = 2 * L - 1 - net._layer_names.index('conv2')
+    u2 = 2 * L - 1 - net._layer_names.index('relu1')
+    plan = make_plan(net, 'shared', recompute='convs', workspace={conv1: (1000, 2000, 3000)},
+                     recompute_split=[('data', ('conv1',))])
+    assert plan.recompute_split == (('data', ('conv1',)),)
+    back = sorted((b for b in plan.buffers if b.blobs == ('conv1',) and b.kind == 'data'
+                   and b.key[-1] != 'forward'), key=lambda b: b.start)
+    half = liveness.FILTER_FIRST
+    assert [(b.start, b.end) for b in back] == [(u1 - half, u1 - half), (u2 - half, back[1].end)]
+    diff = [b for b in plan.buffers if b.blobs == ('conv1',) and b.kind == 'diff'][0]
+    assert diff.start == u1         # written by conv2's data call, after the first life
+    again = sorted((b for b in plan.buffers if b.key[:2] == ('workspace', 'conv1')
+                    and b.key[2].startswith('again')), key=lambda b: b.start)
+    assert [(b.key[2], b.nbytes, b.start) for b in again] == [
+        ('again@%d' % u1, 1000, u1 - half), ('again@%d' % u2, 1000, u2 - half)]
+    assert plan.recomputed and recompute.extra_seconds(
+        net, liveness.buffers(net), plan.recomputed, [1.0] * (2 * L),
+        plan.recompute_split) == 2 * 2 + 1   # + pool
+    # Not split: one life in backward, one run again.
+    whole = make_plan(net, 'shared', recompute='convs', workspace={conv1: (1000, 2000, 3000)})
+    assert [b.key[-1] for b in whole.buffers if b.blobs == ('conv1',) and b.kind == 'data'] \
+        == ['forward', 'again']
+    # Each placed apart from everything live then.
+    for w in again:
+        lo, hi = plan.offsets[w.key], plan.offsets[w.key] + w.nbytes
+        for b in plan.buffers:
+            if b is not w and b.start <= w.start <= b.end:
+                o = plan.offsets[b.key]
+                assert o + b.nbytes <= lo or o >= hi, b.key
 
 
-def test_training_with_convolutions_run_again_is_bit_identical_to_stock(monkeypatch):
+@pytest.mark.parametrize('chunked', [False, True])
+def test_training_with_convolutions_run_again_is_bit_identical_to_stock(monkeypatch, chunked):
+    """conv2's backward reads conv1's map in its filter call, then writes
+    conv1's diff where the plan may have put that map: `chunked` runs the
+    CPU convolution image by image, so every filter read must come first."""
+    if chunked:
+        from caffeplus import im2col
+        monkeypatch.setitem(im2col.CPU_CHUNK_BYTES, 'col', 1)
     stock = sgd_run(build(CONV_NET))
-    monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', 'convs')
+    monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', 'split')
     net = build(CONV_NET, memory='shared')
     assert net.applied_plan.plan.recomputed_names() == ['conv1', 'pool']
     shared = sgd_run(net)
@@ -400,3 +430,22 @@ def test_gpu_convolutions_run_again_are_bit_identical(tmp_path, monkeypatch):
         assert 'conv1' in plan.recomputed_names()
     finally:
         backend.set_mode_cpu()
+
+
+def test_the_cpu_convolution_reads_every_input_before_it_writes_a_gradient(monkeypatch):
+    """dx laid one image ahead of x in the same memory (as a plan may lend
+    x's bytes to dx): image by image, dw must still see every x unchanged."""
+    from caffeplus import im2col
+    monkeypatch.setitem(im2col.CPU_CHUNK_BYTES, 'col', 1)
+    rng = numpy.random.RandomState(0)
+    n, c, m = 4, 3, 5
+    geom = im2col.ConvGeometry((3, 3), (1, 1), (1, 1), (1, 1))
+    w = rng.randn(m, c, 3, 3).astype(numpy.float32)
+    dy = rng.randn(n, m, 6, 6).astype(numpy.float32)
+    arena = rng.randn(n + 1, c, 6, 6).astype(numpy.float32)
+    x = arena[:-1].copy()
+    want_dw, want_dx = numpy.zeros_like(w), numpy.zeros_like(x)
+    im2col.conv_backward(x, w, dy, geom, 1, dx=want_dx, dw=want_dw)
+    dw = numpy.zeros_like(w)
+    im2col.conv_backward(arena[:-1], w, dy, geom, 1, dx=arena[1:], dw=dw)
+    assert numpy.array_equal(dw, want_dw) and numpy.array_equal(arena[1:], want_dx)

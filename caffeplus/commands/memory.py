@@ -29,6 +29,10 @@ limit with --estimate, the GPU's memory with -gpu); when none fits, the error
 names the smallest budget that would. --keep a,b keeps those blobs readable
 after the iteration (reusing plans may overwrite them otherwise); --offload
 picks the offload policy (conv, all, free, or blob names separated by ',').
+`auto` weighs cuDNN's measured algorithms where it has them: on the GPU it
+times them before it plans; --calibration FILE (or CAFFEPLUS_CALIBRATION)
+loads a table saved on a GPU (tools/dump_algorithms.py --calibration), so
+--estimate plans as the GPU would.
 
 --json prints {"plans": {PLAN: {"peak_bytes": N, "breakdown": {CATEGORY: N},
 "iter_ms": T or null, "estimated": true|false, ...}}, ...} and nothing else
@@ -46,6 +50,7 @@ the bench nets). For reusing plans, activations + activation diffs is the
 planned arena, split between the two by their shares at the peak step.
 """
 import json
+import os
 import sys
 
 from caffeplus.errors import CaffeplusError
@@ -70,6 +75,9 @@ def add_arguments(parser):
     parser.add_argument('--plot', default=None,
                         help='write charts: NAME.png (bars) and NAME_timeline.png')
     parser.add_argument('--json', action='store_true', help='print the results as JSON')
+    parser.add_argument('--calibration', default=None, metavar='FILE',
+                        help="measured cuDNN algorithms (JSON, caffeplus.memory.calibration) "
+                             "for auto's search, e.g. to plan for a GPU on a machine without one")
     parser.add_argument('--estimate', action='store_true',
                         help='estimate without a GPU (no measurement)')
     parser.add_argument('--keep', default='',
@@ -197,6 +205,10 @@ def run(args):
     if args.iterations < 1:
         raise CaffeplusError('--iterations must be at least 1 (got %d)' % args.iterations)
     budget = budget_mod.parse_bytes(args.budget) if args.budget is not None else None
+    if args.calibration:
+        from caffeplus.memory import calibration
+        calibration.load(args.calibration)
+        os.environ[calibration.ENV] = os.path.abspath(args.calibration)   # the measuring processes'
     gpu = parse_gpu(args.gpu)
     measuring = gpu is not None and not args.estimate
     if args.host_budget is not None:
@@ -278,6 +290,12 @@ def _measure(param, plan, gpu, args, estimate_entry, budget_for_auto=None, host_
         entry = dict(estimate_entry)
         entry['measure_error'] = str(exc)
         return entry
+    planned = measured.pop('planned', None)
+    if planned:
+        # Plan auto made in the measuring process, with measured algorithms.
+        estimate = dict(estimate, peak_bytes=planned['peak_bytes'],
+                        iter_ms=planned['est_iter_ms'], recomputed=planned['recomputed'])
+        estimate_entry = dict(estimate_entry, est_iter_ms=round(planned['est_iter_ms'], 3))
     entry = {k: v for k, v in measured.items() if k != 'live_curve'}
     entry['estimate'] = estimate
     # Against the steady peak: the estimate is of the settled plan (offload
@@ -315,8 +333,17 @@ def _measure_child(param_bytes, name, gpu, opts):
                                         keep=opts['keep'], offload_policy=opts['offload'],
                                         budget=opts['budget'], host_budget=opts['host_budget'])
     del net
+    apply = None
+    if name == 'auto':
+        # Planned again on the GPU, with the convolutions' measured algorithms.
+        from caffeplus.memory.apply import apply_named_plan
+
+        def apply(net):
+            return apply_named_plan(net, 'auto', keep=opts['keep'], training=True,
+                                    solver_type=opts['solver_type'], budget=opts['budget'],
+                                    host_budget=opts['host_budget'])
     return measure_plan(param, plan, gpu, solver_type=opts['solver_type'],
-                        iterations=opts['iterations'])
+                        iterations=opts['iterations'], apply=apply)
 
 
 def _device_total_child(gpu):

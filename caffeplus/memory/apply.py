@@ -380,7 +380,10 @@ class AppliedPlan:
         uses = storage_uses(net, self.training)
         for e in entries:
             e.uses = tuple(sorted(uses.get(id(e.storage), ())))
-            outside = [u for u in e.uses if e.live_at(u) is None]
+            # (A use by a filter call alone may end a life half a step early:
+            # recompute.again_lives.)
+            outside = [u for u in e.uses if e.live_at(u) is None and
+                       not any(life.end == u - liveness.FILTER_FIRST for life in e.lives)]
             if outside:
                 # e.g. a plan made on the CPU's layers applied to the GPU's,
                 # whose backward reads more: values would be overwritten.
@@ -408,7 +411,8 @@ class AppliedPlan:
         unfused = any(e.offloaded for e in entries) and \
             not self.options.get('runtime', {}).get('fused_chains', True)
         kept_bufs = self._internal_buffers(unfused)
-        offsets, arena_bytes = placement.place(bufs + ws_bufs + kept_bufs)
+        last = ('workspace',) if getattr(self.plan, 'call_workspace', None) else ()
+        offsets, arena_bytes = placement.place(bufs + ws_bufs + kept_bufs, last)
         if self._layout_limit is not None and arena_bytes > self._layout_limit:
             raise _OverLimit(arena_bytes)
         self.arena_bytes = arena_bytes
@@ -467,8 +471,9 @@ class AppliedPlan:
         self._unhook_recompute()
         at = {}
         for e in self.entries:
-            if e.producer is not None and len(e.lives) == 2:
-                at.setdefault(int(math.ceil(e.lives[1].start)), []).append(e)
+            if e.producer is not None and len(e.lives) >= 2:
+                for life in e.lives[1:]:
+                    at.setdefault(int(math.ceil(life.start)), []).append((e, life))
         self.recompute_at = at
         if not at:
             return
@@ -489,21 +494,21 @@ class AppliedPlan:
 
     def _recompute_before(self, i):
         """Before backward step 2L-1-i: run the producers of the maps first
-        read there again, into the maps' second lives (a convolution's call
-        takes its 'again' workspace view)."""
+        read there again, into those lives (a convolution's call takes its
+        own 'again@step' workspace view)."""
         net = self.net
         ws = self.workspace
-        for e in self.recompute_at.get(2 * self.L - 1 - i, ()):
-            e.storage.array = e.lives[1].view
+        for e, life in self.recompute_at.get(2 * self.L - 1 - i, ()):
+            e.storage.array = life.view
             e.storage.released_reason = None
             if ws is not None:
-                ws.again = True
+                ws.again = recompute.again_view(life.start)
             try:
                 for p in e.producer:
                     net.layers[p].forward(net.bottom_vecs[p], net.top_vecs[p])
             finally:
                 if ws is not None:
-                    ws.again = False
+                    ws.again = None
 
     # -- the convolution workspace, placed with the buffers ----------------------------
     @property
@@ -522,8 +527,15 @@ class AppliedPlan:
             return []
         net = self.net
         layers = net.layers
-        room = {(id(layers[i]), part): n for (i, part), n in
-                liveness.headroom(net, bufs, self.steps, self.training).items()}
+        calls = getattr(self.plan, 'call_workspace', None)
+        if calls:
+            # Plan auto under a budget: each call within the bytes it planned
+            # for it (budget.fit_calls: the fastest that fits its step).
+            index = {name: i for i, name in enumerate(net._layer_names)}
+            room = {(id(layers[index[name]]), part): n for (name, part), n in calls.items()}
+        else:
+            room = {(id(layers[i]), part): n for (i, part), n in
+                    liveness.headroom(net, bufs, self.steps, self.training).items()}
         if room != getattr(ws, 'headroom', None):
             ws.headroom = room
             ws._dirty = True            # choose again with the new room
@@ -1007,12 +1019,14 @@ def apply_plan(net, plan, keep=(), training=None, workspace_limit=None, lookahea
 
 def apply_named_plan(net, name, keep=(), offload_policy='conv', workspace_limit=None,
                      training=None, solver_type='SGD', budget=None, lookahead=None,
-                     runtime_options=None):
+                     runtime_options=None, host_budget=None):
     """Plan `name` (stock, arena, shared, offload, auto) for `net` and apply
     it. `keep`: blob names that stay readable (with the net's own
     caffeplus_param.keep); `offload_policy`: conv, all or blob names;
-    `budget`: bytes for auto (None: the fastest plan); `training`: plan the
-    backward too (default: TRAIN phase or force_backward)."""
+    `budget`: bytes for auto (None: the fastest plan); `host_budget`: the
+    most auto may offload to pinned host memory (None: default_host_budget);
+    `training`: plan the backward too (default: TRAIN phase or
+    force_backward)."""
     check_plan_name(name)
     keep = check_keep(net, list(check_keep(net, keep)) + _net_keep(net))
     if training is None:
@@ -1020,10 +1034,14 @@ def apply_named_plan(net, name, keep=(), offload_policy='conv', workspace_limit=
 
     def make(n, **overrides):
         if name == 'auto':
-            from caffeplus.memory import budget as budget_module
+            from caffeplus.memory import budget as budget_module, calibration
+            if backend.mode() == backend.GPU and calibration.measuring():
+                # The search weighs cuDNN's measured algorithms, not the model's.
+                calibration.measure_net(n, limit=budget or None)
             # Applied here: the offloaded maps must fit this machine's memory.
-            return budget_module.plan_for_budget(n, budget or None, solver_type, keep, training,
-                                                 host_budget=budget_module.default_host_budget())
+            return budget_module.plan_for_budget(
+                n, budget or None, solver_type, keep, training,
+                host_budget=host_budget or budget_module.default_host_budget())
         kw = dict(offload_policy=offload_policy)
         kw.update(overrides)
         return make_plan(n, name, solver_type=solver_type, keep=keep, training=training, **kw)

@@ -38,7 +38,7 @@ import math
 import re
 
 from caffeplus.errors import CaffeplusError
-from caffeplus.memory import liveness, offload, offload_timing, recompute, \
+from caffeplus.memory import calibration, liveness, placement, offload, offload_timing, recompute, \
     workspace_model as wm
 from caffeplus.memory.plan import HISTORY_COPIES, make_plan
 
@@ -225,13 +225,17 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
         bufs = liveness.buffers(net, keep=keep, training=training)
         stall = offload_stall_seconds(net, bufs, plan.offloaded, steps_s)
     seconds = iteration_seconds(net, choice, solver_type, stall) + \
-        recompute.extra_seconds(plan.recomputed, steps_s)
+        recompute.extra_seconds(net, liveness.buffers(net, keep=keep, training=training),
+                                plan.recomputed, steps_s, getattr(plan, 'recompute_split', ()))
     return _finish(plan, net, name, workspace,
                    other if placing else wm.other_bytes(net, name), seconds, choice)
 
 
 # -- auto -----------------------------------------------------------------------------
-Option = collections.namedtuple('Option', 'peak seconds cap offloaded arena host recompute held')
+# `split`: keys of maps made again that also leave while a filter call
+# alone reads them (recompute.again_lives).
+Option = collections.namedtuple('Option', 'peak seconds cap offloaded arena host recompute held '
+                                'split', defaults=((),))
 
 # Offloaded maps wait in pinned host memory: a plan applied on this machine
 # may pin at most this share of its physical memory (the rest is the
@@ -269,20 +273,27 @@ def _offload_sets(net, bufs, keep, steps, windows):
     return sets
 
 
-def _workspace_by_step(net, choice, steps, training):
-    """Workspace bytes at each step for the algorithm `choice`."""
-    ws = [0] * (steps + 1)
+def _workspace_by_half_step(net, choice, steps, training):
+    """Workspace bytes at each half step (liveness.live_bytes_by_half_step)
+    for the algorithm `choice`."""
+    ws = [0] * (2 * steps + 1)
     for b in liveness.workspace_buffers(net, workspace_sizes(choice), training):
-        t = int(math.ceil(b.start))         # a filter call's half step counts at its step
-        ws[t] = max(ws[t], b.nbytes)
+        h = int(round(2 * b.start))         # a filter call's at its half step
+        ws[h] = max(ws[h], b.nbytes)
     return ws
 
 
 # What the search weighs every option against (search_space).
-_Space = collections.namedtuple('_Space', 'net keep training bufs steps kept fixed timing windows')
+# `budget`: the bytes plan auto plans within (planned_budget), or None;
+# under one every convolution call takes the fastest algorithm that fits
+# what the option leaves at its step (_fit_workspace).
+_Space = collections.namedtuple('_Space', 'net keep training bufs steps kept fixed timing windows '
+                                'budget calls', defaults=(None, None))
 
 
-def search_space(net, solver_type='SGD', keep=(), training=True):
+def search_space(net, solver_type='SGD', keep=(), training=True, budget=None):
+    """What the search weighs every option against; `budget`: the bytes
+    plan auto plans within (planned_budget), or None."""
     bufs = liveness.buffers(net, keep=keep, training=training)
     steps = 2 * len(net.layers) if training else len(net.layers)
     params = sum(p.count for p in net.learnable_params) * liveness.FLOAT_BYTES
@@ -298,10 +309,11 @@ def search_space(net, solver_type='SGD', keep=(), training=True):
             continue            # the same algorithms as a smaller cap
         steps_s = wm.step_seconds(net, choice)
         timing[cap] = (steps_s, iteration_seconds(net, choice, solver_type),
-                       _workspace_by_step(net, choice, steps, training))
+                       _workspace_by_half_step(net, choice, steps, training))
     windows = offload_windows(net, bufs, offload.choose(
         net, bufs, 'all', set(keep) | liveness.written_once(net))) if training else {}
-    return _Space(net, keep, training, bufs, steps, kept, fixed, timing, windows)
+    return _Space(net, keep, training, bufs, steps, kept, fixed, timing, windows, budget,
+                  ConvCalls(net, training) if budget is not None else None)
 
 
 def _options_of(space, offloaded, caps=None):
@@ -316,17 +328,32 @@ def _options_of(space, offloaded, caps=None):
     for heads in _conv_prefixes(space, offloaded, again[True]):
         again[heads] = recompute.choose(net, bufs, space.training, offloaded, convs=heads)
     host = offload.host_bytes(bufs, offloaded)
-    redos = [False] + [r for r in again if again[r]]
+    # Each set made again, and, for convolutions, with their maps also gone
+    # between backward uses: none, the largest, the two largest, ... (more
+    # room for the data calls; one more forward each).
+    redos = [(False, ())]
+    for r in again:
+        if not again[r]:
+            continue
+        redos.append((r, ()))
+        if r is not True:
+            splits = recompute.splittable(net, bufs, again[r])
+            redos.extend((r, tuple(splits[:k])) for k in range(1, min(len(splits), SPLITS) + 1))
     lent = {}           # live bytes by step of the lent lives, the same for every cap
 
     def live(lives, redo):
-        lives = recompute.shorten(lives, again[redo], net) if redo else lives
-        return liveness.live_bytes_by_step(lives + space.kept, space.steps)
+        """(live bytes by half step, {conv layer: half steps it runs again at})."""
+        r, split = redo
+        lives = recompute.shorten(lives, again[r], net, split) if r else lives
+        reruns = rerun_steps(net, lives, again[r]) if r else {}
+        return liveness.live_bytes_by_half_step(lives + space.kept, space.steps), reruns
     out = []
     runtime = wm.OFFLOAD_RUNTIME_BYTES if offloaded else 0
     for cap, (steps_s, seconds, ws) in space.timing.items():
         if caps is not None and cap not in caps:
             continue
+        if space.budget is not None and caps is None and cap != max(space.timing):
+            continue            # under a budget each call fits its own step (_fit_workspace)
         variants = [(False, None, offload_stall_seconds(net, bufs, offloaded, steps_s,
                                                        space.windows) if offloaded else 0.0)]
         if offloaded:
@@ -340,10 +367,184 @@ def _options_of(space, offloaded, caps=None):
                     if redo not in lent:
                         lent[redo] = live(shortened, redo)
                     by_step = lent[redo]
-                extra = recompute.extra_seconds(again[redo], steps_s) if redo else 0.0
-                busiest = max(a + w for a, w in zip(by_step, ws))
-                out.append(Option(space.fixed + busiest + runtime, seconds + stall + extra, cap,
-                                  tuple(offloaded), busiest, host, redo, held))
+                r, split = redo
+                extra = recompute.extra_seconds(net, bufs, again[r], steps_s, split) \
+                    if r else 0.0
+                by_step, reruns = by_step
+                if space.budget is None:
+                    busiest = max(a + w for a, w in zip(by_step, ws))
+                    total = seconds
+                else:
+                    busiest, total = _fit_workspace(space, by_step, space.fixed + runtime,
+                                                    seconds - sum(steps_s), reruns)
+                out.append(Option(space.fixed + busiest + runtime, total + stall + extra, cap,
+                                  tuple(offloaded), busiest, host, r, held, split))
+    return out
+
+
+# Maps split between backward uses: at most this many (largest first) weighed.
+SPLITS = 2
+
+
+def _call_sites(net, training):
+    """[(layer index, kind, half step)] of every convolution call: its
+    forward at its step, backward-data at its backward step, backward-filter
+    half a step before that (one bottom: liveness.FILTER_FIRST)."""
+    L = len(net.layers)
+    out = []
+    for i, _ in wm.conv_layers(net):
+        out.append((i, 'fwd', 2 * i))
+        if training and net.layer_need_backward[i]:
+            t = 2 * L - 1 - i
+            out.append((i, 'bwd_data', 2 * t))
+            out.append((i, 'bwd_filter', 2 * t - 1 if len(net.bottom_vecs[i]) == 1 else 2 * t))
+    return out
+
+
+class _LiveRoom:
+    """Room by live bytes: `room` less what lives at the half step (the
+    search's lower bound on a placement)."""
+
+    def __init__(self, by_half_step, room):
+        self.live, self.room = by_half_step, room
+        self.ws = [0] * len(by_half_step)
+
+    def free(self, h):
+        return self.room - self.live[h] - self.ws[h]
+
+    def take(self, h, nbytes):
+        self.ws[h] += nbytes
+
+
+class _PlacedRoom:
+    """Room by placement: the largest hole below `limit` that the placed
+    buffers (and calls already fitted) leave at the half step, as
+    placement.place(last=('workspace',)) then fills it."""
+
+    def __init__(self, buffers, offsets, limit):
+        self.buffers, self.offsets, self.limit = buffers, offsets, limit
+        self.taken = {}
+
+    def free(self, h):
+        return placement.free_at(self.buffers, self.offsets, h / 2.0, self.limit,
+                                 self.taken.get(h, ()))
+
+    def take(self, h, nbytes):
+        at = placement.lowest_fit(self.buffers, self.offsets, h / 2.0, nbytes,
+                                  self.taken.get(h, ()))
+        self.taken.setdefault(h, []).append((at, nbytes))
+
+
+class ConvCalls:
+    """A net's convolution calls for fit_calls: each call's site (layer,
+    kind, half step: _call_sites) and candidates (measured where
+    caffeplus.memory.calibration has them), fastest first, and the
+    iteration's time for per-layer factors (memoised: the search fits
+    thousands of options)."""
+
+    def __init__(self, net, training):
+        self.net = net
+        self.sites = _call_sites(net, training)
+        self.cands = {(i, k): sorted(wm.candidates(net.layers[i], k),
+                                     key=lambda c: (c.time_factor, c.bytes))
+                      for i, k, _ in self.sites}
+        self.smallest = {key: min(c, key=lambda c: (c.bytes, c.time_factor))
+                         for key, c in self.cands.items()}
+        self.base = {i: wm.base_seconds(l) for i, l in wm.conv_layers(net)}
+        convs = set(self.base)
+        fast = wm.step_seconds(net)
+        L = len(net.layers)
+        self.other = sum(fast[i] + fast[2 * L - 1 - i] for i in range(L) if i not in convs)
+        self._conv = {}
+
+    def best(self, i, kind, free):
+        """The fastest candidate of the call within `free` bytes (else the least)."""
+        for c in self.cands[(i, kind)]:
+            if c.bytes <= free:
+                return c
+        return self.smallest[(i, kind)]
+
+    def seconds(self, i, c):
+        """The measured (or modelled) seconds of one call with candidate c."""
+        return c.time_factor * self.base[i]
+
+    def iteration_seconds(self, factors):
+        """The steps' seconds with {conv layer: (forward, backward) factors}."""
+        out = self.other
+        for i, f in factors.items():
+            key = (i,) + tuple(f)
+            if key not in self._conv:
+                self._conv[key] = wm.conv_step_seconds(self.net, i, f)
+            out += self._conv[key]
+        return out
+
+
+def fit_calls(calls, room, reruns=None):
+    """{(layer index, kind): Candidate}: every convolution call (ConvCalls)
+    takes the fastest candidate that fits `room` (_LiveRoom or _PlacedRoom)
+    at its half step (the least workspace where none fits: then over).
+    `reruns`: {convolution: half steps it runs again at}: its forward's
+    algorithm (the same, for the same bits) must fit there too, beside the
+    call of that step."""
+    picks = {}
+    reruns = reruns or {}
+    # The forwards run again first: the steps they share come after.
+    sites = sorted(calls.sites, key=lambda site: not (site[1] == 'fwd' and site[0] in reruns))
+    by_step = collections.defaultdict(list)
+    for i, kind, h in sites:
+        by_step[h].append((i, kind))
+    for i, kind, h in sites:
+        again = reruns.get(i, []) if kind == 'fwd' else []
+        at = [h] + again
+        free = min(room.free(t) for t in at)
+        pick = calls.best(i, kind, free)
+        if again:
+            # Its bytes at the steps it runs again are the other calls'
+            # there too: the least time of it (every run) and of them.
+            def cost(c):
+                out = calls.seconds(i, c) * len(at)
+                for t in again:
+                    out += sum(calls.seconds(j, calls.best(j, k, room.free(t) - c.bytes))
+                               for j, k in by_step[t] if (j, k) != (i, kind))
+                return out
+            fits = [c for c in calls.cands[(i, kind)] if c.bytes <= free]
+            pick = min(fits, key=lambda c: (cost(c), c.bytes)) if fits else pick
+        picks[(i, kind)] = pick
+        if pick.bytes:
+            for t in at:
+                room.take(t, pick.bytes)
+    return picks
+
+
+def _pick_factors(net, picks):
+    """{conv layer: (forward, backward) time factors} of fit_calls' picks."""
+    out = {}
+    for i, _ in wm.conv_layers(net):
+        fwd = picks[(i, 'fwd')].time_factor
+        back = [picks[(i, k)].time_factor for k in ('bwd_data', 'bwd_filter') if (i, k) in picks]
+        out[i] = (fwd, sum(back) / len(back) if back else fwd)
+    return out
+
+
+def _fit_workspace(space, by_half_step, fixed, update, reruns=None):
+    """(busiest bytes, seconds) of an option under space.budget (fit_calls;
+    `update`: the solver update's seconds)."""
+    net = space.net
+    room = _LiveRoom(by_half_step, space.budget - fixed)
+    picks = fit_calls(space.calls, room, reruns)
+    seconds = space.calls.iteration_seconds(_pick_factors(net, picks)) + update
+    return max(a + w for a, w in zip(by_half_step, room.ws)), seconds
+
+
+def rerun_steps(net, lives, chosen):
+    """{convolution: half steps it runs again at} of a plan's buffers
+    (recompute.shorten's lives) and maps made again."""
+    out = {}
+    for b in lives:
+        if str(b.key[-1]).startswith('again') and b.key[:-1] in chosen:
+            for p in chosen[b.key[:-1]]:
+                if wm.is_conv(net.layers[p]):
+                    out.setdefault(p, []).append(int(round(2 * b.start)))
     return out
 
 
@@ -360,8 +561,8 @@ def _conv_prefixes(space, offloaded, cheap):
     every = recompute.choose(net, bufs, space.training, offloaded, convs=True)
     sizes = dict((b.key, b.nbytes) for b in bufs)
     steps = space.timing[max(space.timing)][0]
-    heads = sorted({chain[0]: (sum(steps[i] for i in chain) / sizes[key])
-                    for key, chain in every.items() if key not in cheap}.items(),
+    heads = sorted({chain[0]: recompute.extra_seconds(net, bufs, {key: chain}, steps) /
+                    sizes[key] for key, chain in every.items() if key not in cheap}.items(),
                    key=lambda kv: kv[1])
     n = len(heads)
     cuts = sorted({n} | {int(math.ceil(n * f / CONV_PREFIXES))
@@ -418,11 +619,13 @@ def refine(space, plan, option, budget, place):
     return out
 
 
-def _auto_plan(net, option, solver_type, keep, training, budgeted=False):
-    """The placed plan of a search option. `budgeted`: under a budget the
-    placed workspace takes any slower algorithm that keeps the peak down
-    (as the runtime's does: apply._apply_workspace), and the estimated time
-    counts the algorithms so taken."""
+def _auto_plan(net, option, solver_type, keep, training, budget=None, calls=None):
+    """The placed plan of a search option. `budget` (planned_budget bytes):
+    the placed workspace takes any slower algorithm that keeps the peak
+    within it (as the runtime's does: apply._apply_workspace), and the
+    estimated time counts the algorithms so taken (`calls`: the search's
+    ConvCalls)."""
+    budgeted = budget is not None
     names = sorted({n for key in option.offloaded for n in key[1]})
     convs = wm.conv_layers(net)
     choice = {i: wm.fastest(l, option.cap) for i, l in convs}
@@ -434,26 +637,47 @@ def _auto_plan(net, option, solver_type, keep, training, budgeted=False):
                                         wm.step_seconds(net, choice))[0]
     bare = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
                      offload_policy=names, internals=kept, recompute=option.recompute,
-                     offload_holds=holds)
-    factors = {} if budgeted else None
-    sizes = placed_workspace_sizes(net, bare.buffers, bare.steps, training, cap=option.cap,
-                                   slowdown=float('inf') if budgeted else None,
-                                   factors=factors)
+                     offload_holds=holds, recompute_split=option.split)
+    other = wm.other_bytes(net, 'auto') - sum(sum(k.values()) for k in kept.values()) + \
+        (wm.OFFLOAD_RUNTIME_BYTES if option.offloaded else 0)
+
+    def placed(sizes):
+        return make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
+                         offload_policy=names, workspace=sizes, internals=kept,
+                         recompute=option.recompute, offload_holds=holds,
+                         recompute_split=option.split, other_bytes=other,
+                         workspace_last=budgeted)
     seconds = option.seconds
-    if budgeted and training:
-        seconds = _placed_seconds(net, option, choice, factors, solver_type, keep,
-                                  bare.recomputed, holds)
-    plan = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
-                     offload_policy=names, workspace=sizes, internals=kept,
-                     recompute=option.recompute, offload_holds=holds,
-                     other_bytes=wm.other_bytes(net, 'auto') -
-                     sum(sum(k.values()) for k in kept.values()) +
-                     (wm.OFFLOAD_RUNTIME_BYTES if option.offloaded else 0))
+    calls = None
+    if budgeted:
+        # Each call the fastest algorithm that fits the largest hole the
+        # other buffers leave at its step below what the budget leaves the
+        # arena; placed after them, into those holes.
+        params = sum(p.count for p in net.learnable_params) * liveness.FLOAT_BYTES
+        room = budget - other - params * (
+            1 + (1 + HISTORY_COPIES.get(solver_type, 1) if training else 0))
+        reruns = rerun_steps(net, bare.buffers, bare.recomputed)
+        picks = fit_calls(calls or ConvCalls(net, training),
+                          _PlacedRoom(bare.buffers, bare.offsets, room), reruns)
+        sizes = {i: tuple(picks[(i, k)].bytes if (i, k) in picks else 0 for k in wm.KINDS)
+                 for i, _ in convs}
+        plan = placed(sizes)
+        if training:
+            seconds = _placed_seconds(net, option, choice, _pick_factors(net, picks),
+                                      solver_type, keep, bare.recomputed, holds)
+        calls = {(net._layer_names[i], VIEW_PARTS[k]): picks[(i, k)].bytes for i, k in picks}
+    else:
+        plan = placed(placed_workspace_sizes(net, bare.buffers, bare.steps, training,
+                                             cap=option.cap))
     plan.name = 'auto'
     plan = _finish(plan, net, 'auto', plan.breakdown['workspace'], plan.breakdown['other'],
                    seconds, choice)
     plan.workspace_cap = option.cap
+    # Under a budget the runtime keeps each call within these bytes.
+    plan.call_workspace = calls
     return plan
+
+VIEW_PARTS = {'fwd': 'forward', 'bwd_data': 'backward', 'bwd_filter': 'backward_filter'}
 
 
 def _placed_seconds(net, option, choice, factors, solver_type, keep, again, holds=None):
@@ -462,18 +686,20 @@ def _placed_seconds(net, option, choice, factors, solver_type, keep, again, hold
     `holds`: its held maps (offload_timing)."""
     steps_s = wm.step_seconds(net, choice, factors)
     seconds = sum(steps_s) + wm.update_seconds(net, HISTORY_COPIES.get(solver_type, 1))
+    bufs = liveness.buffers(net, keep=keep, training=True)
     if option.offloaded:
-        bufs = liveness.buffers(net, keep=keep, training=True)
         if holds is not None:
             seconds += offload_timing.schedule(net, bufs, option.offloaded, steps_s,
                                                holds=holds)[1]
         else:
             seconds += offload_stall_seconds(net, bufs, option.offloaded, steps_s)
-    return seconds + recompute.extra_seconds(again, steps_s)
+    return seconds + recompute.extra_seconds(net, bufs, again, steps_s, option.split)
 
 
 # Placed plans tried before giving up on a budget (each is a best-fit placement).
 PLACEMENT_TRIES = 12
+# A placed plan within this share of its option's time bound ends the tries.
+PLACED_SLACK = 0.02
 # The share of a budget plan auto leaves unplanned, for the estimate's error.
 BUDGET_MARGIN = 0.02
 
@@ -487,8 +713,16 @@ def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True, host
     """The `auto` MemoryPlan: least estimated time with peak <= budget
     (None: no limit), offloading at most `host_budget` bytes to pinned host
     memory (None: no limit). CaffeplusError with the smallest feasible
-    budget when nothing fits."""
-    space = search_space(net, solver_type, keep, training)
+    budget when nothing fits. Convolutions the calibration table measured
+    (caffeplus.memory.calibration) are weighed with their measured
+    algorithms."""
+    with calibration.applied():
+        return _plan_for_budget(net, budget, solver_type, keep, training, host_budget)
+
+
+def _plan_for_budget(net, budget, solver_type, keep, training, host_budget):
+    space = search_space(net, solver_type, keep, training,
+                         None if budget is None else planned_budget(budget))
     options = search(net, solver_type, keep, training, space)
     if host_budget is not None:
         options = [o for o in options if o.host <= host_budget] or \
@@ -507,7 +741,8 @@ def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True, host
     # placed, then fewer maps away where that fits too (refine).
 
     def place(option):
-        return _auto_plan(net, option, solver_type, keep, training, budgeted=True)
+        return _auto_plan(net, option, solver_type, keep, training, budget=budget,
+                          calls=space.calls)
     # The fastest few first (the first that fits once placed), then, as a
     # lower bound can come out over the budget placed, the fastest that
     # fits of those with the least peaks.
@@ -518,7 +753,9 @@ def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True, host
             plan = place(option)
             if plan.peak_bytes <= budget:
                 placed.append((plan.est_iter_ms, len(placed), option, plan))
-                if group is not least_first:
+                # Placed, a call gets only the hole left at its step: the
+                # fastest of them, unless one is as fast as its bound.
+                if plan.est_iter_ms <= option.seconds * 1e3 * (1 + PLACED_SLACK):
                     break
         if not placed:
             continue
@@ -528,19 +765,34 @@ def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True, host
         plan.budget = asked
         return plan
     # Nothing fits once placed: the least peak any option reaches.
+    # (Placed with no room to spare: every call at its least workspace.)
+
+    def least_placed(option):
+        return _auto_plan(net, option, solver_type, keep, training, budget=0,
+                          calls=space.calls).peak_bytes
     least = min(sorted(options, key=lambda o: (o.peak, o.seconds))[:PLACEMENT_TRIES],
-                key=lambda o: _auto_plan(net, o, solver_type, keep, training).peak_bytes)
-    peak = _auto_plan(net, least, solver_type, keep, training).peak_bytes
+                key=least_placed)
+    peak = least_placed(least)
     host = '' if host_budget is None else \
         ' with at most %s offloaded to host memory' % format_bytes(host_budget)
     raise CaffeplusError(
         'no plan for net %s fits a budget of %s (%d bytes)%s: the smallest peak any plan '
-        'reaches is %s (%d bytes: shared, %d feature maps offloaded, convolution workspace '
-        'within %s a call); the smallest budget that fits is %s (%s leaves the estimate a '
-        'margin)' % (net.name, format_bytes(asked), asked, host, format_bytes(peak), peak,
-                     len(least.offloaded), format_bytes(least.cap),
+        'reaches is %s (%d bytes: shared, %d feature maps offloaded, %d made again, every '
+        'convolution call at its least workspace); the smallest budget that fits is %s (%s '
+        'leaves the estimate a margin)' % (net.name, format_bytes(asked), asked, host,
+                                           format_bytes(peak), peak, len(least.offloaded),
+                                           len(_made_again(net, least)),
                      _budget_string(peak / (1 - BUDGET_MARGIN)),
                      '%g%%' % (BUDGET_MARGIN * 100)))
+
+
+def _made_again(net, option):
+    """The maps an option makes again in backward."""
+    if not option.recompute:
+        return {}
+    bufs = liveness.buffers(net, training=True)
+    convs = False if option.recompute is True else option.recompute
+    return recompute.choose(net, bufs, True, option.offloaded, convs=convs)
 
 
 def _budget_string(n):

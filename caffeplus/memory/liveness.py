@@ -183,30 +183,42 @@ def internal_buffers(net, sizes, training=True):
     return out
 
 
-def headroom(net, bufs, steps, training=True):
+def headroom(net, bufs, steps, training=True, limit=None):
     """{(layer index, 'forward' | 'backward' | 'backward_filter'): bytes}
-    the buffers `bufs` leave free below their own peak at each of a layer's
-    workspace calls: a workspace that fits there does not raise the peak.
-    The filter call runs before the layer's bottom diff is written, so for a
-    one-bottom layer the buffers its backward step first writes are free
-    then too (FILTER_FIRST)."""
+    the buffers `bufs` leave free below their own peak (or below `limit`,
+    where that is higher: plan auto under a budget) at each of a layer's
+    workspace calls: a workspace that fits there does not raise the peak
+    (past the limit). Counted by half steps (live_bytes_by_half_step): a
+    one-bottom layer's filter call runs half a step before its bottom's
+    diff is written (FILTER_FIRST), and a map only that call reads may be
+    gone during the data call (caffeplus.memory.recompute.again_lives)."""
     L = len(net.layers)
-    live = live_bytes_by_step(bufs, steps)
-    starting = [0] * (steps + 1)        # bytes of the buffers a step first writes
-    for b in bufs:
-        t = int(math.ceil(b.start))
-        if 0 <= t <= steps:
-            starting[t] += b.nbytes
-    peak = max(live) if live else 0
+    live = live_bytes_by_half_step(bufs, steps)
+    ceiling = max(live) if live else 0
+    if limit is not None:
+        ceiling = max(ceiling, int(limit))
     room = {}
     for i in range(L):
-        room[(i, 'forward')] = peak - live[i]
+        room[(i, 'forward')] = ceiling - live[2 * i]
         t = 2 * L - 1 - i
         if training and t <= steps:
-            room[(i, 'backward')] = peak - live[t]
-            early = starting[t] if len(net.bottom_vecs[i]) == 1 else 0
-            room[(i, 'backward_filter')] = peak - live[t] + early
+            room[(i, 'backward')] = ceiling - live[2 * t]
+            h = 2 * t - 1 if len(net.bottom_vecs[i]) == 1 else 2 * t
+            room[(i, 'backward_filter')] = ceiling - live[h]
     return room
+
+
+def live_bytes_by_half_step(bufs, steps):
+    """Bytes live at each half step 0, 0.5, 1, ..., steps (index 2t): a
+    filter call's workspace and a map needed by that call alone
+    (caffeplus.memory.recompute) live half a step before the diff the
+    layer's step then writes, and do not count beside it."""
+    live = [0] * (2 * steps + 1)
+    for b in bufs:
+        for h in range(max(int(math.ceil(2 * b.start)), 0),
+                       min(int(math.floor(2 * b.end)), 2 * steps) + 1):
+            live[h] += b.nbytes
+    return live
 
 
 def live_bytes_by_step(bufs, steps):

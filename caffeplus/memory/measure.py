@@ -347,11 +347,13 @@ def plan_settled(net):
                                runtime.pending_offload is None)
 
 
-def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1):
+def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1, apply=None):
     """Run one stepped iteration and then `iterations` timed ones of
     `net_param` on GPU `gpu` with `plan` applied; return the measurements
     (see the module docstring) in the shape of a plan's JSON entry, with
-    'estimated': False; iter_ms is the mean of the timed iterations."""
+    'estimated': False; iter_ms is the mean of the timed iterations.
+    `apply`: net -> info, planning on the GPU instead (plan auto weighs the
+    algorithms it measures there: caffeplus.memory.calibration)."""
     from caffeplus.memory.shapes import quiet
     cupy = _cupy()
     if iterations < 1:
@@ -367,7 +369,11 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1):
         with PeakTracker() as tracker, quiet():
             solver = _solver(net_param, solver_type, iterations)
             net = solver.net
-            info = apply_plan(net, plan)
+            if apply is not None:
+                info = dict(apply(net))
+                plan = net.applied_plan.plan
+            else:
+                info = apply_plan(net, plan)
             # Hold no reference to the arena: a re-layout (offload's
             # calibrated look-ahead) must be able to free the old one.
             info.pop('arena', None)
@@ -416,7 +422,14 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1):
             if applied is not None and hasattr(applied, 'info'):
                 info = dict(info, **applied.info())     # the arena in use now
             breakdown = measured_breakdown(net, solver, info, plan, peak)
+            # Plan auto plans here, on measured algorithms (calibration):
+            # its own estimate, not the CPU-side one, goes beside the run.
+            ran = getattr(applied, 'plan', None)
+            planned = {'peak_bytes': int(ran.peak_bytes), 'est_iter_ms': ran.est_iter_ms,
+                       'recomputed': ran.recomputed_names()} \
+                if ran is not None and ran.name == 'auto' else None
             return {
+                'planned': planned,
                 'peak_bytes': int(peak),
                 'breakdown': breakdown,
                 'iter_ms': iter_ms,

@@ -22,6 +22,20 @@ def _uses(net, buf):
     liveness.buffers)."""
     from caffeplus import kernels
     heads = kernels.chain_heads(net)
+    # Memoised per net: plan auto's search asks for every buffer thousands
+    # of times (the answer changes only with the chains and what needs
+    # backward).
+    memo = net.__dict__.setdefault('_offload_uses_memo', {})
+    key = (tuple(buf.blobs), tuple(sorted(heads.items())), tuple(net.layer_need_backward))
+    if key in memo:
+        fwd, bwd = memo[key]
+        return list(fwd), list(bwd)
+    fwd, bwd = _scan_uses(net, buf, heads)
+    memo[key] = (tuple(fwd), tuple(bwd))
+    return fwd, bwd
+
+
+def _scan_uses(net, buf, heads):
     L = len(net.layers)
     names = set(buf.blobs)
     fwd, bwd = [], []

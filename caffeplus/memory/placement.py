@@ -12,9 +12,11 @@ def _align(n):
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def place(buffers):
-    """Return ({buffer.key: offset}, arena_bytes)."""
-    order = sorted(buffers, key=lambda b: (-b.nbytes, b.start, b.key))
+def place(buffers, last=()):
+    """Return ({buffer.key: offset}, arena_bytes). Buffers of the kinds in
+    `last` are placed after all others (plan auto's workspace: each call
+    sized to fit the holes the others leave at its step, free_at)."""
+    order = sorted(buffers, key=lambda b: (b.kind in last, -b.nbytes, b.start, b.key))
     placed = []          # (start, end, offset, size)
     offsets = {}
     arena = 0
@@ -31,6 +33,33 @@ def place(buffers):
         offsets[b.key] = offset
         arena = max(arena, offset + size)
     return offsets, arena
+
+
+def free_at(buffers, offsets, t, limit, taken=()):
+    """The largest run of bytes below `limit` that no buffer live at time
+    `t` (placed at `offsets`) nor any (offset, size) of `taken` occupies:
+    what a buffer placed there then, after them, can have without raising
+    the arena past `limit`."""
+    used = sorted([(offsets[b.key], offsets[b.key] + _align(b.nbytes)) for b in buffers
+                   if b.start <= t <= b.end] + [(o, o + _align(n)) for o, n in taken])
+    best, at = 0, 0
+    for lo, hi in used + [(limit, limit)]:
+        if lo > at:
+            best = max(best, min(lo, limit) - at)
+        at = max(at, hi)
+    return max(best, 0)
+
+
+def lowest_fit(buffers, offsets, t, nbytes, taken=()):
+    """The offset place() would give a buffer of `nbytes` live at `t` only."""
+    used = sorted([(offsets[b.key], offsets[b.key] + _align(b.nbytes)) for b in buffers
+                   if b.start <= t <= b.end] + [(o, o + _align(n)) for o, n in taken])
+    offset = 0
+    for lo, hi in used:
+        if offset + _align(nbytes) <= lo:
+            break
+        offset = max(offset, hi)
+    return offset
 
 
 def validate(buffers, offsets):

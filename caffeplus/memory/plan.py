@@ -37,6 +37,7 @@ class MemoryPlan:
     offload_policy = None       # the offload plan's policy (make_plan)
     offload_holds = {}          # {buffer key: free_offload.Hidden}: auto's held maps
     recomputed = {}             # {buffer key: producer layer indices}: maps made again
+    recompute_split = ()        # keys of those also gone between backward uses
 
     def __init__(self, name, breakdown, buffers=(), offsets=None, arena_bytes=0,
                  offloaded=(), estimated=True, steps=0):
@@ -89,7 +90,7 @@ def _arena_workspace(net):
 
 def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_policy='conv',
               other_bytes=0, workspace=None, internals=None, offload_hidden=None,
-              recompute=True, offload_holds=None):
+              recompute=True, offload_holds=None, recompute_split=(), workspace_last=False):
     """Compute plan `name` for a built net. `workspace`: {layer index:
     (forward bytes, backward bytes)} of the convolutions' workspace; the
     reusing plans then place it in the arena beside the activations, live
@@ -105,7 +106,11 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     'convs': convolutions too; a tuple of layer indices: those convolutions).
     `offload_holds`: {buffer key: free_offload.Hidden} of offloaded maps
     whose bytes stay theirs while their copies run (plan auto's
-    caffeplus.memory.offload_timing)."""
+    caffeplus.memory.offload_timing). `recompute_split`: keys of maps made
+    again that also leave while a filter call alone reads them
+    (recompute.again_lives). `workspace_last`: the workspace is placed
+    after every other buffer (plan auto under a budget sizes each call to
+    the hole it gets, budget.fit_calls)."""
     check_plan_name(name)
     if name == 'auto':
         raise CaffeplusError("plan 'auto' needs a budget: use caffeplus.memory.budget.plan_for_budget")
@@ -144,13 +149,15 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     convs = True if recompute == 'convs' else recompute if isinstance(recompute, tuple) else False
     again = recompute_mod.choose(net, whole, training, offloaded,
                                  convs=convs) if recompute else {}
-    bufs = recompute_mod.shorten(bufs, again, net)
+    split = tuple(recompute_mod.splittable(net, whole, again)) if recompute_mod.split_always() \
+        else tuple(k for k in recompute_split if k in again)
+    bufs = recompute_mod.shorten(bufs, again, net, split)
     if workspace is not None:
         bufs = bufs + liveness.workspace_buffers(net, workspace, training) + \
             recompute_mod.workspace_buffers(net, bufs, again, workspace)
     if internals is not None:
         bufs = bufs + liveness.internal_buffers(net, internals, training)
-    offsets, arena = placement.place(bufs)
+    offsets, arena = placement.place(bufs, ('workspace',) if workspace_last else ())
     shares = shares_at_peak(bufs, steps)
     breakdown['activations'] = int(arena * shares['data'])
     in_arena = breakdown['activations']
@@ -167,6 +174,7 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     plan = MemoryPlan(name, breakdown, bufs, offsets, arena, offloaded, steps=steps)
     plan.offload_policy = offload_policy if name == 'offload' else None
     plan.recomputed = again
+    plan.recompute_split = split
     if name == 'offload' and offload_policy != 'free' and offload_holds:
         plan.offload_holds = dict(offload_holds)
     return plan

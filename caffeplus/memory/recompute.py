@@ -62,8 +62,13 @@ def enabled():
 
 
 def convs_always():
-    """CAFFEPLUS_RECOMPUTE=convs: convolutions run again in every reusing plan."""
-    return _setting() == 'convs'
+    """CAFFEPLUS_RECOMPUTE=convs: convolutions run again in every reusing
+    plan (=split: and their maps leave between backward uses, again_lives)."""
+    return _setting() in ('convs', 'split')
+
+
+def split_always():
+    return _setting() == 'split'
 
 
 def _cheap(layer):
@@ -168,12 +173,59 @@ def choose(net, bufs, training=True, offloaded=(), convs=False):
     return chosen
 
 
-def shorten(bufs, chosen, net):
-    """Replace each buffer made again by its two device lives: until its last
-    forward use, and from (half a step before, where a filter call's
-    workspace lies) its first backward use."""
+def _filter_only(net, buf, step):
+    """Whether backward step `step` reads the map only in a convolution's
+    filter-gradient call: one Convolution, its single bottom, in no fused
+    chain. That call runs before the layer writes its bottom's diff
+    (liveness.FILTER_FIRST), so the map may be gone during the rest of the
+    step and come back for the next reader."""
+    from caffeplus import kernels
+    L = len(net.layers)
+    i = 2 * L - 1 - step
+    if not 0 <= i < L or i in set(kernels.chain_heads(net).values()):
+        return False
+    layer = net.layers[i]
+    bottoms = [net._blob_names[b] for b in net.bottom_id_vecs[i]]
+    tops = {net._blob_names[b] for b in net.top_id_vecs[i]}
+    return layer.layer_param.type in CONV_TYPES and len(bottoms) == 1 and \
+        bottoms[0] in buf.blobs and not tops & set(buf.blobs)
+
+
+def again_lives(net, buf, chain, split=False):
+    """(start, end) of each backward life of a map made again by `chain`:
+    from half a step before its first backward use. `split`: a convolution
+    chain's map leaves again after a use by a filter call alone
+    (_filter_only) and comes back for the next use (VGG-16's conv1_1: gone
+    while conv1_2's data call writes conv1_1's diff, back for relu1_1's
+    backward; one more forward of conv1_1 and relu1_1 for 3.3 GB of room
+    at b256)."""
+    bwd = sorted(set(_uses(net, buf)[1]))
+    split = split and (len(chain) > 1 or net.layers[chain[0]].layer_param.type in CONV_TYPES)
+    lives, start = [], bwd[0] - FILTER_FIRST
+    for u, nxt in zip(bwd, bwd[1:] + [None]):
+        if nxt is not None and split and _filter_only(net, buf, u):
+            lives.append((start, u - FILTER_FIRST))
+            start = nxt - FILTER_FIRST
+    lives.append((start, buf.end))
+    return lives
+
+
+def splittable(net, bufs, chosen):
+    """Keys of `chosen` whose maps could leave again between backward uses
+    (again_lives with split), largest first."""
+    out = [b for b in bufs if b.key in chosen and
+           len(again_lives(net, b, chosen[b.key], split=True)) > 1]
+    return [b.key for b in sorted(out, key=lambda b: (-b.nbytes, b.key))]
+
+
+def shorten(bufs, chosen, net, split=()):
+    """Replace each buffer made again by its device lives: until its last
+    forward use, then again_lives (the first from half a step before its
+    first backward use, where a filter call's workspace lies; keys in
+    `split` split); keys end in 'forward', 'again', 'again2', ..."""
     if not chosen:
         return list(bufs)
+    split = set(split)
     out = []
     for buf in bufs:
         if buf.key not in chosen:
@@ -182,28 +234,44 @@ def shorten(bufs, chosen, net):
         fwd, bwd = _uses(net, buf)
         out.append(Buffer(buf.key + ('forward',), buf.kind, buf.blobs, buf.nbytes,
                           buf.start, max(fwd)))
-        out.append(Buffer(buf.key + ('again',), buf.kind, buf.blobs, buf.nbytes,
-                          min(bwd) - FILTER_FIRST, buf.end))
+        lives = again_lives(net, buf, chosen[buf.key], buf.key in split)
+        for k, (start, end) in enumerate(lives):
+            out.append(Buffer(buf.key + ('again' + (str(k + 1) if k else ''),), buf.kind,
+                              buf.blobs, buf.nbytes, start, end))
     return out
 
 
-def extra_seconds(chosen, step_seconds):
-    """The time the producers' second forwards add to an iteration."""
-    return sum(step_seconds[p] for p in {i for chain in chosen.values() for i in chain})
+def extra_seconds(net, bufs, chosen, step_seconds, split=()):
+    """The time the producers' second (and later) forwards add to an iteration."""
+    out = 0.0
+    split = set(split)
+    for buf in bufs:
+        chain = chosen.get(buf.key)
+        if chain is not None:
+            runs = len(again_lives(net, buf, chain, buf.key in split))
+            out += runs * sum(step_seconds[p] for p in chain)
+    return out
 
 
 def workspace_buffers(net, lives, chosen, sizes):
-    """Workspace for the convolutions run again: each gets its forward
+    """Workspace for the convolutions run again: each run gets its forward
     call's bytes (`sizes`: {layer index: (forward bytes, ...)}) at the step
     its map comes back, half a step early like that map's second life
     (`lives`: shorten's buffers), apart from everything live then."""
     out = []
     for b in lives:
-        if b.key[-1] != 'again' or b.key[:-1] not in chosen:
+        if not str(b.key[-1]).startswith('again') or b.key[:-1] not in chosen:
             continue
         for p in chosen[b.key[:-1]]:
             nbytes = int(sizes.get(p, (0,))[0] or 0)
             if nbytes and net.layers[p].layer_param.type in CONV_TYPES:
-                out.append(Buffer(('workspace', net._layer_names[p], 'again'), 'workspace', (),
-                                  nbytes, b.start, b.start))
+                out.append(Buffer(('workspace', net._layer_names[p], again_view(b.start)),
+                                  'workspace', (), nbytes, b.start, b.start))
     return out
+
+
+def again_view(start):
+    """The placed workspace's view name of a convolution run again for a
+    life starting at `start` (caffeplus.memory.workspace.PlacedWorkspace)."""
+    import math
+    return 'again@%d' % int(math.ceil(start))

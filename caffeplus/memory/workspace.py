@@ -375,12 +375,16 @@ class WorkspaceArena:
                 want = max([want] + [c.memory for c in s.candidates if c.memory <= budget])
         owner = pairs[0][0] if pairs else self
         self._buffer.resize(want, owner, self.plan_name)
-        for _, s in pairs:
+        from caffeplus.memory import calibration
+        for layer, s in pairs:
             if s.timer is not None:
                 timed = s.timer(self._buffer.ptr, self._buffer.nbytes)
                 if timed:
                     s.candidates = timed
                     s.timer = None          # timed once per geometry
+                    # For plan auto's search in this process (and a saved table).
+                    if hasattr(layer, 'geom'):
+                        calibration.record(layer, s.kind, timed)
 
     def ensure_planned(self):
         if self._dirty:
@@ -437,8 +441,8 @@ class PlacedWorkspace(WorkspaceArena):
         self.layout_stale = True    # the choices changed since the views were placed
         self.outside = {}           # (layer name, kind) -> bytes of calls the layout missed
         # A convolution's forward run again in backward (caffeplus.memory
-        # .recompute): its call takes the 'again' view, placed at that step.
-        self.again = False
+        # .recompute): the name of its view, placed at that step ('again@t').
+        self.again = None
 
     def _timing_wanted(self, pairs):
         # Planned from the applied plan, not from a layer's first call: the
@@ -511,8 +515,8 @@ class PlacedWorkspace(WorkspaceArena):
                                  % (self._busy, layer, kind))
         need = self._need(layer, kind)
         part = VIEW_NAMES[view_part(layer, kind)]
-        if self.again and part == 'forward':
-            part = 'again'
+        if self.again is not None and part == 'forward':
+            part = self.again
         view = self.views.get((id(layer), part))
         if view is None or view[1] < need:
             # Not in the layout (yet): a buffer of its own for this call.

@@ -92,7 +92,7 @@ internal-buffer table until the estimates are within 5%.
 """
 import collections
 
-from caffeplus.memory import caffe1
+from caffeplus.memory import caffe1, calibration
 from caffeplus.memory.liveness import FLOAT_BYTES
 
 MiB = 2 ** 20
@@ -116,7 +116,10 @@ CAFFEPLUS_SPEEDUP = 3.7
 CONV_TYPES = ('Convolution', 'Deconvolution')
 KINDS = ('fwd', 'bwd_data', 'bwd_filter')
 
-Candidate = collections.namedtuple('Candidate', 'name bytes time_factor')
+# `backward_factor`: the backward calls' factor where it differs from the
+# forward's (a measured layer's: caffeplus.memory.calibration).
+Candidate = collections.namedtuple('Candidate', 'name bytes time_factor backward_factor',
+                                   defaults=(None,))
 
 
 def _prod(shape):
@@ -196,9 +199,30 @@ CHUNK_TIME = {2: 1.02, 4: 1.06, 8: 1.08}
 SMALL_CHUNK_TIME = {2: 1.3, 4: 1.5, 8: 1.7}
 
 
+def base_seconds(layer):
+    """What a time factor of 1.0 means for one call of `layer` (forward, or
+    each of the two backward calls), in seconds: step_seconds' scale."""
+    return ConvShape(layer).flops / CONV_FLOPS / CAFFEPLUS_SPEEDUP
+
+
+def _measured(layer, kind):
+    """The measured candidates of one call (caffeplus.memory.calibration),
+    as time factors on step_seconds' scale; None where not measured."""
+    pairs = calibration.lookup(layer, kind)
+    if not pairs:
+        return None
+    base = base_seconds(layer) or 1.0
+    return [Candidate('measured', b, t / base) for b, t in pairs]
+
+
 def candidates(layer, kind=None):
     """The algorithm candidates of one convolution layer (for call site
-    `kind`: fwd, bwd_data, bwd_filter; None: those every kind has)."""
+    `kind`: fwd, bwd_data, bwd_filter; None: those every kind has). Where
+    the calibration table in use measured the layer, its candidates (kind
+    None: every kind's)."""
+    if calibration.covers(layer):
+        kinds = KINDS if kind is None else (kind,)
+        return [c for k in kinds for c in _measured(layer, k)]
     s = ConvShape(layer)
     if s.is_1x1:
         return [Candidate('gemm', 0, 1.0)]
@@ -233,7 +257,19 @@ def candidates(layer, kind=None):
 
 
 def fastest(layer, cap=None):
-    """The fastest candidate whose workspace fits `cap` (None: no cap)."""
+    """The fastest candidate whose workspace fits `cap` (None: no cap). For
+    a measured layer, each call's fastest within the cap (else its least
+    workspace), as one candidate: the largest of their bytes, the forward's
+    factor and the backward calls' mean."""
+    if calibration.covers(layer):
+        picks = []
+        for kind in KINDS:
+            cands = _measured(layer, kind)
+            fits = [c for c in cands if cap is None or c.bytes <= cap] or \
+                [min(cands, key=lambda c: (c.bytes, c.time_factor))]
+            picks.append(min(fits, key=lambda c: (c.time_factor, c.bytes)))
+        return Candidate('measured', max(c.bytes for c in picks), picks[0].time_factor,
+                         (picks[1].time_factor + picks[2].time_factor) / 2.0)
     fits = [c for c in candidates(layer) if cap is None or c.bytes <= cap]
     return min(fits, key=lambda c: (c.time_factor, c.bytes))
 
@@ -393,6 +429,25 @@ def update_seconds(net, history_copies=1):
     return params * (3 + 2 * history_copies) / MEMORY_BANDWIDTH / CAFFEPLUS_SPEEDUP
 
 
+def _conv_seconds(net, i, cand, factors=None):
+    """(forward, backward) model seconds of conv layer i with candidate
+    `cand`, or with (forward, backward) `factors` of calls chosen one by one."""
+    factor = cand.time_factor
+    f, b = layer_seconds(net, i, factor)
+    if cand.backward_factor is not None:
+        b = layer_seconds(net, i, cand.backward_factor)[1]
+    if factors is not None:
+        fwd, bwd = factors
+        f, b = f * fwd / factor, b * bwd / (cand.backward_factor or factor)
+    return f / CAFFEPLUS_SPEEDUP, b / CAFFEPLUS_SPEEDUP
+
+
+def conv_step_seconds(net, i, factors):
+    """Seconds conv layer i adds to an iteration (forward and backward) with
+    (forward, backward) time factors (step_seconds' terms)."""
+    return sum(_conv_seconds(net, i, fastest(net.layers[i]), factors))
+
+
 def step_seconds(net, choice=None, factors=None):
     """Seconds of each of the 2L steps (forward then backward) of one
     iteration; `choice` maps a conv layer index to its Candidate (default:
@@ -401,14 +456,12 @@ def step_seconds(net, choice=None, factors=None):
     L = len(net.layers)
     steps = [0.0] * (2 * L)
     for i, layer in enumerate(net.layers):
-        factor = 1.0
         if is_conv(layer):
             cand = (choice or {}).get(i) or fastest(layer)
-            factor = cand.time_factor
-        f, b = layer_seconds(net, i, factor)
-        if factors and i in factors:
-            fwd, bwd = factors[i]
-            f, b = f * fwd / factor, b * bwd / factor
-        steps[i] += f / CAFFEPLUS_SPEEDUP
-        steps[2 * L - 1 - i] += b / CAFFEPLUS_SPEEDUP
+            f, b = _conv_seconds(net, i, cand, (factors or {}).get(i))
+        else:
+            f, b = layer_seconds(net, i)
+            f, b = f / CAFFEPLUS_SPEEDUP, b / CAFFEPLUS_SPEEDUP
+        steps[i] += f
+        steps[2 * L - 1 - i] += b
     return steps

@@ -1,0 +1,219 @@
+"""Measured convolution algorithms for plan `auto`'s search.
+
+The workspace model (caffeplus.memory.workspace_model) offers a handful of
+generic candidates per convolution call; cuDNN's real ones differ a lot.
+VGG-16 b256's conv1_2 backward-data runs 39.5 ms with no workspace, 20.4 ms
+in 51 MiB and 16.4 ms in 289 MiB (H100, cuDNN 9.19), where the model knew
+only "none" and "6.6 GB". Under a tight budget those few hundred MiB decide
+where the bytes should go, so `auto` plans with measured candidates where
+it has them:
+
+* on the GPU, plan auto times every convolution the table lacks before it
+  plans (measure_net; CAFFEPLUS_CALIBRATE=0 turns that off), and every
+  call site the runtime times (FindEx, caffeplus.memory.workspace) is
+  recorded for the rest of the process;
+* a table saved with `save` (tools/dump_algorithms.py --calibration, or
+  `caffeplus memory -gpu --calibration FILE`) can be loaded anywhere,
+  including the CPU-only machine (`--calibration FILE` or
+  CAFFEPLUS_CALIBRATION).
+
+A table is keyed by the call's geometry (batch, channels, map, filter,
+stride, pad, dilation, groups) and kind (fwd, bwd_data, bwd_filter); each
+entry is the (workspace bytes, seconds) pairs worth having: a candidate
+needing more bytes than another is kept only if it is faster by more than
+PRUNE_TOLERANCE.
+"""
+import contextlib
+import json
+import os
+
+from caffeplus.errors import CaffeplusError
+
+KINDS = ('fwd', 'bwd_data', 'bwd_filter')
+FORMAT = 'caffeplus-cudnn-calibration-1'
+# A bigger workspace must buy at least this share of time to be weighed.
+PRUNE_TOLERANCE = 0.02
+ENV = 'CAFFEPLUS_CALIBRATION'
+
+_table = {}             # geometry key -> {kind: [(bytes, seconds), ...]}
+_env_loaded = [None]    # the CAFFEPLUS_CALIBRATION path already read
+_in_use = [0]           # > 0 while the model consults the table (applied())
+
+
+def geometry_key(layer):
+    """The string that names one convolution's calls for the table."""
+    g = layer.geom
+    kind = 'deconv' if getattr(layer, 'reverse', False) else 'conv'
+    return '%s n%d c%d in%s out%d k%s s%s p%s d%s g%d' % (
+        kind, int(layer.num), int(layer.channels), 'x'.join(map(str, layer.in_spatial)),
+        int(layer.num_output), 'x'.join(map(str, g.kernel)), 'x'.join(map(str, g.stride)),
+        'x'.join(map(str, g.pad)), 'x'.join(map(str, g.dilation)), int(layer.group))
+
+
+def prune(pairs):
+    """The (bytes, seconds) pairs worth weighing, by bytes ascending: each
+    faster than every smaller one by more than PRUNE_TOLERANCE."""
+    out = []
+    for nbytes, seconds in sorted(pairs, key=lambda p: (p[0], p[1])):
+        if not out or seconds < out[-1][1] * (1 - PRUNE_TOLERANCE):
+            out.append((int(nbytes), float(seconds)))
+    return out
+
+
+def add(key, kind, pairs):
+    """Record measured (bytes, seconds) pairs of one call site (merged with
+    what the table has: the faster time at each size)."""
+    if kind not in KINDS:
+        raise CaffeplusError('calibration: unknown call kind %r (one of %s)'
+                             % (kind, ', '.join(KINDS)))
+    pairs = [(int(b), float(t)) for b, t in pairs if t is not None and t > 0]
+    if not pairs:
+        return
+    entry = _table.setdefault(key, {})
+    entry[kind] = prune(list(entry.get(kind, ())) + pairs)
+
+
+def record(layer, kind, choices):
+    """Record cuDNN's timed candidates (caffeplus.cudnn.api.AlgoChoice:
+    `memory` bytes, `time` ms) of one call site of `layer`."""
+    add(geometry_key(layer), kind,
+        [(c.memory, c.time / 1e3) for c in choices if c.time is not None and c.time > 0])
+
+
+def lookup(layer, kind):
+    """The measured (bytes, seconds) pairs of `layer`'s `kind` call, or None
+    (not measured, or the table not in use: applied())."""
+    if not _in_use[0]:
+        return None
+    _load_env()
+    entry = _table.get(geometry_key(layer))
+    return entry.get(kind) if entry else None
+
+
+def covers(layer):
+    """Whether every call kind of `layer` is measured (and the table in use)."""
+    return all(lookup(layer, k) for k in KINDS)
+
+
+@contextlib.contextmanager
+def applied():
+    """Let the workspace model use the table inside this block (plan
+    `auto`'s search); elsewhere the estimates stay the model's own."""
+    _in_use[0] += 1
+    try:
+        yield
+    finally:
+        _in_use[0] -= 1
+
+
+def clear():
+    _table.clear()
+    _env_loaded[0] = None
+
+
+def entries():
+    return len(_table)
+
+
+def to_dict(device=None):
+    return {'format': FORMAT, 'device': device,
+            'sites': {key: {k: [list(p) for p in v] for k, v in sorted(entry.items())}
+                      for key, entry in sorted(_table.items())}}
+
+
+def save(path, device=None):
+    """Write the table as JSON (a temporary file, then renamed)."""
+    tmp = '%s.tmp%d' % (path, os.getpid())
+    with open(tmp, 'w') as f:
+        json.dump(to_dict(device), f, sort_keys=True)
+        f.write('\n')
+    os.replace(tmp, path)
+
+
+def load(path):
+    """Merge a saved table into this process's."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise CaffeplusError('calibration file %s: %s' % (path, e.strerror or e))
+    except ValueError as e:
+        raise CaffeplusError('calibration file %s: not JSON (%s)' % (path, e))
+    if not isinstance(doc, dict) or doc.get('format') != FORMAT or \
+            not isinstance(doc.get('sites'), dict):
+        raise CaffeplusError("calibration file %s: not a caffeplus calibration table "
+                             "(expected {'format': '%s', 'sites': {...}})" % (path, FORMAT))
+    for key, entry in doc['sites'].items():
+        for kind, pairs in entry.items():
+            if kind not in KINDS:
+                raise CaffeplusError('calibration file %s: site %r: unknown call kind %r '
+                                     '(one of %s)' % (path, key, kind, ', '.join(KINDS)))
+            try:
+                add(key, kind, [(b, t) for b, t in pairs])
+            except (TypeError, ValueError):
+                raise CaffeplusError('calibration file %s: site %r, %s: expected '
+                                     '[[bytes, seconds], ...]' % (path, key, kind))
+    return len(doc['sites'])
+
+
+# Timing leaves this much of the device free besides its scratch arrays.
+MEASURE_MARGIN = 256 * 2 ** 20
+
+
+def measuring():
+    """Whether plan auto times the convolutions on the GPU before planning
+    (CAFFEPLUS_CALIBRATE=0 turns it off: the model's candidates, or a
+    loaded table's, alone)."""
+    return os.environ.get('CAFFEPLUS_CALIBRATE', '1').strip().lower() not in \
+        ('0', 'off', 'false', 'no')
+
+
+def measure_net(net, limit=None):
+    """On the GPU: time every cuDNN convolution of `net` whose geometry the
+    table lacks (FindEx, as the timed search does) and record it, each in
+    a workspace as large as the device spares beside the call's own
+    arrays (at most `limit` bytes). Returns the number of geometries
+    timed. Plan auto calls it before planning (caffeplus.memory.apply)."""
+    import cupy
+    timed = 0
+    for layer in net.layers:
+        if not hasattr(layer, 'time_calls') or getattr(layer, '_cd', None) is None:
+            continue
+        key = geometry_key(layer)
+        if key in _table and all(k in _table[key] for k in KINDS):
+            continue
+        pool = cupy.get_default_memory_pool()
+        pool.free_all_blocks()
+        free = cupy.cuda.runtime.memGetInfo()[0]
+        if pool.get_limit():            # a pool limited as a smaller card (tools)
+            free = min(free, pool.get_limit() - pool.total_bytes())
+        arrays = 4 * (layer.num * (layer.channels * _prod(layer.in_spatial) +
+                                   layer.num_output * _prod(layer.out_spatial)) +
+                      layer.blobs[0].count)
+        nbytes = max(0, free - arrays - MEASURE_MARGIN)
+        if limit is not None:
+            nbytes = min(nbytes, int(limit))
+        ws = cupy.empty(nbytes, dtype=cupy.uint8) if nbytes else None
+        try:
+            found = layer.time_calls(ws.data.ptr if ws is not None else 0, nbytes)
+        finally:
+            del ws
+            pool.free_all_blocks()
+        for kind, choices in found.items():
+            record(layer, kind, choices or ())
+        timed += 1
+    return timed
+
+
+def _prod(shape):
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _load_env():
+    path = os.environ.get(ENV)
+    if path and _env_loaded[0] != path:
+        load(path)
+        _env_loaded[0] = path
