@@ -240,3 +240,36 @@ def test_vgg16_b256_within_12g_plans_on_the_h100s_algorithms():
     calibration.clear()
     model_only = budget.plan_for_budget(net, asked)
     assert model_only.est_iter_ms != plan.est_iter_ms
+
+
+@pytest.mark.gpu
+def test_gpu_auto_times_the_convolutions_and_keeps_each_call_within_its_plan():
+    """On the GPU plan auto times every convolution before it plans, and
+    each call then runs an algorithm within the bytes planned for it."""
+    import caffeplus
+    from caffeplus import backend
+    from caffeplus.memory.apply import apply_named_plan
+    from caffeplus.memory.workspace import VIEW_NAMES, view_part
+    from google.protobuf import text_format
+    from caffeplus.proto import caffe_pb2
+    param = caffe_pb2.NetParameter()
+    text_format.Parse(CONV_NET.replace('dim: 8 dim: 4 dim: 32 dim: 32',
+                                       'dim: 32 dim: 16 dim: 64 dim: 64')
+                      .replace('shape { dim: 8 }', 'shape { dim: 32 }'), param)
+    caffeplus.set_mode_gpu()
+    try:
+        net = caffeplus.Net(param, caffeplus.TRAIN, memory='stock')
+        shared = budget.estimate_plan(net, 'shared')
+        apply_named_plan(net, 'auto', training=True, budget=shared.peak_bytes + (64 << 20))
+        with calibration.applied():
+            assert calibration.covers(layer(net, 'conv1')) and calibration.covers(layer(net, 'conv2'))
+        plan = net.applied_plan.plan
+        assert plan.call_workspace
+        net.forward()
+        net.backward()
+        for lay, site in net.workspace.sites():
+            planned = plan.call_workspace[(lay.layer_param.name,
+                                           VIEW_NAMES[view_part(lay, site.kind)])]
+            assert site.choice.memory <= planned
+    finally:
+        backend.set_mode_cpu()

@@ -411,14 +411,16 @@ def host_bytes(net, plan):
 
 
 @pytest.mark.gpu
-def test_gpu_convolutions_run_again_are_bit_identical(tmp_path, monkeypatch):
+@pytest.mark.parametrize('mode', ['convs', 'split'])
+def test_gpu_convolutions_run_again_are_bit_identical(tmp_path, monkeypatch, mode):
     """cuDNN: conv1 and relu1 run again before conv2's backward, conv1's
-    forward call in its own ('again') workspace view. Against arena, with
+    forward call in its own ('again') workspace view (split: again after
+    conv2's filter call, for relu1's backward). Against arena, with
     deterministic math, bit for bit."""
     param = param_of(CONV_NET.replace('dim: 4 dim: 3 dim: 14 dim: 14',
                                       'dim: 16 dim: 3 dim: 64 dim: 64').replace(
                                           'shape { dim: 4 }', 'shape { dim: 16 }'))
-    monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', 'convs')
+    monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', mode)
     arena, shared = [cpe.train(param, plan, 10, 0, gpu=0, math='deterministic')
                      for plan in ('arena', 'shared')]
     assert not cpe.differences(arena, shared), cpe.differences(arena, shared)
@@ -428,6 +430,7 @@ def test_gpu_convolutions_run_again_are_bit_identical(tmp_path, monkeypatch):
         net = shapes.build_net(param, virtual=False)
         plan = make_plan(net, 'shared')
         assert 'conv1' in plan.recomputed_names()
+        assert bool(plan.recompute_split) == (mode == 'split')
     finally:
         backend.set_mode_cpu()
 
