@@ -21,7 +21,7 @@ CONV_NET = '''
 name: "twoconv"
 layer { name: "data" type: "DummyData" top: "data" top: "label"
   dummy_data_param { shape { dim: 8 dim: 4 dim: 32 dim: 32 } shape { dim: 8 }
-    data_filler { type: "gaussian" std: 1 } } }
+    data_filler { type: "gaussian" std: 1 } data_filler { type: "constant" value: 1 } } }
 layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
   convolution_param { num_output: 16 kernel_size: 3 pad: 1
     weight_filler { type: "gaussian" std: 0.1 } } }
