@@ -471,6 +471,13 @@ class PlacedWorkspace(WorkspaceArena):
             if room is not None:
                 s.choice = within_headroom(s.candidates, s.choice, room,
                                            mathmode.deterministic(), self.headroom_slowdown)
+                if self.headroom_slowdown == float('inf') and s.choice is not None and \
+                        s.choice.memory > room:
+                    # Plan auto under a budget, cuDNN's heuristics (untimed):
+                    # its first candidate within the planned bytes, if any.
+                    s.choice = next((c for c in s.candidates if c.memory <= room and
+                                     (c.deterministic or not mathmode.deterministic())),
+                                    s.choice)
         self.layout_stale = True
         log.info('Workspace placed in the memory plan: %d call sites, budget %d bytes, '
                  'largest call %d bytes', len(pairs), budget, size)
