@@ -90,6 +90,11 @@ def lookup(layer, kind):
     return entry.get(kind) if entry else None
 
 
+def in_use():
+    """Whether the model uses the table now (inside applied())."""
+    return _in_use[0] > 0
+
+
 def covers(layer):
     """Whether every call kind of `layer` is measured (and the table in use)."""
     return all(lookup(layer, k) for k in KINDS)

@@ -107,6 +107,12 @@ OFFLOAD_RUNTIME_BYTES = 62 * MiB
 CONV_FLOPS = 22e12                          # effective FP32 convolution FLOP/s
 LAYER_OVERHEAD = 0.3e-3                     # seconds per layer call (launches, sync)
 MEMORY_BANDWIDTH = 1.5e12                   # effective bytes/s of elementwise layers
+# What VGG-16 b256's ReLUs and poolings move per second on the H100
+# (tools/profile_gpu.py, 2026-11-24: 15 ReLUs forward 27.8 GB in 10.35 ms,
+# backward 41.6 GB in 15.5 ms; 5 poolings forward 7.8 GB in 3.0 ms): used
+# instead of MEMORY_BANDWIDTH / CAFFEPLUS_SPEEDUP beside measured
+# convolutions (caffeplus.memory.calibration), whose times are absolute.
+MEASURED_BANDWIDTH = 2.7e12
 # caffeplus's own iterations on the H100 run this much faster than the model
 # above (fitted to stock Caffe): arena-plan iterations measured at 8f19b0e
 # against the model's, AlexNet 11.8 vs 43.3 ms, GoogLeNet 38 vs 139, VGG-16
@@ -418,9 +424,26 @@ def layer_seconds(net, i, conv_factor=1.0):
     else:
         moved = FLOAT_BYTES * (sum(b.count for b in net.bottom_vecs[i]) +
                                sum(b.count for b in net.top_vecs[i]))
-        f = moved / MEMORY_BANDWIDTH
+        # Beside measured convolutions (absolute seconds), what these layers
+        # measure on the H100, not the fitted whole-iteration speed-up.
+        bandwidth = MEASURED_BANDWIDTH / CAFFEPLUS_SPEEDUP if _measured_net(net) \
+            else MEMORY_BANDWIDTH
+        f = moved / bandwidth
         b = 2 * f
     return f + LAYER_OVERHEAD, (b + LAYER_OVERHEAD if backward else 0.0)
+
+
+def _measured_net(net):
+    """Whether the calibration table in use measured any of the net's
+    convolutions (memoised per table size)."""
+    if not calibration.in_use():
+        return False
+    size = calibration.entries()
+    memo = net.__dict__.get('_wm_measured')
+    if memo is None or memo[0] != size:
+        memo = (size, any(calibration.covers(l) for _, l in conv_layers(net)))
+        net.__dict__['_wm_measured'] = memo
+    return memo[1]
 
 
 def update_seconds(net, history_copies=1):
