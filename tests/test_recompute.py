@@ -452,3 +452,32 @@ def test_the_cpu_convolution_reads_every_input_before_it_writes_a_gradient(monke
     dw = numpy.zeros_like(w)
     im2col.conv_backward(arena[:-1], w, dy, geom, 1, dx=arena[1:], dw=dw)
     assert numpy.array_equal(dw, want_dw) and numpy.array_equal(arena[1:], want_dx)
+
+
+@pytest.mark.gpu
+def test_gpu_a_convolution_and_its_relu_run_again_in_one_pass_give_the_same_bits():
+    """forward_then_relu (bias and ReLU in one pass over the top, for a
+    convolution run again) against the convolution's forward and the
+    ReLU's, bit for bit."""
+    import caffeplus
+    from caffeplus import backend
+    from caffeplus.memory.apply import _bias_relu_pair
+    param = param_of(CONV_NET.replace('dim: 4 dim: 3 dim: 14 dim: 14',
+                                      'dim: 8 dim: 3 dim: 32 dim: 32').replace(
+                                          'shape { dim: 4 }', 'shape { dim: 8 }'))
+    caffeplus.set_mode_gpu()
+    try:
+        net = caffeplus.Net(param, caffeplus.TRAIN, memory='stock')
+        conv, relu = net._layer_names.index('conv1'), net._layer_names.index('relu1')
+        assert _bias_relu_pair(net, [conv, relu])
+        net.layers[conv].blobs[1].data[...] = backend.xp().linspace(-1, 1, 16, dtype='float32')
+        net.forward()
+        top = net.top_vecs[conv][0]
+        want = top.data.copy()
+        assert float((want == 0).mean()) > 0.1       # the ReLU cut some
+        top.data[...] = float('nan')
+        assert net.layers[conv].forward_then_relu(net.bottom_vecs[conv], net.top_vecs[conv])
+        got = top.data.copy()
+        assert backend.xp().array_equal(got.view('int32'), want.view('int32'))
+    finally:
+        backend.set_mode_cpu()

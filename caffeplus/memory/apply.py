@@ -504,7 +504,11 @@ class AppliedPlan:
             if ws is not None:
                 ws.again = recompute.again_view(life.start)
             try:
-                for p in e.producer:
+                chain = list(e.producer)
+                if _bias_relu_pair(net, chain) and net.layers[chain[0]].forward_then_relu(
+                        net.bottom_vecs[chain[0]], net.top_vecs[chain[0]]):
+                    chain = chain[2:]       # the convolution and its ReLU, in one pass
+                for p in chain:
                     net.layers[p].forward(net.bottom_vecs[p], net.top_vecs[p])
             finally:
                 if ws is not None:
@@ -967,6 +971,18 @@ def _apply_workspace(net, plan, limit):
         # left 10 GiB of workspace at the peak, 7 GiB more than planned).
         manager.headroom_slowdown = float('inf')
     return manager
+
+
+def _bias_relu_pair(net, chain):
+    """Whether a chain run again starts with a cuDNN convolution and a ReLU
+    (negative slope 0) in place on its top: one pass for the bias and the
+    ReLU (layers/cudnn.py forward_then_relu)."""
+    if len(chain) < 2 or not hasattr(net.layers[chain[0]], 'forward_then_relu'):
+        return False
+    relu = net.layers[chain[1]]
+    return relu.layer_param.type == 'ReLU' and \
+        relu.layer_param.relu_param.negative_slope == 0 and \
+        net.top_id_vecs[chain[1]] == net.bottom_id_vecs[chain[1]] == net.top_id_vecs[chain[0]]
 
 
 def apply_plan(net, plan, keep=(), training=None, workspace_limit=None, lookahead=None,

@@ -8,23 +8,33 @@
 "other" of caffeplus.memory.workspace_model, and an estimated iteration time
 (`plan.est_iter_ms`).
 
-`plan_for_budget` searches two knobs of the `shared` plan:
-  * the workspace arena's cap W: every convolution runs its fastest
-    algorithm candidate whose workspace fits W (workspace_model.candidates);
-    the arena is then the largest of those needs;
+`plan_for_budget` searches the knobs of the `shared` plan:
   * the set S of feature maps offloaded to host memory between their forward
     and backward use (vDNN), drawn from everything offload.choose(policy
     'all') allows, cheapest first (stall per byte), as prefixes of that order
-    and the 'conv' policy's set.
-For each (W, S) the peak is parameters + diffs + history + other + the
-activation arena of S (best-fit placement of the shortened lives) + W, and
-the time is the layer-time model under W's algorithms plus the offload
-stalls. The plan of least time whose peak fits is chosen (ties: the smaller
-peak) and placed; under a budget its placed workspace may take any slower
-algorithm that keeps the peak down (as the runtime's does), and its set is
-then refined: maps are put back one at a time while the placed plan still
-fits and gets faster (refine). If none fits, CaffeplusError says the
-smallest budget that would.
+    and the 'conv' policy's set; each held while its copy runs or lent at once
+    (caffeplus.memory.offload_timing);
+  * the maps made again in backward (caffeplus.memory.recompute): the cheap
+    ones, then prefixes of the convolutions cheapest per byte, and for those
+    whether their maps also leave between backward uses (split lives);
+  * each convolution call's algorithm. Without a budget: the workspace
+    arena's cap W, every call at its fastest candidate within W. Under a
+    budget: every call takes the fastest candidate that fits what the
+    option leaves at its half step (fit_calls; for the search by live
+    bytes, for the placed plan by the largest hole below the arena's
+    limit, the workspace placed after every other buffer), and the runtime
+    keeps each call within those bytes (plan.call_workspace).
+Candidates are cuDNN's measured ones where caffeplus.memory.calibration has
+them (on the GPU auto times the net's convolutions before it plans), else
+the model's (caffeplus.memory.workspace_model).
+For each option the peak is parameters + diffs + history + other + the
+busiest half step's live bytes and workspace, and the time is the layer-time
+model under its algorithms plus the offload stalls and the forwards run
+again. The option of least time whose peak fits is chosen (ties: the
+smaller peak) and placed (the placed plans of the fastest few are
+compared), and its set is then refined: maps are put back one at a time
+while the placed plan still fits and gets faster (refine). If none fits,
+CaffeplusError says the smallest budget that would.
 
 Offload cost model: copying B bytes each way takes B / PCIE_BANDWIDTH
 (50 GB/s, pinned host memory). The copy out overlaps the forward steps from

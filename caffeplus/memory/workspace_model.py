@@ -37,7 +37,10 @@ Plans use them as follows:
            one workspace for the net, as large as the largest single
            convolution's need with its fastest candidate.
   auto     a cap chosen by caffeplus.memory.budget; each layer then runs its
-           fastest candidate within the cap.
+           fastest candidate within the cap. Under a budget each call its
+           fastest within what its step leaves (budget.fit_calls), on
+           cuDNN's measured candidates where caffeplus.memory.calibration
+           has them (then these three are not used for that layer).
 
 Layer-internal buffers ("other")
 --------------------------------
