@@ -429,11 +429,28 @@ def layer_seconds(net, i, conv_factor=1.0):
                                sum(b.count for b in net.top_vecs[i]))
         # Beside measured convolutions (absolute seconds), what these layers
         # measure on the H100, not the fitted whole-iteration speed-up.
-        bandwidth = MEASURED_BANDWIDTH / CAFFEPLUS_SPEEDUP if _measured_net(net) \
-            else MEMORY_BANDWIDTH
+        bandwidth = MEASURED_BANDWIDTH / CAFFEPLUS_SPEEDUP \
+            if _measured_net(net) and not _in_fused_chain(net, i) else MEMORY_BANDWIDTH
         f = moved / bandwidth
         b = 2 * f
     return f + LAYER_OVERHEAD, (b + LAYER_OVERHEAD if backward else 0.0)
+
+
+# Layers the GPU runs as fused chains (layers/cudnn.py: BatchNorm, Scale,
+# Eltwise and a ReLU after them, one pass for the chain): their cost is in
+# the fitted speed-up (ResNet-50's iterations), not at MEASURED_BANDWIDTH.
+FUSED_TYPES = ('BatchNorm', 'Scale', 'Eltwise')
+
+
+def _in_fused_chain(net, i):
+    t = net.layers[i].layer_param.type
+    if t in FUSED_TYPES:
+        return True
+    if t != 'ReLU':
+        return False
+    blobs = set(net.bottom_id_vecs[i])
+    return any(set(net.top_id_vecs[j]) & blobs and net.layers[j].layer_param.type in FUSED_TYPES
+               for j in range(i))
 
 
 def _measured_net(net):
