@@ -1,5 +1,6 @@
 """Maps made again in backward (caffeplus.memory.recompute): which ones, the
 memory they give back, and training that stays bit-identical to stock."""
+import math
 import os
 import sys
 
@@ -481,3 +482,24 @@ def test_gpu_a_convolution_and_its_relu_run_again_in_one_pass_give_the_same_bits
         assert backend.xp().array_equal(got.view('int32'), want.view('int32'))
     finally:
         backend.set_mode_cpu()
+
+
+def test_headroom_counts_a_split_map_gone_during_the_data_call():
+    """Split lives: conv1's map is live for conv2's filter call (half a step
+    early) and gone for its data call, which writes conv1's diff instead;
+    the headroom of each call counts exactly what lives at its half step."""
+    net = build(CONV_NET)
+    L = len(net.layers)
+    conv2 = net._layer_names.index('conv2')
+    t = 2 * L - 1 - conv2
+    plan = make_plan(net, 'shared', recompute='convs', recompute_split=[('data', ('conv1',))])
+    live = liveness.live_bytes_by_half_step(plan.buffers, plan.steps)
+    room = liveness.headroom(net, plan.buffers, plan.steps)
+
+    def at(h, key):
+        return any(b.key[:2] == key and math.ceil(2 * b.start) <= h <= math.floor(2 * b.end)
+                   for b in plan.buffers)
+    assert at(2 * t - 1, ('data', ('conv1',))) and not at(2 * t, ('data', ('conv1',)))
+    assert at(2 * t, ('diff', ('conv1',))) and not at(2 * t - 1, ('diff', ('conv1',)))
+    assert room[(conv2, 'backward_filter')] == max(live) - live[2 * t - 1]
+    assert room[(conv2, 'backward')] == max(live) - live[2 * t]

@@ -183,20 +183,17 @@ def internal_buffers(net, sizes, training=True):
     return out
 
 
-def headroom(net, bufs, steps, training=True, limit=None):
+def headroom(net, bufs, steps, training=True):
     """{(layer index, 'forward' | 'backward' | 'backward_filter'): bytes}
-    the buffers `bufs` leave free below their own peak (or below `limit`,
-    where that is higher: plan auto under a budget) at each of a layer's
-    workspace calls: a workspace that fits there does not raise the peak
-    (past the limit). Counted by half steps (live_bytes_by_half_step): a
-    one-bottom layer's filter call runs half a step before its bottom's
-    diff is written (FILTER_FIRST), and a map only that call reads may be
-    gone during the data call (caffeplus.memory.recompute.again_lives)."""
+    the buffers `bufs` leave free below their own peak at each of a layer's
+    workspace calls: a workspace that fits there does not raise the peak.
+    Counted by half steps (live_bytes_by_half_step): a one-bottom layer's
+    filter call runs half a step before its bottom's diff is written
+    (FILTER_FIRST), and a map only that call reads may be gone during the
+    data call (caffeplus.memory.recompute.again_lives)."""
     L = len(net.layers)
     live = live_bytes_by_half_step(bufs, steps)
     ceiling = max(live) if live else 0
-    if limit is not None:
-        ceiling = max(ceiling, int(limit))
     room = {}
     for i in range(L):
         room[(i, 'forward')] = ceiling - live[2 * i]
