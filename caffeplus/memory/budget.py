@@ -50,7 +50,7 @@ import re
 from caffeplus.errors import CaffeplusError
 from caffeplus.memory import calibration, liveness, placement, offload, offload_timing, recompute, \
     workspace_model as wm
-from caffeplus.memory.plan import HISTORY_COPIES, make_plan
+from caffeplus.memory.plan import HISTORY_COPIES, make_plan, persistent_bytes
 
 PCIE_BANDWIDTH = 50e9
 
@@ -149,7 +149,6 @@ def placed_workspace_sizes(net, bufs, steps, training=True, cap=None, slowdown=N
     picks, for workspace_model.step_seconds."""
     from caffeplus.memory.workspace import HEADROOM_SLOWDOWN, within_headroom
     room = liveness.headroom(net, bufs, steps, training)
-    parts = {'fwd': 'forward', 'bwd_data': 'backward', 'bwd_filter': 'backward_filter'}
     slowdown = HEADROOM_SLOWDOWN if slowdown is None else slowdown
     out = {}
     for i, layer in wm.conv_layers(net):
@@ -162,7 +161,7 @@ def placed_workspace_sizes(net, bufs, steps, training=True, cap=None, slowdown=N
             # Fastest first, the smaller of equally fast ones first.
             ranked = [_Modelled(c.bytes, c.time_factor, True)
                       for c in sorted(cands, key=lambda c: (c.time_factor, c.bytes))]
-            free = room.get((i, parts[kind]))
+            free = room.get((i, VIEW_PARTS[kind]))
             pick = ranked[0] if free is None else \
                 within_headroom(ranked, ranked[0], free, slowdown=slowdown)
             sizes.append(pick.memory)
@@ -306,9 +305,8 @@ def search_space(net, solver_type='SGD', keep=(), training=True, budget=None):
     plan auto plans within (planned_budget), or None."""
     bufs = liveness.buffers(net, keep=keep, training=training)
     steps = 2 * len(net.layers) if training else len(net.layers)
-    params = sum(p.count for p in net.learnable_params) * liveness.FLOAT_BYTES
     kept = liveness.internal_buffers(net, model_internals(net), training)
-    fixed = params * (1 + (1 + HISTORY_COPIES.get(solver_type, 1) if training else 0)) + \
+    fixed = persistent_bytes(net, solver_type, training) + \
         wm.other_bytes(net, 'auto') - sum(b.nbytes for b in kept)
     convs = wm.conv_layers(net)
     timing = {}
@@ -372,15 +370,14 @@ def _options_of(space, offloaded, caps=None):
         for held, lives, stall in variants:
             for redo in redos:
                 if held:
-                    by_step = live(lives, redo)
+                    by_step, reruns = live(lives, redo)
                 else:
                     if redo not in lent:
                         lent[redo] = live(shortened, redo)
-                    by_step = lent[redo]
+                    by_step, reruns = lent[redo]
                 r, split = redo
                 extra = recompute.extra_seconds(net, bufs, again[r], steps_s, split) \
                     if r else 0.0
-                by_step, reruns = by_step
                 if space.budget is None:
                     busiest = max(a + w for a, w in zip(by_step, ws))
                     total = seconds
@@ -550,11 +547,8 @@ def rerun_steps(net, lives, chosen):
     """{convolution: half steps it runs again at} of a plan's buffers
     (recompute.shorten's lives) and maps made again."""
     out = {}
-    for b in lives:
-        if str(b.key[-1]).startswith('again') and b.key[:-1] in chosen:
-            for p in chosen[b.key[:-1]]:
-                if wm.is_conv(net.layers[p]):
-                    out.setdefault(p, []).append(int(round(2 * b.start)))
+    for p, b in recompute.reruns(net, lives, chosen):
+        out.setdefault(p, []).append(int(round(2 * b.start)))
     return out
 
 
@@ -658,14 +652,12 @@ def _auto_plan(net, option, solver_type, keep, training, budget=None, calls=None
                          recompute_split=option.split, other_bytes=other,
                          workspace_last=budgeted)
     seconds = option.seconds
-    calls = None
+    call_bytes = None
     if budgeted:
         # Each call the fastest algorithm that fits the largest hole the
         # other buffers leave at its step below what the budget leaves the
         # arena; placed after them, into those holes.
-        params = sum(p.count for p in net.learnable_params) * liveness.FLOAT_BYTES
-        room = budget - other - params * (
-            1 + (1 + HISTORY_COPIES.get(solver_type, 1) if training else 0))
+        room = budget - other - persistent_bytes(net, solver_type, training)
         reruns = rerun_steps(net, bare.buffers, bare.recomputed)
         picks = fit_calls(calls or ConvCalls(net, training),
                           _PlacedRoom(bare.buffers, bare.offsets, room), reruns)
@@ -675,7 +667,8 @@ def _auto_plan(net, option, solver_type, keep, training, budget=None, calls=None
         if training:
             seconds = _placed_seconds(net, option, choice, _pick_factors(net, picks),
                                       solver_type, keep, bare.recomputed, holds)
-        calls = {(net._layer_names[i], VIEW_PARTS[k]): picks[(i, k)].bytes for i, k in picks}
+        call_bytes = {(net._layer_names[i], VIEW_PARTS[k]): picks[(i, k)].bytes
+                      for i, k in picks}
     else:
         plan = placed(placed_workspace_sizes(net, bare.buffers, bare.steps, training,
                                              cap=option.cap))
@@ -684,9 +677,11 @@ def _auto_plan(net, option, solver_type, keep, training, budget=None, calls=None
                    seconds, choice)
     plan.workspace_cap = option.cap
     # Under a budget the runtime keeps each call within these bytes.
-    plan.call_workspace = calls
+    plan.call_workspace = call_bytes
     return plan
 
+
+# A call's kind -> the placed workspace's view of it (workspace.VIEW_NAMES).
 VIEW_PARTS = {'fwd': 'forward', 'bwd_data': 'backward', 'bwd_filter': 'backward_filter'}
 
 

@@ -76,6 +76,13 @@ def _param_bytes(net):
     return sum(p.count for p in net.learnable_params) * liveness.FLOAT_BYTES
 
 
+def persistent_bytes(net, solver_type='SGD', training=True):
+    """Parameters, and in training their diffs and the solver's history:
+    what every plan holds for the whole run (the breakdown's first three)."""
+    copies = 1 + (1 + HISTORY_COPIES.get(solver_type, 1) if training else 0)
+    return _param_bytes(net) * copies
+
+
 def _stock_workspace(net):
     return sum(getattr(layer, 'stock_workspace_bytes', lambda: 0)() for layer in net.layers)
 

@@ -259,15 +259,23 @@ def workspace_buffers(net, lives, chosen, sizes):
     its map comes back, half a step early like that map's second life
     (`lives`: shorten's buffers), apart from everything live then."""
     out = []
-    for b in lives:
-        if not str(b.key[-1]).startswith('again') or b.key[:-1] not in chosen:
-            continue
-        for p in chosen[b.key[:-1]]:
-            nbytes = int(sizes.get(p, (0,))[0] or 0)
-            if nbytes and net.layers[p].layer_param.type in CONV_TYPES:
-                out.append(Buffer(('workspace', net._layer_names[p], again_view(b.start)),
-                                  'workspace', (), nbytes, b.start, b.start))
+    for p, b in reruns(net, lives, chosen):
+        nbytes = int(sizes.get(p, (0,))[0] or 0)
+        if nbytes:
+            out.append(Buffer(('workspace', net._layer_names[p], again_view(b.start)),
+                              'workspace', (), nbytes, b.start, b.start))
     return out
+
+
+def reruns(net, lives, chosen):
+    """(layer index, life) of every convolution forward run again: each
+    convolution of a chosen chain, at the start of each of its map's
+    backward lives (`lives`: shorten's buffers)."""
+    for b in lives:
+        if str(b.key[-1]).startswith('again') and b.key[:-1] in chosen:
+            for p in chosen[b.key[:-1]]:
+                if net.layers[p].layer_param.type in CONV_TYPES:
+                    yield p, b
 
 
 def again_view(start):
