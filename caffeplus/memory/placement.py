@@ -24,19 +24,25 @@ ORDERS = (
 )
 
 
+def _lowest_offset(used, size):
+    """The lowest offset where `size` bytes overlap none of `used` (sorted
+    (lo, hi) ranges)."""
+    offset = 0
+    for lo, hi in used:
+        if offset + size <= lo:
+            break
+        offset = max(offset, hi)
+    return offset
+
+
 def _place_in_order(order, placed=None):
     placed = list(placed or [])      # (start, end, offset, size)
     offsets = {}
     arena = max([off + sz for (_, _, off, sz) in placed] + [0])
     for b in order:
         size = _align(b.nbytes)
-        conflicts = sorted((off, off + sz) for (s, e, off, sz) in placed
-                           if not (e < b.start or b.end < s))
-        offset = 0
-        for lo, hi in conflicts:
-            if offset + size <= lo:
-                break
-            offset = max(offset, hi)
+        offset = _lowest_offset(sorted((off, off + sz) for (s, e, off, sz) in placed
+                                       if not (e < b.start or b.end < s)), size)
         placed.append((b.start, b.end, offset, size))
         offsets[b.key] = offset
         arena = max(arena, offset + size)
@@ -61,15 +67,20 @@ def place(buffers, last=()):
     return offsets, max(arena, best[2]) if first else arena
 
 
+def _used_at(buffers, offsets, t, taken):
+    """Sorted (lo, hi) byte ranges of the buffers live at time `t` and of
+    `taken` ((offset, size) pairs)."""
+    return sorted([(offsets[b.key], offsets[b.key] + _align(b.nbytes)) for b in buffers
+                   if b.start <= t <= b.end] + [(o, o + _align(n)) for o, n in taken])
+
+
 def free_at(buffers, offsets, t, limit, taken=()):
     """The largest run of bytes below `limit` that no buffer live at time
     `t` (placed at `offsets`) nor any (offset, size) of `taken` occupies:
     what a buffer placed there then, after them, can have without raising
     the arena past `limit`."""
-    used = sorted([(offsets[b.key], offsets[b.key] + _align(b.nbytes)) for b in buffers
-                   if b.start <= t <= b.end] + [(o, o + _align(n)) for o, n in taken])
     best, at = 0, 0
-    for lo, hi in used + [(limit, limit)]:
+    for lo, hi in _used_at(buffers, offsets, t, taken) + [(limit, limit)]:
         if lo > at:
             best = max(best, min(lo, limit) - at)
         at = max(at, hi)
@@ -78,14 +89,7 @@ def free_at(buffers, offsets, t, limit, taken=()):
 
 def lowest_fit(buffers, offsets, t, nbytes, taken=()):
     """The offset place() would give a buffer of `nbytes` live at `t` only."""
-    used = sorted([(offsets[b.key], offsets[b.key] + _align(b.nbytes)) for b in buffers
-                   if b.start <= t <= b.end] + [(o, o + _align(n)) for o, n in taken])
-    offset = 0
-    for lo, hi in used:
-        if offset + _align(nbytes) <= lo:
-            break
-        offset = max(offset, hi)
-    return offset
+    return _lowest_offset(_used_at(buffers, offsets, t, taken), _align(nbytes))
 
 
 def validate(buffers, offsets):
