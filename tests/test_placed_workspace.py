@@ -330,6 +330,8 @@ def test_within_headroom_trades_a_little_time_for_the_peak():
     # Heuristic candidates carry no times: keep the fastest.
     untimed = [Timed(1, 900, -1), Timed(2, 0, -1)]
     assert within_headroom(untimed, untimed[0], 10) is untimed[0]
+    # Unless any slowdown will do (auto's budget): the first within the room.
+    assert within_headroom(untimed, untimed[0], 10, slowdown=float('inf')) is untimed[1]
 
 
 # -- buffers layers keep from forward to backward (caffeplus.memory.scratch) -----------------

@@ -137,22 +137,18 @@ def model_internals(net):
 _Modelled = collections.namedtuple('_Modelled', 'memory time deterministic')
 
 
-def placed_workspace_sizes(net, bufs, steps, training=True, cap=None, slowdown=None,
-                           factors=None):
+def placed_workspace_sizes(net, bufs, steps, training=True, cap=None):
     """{layer index: (forward, backward data, backward filter) bytes}: the
     model's algorithms as the placed workspace chooses them at run time
     (caffeplus.memory.workspace.within_headroom): the fastest, unless its
     workspace exceeds what the other buffers leave free below their peak at
-    its step and a candidate at most 10% slower (`slowdown`: plan auto under
-    a budget takes any, as its runtime does) fits there. `factors`: a dict
-    to fill with each layer's (forward, backward) time factors of those
-    picks, for workspace_model.step_seconds."""
-    from caffeplus.memory.workspace import HEADROOM_SLOWDOWN, within_headroom
+    its step and a candidate at most 10% slower fits there. (Plan auto
+    under a budget fits every call to its step instead: fit_calls.)"""
+    from caffeplus.memory.workspace import within_headroom
     room = liveness.headroom(net, bufs, steps, training)
-    slowdown = HEADROOM_SLOWDOWN if slowdown is None else slowdown
     out = {}
     for i, layer in wm.conv_layers(net):
-        sizes, times = [], []
+        sizes = []
         for kind in wm.KINDS:
             cands = wm.candidates(layer, kind)
             if cap is not None:
@@ -162,13 +158,9 @@ def placed_workspace_sizes(net, bufs, steps, training=True, cap=None, slowdown=N
             ranked = [_Modelled(c.bytes, c.time_factor, True)
                       for c in sorted(cands, key=lambda c: (c.time_factor, c.bytes))]
             free = room.get((i, VIEW_PARTS[kind]))
-            pick = ranked[0] if free is None else \
-                within_headroom(ranked, ranked[0], free, slowdown=slowdown)
+            pick = ranked[0] if free is None else within_headroom(ranked, ranked[0], free)
             sizes.append(pick.memory)
-            times.append(pick.time)
         out[i] = tuple(sizes)
-        if factors is not None:
-            factors[i] = (times[0], (times[1] + times[2]) / 2.0)
     return out
 
 
@@ -687,7 +679,7 @@ VIEW_PARTS = {'fwd': 'forward', 'bwd_data': 'backward', 'bwd_filter': 'backward_
 
 def _placed_seconds(net, option, choice, factors, solver_type, keep, again, holds=None):
     """An option's estimated time with the algorithms its placed workspace
-    took (placed_workspace_sizes' factors); `again`: its maps made again;
+    took (fit_calls' picks as factors); `again`: its maps made again;
     `holds`: its held maps (offload_timing)."""
     steps_s = wm.step_seconds(net, choice, factors)
     seconds = sum(steps_s) + wm.update_seconds(net, HISTORY_COPIES.get(solver_type, 1))

@@ -471,13 +471,6 @@ class PlacedWorkspace(WorkspaceArena):
             if room is not None:
                 s.choice = within_headroom(s.candidates, s.choice, room,
                                            mathmode.deterministic(), self.headroom_slowdown)
-                if self.headroom_slowdown == float('inf') and s.choice is not None and \
-                        s.choice.memory > room:
-                    # Plan auto under a budget, cuDNN's heuristics (untimed):
-                    # its first candidate within the planned bytes, if any.
-                    s.choice = next((c for c in s.candidates if c.memory <= room and
-                                     (c.deterministic or not mathmode.deterministic())),
-                                    s.choice)
         self.layout_stale = True
         log.info('Workspace placed in the memory plan: %d call sites, budget %d bytes, '
                  'largest call %d bytes', len(pairs), budget, size)
@@ -562,17 +555,24 @@ def within_headroom(candidates, best, room, deterministic=False, slowdown=HEADRO
     would raise the peak): then, of the timed candidates at most `slowdown`
     slower, the one that raises the peak least (the fastest of those; one
     that fits raises it not at all). Untimed candidates (heuristics: no
-    times) keep `best`."""
-    if best is None or best.memory <= room or getattr(best, 'time', -1) is None or \
-            getattr(best, 'time', -1) <= 0:
+    times) keep `best`, except where any slowdown will do (plan auto under
+    a budget): then where nothing timed fits, the first candidate, in
+    cuDNN's order, within the room."""
+    if best is None or best.memory <= room:
         return best
-    limit = best.time * (1 + slowdown)
-    near = [c for c in candidates if 0 < getattr(c, 'time', -1) <= limit
-            and (c.deterministic or not deterministic)]
-    if not near:
-        return best
-    pick = min(near, key=lambda c: (max(c.memory - room, 0), c.time))
-    return pick if max(pick.memory - room, 0) < best.memory - room else best
+    pick = best
+    if getattr(best, 'time', -1) is not None and getattr(best, 'time', -1) > 0:
+        limit = best.time * (1 + slowdown)
+        near = [c for c in candidates if 0 < getattr(c, 'time', -1) <= limit
+                and (c.deterministic or not deterministic)]
+        if near:
+            least = min(near, key=lambda c: (max(c.memory - room, 0), c.time))
+            if max(least.memory - room, 0) < best.memory - room:
+                pick = least
+    if pick.memory > room and slowdown == float('inf'):
+        pick = next((c for c in candidates if c.memory <= room and
+                     (c.deterministic or not deterministic)), pick)
+    return pick
 
 
 VIEW_NAMES = ('forward', 'backward', 'backward_filter')
