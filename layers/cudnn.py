@@ -748,13 +748,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         # mode especially); the fastest of both wins per call site.
         per_group = _ConvDescs(self, True) if timed and cd.loops == 1 and self.group > 1 and \
             _per_group_search() else None
-        # Few input channels (an image net's first layer): im2col + GEMM too.
-        gemm = _GemmConv(self) if timed and cd.loops == 1 and _GemmConv.eligible(self) else None
-        # The batch in halves, quarters and eighths: less workspace at about the speed.
-        chunked = {v: _ConvDescs(self, False, k) for v, k in CHUNK_VARIANTS.items()
-                   if timed and cd.loops == 1 and slices == 1 and self.num % k == 0 and
-                   self.num >= 2 * k and
-                   _chunk_search()}
+        gemm, chunked = self._timed_variants(cd, slices) if timed else (None, {})
         sites = {}
         for kind in workspace.KINDS:
             sites[kind] = workspace.Site(kind, cd.candidates(kind), timer=cd.timer(
@@ -766,6 +760,19 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         mgr.register(self, list(sites.values()))
         if self.memory_plan == 'stock':
             mgr.plan()          # Caffe allocates its workspace in Reshape
+
+    def _timed_variants(self, cd, slices):
+        """(cuBLAS variant or None, {variant: batch-sliced descriptors}): the
+        calls timed search weighs beside cuDNN's own for descriptors `cd`."""
+        if cd.loops != 1:
+            return None, {}
+        # Few input channels (an image net's first layer): im2col + GEMM too.
+        gemm = _GemmConv(self) if _GemmConv.eligible(self) else None
+        # The batch in halves, quarters and eighths: less workspace at about the speed.
+        chunked = {v: _ConvDescs(self, False, k) for v, k in CHUNK_VARIANTS.items()
+                   if slices == 1 and self.num % k == 0 and self.num >= 2 * k and
+                   _chunk_search()}
+        return gemm, chunked
 
     def _check_gemm_workspace(self, kind, ws, nbytes):
         need = self._gemm.memory(kind)
@@ -814,18 +821,10 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         if self.reverse or len(bottom) != 1 or not self.bias_term or \
                 not self._ready(bottom[0].data, self.blobs[0].data):
             return False
-        mgr = self._manager()
-        self._ensure_planned(mgr)
-        c = self._sites['fwd'].choice
-        if c.variant == 2:
+        self._ensure_planned(self._manager())
+        if self._sites['fwd'].choice.variant == 2:
             return False                # the cuBLAS variant: its own bias path
-        cd = self._descs_for(c)
-        conv = cd.conv_for(c.math)
-        x, y, w = _dptr(bottom[0]), _dptr(top[0]), _dptr(self.blobs[0])
-        with mgr.checkout(self, 'fwd') as (ws, nbytes):
-            cd.replays.run(('fwd', x, w, y, 0, ws, nbytes, c.algo, c.math, c.variant),
-                           functools.partial(_conv_forward_calls, cd, conv, c.algo,
-                                             False, x, w, y, 0, ws, nbytes))
+        self._forward_calls(bottom, top, bias=False)
         t = top[0].data
         _bias_relu()(self.blobs[1].data, numpy.int64(t[0, 0].size),
                      numpy.int64(t.shape[1]), t)
@@ -839,10 +838,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         weighs measured algorithms)."""
         slices = self._batch_slices()
         cd = _ConvDescs(self, False, slices)
-        chunked = {v: _ConvDescs(self, False, k) for v, k in CHUNK_VARIANTS.items()
-                   if cd.loops == 1 and slices == 1 and self.num % k == 0 and
-                   self.num >= 2 * k and _chunk_search()}
-        gemm = _GemmConv(self) if cd.loops == 1 and _GemmConv.eligible(self) else None
+        gemm, chunked = self._timed_variants(cd, slices)
         return {kind: cd.timer(kind, self._geometry_key(), None, gemm, chunked)(ws_ptr, ws_bytes)
                 for kind in _workspace().KINDS}
 
@@ -911,6 +907,11 @@ class _CudnnConvolutionMixin(_CudnnMixin):
     def _forward(self, bottom, top):
         if not self._ready(bottom[0].data, self.blobs[0].data):
             return super()._forward(bottom, top)
+        self._forward_calls(bottom, top)
+
+    def _forward_calls(self, bottom, top, bias=True):
+        """The forward's cuDNN (or cuBLAS) calls; `bias` False leaves the
+        bias out (forward_then_relu adds it)."""
         mgr = self._manager()
         self._ensure_planned(mgr)
         kind = 'bwd_data' if self.reverse else 'fwd'
@@ -918,7 +919,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         cd = self._descs_for(c)
         conv = cd.conv_for(c.math)
         w = _dptr(self.blobs[0])
-        b = _dptr(self.blobs[1]) if self.bias_term else 0
+        b = _dptr(self.blobs[1]) if self.bias_term and bias else 0
         gemm = self._gemm if c.variant == 2 else None
         for bb, tt in zip(bottom, top):
             x, y = _dptr(bb), _dptr(tt)
