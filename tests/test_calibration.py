@@ -273,3 +273,29 @@ def test_gpu_auto_times_the_convolutions_and_keeps_each_call_within_its_plan():
             assert site.choice.memory <= planned
     finally:
         backend.set_mode_cpu()
+
+
+def test_a_deconvolution_records_its_forward_as_its_forward():
+    """cuDNN runs a Deconvolution's forward as backward-data and its
+    backward-data as forward: the table keeps each call under the part it
+    plays in the layer, as the workspace model asks for it."""
+    net = build(CONV_NET.replace('type: "Convolution" bottom: "conv1"',
+                                 'type: "Deconvolution" bottom: "conv1"'))
+    deconv = layer(net, 'conv2')
+    assert deconv.reverse
+
+    class Timed:
+        def __init__(self, memory, ms):
+            self.memory, self.time = memory, ms
+    calibration.record(deconv, 'bwd_data', [Timed(0, 2.0), Timed(4096, 1.0)])
+    calibration.record(deconv, 'fwd', [Timed(0, 3.0)])
+    calibration.record(deconv, 'bwd_filter', [Timed(0, 4.0), Timed(8192, None)])
+    with calibration.applied():
+        assert calibration.lookup(deconv, 'fwd') == [(0, 2e-3), (4096, 1e-3)]
+        assert calibration.lookup(deconv, 'bwd_data') == [(0, 3e-3)]
+        assert calibration.lookup(deconv, 'bwd_filter') == [(0, 4e-3)]
+    # A convolution's calls keep cuDNN's names.
+    conv1 = layer(net, 'conv1')
+    calibration.record(conv1, 'bwd_data', [Timed(0, 5.0)])
+    with calibration.applied():
+        assert calibration.lookup(conv1, 'bwd_data') == [(0, 5e-3)]

@@ -25,6 +25,7 @@ PRUNE_TOLERANCE.
 """
 import contextlib
 import json
+import math
 import os
 
 from caffeplus.errors import CaffeplusError
@@ -75,9 +76,13 @@ def add(key, kind, pairs):
 
 def record(layer, kind, choices):
     """Record cuDNN's timed candidates (caffeplus.cudnn.api.AlgoChoice:
-    `memory` bytes, `time` ms) of one call site of `layer`."""
-    add(geometry_key(layer), kind,
-        [(c.memory, c.time / 1e3) for c in choices if c.time is not None and c.time > 0])
+    `memory` bytes, `time` ms) of one call site of `layer`. `kind` is
+    cuDNN's; the table keeps the call's part in the layer (its forward,
+    backward-data or backward-filter call), as the workspace model names
+    them: a Deconvolution's forward runs cuDNN's backward-data."""
+    from caffeplus.memory.workspace import view_part
+    add(geometry_key(layer), KINDS[view_part(layer, kind)],
+        [(c.memory, None if c.time is None else c.time / 1e3) for c in choices])
 
 
 def lookup(layer, kind):
@@ -192,8 +197,8 @@ def measure_net(net, limit=None):
         free = cupy.cuda.runtime.memGetInfo()[0]
         if pool.get_limit():            # a pool limited as a smaller card (tools)
             free = min(free, pool.get_limit() - pool.total_bytes())
-        arrays = 4 * (layer.num * (layer.channels * _prod(layer.in_spatial) +
-                                   layer.num_output * _prod(layer.out_spatial)) +
+        arrays = 4 * (layer.num * (layer.channels * math.prod(layer.in_spatial) +
+                                   layer.num_output * math.prod(layer.out_spatial)) +
                       layer.blobs[0].count)
         nbytes = max(0, free - arrays - MEASURE_MARGIN)
         if limit is not None:
@@ -208,13 +213,6 @@ def measure_net(net, limit=None):
             record(layer, kind, choices or ())
         timed += 1
     return timed
-
-
-def _prod(shape):
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _load_env():
