@@ -457,6 +457,108 @@ extern "C" __global__ void cp_pool_bwd(const float* dy, const int* arg, float* d
     }
 }
 
+/* Masks instead of maps (caffeplus.memory.masks): max pooling and ReLU
+   whose backward reads a few bits kept by their forward, not x or y, so a
+   memory plan can drop the maps after forward. 64-bit indices: VGG-16's
+   first maps pass 2**32 values past batch 1300.
+
+   MAX pooling as cp_pool_fwd (Caffe's windows, the first maximum in scan
+   order), keeping the argmax as one byte: the window offset kh*KW+kw (the
+   layer masks windows of at most 255 values), 255 where nothing beat
+   -FLT_MAX. total = N*C*OH*OW. */
+extern "C" __global__ void cp_mpool_fwd(const float* x, float* y, unsigned char* arg,
+    const unsigned long long total, const int H, const int W, const int OH, const int OW,
+    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
+{
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < total; i += stride) {
+        const int ow = (int)(i % (unsigned long long)OW);
+        const unsigned long long t = i / (unsigned long long)OW;
+        const int oh = (int)(t % (unsigned long long)OH);
+        const unsigned long long nc = t / (unsigned long long)OH;
+        const int hs = oh * SH - PH, ws = ow * SW - PW;
+        const float* xp = x + nc * (unsigned long long)(H * W);
+        float m = -CP_FLT_MAX;
+        int a = 255;
+        for (int kh = 0; kh < KH; ++kh) {
+            const int h = hs + kh;
+            if (h < 0 || h >= H) continue;
+            for (int kw = 0; kw < KW; ++kw) {
+                const int w = ws + kw;
+                if (w < 0 || w >= W) continue;
+                const float v = xp[h * W + w];
+                if (v > m) { m = v; a = kh * KW + kw; }
+            }
+        }
+        y[i] = m;
+        arg[i] = (unsigned char)a;
+    }
+}
+
+/* Its backward, one thread per input value (total = N*C*H*W): the sum, in
+   window order, of dy over the windows whose argmax is this value. */
+extern "C" __global__ void cp_mpool_bwd(const float* dy, const unsigned char* arg, float* dx,
+    const unsigned long long total, const int H, const int W, const int OH, const int OW,
+    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
+{
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < total; i += stride) {
+        const int w = (int)(i % (unsigned long long)W);
+        const unsigned long long t = i / (unsigned long long)W;
+        const int h = (int)(t % (unsigned long long)H);
+        const unsigned long long nc = t / (unsigned long long)H;
+        const int hp = h + PH, wp = w + PW;
+        const int ph0 = hp < KH ? 0 : (hp - KH) / SH + 1;
+        const int ph1 = min(hp / SH + 1, OH);
+        const int pw0 = wp < KW ? 0 : (wp - KW) / SW + 1;
+        const int pw1 = min(wp / SW + 1, OW);
+        const unsigned long long ob = nc * (unsigned long long)(OH * OW);
+        float acc = 0.0f;
+        for (int ph = ph0; ph < ph1; ++ph) {
+            const int hs = ph * SH - PH;
+            for (int pw = pw0; pw < pw1; ++pw) {
+                const int ws = pw * SW - PW;
+                const unsigned long long o = ob + (unsigned long long)(ph * OW + pw);
+                if ((int)arg[o] == (h - hs) * KW + (w - ws)) acc = __fadd_rn(acc, dy[o]);
+            }
+        }
+        dx[i] = acc;
+    }
+}
+
+/* ReLU (negative slope 0) that also keeps bit i%32 of bits[i/32] = (y[i] > 0),
+   the mask its backward reads instead of y. A warp's 32 lanes handle 32
+   consecutive values each step (__ballot_sync), so the loop runs to n
+   rounded up to 32 and blockDim.x is a multiple of 32. */
+extern "C" __global__ void cp_relu_bits_fwd(const float* x, float* y, unsigned* bits,
+                                            const unsigned long long n)
+{
+    const unsigned long long n32 = (n + 31ULL) & ~31ULL;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n32; i += stride) {
+        float r = 0.0f;
+        if (i < n) {
+            r = cp_relu0(x[i]);
+            y[i] = r;
+        }
+        const unsigned word = __ballot_sync(CP_FULL_MASK, r > 0.0f);
+        if ((threadIdx.x & 31) == 0) bits[i >> 5] = word;
+    }
+}
+
+/* Its backward: dx = dy * (bit ? 1 : 0), Caffe's dy * (y > 0). */
+extern "C" __global__ void cp_relu_bits_bwd(const float* dy, const unsigned* bits, float* dx,
+                                            const unsigned long long n)
+{
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n; i += stride)
+        dx[i] = __fmul_rn(dy[i], ((bits[i >> 5] >> (unsigned)(i & 31ULL)) & 1u) ? 1.0f : 0.0f);
+}
+
 /* SoftmaxWithLoss, one block per (outer, inner) row of x viewed as
    (outer, classes, inner): rowloss[r] = -log(max(p[label], FLT_MIN)) (0 when
    the label is ignored), rowvalid[r] = 1 or 0. A label outside [0, classes)

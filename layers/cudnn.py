@@ -1090,6 +1090,8 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
 
     def _forward(self, bottom, top):
         self._fused_arg = False
+        if self.masked and _kernels.active():
+            return self._masked_forward(bottom, top)
         if not self._ready(bottom[0].data):
             from caffeplus import kernels
             if kernels.active() and _fused('Pooling forward', self._fast_forward, bottom, top):
@@ -1103,6 +1105,8 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
     def _backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
+        if self.masked and _kernels.active():
+            return self._masked_backward(top, bottom)
         if not self._ready(top[0].diff):
             from caffeplus import kernels
             if kernels.active() and _fused('Pooling backward', self._fast_backward, top,
@@ -1119,10 +1123,63 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
     _arg_buf = None
     _fused_arg = False
 
+    # -- masks instead of maps (caffeplus.memory.masks) ---------------------
+    # A masked layer keeps a one-byte argmax and its backward reads that, not
+    # x and y, so a memory plan may drop both maps after forward. cuDNN's
+    # pooling keeps no argmax, so it does not run for a masked layer.
+    masked = False
+    _arg8 = None
+
+    def can_mask(self):
+        """MAX pooling with one top and windows of at most 255 values."""
+        pool = self.pool
+        return pool is not None and pool.method == MAX and getattr(self, '_ntop', 1) == 1 and \
+            pool.geom.kernel[0] * pool.geom.kernel[1] < 255
+
+    def set_masked(self, on):
+        """Mask (or stop masking) this layer; returns whether it is masked."""
+        on = bool(on) and self.can_mask()
+        if on != self.masked:
+            if on:
+                self._reads_unmasked = self.backward_reads
+            self.backward_reads = frozenset() if on else self._reads_unmasked
+            self.masked = on
+            self._arg8 = None
+        return on
+
+    def _mask_args(self):
+        from caffeplus import kernels as K
+        pool = self.pool
+        (kh, kw), (sh, sw), (ph, pw) = pool.geom
+        h, w = pool.x_shape[2:]
+        oh, ow = pool.out_shape[2:]
+        return tuple(K.i32(v) for v in (h, w, oh, ow, kh, kw, sh, sw, ph, pw))
+
+    def _masked_forward(self, bottom, top):
+        from caffeplus import kernels as K
+        count = _prod(self.pool.out_shape)
+        x, y = K.flat(bottom[0]), K.flat(top[0])
+        self._arg8 = arg = scratch.get(self, 'argmax8', count, numpy.uint8, K.array_module())
+        K.kernel('cp_mpool_fwd')(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
+                                 (x, y, arg, numpy.uint64(count)) + self._mask_args())
+
+    def _masked_backward(self, top, bottom):
+        from caffeplus import kernels as K
+        if self._arg8 is None:
+            raise CaffeplusError("layer '%s': backward before forward (its argmax mask is not "
+                                 "there)" % self.name)
+        count = _prod(self.pool.x_shape)
+        dy, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
+        K.kernel('cp_mpool_bwd')(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
+                                 (dy, self._arg8, dx, numpy.uint64(count)) + self._mask_args())
+
     def internal_buffers(self):
         """On the GPU, MAX pooling's kernel keeps an int32 argmax for
-        backward; cuDNN keeps nothing (its backward reads x and y)."""
+        backward; cuDNN keeps nothing (its backward reads x and y); a masked
+        layer keeps a one-byte argmax."""
         pool = self.pool
+        if self.masked and _kernels.active():
+            return {'argmax8': (_prod(pool.out_shape), numpy.uint8)}
         if pool is not None and pool.method == MAX and self._gpu_mode():
             if cudnn_available() and self.cudnn_agrees():
                 return {}
@@ -1133,6 +1190,8 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
         """What internal_buffers keeps on a GPU with cuDNN (for the estimate,
         made on a CPU net: workspace_model.internal_bytes)."""
         pool = self.pool
+        if self.masked:
+            return _prod(pool.out_shape)
         if pool is None or pool.method != MAX or self.cudnn_agrees():
             return 0
         return 4 * _prod(pool.out_shape)
@@ -1140,6 +1199,7 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
     def forget_kept_buffers(self):
         super().forget_kept_buffers()
         self._arg_buf = None
+        self._arg8 = None
         self._fused_arg = False
 
     def _pool_args(self):
@@ -1381,6 +1441,77 @@ class CuDNNReLULayer(_CudnnActivationMixin, ReLULayer):
 
     def _act_ok(self, bottom, top):
         return self.slope == 0
+
+    # -- masks instead of maps (caffeplus.memory.masks) ---------------------
+    # A masked ReLU keeps one bit per value, (y > 0), and its backward reads
+    # those instead of y, so a plan may drop the map once the layers after
+    # it are done with it (a masked max pooling).
+    masked = False
+    _bits = None
+    _values = 0
+
+    def can_mask(self):
+        return self.slope == 0
+
+    def set_masked(self, on):
+        """Mask (or stop masking) this layer; returns whether it is masked."""
+        on = bool(on) and self.can_mask()
+        if on != self.masked:
+            if on:
+                self._reads_unmasked = self.backward_reads
+            self.backward_reads = frozenset() if on else self._reads_unmasked
+            self.masked = on
+            self._bits = None
+        return on
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        self._values = bottom[0].count
+
+    def internal_buffers(self):
+        if not self.masked:
+            return {}
+        return {'sign': ((self._values + 31) // 32, numpy.uint32)}
+
+    def gpu_internal_bytes(self):
+        return 4 * ((self._values + 31) // 32) if self.masked else 0
+
+    def forget_kept_buffers(self):
+        self._bits = None
+
+    def _masked_forward(self, bottom, top):
+        n = bottom[0].count
+        words = (n + 31) // 32
+        if _kernels.active():
+            K = _kernels
+            self._bits = bits = scratch.get(self, 'sign', words, numpy.uint32, K.array_module())
+            x, y = K.flat(bottom[0]), K.flat(top[0])
+            K.kernel('cp_relu_bits_fwd')(K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,),
+                                         (x, y, bits, numpy.uint64(n)))
+            return
+        self._bits = bits = scratch.get(self, 'sign', words, numpy.uint32, numpy)
+        y = top[0].data
+        numpy.maximum(bottom[0].data, 0, out=y)
+        raw = bits.view(numpy.uint8)
+        packed = numpy.packbits(y.reshape(-1) > 0, bitorder='little')
+        raw[:packed.size] = packed
+        raw[packed.size:] = 0
+
+    def _masked_backward(self, top, bottom):
+        if self._bits is None:
+            raise CaffeplusError("layer '%s': backward before forward (its sign bits are not "
+                                 "there)" % self.name)
+        n = top[0].count
+        if _kernels.active():
+            K = _kernels
+            dy, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
+            K.kernel('cp_relu_bits_bwd')(K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,),
+                                         (dy, self._bits, dx, numpy.uint64(n)))
+            return
+        dy = top[0].diff
+        positive = numpy.unpackbits(self._bits.view(numpy.uint8), count=n, bitorder='little')
+        # Caffe's dy * (y > 0), as the unmasked layer writes it.
+        numpy.multiply(dy, positive.view(numpy.bool_).reshape(dy.shape), out=bottom[0].diff)
 
 
 @register_engine('CUDNN')
@@ -2029,6 +2160,8 @@ def _pieces(n, most, *arrays):
 # The fused kernels replace cuDNN's activation for ReLU (same values; one
 # launch with less Python around it): CuDNNReLULayer takes them first.
 def _relu_forward(self, bottom, top):
+    if self.masked:
+        return self._masked_forward(bottom, top)
     ch = self._chain
     if ch is not None and ch.fwd_done:
         return
@@ -2039,6 +2172,10 @@ def _relu_forward(self, bottom, top):
 
 def _relu_backward(self, top, propagate_down, bottom):
     from caffeplus import kernels
+    if self.masked:
+        if propagate_down[0]:
+            self._masked_backward(top, bottom)
+        return
     if _chain_backward(self, 'BatchNorm-Scale-ReLU backward'):
         return
     if not propagate_down[0]:

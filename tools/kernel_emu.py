@@ -53,6 +53,16 @@ template <class T> static T __shfl_down_sync(unsigned, T v, int o) {
     cp_warp_barrier[w]->arrive_and_wait();
     return r;
 }
+static unsigned __ballot_sync(unsigned, int p) {
+    const unsigned t = threadIdx.x, w = t >> 5;
+    cp_warp_buf[t] = p ? 1.0 : 0.0;
+    cp_warp_barrier[w]->arrive_and_wait();
+    unsigned r = 0;
+    for (unsigned l = 0; l < 32; ++l)
+        if (cp_warp_buf[(w << 5) + l] != 0.0) r |= 1u << l;
+    cp_warp_barrier[w]->arrive_and_wait();
+    return r;
+}
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
@@ -118,10 +128,11 @@ class _Kernel:
                 if a is None:
                     conv.append(None)
                     continue
-                if not isinstance(a, numpy.ndarray) or a.dtype not in (numpy.float32, numpy.int32, numpy.float64) \
+                if not isinstance(a, numpy.ndarray) or a.dtype not in (numpy.float32, numpy.int32, numpy.float64, numpy.uint8,
+                                                                    numpy.uint32) \
                         or not a.flags.c_contiguous:
-                    raise TypeError('%s: pointer arguments must be contiguous float32 or int32 '
-                                    'arrays (got %r)' % (self.name, type(a)))
+                    raise TypeError('%s: pointer arguments must be contiguous float32, float64, '
+                                    'int32, uint32 or uint8 arrays (got %r)' % (self.name, type(a)))
                 conv.append(ctypes.c_void_p(a.ctypes.data))
             else:
                 if not isinstance(a, numpy.generic):

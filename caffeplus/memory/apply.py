@@ -53,7 +53,7 @@ import numpy
 from caffeplus import backend, log
 from caffeplus.blob import HEAD_DEVICE, HEAD_HOST
 from caffeplus.errors import CaffeplusError
-from caffeplus.memory import liveness, placement, recompute, scratch
+from caffeplus.memory import liveness, masks, placement, recompute, scratch
 from caffeplus.memory.plan import PLANS, check_plan_name, make_plan
 
 FLOAT_BYTES = liveness.FLOAT_BYTES
@@ -996,6 +996,7 @@ def apply_plan(net, plan, keep=(), training=None, workspace_limit=None, lookahea
     layers (int, or 'auto': measured; default 1 on the CPU, 'auto' on the GPU)."""
     check_plan_name(plan.name)
     remove_plan(net, keep_values=False)     # what the arena held is dead between passes
+    masks.apply(net, plan.masked)           # the layers as the plan saw them
     if training is None:
         training = plan.steps == 2 * len(net.layers) if plan.steps else _training_default(net)
     if plan.name not in PLACING:
@@ -1060,6 +1061,7 @@ def apply_named_plan(net, name, keep=(), offload_policy='conv', workspace_limit=
                 host_budget=host_budget or budget_module.default_host_budget())
         kw = dict(offload_policy=offload_policy)
         kw.update(overrides)
+        masks.for_plan(n, name)
         return make_plan(n, name, solver_type=solver_type, keep=keep, training=training, **kw)
 
     plan = make(net)

@@ -48,8 +48,8 @@ import math
 import re
 
 from caffeplus.errors import CaffeplusError
-from caffeplus.memory import calibration, liveness, placement, offload, offload_timing, recompute, \
-    workspace_model as wm
+from caffeplus.memory import calibration, liveness, masks, placement, offload, offload_timing, \
+    recompute, workspace_model as wm
 from caffeplus.memory.plan import HISTORY_COPIES, make_plan, persistent_bytes
 
 PCIE_BANDWIDTH = 50e9
@@ -189,6 +189,7 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
     check_plan_name(name)
     if name == 'auto':
         return plan_for_budget(net, budget, solver_type, keep, training, host_budget)
+    masks.for_plan(net, name)
     convs = wm.conv_layers(net)
     if name == 'stock':
         choice = {i: wm.stock_candidate(l) for i, l in convs}
@@ -713,6 +714,7 @@ def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True, host
     budget when nothing fits. Convolutions the calibration table measured
     (caffeplus.memory.calibration) are weighed with their measured
     algorithms."""
+    masks.for_plan(net, 'auto')
     with calibration.applied():
         return _plan_for_budget(net, budget, solver_type, keep, training, host_budget)
 

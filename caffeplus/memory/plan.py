@@ -17,7 +17,7 @@ import collections
 import json
 
 from caffeplus.errors import CaffeplusError
-from caffeplus.memory import liveness, placement
+from caffeplus.memory import liveness, masks, placement
 
 PLANS = ('stock', 'arena', 'shared', 'offload', 'auto')
 CATEGORIES = ('parameters', 'parameter_diffs', 'solver_history', 'activations',
@@ -38,6 +38,7 @@ class MemoryPlan:
     offload_holds = {}          # {buffer key: free_offload.Hidden}: auto's held maps
     recomputed = {}             # {buffer key: producer layer indices}: maps made again
     recompute_split = ()        # keys of those also gone between backward uses
+    masked = ()                 # names of the layers masked (caffeplus.memory.masks)
 
     def __init__(self, name, breakdown, buffers=(), offsets=None, arena_bytes=0,
                  offloaded=(), estimated=True, steps=0):
@@ -137,7 +138,9 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
         breakdown['activation_diffs'] = sum(b.nbytes for b in diff)
         breakdown['workspace'] = _stock_workspace(net) if name == 'stock' else _arena_workspace(net)
         whole = [liveness.Buffer(b.key, b.kind, b.blobs, b.nbytes, 0, steps) for b in bufs]
-        return MemoryPlan(name, breakdown, whole, steps=steps)
+        plan = MemoryPlan(name, breakdown, whole, steps=steps)
+        plan.masked = masks.applied(net)
+        return plan
     whole = bufs
     offloaded = ()
     if name == 'offload' and offload_policy == 'free':
@@ -182,6 +185,7 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     plan.offload_policy = offload_policy if name == 'offload' else None
     plan.recomputed = again
     plan.recompute_split = split
+    plan.masked = masks.applied(net)
     if name == 'offload' and offload_policy != 'free' and offload_holds:
         plan.offload_holds = dict(offload_holds)
     return plan

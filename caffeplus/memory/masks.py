@@ -1,0 +1,98 @@
+"""Masks instead of maps: max pooling and ReLU whose backward reads a few
+bits their forward kept, not the maps around them.
+
+cuDNN's max-pooling backward reads the pooling's input and output, and a
+ReLU's backward reads its output, so a plan keeps VGG-16's conv1_2 map (12.85
+MB an image) from forward to backward although no convolution needs it.
+Masked, a max pooling keeps a one-byte argmax (a quarter of its output) and
+a ReLU one bit a value; when every later reader of a ReLU's map is a masked
+pooling, the map dies after the pooling's forward.
+
+    from caffeplus.memory import masks
+    masks.apply(net, masks.choose(net))      # before the plan is made
+
+Which plans mask: `auto` (CAFFEPLUS_MASKS=0: none); CAFFEPLUS_MASKS=1 masks
+in `shared` and `offload` too. `stock` and `arena` never do: they are stock
+Caffe's layers. The masked pooling routes each gradient to the first
+maximum of its window, as Caffe's own pooling; cuDNN's may pick another of
+equal values, so `shared` keeps cuDNN's for bit-identical results with
+`stock`.
+"""
+import os
+
+ENV = 'CAFFEPLUS_MASKS'
+
+
+def _setting():
+    return os.environ.get(ENV, '').strip().lower()
+
+
+def wanted(plan_name):
+    """Whether plan `plan_name` masks the layers it can."""
+    s = _setting()
+    if s in ('0', 'off', 'no', 'false'):
+        return False
+    if plan_name == 'auto':
+        return True
+    return plan_name in ('shared', 'offload') and s in ('1', 'on', 'yes', 'true')
+
+
+def _maskable(layer):
+    return callable(getattr(layer, 'set_masked', None)) and layer.can_mask()
+
+
+def _writer(net, i, blob_id):
+    """The layer before i that last wrote blob `blob_id`, or None."""
+    for j in range(i - 1, -1, -1):
+        if blob_id in net.top_id_vecs[j]:
+            return j
+    return None
+
+
+def choose(net):
+    """Names of the layers to mask: every maskable max pooling, and each
+    ReLU in place on a convolution's output whose later readers are all
+    masked poolings (a ReLU whose map a convolution reads again would keep
+    its bits for nothing). Empty when the fused kernels are off
+    (CAFFEPLUS_FUSED=0): the masked layers run on them."""
+    from caffeplus import kernels
+    if not kernels.enabled():
+        return ()
+    pools = {i for i, l in enumerate(net.layers)
+             if l.layer_param.type == 'Pooling' and _maskable(l)}
+    chosen = set(pools)
+    for i, layer in enumerate(net.layers):
+        if layer.layer_param.type != 'ReLU' or not _maskable(layer):
+            continue
+        tops, bottoms = net.top_id_vecs[i], net.bottom_id_vecs[i]
+        if len(tops) != 1 or tops != bottoms:
+            continue
+        w = _writer(net, i, tops[0])
+        if w is None or net.layers[w].layer_param.type not in ('Convolution', 'Deconvolution'):
+            continue
+        readers = [j for j in range(i + 1, len(net.layers)) if tops[0] in net.bottom_id_vecs[j]]
+        if readers and all(j in pools and tops[0] not in net.top_id_vecs[j] for j in readers):
+            chosen.add(i)
+    return tuple(net.layers[i].name for i in sorted(chosen))
+
+
+def apply(net, names):
+    """Mask exactly the layers named (unmask the others); returns the names
+    of the layers now masked."""
+    names = set(names or ())
+    done = []
+    for layer in net.layers:
+        if callable(getattr(layer, 'set_masked', None)):
+            if layer.set_masked(layer.name in names):
+                done.append(layer.name)
+    return tuple(done)
+
+
+def for_plan(net, plan_name):
+    """Mask what plan `plan_name` masks on `net`; returns the names."""
+    return apply(net, choose(net) if wanted(plan_name) else ())
+
+
+def applied(net):
+    """Names of the net's masked layers."""
+    return tuple(l.name for l in net.layers if getattr(l, 'masked', False))
