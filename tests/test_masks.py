@@ -88,8 +88,39 @@ def test_pools_and_the_relus_only_they_read_are_chosen():
 def test_a_relu_whose_map_a_convolution_reads_is_not_masked():
     text = VGG_LIKE.replace('bottom: "pool1" top: "conv2_1"', 'bottom: "conv1_2" top: "conv2_1"')
     net = shapes.build_net(param_of(text % {'k2': 3}))
-    chosen = masks.choose(net)
-    assert 'pool1' in chosen and 'relu1_2' not in chosen and 'relu1_1' not in chosen
+    # conv2_1 reads conv1_2's map now: neither relu1_2 nor pool1 (whose mask
+    # would free nothing) is masked.
+    assert masks.choose(net) == ('relu2_1', 'pool2')
+
+
+SPLIT_NET = '''
+name: "split"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+        dummy_data_param { data_filler { type: "gaussian" std: 1 }
+                           shape { dim: 2 dim: 3 dim: 8 dim: 8 }
+                           data_filler { type: "constant" value: 1 } shape { dim: 2 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 4 kernel_size: 3 pad: 1 } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+        pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2"
+        convolution_param { num_output: 4 kernel_size: 3 } }
+layer { name: "ipa" type: "InnerProduct" bottom: "pool1" top: "ipa"
+        inner_product_param { num_output: 3 } }
+layer { name: "ipb" type: "InnerProduct" bottom: "conv2" top: "ipb"
+        inner_product_param { num_output: 3 } }
+layer { name: "lossa" type: "SoftmaxWithLoss" bottom: "ipa" bottom: "label" top: "lossa" }
+layer { name: "lossb" type: "SoftmaxWithLoss" bottom: "ipb" bottom: "label" top: "lossb" }
+'''
+
+
+def test_a_pool_whose_input_a_split_shares_with_a_convolution_is_not_masked():
+    # pool1 and conv2 both read conv1's map: the net splits it, and the
+    # Split's tops share the map conv2's backward reads.
+    net = shapes.build_net(param_of(SPLIT_NET))
+    assert any(l.layer_param.type == 'Split' for l in net.layers)
+    assert masks.choose(net) == ()
 
 
 def test_no_masks_without_the_fused_kernels():

@@ -49,18 +49,43 @@ def _writer(net, i, blob_id):
     return None
 
 
+def _reads(layer):
+    """What the layer's backward reads unmasked (choose may run on a net
+    already masked)."""
+    if getattr(layer, 'masked', False):
+        return layer._reads_unmasked
+    return layer.backward_reads
+
+
+def _backward_readers(net, blob_id, but):
+    """Layers other than `but` whose backward reads blob `blob_id`'s data,
+    or a blob's that shares it (a Split's tops, its bottom)."""
+    storage = net._blobs[blob_id].data_storage
+    same = {k for k, b in enumerate(net._blobs) if b.data_storage is storage}
+    out = []
+    for j, layer in enumerate(net.layers):
+        if j == but or not net.layer_need_backward[j]:
+            continue
+        reads = _reads(layer)
+        if (same & set(net.bottom_id_vecs[j]) and 'bottom_data' in reads) or \
+                (same & set(net.top_id_vecs[j]) and 'top_data' in reads):
+            out.append(j)
+    return out
+
+
 def choose(net):
-    """Names of the layers to mask: every maskable max pooling, and each
-    ReLU in place on a convolution's output whose later readers are all
-    masked poolings (a ReLU whose map a convolution reads again would keep
-    its bits for nothing). Empty when the fused kernels are off
+    """Names of the layers to mask: the ReLUs in place on a convolution's
+    output whose later readers are all maskable max poolings, and the max
+    poolings whose input then has no other reader in backward (masking a
+    pooling whose input a convolution or an LRN reads again would keep a
+    mask for nothing). Empty when the fused kernels are off
     (CAFFEPLUS_FUSED=0): the masked layers run on them."""
     from caffeplus import kernels
     if not kernels.enabled():
         return ()
-    pools = {i for i, l in enumerate(net.layers)
-             if l.layer_param.type == 'Pooling' and _maskable(l)}
-    chosen = set(pools)
+    maskable = {i for i, l in enumerate(net.layers)
+                if l.layer_param.type == 'Pooling' and _maskable(l)}
+    relus = set()
     for i, layer in enumerate(net.layers):
         if layer.layer_param.type != 'ReLU' or not _maskable(layer):
             continue
@@ -71,9 +96,14 @@ def choose(net):
         if w is None or net.layers[w].layer_param.type not in ('Convolution', 'Deconvolution'):
             continue
         readers = [j for j in range(i + 1, len(net.layers)) if tops[0] in net.bottom_id_vecs[j]]
-        if readers and all(j in pools and tops[0] not in net.top_id_vecs[j] for j in readers):
-            chosen.add(i)
-    return tuple(net.layers[i].name for i in sorted(chosen))
+        if readers and all(j in maskable and tops[0] not in net.top_id_vecs[j] for j in readers):
+            relus.add(i)
+    pools = {p for p in maskable
+             if all(j in relus for j in _backward_readers(net, net.bottom_id_vecs[p][0], p))}
+    relus = {i for i in relus
+             if all(j in pools for j in range(i + 1, len(net.layers))
+                    if net.top_id_vecs[i][0] in net.bottom_id_vecs[j])}
+    return tuple(net.layers[i].name for i in sorted(pools | relus))
 
 
 def apply(net, names):
