@@ -424,3 +424,14 @@ def test_gpu_masked_layers_past_two_to_the_32_values():
             numpy.testing.assert_array_equal(backend.to_numpy(got_dx).reshape(2, c, h, w), want)
     finally:
         caffeplus.set_mode_cpu()
+
+
+def test_the_memory_command_names_the_masked_layers(tmp_path, capsys):
+    import json
+    from caffeplus import cli
+    model = tmp_path / 'vgg_like.prototxt'
+    model.write_text(VGG_LIKE % {'k2': 3})
+    assert cli.main(['memory', '-model', str(model), '--estimate', '--json',
+                     '--plans', 'shared,auto']) == 0
+    plans = json.loads(capsys.readouterr().out)['plans']
+    assert plans['auto']['masked'] == list(MASKED) and plans['shared']['masked'] == []

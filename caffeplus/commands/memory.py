@@ -165,6 +165,7 @@ def plan_entry(plan, budget=None):
         'arena_bytes': int(plan.arena_bytes),
         'offloaded': offloaded_names(plan),
         'recomputed': plan.recomputed_names(),
+        'masked': list(plan.masked),
     }
     if plan.name == 'auto':
         entry['budget'] = plan.budget
@@ -294,7 +295,8 @@ def _measure(param, plan, gpu, args, estimate_entry, budget_for_auto=None, host_
     if planned:
         # Plan auto made in the measuring process, with measured algorithms.
         estimate = dict(estimate, peak_bytes=planned['peak_bytes'],
-                        iter_ms=planned['est_iter_ms'], recomputed=planned['recomputed'])
+                        iter_ms=planned['est_iter_ms'], recomputed=planned['recomputed'],
+                        masked=planned['masked'])
         estimate_entry = dict(estimate_entry, est_iter_ms=round(planned['est_iter_ms'], 3))
     entry = {k: v for k, v in measured.items() if k != 'live_curve'}
     entry['estimate'] = estimate

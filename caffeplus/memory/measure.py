@@ -426,7 +426,7 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1, apply=No
             # its own estimate, not the CPU-side one, goes beside the run.
             ran = getattr(applied, 'plan', None)
             planned = {'peak_bytes': int(ran.peak_bytes), 'est_iter_ms': ran.est_iter_ms,
-                       'recomputed': ran.recomputed_names()} \
+                       'recomputed': ran.recomputed_names(), 'masked': list(ran.masked)} \
                 if ran is not None and ran.name == 'auto' else None
             return {
                 'planned': planned,
