@@ -366,6 +366,29 @@ __device__ float cp_block_max(float v, float* sh) {
     return v;
 }
 
+/* The first maximum of the window rows hs.., columns ws.. (clipped to the
+   H x W plane xp) in scan order: strict >, from -FLT_MAX, so NaN never
+   wins; *arg = its offset kh*KW+kw in the window, `none` if nothing beat
+   -FLT_MAX. */
+__device__ __forceinline__ float cp_window_max(const float* xp, const int H, const int W,
+    const int hs, const int ws, const int KH, const int KW, const int none, int* arg)
+{
+    float m = -CP_FLT_MAX;
+    int a = none;
+    for (int kh = 0; kh < KH; ++kh) {
+        const int h = hs + kh;
+        if (h < 0 || h >= H) continue;
+        for (int kw = 0; kw < KW; ++kw) {
+            const int w = ws + kw;
+            if (w < 0 || w >= W) continue;
+            const float v = xp[h * W + w];
+            if (v > m) { m = v; a = kh * KW + kw; }
+        }
+    }
+    *arg = a;
+    return m;
+}
+
 /* Pooling with Caffe's windows (rows oh*SH-PH .. +KH, clipped to the image),
    one thread per output value. MAX: the first maximum in scan order (strict
    >, so NaN never wins) starting from -FLT_MAX; arg = its offset kh*KW+kw in
@@ -400,19 +423,8 @@ extern "C" __global__ void cp_pool_fwd(const float* x, float* y, int* arg,
             }
             y[i] = __fdiv_rn(sum, size);
         } else {
-            float m = -CP_FLT_MAX;
-            int a = -1;
-            for (int kh = 0; kh < KH; ++kh) {
-                const int h = hs + kh;
-                if (h < 0 || h >= H) continue;
-                for (int kw = 0; kw < KW; ++kw) {
-                    const int w = ws + kw;
-                    if (w < 0 || w >= W) continue;
-                    const float v = xp[h * W + w];
-                    if (v > m) { m = v; a = kh * KW + kw; }
-                }
-            }
-            y[i] = m;
+            int a;
+            y[i] = cp_window_max(xp, H, W, hs, ws, KH, KW, -1, &a);
             arg[i] = a;
         }
     }
@@ -479,19 +491,8 @@ extern "C" __global__ void cp_mpool_fwd(const float* x, float* y, unsigned char*
         const unsigned long long nc = t / (unsigned long long)OH;
         const int hs = oh * SH - PH, ws = ow * SW - PW;
         const float* xp = x + nc * (unsigned long long)(H * W);
-        float m = -CP_FLT_MAX;
-        int a = 255;
-        for (int kh = 0; kh < KH; ++kh) {
-            const int h = hs + kh;
-            if (h < 0 || h >= H) continue;
-            for (int kw = 0; kw < KW; ++kw) {
-                const int w = ws + kw;
-                if (w < 0 || w >= W) continue;
-                const float v = xp[h * W + w];
-                if (v > m) { m = v; a = kh * KW + kw; }
-            }
-        }
-        y[i] = m;
+        int a;
+        y[i] = cp_window_max(xp, H, W, hs, ws, KH, KW, 255, &a);
         arg[i] = (unsigned char)a;
     }
 }

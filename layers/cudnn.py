@@ -1016,8 +1016,25 @@ def _pool_backward_calls(pd, yd, y, dy, xd, x, dx, loops):
                              dx + g * x_step)
 
 
+class _MaskableMixin:
+    """What caffeplus.memory.masks switches: a masked layer's backward reads
+    what its forward kept (can_mask says whether it can), none of its blobs."""
+    masked = False
+
+    def set_masked(self, on):
+        """Mask (or stop masking) this layer; returns whether it is masked."""
+        on = bool(on) and self.can_mask()
+        if on != self.masked:
+            if on:
+                self._reads_unmasked = self.backward_reads
+            self.backward_reads = frozenset() if on else self._reads_unmasked
+            self.masked = on
+            self.forget_kept_buffers()      # kept by the other kind of pass
+        return on
+
+
 @register_engine('CUDNN')
-class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
+class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
     """MAX and AVE pooling through cuDNN where cuDNN's output shape equals
     Caffe's; there Caffe's AVE divisor (the window clipped to H + pad) is
     the full kernel, which is cuDNN's AVERAGE_COUNT_INCLUDE_PADDING."""
@@ -1127,7 +1144,6 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
     # A masked layer keeps a one-byte argmax and its backward reads that, not
     # x and y, so a memory plan may drop both maps after forward. cuDNN's
     # pooling keeps no argmax, so it does not run for a masked layer.
-    masked = False
     _arg8 = None
 
     def can_mask(self):
@@ -1135,17 +1151,6 @@ class CuDNNPoolingLayer(_CudnnMixin, PoolingLayer):
         pool = self.pool
         return pool is not None and pool.method == MAX and getattr(self, '_ntop', 1) == 1 and \
             pool.geom.kernel[0] * pool.geom.kernel[1] < 255
-
-    def set_masked(self, on):
-        """Mask (or stop masking) this layer; returns whether it is masked."""
-        on = bool(on) and self.can_mask()
-        if on != self.masked:
-            if on:
-                self._reads_unmasked = self.backward_reads
-            self.backward_reads = frozenset() if on else self._reads_unmasked
-            self.masked = on
-            self._arg8 = None
-        return on
 
     def _mask_args(self):
         from caffeplus import kernels as K
@@ -1431,7 +1436,7 @@ class _CudnnActivationMixin(_CudnnMixin):
 
 
 @register_engine('CUDNN')
-class CuDNNReLULayer(_CudnnActivationMixin, ReLULayer):
+class CuDNNReLULayer(_MaskableMixin, _CudnnActivationMixin, ReLULayer):
     """ReLU through cuDNN (negative_slope 0 only; a leaky ReLU runs generically)."""
 
     @property
@@ -1446,23 +1451,11 @@ class CuDNNReLULayer(_CudnnActivationMixin, ReLULayer):
     # A masked ReLU keeps one bit per value, (y > 0), and its backward reads
     # those instead of y, so a plan may drop the map once the layers after
     # it are done with it (a masked max pooling).
-    masked = False
     _bits = None
     _values = 0
 
     def can_mask(self):
         return self.slope == 0
-
-    def set_masked(self, on):
-        """Mask (or stop masking) this layer; returns whether it is masked."""
-        on = bool(on) and self.can_mask()
-        if on != self.masked:
-            if on:
-                self._reads_unmasked = self.backward_reads
-            self.backward_reads = frozenset() if on else self._reads_unmasked
-            self.masked = on
-            self._bits = None
-        return on
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)

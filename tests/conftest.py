@@ -50,3 +50,34 @@ def need(path):
     if not os.path.exists(path):
         pytest.skip('reference data not found: %s' % path)
     return path
+
+
+# -- the fused GPU kernels emulated on the host (tools/kernel_emu.py) ----------------
+@pytest.fixture(scope='session')
+def emulator():
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from tools.kernel_emu import Emulator
+    try:
+        emu = Emulator.build()
+    except RuntimeError as exc:          # a compile error in the kernels' source
+        pytest.fail(str(exc))
+    if emu is None:
+        pytest.skip('no g++ with C++20 to emulate the kernels')
+    return emu
+
+
+@pytest.fixture
+def emulated(emulator):
+    """The kernels on the host, NumPy arrays standing in for device arrays;
+    no fused path may fall back meanwhile."""
+    from caffeplus import kernels
+    previous = kernels.set_emulator(emulator)
+    kernels.reset_kernels()
+    was = kernels.set_enabled(True)
+    before = len(kernels.failures())
+    yield emulator
+    kernels.set_emulator(previous)
+    kernels.reset_kernels()
+    kernels.set_enabled(was)
+    assert kernels.failures()[before:] == []

@@ -18,7 +18,7 @@ import pytest
 from google.protobuf import text_format
 
 import caffeplus
-from caffeplus import backend, kernels
+from caffeplus import backend
 from caffeplus.memory import caffe1, shapes, workspace_model as wm
 from caffeplus.proto import caffe_pb2
 
@@ -345,24 +345,6 @@ def test_dropout_mask_in_a_lent_buffer_changes_nothing():
 
 
 # -- the lent buffers under the fused GPU paths (kernels emulated on the host) ---------------
-@pytest.fixture
-def emulated():
-    sys.path.insert(0, ROOT)
-    from tools.kernel_emu import Emulator
-    emu = Emulator.build()
-    if emu is None:
-        pytest.skip('no g++ with C++20 to emulate the kernels')
-    previous = kernels.set_emulator(emu)
-    kernels.reset_kernels()
-    was = kernels.set_enabled(True)
-    before = len(kernels.failures())
-    yield emu
-    kernels.set_emulator(previous)
-    kernels.reset_kernels()
-    kernels.set_enabled(was)
-    assert kernels.failures()[before:] == []
-
-
 FUSED = '''
 name: "fused"
 layer { name: "data" type: "DummyData" top: "data" top: "label"

@@ -98,31 +98,6 @@ LAYER_CASES = [
 SPLIT_TOPS = {'split2': 2, 'split3': 3, 'pool_max_mask': 2}
 
 
-@pytest.fixture(scope='module')
-def emulator():
-    from tools.kernel_emu import Emulator
-    try:
-        emu = Emulator.build()
-    except RuntimeError as exc:          # a compile error in the kernels' source
-        pytest.fail(str(exc))
-    if emu is None:
-        pytest.skip('no g++ with C++20 to emulate the kernels')
-    return emu
-
-
-@pytest.fixture
-def emulated(emulator):
-    previous = kernels.set_emulator(emulator)
-    kernels.reset_kernels()
-    was = kernels.set_enabled(True)
-    before = len(kernels.failures())
-    yield emulator
-    kernels.set_emulator(previous)
-    kernels.reset_kernels()
-    kernels.set_enabled(was)
-    assert kernels.failures()[before:] == []
-
-
 def _param(text):
     lp = caffe_pb2.LayerParameter()
     text_format.Parse('name: "t" ' + text, lp)

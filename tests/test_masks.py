@@ -16,7 +16,6 @@ from caffeplus.blob import Blob
 from caffeplus.errors import CaffeplusError
 from caffeplus.layer import create_layer
 from caffeplus.memory import budget, liveness, masks, shapes
-from caffeplus.memory.plan import make_plan
 from caffeplus.proto import caffe_pb2
 from plan_helpers import param_of, sgd_run
 from conftest import ROOT, SHARED
@@ -281,29 +280,6 @@ def test_masked_layers_on_the_cpu(case):
     _check_layer(case)
     if case[0].startswith('relu'):
         _check_layer(case, in_place=True)
-
-
-@pytest.fixture(scope='module')
-def emulator():
-    from tools.kernel_emu import Emulator
-    try:
-        emu = Emulator.build()
-    except RuntimeError as exc:          # a compile error in the kernels' source
-        pytest.fail(str(exc))
-    if emu is None:
-        pytest.skip('no g++ with C++20 to emulate the kernels')
-    return emu
-
-
-@pytest.fixture
-def emulated(emulator):
-    previous = kernels.set_emulator(emulator)
-    kernels.reset_kernels()
-    was = kernels.set_enabled(True)
-    yield emulator
-    kernels.set_emulator(previous)
-    kernels.reset_kernels()
-    kernels.set_enabled(was)
 
 
 @pytest.mark.parametrize('case', LAYER_CASES, ids=[c[0] for c in LAYER_CASES])
