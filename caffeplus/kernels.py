@@ -567,66 +567,56 @@ extern "C" __global__ void cp_relu_bits_bwd(const float* dy, const unsigned* bit
        dx_c = dy_c * scale_c^-beta
               - 2 alpha beta / size * x_c * sum over j in c-post .. c+pre of
                 dy_j * x_j * scale_j^-beta / scale_j.
-   One thread per CP_LRN_SEG channels of one (n, h, w) column (threads =
-   N * ceil(C / CP_LRN_SEG) * HW, consecutive threads on consecutive h, w),
-   walking its channels and size - 1 more: the sum of squares runs along
-   them, the last `size` channels' scale^-beta and ratio sit in registers
-   (P, R: shifted each step, so every index is known when compiling);
-   size <= 16. */
+   One thread per (n, h, w) column (columns = N*H*W), its C values HW apart,
+   walking the channels once: the sum of squares runs along them, the last
+   `size` channels' scale^-beta and ratio sit in registers (P, R: shifted
+   each step, so every index is known when compiling); size <= 16. */
 #define CP_LRN_MAX 16
-#define CP_LRN_SEG 16
 extern "C" __global__ void cp_lrn_bwd_x(const float* x, const float* dy, float* dx,
-    const unsigned long long threads, const int C, const unsigned long long HW, const int size,
+    const unsigned long long columns, const int C, const unsigned long long HW, const int size,
     const float alpha_over_size, const float beta, const float k, const float coeff)
 {
     const int pre = (size - 1) / 2, post = size - 1 - pre;
-    const int segs = (C + CP_LRN_SEG - 1) / CP_LRN_SEG;
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-         i < threads; i += stride) {
-        const unsigned long long p = i % HW, t = i / HW;
-        const int c0 = (int)(t % (unsigned long long)segs) * CP_LRN_SEG;
-        const unsigned long long n = t / (unsigned long long)segs;
-        const int c1 = min(c0 + CP_LRN_SEG, C);           // outputs c0 .. c1-1
+    for (unsigned long long col = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         col < columns; col += stride) {
+        const unsigned long long n = col / HW, p = col % HW;
         const unsigned long long base = n * (unsigned long long)C * HW + p;
         float P[CP_LRN_MAX], R[CP_LRN_MAX];     // channel j - t's scale^-beta, ratio
 #pragma unroll
-        for (int u = 0; u < CP_LRN_MAX; ++u) { P[u] = 0.0f; R[u] = 0.0f; }
-        const int j0 = c0 - post;                          // the first ratio c0 sums
-        // x^2 over j0-pre-1 .. j0+post-1: the first step adds j0+post, drops j0-pre-1
+        for (int t = 0; t < CP_LRN_MAX; ++t) { P[t] = 0.0f; R[t] = 0.0f; }
         float sq = 0.0f;
-        for (int m = j0 - pre - 1; m < j0 + post; ++m) {
-            if (m < 0 || m >= C) continue;
-            const float v = x[base + (unsigned long long)m * HW];
+        for (int i = 0; i < post && i < C; ++i) {
+            const float v = x[base + (unsigned long long)i * HW];
             sq = __fadd_rn(sq, __fmul_rn(__fmul_rn(v, v), alpha_over_size));
         }
-        for (int j = j0; j < c1 + pre; ++j) {
+        for (int j = 0; j < C + pre; ++j) {
 #pragma unroll
-            for (int u = CP_LRN_MAX - 1; u > 0; --u) { P[u] = P[u - 1]; R[u] = R[u - 1]; }
+            for (int t = CP_LRN_MAX - 1; t > 0; --t) { P[t] = P[t - 1]; R[t] = R[t - 1]; }
             P[0] = 0.0f;
             R[0] = 0.0f;
-            if (j + post >= 0 && j + post < C) {
-                const float v = x[base + (unsigned long long)(j + post) * HW];
-                sq = __fadd_rn(sq, __fmul_rn(__fmul_rn(v, v), alpha_over_size));
-            }
-            if (j - pre - 1 >= 0 && j - pre - 1 < C) {
-                const float v = x[base + (unsigned long long)(j - pre - 1) * HW];
-                sq = __fsub_rn(sq, __fmul_rn(__fmul_rn(v, v), alpha_over_size));
-            }
-            if (j >= 0 && j < C) {
+            if (j < C) {
+                if (j + post < C) {
+                    const float v = x[base + (unsigned long long)(j + post) * HW];
+                    sq = __fadd_rn(sq, __fmul_rn(__fmul_rn(v, v), alpha_over_size));
+                }
+                if (j - pre - 1 >= 0) {
+                    const float v = x[base + (unsigned long long)(j - pre - 1) * HW];
+                    sq = __fsub_rn(sq, __fmul_rn(__fmul_rn(v, v), alpha_over_size));
+                }
                 const float scale = __fadd_rn(k, sq);
                 const unsigned long long o = base + (unsigned long long)j * HW;
                 P[0] = powf(scale, -beta);
                 R[0] = __fdiv_rn(__fmul_rn(__fmul_rn(dy[o], x[o]), P[0]), scale);
             }
             const int c = j - pre;
-            if (c >= c0) {
+            if (c >= 0) {
                 // channels c-post .. c+pre are j-size+1 .. j: R[0 .. size-1]
                 float accum = 0.0f, pc = 0.0f;
 #pragma unroll
-                for (int u = 0; u < CP_LRN_MAX; ++u) {
-                    if (u < size) accum = __fadd_rn(accum, R[u]);
-                    if (u == pre) pc = P[u];
+                for (int t = 0; t < CP_LRN_MAX; ++t) {
+                    if (t < size) accum = __fadd_rn(accum, R[t]);
+                    if (t == pre) pc = P[t];
                 }
                 const unsigned long long o = base + (unsigned long long)c * HW;
                 dx[o] = __fsub_rn(__fmul_rn(dy[o], pc), __fmul_rn(__fmul_rn(coeff, x[o]), accum));

@@ -45,7 +45,6 @@ from caffeplus.proto import caffe_pb2
 
 READS_BOTH = frozenset(('bottom_data', 'top_data'))
 READS_BOTTOM = frozenset(('bottom_data',))
-LRN_SEGMENT = 16            # caffeplus.kernels' CP_LRN_SEG
 F32 = numpy.float32
 _ELTWISE_SUM = caffe_pb2.EltwiseParameter.SUM
 FLOAT_BYTES = 4
@@ -1368,10 +1367,10 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
         x, dy, dx = K.flat(bottom[0]), K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
         alpha, beta = numpy.float32(self.alpha), numpy.float32(self.beta)
         coeff = numpy.float32(2.0 * float(alpha) * float(beta) / self.size)
-        threads = n * -(-c // LRN_SEGMENT) * h * w      # one a column's LRN_SEGMENT channels
+        columns = n * h * w
         K.kernel('cp_lrn_bwd_x')(
-            K.elementwise_grid(threads), (K.ELEMENTWISE_THREADS,),
-            (x, dy, dx, numpy.uint64(threads), K.i32(c), numpy.uint64(h * w), K.i32(self.size),
+            K.elementwise_grid(columns), (K.ELEMENTWISE_THREADS,),
+            (x, dy, dx, numpy.uint64(columns), K.i32(c), numpy.uint64(h * w), K.i32(self.size),
              numpy.float32(alpha / numpy.float32(self.size)), beta, numpy.float32(self.k), coeff))
 
 
