@@ -566,12 +566,10 @@ extern "C" __global__ void cp_relu_bits_bwd(const float* dy, const unsigned* bit
    (pre = (size-1)/2, post = size-1-pre), and
        dx_c = dy_c * scale_c^-beta
               - 2 alpha beta / size * x_c * sum over j in c-post .. c+pre of
-                dy_j * x_j * scale_j^-beta / scale_j.
-   One thread per (n, h, w) column (columns = N*H*W), its C values HW apart,
-   walking the channels once: the sum of squares runs along them, the last
-   `size` channels' scale^-beta and ratio sit in registers (P, R: shifted
-   each step, so every index is known when compiling); size <= 16. */
-#define CP_LRN_MAX 16
+                dy_j * x_j * scale_j^-beta / scale_j,
+   both sums running along the channels, as Caffe's GPU LRN does. One thread
+   per (n, h, w) column (columns = N*H*W), its C values HW apart; size <= 16. */
+#define CP_LRN_RING 32
 extern "C" __global__ void cp_lrn_bwd_x(const float* x, const float* dy, float* dx,
     const unsigned long long columns, const int C, const unsigned long long HW, const int size,
     const float alpha_over_size, const float beta, const float k, const float coeff)
@@ -582,19 +580,13 @@ extern "C" __global__ void cp_lrn_bwd_x(const float* x, const float* dy, float* 
          col < columns; col += stride) {
         const unsigned long long n = col / HW, p = col % HW;
         const unsigned long long base = n * (unsigned long long)C * HW + p;
-        float P[CP_LRN_MAX], R[CP_LRN_MAX];     // channel j - t's scale^-beta, ratio
-#pragma unroll
-        for (int t = 0; t < CP_LRN_MAX; ++t) { P[t] = 0.0f; R[t] = 0.0f; }
-        float sq = 0.0f;
+        float pw[CP_LRN_RING], ratio[CP_LRN_RING];
+        float sq = 0.0f, accum = 0.0f;
         for (int i = 0; i < post && i < C; ++i) {
             const float v = x[base + (unsigned long long)i * HW];
             sq = __fadd_rn(sq, __fmul_rn(__fmul_rn(v, v), alpha_over_size));
         }
         for (int j = 0; j < C + pre; ++j) {
-#pragma unroll
-            for (int t = CP_LRN_MAX - 1; t > 0; --t) { P[t] = P[t - 1]; R[t] = R[t - 1]; }
-            P[0] = 0.0f;
-            R[0] = 0.0f;
             if (j < C) {
                 if (j + post < C) {
                     const float v = x[base + (unsigned long long)(j + post) * HW];
@@ -605,21 +597,20 @@ extern "C" __global__ void cp_lrn_bwd_x(const float* x, const float* dy, float* 
                     sq = __fsub_rn(sq, __fmul_rn(__fmul_rn(v, v), alpha_over_size));
                 }
                 const float scale = __fadd_rn(k, sq);
+                const float sp = powf(scale, -beta);
                 const unsigned long long o = base + (unsigned long long)j * HW;
-                P[0] = powf(scale, -beta);
-                R[0] = __fdiv_rn(__fmul_rn(__fmul_rn(dy[o], x[o]), P[0]), scale);
+                const float r = __fdiv_rn(__fmul_rn(__fmul_rn(dy[o], x[o]), sp), scale);
+                pw[j % CP_LRN_RING] = sp;
+                ratio[j % CP_LRN_RING] = r;
+                accum = __fadd_rn(accum, r);
             }
+            if (j - size >= 0 && j - size < C)
+                accum = __fsub_rn(accum, ratio[(j - size) % CP_LRN_RING]);
             const int c = j - pre;
             if (c >= 0) {
-                // channels c-post .. c+pre are j-size+1 .. j: R[0 .. size-1]
-                float accum = 0.0f, pc = 0.0f;
-#pragma unroll
-                for (int t = 0; t < CP_LRN_MAX; ++t) {
-                    if (t < size) accum = __fadd_rn(accum, R[t]);
-                    if (t == pre) pc = P[t];
-                }
                 const unsigned long long o = base + (unsigned long long)c * HW;
-                dx[o] = __fsub_rn(__fmul_rn(dy[o], pc), __fmul_rn(__fmul_rn(coeff, x[o]), accum));
+                dx[o] = __fsub_rn(__fmul_rn(dy[o], pw[c % CP_LRN_RING]),
+                                  __fmul_rn(__fmul_rn(coeff, x[o]), accum));
             }
         }
     }

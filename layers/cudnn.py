@@ -1189,7 +1189,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         from caffeplus import kernels as K
         count = _prod(self.pool.out_shape)
         x, y = K.flat(bottom[0]), K.flat(top[0])
-        self._arg8 = arg = scratch.get(self, 'argmax', count, numpy.uint8, K.array_module())
+        self._arg8 = arg = scratch.get(self, 'argmax8', count, numpy.uint8, K.array_module())
         K.kernel('cp_mpool_fwd')(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
                                  (x, y, arg, numpy.uint64(count)) + self._mask_args())
 
@@ -1209,7 +1209,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         layer keeps a one-byte argmax."""
         pool = self.pool
         if self._argmax8() and _kernels.active():
-            return {'argmax': (_prod(pool.out_shape), numpy.uint8)}
+            return {'argmax8': (_prod(pool.out_shape), numpy.uint8)}
         if pool is not None and pool.method == MAX and self._gpu_mode():
             if cudnn_available() and self.cudnn_agrees():
                 return {}

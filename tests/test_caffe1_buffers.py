@@ -372,10 +372,10 @@ def _train_fused(lend, iters=2):
     caffeplus.set_random_seed(3)
     net = small_net(text=FUSED)
     if lend:
-        # On the GPU a max pooling over overlapping windows declares its one-byte
-        # argmax (on the host the generic code's type): declare what the device would.
+        # On the GPU the fused max pooling declares its int32 argmax (on the host
+        # the generic code's smaller type): declare what the device would.
         pool = net.layers[net.layer_index('pool1')]
-        pool.internal_buffers = lambda: {'argmax': (4 * 6 * 5 * 5, numpy.uint8)}
+        pool.internal_buffers = lambda: {'argmax': (4 * 6 * 5 * 5, numpy.int32)}
         caffe1.attach(net, xp=numpy)
     losses = []
     for _ in range(iters):
@@ -403,10 +403,7 @@ def test_fused_paths_compute_in_the_lent_buffers(emulated):
     # cuDNN's), the out-of-chain Scale's bottom copy, Dropout's mask: in Caffe's buffers
     assert numpy.shares_memory(layers['bn3']._x_norm, lent('bn3', 'x_norm_'))
     assert numpy.shares_memory(layers['bn1']._x_norm, lent('bn1', 'x_norm_'))
-    # (overlapping windows: the one-byte argmax, in the int32 buffer's bytes)
-    pool1 = layers['pool1']
-    arg = pool1._arg8 if pool1._arg8 is not None else pool1.pool.arg
-    assert numpy.shares_memory(arg, lent('pool1', 'max_idx_'))
+    assert numpy.shares_memory(layers['pool1'].pool.arg, lent('pool1', 'max_idx_'))
     assert numpy.shares_memory(layers['sc2']._bottom_copy, lent('sc2', 'temp_'))
     assert numpy.shares_memory(layers['drop'].mask, lent('drop', 'rand_vec_'))
     assert lent('bn3', 'x_norm_').any() and lent('pool1', 'max_idx_').any()
