@@ -1051,8 +1051,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         with these (caffeplus.memory.shapes.build_net)."""
         if self.layer_param.pooling_param.pool not in (MAX, AVE):
             return self.backward_reads
-        if getattr(self, 'pool', None) is not None and \
-                (self._argmax8() or not self.cudnn_agrees()):
+        if self.pool is not None and (self._argmax8() or not self.cudnn_agrees()):
             return frozenset()
         return READS_BOTH
 
@@ -1061,7 +1060,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         gradients from several windows in another order than Caffe's (and
         the kernels'), so every plan runs the kernels there, for the same
         bits (tools/compare_pooling.py)."""
-        pool = getattr(self, 'pool', None)
+        pool = self.pool
         if pool is None or pool.method != MAX:
             return False
         (kh, kw), (sh, sw), _ = pool.geom
