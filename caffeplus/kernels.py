@@ -560,62 +560,6 @@ extern "C" __global__ void cp_relu_bits_bwd(const float* dy, const unsigned* bit
         dx[i] = __fmul_rn(dy[i], ((bits[i >> 5] >> (unsigned)(i & 31ULL)) & 1u) ? 1.0f : 0.0f);
 }
 
-/* LRN across channels, backward from the input alone (cuDNN's backward
-   reads the output too, so a plan kept it or made it again). Caffe's
-   formula: scale_c = k + alpha/size * sum of x_j^2 for j in c-pre .. c+post
-   (pre = (size-1)/2, post = size-1-pre), and
-       dx_c = dy_c * scale_c^-beta
-              - 2 alpha beta / size * x_c * sum over j in c-post .. c+pre of
-                dy_j * x_j * scale_j^-beta / scale_j,
-   both sums running along the channels, as Caffe's GPU LRN does. One thread
-   per (n, h, w) column (columns = N*H*W), its C values HW apart; size <= 16. */
-#define CP_LRN_RING 32
-extern "C" __global__ void cp_lrn_bwd_x(const float* x, const float* dy, float* dx,
-    const unsigned long long columns, const int C, const unsigned long long HW, const int size,
-    const float alpha_over_size, const float beta, const float k, const float coeff)
-{
-    const int pre = (size - 1) / 2, post = size - 1 - pre;
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long col = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-         col < columns; col += stride) {
-        const unsigned long long n = col / HW, p = col % HW;
-        const unsigned long long base = n * (unsigned long long)C * HW + p;
-        float pw[CP_LRN_RING], ratio[CP_LRN_RING];
-        float sq = 0.0f, accum = 0.0f;
-        for (int i = 0; i < post && i < C; ++i) {
-            const float v = x[base + (unsigned long long)i * HW];
-            sq = __fadd_rn(sq, __fmul_rn(__fmul_rn(v, v), alpha_over_size));
-        }
-        for (int j = 0; j < C + pre; ++j) {
-            if (j < C) {
-                if (j + post < C) {
-                    const float v = x[base + (unsigned long long)(j + post) * HW];
-                    sq = __fadd_rn(sq, __fmul_rn(__fmul_rn(v, v), alpha_over_size));
-                }
-                if (j - pre - 1 >= 0) {
-                    const float v = x[base + (unsigned long long)(j - pre - 1) * HW];
-                    sq = __fsub_rn(sq, __fmul_rn(__fmul_rn(v, v), alpha_over_size));
-                }
-                const float scale = __fadd_rn(k, sq);
-                const float sp = powf(scale, -beta);
-                const unsigned long long o = base + (unsigned long long)j * HW;
-                const float r = __fdiv_rn(__fmul_rn(__fmul_rn(dy[o], x[o]), sp), scale);
-                pw[j % CP_LRN_RING] = sp;
-                ratio[j % CP_LRN_RING] = r;
-                accum = __fadd_rn(accum, r);
-            }
-            if (j - size >= 0 && j - size < C)
-                accum = __fsub_rn(accum, ratio[(j - size) % CP_LRN_RING]);
-            const int c = j - pre;
-            if (c >= 0) {
-                const unsigned long long o = base + (unsigned long long)c * HW;
-                dx[o] = __fsub_rn(__fmul_rn(dy[o], pw[c % CP_LRN_RING]),
-                                  __fmul_rn(__fmul_rn(coeff, x[o]), accum));
-            }
-        }
-    }
-}
-
 /* SoftmaxWithLoss, one block per (outer, inner) row of x viewed as
    (outer, classes, inner): rowloss[r] = -log(max(p[label], FLT_MIN)) (0 when
    the label is ignored), rowvalid[r] = 1 or 0. A label outside [0, classes)

@@ -44,7 +44,6 @@ from caffeplus.layers.vision import (AVE, MAX, ConvolutionLayer, DeconvolutionLa
 from caffeplus.proto import caffe_pb2
 
 READS_BOTH = frozenset(('bottom_data', 'top_data'))
-READS_BOTTOM = frozenset(('bottom_data',))
 F32 = numpy.float32
 _ELTWISE_SUM = caffe_pb2.EltwiseParameter.SUM
 FLOAT_BYTES = 4
@@ -1046,32 +1045,11 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
             self.backward_reads = self.gpu_backward_reads()
 
     def gpu_backward_reads(self):
-        """cuDNN's pooling backward reads x and y; the kernels' read their
-        argmax (MAX) or nothing (AVE). The estimate, built on the CPU, plans
-        with these (caffeplus.memory.shapes.build_net)."""
-        if self.layer_param.pooling_param.pool not in (MAX, AVE):
-            return self.backward_reads
-        if self.pool is not None and (self._argmax8() or not self.cudnn_agrees()):
-            return frozenset()
-        return READS_BOTH
-
-    def _overlapping_max(self):
-        """MAX pooling whose windows overlap: cuDNN's backward sums a value's
-        gradients from several windows in another order than Caffe's (and
-        the kernels'), so every plan runs the kernels there, for the same
-        bits (tools/compare_pooling.py)."""
-        pool = self.pool
-        if pool is None or pool.method != MAX:
-            return False
-        (kh, kw), (sh, sw), _ = pool.geom
-        oh, ow = pool.out_shape[2:]
-        return (kh > sh and oh > 1) or (kw > sw and ow > 1)
-
-    def _argmax8(self):
-        """Whether the layer runs the one-byte-argmax kernels: masked
-        (caffeplus.memory.masks), or overlapping windows."""
-        return self.masked or (self._overlapping_max() and self.can_mask() and
-                               _kernels.enabled())
+        """cuDNN's pooling backward reads x and y (the estimate, built on the
+        CPU, plans with these: caffeplus.memory.shapes.build_net)."""
+        if self.layer_param.pooling_param.pool in (MAX, AVE):
+            return READS_BOTH
+        return self.backward_reads
 
     def layer_setup(self, bottom, top):
         super().layer_setup(bottom, top)
@@ -1092,8 +1070,6 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         self._ntop = len(top)
-        if self._gpu_mode() and not self.masked:
-            self.backward_reads = self.gpu_backward_reads()     # known with the shapes
         if self._gpu_mode() and cudnn_available() and self.cudnn_agrees():
             self._build()
 
@@ -1131,7 +1107,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
 
     def _forward(self, bottom, top):
         self._fused_arg = False
-        if self._argmax8() and _kernels.active():
+        if self.masked and _kernels.active():
             return self._masked_forward(bottom, top)
         if not self._ready(bottom[0].data):
             from caffeplus import kernels
@@ -1146,7 +1122,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
     def _backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        if self._argmax8() and _kernels.active():
+        if self.masked and _kernels.active():
             return self._masked_backward(top, bottom)
         if not self._ready(top[0].diff):
             from caffeplus import kernels
@@ -1207,7 +1183,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         backward; cuDNN keeps nothing (its backward reads x and y); a masked
         layer keeps a one-byte argmax."""
         pool = self.pool
-        if self._argmax8() and _kernels.active():
+        if self.masked and _kernels.active():
             return {'argmax8': (_prod(pool.out_shape), numpy.uint8)}
         if pool is not None and pool.method == MAX and self._gpu_mode():
             if cudnn_available() and self.cudnn_agrees():
@@ -1219,7 +1195,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         """What internal_buffers keeps on a GPU with cuDNN (for the estimate,
         made on a CPU net: workspace_model.internal_bytes)."""
         pool = self.pool
-        if self._argmax8():
+        if self.masked:
             return _prod(pool.out_shape)
         if pool is None or pool.method != MAX or self.cudnn_agrees():
             return 0
@@ -1298,16 +1274,7 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
             self.backward_reads = self.gpu_backward_reads()
 
     def gpu_backward_reads(self):
-        # caffeplus.kernels' backward (cp_lrn_bwd_x) reads x alone; cuDNN's
-        # reads x and y.
-        return READS_BOTTOM if self._backward_from_x() else READS_BOTH
-
-    def _backward_from_x(self):
-        """Whether the GPU backward runs cp_lrn_bwd_x: across channels, a
-        window of at most 16, the fused kernels on (CAFFEPLUS_FUSED)."""
-        p = self.layer_param.lrn_param
-        return p.norm_region == caffe_pb2.LRNParameter.ACROSS_CHANNELS and \
-            1 <= p.local_size <= 16 and _kernels.enabled()
+        return READS_BOTH           # cuDNN's LRN backward reads x and y
 
     def layer_setup(self, bottom, top):
         super().layer_setup(bottom, top)
@@ -1350,8 +1317,6 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
     def _backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        if self._backward_from_x() and _kernels.active():
-            return self._backward_x_only(top, bottom)
         if not self._ready(bottom[0].data):
             return super()._backward(top, propagate_down, bottom)
         lrn, xd = self._desc
@@ -1359,18 +1324,6 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
         x, dx = _dptr(bottom[0]), _dptr(bottom[0], True)
         self._replays.run(('b', y, dy, x, dx), functools.partial(
             api.lrn_backward, lrn, xd, y, dy, x, dx))
-
-    def _backward_x_only(self, top, bottom):
-        K = _kernels
-        n, c, h, w = bottom[0].shape
-        x, dy, dx = K.flat(bottom[0]), K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
-        alpha, beta = numpy.float32(self.alpha), numpy.float32(self.beta)
-        coeff = numpy.float32(2.0 * float(alpha) * float(beta) / self.size)
-        columns = n * h * w
-        K.kernel('cp_lrn_bwd_x')(
-            K.elementwise_grid(columns), (K.ELEMENTWISE_THREADS,),
-            (x, dy, dx, numpy.uint64(columns), K.i32(c), numpy.uint64(h * w), K.i32(self.size),
-             numpy.float32(alpha / numpy.float32(self.size)), beta, numpy.float32(self.k), coeff))
 
 
 # =============================================================================

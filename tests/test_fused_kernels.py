@@ -78,15 +78,6 @@ LAYER_CASES = [
      [(2, 3, 6, 6)], False),
     ('pool_ave_pad_ceil', 'type: "Pooling" pooling_param { pool: AVE kernel_size: 3 stride: 2 '
      'pad: 1 }', [(2, 3, 8, 6)], False),
-    # LRN across channels: cp_lrn_bwd_x's backward from x alone
-    ('lrn_across', 'type: "LRN" lrn_param { local_size: 5 alpha: 0.1 beta: 0.75 }',
-     [(2, 7, 4, 5)], False),
-    ('lrn_across_k2', 'type: "LRN" lrn_param { local_size: 3 alpha: 0.3 beta: 0.5 k: 2 }',
-     [(3, 10, 3, 3)], False),
-    ('lrn_wide_few_channels', 'type: "LRN" lrn_param { local_size: 9 alpha: 0.2 beta: 0.9 }',
-     [(2, 3, 4, 4)], False),
-    ('lrn_size_16_ring', 'type: "LRN" lrn_param { local_size: 15 alpha: 0.05 beta: 0.75 }',
-     [(1, 40, 2, 3)], False),
     ('ip', 'type: "InnerProduct" inner_product_param { num_output: 7 }', [(5, 3, 4)], False),
     ('ip_transpose_nobias', 'type: "InnerProduct" inner_product_param { num_output: 6 '
      'transpose: true bias_term: false }', [(4, 9)], False),
@@ -355,14 +346,8 @@ def test_softmax_loss_bad_label_emulated(emulated):
 
 def test_pooling_paths_emulated(emulated):
     """cuDNN-agreeing pools stay on cuDNN (here: generic on the CPU); the
-    others take the kernels: max pooling with overlapping windows the
-    one-byte argmax (every plan, for the same bits), with a second top
-    (the mask) the int32 one."""
+    others take the kernels."""
     case = [c for c in LAYER_CASES if c[0] == 'pool_max_ceil'][0]
-    layer, _ = _run(case, gpu=False, fused=True, seed=3)
-    assert layer._arg8 is not None and layer._arg8.dtype == numpy.uint8
-    assert layer.backward_reads == frozenset() or not layer._gpu_mode()
-    case = [c for c in LAYER_CASES if c[0] == 'pool_max_mask'][0]
     layer, _ = _run(case, gpu=False, fused=True, seed=3)
     assert layer._fused_arg and layer.pool.arg.dtype == numpy.int32
 
@@ -379,7 +364,7 @@ def test_loss_and_pool_take_the_kernels_emulated(emulated, monkeypatch):
         case = [c for c in LAYER_CASES if c[0] == name][0]
         _run(case, gpu=False, fused=True, seed=5)
     for k in ('cp_softmax_loss_rows', 'cp_softmax_loss_total', 'cp_softmax_loss_bwd',
-              'cp_pool_fwd', 'cp_pool_bwd', 'cp_mpool_fwd', 'cp_mpool_bwd'):
+              'cp_pool_fwd', 'cp_pool_bwd'):
         assert k in calls, k
 
 

@@ -140,23 +140,11 @@ def test_random_producers_are_not_made_again():
     assert chosen_names(build(pooled)) == set()
 
 
-def _cudnn_reads_net(name):
-    """The bench net as planned for cuDNN's LRN and pooling backward (both
-    read x and y): the fused kernels off (CAFFEPLUS_FUSED=0)."""
-    from caffeplus import kernels
-    was = kernels.set_enabled(False)
-    try:
-        return shapes.build_net(shapes.load_net_param(bench_path(name)))
-    finally:
-        kernels.set_enabled(was)
-
-
 def test_a_map_or_its_producers_input_not_both(monkeypatch):
-    """AlexNet with cuDNN's LRN and pooling backward: norm1 -> pool1 ->
-    conv2. Both norm1's and pool1's outputs qualify, but pool1 made again
-    reads norm1, so only the larger, norm1, is; norm2 likewise. The
-    estimate gives the bytes back."""
-    net = _cudnn_reads_net('alexnet_b128')
+    """AlexNet (GPU reads): norm1 -> pool1 -> conv2. Both norm1's and pool1's
+    outputs qualify, but pool1 made again reads norm1, so only the larger,
+    norm1, is; norm2 likewise. The estimate gives the bytes back."""
+    net = shapes.build_net(shapes.load_net_param(bench_path('alexnet_b128')))
     assert chosen_names(net) == {'norm1', 'norm2'}
     with_ = budget.estimate_plan(net, 'shared')
     monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', '0')
@@ -169,24 +157,6 @@ def test_a_map_or_its_producers_input_not_both(monkeypatch):
         i: budget.wm.fastest(l, budget.wm.knee_cap(net)) for i, l in budget.wm.conv_layers(net)}))
     assert with_.est_iter_ms == pytest.approx(without.est_iter_ms + extra * 1e3)
     assert extra > 0
-
-
-def test_alexnet_needs_no_lrn_made_again_with_the_kernels():
-    """With the kernels' LRN backward (reads x alone) and max pooling over
-    overlapping windows (reads its argmax), nothing reads norm1 or norm2
-    in backward: `shared` drops them after pool1's and pool2's forward, no
-    second forward, and peaks no higher than with them made again."""
-    net = shapes.build_net(shapes.load_net_param(bench_path('alexnet_b128')))
-    assert chosen_names(net) == set()
-    for name in ('norm1', 'norm2', 'pool1', 'pool2'):
-        assert net.layers[net._layer_names.index(name)].backward_reads <= \
-            frozenset(('bottom_data',))
-    kernels_plan = budget.estimate_plan(net, 'shared')
-    assert not kernels_plan.recomputed
-    again = budget.estimate_plan(_cudnn_reads_net('alexnet_b128'), 'shared')
-    assert again.recomputed
-    assert kernels_plan.peak_bytes <= again.peak_bytes * 1.01
-    assert kernels_plan.est_iter_ms < again.est_iter_ms
 
 
 def test_small_maps_are_not_worth_a_forward():
@@ -284,28 +254,22 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize('fused', [False, True])
-def test_gpu_lrn_made_again_for_cudnn_pooling_is_bit_identical(fused):
-    """With cuDNN's LRN and pooling (CAFFEPLUS_FUSED=0) pool1's backward
-    reads norm1 (its input): shared makes it again from conv1 before
-    pool1's backward. With the kernels (overlapping max pooling reads its
-    argmax, LRN's backward x alone) nothing is made again. Either way
-    against arena (same algorithms), deterministic math, bit for bit."""
-    from caffeplus import backend, kernels
-    was = kernels.set_enabled(fused)
+def test_gpu_lrn_made_again_for_cudnn_pooling_is_bit_identical(tmp_path):
+    """On the GPU cuDNN's pooling backward reads norm1 (its input): shared
+    makes it again from conv1 before pool1's backward. Against arena (same
+    algorithms), deterministic math, bit for bit."""
+    param = param_of(ALEX_LIKE)
+    arena, shared = [cpe.train(param, plan, 10, 0, gpu=0, math='deterministic')
+                     for plan in ('arena', 'shared')]
+    assert not cpe.differences(arena, shared), cpe.differences(arena, shared)
+    from caffeplus import backend
+    backend.set_mode_gpu(0)
     try:
-        param = param_of(ALEX_LIKE)
-        arena, shared = [cpe.train(param, plan, 10, 0, gpu=0, math='deterministic')
-                         for plan in ('arena', 'shared')]
-        assert not cpe.differences(arena, shared), cpe.differences(arena, shared)
-        backend.set_mode_gpu(0)
         net = shapes.build_net(param, virtual=False)
         plan = make_plan(net, 'shared')
-        made_again = {n for k in plan.recomputed for n in k[1]}
-        assert made_again == (set() if fused else {'norm1'})
+        assert {n for k in plan.recomputed for n in k[1]} == {'norm1'}
     finally:
         backend.set_mode_cpu()
-        kernels.set_enabled(was)
 
 
 # -- convolutions run again (plan auto's search, or CAFFEPLUS_RECOMPUTE=convs) ---------------
