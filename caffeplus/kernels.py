@@ -478,17 +478,17 @@ extern "C" __global__ void cp_pool_bwd(const float* dy, const int* arg, float* d
    order), keeping the argmax as one byte: the window offset kh*KW+kw (the
    layer masks windows of at most 255 values), 255 where nothing beat
    -FLT_MAX. total = N*C*OH*OW. */
-extern "C" __global__ void cp_mpool_fwd(const float* x, float* y, unsigned char* arg,
-    const unsigned long long total, const int H, const int W, const int OH, const int OW,
+template <class I>
+__device__ __forceinline__ void cp_mpool_fwd_run(const float* x, float* y, unsigned char* arg,
+    const I total, const int H, const int W, const int OH, const int OW,
     const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
 {
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-         i < total; i += stride) {
-        const int ow = (int)(i % (unsigned long long)OW);
-        const unsigned long long t = i / (unsigned long long)OW;
-        const int oh = (int)(t % (unsigned long long)OH);
-        const unsigned long long nc = t / (unsigned long long)OH;
+    const I stride = (I)gridDim.x * blockDim.x;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int ow = (int)(i % (I)OW);
+        const I t = i / (I)OW;
+        const int oh = (int)(t % (I)OH);
+        const unsigned long long nc = (unsigned long long)(t / (I)OH);
         const int hs = oh * SH - PH, ws = ow * SW - PW;
         const float* xp = x + nc * (unsigned long long)(H * W);
         int a;
@@ -497,19 +497,34 @@ extern "C" __global__ void cp_mpool_fwd(const float* x, float* y, unsigned char*
     }
 }
 
-/* Its backward, one thread per input value (total = N*C*H*W): the sum, in
-   window order, of dy over the windows whose argmax is this value. */
-extern "C" __global__ void cp_mpool_bwd(const float* dy, const unsigned char* arg, float* dx,
+/* 64-bit division is slow on the device: 32-bit indices up to 2**31 values. */
+#define CP_INDEX_32 2147483648ULL
+
+extern "C" __global__ void cp_mpool_fwd(const float* x, float* y, unsigned char* arg,
     const unsigned long long total, const int H, const int W, const int OH, const int OW,
     const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
 {
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-         i < total; i += stride) {
-        const int w = (int)(i % (unsigned long long)W);
-        const unsigned long long t = i / (unsigned long long)W;
-        const int h = (int)(t % (unsigned long long)H);
-        const unsigned long long nc = t / (unsigned long long)H;
+    if (total <= CP_INDEX_32)
+        cp_mpool_fwd_run<unsigned>(x, y, arg, (unsigned)total, H, W, OH, OW, KH, KW, SH, SW,
+                                   PH, PW);
+    else
+        cp_mpool_fwd_run<unsigned long long>(x, y, arg, total, H, W, OH, OW, KH, KW, SH, SW,
+                                             PH, PW);
+}
+
+/* Its backward, one thread per input value (total = N*C*H*W): the sum, in
+   window order, of dy over the windows whose argmax is this value. */
+template <class I>
+__device__ __forceinline__ void cp_mpool_bwd_run(const float* dy, const unsigned char* arg,
+    float* dx, const I total, const int H, const int W, const int OH, const int OW,
+    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
+{
+    const I stride = (I)gridDim.x * blockDim.x;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int w = (int)(i % (I)W);
+        const I t = i / (I)W;
+        const int h = (int)(t % (I)H);
+        const unsigned long long nc = (unsigned long long)(t / (I)H);
         const int hp = h + PH, wp = w + PW;
         const int ph0 = hp < KH ? 0 : (hp - KH) / SH + 1;
         const int ph1 = min(hp / SH + 1, OH);
@@ -527,6 +542,53 @@ extern "C" __global__ void cp_mpool_bwd(const float* dy, const unsigned char* ar
         }
         dx[i] = acc;
     }
+}
+
+extern "C" __global__ void cp_mpool_bwd(const float* dy, const unsigned char* arg, float* dx,
+    const unsigned long long total, const int H, const int W, const int OH, const int OW,
+    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
+{
+    if (total <= CP_INDEX_32)
+        cp_mpool_bwd_run<unsigned>(dy, arg, dx, (unsigned)total, H, W, OH, OW, KH, KW, SH, SW,
+                                   PH, PW);
+    else
+        cp_mpool_bwd_run<unsigned long long>(dy, arg, dx, total, H, W, OH, OW, KH, KW, SH, SW,
+                                             PH, PW);
+}
+
+/* The same where the windows tile the input exactly (stride = kernel, no
+   pad, H = OH * KH, W = OW * KW: VGG-16's 2x2), one thread per output value
+   (total = N*C*OH*OW) writing its window: 0 + dy at the argmax (as the sum
+   above, so -0.0 becomes 0.0), 0 elsewhere. */
+template <class I>
+__device__ __forceinline__ void cp_mpool_bwd_tiled_run(const float* dy, const unsigned char* arg,
+    float* dx, const I total, const int OH, const int OW, const int KH, const int KW)
+{
+    const int W = OW * KW;
+    const I stride = (I)gridDim.x * blockDim.x;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int ow = (int)(i % (I)OW);
+        const I t = i / (I)OW;
+        const int oh = (int)(t % (I)OH);
+        const unsigned long long nc = (unsigned long long)(t / (I)OH);
+        const int a = (int)arg[i];
+        const float g = __fadd_rn(0.0f, dy[i]);
+        float* dp = dx + nc * (unsigned long long)(OH * KH) * (unsigned long long)W +
+            (unsigned long long)(oh * KH) * W + (unsigned long long)(ow * KW);
+        for (int kh = 0; kh < KH; ++kh)
+            for (int kw = 0; kw < KW; ++kw)
+                dp[kh * W + kw] = (kh * KW + kw == a) ? g : 0.0f;
+    }
+}
+
+extern "C" __global__ void cp_mpool_bwd_tiled(const float* dy, const unsigned char* arg,
+    float* dx, const unsigned long long total, const int OH, const int OW, const int KH,
+    const int KW)
+{
+    if (total <= CP_INDEX_32)
+        cp_mpool_bwd_tiled_run<unsigned>(dy, arg, dx, (unsigned)total, OH, OW, KH, KW);
+    else
+        cp_mpool_bwd_tiled_run<unsigned long long>(dy, arg, dx, total, OH, OW, KH, KW);
 }
 
 /* ReLU (negative slope 0) that also keeps bit i%32 of bits[i/32] = (y[i] > 0),

@@ -1173,8 +1173,19 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         if self._arg8 is None:
             raise CaffeplusError("layer '%s': backward before forward (its argmax mask is not "
                                  "there)" % self.name)
-        count = _prod(self.pool.x_shape)
+        pool = self.pool
         dy, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
+        (kh, kw), (sh, sw), (ph, pw) = pool.geom
+        (h, w), (oh, ow) = pool.x_shape[2:], pool.out_shape[2:]
+        if (kh, kw) == (sh, sw) and ph == pw == 0 and (h, w) == (oh * kh, ow * kw):
+            # Windows that tile the input (VGG-16's): each output writes its own.
+            count = _prod(pool.out_shape)
+            K.kernel('cp_mpool_bwd_tiled')(
+                K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
+                (dy, self._arg8, dx, numpy.uint64(count)) +
+                tuple(K.i32(v) for v in (oh, ow, kh, kw)))
+            return
+        count = _prod(pool.x_shape)
         K.kernel('cp_mpool_bwd')(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
                                  (dy, self._arg8, dx, numpy.uint64(count)) + self._mask_args())
 

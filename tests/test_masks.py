@@ -211,10 +211,14 @@ LAYER_CASES = [
      'pad: 1 }', (2, 2, 7, 6)),
     ('pool_rect', 'type: "Pooling" pooling_param { pool: MAX kernel_h: 2 kernel_w: 3 '
      'stride_h: 3 stride_w: 2 }', (2, 2, 10, 9)),
+    ('pool_2x2_odd', 'type: "Pooling" pooling_param { pool: MAX kernel_size: 2 stride: 2 }',
+     (2, 3, 9, 7)),                                     # ceil: the windows do not tile
+    ('pool_3x3_s3_tiles', 'type: "Pooling" pooling_param { pool: MAX kernel_size: 3 '
+     'stride: 3 }', (2, 2, 9, 12)),
     ('relu', 'type: "ReLU"', (3, 4, 5, 7)),             # 420 values: not a multiple of 32
     ('relu_long', 'type: "ReLU"', (2, 3, 33, 31)),
 ]
-EXACT = ('pool_2x2', 'pool_rect', 'relu', 'relu_long')
+EXACT = ('pool_2x2', 'pool_rect', 'pool_2x2_odd', 'pool_3x3_s3_tiles', 'relu', 'relu_long')
 
 
 def _layer_run(text, shape, seed, masked, gpu=False, in_place=False):
@@ -411,3 +415,32 @@ def test_the_memory_command_names_the_masked_layers(tmp_path, capsys):
                      '--plans', 'shared,auto']) == 0
     plans = json.loads(capsys.readouterr().out)['plans']
     assert plans['auto']['masked'] == list(MASKED) and plans['shared']['masked'] == []
+
+
+@pytest.fixture(scope='module')
+def emulator_64():
+    """The kernels built with no 32-bit index path: every launch takes the
+    64-bit one (maps past 2**31 values)."""
+    from caffeplus import kernels as K
+    from tools.kernel_emu import Emulator
+    define = '#define CP_INDEX_32 2147483648ULL'
+    assert define in K.SOURCE
+    try:
+        emu = Emulator.build(source=K.SOURCE.replace(define, '#define CP_INDEX_32 0ULL'))
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    if emu is None:
+        pytest.skip('no g++ with C++20 to emulate the kernels')
+    previous = kernels.set_emulator(emu)
+    kernels.reset_kernels()
+    was = kernels.set_enabled(True)
+    yield emu
+    kernels.set_emulator(previous)
+    kernels.reset_kernels()
+    kernels.set_enabled(was)
+
+
+@pytest.mark.parametrize('case', [c for c in LAYER_CASES if c[0].startswith('pool')],
+                         ids=[c[0] for c in LAYER_CASES if c[0].startswith('pool')])
+def test_masked_pooling_64_bit_indices_emulated(case, emulator_64):
+    _check_layer(case)
