@@ -1146,6 +1146,17 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
     # pooling keeps no argmax, so it does not run for a masked layer.
     _arg8 = None
 
+    def masked_bits_unchanged(self):
+        """Whether masking leaves the layer's results bit for bit: cuDNN's
+        max pooling gives the masked kernels' bits where the windows do not
+        overlap (tools/compare_pooling.py), and where cuDNN does not run the
+        kernels' int32 argmax computes what the masked one does."""
+        pool = self.pool
+        (kh, kw), (sh, sw), _ = pool.geom
+        oh, ow = pool.out_shape[2:]
+        overlapping = (kh > sh and oh > 1) or (kw > sw and ow > 1)
+        return not overlapping or not self.cudnn_agrees()
+
     def can_mask(self):
         """MAX pooling with one top and windows of at most 255 values."""
         pool = self.pool

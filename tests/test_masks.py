@@ -29,7 +29,7 @@ VGG_LIKE = '''
 name: "vgg_like"
 layer { name: "data" type: "DummyData" top: "data" top: "label"
         dummy_data_param { data_filler { type: "gaussian" std: 1 }
-                           shape { dim: 4 dim: 3 dim: 16 dim: 16 }
+                           shape { dim: 4 dim: 3 dim: %(hw)d dim: %(hw)d }
                            data_filler { type: "uniform" min: 0 max: 2.99 } shape { dim: 4 } } }
 layer { name: "conv1_1" type: "Convolution" bottom: "data" top: "conv1_1"
         convolution_param { num_output: 8 kernel_size: 3 pad: 1 weight_filler { type: "xavier" }
@@ -52,9 +52,11 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 MASKED = ('relu1_2', 'pool1', 'relu2_1', 'pool2')
 
 
-def vgg_like(k2=3):
-    """pool2 overlapping (3x3, stride 2, Caffe's ceil rule) or not (2x2)."""
-    return param_of(VGG_LIKE % {'k2': k2})
+def vgg_like(k2=3, hw=16):
+    """pool2 overlapping (3x3, stride 2) or not (2x2). At 16x16 pool2's
+    3x3 windows over 8x8 follow Caffe's ceil rule, which cuDNN's do not
+    (the kernels run it unmasked too); at 18x18 (9x9) cuDNN's agree."""
+    return param_of(VGG_LIKE % {'k2': k2, 'hw': hw})
 
 
 @pytest.fixture(autouse=True)
@@ -86,7 +88,7 @@ def test_pools_and_the_relus_only_they_read_are_chosen():
 
 def test_a_relu_whose_map_a_convolution_reads_is_not_masked():
     text = VGG_LIKE.replace('bottom: "pool1" top: "conv2_1"', 'bottom: "conv1_2" top: "conv2_1"')
-    net = shapes.build_net(param_of(text % {'k2': 3}))
+    net = shapes.build_net(param_of(text % {'k2': 3, 'hw': 16}))
     # conv2_1 reads conv1_2's map now: neither relu1_2 nor pool1 (whose mask
     # would free nothing) is masked.
     assert masks.choose(net) == ('relu2_1', 'pool2')
@@ -142,12 +144,15 @@ def test_vgg16_masks_every_pool_and_the_relu_before_it():
 
 
 @pytest.mark.parametrize('plan, env, want', [
-    ('auto', None, MASKED), ('auto', '0', ()), ('shared', None, ()), ('shared', '1', MASKED),
+    ('auto', None, MASKED), ('auto', '0', ()), ('shared', None, MASKED[:2]),
+    ('shared', '0', ()), ('shared', '1', MASKED), ('offload', None, MASKED[:2]),
     ('offload', '1', MASKED), ('stock', '1', ()), ('arena', '1', ())])
 def test_which_plans_mask(monkeypatch, plan, env, want):
     if env is not None:
         monkeypatch.setenv(masks.ENV, env)
-    net = shapes.build_net(vgg_like())
+    # 18x18: pool2's overlapping windows are cuDNN's too, where the masked
+    # pooling sums in another order; shared and offload keep cuDNN's there.
+    net = shapes.build_net(vgg_like(hw=18))
     assert masks.for_plan(net, plan) == want
     if plan == 'auto':
         assert budget.estimate_plan(net, 'auto').masked == want
@@ -177,7 +182,12 @@ def test_masks_lower_the_vgg16_b256_peak_and_auto_runs_less_again():
     if not os.path.exists(path):
         pytest.skip('bench net not found: %s' % path)
     net = shapes.build_net(shapes.load_net_param(path))
-    plain = budget.estimate_plan(net, 'shared')
+    os.environ[masks.ENV] = '0'
+    try:
+        plain = budget.estimate_plan(net, 'shared')
+    finally:
+        del os.environ[masks.ENV]
+    assert budget.estimate_plan(net, 'shared').masked      # VGG-16's: the same bits
     os.environ[masks.ENV] = '1'
     try:
         masked = budget.estimate_plan(net, 'shared')
@@ -344,10 +354,12 @@ def test_masked_training_emulated_is_bit_identical(emulated, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize('k2', [2, 3])
 def test_gpu_masked_training_is_bit_identical_to_shared(monkeypatch, k2):
-    """Deterministic math, the same algorithms: shared with masks against
-    shared (cuDNN's pooling, or for pool2 with k2=3 and Caffe's ceil rule
-    the kernels' int32 argmax), 10 iterations, bit for bit."""
+    """Deterministic math, the same algorithms: shared with every mask
+    against shared with none (cuDNN's pooling, or for pool2 with k2=3 and
+    Caffe's ceil rule the kernels' int32 argmax), 10 iterations, bit for
+    bit."""
     param = vgg_like(k2)
+    monkeypatch.setenv(masks.ENV, '0')
     plain = cpe.train(param, 'shared', 10, 0, gpu=0, math='deterministic')
     monkeypatch.setenv(masks.ENV, '1')
     masked = cpe.train(param, 'shared', 10, 0, gpu=0, math='deterministic')
@@ -410,11 +422,12 @@ def test_the_memory_command_names_the_masked_layers(tmp_path, capsys):
     import json
     from caffeplus import cli
     model = tmp_path / 'vgg_like.prototxt'
-    model.write_text(VGG_LIKE % {'k2': 3})
+    model.write_text(VGG_LIKE % {'k2': 3, 'hw': 18})
     assert cli.main(['memory', '-model', str(model), '--estimate', '--json',
                      '--plans', 'shared,auto']) == 0
     plans = json.loads(capsys.readouterr().out)['plans']
-    assert plans['auto']['masked'] == list(MASKED) and plans['shared']['masked'] == []
+    assert plans['auto']['masked'] == list(MASKED)
+    assert plans['shared']['masked'] == ['relu1_2', 'pool1']      # the same bits as stock's
 
 
 @pytest.fixture(scope='module')

@@ -11,12 +11,15 @@ pooling, the map dies after the pooling's forward.
     from caffeplus.memory import masks
     masks.apply(net, masks.choose(net))      # before the plan is made
 
-Which plans mask: `auto` (CAFFEPLUS_MASKS=0: none); CAFFEPLUS_MASKS=1 masks
-in `shared` and `offload` too. `stock` and `arena` never do: they are stock
-Caffe's layers. The masked pooling routes each gradient to the first
-maximum of its window, as Caffe's own pooling; cuDNN's may pick another of
-equal values, so `shared` keeps cuDNN's for bit-identical results with
-`stock`.
+Which plans mask what. `stock` and `arena` never do: they are stock Caffe's
+layers. `auto` masks every layer it can. `shared` and `offload` mask only
+where the results stay bit for bit those of `stock`: the masked pooling
+routes each gradient to the first maximum of its window and sums a value's
+gradients in window order, as Caffe's own pooling; cuDNN's gives the same
+bits where windows do not overlap (tools/compare_pooling.py, on the H100),
+not where they do; where cuDNN does not run (Caffe's ceil rule) the kernels'
+int32 argmax computes what the masked one does. CAFFEPLUS_MASKS=1 masks
+every layer in `shared` and `offload` too; CAFFEPLUS_MASKS=0 masks nothing.
 """
 import os
 
@@ -27,14 +30,20 @@ def _setting():
     return os.environ.get(ENV, '').strip().lower()
 
 
+ALL, SAME_BITS = 'all', 'same bits'
+
+
 def wanted(plan_name):
-    """Whether plan `plan_name` masks the layers it can."""
+    """What plan `plan_name` masks: ALL it can, SAME_BITS (only where the
+    results stay those of stock), or None."""
     s = _setting()
     if s in ('0', 'off', 'no', 'false'):
-        return False
+        return None
     if plan_name == 'auto':
-        return True
-    return plan_name in ('shared', 'offload') and s in ('1', 'on', 'yes', 'true')
+        return ALL
+    if plan_name in ('shared', 'offload'):
+        return ALL if s in ('1', 'on', 'yes', 'true') else SAME_BITS
+    return None
 
 
 def _maskable(layer):
@@ -73,18 +82,20 @@ def _backward_readers(net, blob_id, but):
     return out
 
 
-def choose(net):
+def choose(net, same_bits=False):
     """Names of the layers to mask: the ReLUs in place on a convolution's
     output whose later readers are all maskable max poolings, and the max
     poolings whose input then has no other reader in backward (masking a
     pooling whose input a convolution or an LRN reads again would keep a
-    mask for nothing). Empty when the fused kernels are off
+    mask for nothing). `same_bits`: only poolings whose results masking
+    leaves bit for bit. Empty when the fused kernels are off
     (CAFFEPLUS_FUSED=0): the masked layers run on them."""
     from caffeplus import kernels
     if not kernels.enabled():
         return ()
     maskable = {i for i, l in enumerate(net.layers)
-                if l.layer_param.type == 'Pooling' and _maskable(l)}
+                if l.layer_param.type == 'Pooling' and _maskable(l) and
+                (not same_bits or l.masked_bits_unchanged())}
     relus = set()
     for i, layer in enumerate(net.layers):
         if layer.layer_param.type != 'ReLU' or not _maskable(layer):
@@ -120,7 +131,8 @@ def apply(net, names):
 
 def for_plan(net, plan_name):
     """Mask what plan `plan_name` masks on `net`; returns the names."""
-    return apply(net, choose(net) if wanted(plan_name) else ())
+    mode = wanted(plan_name)
+    return apply(net, choose(net, same_bits=mode == SAME_BITS) if mode else ())
 
 
 def applied(net):
