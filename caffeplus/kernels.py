@@ -479,8 +479,8 @@ extern "C" __global__ void cp_pool_bwd(const float* dy, const int* arg, float* d
    layer masks windows of at most 255 values), 255 where nothing beat
    -FLT_MAX. total = N*C*OH*OW. */
 template <class I>
-__device__ __forceinline__ void cp_mpool_fwd_run(const float* x, float* y, unsigned char* arg,
-    const I total, const int H, const int W, const int OH, const int OW,
+__device__ __forceinline__ void cp_mpool_fwd_run(const I total, const float* x, float* y,
+    unsigned char* arg, const int H, const int W, const int OH, const int OW,
     const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
 {
     const I stride = (I)gridDim.x * blockDim.x;
@@ -497,26 +497,25 @@ __device__ __forceinline__ void cp_mpool_fwd_run(const float* x, float* y, unsig
     }
 }
 
-/* 64-bit division is slow on the device: 32-bit indices up to 2**31 values. */
+/* 64-bit division is slow on the device: 32-bit indices up to 2**31 values.
+   CP_BY_INDEX(run, total, args...) calls run<unsigned> or run<unsigned long long>. */
 #define CP_INDEX_32 2147483648ULL
+#define CP_BY_INDEX(run, total, ...)                                             \
+    if ((total) <= CP_INDEX_32) run<unsigned>((unsigned)(total), __VA_ARGS__);   \
+    else run<unsigned long long>((total), __VA_ARGS__)
 
 extern "C" __global__ void cp_mpool_fwd(const float* x, float* y, unsigned char* arg,
     const unsigned long long total, const int H, const int W, const int OH, const int OW,
     const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
 {
-    if (total <= CP_INDEX_32)
-        cp_mpool_fwd_run<unsigned>(x, y, arg, (unsigned)total, H, W, OH, OW, KH, KW, SH, SW,
-                                   PH, PW);
-    else
-        cp_mpool_fwd_run<unsigned long long>(x, y, arg, total, H, W, OH, OW, KH, KW, SH, SW,
-                                             PH, PW);
+    CP_BY_INDEX(cp_mpool_fwd_run, total, x, y, arg, H, W, OH, OW, KH, KW, SH, SW, PH, PW);
 }
 
 /* Its backward, one thread per input value (total = N*C*H*W): the sum, in
    window order, of dy over the windows whose argmax is this value. */
 template <class I>
-__device__ __forceinline__ void cp_mpool_bwd_run(const float* dy, const unsigned char* arg,
-    float* dx, const I total, const int H, const int W, const int OH, const int OW,
+__device__ __forceinline__ void cp_mpool_bwd_run(const I total, const float* dy,
+    const unsigned char* arg, float* dx, const int H, const int W, const int OH, const int OW,
     const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
 {
     const I stride = (I)gridDim.x * blockDim.x;
@@ -548,12 +547,7 @@ extern "C" __global__ void cp_mpool_bwd(const float* dy, const unsigned char* ar
     const unsigned long long total, const int H, const int W, const int OH, const int OW,
     const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
 {
-    if (total <= CP_INDEX_32)
-        cp_mpool_bwd_run<unsigned>(dy, arg, dx, (unsigned)total, H, W, OH, OW, KH, KW, SH, SW,
-                                   PH, PW);
-    else
-        cp_mpool_bwd_run<unsigned long long>(dy, arg, dx, total, H, W, OH, OW, KH, KW, SH, SW,
-                                             PH, PW);
+    CP_BY_INDEX(cp_mpool_bwd_run, total, dy, arg, dx, H, W, OH, OW, KH, KW, SH, SW, PH, PW);
 }
 
 /* The same where the windows tile the input exactly (stride = kernel, no
@@ -561,8 +555,8 @@ extern "C" __global__ void cp_mpool_bwd(const float* dy, const unsigned char* ar
    (total = N*C*OH*OW) writing its window: 0 + dy at the argmax (as the sum
    above, so -0.0 becomes 0.0), 0 elsewhere. */
 template <class I>
-__device__ __forceinline__ void cp_mpool_bwd_tiled_run(const float* dy, const unsigned char* arg,
-    float* dx, const I total, const int OH, const int OW, const int KH, const int KW)
+__device__ __forceinline__ void cp_mpool_bwd_tiled_run(const I total, const float* dy,
+    const unsigned char* arg, float* dx, const int OH, const int OW, const int KH, const int KW)
 {
     const int W = OW * KW;
     const I stride = (I)gridDim.x * blockDim.x;
@@ -585,10 +579,7 @@ extern "C" __global__ void cp_mpool_bwd_tiled(const float* dy, const unsigned ch
     float* dx, const unsigned long long total, const int OH, const int OW, const int KH,
     const int KW)
 {
-    if (total <= CP_INDEX_32)
-        cp_mpool_bwd_tiled_run<unsigned>(dy, arg, dx, (unsigned)total, OH, OW, KH, KW);
-    else
-        cp_mpool_bwd_tiled_run<unsigned long long>(dy, arg, dx, total, OH, OW, KH, KW);
+    CP_BY_INDEX(cp_mpool_bwd_tiled_run, total, dy, arg, dx, OH, OW, KH, KW);
 }
 
 /* ReLU (negative slope 0) that also keeps bit i%32 of bits[i/32] = (y[i] > 0),
