@@ -1163,7 +1163,8 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         return pool is not None and pool.method == MAX and getattr(self, '_ntop', 1) == 1 and \
             pool.geom.kernel[0] * pool.geom.kernel[1] < 255
 
-    def _mask_args(self):
+    def _window_args(self):
+        """H, W, OH, OW, KH, KW, SH, SW, PH, PW as the pooling kernels take them."""
         from caffeplus import kernels as K
         pool = self.pool
         (kh, kw), (sh, sw), (ph, pw) = pool.geom
@@ -1177,7 +1178,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         x, y = K.flat(bottom[0]), K.flat(top[0])
         self._arg8 = arg = scratch.get(self, 'argmax8', count, numpy.uint8, K.array_module())
         K.kernel('cp_mpool_fwd')(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
-                                 (x, y, arg, numpy.uint64(count)) + self._mask_args())
+                                 (x, y, arg, numpy.uint64(count)) + self._window_args())
 
     def _masked_backward(self, top, bottom):
         from caffeplus import kernels as K
@@ -1198,7 +1199,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
             return
         count = _prod(pool.x_shape)
         K.kernel('cp_mpool_bwd')(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
-                                 (dy, self._arg8, dx, numpy.uint64(count)) + self._mask_args())
+                                 (dy, self._arg8, dx, numpy.uint64(count)) + self._window_args())
 
     def internal_buffers(self):
         """On the GPU, MAX pooling's kernel keeps an int32 argmax for
@@ -1231,12 +1232,8 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
 
     def _pool_args(self):
         from caffeplus import kernels as K
-        pool = self.pool
-        (kh, kw), (sh, sw), (ph, pw) = pool.geom
-        n, c, h, w = pool.x_shape
-        oh, ow = pool.out_shape[2:]
-        return (K.u32(n * c), K.i32(h), K.i32(w), K.i32(oh), K.i32(ow), K.i32(kh), K.i32(kw),
-                K.i32(sh), K.i32(sw), K.i32(ph), K.i32(pw), K.i32(pool.method == AVE))
+        n, c = self.pool.x_shape[:2]
+        return (K.u32(n * c),) + self._window_args() + (K.i32(self.pool.method == AVE),)
 
     def _fast_forward(self, bottom, top):
         from caffeplus import kernels as K

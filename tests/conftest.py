@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 
@@ -53,13 +54,14 @@ def need(path):
 
 
 # -- the fused GPU kernels emulated on the host (tools/kernel_emu.py) ----------------
-@pytest.fixture(scope='session')
-def emulator():
+def build_emulator(source=None):
+    """tools.kernel_emu.Emulator of the kernels' source (or `source`); the
+    test fails on a compile error and is skipped without g++ 20."""
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     from tools.kernel_emu import Emulator
     try:
-        emu = Emulator.build()
+        emu = Emulator.build(source=source)
     except RuntimeError as exc:          # a compile error in the kernels' source
         pytest.fail(str(exc))
     if emu is None:
@@ -67,17 +69,28 @@ def emulator():
     return emu
 
 
-@pytest.fixture
-def emulated(emulator):
+@contextlib.contextmanager
+def emulating(emu):
     """The kernels on the host, NumPy arrays standing in for device arrays;
     no fused path may fall back meanwhile."""
     from caffeplus import kernels
-    previous = kernels.set_emulator(emulator)
+    previous = kernels.set_emulator(emu)
     kernels.reset_kernels()
     was = kernels.set_enabled(True)
     before = len(kernels.failures())
-    yield emulator
+    yield emu
     kernels.set_emulator(previous)
     kernels.reset_kernels()
     kernels.set_enabled(was)
     assert kernels.failures()[before:] == []
+
+
+@pytest.fixture(scope='session')
+def emulator():
+    return build_emulator()
+
+
+@pytest.fixture
+def emulated(emulator):
+    with emulating(emulator) as emu:
+        yield emu

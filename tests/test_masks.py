@@ -18,7 +18,7 @@ from caffeplus.layer import create_layer
 from caffeplus.memory import budget, liveness, masks, shapes
 from caffeplus.proto import caffe_pb2
 from plan_helpers import param_of, sgd_run
-from conftest import ROOT, SHARED
+from conftest import ROOT, SHARED, build_emulator, emulating
 
 sys.path.insert(0, ROOT)
 from tools import check_plans_equal as cpe  # noqa: E402
@@ -177,34 +177,25 @@ def test_a_masked_map_dies_after_the_forward_of_its_pooling():
     assert _life(liveness.buffers(net), 'data', 'conv1_1')[1] >= L     # conv1_2's input
 
 
-def test_masks_lower_the_vgg16_b256_peak_and_auto_runs_less_again():
+def test_masks_lower_the_vgg16_b256_peak_and_auto_runs_less_again(monkeypatch):
     path = os.path.join(SHARED, 'bench', 'vgg16_b256.prototxt')
     if not os.path.exists(path):
         pytest.skip('bench net not found: %s' % path)
     net = shapes.build_net(shapes.load_net_param(path))
-    os.environ[masks.ENV] = '0'
-    try:
-        plain = budget.estimate_plan(net, 'shared')
-    finally:
-        del os.environ[masks.ENV]
+    monkeypatch.setenv(masks.ENV, '0')
+    plain = budget.estimate_plan(net, 'shared')
+    monkeypatch.delenv(masks.ENV)
     assert budget.estimate_plan(net, 'shared').masked      # VGG-16's: the same bits
-    os.environ[masks.ENV] = '1'
-    try:
-        masked = budget.estimate_plan(net, 'shared')
-    finally:
-        del os.environ[masks.ENV]
+    monkeypatch.setenv(masks.ENV, '1')
+    masked = budget.estimate_plan(net, 'shared')            # the net stays masked so
     # conv1_2's 3.3 GB map and the other four before the poolings leave;
     # the masks take 1/16 and 1/32 of them.
     assert masked.peak_bytes < plain.peak_bytes - 3 * 2 ** 30
-    os.environ[masks.ENV] = '1'
-    try:
-        masks.for_plan(net, 'shared')
-        internal = sum(net.layers[net._layer_names.index(n)].gpu_internal_bytes()
-                       for n in masked.masked)
-    finally:
-        del os.environ[masks.ENV]
+    internal = sum(net.layers[net._layer_names.index(n)].gpu_internal_bytes()
+                   for n in masked.masked)
     conv1_2 = 256 * 64 * 224 * 224 * 4
     assert conv1_2 // 32 + conv1_2 // 16 < internal < (plain.peak_bytes - masked.peak_bytes) / 5
+    monkeypatch.delenv(masks.ENV)
     # Under 12 GiB auto had to run four convolutions again; masked, one.
     auto = budget.estimate_plan(net, 'auto', budget=budget.parse_bytes('12G'))
     assert auto.masked and auto.peak_bytes <= budget.planned_budget(budget.parse_bytes('12G'))
@@ -435,22 +426,10 @@ def emulator_64():
     """The kernels built with no 32-bit index path: every launch takes the
     64-bit one (maps past 2**31 values)."""
     from caffeplus import kernels as K
-    from tools.kernel_emu import Emulator
     define = '#define CP_INDEX_32 2147483648ULL'
     assert define in K.SOURCE
-    try:
-        emu = Emulator.build(source=K.SOURCE.replace(define, '#define CP_INDEX_32 0ULL'))
-    except RuntimeError as exc:
-        pytest.fail(str(exc))
-    if emu is None:
-        pytest.skip('no g++ with C++20 to emulate the kernels')
-    previous = kernels.set_emulator(emu)
-    kernels.reset_kernels()
-    was = kernels.set_enabled(True)
-    yield emu
-    kernels.set_emulator(previous)
-    kernels.reset_kernels()
-    kernels.set_enabled(was)
+    with emulating(build_emulator(K.SOURCE.replace(define, '#define CP_INDEX_32 0ULL'))) as emu:
+        yield emu
 
 
 @pytest.mark.parametrize('case', [c for c in LAYER_CASES if c[0].startswith('pool')],

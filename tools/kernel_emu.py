@@ -95,6 +95,7 @@ _SANITIZE = ['-fsanitize=address', '-fno-omit-frame-pointer'] \
     if os.environ.get('CAFFEPLUS_EMU_ASAN') else []
 
 _SIG = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\)', re.S)
+_POINTER_DTYPES = (numpy.float32, numpy.float64, numpy.int32, numpy.uint32, numpy.uint8)
 
 
 def _params(text):
@@ -128,8 +129,7 @@ class _Kernel:
                 if a is None:
                     conv.append(None)
                     continue
-                if not isinstance(a, numpy.ndarray) or a.dtype not in (numpy.float32, numpy.int32, numpy.float64, numpy.uint8,
-                                                                    numpy.uint32) \
+                if not isinstance(a, numpy.ndarray) or a.dtype not in _POINTER_DTYPES \
                         or not a.flags.c_contiguous:
                     raise TypeError('%s: pointer arguments must be contiguous float32, float64, '
                                     'int32, uint32 or uint8 arrays (got %r)' % (self.name, type(a)))
