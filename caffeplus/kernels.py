@@ -366,6 +366,17 @@ __device__ float cp_block_max(float v, float* sh) {
     return v;
 }
 
+/* Index i of a (planes, H, W) layout: its row *h, its column *w, and
+   (returned) its plane. */
+template <class I>
+__device__ __forceinline__ I cp_plane_of(const I i, const int H, const int W, int* h, int* w)
+{
+    *w = (int)(i % (I)W);
+    const I t = i / (I)W;
+    *h = (int)(t % (I)H);
+    return t / (I)H;
+}
+
 /* The first maximum of the window rows hs.., columns ws.. (clipped to the
    H x W plane xp) in scan order: strict >, from -FLT_MAX, so NaN never
    wins; *arg = its offset kh*KW+kw in the window, `none` if nothing beat
@@ -402,10 +413,8 @@ extern "C" __global__ void cp_pool_fwd(const float* x, float* y, int* arg,
     const unsigned total = NC * (unsigned)(OH * OW);
     const unsigned stride = gridDim.x * blockDim.x;
     for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const int ow = (int)(i % (unsigned)OW);
-        const unsigned t = i / (unsigned)OW;
-        const int oh = (int)(t % (unsigned)OH);
-        const unsigned nc = t / (unsigned)OH;
+        int oh, ow;
+        const unsigned nc = cp_plane_of(i, OH, OW, &oh, &ow);
         const int hs = oh * SH - PH, ws = ow * SW - PW;
         const float* xp = x + nc * (unsigned)(H * W);
         if (ave) {
@@ -440,10 +449,8 @@ extern "C" __global__ void cp_pool_bwd(const float* dy, const int* arg, float* d
     const unsigned total = NC * (unsigned)(H * W);
     const unsigned stride = gridDim.x * blockDim.x;
     for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const int w = (int)(i % (unsigned)W);
-        const unsigned t = i / (unsigned)W;
-        const int h = (int)(t % (unsigned)H);
-        const unsigned nc = t / (unsigned)H;
+        int h, w;
+        const unsigned nc = cp_plane_of(i, H, W, &h, &w);
         const int hp = h + PH, wp = w + PW;
         const int ph0 = hp < KH ? 0 : (hp - KH) / SH + 1;
         const int ph1 = min(hp / SH + 1, OH);
@@ -485,10 +492,8 @@ __device__ __forceinline__ void cp_mpool_fwd_run(const I total, const float* x, 
 {
     const I stride = (I)gridDim.x * blockDim.x;
     for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const int ow = (int)(i % (I)OW);
-        const I t = i / (I)OW;
-        const int oh = (int)(t % (I)OH);
-        const unsigned long long nc = (unsigned long long)(t / (I)OH);
+        int oh, ow;
+        const unsigned long long nc = cp_plane_of(i, OH, OW, &oh, &ow);
         const int hs = oh * SH - PH, ws = ow * SW - PW;
         const float* xp = x + nc * (unsigned long long)(H * W);
         int a;
@@ -520,10 +525,8 @@ __device__ __forceinline__ void cp_mpool_bwd_run(const I total, const float* dy,
 {
     const I stride = (I)gridDim.x * blockDim.x;
     for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const int w = (int)(i % (I)W);
-        const I t = i / (I)W;
-        const int h = (int)(t % (I)H);
-        const unsigned long long nc = (unsigned long long)(t / (I)H);
+        int h, w;
+        const unsigned long long nc = cp_plane_of(i, H, W, &h, &w);
         const int hp = h + PH, wp = w + PW;
         const int ph0 = hp < KH ? 0 : (hp - KH) / SH + 1;
         const int ph1 = min(hp / SH + 1, OH);
@@ -561,10 +564,8 @@ __device__ __forceinline__ void cp_mpool_bwd_tiled_run(const I total, const floa
     const int W = OW * KW;
     const I stride = (I)gridDim.x * blockDim.x;
     for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const int ow = (int)(i % (I)OW);
-        const I t = i / (I)OW;
-        const int oh = (int)(t % (I)OH);
-        const unsigned long long nc = (unsigned long long)(t / (I)OH);
+        int oh, ow;
+        const unsigned long long nc = cp_plane_of(i, OH, OW, &oh, &ow);
         const int a = (int)arg[i];
         const float g = __fadd_rn(0.0f, dy[i]);
         float* dp = dx + nc * (unsigned long long)(OH * KH) * (unsigned long long)W +

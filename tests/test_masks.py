@@ -187,7 +187,7 @@ def test_masks_lower_the_vgg16_b256_peak_and_auto_runs_less_again(monkeypatch):
     monkeypatch.delenv(masks.ENV)
     assert budget.estimate_plan(net, 'shared').masked      # VGG-16's: the same bits
     monkeypatch.setenv(masks.ENV, '1')
-    masked = budget.estimate_plan(net, 'shared')            # the net stays masked so
+    masked = budget.estimate_plan(net, 'shared')    # the net stays masked (sizes below)
     # conv1_2's 3.3 GB map and the other four before the poolings leave;
     # the masks take 1/16 and 1/32 of them.
     assert masked.peak_bytes < plain.peak_bytes - 3 * 2 ** 30
