@@ -53,7 +53,7 @@ import numpy
 from caffeplus import backend, log
 from caffeplus.blob import HEAD_DEVICE, HEAD_HOST
 from caffeplus.errors import CaffeplusError
-from caffeplus.memory import liveness, masks, placement, recompute, scratch
+from caffeplus.memory import liveness, masks, placement, recompute, scratch, thread_stack
 from caffeplus.memory.plan import PLANS, check_plan_name, make_plan
 
 FLOAT_BYTES = liveness.FLOAT_BYTES
@@ -996,6 +996,8 @@ def apply_plan(net, plan, keep=(), training=None, workspace_limit=None, lookahea
     layers (int, or 'auto': measured; default 1 on the CPU, 'auto' on the GPU)."""
     check_plan_name(plan.name)
     remove_plan(net, keep_values=False)     # what the arena held is dead between passes
+    if backend.mode() == backend.GPU:
+        thread_stack.apply(plan.name)
     masks.apply(net, plan.masked)           # the layers as the plan saw them
     if training is None:
         training = plan.steps == 2 * len(net.layers) if plan.steps else _training_default(net)

@@ -50,6 +50,7 @@ import time
 
 from caffeplus import backend
 from caffeplus.errors import CaffeplusError
+from caffeplus.memory import thread_stack
 from caffeplus.memory.plan import CATEGORIES
 
 FLOAT_BYTES = 4
@@ -446,6 +447,7 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1, apply=No
                 'offloaded': list(info.get('offloaded') or []),
                 'offload_bandwidth': getattr(getattr(applied, 'runtime', None),
                                              'bandwidth', None),
+                'thread_stack_bytes': thread_stack.current_bytes(),
             }
     finally:
         del solver, net, info

@@ -28,9 +28,13 @@ A map is made again only when
     busiest step (data and diffs): a forward per small map would cost more
     time than its bytes are worth (GoogLeNet's auxiliary average pools).
 Under plan `offload` the maps its policy offloads are chosen first: they
-are neither made again nor inputs to what is. CAFFEPLUS_RECOMPUTE=0 turns
-this off; CAFFEPLUS_RECOMPUTE=convs runs convolutions again in every
-reusing plan, not only where `auto`'s search finds it pays.
+are neither made again nor inputs to what is.
+
+Which plans: `offload` and `auto`. Not `shared`: it promises `arena`'s
+iteration time, and a forward run again is time (AlexNet's norm1 and norm2:
+2.6%). CAFFEPLUS_RECOMPUTE=1 makes maps again in `shared` too, =0 in no
+plan; =convs runs convolutions again in every reusing plan, not only where
+`auto`'s search finds it pays.
 
 A convolution run again needs its forward workspace at that backward step:
 workspace_buffers gives it a buffer of its own there ('again'), which the
@@ -54,11 +58,15 @@ _POOL_METHODS = (0, 1)          # PoolingParameter.MAX, AVE
 
 
 def _setting():
-    return os.environ.get('CAFFEPLUS_RECOMPUTE', '1').strip().lower()
+    return os.environ.get('CAFFEPLUS_RECOMPUTE', '').strip().lower()
 
 
-def enabled():
-    return _setting() not in ('0', 'false', 'off', 'no')
+def enabled(plan_name=None):
+    """Whether plan `plan_name` makes maps again (None: any plan may)."""
+    setting = _setting()
+    if setting in ('0', 'false', 'off', 'no'):
+        return False
+    return plan_name != 'shared' or setting != ''
 
 
 def convs_always():

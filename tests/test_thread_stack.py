@@ -1,0 +1,91 @@
+"""The per-thread stack limit the plans run with (caffeplus.memory.thread_stack)."""
+import os
+import sys
+
+import pytest
+
+import caffeplus
+from caffeplus.errors import CaffeplusError
+from caffeplus.memory import shapes, thread_stack, workspace_model as wm
+from conftest import ROOT, SHARED
+from test_masks import vgg_like
+
+sys.path.insert(0, ROOT)
+from tools import check_plans_equal as cpe  # noqa: E402
+
+ALEXNET = os.path.join(SHARED, 'bench', 'alexnet_b128.prototxt')
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+    monkeypatch.delenv(thread_stack.ENV, raising=False)
+
+
+def test_stock_keeps_cuda_default_and_the_other_plans_lower_it(monkeypatch):
+    assert thread_stack.wanted_bytes('stock') == 1024
+    for plan in ('arena', 'shared', 'offload', 'auto'):
+        assert thread_stack.wanted_bytes(plan) == thread_stack.THREAD_STACK_BYTES < 1024
+    monkeypatch.setenv(thread_stack.ENV, '0')
+    assert thread_stack.wanted_bytes('shared') == 0
+    assert thread_stack.wanted_bytes('stock') == 1024
+    monkeypatch.setenv(thread_stack.ENV, 'default')
+    assert thread_stack.wanted_bytes('shared') == 1024
+    assert thread_stack.saved_bytes('shared') == 0
+
+
+@pytest.mark.parametrize('value', ['-1', 'lots', '1.5'])
+def test_a_bad_setting_is_a_clear_error(monkeypatch, value):
+    monkeypatch.setenv(thread_stack.ENV, value)
+    with pytest.raises(CaffeplusError, match="CAFFEPLUS_THREAD_STACK must be a number of bytes"):
+        thread_stack.wanted_bytes('shared')
+
+
+def test_the_estimate_counts_what_the_limit_saves(monkeypatch):
+    """(1024 - 256) bytes for each of the H100's 132 x 2048 threads: the 198
+    MiB that tools/context_probe.py measured."""
+    assert thread_stack.saved_bytes('shared') == 768 * 270336
+    assert thread_stack.saved_bytes('stock') == 0
+    if not os.path.exists(ALEXNET):
+        pytest.skip('needs ../shared/bench')
+    net = shapes.build_net(shapes.load_net_param(ALEXNET))
+    lower = wm.other_bytes(net, 'arena')
+    monkeypatch.setenv(thread_stack.ENV, 'default')
+    assert wm.other_bytes(net, 'arena') - lower == 768 * 270336
+
+
+@pytest.mark.gpu
+def test_gpu_plans_set_the_limit_and_the_device_holds_less(monkeypatch):
+    import cupy
+    from caffeplus.memory.apply import apply_named_plan
+    caffeplus.set_mode_gpu()
+    try:
+        net = caffeplus.Net(vgg_like(), caffeplus.TRAIN)
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        threads = props['multiProcessorCount'] * props['maxThreadsPerMultiProcessor']
+
+        def used():
+            cupy.cuda.Device().synchronize()
+            free, total = cupy.cuda.runtime.memGetInfo()
+            return total - free
+        apply_named_plan(net, 'stock')
+        assert thread_stack.current_bytes() == 1024
+        at_stock = used()
+        apply_named_plan(net, 'shared')
+        assert thread_stack.current_bytes() == thread_stack.THREAD_STACK_BYTES
+        # What stock's arrays free (put back in CuPy's pool, not the
+        # device's) does not count here: the pool keeps them.
+        assert at_stock - used() >= 0.9 * (1024 - thread_stack.THREAD_STACK_BYTES) * threads
+    finally:
+        caffeplus.set_mode_cpu()
+
+
+@pytest.mark.gpu
+def test_gpu_training_is_the_same_at_any_limit(monkeypatch):
+    """A kernel that needs more stack than the limit gets it from the
+    driver: training from stack 0 is bit-identical to CUDA's default."""
+    param = vgg_like()
+    monkeypatch.setenv(thread_stack.ENV, 'default')
+    default = cpe.train(param, 'shared', 5, 0, gpu=0, math='deterministic')
+    monkeypatch.setenv(thread_stack.ENV, '0')
+    lowest = cpe.train(param, 'shared', 5, 0, gpu=0, math='deterministic')
+    assert not cpe.differences(default, lowest), cpe.differences(default, lowest)
