@@ -222,14 +222,24 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
         hidden = free_offload.choose_hidden(
             net, bufs, offload.choose(net, bufs, 'all', keep),
             [t * FREE_STEP_SHARE for t in steps_s], PCIE_BANDWIDTH, host_budget=host_budget)
-    sizes = None
-    if placing:
-        bare = make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
-                         offload_policy=offload_policy, internals=kept, offload_hidden=hidden)
-        sizes = placed_workspace_sizes(net, bare.buffers, bare.steps, training, cap=cap)
-    plan = make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
-                     offload_policy=offload_policy, workspace=sizes,
-                     internals=kept, other_bytes=other, offload_hidden=hidden)
+
+    def placed(hidden):
+        sizes = None
+        if placing:
+            bare = make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
+                             offload_policy=offload_policy, internals=kept,
+                             offload_hidden=hidden)
+            sizes = placed_workspace_sizes(net, bare.buffers, bare.steps, training, cap=cap)
+        return make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
+                         offload_policy=offload_policy, workspace=sizes,
+                         internals=kept, other_bytes=other, offload_hidden=hidden)
+    plan = placed(hidden)
+    if hidden:
+        # As the runtime (AppliedPlan.adopt_free_offload): the maps move
+        # only if that lowers the peak (what stays may be made again instead).
+        stay = placed({})
+        if stay.peak_bytes <= plan.peak_bytes:
+            plan = stay
     if placing:
         workspace = plan.breakdown['workspace']     # its share of the arena at the peak
         other = plan.breakdown['other']             # with the internals' share
