@@ -517,18 +517,12 @@ def test_memory_command_measures_with_the_estimate_beside(capsys):
 
 
 # `caffeplus memory -gpu 0 --plans stock,arena,shared,offload --offload free
-# --iterations 10` on the H100: AlexNet and ResNet-50 in session 6 (99f8bde,
-# 67fb6fe: nothing changed their plans since), VGG-16 and GoogLeNet in
-# session 9 (5e3cb22: shared and offload mask their poolings).
-_MEMORY = os.path.join(ROOT, 'benchmarks', 'memory')
-MEASURED = {
-    'alexnet_b128': os.path.join(_MEMORY, '2026-11-24-s6', 'memory_alexnet_b128_99f8bde.json'),
-    'resnet50_b64': os.path.join(_MEMORY, '2026-11-24-s6', 'memory_resnet50_b64_67fb6fe.json'),
-    'vgg16_b64': os.path.join(_MEMORY, '2026-11-24-s9',
-                              '5e3cb22_memory_vgg16_b64_stock_arena_shared_offload.json'),
-    'googlenet_b64': os.path.join(_MEMORY, '2026-11-24-s9',
-                                  '5e3cb22_memory_googlenet_b64_stock_arena_shared_offload.json'),
-}
+# --iterations 10` on the H100 in session 10 (1828c40, b9e36aa: the plans
+# but stock run with a 256-byte thread stack; shared makes nothing again).
+_MEMORY = os.path.join(ROOT, 'benchmarks', 'memory', '2026-11-25-s10')
+MEASURED = {net: os.path.join(_MEMORY, '%s_memory_%s_stock_arena_shared_offload.json'
+                              % ('b9e36aa' if net == 'vgg16_b64' else '1828c40', net))
+            for net in ('alexnet_b128', 'resnet50_b64', 'vgg16_b64', 'googlenet_b64')}
 
 
 @pytest.mark.parametrize('net', sorted(MEASURED))
