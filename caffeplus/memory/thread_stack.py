@@ -17,8 +17,10 @@ import os
 from caffeplus.errors import CaffeplusError
 
 CUDA_DEFAULT_BYTES = 1024
-# What cuDNN, cuBLAS and caffeplus's kernels needed over the four bench nets
-# on the H100 (started at 0, read back after training: benchmarks/memory_results.md).
+# Started at 0 and read back after training on the H100, the driver had
+# raised the limit to 208 bytes for AlexNet b128, 160 for VGG-16 b64, 144 for
+# ResNet-50 b64 and 128 for GoogLeNet b64 (benchmarks/memory_results.md,
+# session 10): 256 covers them, so no launch waits for a raise.
 THREAD_STACK_BYTES = 256
 # Threads an H100 holds at once: what the estimate (made without a GPU) scales by.
 H100_THREADS = 132 * 2048
