@@ -233,8 +233,13 @@ def _weights(solver):
     return [numpy.array(p.data) for p in solver.net.learnable_params]
 
 
-def test_nan_in_a_gradient_stops_at_the_layer_that_made_it():
-    from caffeplus.solver import nan_check
+@pytest.mark.parametrize('in_backward', ['0', '1'])
+def test_nan_in_a_gradient_stops_at_the_layer_that_made_it(monkeypatch, in_backward):
+    """With the update in backward (caffeplus.solver.update_in_backward) ip,
+    after the NaN in backward, was updated with its finite gradient before
+    ip0's NaN was seen; ip0 was not."""
+    from caffeplus.solver import nan_check, update_in_backward
+    monkeypatch.setenv(update_in_backward.ENV, in_backward)
     solver = _solver(GRADIENT_NAN)
     assert nan_check.install(solver) is not None
     before = _weights(solver)
@@ -246,8 +251,16 @@ def test_nan_in_a_gradient_stops_at_the_layer_that_made_it():
     text = str(err)
     assert text.startswith('Iteration 0:') and "'sqrt' (Power)" in text and 'backward' in text
     assert 'ip0[0]' in text and 'NaN' in text
+    after = _weights(solver)
+    assert all(numpy.isfinite(w).all() for w in after)
+    if in_backward == '1':
+        assert solver.net.applied_plan.plan.param_diffs
+        assert 'the layers after them were updated in backward' in text
+        changed = [not numpy.array_equal(a, b) for a, b in zip(before, after)]
+        assert changed == [False, False, True, True]        # ip0's weights, bias; ip's
+        return
     # It stopped before the update: the weights are the finite ones of before.
-    for a, b in zip(before, _weights(solver)):
+    for a, b in zip(before, after):
         numpy.testing.assert_array_equal(a, b)
 
 

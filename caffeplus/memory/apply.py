@@ -363,6 +363,13 @@ class AppliedPlan:
         for buf in plan.buffers:
             if buf.kind in ('workspace', 'internal'):
                 continue        # the real ones come from the layers (self.workspace, scratch)
+            if buf.kind == 'param_diff':
+                # A parameter's gradient, applied in backward (update_in_backward).
+                param = net.learnable_params[buf.key[1]]
+                entry = by_storage[id(param.diff_storage)] = _Entry(
+                    param.diff_storage, buf.kind, (self._param_name(buf.key[1]),), [param])
+                entry.lives.append(_Life(buf))
+                continue
             blob = blobs[buf.blobs[0]]
             storage = blob.data_storage if buf.kind == 'data' else blob.diff_storage
             if id(storage) in params:
@@ -461,7 +468,55 @@ class AppliedPlan:
             from caffeplus.memory import offload_runtime
             self.runtime = offload_runtime.OffloadRuntime(self, **self.options.get('runtime', {}))
         self._hook_recompute()
+        self._hook_param_diffs()
         self.pause = None
+
+    # -- parameter gradients applied in backward (caffeplus.solver.update_in_backward) ----
+    def _param_name(self, k):
+        net = self.net
+        owner = net.learnable_param_ids.index(k)
+        layer_id, index = net.param_layer_indices[owner]
+        return '%s[%d]' % (net._layer_names[layer_id], index)
+
+    def _hook_param_diffs(self):
+        """A placed gradient starts at zero (Caffe's ClearParamDiffs) just
+        before the first backward step that writes it: hooked after the
+        offload runtime's, which first waits for copies out of those bytes."""
+        self._unhook_param_diffs()
+        L = self.L
+        starts = {}
+        for e in self.entries:
+            if e.kind == 'param_diff':
+                step = int(math.ceil(e.lives[0].start))
+                starts.setdefault(2 * L - 1 - step, []).append(e)
+        if not starts:
+            return
+        xp = self.xp
+
+        def zero_before(i):
+            todo = starts.get(i)
+            if not todo:
+                return
+            from caffeplus import kernels
+            blobs = [e.blobs[0] for e in todo]
+            if xp is numpy or not kernels.zero_diffs(blobs):
+                for b in blobs:
+                    b.diff[...] = 0
+        self._zero_hook = zero_before
+        self.net.before_layer_backward.append(zero_before)
+
+    def _unhook_param_diffs(self):
+        hook = getattr(self, '_zero_hook', None)
+        net = self._net()
+        if hook is not None and net is not None and hook in net.before_layer_backward:
+            net.before_layer_backward.remove(hook)
+        self._zero_hook = None
+
+    def keep_param_diffs(self):
+        """Place again with every parameter gradient kept whole (the solver
+        can no longer update in backward)."""
+        self.options.setdefault('plan_overrides', {})['param_diffs'] = False
+        self.relayout(replan=True)
 
     # -- maps made again in backward (caffeplus.memory.recompute) ------------------------
     def _hook_recompute(self):
@@ -673,6 +728,18 @@ class AppliedPlan:
 
         for e in self.entries:
             first, last = e.lives[0], e.lives[-1]
+            if e.kind == 'param_diff':
+                hint = ('%s=0 keeps every parameter gradient after the iteration'
+                        % 'CAFFEPLUS_UPDATE_IN_BACKWARD')
+                e.reasons['after'] = (
+                    "parameter gradient applied by the solver's update in backward (after layer "
+                    "%s), then its memory lent to other blobs by memory plan '%s'; %s"
+                    % (where(last.end)[1], self.name, hint))
+                e.reasons['before'] = (
+                    "parameter gradient not written yet: memory plan '%s' lends its memory to "
+                    "other blobs until backward of layer %s; %s"
+                    % (self.name, where(first.start)[1], hint))
+                continue
             phase, layer = where(min(last.end, 2 * L - 1))
             e.reasons['after'] = (
                 "released by memory plan '%s' after its last use in %s (layer %s); %s"
@@ -714,6 +781,7 @@ class AppliedPlan:
             self.runtime.close()
             self.runtime = None
         self._unhook_recompute()
+        self._unhook_param_diffs()
         for e in self.entries:
             st = e.storage
             st.released_reason = None
@@ -765,7 +833,8 @@ class AppliedPlan:
         for e in old_entries:
             # Persistent now (e.g. no longer reused after a reshape): its own copy.
             arr = e.storage.array
-            if id(e.storage) not in planned and any(arr is life.view for life in e.lives):
+            if arr is not None and id(e.storage) not in planned and \
+                    any(arr is life.view for life in e.lives):
                 e.storage.array = arr.copy()
         for e in self.entries:
             old = kept.get(id(e.storage))
@@ -1013,7 +1082,7 @@ def apply_plan(net, plan, keep=(), training=None, workspace_limit=None, lookahea
             offloaded, name = 'free', 'offload'
 
         def make(n, _keep=tuple(keep), _training=training, **overrides):
-            kw = dict(offload_policy=offloaded or 'conv')
+            kw = dict(offload_policy=offloaded or 'conv', param_diffs=plan.param_diffs)
             kw.update(overrides)
             return make_plan(n, name, keep=_keep, training=_training, **kw)
     if plan.offload_policy == 'free' and plan.offloaded:
@@ -1038,14 +1107,15 @@ def apply_plan(net, plan, keep=(), training=None, workspace_limit=None, lookahea
 
 def apply_named_plan(net, name, keep=(), offload_policy='conv', workspace_limit=None,
                      training=None, solver_type='SGD', budget=None, lookahead=None,
-                     runtime_options=None, host_budget=None):
+                     runtime_options=None, host_budget=None, param_diffs=False):
     """Plan `name` (stock, arena, shared, offload, auto) for `net` and apply
     it. `keep`: blob names that stay readable (with the net's own
     caffeplus_param.keep); `offload_policy`: conv, all or blob names;
     `budget`: bytes for auto (None: the fastest plan); `host_budget`: the
     most auto may offload to pinned host memory (None: default_host_budget);
     `training`: plan the backward too (default: TRAIN phase or
-    force_backward)."""
+    force_backward); `param_diffs`: the net's solver updates in backward,
+    so `shared` and `offload` place the parameter gradients too."""
     check_plan_name(name)
     keep = check_keep(net, list(check_keep(net, keep)) + _net_keep(net))
     if training is None:
@@ -1061,7 +1131,7 @@ def apply_named_plan(net, name, keep=(), offload_policy='conv', workspace_limit=
             return budget_module.plan_for_budget(
                 n, budget or None, solver_type, keep, training,
                 host_budget=host_budget or budget_module.default_host_budget())
-        kw = dict(offload_policy=offload_policy)
+        kw = dict(offload_policy=offload_policy, param_diffs=param_diffs)
         kw.update(overrides)
         masks.for_plan(n, name)
         return make_plan(n, name, solver_type=solver_type, keep=keep, training=training, **kw)
@@ -1094,9 +1164,13 @@ def apply_solver_plans(solver, default='shared'):
     limit = int(cp.workspace_limit) or None
     budget = int(cp.memory_budget) or None
     from caffeplus.solver import solver_type_name
+    from caffeplus.solver import update_in_backward
     apply_named_plan(solver.net, name, keep=[k for k in keep if k in solver.net._blob_names],
                      offload_policy=_offload_policy(cp.offload), workspace_limit=limit,
-                     training=True, solver_type=solver_type_name(p), budget=budget)
+                     training=True, solver_type=solver_type_name(p), budget=budget,
+                     param_diffs=name in ('shared', 'offload') and
+                     getattr(solver, 'in_backward', None) is not None and
+                     not update_in_backward.blockers(solver))
     test_name = name if name in ('stock', 'arena') else 'shared'
     for n in solver.test_nets:
         apply_named_plan(n, test_name, keep=[k for k in keep if k in n._blob_names],

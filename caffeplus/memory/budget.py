@@ -51,6 +51,7 @@ from caffeplus.errors import CaffeplusError
 from caffeplus.memory import calibration, liveness, masks, placement, offload, offload_timing, \
     recompute, workspace_model as wm
 from caffeplus.memory.plan import HISTORY_COPIES, make_plan, persistent_bytes
+from caffeplus.solver import update_in_backward
 
 PCIE_BANDWIDTH = 50e9
 
@@ -223,16 +224,21 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
             net, bufs, offload.choose(net, bufs, 'all', keep),
             [t * FREE_STEP_SHARE for t in steps_s], PCIE_BANDWIDTH, host_budget=host_budget)
 
+    # A solver updates each parameter in backward under these plans
+    # (caffeplus.solver.update_in_backward): its gradients are placed too.
+    grads = placing and training and update_in_backward.enabled()
+
     def placed(hidden):
         sizes = None
         if placing:
             bare = make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
                              offload_policy=offload_policy, internals=kept,
-                             offload_hidden=hidden)
+                             offload_hidden=hidden, param_diffs=grads)
             sizes = placed_workspace_sizes(net, bare.buffers, bare.steps, training, cap=cap)
         return make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
                          offload_policy=offload_policy, workspace=sizes,
-                         internals=kept, other_bytes=other, offload_hidden=hidden)
+                         internals=kept, other_bytes=other, offload_hidden=hidden,
+                         param_diffs=grads)
     plan = placed(hidden)
     if hidden:
         # As the runtime (AppliedPlan.adopt_free_offload): the maps move

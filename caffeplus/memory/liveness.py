@@ -129,6 +129,36 @@ def buffers(net, keep=(), training=True):
     return out
 
 
+def param_diff_spans(net):
+    """{learnable param index: (first, last) backward step} of the parameter
+    gradients a solver may apply in backward (caffeplus.solver.
+    update_in_backward): the gradient is written from the first backward step
+    among the layers that own the parameter (a fused chain's backward runs at
+    its head's step: kernels.chain_heads) and complete after the last one,
+    where the update uses it. Parameters no layer's backward writes are left
+    out (they keep their memory and are updated at the end, as Caffe)."""
+    from caffeplus import kernels
+    L, _, bwd = _steps(net)
+    heads = kernels.chain_heads(net)
+    spans = {}
+    for pid, (layer_id, _) in enumerate(net.param_layer_indices):
+        if not net.layer_need_backward[layer_id]:
+            continue
+        k = net.learnable_param_ids[pid]
+        first = min(bwd(layer_id), bwd(heads.get(layer_id, layer_id)))
+        last = bwd(layer_id)
+        lo, hi = spans.get(k, (first, last))
+        spans[k] = (min(lo, first), max(hi, last))
+    return spans
+
+
+def param_diff_buffers(net):
+    """Buffers for the parameter gradients applied in backward (param_diff_spans)."""
+    return [Buffer(('param_diff', k), 'param_diff', (), net.learnable_params[k].count * FLOAT_BYTES,
+                   first, last)
+            for k, (first, last) in sorted(param_diff_spans(net).items())]
+
+
 # A layer's backward runs its filter-gradient call before the call that
 # writes its bottom's diff (layers/cudnn.py); for a one-bottom layer the
 # filter call's workspace lives half a step early, where that diff is not

@@ -261,7 +261,11 @@ def run_iteration(net, solver, after_step=None):
     (caffeplus.memory.apply: offload copies, release marks); `after_step(t)`
     follows each step as a per-layer hook."""
     L = len(net.layers)
-    net.clear_param_diffs()
+    start = getattr(solver, 'start_gradients', None)
+    if start is not None:
+        start()                     # or prepares the update in backward
+    else:
+        net.clear_param_diffs()
     hooks = []
     if after_step:
         hooks = [(net.after_layer_forward, after_step),
@@ -271,6 +275,8 @@ def run_iteration(net, solver, after_step=None):
     try:
         net.forward_from_to(0, L - 1)
         net.backward_from_to(L - 1, 0)
+        if hasattr(solver, 'end_backward'):
+            solver.end_backward()
     finally:
         for where, hook in hooks:
             where.remove(hook)

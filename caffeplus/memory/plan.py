@@ -39,6 +39,7 @@ class MemoryPlan:
     recomputed = {}             # {buffer key: producer layer indices}: maps made again
     recompute_split = ()        # keys of those also gone between backward uses
     masked = ()                 # names of the layers masked (caffeplus.memory.masks)
+    param_diffs = False         # parameter gradients placed in the arena (applied in backward)
 
     def __init__(self, name, breakdown, buffers=(), offsets=None, arena_bytes=0,
                  offloaded=(), estimated=True, steps=0):
@@ -98,7 +99,8 @@ def _arena_workspace(net):
 
 def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_policy='conv',
               other_bytes=0, workspace=None, internals=None, offload_hidden=None,
-              recompute=True, offload_holds=None, recompute_split=(), workspace_last=False):
+              recompute=True, offload_holds=None, recompute_split=(), workspace_last=False,
+              param_diffs=False):
     """Compute plan `name` for a built net. `workspace`: {layer index:
     (forward bytes, backward bytes)} of the convolutions' workspace; the
     reusing plans then place it in the arena beside the activations, live
@@ -118,7 +120,10 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     again that also leave while a filter call alone reads them
     (recompute.again_lives). `workspace_last`: the workspace is placed
     after every other buffer (plan auto under a budget sizes each call to
-    the hole it gets, budget.fit_calls)."""
+    the hole it gets, budget.fit_calls). `param_diffs`: the solver applies
+    each parameter's update in backward (caffeplus.solver.update_in_backward),
+    so the reusing plans place the parameter gradients in the arena too, live
+    from their first backward write to that update (liveness.param_diff_spans)."""
     check_plan_name(name)
     if name == 'auto':
         raise CaffeplusError("plan 'auto' needs a budget: use caffeplus.memory.budget.plan_for_budget")
@@ -167,6 +172,8 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
             recompute_mod.workspace_buffers(net, bufs, again, workspace)
     if internals is not None:
         bufs = bufs + liveness.internal_buffers(net, internals, training)
+    placed_diffs = liveness.param_diff_buffers(net) if param_diffs and training else []
+    bufs = bufs + placed_diffs
     offsets, arena = placement.place(bufs, ('workspace',) if workspace_last else ())
     shares = shares_at_peak(bufs, steps)
     breakdown['activations'] = int(arena * shares['data'])
@@ -180,8 +187,13 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
         kept = int(arena * shares['internal'])
         breakdown['other'] += kept
         in_arena += kept
+    if placed_diffs:
+        in_grads = int(arena * shares['param_diff'])
+        breakdown['parameter_diffs'] += in_grads - sum(b.nbytes for b in placed_diffs)
+        in_arena += in_grads
     breakdown['activation_diffs'] = arena - in_arena
     plan = MemoryPlan(name, breakdown, bufs, offsets, arena, offloaded, steps=steps)
+    plan.param_diffs = bool(placed_diffs)
     plan.offload_policy = offload_policy if name == 'offload' else None
     plan.recomputed = again
     plan.recompute_split = split
@@ -193,12 +205,12 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
 
 def shares_at_peak(bufs, steps):
     """{kind: share of the bytes live at the busiest step} (data, diff,
-    workspace, internal):
+    workspace, internal, param_diff):
     how a reusing plan's one arena splits between the breakdown's categories."""
     live = liveness.live_bytes_by_step(bufs, steps)
     peak_step = max(range(len(live)), key=live.__getitem__) if live else 0
     total = max(live[peak_step] if live else 0, 1)
-    out = dict.fromkeys(('data', 'diff', 'workspace', 'internal'), 0.0)
+    out = dict.fromkeys(('data', 'diff', 'workspace', 'internal', 'param_diff'), 0.0)
     for b in bufs:
         if b.start <= peak_step <= b.end:
             out[b.kind] = out.get(b.kind, 0.0) + b.nbytes / float(total)

@@ -23,8 +23,11 @@ extern "C" __global__ void caffeplus_solver_update(
     const long long* offsets, const float* lr_mult, const float* decay_mult,
     const int n_params, const long long total, const int kind,
     const float rate, const float norm, const float weight_decay, const int l1,
-    const float a, const float b, const float c, const float d)
+    const float a, const float b, const float c, const float d, const double* guard)
 {
+    /* An update in backward under the NaN check: none once a gradient so far
+       was not finite (caffeplus.solver.update_in_backward). */
+    if (!isfinite(*guard)) return;
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += stride) {
@@ -103,6 +106,14 @@ def _get_kernel():
     return k
 
 
+def _finite_guard():
+    g = _kernel.get('guard')
+    if g is None:
+        import cupy
+        g = _kernel['guard'] = cupy.zeros((), dtype=numpy.float64)
+    return g
+
+
 class MultiTensorUpdate:
     """Pointer tables for one solver's parameters and history, on the GPU."""
 
@@ -145,14 +156,18 @@ class MultiTensorUpdate:
                 tuple(id(b.data_storage.array) for b in history2 or ()),
                 tuple(lr_mult), tuple(decay_mult))
 
-    def run(self, kind, rate, norm, weight_decay, l1, a=0.0, b=0.0, c=0.0, d=0.0):
+    def run(self, kind, rate, norm, weight_decay, l1, a=0.0, b=0.0, c=0.0, d=0.0, guard=None):
+        """`guard`: a device float64 scalar; while it is not finite nothing
+        is updated (None: always update)."""
         total = int(self.total)
         if total == 0:
             return
+        if guard is None:
+            guard = _finite_guard()
         threads = 256
         blocks = min((total + threads - 1) // threads, 8192)
         f = numpy.float32
         _get_kernel()((blocks,), (threads,),
                       self.tables + (self.n_params, self.total, numpy.int32(KINDS[kind]),
                                      f(rate), f(norm), f(weight_decay), numpy.int32(bool(l1)),
-                                     f(a), f(b), f(c), f(d)))
+                                     f(a), f(b), f(c), f(d), guard))

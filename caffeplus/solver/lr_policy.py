@@ -38,8 +38,9 @@ def check_policy(param):
         raise CaffeplusError("lr_policy '%s' needs gamma >= 0 (got %g)" % (policy, param.gamma))
 
 
-def learning_rate(param, it, current_step):
-    """(rate as numpy.float32, new current_step) for iteration `it`."""
+def learning_rate(param, it, current_step, announce=True):
+    """(rate as numpy.float32, new current_step) for iteration `it`
+    (`announce`: log multistep's move to the next step, as Caffe)."""
     policy = param.lr_policy
     base_lr = F32(param.base_lr)
     if policy == 'fixed':
@@ -56,7 +57,8 @@ def learning_rate(param, it, current_step):
     elif policy == 'multistep':
         if current_step < len(param.stepvalue) and it >= param.stepvalue[current_step]:
             current_step += 1
-            log.info('MultiStep Status: Iteration %d, step = %d', it, current_step)
+            if announce:
+                log.info('MultiStep Status: Iteration %d, step = %d', it, current_step)
         rate = F32(float(base_lr) * math.pow(float(F32(param.gamma)), current_step))
     elif policy == 'poly':
         with numpy.errstate(all='ignore'):

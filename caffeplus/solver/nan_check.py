@@ -41,6 +41,7 @@ from caffeplus import backend, log
 from caffeplus.errors import CaffeplusError
 
 MODES = ('stop', 'warn', 'off')
+STOPPED = 'Training stopped before the update, so the weights are still finite'
 ENV = 'CAFFEPLUS_NAN_CHECK'
 
 
@@ -199,19 +200,27 @@ def _copy(get):
     return None if arr is None else arr.copy()
 
 
-def check_net(net, iteration, rng_state=None):
+def check_net(net, iteration, rng_state=None, applied=None):
     """None if the train net's loss and gradients are finite, else a
-    NumericalError (not raised) saying what, where (see locate()) and when."""
+    NumericalError (not raised) saying what, where (see locate()) and when.
+    `applied`: the solver updated in backward (caffeplus.solver.
+    update_in_backward); the learnable ids whose gradient it found not
+    finite (the gradients themselves are gone)."""
     bad_loss = []
     for blob_id, weight in enumerate(net._blob_loss_weights):
         if weight:
             data = _safe(lambda: net._blobs[blob_id].data)
             if not _finite(data):
                 bad_loss.append("'%s' = %s" % (net._blob_names[blob_id], _kind(data)))
-    diffs = [_safe(lambda: blob.diff) for blob in net.learnable_params]
-    if not bad_loss and _all_finite(diffs):
-        return None
-    bad_grad = [learnable_id for learnable_id, diff in enumerate(diffs) if not _finite(diff)]
+    if applied is not None:
+        bad_grad = list(applied)
+        diffs = None
+    else:
+        diffs = [_safe(lambda: blob.diff) for blob in net.learnable_params]
+        if not bad_loss and _all_finite(diffs):
+            return None
+        bad_grad = [learnable_id for learnable_id, diff in enumerate(diffs)
+                    if not _finite(diff)]
     if not bad_loss and not bad_grad:
         return None
     what = []
@@ -235,10 +244,16 @@ def check_net(net, iteration, rng_state=None):
     else:
         layer = None
         origin = '; the layer where it started could not be found again'
-    message = ('Iteration %d: %s%s. Training stopped before the update, so the weights are '
-               'still finite (lower base_lr, clip gradients with clip_gradients, or check the '
-               'input data; set %s=warn to train on regardless).'
-               % (iteration, ' and '.join(what), origin, ENV))
+    stopped = STOPPED
+    if applied:
+        # The update in backward had applied the later layers' finite
+        # gradients when it met these; nothing was updated from there on.
+        stopped = STOPPED.replace('before the update', 'before updating these parameters and '
+                                  'the layers before them (the layers after them were updated '
+                                  'in backward)')
+    message = ('Iteration %d: %s%s. %s (lower base_lr, clip gradients with clip_gradients, or '
+               'check the input data; set %s=warn to train on regardless).'
+               % (iteration, ' and '.join(what), origin, stopped, ENV))
     return NumericalError(message, iteration, layer, ' and '.join(what))
 
 
@@ -264,15 +279,21 @@ class NanCheck:
     def on_gradients_ready(self):
         if self.mode == 'off':
             return
-        error = check_net(self.solver.net, self.solver.iter, getattr(self, '_rng_state', None))
+        ub = getattr(self.solver, 'in_backward', None)
+        applied = ub.bad_gradients() if ub is not None and ub.pending else None
+        error = check_net(self.solver.net, self.solver.iter, getattr(self, '_rng_state', None),
+                          applied)
         if error is None:
             return
         self.problems += 1
         if self.mode == 'stop':
             raise error
-        log.warning('%s', str(error).replace(
-            'Training stopped before the update, so the weights are still finite',
-            'Training goes on (%s=warn)' % ENV))
+        message = str(error)
+        stopped = message.index('Training stopped') if 'Training stopped' in message else None
+        if stopped is not None:
+            end = message.index('still finite', stopped) + len('still finite')
+            message = message[:stopped] + 'Training goes on (%s=warn)' % ENV + message[end:]
+        log.warning('%s', message)
 
 
 def configured_mode(solver=None, mode=None):

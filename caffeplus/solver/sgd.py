@@ -84,26 +84,53 @@ class SGDSolver(Solver):
                                                           self.current_step)
         return rate
 
+    def peek_learning_rate(self):
+        """This iteration's rate, with no log line and no step moved (an
+        update in backward needs it before apply_update computes it)."""
+        return lr_policy.learning_rate(self.param, self.iter, self.current_step, announce=False)[0]
+
     def apply_update(self):
         p = self.param
         rate = self.get_learning_rate()
         if p.display and self.iter % p.display == 0:
             log.info('Iteration %d, lr = %g', self.iter, rate)
+        in_backward = getattr(self, 'in_backward', None)
+        if in_backward is not None and in_backward.pending:
+            # Applied during backward (caffeplus.solver.update_in_backward);
+            # what no backward wrote is updated now.
+            in_backward.finish(rate)
+            self.iter += 1
+            return
         self.clip_gradients()
+        self.update_params(range(len(self.net.learnable_params)), rate)
+        self.iter += 1
+
+    def update_params(self, indices, rate, guard=None):
+        """ApplyUpdate's per-parameter part and Net::Update for the learnable
+        params `indices`: normalize, regularize, the rule, data -= diff.
+        `guard`: a float64 scalar (device or NumPy); nothing is updated while
+        it is not finite (the NaN check of an update in backward)."""
+        p = self.param
         net = self.net
         iter_norm = F32(1) / F32(p.iter_size) if p.iter_size > 1 else None
         weight_decay = F32(p.weight_decay)
         l1 = p.regularization_type == 'L1'
         params = net.learnable_params
-        # On the GPU the built-in rules run as one kernel over all parameters
+        indices = list(indices)
+        if not indices:
+            return
+        # On the GPU the built-in rules run as one kernel over the parameters
         # (data -= diff included); a subclass with its own
         # compute_update_value takes the generic path.
-        if self.use_fused_kernels and _rule_class(self) in _FUSED and params and \
-                backend.get_array_module(params[0].diff) is not numpy:
-            self._fused_apply(rate, F32(1) if iter_norm is None else iter_norm, weight_decay, l1)
-            self.iter += 1
+        if self.use_fused_kernels and _rule_class(self) in _FUSED and \
+                backend.get_array_module(params[indices[0]].diff) is not numpy:
+            self._fused_apply(indices, rate, F32(1) if iter_norm is None else iter_norm,
+                              weight_decay, l1, guard)
             return
-        for i, param in enumerate(params):
+        if guard is not None and not numpy.isfinite(float(guard)):
+            return
+        for i in indices:
+            param = params[i]
             data, diff = param.data, param.diff
             if iter_norm is not None:
                 diff *= iter_norm
@@ -119,8 +146,8 @@ class SGDSolver(Solver):
                 diff += tmp
             local_rate = rate * F32(net.params_lr[i])
             self.compute_update_value(i, diff, local_rate)
-        net.update()
-        self.iter += 1
+        for i in indices:                       # Net::Update: data -= diff
+            params[i].data[...] -= params[i].diff
 
     def clip_gradients(self):
         clip = F32(self.param.clip_gradients)
@@ -147,16 +174,22 @@ class SGDSolver(Solver):
             for param in params:
                 param.diff[...] *= scale
 
-    def _fused_apply(self, rate, norm, weight_decay, l1):
+    def _fused_apply(self, indices, rate, norm, weight_decay, l1, guard=None):
         net = self.net
         n = len(net.learnable_params)
-        if getattr(self, '_multi', None) is None:
-            self._multi = gpu_kernels.MultiTensorUpdate()
-        h2 = self.history[n:2 * n] if self.history_per_param == 2 else None
-        self._multi.prepare(net.learnable_params, self.history[:n], h2,
-                            [float(x) for x in net.params_lr],
-                            [float(x) for x in net.params_weight_decay])
-        self._multi.run(self.type, rate, norm, weight_decay, l1, *self.fused_scalars())
+        key = tuple(indices)
+        multi = getattr(self, '_multi', None)
+        if multi is None:
+            multi = self._multi = {}
+        update = multi.get(key)
+        if update is None:
+            update = multi[key] = gpu_kernels.MultiTensorUpdate()
+        params = [net.learnable_params[i] for i in key]
+        h2 = [self.history[n + i] for i in key] if self.history_per_param == 2 else None
+        update.prepare(params, [self.history[i] for i in key], h2,
+                       [float(net.params_lr[i]) for i in key],
+                       [float(net.params_weight_decay[i]) for i in key])
+        update.run(self.type, rate, norm, weight_decay, l1, *self.fused_scalars(), guard=guard)
 
     def fused_scalars(self):
         """The rule's constants for the GPU kernel (a, b, c, d)."""

@@ -138,6 +138,8 @@ class Solver:
         self.iter = 0
         self.current_step = 0
         self.pre_solve()
+        from caffeplus.solver.update_in_backward import UpdateInBackward
+        self.in_backward = UpdateInBackward(self) if hasattr(self, 'update_params') else None
         self._apply_memory_plans()
         self._install_nan_check()
 
@@ -357,7 +359,7 @@ class Solver:
         net = self.net
         display_every = p.display
         while self.iter < stop_iter:
-            net.clear_param_diffs()
+            self.start_gradients()
             if p.test_interval and self.iter % p.test_interval == 0 and \
                     (self.iter > 0 or p.test_initialization):
                 if self.rank == 0:
@@ -372,6 +374,7 @@ class Solver:
             for _ in range(p.iter_size):
                 loss += F32(net.forward_prefilled())
                 net.backward_all()
+            self.end_backward()
             loss /= F32(p.iter_size)
             self.update_smoothed_loss(loss, start_iter, average_loss)
             if display:
@@ -386,6 +389,22 @@ class Solver:
             if request == STOP:
                 self.requested_early_exit = True
                 break
+
+    def start_gradients(self):
+        """Before an iteration's forward: Caffe's ClearParamDiffs, or, where
+        each update runs in backward, its preparation
+        (caffeplus.solver.update_in_backward)."""
+        ub = getattr(self, 'in_backward', None)
+        if ub is not None and ub.ready():
+            ub.begin()
+        else:
+            self.net.clear_param_diffs()
+
+    def end_backward(self):
+        """After the iteration's backward passes (before the callbacks)."""
+        ub = getattr(self, 'in_backward', None)
+        if ub is not None:
+            ub.backward_done()
 
     def _display(self):
         # Caffe's CPU timer counts whole milliseconds.

@@ -1,0 +1,198 @@
+"""Each parameter's update right after the backward that completes its gradient.
+
+Caffe updates every parameter after the whole backward pass, so every
+parameter gradient is held for the whole iteration: 528 MiB on VGG-16, at
+the end of backward, where its peak is. Under the reusing memory plans the
+solver instead updates a parameter as soon as the last layer that owns it
+has run its backward, and the plan places the gradients in its arena, live
+from their first write in backward to that update only
+(caffeplus.memory.liveness.param_diff_spans): fc6's 392 MiB are gone before
+the convolutions' backward starts.
+
+The numbers are Caffe's: the same per-parameter arithmetic
+(caffeplus.solver.sgd: normalization, weight decay, the rule, data -= diff)
+on the same gradient, only earlier; the learning rate is computed before
+forward (and logged where Caffe logs it). A gradient's life starts with
+zeros (Caffe's ClearParamDiffs), written by the plan's applier before the
+layer's backward (caffeplus.memory.apply).
+
+When: the train net's plan placed the gradients (plan.param_diffs: plans
+`shared` and `offload` under a solver, unless CAFFEPLUS_UPDATE_IN_BACKWARD=0)
+and nothing needs all of them at once: iter_size 1 (accumulation over
+passes), no clip_gradients (a global norm), no debug_info (it logs every
+gradient after backward), no snapshot_diff (a snapshot holds the gradients,
+as Caffe's update leaves them), and no solver callback but the NaN check (a
+data-parallel sync averages the gradients across GPUs before the update).
+Solver.step checks before every iteration; when one of these stops holding,
+the plan is placed again with the gradients kept whole, and a log line says
+why.
+
+The NaN check ('stop', caffeplus.solver.nan_check): before a parameter's
+update its gradient's float64 sum joins a running sum, on the device; no
+update runs once that sum is not finite, so no weight takes a non-finite
+value (parameters updated before, of later layers, keep their update), and
+the check after backward names the first parameters whose gradient was not
+finite. Its 'warn' mode keeps the gradients whole: it trains on as Caffe,
+and looks for the NaN's origin by running the iteration again before the
+update, when the weights are still those that made it.
+"""
+import os
+
+import numpy
+
+from caffeplus import backend, log
+from caffeplus.memory import liveness
+
+ENV = 'CAFFEPLUS_UPDATE_IN_BACKWARD'
+
+
+def enabled():
+    """Whether the reusing plans place the gradients for a solver (the environment)."""
+    return os.environ.get(ENV, '1').strip().lower() not in ('0', 'false', 'off', 'no')
+
+
+def blockers(solver):
+    """Why `solver` cannot update in backward now (empty: it can)."""
+    p = solver.param
+    out = []
+    if not enabled():
+        out.append('%s=0' % ENV)
+    if p.iter_size > 1:
+        out.append('iter_size %d accumulates gradients over passes' % p.iter_size)
+    if p.clip_gradients >= 0:
+        out.append('clip_gradients needs the norm of every gradient')
+    if p.debug_info:
+        out.append('debug_info logs every gradient after backward')
+    if p.snapshot_diff:
+        out.append('snapshot_diff writes every gradient with the snapshot')
+    from caffeplus.solver.nan_check import NanCheck
+    if any(isinstance(cb, NanCheck) and cb.mode == 'warn' for cb in solver.callbacks):
+        out.append("the NaN check's warn mode looks for a NaN's origin before the update")
+    others = [cb for cb in solver.callbacks if not isinstance(cb, NanCheck)]
+    if others:
+        out.append('a solver callback (%s) reads the gradients before the update'
+                   % type(others[0]).__name__)
+    if getattr(solver, 'use_fused_kernels', True) is False or \
+            not hasattr(solver, 'update_params'):
+        out.append('the solver has its own update')
+    return out
+
+
+class UpdateInBackward:
+    """A solver's per-layer update hook on its train net (Solver.in_backward)."""
+
+    def __init__(self, solver):
+        self.solver = solver
+        self.pending = False        # this iteration updates in backward
+        self.updating = False       # the step's own backward is running
+        self.rate = None
+        self.groups = {}            # layer index -> learnable ids whose gradient it completes
+        self.rest = []              # learnable ids no backward writes
+        self.guard = None
+        self.stopping = False
+        self.sums = []              # (learnable ids, their float64 sum) in update order
+        self._hooked = None
+
+    # -- set up ----------------------------------------------------------------------
+    def _plan_places_gradients(self):
+        applied = getattr(self.solver.net, 'applied_plan', None)
+        plan = getattr(applied, 'plan', None)
+        return bool(getattr(plan, 'param_diffs', False))
+
+    def ready(self):
+        """Before an iteration: True if it updates in backward. A plan that
+        placed the gradients for a solver that can no longer (a callback
+        added since, a setting changed) is placed again without them."""
+        if not self._plan_places_gradients():
+            return False
+        why = blockers(self.solver)
+        if why:
+            log.info('Memory plan: parameter gradients kept whole: %s', '; '.join(why))
+            self.solver.net.applied_plan.keep_param_diffs()
+            return False
+        return True
+
+    def _layout(self):
+        net = self.solver.net
+        spans = liveness.param_diff_spans(net)
+        L = len(net.layers)
+        self.groups = {}
+        for k, (_, last) in spans.items():
+            self.groups.setdefault(2 * L - 1 - last, []).append(k)
+        for ids in self.groups.values():
+            ids.sort()
+        self.rest = [k for k in range(len(net.learnable_params)) if k not in spans]
+
+    def _hook(self):
+        net = self.solver.net
+        if self._hooked is net:
+            return
+        self._unhook()
+        net.on_layer_backward_done.append(self._after_layer)
+        self._hooked = net
+
+    def _unhook(self):
+        if self._hooked is not None and self._after_layer in self._hooked.on_layer_backward_done:
+            self._hooked.on_layer_backward_done.remove(self._after_layer)
+        self._hooked = None
+
+    # -- one iteration -------------------------------------------------------------------
+    def begin(self):
+        """Before forward: the learning rate (as apply_update will log it),
+        the guard, the hook; the gradients no backward writes are zeroed
+        (the placed ones start at zero at their first step)."""
+        solver = self.solver
+        self._layout()
+        self._hook()
+        self.rate = solver.peek_learning_rate()
+        xp = backend.get_array_module(solver.net.learnable_params[0].data) \
+            if solver.net.learnable_params else numpy
+        self.stopping = self._check_mode() == 'stop'
+        self.guard = xp.zeros((), dtype=numpy.float64) if self.stopping else None
+        self.sums = []
+        for k in self.rest:
+            solver.net.learnable_params[k].diff[...] = 0
+        self.pending = True
+        self.updating = True
+
+    def backward_done(self):
+        """After the step's backward: later passes (the NaN check's re-run)
+        update nothing."""
+        self.updating = False
+
+    def _check_mode(self):
+        """The NaN check's mode ('off' without one)."""
+        from caffeplus.solver.nan_check import NanCheck
+        modes = [cb.mode for cb in self.solver.callbacks if isinstance(cb, NanCheck)]
+        return modes[0] if modes else 'off'
+
+    def _after_layer(self, i):
+        if not self.updating:
+            return
+        ids = self.groups.get(i)
+        if not ids:
+            return
+        params = self.solver.net.learnable_params
+        if self.guard is not None:
+            xp = backend.get_array_module(self.guard)
+            total = xp.zeros((), dtype=numpy.float64)
+            for k in ids:
+                total += xp.sum(params[k].diff, dtype=numpy.float64)
+            self.sums.append((ids, total))
+            self.guard += total
+        self.solver.update_params(ids, self.rate, self.guard if self.stopping else None)
+
+    def finish(self, rate):
+        """In apply_update: the parameters no backward wrote."""
+        self.pending = self.updating = False
+        self.solver.update_params(self.rest, rate, self.guard if self.stopping else None)
+
+    def bad_gradients(self):
+        """Learnable ids of the first group whose gradient sum was not
+        finite (nothing was updated from there on), or []."""
+        if self.guard is None or numpy.isfinite(float(self.guard)):
+            return []
+        for ids, total in self.sums:
+            if not numpy.isfinite(float(total)):
+                return list(ids)
+        return []

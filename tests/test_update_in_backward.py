@@ -1,0 +1,263 @@
+"""Each parameter's update right after its backward (caffeplus.solver.update_in_backward):
+the gradients live in the plan's arena only between their first backward write
+and that update, and training stays bit-identical to Caffe's order."""
+import logging
+import os
+import sys
+
+import numpy
+import pytest
+
+from caffeplus import log
+from caffeplus.errors import CaffeplusError
+from caffeplus.memory import budget, liveness, shapes
+from caffeplus.solver import update_in_backward
+from caffeplus.solver.nan_check import NumericalError
+from plan_helpers import param_of
+from conftest import ROOT, SHARED
+
+sys.path.insert(0, ROOT)
+from tools import check_plans_equal as cpe  # noqa: E402
+
+# Two convolutions sharing their weights (conv_b owns nothing), a frozen one
+# (lr_mult 0: no gradient written), inner products; the loss at the end.
+NET = '''
+name: "tiny"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+  dummy_data_param { shape { dim: 4 dim: 3 dim: 10 dim: 10 } shape { dim: 4 }
+    data_filler { type: "gaussian" std: 1 } data_filler { type: "constant" value: 1 } } }
+layer { name: "frozen" type: "Convolution" bottom: "data" top: "frozen"
+  param { lr_mult: 0 decay_mult: 0 } param { lr_mult: 0 decay_mult: 0 }
+  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "conv_a" type: "Convolution" bottom: "frozen" top: "a"
+  param { name: "shared_w" } param { name: "shared_b" }
+  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "relu_a" type: "ReLU" bottom: "a" top: "a" }
+layer { name: "conv_b" type: "Convolution" bottom: "a" top: "b"
+  param { name: "shared_w" } param { name: "shared_b" }
+  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "pool" type: "Pooling" bottom: "b" top: "pool"
+  pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "ip1" type: "InnerProduct" bottom: "pool" top: "ip1"
+  inner_product_param { num_output: 16 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "ip1" top: "ip1" }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+  inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }
+'''
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch):
+    monkeypatch.delenv(update_in_backward.ENV, raising=False)
+    monkeypatch.delenv('CAFFEPLUS_NAN_CHECK', raising=False)
+    level = log.logger.level
+    log.logger.setLevel(logging.WARNING)
+    yield
+    log.logger.setLevel(level)
+
+
+def train(plan, iters=5, solver_type='SGD', hook=None, **sp_fields):
+    param = param_of(NET)
+
+    def apply_fields(solver):
+        if hook is not None:
+            hook(solver)
+    result = cpe.train(param, plan, iters, solver_hook=apply_fields) if not sp_fields \
+        and solver_type == 'SGD' else _train_with(param, plan, iters, solver_type, hook,
+                                                  sp_fields)
+    return result
+
+
+def _train_with(param, plan, iters, solver_type, hook, fields):
+    """cpe.train with other solver fields (type, iter_size, clip_gradients...)."""
+    original = cpe.solver_param
+
+    def patched(*args, **kw):
+        sp = original(*args, **kw)
+        sp.type = solver_type
+        if solver_type in ('AdaGrad', 'RMSProp', 'Adam', 'AdaDelta'):
+            sp.momentum = 0.9 if solver_type in ('Adam', 'AdaDelta') else 0.0
+        if solver_type == 'AdaDelta':
+            sp.base_lr = 1.0
+        for k, v in fields.items():
+            setattr(sp, k, v)
+        return sp
+    cpe.solver_param = patched
+    try:
+        return cpe.train(param, plan, iters, solver_hook=hook)
+    finally:
+        cpe.solver_param = original
+
+
+def in_backward(result):
+    applied = result.solver.net.applied_plan
+    plan = getattr(applied, 'plan', None)
+    return bool(getattr(plan, 'param_diffs', False))
+
+
+# -- which plans, which solvers -------------------------------------------------------
+def test_the_gradients_live_from_their_first_backward_write_to_the_update():
+    net = shapes.build_net(param_of(NET))
+    L = len(net.layers)
+    spans = liveness.param_diff_spans(net)
+    names = net._layer_names
+    bwd = {n: 2 * L - 1 - names.index(n) for n in names}
+    by_owner = {}
+    for pid, (layer_id, index) in enumerate(net.param_layer_indices):
+        if net.param_owners[pid] == -1:
+            by_owner[(names[layer_id], index)] = net.learnable_param_ids[pid]
+    # The shared weights: written first by conv_b's backward, complete after conv_a's.
+    assert spans[by_owner[('conv_a', 0)]] == (bwd['conv_b'], bwd['conv_a'])
+    assert spans[by_owner[('ip2', 0)]] == (bwd['ip2'], bwd['ip2'])
+    # frozen does no backward (nothing below it needs a gradient): left out.
+    assert by_owner[('frozen', 0)] not in spans
+
+
+@pytest.mark.parametrize('plan, placed', [('stock', False), ('arena', False), ('shared', True),
+                                          ('offload', True)])
+def test_shared_and_offload_update_in_backward(plan, placed):
+    result = train(plan, iters=1)
+    assert in_backward(result) == placed
+
+
+def test_the_environment_turns_it_off(monkeypatch):
+    monkeypatch.setenv(update_in_backward.ENV, '0')
+    assert not in_backward(train('shared', iters=1))
+
+
+@pytest.mark.parametrize('fields', [{'iter_size': 2}, {'clip_gradients': 1.0},
+                                    {'snapshot_diff': True}])
+def test_settings_that_need_every_gradient_keep_them_whole(fields):
+    result = _train_with(param_of(NET), 'shared', 3, 'SGD', None, fields)
+    assert not in_backward(result)
+    stock = _train_with(param_of(NET), 'stock', 3, 'SGD', None, fields)
+    assert not cpe.differences(stock, result)
+
+
+# -- the same numbers ----------------------------------------------------------------
+@pytest.mark.parametrize('solver_type', ['SGD', 'Nesterov', 'AdaGrad', 'RMSProp', 'AdaDelta',
+                                         'Adam'])
+def test_training_is_bit_identical_to_stock(solver_type):
+    stock = _train_with(param_of(NET), 'stock', 6, solver_type, None, {})
+    for plan in ('shared', 'offload'):
+        result = _train_with(param_of(NET), plan, 6, solver_type, None, {})
+        assert in_backward(result)
+        assert not cpe.differences(stock, result), (plan, cpe.differences(stock, result))
+
+
+def test_lenet_and_cifar10_bn_are_bit_identical_to_stock(tmp_path):
+    for name in ('lenet', 'cifar10_bn'):
+        try:
+            param, tests = cpe.net_param(name, str(tmp_path))
+        except FileNotFoundError:
+            pytest.skip('needs ../shared')
+        stock = cpe.train(param, 'stock', 8, tests)
+        shared = cpe.train(param, 'shared', 8, tests)
+        assert in_backward(shared)
+        assert not cpe.differences(stock, shared), (name, cpe.differences(stock, shared))
+
+
+def test_a_callback_added_later_places_the_gradients_again(monkeypatch):
+    """A data-parallel sync (here: any callback) reads every gradient before
+    the update: the next iteration keeps them whole, with the same numbers."""
+    seen = []
+
+    class Reader:
+        def on_start(self):
+            pass
+
+        def on_gradients_ready(self):
+            seen.append(float(numpy.abs(self.solver.net.learnable_params[-1].diff).sum()))
+
+    def hook(solver):
+        reader = Reader()
+        reader.solver = solver
+        solver.step(1)                      # in backward
+        assert solver.net.applied_plan.plan.param_diffs
+        solver.add_callback(reader)
+    said = []
+    monkeypatch.setattr(update_in_backward.log, 'info', lambda fmt, *a: said.append(fmt % a))
+    result = _train_with(param_of(NET), 'shared', 3, 'SGD', hook, {})
+    assert not in_backward(result)
+    kept = [m for m in said if 'gradients kept whole' in m]
+    assert kept == ['Memory plan: parameter gradients kept whole: a solver callback (Reader) '
+                    'reads the gradients before the update']
+    assert len(seen) == 3 and all(v > 0 for v in seen)
+    # Four iterations in all (one in the hook), as stock's four.
+    stock = _train_with(param_of(NET), 'stock', 4, 'SGD', None, {})
+    assert numpy.array_equal(stock.weights[-1], result.weights[-1])
+
+
+# -- the memory -----------------------------------------------------------------------
+def test_a_gradient_read_after_the_iteration_is_a_clear_error():
+    result = train('shared', iters=2)
+    net = result.solver.net
+    with pytest.raises(CaffeplusError, match=r"blob ip1.0: its diff was released.*applied by "
+                                             r"the solver's update in backward \(after layer "
+                                             r"ip1\).*CAFFEPLUS_UPDATE_IN_BACKWARD=0"):
+        net.params['ip1'][0].diff
+    # What no backward writes keeps its memory: the frozen layer's (zeros).
+    frozen = net.layers[net._layer_names.index('frozen')]
+    assert not numpy.any(frozen.blobs[0].diff)
+
+
+def test_vgg16_peaks_lower_by_the_fc_gradients(monkeypatch):
+    """At the end of backward, where VGG-16 b64's `shared` peaked, fc6-8's
+    472 MiB of gradients are gone (the peak moves to conv3_2's backward: 334
+    MiB less)."""
+    path = os.path.join(SHARED, 'bench', 'vgg16_b64.prototxt')
+    if not os.path.exists(path):
+        pytest.skip('needs ../shared/bench')
+    net = shapes.build_net(shapes.load_net_param(path))
+    placed = budget.estimate_plan(net, 'shared')
+    monkeypatch.setenv(update_in_backward.ENV, '0')
+    whole = budget.estimate_plan(net, 'shared')
+    assert placed.param_diffs and not whole.param_diffs
+    assert whole.peak_bytes - placed.peak_bytes > 300 * 2 ** 20
+    assert placed.breakdown['parameter_diffs'] < whole.breakdown['parameter_diffs'] / 10
+
+
+# -- the NaN check ---------------------------------------------------------------------
+def _poison(layer_name):
+    """A solver hook: layer `layer_name`'s backward leaves NaN in its weight gradient."""
+    def hook(solver):
+        net = solver.net
+        i = net._layer_names.index(layer_name)
+        layer = net.layers[i]
+        backward = layer.backward
+
+        def poisoned(top, propagate_down, bottom):
+            backward(top, propagate_down, bottom)
+            if solver.iter == 2:
+                layer.blobs[0].diff[0] = numpy.nan
+        layer.backward = poisoned
+    return hook
+
+
+def test_a_nan_gradient_stops_before_any_weight_turns_nan():
+    with pytest.raises(NumericalError) as err:
+        _train_with(param_of(NET), 'shared', 4, 'SGD', _poison('ip1'), {})
+    assert 'ip1[0]' in str(err.value)
+
+
+def test_after_a_nan_gradient_no_later_update_runs():
+    """ip2 is updated before ip1's gradient is seen (it comes first in
+    backward); ip1 and the convolutions keep their weights: all finite."""
+    runs = {}
+
+    def hook(solver):
+        _poison('ip1')(solver)
+        runs['solver'] = solver
+    with pytest.raises(NumericalError):
+        _train_with(param_of(NET), 'shared', 4, 'SGD', hook, {})
+    net = runs['solver'].net
+    for layer in net.layers:
+        for b in layer.blobs:
+            assert numpy.isfinite(b.data).all(), layer.name
+
+
+def test_warn_mode_keeps_the_gradients_whole(monkeypatch):
+    """'warn' looks for the NaN's origin before the update, as without."""
+    monkeypatch.setenv('CAFFEPLUS_NAN_CHECK', 'warn')
+    assert not in_backward(train('shared', iters=1))
