@@ -316,9 +316,11 @@ def measured_breakdown(net, solver, info, plan, peak_bytes):
                     shares = {'data': act / float(act + diff) if act + diff else 1.0}
                 act = int(size * shares.get('data', 0))
                 ws = int(size * shares.get('workspace', 0))
+                grads = int(size * shares.get('param_diff', 0))   # applied in backward
                 out['activations'] += act
                 out['workspace'] += ws
-                out['activation_diffs'] += size - act - ws
+                out['parameter_diffs'] += grads
+                out['activation_diffs'] += size - act - ws - grads
             else:
                 out[category] += size
 
