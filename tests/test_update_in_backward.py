@@ -261,3 +261,48 @@ def test_warn_mode_keeps_the_gradients_whole(monkeypatch):
     """'warn' looks for the NaN's origin before the update, as without."""
     monkeypatch.setenv('CAFFEPLUS_NAN_CHECK', 'warn')
     assert not in_backward(train('shared', iters=1))
+
+
+# -- on the GPU ---------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize('solver_type', ['SGD', 'Adam'])
+def test_gpu_training_is_bit_identical_to_arena(solver_type):
+    """The fused update kernel over one layer's parameters at a time, the
+    gradients zeroed by memset in the arena: the same bits as `arena`
+    (deterministic math, the same algorithms)."""
+    def run(plan):
+        original = cpe.solver_param
+
+        def patched(*args, **kw):
+            sp = original(*args, **kw)
+            sp.type = solver_type
+            return sp
+        cpe.solver_param = patched
+        try:
+            return cpe.train(param_of(NET), plan, 6, gpu=0, math='deterministic')
+        finally:
+            cpe.solver_param = original
+    arena, shared = run('arena'), run('shared')
+    assert in_backward(shared) and not in_backward(arena)
+    assert not cpe.differences(arena, shared), cpe.differences(arena, shared)
+
+
+@pytest.mark.gpu
+def test_gpu_a_nan_gradient_stops_every_later_update():
+    """The kernel's guard: no update once a gradient sum is not finite."""
+    import caffeplus
+    runs = {}
+
+    def hook(solver):
+        _poison('ip1')(solver)
+        runs['solver'] = solver
+    try:
+        with pytest.raises(NumericalError) as err:
+            cpe.train(param_of(NET), 'shared', 4, gpu=0, solver_hook=hook)
+        assert 'ip1[0]' in str(err.value)
+        net = runs['solver'].net
+        for layer in net.layers:
+            for b in layer.blobs:
+                assert numpy.isfinite(b.data).all(), layer.name
+    finally:
+        caffeplus.set_mode_cpu()
