@@ -502,6 +502,9 @@ class AppliedPlan:
             if xp is numpy or not kernels.zero_diffs(blobs):
                 for b in blobs:
                     b.diff[...] = 0
+        # At step boundaries, on whole gradients a chain's first step writes
+        # (liveness.param_diff_spans counts the chains): fused chains stay fused.
+        zero_before.chain_safe = True
         self._zero_hook = zero_before
         self.net.before_layer_backward.append(zero_before)
 

@@ -94,6 +94,32 @@ extern "C" __global__ void caffeplus_solver_update(
 }
 '''
 
+# The NaN check of an update in backward: one pass over a group's gradients;
+# a value that is not finite sets the guard to NaN (the update kernel then
+# skips, for this group and every later one) and the group's flag.
+_CHECK_SOURCE = r'''
+extern "C" __global__ void caffeplus_gradient_check(
+    const unsigned long long* g_ptr, const long long* offsets, const int n_params,
+    const long long total, double* guard, int* flag)
+{
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+         idx += stride) {
+        int lo = 0, hi = n_params;
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) >> 1;
+            if (offsets[mid] <= idx) lo = mid; else hi = mid;
+        }
+        const float g = reinterpret_cast<const float*>(g_ptr[lo])[idx - offsets[lo]];
+        if (!isfinite(g)) {
+            *guard = __longlong_as_double(0x7ff8000000000000LL);
+            *flag = 1;
+            return;
+        }
+    }
+}
+'''
+
 _kernel = {}
 
 
@@ -103,6 +129,14 @@ def _get_kernel():
         import cupy
         k = cupy.RawKernel(_SOURCE, 'caffeplus_solver_update')
         _kernel['k'] = k
+    return k
+
+
+def _get_check_kernel():
+    k = _kernel.get('check')
+    if k is None:
+        import cupy
+        k = _kernel['check'] = cupy.RawKernel(_CHECK_SOURCE, 'caffeplus_gradient_check')
     return k
 
 
@@ -155,6 +189,18 @@ class MultiTensorUpdate:
                 tuple(id(b.data_storage.array) for b in history1),
                 tuple(id(b.data_storage.array) for b in history2 or ()),
                 tuple(lr_mult), tuple(decay_mult))
+
+    def check(self, guard, flag):
+        """Set `guard` (device float64) to NaN and `flag` (device int32) to 1
+        if a gradient value of these parameters is not finite."""
+        total = int(self.total)
+        if total == 0:
+            return
+        threads = 256
+        blocks = min((total + threads - 1) // threads, 4096)
+        _get_check_kernel()((blocks,), (threads,),
+                            (self.tables[1], self.tables[4], self.n_params, self.total, guard,
+                             flag))
 
     def run(self, kind, rate, norm, weight_decay, l1, a=0.0, b=0.0, c=0.0, d=0.0, guard=None):
         """`guard`: a device float64 scalar; while it is not finite nothing

@@ -105,11 +105,13 @@ class SGDSolver(Solver):
         self.update_params(range(len(self.net.learnable_params)), rate)
         self.iter += 1
 
-    def update_params(self, indices, rate, guard=None):
+    def update_params(self, indices, rate, guard=None, flag=None):
         """ApplyUpdate's per-parameter part and Net::Update for the learnable
         params `indices`: normalize, regularize, the rule, data -= diff.
         `guard`: a float64 scalar (device or NumPy); nothing is updated while
-        it is not finite (the NaN check of an update in backward)."""
+        it is not finite (the NaN check of an update in backward). `flag`
+        (an int32 scalar): first check these gradients; one not finite sets
+        the guard to NaN and the flag to 1."""
         p = self.param
         net = self.net
         iter_norm = F32(1) / F32(p.iter_size) if p.iter_size > 1 else None
@@ -125,8 +127,13 @@ class SGDSolver(Solver):
         if self.use_fused_kernels and _rule_class(self) in _FUSED and \
                 backend.get_array_module(params[indices[0]].diff) is not numpy:
             self._fused_apply(indices, rate, F32(1) if iter_norm is None else iter_norm,
-                              weight_decay, l1, guard)
+                              weight_decay, l1, guard, flag)
             return
+        if flag is not None:
+            xp = backend.get_array_module(params[indices[0]].diff)
+            if not all(bool(xp.isfinite(params[i].diff).all()) for i in indices):
+                guard[...] = numpy.nan
+                flag[...] = 1
         if guard is not None and not numpy.isfinite(float(guard)):
             return
         for i in indices:
@@ -174,7 +181,7 @@ class SGDSolver(Solver):
             for param in params:
                 param.diff[...] *= scale
 
-    def _fused_apply(self, indices, rate, norm, weight_decay, l1, guard=None):
+    def _fused_apply(self, indices, rate, norm, weight_decay, l1, guard=None, flag=None):
         net = self.net
         n = len(net.learnable_params)
         key = tuple(indices)
@@ -189,6 +196,8 @@ class SGDSolver(Solver):
         update.prepare(params, [self.history[i] for i in key], h2,
                        [float(net.params_lr[i]) for i in key],
                        [float(net.params_weight_decay[i]) for i in key])
+        if flag is not None:
+            update.check(guard, flag)
         update.run(self.type, rate, norm, weight_decay, l1, *self.fused_scalars(), guard=guard)
 
     def fused_scalars(self):

@@ -27,9 +27,10 @@ Solver.step checks before every iteration; when one of these stops holding,
 the plan is placed again with the gradients kept whole, and a log line says
 why.
 
-The NaN check ('stop', caffeplus.solver.nan_check): before a parameter's
-update its gradient's float64 sum joins a running sum, on the device; no
-update runs once that sum is not finite, so no weight takes a non-finite
+The NaN check ('stop', caffeplus.solver.nan_check): before a layer's update
+its gradients are checked on the device (one pass, gpu_kernels); a value
+that is not finite sets a guard every later update reads, so nothing is
+updated from there on and no weight takes a non-finite
 value (parameters updated before, of later layers, keep their update), and
 the check after backward names the first parameters whose gradient was not
 finite. Its 'warn' mode keeps the gradients whole: it trains on as Caffe,
@@ -87,23 +88,23 @@ class UpdateInBackward:
         self.updating = False       # the step's own backward is running
         self.rate = None
         self.groups = {}            # layer index -> learnable ids whose gradient it completes
+        self.order = {}             # layer index -> its group's place in backward order
         self.rest = []              # learnable ids no backward writes
-        self.guard = None
-        self.stopping = False
-        self.sums = []              # (learnable ids, their float64 sum) in update order
+        self.stopping = False       # the NaN check stops: updates are guarded
+        self.guard = None           # float64 scalar: NaN once a gradient was not finite
+        self.flags = None           # int32 per group: its gradient was not finite
         self._hooked = None
+        self._laid_out = None
 
     # -- set up ----------------------------------------------------------------------
-    def _plan_places_gradients(self):
-        applied = getattr(self.solver.net, 'applied_plan', None)
-        plan = getattr(applied, 'plan', None)
-        return bool(getattr(plan, 'param_diffs', False))
+    def _plan(self):
+        return getattr(getattr(self.solver.net, 'applied_plan', None), 'plan', None)
 
     def ready(self):
         """Before an iteration: True if it updates in backward. A plan that
         placed the gradients for a solver that can no longer (a callback
         added since, a setting changed) is placed again without them."""
-        if not self._plan_places_gradients():
+        if not getattr(self._plan(), 'param_diffs', False):
             return False
         why = blockers(self.solver)
         if why:
@@ -113,6 +114,10 @@ class UpdateInBackward:
         return True
 
     def _layout(self):
+        """Which parameters each layer's backward completes (once per plan)."""
+        plan = self._plan()
+        if plan is not None and self._laid_out is plan:
+            return
         net = self.solver.net
         spans = liveness.param_diff_spans(net)
         L = len(net.layers)
@@ -121,7 +126,10 @@ class UpdateInBackward:
             self.groups.setdefault(2 * L - 1 - last, []).append(k)
         for ids in self.groups.values():
             ids.sort()
+        self.order = {i: g for g, i in enumerate(sorted(self.groups, reverse=True))}
         self.rest = [k for k in range(len(net.learnable_params)) if k not in spans]
+        self.guard = self.flags = None
+        self._laid_out = plan
 
     def _hook(self):
         net = self.solver.net
@@ -145,13 +153,17 @@ class UpdateInBackward:
         self._layout()
         self._hook()
         self.rate = solver.peek_learning_rate()
-        xp = backend.get_array_module(solver.net.learnable_params[0].data) \
-            if solver.net.learnable_params else numpy
+        params = solver.net.learnable_params
+        xp = backend.get_array_module(params[0].data) if params else numpy
         self.stopping = self._check_mode() == 'stop'
-        self.guard = xp.zeros((), dtype=numpy.float64) if self.stopping else None
-        self.sums = []
+        if self.stopping:
+            if self.guard is None or backend.get_array_module(self.guard) is not xp:
+                self.guard = xp.zeros((), dtype=numpy.float64)
+                self.flags = xp.zeros(max(len(self.groups), 1), dtype=numpy.int32)
+            self.guard.fill(0)
+            self.flags.fill(0)
         for k in self.rest:
-            solver.net.learnable_params[k].diff[...] = 0
+            params[k].diff[...] = 0
         self.pending = True
         self.updating = True
 
@@ -172,15 +184,11 @@ class UpdateInBackward:
         ids = self.groups.get(i)
         if not ids:
             return
-        params = self.solver.net.learnable_params
-        if self.guard is not None:
-            xp = backend.get_array_module(self.guard)
-            total = xp.zeros((), dtype=numpy.float64)
-            for k in ids:
-                total += xp.sum(params[k].diff, dtype=numpy.float64)
-            self.sums.append((ids, total))
-            self.guard += total
-        self.solver.update_params(ids, self.rate, self.guard if self.stopping else None)
+        if self.stopping:
+            g = self.order[i]
+            self.solver.update_params(ids, self.rate, self.guard, self.flags[g:g + 1])
+        else:
+            self.solver.update_params(ids, self.rate)
 
     def finish(self, rate):
         """In apply_update: the parameters no backward wrote."""
@@ -188,11 +196,12 @@ class UpdateInBackward:
         self.solver.update_params(self.rest, rate, self.guard if self.stopping else None)
 
     def bad_gradients(self):
-        """Learnable ids of the first group whose gradient sum was not
-        finite (nothing was updated from there on), or []."""
-        if self.guard is None or numpy.isfinite(float(self.guard)):
+        """Learnable ids of the first group (in backward) whose gradient was
+        not finite (nothing was updated from there on), or []."""
+        if not self.stopping or numpy.isfinite(float(self.guard)):
             return []
-        for ids, total in self.sums:
-            if not numpy.isfinite(float(total)):
-                return list(ids)
+        flags = backend.to_numpy(self.flags)
+        for i, g in sorted(self.order.items(), key=lambda item: item[1]):
+            if flags[g]:
+                return list(self.groups[i])
         return []
