@@ -306,3 +306,30 @@ def test_gpu_a_nan_gradient_stops_every_later_update():
                 assert numpy.isfinite(b.data).all(), layer.name
     finally:
         caffeplus.set_mode_cpu()
+
+
+def test_a_filter_call_workspace_never_shares_the_gradient_it_writes():
+    """The filter-gradient call's workspace lives half a step before its
+    layer's step (liveness.FILTER_FIRST) and that call writes the weight
+    gradient: the gradient's life starts there too, so the placement never
+    gives the two the same bytes (on the GPU that corrupted GoogLeNet)."""
+    from caffeplus.memory.plan import make_plan
+    net = shapes.build_net(param_of(NET))
+    convs = [i for i, layer in enumerate(net.layers) if layer.layer_param.type == 'Convolution']
+    big = 1 << 16
+    plan = make_plan(net, 'shared', workspace={i: (big, big, big) for i in convs},
+                     param_diffs=True)
+    spans = {b.key: b for b in plan.buffers}
+    grads = [b for b in plan.buffers if b.kind == 'param_diff']
+    calls = [b for b in plan.buffers if b.kind == 'workspace' and b.key[2] == 'backward_filter']
+    assert grads and calls
+    for g in grads:
+        for w in calls:
+            if g.start <= w.end and w.start <= g.end:      # live together
+                lo = max(plan.offsets[g.key], plan.offsets[w.key])
+                hi = min(plan.offsets[g.key] + g.nbytes, plan.offsets[w.key] + w.nbytes)
+                assert lo >= hi, (g.key, w.key, spans[g.key], spans[w.key])
+    # conv_a's weights (shared with conv_b) are live at conv_b's filter call.
+    L = len(net.layers)
+    conv_b = net._layer_names.index('conv_b')
+    assert any(g.start == 2 * L - 1 - conv_b - 0.5 for g in grads)

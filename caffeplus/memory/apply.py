@@ -741,7 +741,7 @@ class AppliedPlan:
                 e.reasons['before'] = (
                     "parameter gradient not written yet: memory plan '%s' lends its memory to "
                     "other blobs until backward of layer %s; %s"
-                    % (self.name, where(first.start)[1], hint))
+                    % (self.name, where(int(math.ceil(first.start)))[1], hint))
                 continue
             phase, layer = where(min(last.end, 2 * L - 1))
             e.reasons['after'] = (

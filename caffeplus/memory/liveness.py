@@ -153,9 +153,12 @@ def param_diff_spans(net):
 
 
 def param_diff_buffers(net):
-    """Buffers for the parameter gradients applied in backward (param_diff_spans)."""
+    """Buffers for the parameter gradients applied in backward
+    (param_diff_spans). A convolution's filter-gradient call writes its
+    gradient: the life starts with that call, half a step early
+    (FILTER_FIRST), so that call's workspace never shares its bytes."""
     return [Buffer(('param_diff', k), 'param_diff', (), net.learnable_params[k].count * FLOAT_BYTES,
-                   first, last)
+                   first - FILTER_FIRST, last)
             for k, (first, last) in sorted(param_diff_spans(net).items())]
 
 
