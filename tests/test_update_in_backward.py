@@ -50,6 +50,8 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: 
 @pytest.fixture(autouse=True)
 def _env(monkeypatch):
     monkeypatch.delenv(update_in_backward.ENV, raising=False)
+    # The tiny net's gradients are all small: every one leaves here.
+    monkeypatch.setattr(liveness, 'MIN_APPLIED_GRADIENT_BYTES', 0)
     monkeypatch.delenv('CAFFEPLUS_NAN_CHECK', raising=False)
     level = log.logger.level
     log.logger.setLevel(logging.WARNING)
@@ -115,7 +117,7 @@ def test_the_gradients_live_from_their_first_backward_write_to_the_update():
 
 
 @pytest.mark.parametrize('plan, placed', [('stock', False), ('arena', False), ('shared', True),
-                                          ('offload', True)])
+                                          ('offload', False)])
 def test_shared_and_offload_update_in_backward(plan, placed):
     result = train(plan, iters=1)
     assert in_backward(result) == placed
@@ -140,10 +142,9 @@ def test_settings_that_need_every_gradient_keep_them_whole(fields):
                                          'Adam'])
 def test_training_is_bit_identical_to_stock(solver_type):
     stock = _train_with(param_of(NET), 'stock', 6, solver_type, None, {})
-    for plan in ('shared', 'offload'):
-        result = _train_with(param_of(NET), plan, 6, solver_type, None, {})
-        assert in_backward(result)
-        assert not cpe.differences(stock, result), (plan, cpe.differences(stock, result))
+    result = _train_with(param_of(NET), 'shared', 6, solver_type, None, {})
+    assert in_backward(result)
+    assert not cpe.differences(stock, result), cpe.differences(stock, result)
 
 
 def test_lenet_and_cifar10_bn_are_bit_identical_to_stock(tmp_path):
@@ -333,3 +334,19 @@ def test_a_filter_call_workspace_never_shares_the_gradient_it_writes():
     L = len(net.layers)
     conv_b = net._layer_names.index('conv_b')
     assert any(g.start == 2 * L - 1 - conv_b - 0.5 for g in grads)
+
+
+def test_only_large_gradients_leave(monkeypatch):
+    """At the default size the fc layers of AlexNet leave, none of ResNet-50's
+    many small ones (each layer updated in backward costs kernel launches)."""
+    monkeypatch.undo()
+    for name, expected in (('alexnet_b128', {'fc6', 'fc7'}), ('resnet50_b64', set())):
+        path = os.path.join(SHARED, 'bench', name + '.prototxt')
+        if not os.path.exists(path):
+            pytest.skip('needs ../shared/bench')
+        net = shapes.build_net(shapes.load_net_param(path))
+        spans = liveness.param_diff_spans(net)
+        owners = {net.learnable_param_ids[pid]: net._layer_names[layer_id]
+                  for pid, (layer_id, _) in enumerate(net.param_layer_indices)
+                  if net.param_owners[pid] == -1}
+        assert {owners[k] for k in spans} == expected, name

@@ -1171,7 +1171,7 @@ def apply_solver_plans(solver, default='shared'):
     apply_named_plan(solver.net, name, keep=[k for k in keep if k in solver.net._blob_names],
                      offload_policy=_offload_policy(cp.offload), workspace_limit=limit,
                      training=True, solver_type=solver_type_name(p), budget=budget,
-                     param_diffs=name in ('shared', 'offload') and
+                     param_diffs=name == 'shared' and
                      getattr(solver, 'in_backward', None) is not None and
                      not update_in_backward.blockers(solver))
     test_name = name if name in ('stock', 'arena') else 'shared'

@@ -224,9 +224,9 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
             net, bufs, offload.choose(net, bufs, 'all', keep),
             [t * FREE_STEP_SHARE for t in steps_s], PCIE_BANDWIDTH, host_budget=host_budget)
 
-    # A solver updates each parameter in backward under these plans
-    # (caffeplus.solver.update_in_backward): its gradients are placed too.
-    grads = placing and training and update_in_backward.enabled()
+    # A solver updates the large parameters in backward under `shared`
+    # (caffeplus.solver.update_in_backward): their gradients are placed too.
+    grads = name == 'shared' and training and update_in_backward.enabled()
 
     def placed(hidden):
         sizes = None

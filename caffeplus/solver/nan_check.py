@@ -212,15 +212,13 @@ def check_net(net, iteration, rng_state=None, applied=None):
             data = _safe(lambda: net._blobs[blob_id].data)
             if not _finite(data):
                 bad_loss.append("'%s' = %s" % (net._blob_names[blob_id], _kind(data)))
-    if applied is not None:
-        bad_grad = list(applied)
-        diffs = None
-    else:
-        diffs = [_safe(lambda: blob.diff) for blob in net.learnable_params]
-        if not bad_loss and _all_finite(diffs):
-            return None
-        bad_grad = [learnable_id for learnable_id, diff in enumerate(diffs)
-                    if not _finite(diff)]
+    # (Gradients already applied in backward are released: _safe gives None.)
+    diffs = [_safe(lambda: blob.diff) for blob in net.learnable_params]
+    if not bad_loss and not applied and _all_finite(diffs):
+        return None
+    bad_grad = sorted(set(applied or ()) |
+                      {learnable_id for learnable_id, diff in enumerate(diffs)
+                       if not _finite(diff)})
     if not bad_loss and not bad_grad:
         return None
     what = []

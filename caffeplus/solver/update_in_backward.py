@@ -2,8 +2,8 @@
 
 Caffe updates every parameter after the whole backward pass, so every
 parameter gradient is held for the whole iteration: 528 MiB on VGG-16, at
-the end of backward, where its peak is. Under the reusing memory plans the
-solver instead updates a parameter as soon as the last layer that owns it
+the end of backward, where its peak is. Under plan `shared` the solver
+instead updates a parameter as soon as the last layer that owns it
 has run its backward, and the plan places the gradients in its arena, live
 from their first write in backward to that update only
 (caffeplus.memory.liveness.param_diff_spans): fc6's 392 MiB are gone before
@@ -16,9 +16,14 @@ forward (and logged where Caffe logs it). A gradient's life starts with
 zeros (Caffe's ClearParamDiffs), written by the plan's applier before the
 layer's backward (caffeplus.memory.apply).
 
-When: the train net's plan placed the gradients (plan.param_diffs: plans
-`shared` and `offload` under a solver, unless CAFFEPLUS_UPDATE_IN_BACKWARD=0)
-and nothing needs all of them at once: iter_size 1 (accumulation over
+Which: gradients of at least liveness.MIN_APPLIED_GRADIENT_BYTES (each layer
+updated in backward costs kernel launches; small ones are updated together
+at the end, as before).
+
+When: the train net's plan placed the gradients (plan.param_diffs: plan
+`shared` under a solver, unless CAFFEPLUS_UPDATE_IN_BACKWARD=0; not yet
+`offload`, whose moved maps and the gradients placed together grew the
+measured arena) and nothing needs all of them at once: iter_size 1 (accumulation over
 passes), no clip_gradients (a global norm), no debug_info (it logs every
 gradient after backward), no snapshot_diff (a snapshot holds the gradients,
 as Caffe's update leaves them), and no solver callback but the NaN check (a
@@ -30,10 +35,10 @@ why.
 The NaN check ('stop', caffeplus.solver.nan_check): before a layer's update
 its gradients are checked on the device (one pass, gpu_kernels); a value
 that is not finite sets a guard every later update reads, so nothing is
-updated from there on and no weight takes a non-finite
-value (parameters updated before, of later layers, keep their update), and
-the check after backward names the first parameters whose gradient was not
-finite. Its 'warn' mode keeps the gradients whole: it trains on as Caffe,
+updated from there on and no weight takes a non-finite value (parameters
+updated before, of later layers, keep their update); the check after
+backward names the first parameters whose gradient was not finite (and,
+as before, any of the gradients kept whole). Its 'warn' mode keeps the gradients whole: it trains on as Caffe,
 and looks for the NaN's origin by running the iteration again before the
 update, when the weights are still those that made it.
 """
