@@ -350,3 +350,34 @@ def test_only_large_gradients_leave(monkeypatch):
                   for pid, (layer_id, _) in enumerate(net.param_layer_indices)
                   if net.param_owners[pid] == -1}
         assert {owners[k] for k in spans} == expected, name
+
+
+@pytest.mark.gpu
+def test_gpu_a_relayout_frees_the_old_arena():
+    """The solver's update tables hold addresses, not the arrays: once the
+    plan is placed again (here: the gradients kept whole), the old arena,
+    whose views the placed gradients were, is freed."""
+    import gc
+    import cupy
+    import caffeplus
+    seen = {}
+
+    def hook(solver):
+        solver.step(2)                      # in backward: the tables point into the arena
+        applied = solver.net.applied_plan
+        assert applied.plan.param_diffs
+        pool = cupy.get_default_memory_pool()
+        gc.collect()
+        before, arena = pool.used_bytes(), applied.arena_base().nbytes
+        # As keep_param_diffs, but never in the old arena's bytes: a new one.
+        applied.options.setdefault('plan_overrides', {})['param_diffs'] = False
+        applied.relayout(replan=True, reuse=False)
+        gc.collect()
+        seen['grew'] = pool.used_bytes() - before
+        seen['arena'] = arena
+    try:
+        cpe.train(param_of(NET), 'shared', 2, gpu=0, solver_hook=hook)
+    finally:
+        caffeplus.set_mode_cpu()
+    # One arena at a time (the gradients kept whole are the net's own arrays).
+    assert seen['grew'] < seen['arena'] // 2, seen

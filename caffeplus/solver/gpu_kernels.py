@@ -177,17 +177,21 @@ class MultiTensorUpdate:
                        cupy.asarray(numpy.asarray(decay_mult, dtype=numpy.float32)))
         self.n_params = numpy.int32(len(sizes))
         self.total = numpy.int64(offsets[-1])
-        # keep the arrays alive as long as the tables point at them
-        self.alive = (w, g, h, h2)
+        # No reference to the arrays: a gradient placed in a memory plan's
+        # arena is a view of it, and a held view would keep an old arena
+        # allocated beside the new one after a re-layout. The key holds their
+        # addresses, so the tables are rebuilt whenever one moves.
         self.key = self._key(params, history1, history2, lr_mult, decay_mult)
 
     @staticmethod
     def _key(params, history1, history2, lr_mult, decay_mult):
-        """What the tables depend on, without making array views."""
-        return (tuple(id(p.data_storage.array) for p in params),
-                tuple(id(p.diff_storage.array) for p in params),
-                tuple(id(b.data_storage.array) for b in history1),
-                tuple(id(b.data_storage.array) for b in history2 or ()),
+        """What the tables depend on: the arrays' device addresses and sizes."""
+        def where(arrays):      # (None: not allocated yet; prepare's accessors will)
+            return tuple(None if a is None else (a.data.ptr, a.size) for a in arrays)
+        return (where(p.data_storage.array for p in params),
+                where(p.diff_storage.array for p in params),
+                where(b.data_storage.array for b in history1),
+                where(b.data_storage.array for b in history2 or ()),
                 tuple(lr_mult), tuple(decay_mult))
 
     def check(self, guard, flag):
