@@ -87,15 +87,22 @@ def caffeplus_main(argv, cwd):
     return rc, cap
 
 
-@pytest.fixture(scope='module')
-def runs(tmp_path_factory):
-    """Train every reference run once (about a second each)."""
+@pytest.fixture(scope='module', params=['as_is', 'every_update_in_backward'])
+def runs(request, tmp_path_factory):
+    """Train every reference run once (about a second each); a second time
+    with every parameter updated in backward (caffeplus.solver.
+    update_in_backward: LeNet's gradients are all under the size that
+    leaves by default), which must change no number and no log line."""
+    from caffeplus.memory import liveness
     root = copy_reference(str(tmp_path_factory.mktemp('reference')))
     out = {}
-    for run in RUNS:
-        rc, cap = caffeplus_main(['train', '-solver', 'training/%s/solver.prototxt' % run,
-                                  '-weights', 'training/init.caffemodel'], root)
-        out[run] = (rc, cap, root)
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == 'every_update_in_backward':
+            mp.setattr(liveness, 'MIN_APPLIED_GRADIENT_BYTES', 0)
+        for run in RUNS:
+            rc, cap = caffeplus_main(['train', '-solver', 'training/%s/solver.prototxt' % run,
+                                      '-weights', 'training/init.caffemodel'], root)
+            out[run] = (rc, cap, root)
     return out
 
 
@@ -240,10 +247,15 @@ snapshot_format: %s
 '''
 
 
+@pytest.mark.parametrize('in_backward', [False, True])
 @pytest.mark.parametrize('kind,fmt', [('SGD', 'BINARYPROTO'), ('Adam', 'HDF5')])
-def test_resume_bit_identical(tmp_path, kind, fmt):
+def test_resume_bit_identical(tmp_path, monkeypatch, kind, fmt, in_backward):
     """12 iterations straight == 6 (mid-epoch: 384 of 256 records), snapshot,
-    resume, 6 more (CPU)."""
+    resume, 6 more (CPU); also with every update in backward (the snapshot
+    has no gradients to write)."""
+    if in_backward:
+        from caffeplus.memory import liveness
+        monkeypatch.setattr(liveness, 'MIN_APPLIED_GRADIENT_BYTES', 0)
     root = copy_reference(str(tmp_path), runs=[])
     os.makedirs(os.path.join(root, 'out'))
     with open(os.path.join(root, 'solver.prototxt'), 'w') as f:
