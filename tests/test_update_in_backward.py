@@ -381,3 +381,107 @@ def test_gpu_a_relayout_frees_the_old_arena():
         caffeplus.set_mode_cpu()
     # One arena at a time (the gradients kept whole are the net's own arrays).
     assert seen['grew'] < seen['arena'] // 2, seen
+
+
+# -- the GPU solver kernels, emulated on the host (tools/kernel_emu.py) ---------------------
+@pytest.fixture(scope='module')
+def solver_kernels():
+    from conftest import build_emulator
+    from caffeplus.solver import gpu_kernels
+    return build_emulator(gpu_kernels._SOURCE + gpu_kernels._CHECK_SOURCE)
+
+
+def _tables(arrays):
+    return numpy.array([a.ctypes.data for a in arrays], dtype=numpy.uint64)
+
+
+def _emulated_update(emu, solver, indices, rate, guard, flag=None):
+    """What MultiTensorUpdate.check and .run launch, over host arrays."""
+    from caffeplus.solver import gpu_kernels
+    net = solver.net
+    n = len(net.learnable_params)
+    params = [net.learnable_params[i] for i in indices]
+    w = [p.data.reshape(-1) for p in params]
+    g = [p.diff.reshape(-1) for p in params]
+    h = [solver.history[i].data.reshape(-1) for i in indices]
+    h2 = [solver.history[n + i].data.reshape(-1) for i in indices] \
+        if solver.history_per_param == 2 else h
+    sizes = [a.size for a in w]
+    offsets = numpy.zeros(len(sizes) + 1, dtype=numpy.int64)
+    numpy.cumsum(sizes, out=offsets[1:])
+    total = numpy.int64(offsets[-1])
+    f = numpy.float32
+    if flag is not None:
+        emu.kernel('caffeplus_gradient_check')((2,), (32,), (
+            _tables(g), offsets, numpy.int32(len(sizes)), total, guard, flag))
+    p = solver.param
+    emu.kernel('caffeplus_solver_update')((2,), (32,), (
+        _tables(w), _tables(g), _tables(h), _tables(h2), offsets,
+        numpy.asarray([net.params_lr[i] for i in indices], dtype=numpy.float32),
+        numpy.asarray([net.params_weight_decay[i] for i in indices], dtype=numpy.float32),
+        numpy.int32(len(sizes)), total, numpy.int32(gpu_kernels.KINDS[solver.type]),
+        f(rate), f(1), f(p.weight_decay), numpy.int32(p.regularization_type == 'L1'),
+        *[f(x) for x in (tuple(solver.fused_scalars()) + (0, 0, 0, 0))[:4]], guard))
+
+
+def _cpu_solver(solver_type):
+    """A solver of NET on the CPU after one forward and backward (its gradients set)."""
+    from caffeplus.solver import get_solver
+    original = cpe.solver_param(param_of(NET), 'stock', 3)
+    original.type = solver_type
+    if solver_type in ('AdaGrad', 'RMSProp'):
+        original.momentum = 0.0
+    if solver_type == 'AdaDelta':
+        original.base_lr = 1.0
+    with shapes.quiet():
+        solver = get_solver(original)
+    solver.step(1)                  # history not zero
+    solver.net.clear_param_diffs()
+    solver.net.forward_prefilled()
+    solver.net.backward_all()
+    return solver
+
+
+def _state(solver):
+    return [a.copy() for p in solver.net.learnable_params for a in (p.data, p.diff)] + \
+        [b.data.copy() for b in solver.history]
+
+
+@pytest.mark.parametrize('solver_type', ['SGD', 'Nesterov', 'AdaGrad', 'RMSProp', 'AdaDelta',
+                                         'Adam'])
+def test_emulated_update_kernel_matches_the_cpu_rules_by_layer(solver_kernels, solver_type):
+    """The update kernel over one layer's parameters at a time (as the
+    update in backward launches it) gives the CPU path's bits."""
+    solver = _cpu_solver(solver_type)
+    rate = solver.peek_learning_rate()
+    groups = [[0, 1], [2, 3], [4, 5, 6, 7]]
+    saved = _state(solver)
+    for ids in groups:
+        solver.update_params(ids, rate)
+    expected = _state(solver)
+    for p, (d, g) in zip(solver.net.learnable_params, zip(saved[0::2], saved[1::2])):
+        p.data[...] = d
+        p.diff[...] = g
+    for b, s in zip(solver.history, saved[2 * len(solver.net.learnable_params):]):
+        b.data[...] = s
+    guard = numpy.zeros(1, dtype=numpy.float64)
+    for ids in groups:
+        _emulated_update(solver_kernels, solver, ids, rate, guard)
+    for got, want in zip(_state(solver), expected):
+        assert numpy.array_equal(got, want)
+
+
+def test_emulated_check_kernel_stops_this_and_every_later_update(solver_kernels):
+    solver = _cpu_solver('SGD')
+    rate = solver.peek_learning_rate()
+    params = solver.net.learnable_params
+    # Backward order: ip2 (6, 7), ip1 (4, 5), conv_a/conv_b (2, 3); ip1's is bad.
+    params[4].diff.reshape(-1)[7] = numpy.inf
+    guard = numpy.zeros(1, dtype=numpy.float64)
+    flags = numpy.zeros(3, dtype=numpy.int32)
+    before = [p.data.copy() for p in params]
+    for g, ids in enumerate([[6, 7], [4, 5], [2, 3]]):
+        _emulated_update(solver_kernels, solver, ids, rate, guard, flags[g:g + 1])
+    assert numpy.isnan(guard[0]) and flags.tolist() == [0, 1, 0]
+    changed = [not numpy.array_equal(a, p.data) for a, p in zip(before, params)]
+    assert changed[2:] == [False, False, False, False, True, True]

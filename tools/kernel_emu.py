@@ -31,6 +31,7 @@ if ROOT not in sys.path:
 PRELUDE = r'''
 #include <barrier>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -62,6 +63,12 @@ static unsigned __ballot_sync(unsigned, int p) {
         if (cp_warp_buf[(w << 5) + l] != 0.0) r |= 1u << l;
     cp_warp_barrier[w]->arrive_and_wait();
     return r;
+}
+using std::isfinite;
+static inline double __longlong_as_double(long long v) {
+    double d;
+    std::memcpy(&d, &v, sizeof d);
+    return d;
 }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
@@ -95,7 +102,8 @@ _SANITIZE = ['-fsanitize=address', '-fno-omit-frame-pointer'] \
     if os.environ.get('CAFFEPLUS_EMU_ASAN') else []
 
 _SIG = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\)', re.S)
-_POINTER_DTYPES = (numpy.float32, numpy.float64, numpy.int32, numpy.uint32, numpy.uint8)
+_POINTER_DTYPES = (numpy.float32, numpy.float64, numpy.int32, numpy.uint32, numpy.uint8,
+                   numpy.int64, numpy.uint64)
 
 
 def _params(text):
@@ -132,7 +140,8 @@ class _Kernel:
                 if not isinstance(a, numpy.ndarray) or a.dtype not in _POINTER_DTYPES \
                         or not a.flags.c_contiguous:
                     raise TypeError('%s: pointer arguments must be contiguous float32, float64, '
-                                    'int32, uint32 or uint8 arrays (got %r)' % (self.name, type(a)))
+                                    'int32, uint32, uint8, int64 or uint64 arrays (got %r)'
+                                    % (self.name, type(a)))
                 conv.append(ctypes.c_void_p(a.ctypes.data))
             else:
                 if not isinstance(a, numpy.generic):
