@@ -485,3 +485,30 @@ def test_emulated_check_kernel_stops_this_and_every_later_update(solver_kernels)
     assert numpy.isnan(guard[0]) and flags.tolist() == [0, 1, 0]
     changed = [not numpy.array_equal(a, p.data) for a, p in zip(before, params)]
     assert changed[2:] == [False, False, False, False, True, True]
+
+
+def test_a_solver_with_its_own_apply_update_keeps_the_gradients_whole():
+    """A subclass with its own compute_update_value updates in backward
+    (update_params calls it); one with its own apply_update does not."""
+    from caffeplus.solver.sgd import SGDSolver
+
+    class OwnRule(SGDSolver):
+        use_fused_kernels = False
+
+        def compute_update_value(self, i, g, local_rate):
+            g *= local_rate
+
+    class OwnUpdate(SGDSolver):
+        def apply_update(self):
+            super().apply_update()
+    assert update_in_backward.blockers(_bare(OwnRule)) == []
+    assert update_in_backward.blockers(_bare(OwnUpdate)) == ['the solver has its own apply_update']
+
+
+def _bare(cls):
+    """An instance with only what blockers() reads."""
+    from caffeplus.proto import caffe_pb2
+    solver = cls.__new__(cls)
+    solver.param = caffe_pb2.SolverParameter()
+    solver.callbacks = []
+    return solver
