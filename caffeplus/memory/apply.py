@@ -31,7 +31,10 @@ the arena too, live from the layer's forward to its backward. A map the
 plan makes again in backward (caffeplus.memory.recompute: an LRN's or a
 pooling layer's output) has two lives like an offloaded one; a backward
 hook points its Storage at the second and runs the producing layer's
-forward into it just before its first backward use.
+forward into it just before its first backward use. Under `shared` with a
+solver that updates in backward (caffeplus.solver.update_in_backward) the
+large parameter gradients are placed too, each zeroed by a hook just before
+the first backward step that writes it.
 
 Release tracking. Net.forward_from_to / backward_from_to call the applied
 plan before and after they run (Net.applied_plan). Before: every release
@@ -732,8 +735,8 @@ class AppliedPlan:
         for e in self.entries:
             first, last = e.lives[0], e.lives[-1]
             if e.kind == 'param_diff':
-                hint = ('%s=0 keeps every parameter gradient after the iteration'
-                        % 'CAFFEPLUS_UPDATE_IN_BACKWARD')
+                hint = 'CAFFEPLUS_UPDATE_IN_BACKWARD=0 keeps every parameter gradient after the ' \
+                    'iteration'
                 e.reasons['after'] = (
                     "parameter gradient applied by the solver's update in backward (after layer "
                     "%s), then its memory lent to other blobs by memory plan '%s'; %s"
