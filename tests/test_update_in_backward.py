@@ -512,3 +512,28 @@ def _bare(cls):
     solver.param = caffe_pb2.SolverParameter()
     solver.callbacks = []
     return solver
+
+
+def test_update_tables_key_on_addresses_not_on_arrays():
+    """MultiTensorUpdate rebuilds its pointer tables when an array moves and
+    holds none of them (a held view of a placed gradient kept an old arena
+    allocated after a re-layout)."""
+    import types
+    from caffeplus.solver.gpu_kernels import MultiTensorUpdate
+
+    def array(ptr, size=4):
+        return types.SimpleNamespace(data=types.SimpleNamespace(ptr=ptr), size=size)
+
+    def blob(data, diff):
+        return types.SimpleNamespace(data_storage=types.SimpleNamespace(array=data),
+                                     diff_storage=types.SimpleNamespace(array=diff))
+    p = blob(array(100), array(200))
+    h = types.SimpleNamespace(data_storage=types.SimpleNamespace(array=array(300)))
+    key = MultiTensorUpdate._key([p], [h], None, [1.0], [1.0])
+    assert key == MultiTensorUpdate._key([blob(array(100), array(200))], [h], None, [1.0],
+                                         [1.0])
+    moved = MultiTensorUpdate._key([blob(array(100), array(232))], [h], None, [1.0], [1.0])
+    grown = MultiTensorUpdate._key([blob(array(100), array(200, 8))], [h], None, [1.0], [1.0])
+    unset = MultiTensorUpdate._key([blob(array(100), None)], [h], None, [1.0], [1.0])
+    assert len({key, moved, grown, unset}) == 4
+    assert not hasattr(MultiTensorUpdate(), 'alive')
