@@ -416,9 +416,11 @@ class Net:
         for p in self.learnable_params:
             p.diff[...] = 0
 
-    def update(self):
-        """data -= diff for every learnable parameter (Caffe's Net::Update)."""
-        for p in self.learnable_params:
+    def update(self, indices=None):
+        """data -= diff for every learnable parameter (Caffe's Net::Update),
+        or for the learnable params `indices` (an update in backward)."""
+        params = self.learnable_params
+        for p in params if indices is None else (params[i] for i in indices):
             p.data[...] -= p.diff
 
     # -- pycaffe-style API ---------------------------------------------------

@@ -1174,9 +1174,8 @@ def apply_solver_plans(solver, default='shared'):
     apply_named_plan(solver.net, name, keep=[k for k in keep if k in solver.net._blob_names],
                      offload_policy=_offload_policy(cp.offload), workspace_limit=limit,
                      training=True, solver_type=solver_type_name(p), budget=budget,
-                     param_diffs=name == 'shared' and
-                     getattr(solver, 'in_backward', None) is not None and
-                     not update_in_backward.blockers(solver))
+                     param_diffs=getattr(solver, 'in_backward', None) is not None and
+                     update_in_backward.places_gradients(name, solver))
     test_name = name if name in ('stock', 'arena') else 'shared'
     for n in solver.test_nets:
         apply_named_plan(n, test_name, keep=[k for k in keep if k in n._blob_names],

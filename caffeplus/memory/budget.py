@@ -226,7 +226,7 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
 
     # A solver updates the large parameters in backward under `shared`
     # (caffeplus.solver.update_in_backward): their gradients are placed too.
-    grads = name == 'shared' and training and update_in_backward.enabled()
+    grads = training and update_in_backward.places_gradients(name)
 
     def placed(hidden):
         sizes = None

@@ -252,7 +252,9 @@ def check_net(net, iteration, rng_state=None, applied=None):
     message = ('Iteration %d: %s%s. %s (lower base_lr, clip gradients with clip_gradients, or '
                'check the input data; set %s=warn to train on regardless).'
                % (iteration, ' and '.join(what), origin, stopped, ENV))
-    return NumericalError(message, iteration, layer, ' and '.join(what))
+    error = NumericalError(message, iteration, layer, ' and '.join(what))
+    error.stopped = stopped         # the sentence warn mode replaces
+    return error
 
 
 class NanCheck:
@@ -286,12 +288,13 @@ class NanCheck:
         self.problems += 1
         if self.mode == 'stop':
             raise error
-        message = str(error)
-        stopped = message.index('Training stopped') if 'Training stopped' in message else None
-        if stopped is not None:
-            end = message.index('still finite', stopped) + len('still finite')
-            message = message[:stopped] + 'Training goes on (%s=warn)' % ENV + message[end:]
-        log.warning('%s', message)
+        log.warning('%s', str(error).replace(error.stopped, 'Training goes on (%s=warn)' % ENV))
+
+
+def installed_mode(solver):
+    """The mode of the check installed on `solver` ('off' without one)."""
+    modes = [cb.mode for cb in solver.callbacks if isinstance(cb, NanCheck)]
+    return modes[0] if modes else 'off'
 
 
 def configured_mode(solver=None, mode=None):

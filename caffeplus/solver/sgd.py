@@ -153,8 +153,7 @@ class SGDSolver(Solver):
                 diff += tmp
             local_rate = rate * F32(net.params_lr[i])
             self.compute_update_value(i, diff, local_rate)
-        for i in indices:                       # Net::Update: data -= diff
-            params[i].data[...] -= params[i].diff
+        net.update(indices)
 
     def clip_gradients(self):
         clip = F32(self.param.clip_gradients)

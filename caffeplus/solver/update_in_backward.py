@@ -48,13 +48,25 @@ import numpy
 
 from caffeplus import backend, log
 from caffeplus.memory import liveness
+from caffeplus.solver.nan_check import installed_mode
 
 ENV = 'CAFFEPLUS_UPDATE_IN_BACKWARD'
 
 
+PLANS = ('shared',)           # the plans that place the gradients for a solver
+
+
 def enabled():
-    """Whether the reusing plans place the gradients for a solver (the environment)."""
+    """Whether the plans place the gradients for a solver (the environment)."""
     return os.environ.get(ENV, '1').strip().lower() not in ('0', 'false', 'off', 'no')
+
+
+def places_gradients(plan_name, solver=None):
+    """Whether plan `plan_name` places the large gradients: for `solver` when
+    given (nothing blocks it now), else for the estimate's plain SGD solver."""
+    if plan_name not in PLANS:
+        return False
+    return not blockers(solver) if solver is not None else enabled()
 
 
 def blockers(solver):
@@ -71,8 +83,8 @@ def blockers(solver):
         out.append('debug_info logs every gradient after backward')
     if p.snapshot_diff:
         out.append('snapshot_diff writes every gradient with the snapshot')
-    from caffeplus.solver.nan_check import NanCheck
-    if any(isinstance(cb, NanCheck) and cb.mode == 'warn' for cb in solver.callbacks):
+    from caffeplus.solver.nan_check import NanCheck, installed_mode
+    if installed_mode(solver) == 'warn':
         out.append("the NaN check's warn mode looks for a NaN's origin before the update")
     others = [cb for cb in solver.callbacks if not isinstance(cb, NanCheck)]
     if others:
@@ -161,7 +173,7 @@ class UpdateInBackward:
         self.rate = solver.peek_learning_rate()
         params = solver.net.learnable_params
         xp = backend.get_array_module(params[0].data) if params else numpy
-        self.stopping = self._check_mode() == 'stop'
+        self.stopping = installed_mode(solver) == 'stop'
         if self.stopping:
             if self.guard is None or backend.get_array_module(self.guard) is not xp:
                 self.guard = xp.zeros((), dtype=numpy.float64)
@@ -177,12 +189,6 @@ class UpdateInBackward:
         """After the step's backward: later passes (the NaN check's re-run)
         update nothing."""
         self.updating = False
-
-    def _check_mode(self):
-        """The NaN check's mode ('off' without one)."""
-        from caffeplus.solver.nan_check import NanCheck
-        modes = [cb.mode for cb in self.solver.callbacks if isinstance(cb, NanCheck)]
-        return modes[0] if modes else 'off'
 
     def _after_layer(self, i):
         if not self.updating:
