@@ -59,35 +59,29 @@ def _env(monkeypatch):
     log.logger.setLevel(level)
 
 
-def train(plan, iters=5, solver_type='SGD', hook=None, **sp_fields):
-    param = param_of(NET)
-
-    def apply_fields(solver):
-        if hook is not None:
-            hook(solver)
-    result = cpe.train(param, plan, iters, solver_hook=apply_fields) if not sp_fields \
-        and solver_type == 'SGD' else _train_with(param, plan, iters, solver_type, hook,
-                                                  sp_fields)
-    return result
+def train(plan, iters=5, hook=None):
+    return _train_with(param_of(NET), plan, iters, 'SGD', hook, {})
 
 
-def _train_with(param, plan, iters, solver_type, hook, fields):
+def _adapt(sp, solver_type, fields):
+    """SolverParameter `sp` made a `solver_type` one (AdaGrad and RMSProp
+    take no momentum, AdaDelta a rate of 1), with `fields` set."""
+    sp.type = solver_type
+    if solver_type in ('AdaGrad', 'RMSProp'):
+        sp.momentum = 0.0
+    if solver_type == 'AdaDelta':
+        sp.base_lr = 1.0
+    for k, v in fields.items():
+        setattr(sp, k, v)
+    return sp
+
+
+def _train_with(param, plan, iters, solver_type, hook, fields, **train_kw):
     """cpe.train with other solver fields (type, iter_size, clip_gradients...)."""
     original = cpe.solver_param
-
-    def patched(*args, **kw):
-        sp = original(*args, **kw)
-        sp.type = solver_type
-        if solver_type in ('AdaGrad', 'RMSProp', 'Adam', 'AdaDelta'):
-            sp.momentum = 0.9 if solver_type in ('Adam', 'AdaDelta') else 0.0
-        if solver_type == 'AdaDelta':
-            sp.base_lr = 1.0
-        for k, v in fields.items():
-            setattr(sp, k, v)
-        return sp
-    cpe.solver_param = patched
+    cpe.solver_param = lambda *args, **kw: _adapt(original(*args, **kw), solver_type, fields)
     try:
-        return cpe.train(param, plan, iters, solver_hook=hook)
+        return cpe.train(param, plan, iters, solver_hook=hook, **train_kw)
     finally:
         cpe.solver_param = original
 
@@ -272,17 +266,8 @@ def test_gpu_training_is_bit_identical_to_arena(solver_type):
     gradients zeroed by memset in the arena: the same bits as `arena`
     (deterministic math, the same algorithms)."""
     def run(plan):
-        original = cpe.solver_param
-
-        def patched(*args, **kw):
-            sp = original(*args, **kw)
-            sp.type = solver_type
-            return sp
-        cpe.solver_param = patched
-        try:
-            return cpe.train(param_of(NET), plan, 6, gpu=0, math='deterministic')
-        finally:
-            cpe.solver_param = original
+        return _train_with(param_of(NET), plan, 6, solver_type, None, {}, gpu=0,
+                           math='deterministic')
     arena, shared = run('arena'), run('shared')
     assert in_backward(shared) and not in_backward(arena)
     assert not cpe.differences(arena, shared), cpe.differences(arena, shared)
@@ -427,14 +412,8 @@ def _emulated_update(emu, solver, indices, rate, guard, flag=None):
 def _cpu_solver(solver_type):
     """A solver of NET on the CPU after one forward and backward (its gradients set)."""
     from caffeplus.solver import get_solver
-    original = cpe.solver_param(param_of(NET), 'stock', 3)
-    original.type = solver_type
-    if solver_type in ('AdaGrad', 'RMSProp'):
-        original.momentum = 0.0
-    if solver_type == 'AdaDelta':
-        original.base_lr = 1.0
     with shapes.quiet():
-        solver = get_solver(original)
+        solver = get_solver(_adapt(cpe.solver_param(param_of(NET), 'stock', 3), solver_type, {}))
     solver.step(1)                  # history not zero
     solver.net.clear_param_diffs()
     solver.net.forward_prefilled()
