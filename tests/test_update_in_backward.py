@@ -111,7 +111,7 @@ def test_the_gradients_live_from_their_first_backward_write_to_the_update():
 
 
 @pytest.mark.parametrize('plan, placed', [('stock', False), ('arena', False), ('shared', True),
-                                          ('offload', False)])
+                                          ('offload', True)])
 def test_shared_and_offload_update_in_backward(plan, placed):
     result = train(plan, iters=1)
     assert in_backward(result) == placed

@@ -224,7 +224,7 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
             net, bufs, offload.choose(net, bufs, 'all', keep),
             [t * FREE_STEP_SHARE for t in steps_s], PCIE_BANDWIDTH, host_budget=host_budget)
 
-    # A solver updates the large parameters in backward under `shared`
+    # A solver updates the large parameters in backward under `shared` and `offload`
     # (caffeplus.solver.update_in_backward): their gradients are placed too.
     grads = training and update_in_backward.places_gradients(name)
 

@@ -2,8 +2,8 @@
 
 Caffe updates every parameter after the whole backward pass, so every
 parameter gradient is held for the whole iteration: 528 MiB on VGG-16, at
-the end of backward, where its peak is. Under plan `shared` the solver
-instead updates a parameter as soon as the last layer that owns it
+the end of backward, where its peak is. Under plans `shared` and `offload`
+the solver instead updates a parameter as soon as the last layer that owns it
 has run its backward, and the plan places the gradients in its arena, live
 from their first write in backward to that update only
 (caffeplus.memory.liveness.param_diff_spans): fc6's 392 MiB are gone before
@@ -20,10 +20,9 @@ Which: gradients of at least liveness.MIN_APPLIED_GRADIENT_BYTES (each layer
 updated in backward costs kernel launches; small ones are updated together
 at the end, as before).
 
-When: the train net's plan placed the gradients (plan.param_diffs: plan
-`shared` under a solver, unless CAFFEPLUS_UPDATE_IN_BACKWARD=0; not yet
-`offload`, whose moved maps and the gradients placed together grew the
-measured arena) and nothing needs all of them at once: iter_size 1 (accumulation over
+When: the train net's plan placed the gradients (plan.param_diffs: plans
+`shared` and `offload` under a solver, unless CAFFEPLUS_UPDATE_IN_BACKWARD=0)
+and nothing needs all of them at once: iter_size 1 (accumulation over
 passes), no clip_gradients (a global norm), no debug_info (it logs every
 gradient after backward), no snapshot_diff (a snapshot holds the gradients,
 as Caffe's update leaves them), and no solver callback but the NaN check (a
@@ -53,7 +52,7 @@ from caffeplus.solver.nan_check import installed_mode
 ENV = 'CAFFEPLUS_UPDATE_IN_BACKWARD'
 
 
-PLANS = ('shared',)           # the plans that place the gradients for a solver
+PLANS = ('shared', 'offload')         # the plans that place the gradients for a solver
 
 
 def enabled():
