@@ -81,6 +81,15 @@ def test_lenet_estimate_json_has_every_plan_and_category(capsys):
         wm.OFFLOAD_RUNTIME_BYTES
     # LeNet's parameters: 431,080 floats.
     assert plans['stock']['breakdown']['parameters'] == 431080 * 4
+    # The placing plans name each convolution call's workspace; stock and
+    # arena hold theirs outside any plan.
+    assert plans['stock']['workspace_calls'] == plans['arena']['workspace_calls'] == {}
+    calls = plans['shared']['workspace_calls']
+    assert set(calls) <= {'%s/%s' % (c, part) for c in ('conv1', 'conv2')
+                          for part in ('forward', 'backward', 'backward_filter')}
+    assert all(isinstance(v, int) and v > 0 for v in calls.values())
+    # conv1's input needs no gradient: no backward-data call.
+    assert 'conv1/backward' not in calls and 'conv2/backward' in calls
 
 
 def test_text_table_names_every_plan_with_units(capsys):
@@ -514,6 +523,8 @@ def test_memory_command_measures_with_the_estimate_beside(capsys):
     for entry in doc['plans'].values():
         assert entry['estimated'] is False and entry['iter_ms'] > 0
         assert entry['estimate']['peak_bytes'] > 0
+    assert doc['plans']['stock']['workspace_calls'] == {}
+    assert 'conv2/backward_filter' in doc['plans']['shared']['workspace_calls']
 
 
 # `caffeplus memory -gpu 0 --plans stock,arena,shared,offload --offload free

@@ -156,6 +156,7 @@ def offloaded_names(plan):
 
 def plan_entry(plan, budget=None):
     """A plan's JSON entry (estimate)."""
+    from caffeplus.memory.plan import workspace_calls
     entry = {
         'peak_bytes': int(plan.peak_bytes),
         'breakdown': {k: int(v) for k, v in plan.breakdown.items()},
@@ -166,6 +167,7 @@ def plan_entry(plan, budget=None):
         'offloaded': offloaded_names(plan),
         'recomputed': plan.recomputed_names(),
         'masked': list(plan.masked),
+        'workspace_calls': workspace_calls(plan),
     }
     if plan.name == 'auto':
         entry['budget'] = plan.budget

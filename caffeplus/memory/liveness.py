@@ -201,7 +201,9 @@ def workspace_buffers(net, sizes, training=True):
         if not (training and net.layer_need_backward[i]):
             continue
         t = 2 * L - 1 - i
-        if bwd_bytes:
+        # The data-gradient call runs only for a bottom that takes a gradient
+        # (conv1's input does not).
+        if bwd_bytes and any(net.bottom_need_backward[i]):
             out.append(Buffer(('workspace', name, 'backward'), 'workspace', (), int(bwd_bytes),
                               t, t))
         if filter_bytes:

@@ -217,3 +217,11 @@ def shares_at_peak(bufs, steps):
     if not live or not live[peak_step]:
         out['data'] = 1.0
     return out
+
+
+def workspace_calls(plan):
+    """{'layer/call': bytes} of the convolution workspace a placing plan
+    holds (forward, backward, backward_filter), to set the estimate's
+    algorithms beside the run's; empty for stock and arena."""
+    return {'%s/%s' % buf.key[1:]: int(buf.nbytes)
+            for buf in getattr(plan, 'buffers', None) or () if buf.kind == 'workspace'}
