@@ -622,6 +622,8 @@ class AppliedPlan:
             views[(id(layers[layer_name]), pass_kind)] = (base + offsets[b.key], b.nbytes)
         ws.set_views(views)
         self.workspace_bytes = sum(b.nbytes for b in ws_bufs)
+        # As the memory command reports them (plan.workspace_calls).
+        self.workspace_calls = {'%s/%s' % b.key[1:]: int(b.nbytes) for b in ws_bufs}
 
     # -- buffers layers keep from forward to backward (caffeplus.memory.scratch) -------
     def _internal_buffers(self, unfused=False):

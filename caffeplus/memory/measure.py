@@ -457,7 +457,8 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1, apply=No
                                              'bandwidth', None),
                 'thread_stack_bytes': thread_stack.current_bytes(),
                 # The algorithms' workspace as the run placed it.
-                'workspace_calls': workspace_calls(ran) if ran is not None else {},
+                'workspace_calls': dict(getattr(applied, 'workspace_calls', None) or
+                                        (workspace_calls(ran) if ran is not None else {})),
             }
     finally:
         del solver, net, info
