@@ -528,17 +528,21 @@ def test_memory_command_measures_with_the_estimate_beside(capsys):
 
 
 # `caffeplus memory -gpu 0 --plans stock,arena,shared,offload --offload free
-# --iterations 10` on the H100 in session 10 at abc1f8b (a 256-byte thread
-# stack for every plan but stock; shared makes nothing again and applies
-# AlexNet's and VGG-16's fc6-7 updates in backward).
-_MEMORY = os.path.join(ROOT, 'benchmarks', 'memory', '2026-11-25-s10')
-MEASURED = {net: os.path.join(_MEMORY, 'abc1f8b_memory_%s_stock_arena_shared_offload.json' % net)
+# --iterations 10` on the H100 in session 11 at b4e4fb8 (a 256-byte thread
+# stack for every plan but stock; shared and offload apply AlexNet's and
+# VGG-16's fc6-7 updates in backward; shared makes nothing again).
+_MEMORY = os.path.join(ROOT, 'benchmarks', 'memory', '2026-11-25-s11')
+MEASURED = {net: os.path.join(_MEMORY, 'b4e4fb8_memory_%s_stock_arena_shared_offload.json' % net)
             for net in ('alexnet_b128', 'resnet50_b64', 'vgg16_b64', 'googlenet_b64')}
-# Known misses, (net, plan): error. VGG-16's offload 'free' moved nothing and
-# measured 5,013 MiB against 4,756 estimated: on the GPU its peak is in the
-# middle of backward, where cuDNN's algorithms took more workspace in the
-# holes than the model's candidates (the same runs measured 4,987 and 4,995).
-MISSED = {('vgg16_b64', 'offload'): -0.0513}
+# Known misses, (net, plan): error. VGG-16's offload 'free' measured 4,635
+# MiB against 4,300 estimated. With the workspace each cuDNN call was given
+# in the run (workspace_calls; tools/estimate_with_run_workspace.py, a7591b3)
+# the estimate is within 2.0%: the gap is the model's candidates. Its sliced
+# and tiled algorithms cost 1.02-1.08x on VGG-16's 28-56 pixel maps, cuDNN's
+# measured 1.07-1.5x (benchmarks/calibration/h100_vgg16_b64.json), so where
+# moved maps leave little room the model fits a small workspace and the run
+# keeps the large one.
+MISSED = {('vgg16_b64', 'offload'): -0.0723}
 
 
 @pytest.mark.parametrize('net', sorted(MEASURED))
@@ -639,3 +643,30 @@ def test_free_offload_estimate_moves_only_what_hides(capsys):
     assert off['est_iter_ms'] <= shared['est_iter_ms'] + 1e-6
     assert conv['est_iter_ms'] > shared['est_iter_ms']
     assert conv['peak_bytes'] < off['peak_bytes'] < shared['peak_bytes']
+
+
+def test_estimate_with_the_runs_workspace_reproduces_its_own_sizes(capsys, tmp_path):
+    """tools/estimate_with_run_workspace.py puts a run's workspace sizes into
+    the estimate: given the estimate's own sizes it gives the estimate back;
+    given larger ones, a larger peak."""
+    sys.path.insert(0, ROOT)
+    from tools import estimate_with_run_workspace as tool
+    doc = memory_json(capsys, '-model', LENET, '--plans', 'shared,offload')
+    for entry in doc['plans'].values():
+        entry['steady_peak_bytes'] = entry['peak_bytes']
+    same = tmp_path / 'same.json'
+    same.write_text(json.dumps(doc))
+    assert tool.main([str(same), LENET, '--plans', 'shared', '--offload', 'conv']) == 0
+    out = capsys.readouterr().out
+    numbers = re.search(r'estimate +(\d+) \(([-+.\d]+)%\) +with the run\'s workspace +(\d+) '
+                        r'\(([-+.\d]+)%\)', out)
+    assert numbers and numbers.group(1) == numbers.group(3), out
+    assert float(numbers.group(2)) == 0.0
+    bigger = dict(doc)
+    calls = doc['plans']['shared']['workspace_calls']
+    bigger['plans']['shared']['workspace_calls'] = {k: v + 64 * 2 ** 20 for k, v in calls.items()}
+    big = tmp_path / 'big.json'
+    big.write_text(json.dumps(bigger))
+    tool.main([str(big), LENET, '--plans', 'shared', '--offload', 'conv'])
+    grown = re.search(r"with the run's workspace +(\d+)", capsys.readouterr().out)
+    assert int(grown.group(1)) >= int(numbers.group(3)) + 64

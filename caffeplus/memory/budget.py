@@ -423,7 +423,8 @@ def _call_sites(net, training):
         out.append((i, 'fwd', 2 * i))
         if training and net.layer_need_backward[i]:
             t = 2 * L - 1 - i
-            out.append((i, 'bwd_data', 2 * t))
+            if any(net.bottom_need_backward[i]):      # (liveness.workspace_buffers)
+                out.append((i, 'bwd_data', 2 * t))
             out.append((i, 'bwd_filter', 2 * t - 1 if len(net.bottom_vecs[i]) == 1 else 2 * t))
     return out
 
