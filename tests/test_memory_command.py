@@ -670,3 +670,17 @@ def test_estimate_with_the_runs_workspace_reproduces_its_own_sizes(capsys, tmp_p
     tool.main([str(big), LENET, '--plans', 'shared', '--offload', 'conv'])
     grown = re.search(r"with the run's workspace +(\d+)", capsys.readouterr().out)
     assert int(grown.group(1)) >= int(numbers.group(3)) + 64
+
+
+def test_time_plans_interleaves_the_plans_and_reports_ratios(capsys):
+    """tools/time_plans.py: every plan timed once per round, the ratio to
+    the first plan printed (the GPU benchmark for `shared` against `arena`)."""
+    sys.path.insert(0, ROOT)
+    from tools import time_plans
+    times = time_plans.main(['--net', LENET, '--plans', 'arena,shared', '--rounds', '3',
+                             '--iters', '1', '--warmup', '1'])
+    assert set(times) == {'arena', 'shared'}
+    assert all(len(ms) == 3 and all(t > 0 for t in ms) for ms in times.values())
+    out = capsys.readouterr().out
+    ratio = re.search(r'shared +[\d.]+ ms/iter .* x([\d.]+) of arena', out)
+    assert ratio and float(ratio.group(1)) > 0, out
