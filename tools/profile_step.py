@@ -29,6 +29,9 @@ def main(argv=None):
     ap.add_argument('--iters', type=int, default=10)
     ap.add_argument('--top', type=int, default=25)
     args = ap.parse_args(argv)
+    # cuDNN's algorithms timed, as `caffeplus train` chooses them (heuristic
+    # choices run AlexNet twice as long).
+    os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
     from caffeplus import backend
     from caffeplus.memory import shapes
     from caffeplus.solver import get_solver

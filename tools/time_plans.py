@@ -34,6 +34,9 @@ def main(argv=None):
     ap.add_argument('--warmup', type=int, default=5)
     ap.add_argument('--offload', default=None, help="offload policy for plan offload (e.g. free)")
     args = ap.parse_args(argv)
+    # cuDNN's algorithms timed, as `caffeplus train` chooses them (heuristic
+    # choices run AlexNet twice as long).
+    os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
     from caffeplus import backend
     from caffeplus.memory import shapes
     from caffeplus.solver import get_solver
