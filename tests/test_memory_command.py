@@ -672,11 +672,12 @@ def test_estimate_with_the_runs_workspace_reproduces_its_own_sizes(capsys, tmp_p
     assert int(grown.group(1)) >= int(numbers.group(3)) + 64
 
 
-def test_time_plans_interleaves_the_plans_and_reports_ratios(capsys):
+def test_time_plans_interleaves_the_plans_and_reports_ratios(capsys, monkeypatch):
     """tools/time_plans.py: every plan timed once per round, the ratio to
     the first plan printed (the GPU benchmark for `shared` against `arena`)."""
     sys.path.insert(0, ROOT)
     from tools import time_plans
+    monkeypatch.setenv('CAFFEPLUS_CUDNN_SEARCH', 'auto')     # (the tool's default, restored after)
     times = time_plans.main(['--net', LENET, '--plans', 'arena,shared', '--rounds', '3',
                              '--iters', '1', '--warmup', '1'])
     assert set(times) == {'arena', 'shared'}
