@@ -1,5 +1,6 @@
 """`caffeplus memory`: estimates without a GPU, Caffe's own figures, charts,
 `auto` under a budget, bad input; GPU measurements are gpu-marked."""
+import contextlib
 import json
 import os
 import re
@@ -678,10 +679,27 @@ def test_time_plans_interleaves_the_plans_and_reports_ratios(capsys, monkeypatch
     sys.path.insert(0, ROOT)
     from tools import time_plans
     monkeypatch.setenv('CAFFEPLUS_CUDNN_SEARCH', 'auto')     # (the tool's default, restored after)
-    times = time_plans.main(['--net', LENET, '--plans', 'arena,shared', '--rounds', '3',
+    monkeypatch.delenv('CAFFEPLUS_UPDATE_IN_BACKWARD', raising=False)
+    built = []
+    real = time_plans.environment
+
+    @contextlib.contextmanager
+    def watch(settings):
+        with real(settings):
+            built.append(os.environ.get('CAFFEPLUS_UPDATE_IN_BACKWARD'))
+            yield
+    monkeypatch.setattr(time_plans, 'environment', watch)
+    times = time_plans.main(['--net', LENET, '--plans',
+                             'arena,shared@CAFFEPLUS_UPDATE_IN_BACKWARD=0', '--rounds', '3',
                              '--iters', '1', '--warmup', '1'])
+    # The setting holds while its solver is built, and not after.
+    assert built == [None, '0'] and 'CAFFEPLUS_UPDATE_IN_BACKWARD' not in os.environ
+    assert time_plans.parse_plan('shared@A=1@B=x') == ('shared', {'A': '1', 'B': 'x'})
+    with pytest.raises(SystemExit, match='not VAR=VALUE'):
+        time_plans.parse_plan('shared@oops')
+    times['shared'] = times.pop('shared@CAFFEPLUS_UPDATE_IN_BACKWARD=0')
     assert set(times) == {'arena', 'shared'}
     assert all(len(ms) == 3 and all(t > 0 for t in ms) for ms in times.values())
     out = capsys.readouterr().out
-    ratio = re.search(r'shared +[\d.]+ ms/iter .* x([\d.]+) of arena', out)
+    ratio = re.search(r'shared@\S+ +[\d.]+ ms/iter .* x([\d.]+) of arena', out)
     assert ratio and float(ratio.group(1)) > 0, out

@@ -13,8 +13,14 @@ each plan's median ms/iter over the rounds and its median per-round ratio
 to the first plan (the peer measured in the same run), e.g.
 
     shared   12.41 ms/iter (rounds 12.2-12.9)  x1.004 of arena (rounds 0.97-1.03)
+
+A plan may carry settings its solver is built under, after '@':
+`shared@CAFFEPLUS_UPDATE_IN_BACKWARD=0@CAFFEPLUS_NAN_CHECK=off` (the update in
+backward and the NaN check are chosen when a solver is built, so solvers
+with and without them can take turns in one process).
 """
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -22,6 +28,33 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+
+def parse_plan(spec):
+    """'shared@VAR=VALUE@...' -> ('shared', {VAR: VALUE, ...})."""
+    name, *rest = spec.split('@')
+    settings = {}
+    for item in rest:
+        key, sep, value = item.partition('=')
+        if not sep or not key:
+            raise SystemExit("time_plans: '%s' in plan '%s' is not VAR=VALUE" % (item, spec))
+        settings[key] = value
+    return name, settings
+
+
+@contextlib.contextmanager
+def environment(settings):
+    """The process environment with `settings`, restored after."""
+    saved = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def main(argv=None):
@@ -54,8 +87,10 @@ def main(argv=None):
     with shapes.quiet():
         param = shapes.load_net_param(args.net)
         for plan in plans:
-            offload = args.offload if plan == 'offload' else None
-            solvers[plan] = get_solver(solver_param(param, plan, 10 ** 6, offload=offload))
+            name, settings = parse_plan(plan)
+            offload = args.offload if name == 'offload' else None
+            with environment(settings):
+                solvers[plan] = get_solver(solver_param(param, name, 10 ** 6, offload=offload))
             solvers[plan].step(args.warmup)
             sync()
         times = {plan: [] for plan in plans}
