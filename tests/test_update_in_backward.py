@@ -294,6 +294,75 @@ def test_gpu_a_nan_gradient_stops_every_later_update():
         caffeplus.set_mode_cpu()
 
 
+def _poison_loss(solver):
+    """A solver hook: the loss turns NaN at iteration 2 (after its forward)."""
+    net = solver.net
+    layer = net.layers[net._layer_names.index('loss')]
+    forward = layer.forward
+
+    def poisoned(bottom, top):
+        out = forward(bottom, top)
+        if solver.iter == 2:
+            top[0].data[...] = numpy.nan
+        return out
+    layer.forward = poisoned
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('plan', ['arena', 'shared'])
+def test_gpu_a_finite_iteration_is_checked_in_one_kernel(plan, monkeypatch):
+    """On the GPU the NaN check of a finite iteration is one kernel over the
+    loss and every gradient and one read of its guard (the full check, a
+    reduction per array, never runs); a NaN in a gradient or in the loss
+    still stops training with the full check's message, weights finite."""
+    import caffeplus
+    from caffeplus.solver import nan_check
+    full = []
+    real = nan_check.check_net
+    monkeypatch.setattr(nan_check, 'check_net', lambda *a, **k: full.append(1) or real(*a, **k))
+    try:
+        cpe.train(param_of(NET), plan, 3, gpu=0)
+        assert full == []
+        for hook, says in ((_poison('ip1'), 'ip1[0]'), (_poison_loss, 'the loss is not finite')):
+            runs = {}
+
+            def keep(solver, hook=hook):
+                hook(solver)
+                runs['solver'] = solver
+            with pytest.raises(NumericalError) as err:
+                cpe.train(param_of(NET), plan, 4, gpu=0, solver_hook=keep)
+            assert says in str(err.value)
+            for layer in runs['solver'].net.layers:
+                for b in layer.blobs:
+                    assert numpy.isfinite(b.data).all(), layer.name
+        assert full
+    finally:
+        caffeplus.set_mode_cpu()
+
+
+def test_emulated_fused_check_sees_a_value_in_any_array(solver_kernels):
+    """MultiTensorCheck (the NaN check's one kernel) over arrays of several
+    sizes: finite leaves the guard at 0; an Inf or a NaN anywhere, the last
+    value of the last array included, sets it; the tables follow an array
+    that moved."""
+    from caffeplus.solver.gpu_kernels import MultiTensorCheck
+    check = MultiTensorCheck(solver_kernels.kernel('caffeplus_gradient_check'))
+    rs = numpy.random.RandomState(3)
+    arrays = [rs.randn(n).astype(numpy.float32) for n in (1, 700, 33, 4096)]
+
+    def run(arrs):
+        guard = numpy.zeros(1, dtype=numpy.float64)
+        flag = numpy.zeros(1, dtype=numpy.int32)
+        check.run(arrs, guard, flag)
+        return numpy.isfinite(guard[0]), int(flag[0])
+    assert run(arrays) == (True, 0)
+    for k, where in ((0, 0), (1, 350), (3, 4095)):
+        bad = [a.copy() for a in arrays]
+        bad[k][where] = numpy.nan if k % 2 else numpy.inf
+        assert run(bad) == (False, 1), (k, where)
+    assert run(arrays) == (True, 0)
+
+
 def test_a_filter_call_workspace_never_shares_the_gradient_it_writes():
     """The filter-gradient call's workspace lives half a step before its
     layer's step (liveness.FILTER_FIRST) and that call writes the weight

@@ -197,14 +197,8 @@ class MultiTensorUpdate:
     def check(self, guard, flag):
         """Set `guard` (device float64) to NaN and `flag` (device int32) to 1
         if a gradient value of these parameters is not finite."""
-        total = int(self.total)
-        if total == 0:
-            return
-        threads = 256
-        blocks = min((total + threads - 1) // threads, 4096)
-        _get_check_kernel()((blocks,), (threads,),
-                            (self.tables[1], self.tables[4], self.n_params, self.total, guard,
-                             flag))
+        _launch_check(_get_check_kernel(), self.tables[1], self.tables[4], self.n_params,
+                      self.total, guard, flag)
 
     def run(self, kind, rate, norm, weight_decay, l1, a=0.0, b=0.0, c=0.0, d=0.0, guard=None):
         """`guard`: a device float64 scalar; while it is not finite nothing
@@ -221,3 +215,46 @@ class MultiTensorUpdate:
                       self.tables + (self.n_params, self.total, numpy.int32(KINDS[kind]),
                                      f(rate), f(norm), f(weight_decay), numpy.int32(bool(l1)),
                                      f(a), f(b), f(c), f(d), guard))
+
+
+def _launch_check(kernel, table, offsets, n, total, guard, flag):
+    if int(total) == 0:
+        return
+    threads = 256
+    blocks = min((int(total) + threads - 1) // threads, 4096)
+    kernel((blocks,), (threads,), (table, offsets, n, total, guard, flag))
+
+
+class MultiTensorCheck:
+    """Whether float32 arrays (the loss, every gradient) hold only finite
+    values, in one kernel over all of them (the NaN check's common case: one
+    launch and one read of the guard, where a reduction per array costs a
+    launch each). `kernel`: the check kernel (None: CuPy's; a host
+    emulation over NumPy arrays in tests)."""
+
+    def __init__(self, kernel=None):
+        self.kernel = kernel
+        self.key = None
+        self.tables = None
+
+    @staticmethod
+    def _where(a):
+        return (a.ctypes.data if isinstance(a, numpy.ndarray) else a.data.ptr), a.size
+
+    def run(self, arrays, guard, flag):
+        """Set `guard` to NaN and `flag` to 1 if a value of `arrays` (float32,
+        C-contiguous) is not finite; both stay as they are otherwise. The
+        tables hold addresses only (rebuilt when an array moves)."""
+        key = tuple(self._where(a) for a in arrays)
+        if key != self.key:
+            xp = numpy
+            if self.kernel is None:
+                import cupy as xp
+            sizes = [size for _, size in key]
+            offsets = numpy.zeros(len(sizes) + 1, dtype=numpy.int64)
+            numpy.cumsum(sizes, out=offsets[1:])
+            self.tables = (xp.asarray(numpy.array([ptr for ptr, _ in key], dtype=numpy.uint64)),
+                           xp.asarray(offsets), numpy.int32(len(sizes)),
+                           numpy.int64(offsets[-1]))
+            self.key = key
+        _launch_check(self.kernel or _get_check_kernel(), *self.tables, guard, flag)

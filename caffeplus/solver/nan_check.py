@@ -280,7 +280,10 @@ class NanCheck:
         if self.mode == 'off':
             return
         ub = getattr(self.solver, 'in_backward', None)
-        applied = ub.bad_gradients() if ub is not None and ub.pending else None
+        pending = ub is not None and ub.pending
+        if self._all_finite_on_device(ub if pending else None):
+            return
+        applied = ub.bad_gradients() if pending else None
         error = check_net(self.solver.net, self.solver.iter, getattr(self, '_rng_state', None),
                           applied)
         if error is None:
@@ -289,6 +292,43 @@ class NanCheck:
         if self.mode == 'stop':
             raise error
         log.warning('%s', str(error).replace(error.stopped, 'Training goes on (%s=warn)' % ENV))
+
+
+    # -- the common case on the GPU: everything finite -----------------------------------
+    _fused = None
+    _guard = None
+    _flag = None
+
+    def _all_finite_on_device(self, in_backward=None):
+        """True when the loss and every gradient still held are finite, known
+        from one check kernel over all of them and one read of its guard (an
+        update in backward's guard, which its checks of the gradients already
+        applied have set, else one of the check's own). False where that
+        cannot tell (not all CuPy float32 arrays; a value not finite): the
+        full check then runs and says what and where."""
+        net = self.solver.net
+        arrays = [_safe(lambda: net._blobs[blob_id].data)
+                  for blob_id, weight in enumerate(net._blob_loss_weights) if weight]
+        arrays += [_safe(lambda: blob.diff) for blob in net.learnable_params]
+        arrays = [a for a in arrays if a is not None and a.size]
+        if not arrays or any(type(a).__module__.split('.')[0] != 'cupy' or
+                             a.dtype != numpy.float32 or not a.flags.c_contiguous
+                             for a in arrays):
+            return False
+        import cupy
+        from caffeplus.solver import gpu_kernels
+        if self._fused is None:
+            self._fused = gpu_kernels.MultiTensorCheck()
+            self._flag = cupy.zeros(1, dtype=numpy.int32)
+        if in_backward is not None and in_backward.guard is not None:
+            guard = in_backward.guard
+        else:
+            if self._guard is None:
+                self._guard = cupy.zeros((), dtype=numpy.float64)
+            guard = self._guard
+            guard.fill(0)
+        self._fused.run(arrays, guard, self._flag)
+        return bool(numpy.isfinite(float(guard)))
 
 
 def installed_mode(solver):
