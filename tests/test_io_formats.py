@@ -298,3 +298,36 @@ def test_write_mean_round_trip(tmp_path):
     path = str(tmp_path / 'm.binaryproto')
     write_blobproto(array_to_blobproto(arr), path)
     numpy.testing.assert_array_equal(read_mean(path), arr)
+
+
+def test_a_reader_released_while_another_opens_does_not_deadlock(tmp_path, monkeypatch):
+    """The garbage collector can run inside the shared-environment lock (in
+    lmdb.open) and finalize an unreachable reader, which releases its
+    environment there, in the same thread: that must not wait on the lock
+    its own thread holds (a CI run hung so, in test_training_reference)."""
+    import threading
+    paths = []
+    for name in ('a_lmdb', 'b_lmdb'):
+        path = str(tmp_path / name)
+        with db_io.open_db(path, 'lmdb', 'new') as db:
+            db.put('k', b'v')
+        paths.append(path)
+    first = db_io.open_db(paths[0], 'lmdb')
+    lmdb = db_io._lmdb_module()
+    real_open = lmdb.open
+
+    def open_and_collect(*args, **kwargs):
+        first.close()       # what the finalizer does, mid-open
+        return real_open(*args, **kwargs)
+    monkeypatch.setattr(lmdb, 'open', open_and_collect)
+    done = []
+    worker = threading.Thread(target=lambda: done.append(db_io.open_db(paths[1], 'lmdb')),
+                              daemon=True)
+    worker.start()
+    worker.join(20)
+    assert not worker.is_alive(), 'opening a database deadlocked on the shared lock'
+    second = done[0]
+    assert second.count() == 1
+    assert os.path.realpath(paths[0]) not in db_io._SHARED_ENVS    # released and closed
+    second.close()
+    assert os.path.realpath(paths[1]) not in db_io._SHARED_ENVS

@@ -192,7 +192,10 @@ class LMDBDatabase(Database):
 # readers of the same database (a TRAIN and a TEST net, two layers) share one
 # read-only Environment; each has its own transaction and cursor.
 _SHARED_ENVS = {}
-_SHARED_LOCK = threading.Lock()
+# Re-entrant: lmdb.open (or anything allocating under the lock) can run the
+# garbage collector, whose finalizer of an unreachable reader releases its
+# environment here, in the same thread (a plain Lock deadlocked the suite).
+_SHARED_LOCK = threading.RLock()
 
 
 def _open_shared_env(path, subdir):
