@@ -28,9 +28,12 @@ The check is a solver callback; every solver installs it when it is built
 (Solver._init calls nan_check.install(self)); install(solver, mode) changes
 its mode afterwards.
 
-The steady-state cost is one reduction per parameter (the gradients) and per
-loss top, plus saving the random stream's state at each iteration's start;
-the layer-by-layer re-run happens only once a problem is seen (and leaves
+The steady-state cost is, on the GPU, one kernel over the loss tops and
+every gradient and one read of its guard (NanCheck._all_finite_on_device;
+a reduction per array cost AlexNet 10% of an iteration and ResNet-50 more),
+on the CPU one reduction per array, plus saving the random stream's state at
+each iteration's start; the full check runs only when a value is not finite,
+and the layer-by-layer re-run only once a problem is seen (it leaves
 parameters, gradients and layer state as they were).
 """
 import os
