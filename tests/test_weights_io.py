@@ -177,6 +177,39 @@ def test_blobproto_vector_round_trip(tmp_path):
         numpy.testing.assert_array_equal(a, b)
 
 
+def test_a_stop_signal_while_the_temporary_file_is_made_leaves_none(tmp_path, monkeypatch):
+    """SIGTERM (mpirun stopping a rank) arriving just as the temporary file
+    is created, before its name is known: the signal waits until the name
+    is, then its handler's exception removes the file; the old one stays."""
+    import signal
+    import tempfile
+    from caffeplus.io import atomic
+    target = tmp_path / 'model.caffemodel'
+    target.write_bytes(b'old good snapshot')
+
+    class Stop(BaseException):
+        pass
+
+    def handler(signum, frame):
+        raise Stop()
+    real = tempfile.mkstemp
+
+    def mkstemp_then_signal(*a, **k):
+        made = real(*a, **k)
+        os.kill(os.getpid(), signal.SIGTERM)    # delivered now, unless held back
+        return made
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        monkeypatch.setattr(tempfile, 'mkstemp', mkstemp_then_signal)
+        with pytest.raises(Stop):
+            with atomic.atomic_write(str(target)) as f:
+                f.write(b'half a new snapshot')
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert target.read_bytes() == b'old good snapshot'
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith('.tmp')] == []
+
+
 def test_blob_shape_bound_checked():
     proto = caffe_pb2.BlobProto()
     proto.shape.dim.extend([1 << 20, 1 << 20, 1 << 10])
