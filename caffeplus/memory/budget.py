@@ -141,14 +141,22 @@ _Modelled = collections.namedtuple('_Modelled', 'memory time deterministic')
 def placed_workspace_sizes(net, bufs, steps, training=True, cap=None):
     """{layer index: (forward, backward data, backward filter) bytes}: the
     model's algorithms as the placed workspace chooses them at run time
-    (caffeplus.memory.workspace.within_headroom): the fastest, unless its
-    workspace exceeds what the other buffers leave free below their peak at
-    its step and a candidate at most 10% slower fits there. (Plan auto
-    under a budget fits every call to its step instead: fit_calls.)"""
+    (caffeplus.memory.workspace.within_headroom): the fastest within `cap`,
+    unless its workspace exceeds what the other buffers leave free below
+    their peak at its step and a candidate at most 10% slower fits there.
+    That exception needs real times: it is weighed for the calls cuDNN's
+    measured candidates cover (caffeplus.memory.calibration); the model's
+    own sliced and tiled candidates cost 1.02-1.08x where cuDNN's measured
+    1.07-1.5x (VGG-16's 28-56 pixel maps, H100), so on them it found fits
+    the runtime did not (VGG-16 b64 `offload` estimated 7.2% under the
+    measured peak; with each call's fastest, 2.7%). (Plan auto under a
+    budget fits every call to its step instead: fit_calls.)"""
     from caffeplus.memory.workspace import within_headroom
-    room = liveness.headroom(net, bufs, steps, training)
+    convs = wm.conv_layers(net)
+    measured = {i for i, layer in convs if calibration.covers(layer)}
+    room = liveness.headroom(net, bufs, steps, training) if measured else {}
     out = {}
-    for i, layer in wm.conv_layers(net):
+    for i, layer in convs:
         sizes = []
         for kind in wm.KINDS:
             cands = wm.candidates(layer, kind)
@@ -158,7 +166,7 @@ def placed_workspace_sizes(net, bufs, steps, training=True, cap=None):
             # Fastest first, the smaller of equally fast ones first.
             ranked = [_Modelled(c.bytes, c.time_factor, True)
                       for c in sorted(cands, key=lambda c: (c.time_factor, c.bytes))]
-            free = room.get((i, VIEW_PARTS[kind]))
+            free = room.get((i, VIEW_PARTS[kind])) if i in measured else None
             pick = ranked[0] if free is None else within_headroom(ranked, ranked[0], free)
             sizes.append(pick.memory)
         out[i] = tuple(sizes)
