@@ -235,3 +235,30 @@ def test_a_relayout_before_the_timing_keeps_the_choice_to_come():
     net.applied_plan.relayout()
     sgd_run(net, iters=5)
     assert net.applied_plan.options['plan_overrides']['offload_hidden']
+
+
+def test_the_choice_takes_the_median_of_several_timed_iterations(monkeypatch):
+    """One iteration's step times move from run to run (GoogLeNet's choice
+    went between 12 and 20 maps): 'free' chooses on the per-step median of
+    FREE_SAMPLES timed iterations, a re-layout between them keeping those
+    taken, and chooses once."""
+    from caffeplus.memory import offload_runtime as rt
+    net = small_net(text=CHAIN)
+    apply_named_plan(net, 'offload', offload_policy='free',
+                     runtime_options={'simulate': 'lazy', 'bandwidth': 1e15})
+    steps = 2 * len(net.layers)
+    scripted = [[0.001 * (k + 1)] * steps for k in (0, 4, 1)]     # medians: 0.002
+    scripted[1][0] = 1.0        # one step's outlier (a stall) in the middle sample
+    timed, chosen = [], []
+    monkeypatch.setattr(rt.OffloadRuntime, '_seconds',
+                        lambda self, timing: timed.append(1) or list(scripted[len(timed) - 1]))
+
+    def choose(self, seconds, bandwidth):
+        chosen.append(seconds)
+        return {}
+    monkeypatch.setattr(rt.OffloadRuntime, '_choose_free', choose)
+    sgd_run(net, iters=rt.CALIBRATE_AT + 1)
+    net.applied_plan.relayout()         # (the placed workspace's, say) between two samples
+    sgd_run(net, iters=rt.FREE_SAMPLES + 2)
+    assert len(timed) == rt.FREE_SAMPLES == 3
+    assert chosen == [[0.002] * steps]

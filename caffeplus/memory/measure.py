@@ -345,7 +345,7 @@ def measured_breakdown(net, solver, info, plan, peak_bytes):
     return out
 
 
-MAX_SETTLING = 4
+MAX_SETTLING = 6
 
 
 def plan_settled(net):

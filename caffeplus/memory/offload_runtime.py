@@ -47,9 +47,9 @@ rewrites every buffer before reading it).
 Plan `auto`'s held maps (caffeplus.memory.offload_timing) keep the lives
 it planned: the calibrated look-ahead never fetches one later than planned.
 
-Policy 'free'. The plan starts with nothing offloaded; the runtime times an
-iteration the same way (the link's bandwidth measured by a pinned copy),
-chooses the maps whose copies those times hide
+Policy 'free'. The plan starts with nothing offloaded; the runtime times
+FREE_SAMPLES iterations the same way (the link's bandwidth measured by a
+pinned copy), chooses the maps whose copies the per-step median times hide
 (caffeplus.memory.free_offload) and hands them over as `pending_offload`;
 AppliedPlan.adopt_free_offload places the arena again with them, holding
 each map's bytes until its copy out is predicted done.
@@ -61,6 +61,7 @@ on its own: a missing wait shows up as wrong numbers).
 """
 import ctypes
 import math
+import statistics
 import time
 
 import numpy
@@ -70,6 +71,10 @@ from caffeplus.errors import CaffeplusError
 MARGIN = 1.25
 CALIBRATE_AT = 2            # the iteration whose times choose the look-ahead
 MAX_RETIMES = 3             # later ones, while an iteration captured CUDA graphs
+# Policy 'free' chooses on the per-step median of this many timed iterations:
+# one iteration's times moved GoogLeNet's choice between 12 and 20 maps
+# from run to run (1,827 against 1,661 MiB).
+FREE_SAMPLES = 3
 _POOL = {}                  # (device kind, count) -> [host float32 arrays]
 
 
@@ -347,13 +352,14 @@ class OffloadRuntime:
             it.host = _host_buffer(self.device, it.count)
         self._schedule()
         self.iteration = 0
-        # Policy 'free' before its choice: time an iteration, then choose.
+        # Policy 'free' before its choice: time FREE_SAMPLES iterations, then choose.
         self.choosing = applied.choosing_free_offload
         self.pending_offload = None
         self.calibrated = applied.options.get('lookahead') != 'auto' and not self.choosing
         self.bandwidth = None
         self.step_seconds = None
         self._timing = None
+        self._free_samples = []     # policy 'free': (step seconds, bandwidth) per timed iteration
         self._probe = None
         self._tail = None
         self._next = 0
@@ -540,6 +546,13 @@ class OffloadRuntime:
         if bandwidth is None:
             from caffeplus.memory.budget import PCIE_BANDWIDTH
             bandwidth = PCIE_BANDWIDTH
+        if self.choosing:
+            self._free_samples.append((seconds, bandwidth))
+            if len(self._free_samples) < FREE_SAMPLES:
+                return          # not calibrated yet: the next iteration is timed too
+            seconds = [statistics.median(step) for step in
+                       zip(*(times for times, _ in self._free_samples))]
+            bandwidth = statistics.median(b for _, b in self._free_samples)
         self.bandwidth, self.step_seconds = bandwidth, seconds
         self.calibrated = True
         if self.choosing:
@@ -578,7 +591,7 @@ class OffloadRuntime:
     def state_for_relayout(self):
         return {'iteration': self.iteration, 'calibrated': self.calibrated,
                 'bandwidth': self.bandwidth, 'step_seconds': self.step_seconds,
-                'stats': dict(self.stats)}
+                'stats': dict(self.stats), 'free_samples': list(self._free_samples)}
 
     def restore_after_relayout(self, state):
         self.iteration = state['iteration']
@@ -586,6 +599,7 @@ class OffloadRuntime:
         self.bandwidth = state['bandwidth']
         self.step_seconds = state['step_seconds']
         self.stats = state['stats']
+        self._free_samples = list(state.get('free_samples', ()))
 
     def close(self):
         """Finish every copy, unhook, give the pinned buffers back to the pool."""
