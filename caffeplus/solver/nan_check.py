@@ -296,7 +296,6 @@ class NanCheck:
             raise error
         log.warning('%s', str(error).replace(error.stopped, 'Training goes on (%s=warn)' % ENV))
 
-
     # -- the common case on the GPU: everything finite -----------------------------------
     _fused = None
     _guard = None
