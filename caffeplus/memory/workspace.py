@@ -36,6 +36,7 @@ growing only. The layer also creates 3 * group cuDNN handles and CUDA
 streams, as Caffe does, so that the process's other memory matches stock.
 """
 import contextlib
+import os
 import re
 import weakref
 
@@ -437,7 +438,7 @@ class PlacedWorkspace(WorkspaceArena):
         self.pass_kind = 'forward'
         # How much slower an algorithm that fits the headroom may be than the
         # fastest (within_headroom); plan 'auto' under a budget: any.
-        self.headroom_slowdown = HEADROOM_SLOWDOWN
+        self.headroom_slowdown = headroom_slowdown()
         self.layout_stale = True    # the choices changed since the views were placed
         self.outside = {}           # (layer name, kind) -> bytes of calls the layout missed
         # A convolution's forward run again in backward (caffeplus.memory
@@ -547,6 +548,23 @@ class PlacedWorkspace(WorkspaceArena):
 # 2026-11-22, slowed AlexNet's `shared` iterations from 14.6 to 17-19 ms for
 # no memory saved.)
 HEADROOM_SLOWDOWN = 0.10
+SLOWDOWN_ENV = 'CAFFEPLUS_HEADROOM_SLOWDOWN'
+
+
+def headroom_slowdown():
+    """HEADROOM_SLOWDOWN, or the share CAFFEPLUS_HEADROOM_SLOWDOWN sets (0: every
+    call keeps its fastest algorithm)."""
+    value = os.environ.get(SLOWDOWN_ENV, '').strip()
+    if not value:
+        return HEADROOM_SLOWDOWN
+    try:
+        share = float(value)
+    except ValueError:
+        raise CaffeplusError('%s=%r: give a share such as 0.1 (10%% slower at most)'
+                             % (SLOWDOWN_ENV, value))
+    if not share >= 0:
+        raise CaffeplusError('%s=%r: the share must be 0 or more' % (SLOWDOWN_ENV, value))
+    return share
 
 
 def within_headroom(candidates, best, room, deterministic=False, slowdown=HEADROOM_SLOWDOWN):
