@@ -437,3 +437,28 @@ def test_headroom_is_what_the_buffers_leave_below_their_peak():
     assert room[(conv2, 'backward_filter')] == room[(conv2, 'backward')] + written
     assert (conv2, 'backward') not in liveness.headroom(net, plan.buffers, plan.steps,
                                                          training=False)
+
+
+def test_shared_keeps_each_calls_fastest_algorithm(monkeypatch):
+    """Plan `shared` promises `arena`'s time: its calls never trade their
+    fastest algorithm for a slower one that fits (the trade saved no memory
+    on the H100's bench nets); `offload` and `auto` trade up to 10%;
+    CAFFEPLUS_HEADROOM_SLOWDOWN sets another share, and a bad one is named."""
+    from caffeplus.errors import CaffeplusError
+    from caffeplus.memory import workspace
+    monkeypatch.delenv(workspace.SLOWDOWN_ENV, raising=False)
+    assert workspace.headroom_slowdown('shared') == 0.0
+    assert workspace.headroom_slowdown('offload') == workspace.headroom_slowdown('auto') == 0.10
+    monkeypatch.setenv(workspace.SLOWDOWN_ENV, '0.05')
+    assert workspace.headroom_slowdown('shared') == workspace.headroom_slowdown('offload') == 0.05
+    for bad in ('ten', '-1'):
+        monkeypatch.setenv(workspace.SLOWDOWN_ENV, bad)
+        with pytest.raises(CaffeplusError, match=workspace.SLOWDOWN_ENV):
+            workspace.headroom_slowdown('shared')
+    # What within_headroom does with either share: a 5% slower candidate
+    # that fits is taken at 10%, not at 0.
+    from collections import namedtuple
+    C = namedtuple('C', 'memory time deterministic')
+    fast, near = C(1000, 1.0, True), C(10, 1.05, True)
+    assert workspace.within_headroom([fast, near], fast, 100, slowdown=0.10) is near
+    assert workspace.within_headroom([fast, near], fast, 100, slowdown=0.0) is fast

@@ -138,7 +138,7 @@ def model_internals(net):
 _Modelled = collections.namedtuple('_Modelled', 'memory time deterministic')
 
 
-def placed_workspace_sizes(net, bufs, steps, training=True, cap=None):
+def placed_workspace_sizes(net, bufs, steps, training=True, cap=None, slowdown=None):
     """{layer index: (forward, backward data, backward filter) bytes}: the
     model's algorithms as the placed workspace chooses them at run time
     (caffeplus.memory.workspace.within_headroom): the fastest within `cap`,
@@ -150,8 +150,11 @@ def placed_workspace_sizes(net, bufs, steps, training=True, cap=None):
     1.07-1.5x (VGG-16's 28-56 pixel maps, H100), so on them it found fits
     the runtime did not (VGG-16 b64 `offload` estimated 7.2% under the
     measured peak; with each call's fastest, 2.7%). (Plan auto under a
-    budget fits every call to its step instead: fit_calls.)"""
-    from caffeplus.memory.workspace import within_headroom
+    budget fits every call to its step instead: fit_calls.) `slowdown`: the
+    plan's share (workspace.headroom_slowdown; None: HEADROOM_SLOWDOWN)."""
+    from caffeplus.memory.workspace import HEADROOM_SLOWDOWN, within_headroom
+    if slowdown is None:
+        slowdown = HEADROOM_SLOWDOWN
     convs = wm.conv_layers(net)
     measured = {i for i, layer in convs if calibration.covers(layer)}
     room = liveness.headroom(net, bufs, steps, training) if measured else {}
@@ -167,7 +170,8 @@ def placed_workspace_sizes(net, bufs, steps, training=True, cap=None):
             ranked = [_Modelled(c.bytes, c.time_factor, True)
                       for c in sorted(cands, key=lambda c: (c.time_factor, c.bytes))]
             free = room.get((i, VIEW_PARTS[kind])) if i in measured else None
-            pick = ranked[0] if free is None else within_headroom(ranked, ranked[0], free)
+            pick = ranked[0] if free is None else \
+                within_headroom(ranked, ranked[0], free, slowdown=slowdown)
             sizes.append(pick.memory)
         out[i] = tuple(sizes)
     return out
@@ -242,7 +246,9 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
             bare = make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
                              offload_policy=offload_policy, internals=kept,
                              offload_hidden=hidden, param_diffs=grads)
-            sizes = placed_workspace_sizes(net, bare.buffers, bare.steps, training, cap=cap)
+            from caffeplus.memory.workspace import headroom_slowdown
+            sizes = placed_workspace_sizes(net, bare.buffers, bare.steps, training, cap=cap,
+                                           slowdown=headroom_slowdown(name))
         return make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
                          offload_policy=offload_policy, workspace=sizes,
                          internals=kept, other_bytes=other, offload_hidden=hidden,

@@ -438,7 +438,7 @@ class PlacedWorkspace(WorkspaceArena):
         self.pass_kind = 'forward'
         # How much slower an algorithm that fits the headroom may be than the
         # fastest (within_headroom); plan 'auto' under a budget: any.
-        self.headroom_slowdown = headroom_slowdown()
+        self.headroom_slowdown = headroom_slowdown(self.plan_name)
         self.layout_stale = True    # the choices changed since the views were placed
         self.outside = {}           # (layer name, kind) -> bytes of calls the layout missed
         # A convolution's forward run again in backward (caffeplus.memory
@@ -549,14 +549,21 @@ class PlacedWorkspace(WorkspaceArena):
 # no memory saved.)
 HEADROOM_SLOWDOWN = 0.10
 SLOWDOWN_ENV = 'CAFFEPLUS_HEADROOM_SLOWDOWN'
+# Plan `shared` promises `arena`'s iteration time: its calls keep their
+# fastest algorithms. On the H100 the trade saved nothing there: with none
+# of it, shared's peaks were the same to the MiB on AlexNet, GoogLeNet,
+# VGG-16 and ResNet-50 (session 11, 379bc9a).
+PLAN_SLOWDOWN = {'shared': 0.0}
 
 
-def headroom_slowdown():
-    """HEADROOM_SLOWDOWN, or the share CAFFEPLUS_HEADROOM_SLOWDOWN sets (0: every
-    call keeps its fastest algorithm)."""
+def headroom_slowdown(plan_name=None):
+    """How much slower than its fastest a call's algorithm may be where it
+    fits its step's room: CAFFEPLUS_HEADROOM_SLOWDOWN if set (0: every call
+    keeps its fastest), else the plan's (PLAN_SLOWDOWN), else
+    HEADROOM_SLOWDOWN."""
     value = os.environ.get(SLOWDOWN_ENV, '').strip()
     if not value:
-        return HEADROOM_SLOWDOWN
+        return PLAN_SLOWDOWN.get(plan_name, HEADROOM_SLOWDOWN)
     try:
         share = float(value)
     except ValueError:
@@ -734,6 +741,8 @@ def apply_workspace_plan(net, plan_name='arena', limit=0):
     caffe1.detach(net)                          # a previous stock plan's
     cls = WorkspaceArena if plan_name == 'arena' else PlacedWorkspace
     arena = cls(limit=limit, net=net, name='%s workspace of net %s' % (plan_name, net.name))
+    if cls is PlacedWorkspace:
+        arena.headroom_slowdown = headroom_slowdown(plan_name)
     for layer in layers:
         layer.set_workspace_manager(arena, plan_name)
     net.workspace = arena
