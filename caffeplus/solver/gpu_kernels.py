@@ -16,7 +16,22 @@ import numpy
 
 KINDS = {'SGD': 0, 'Nesterov': 1, 'AdaGrad': 2, 'RMSProp': 3, 'AdaDelta': 4, 'Adam': 5}
 
-_SOURCE = r'''
+# Which parameter element `idx` of the concatenated parameters falls in
+# (offsets: each parameter's first element, then the total).
+_INDEX_SOURCE = r'''
+__device__ __forceinline__ int caffeplus_param_of(const long long* offsets, const int n_params,
+                                                  const long long idx)
+{
+    int lo = 0, hi = n_params;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (offsets[mid] <= idx) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+'''
+
+_SOURCE = _INDEX_SOURCE + r'''
 extern "C" __global__ void caffeplus_solver_update(
     const unsigned long long* w_ptr, const unsigned long long* g_ptr,
     const unsigned long long* h_ptr, const unsigned long long* h2_ptr,
@@ -31,11 +46,7 @@ extern "C" __global__ void caffeplus_solver_update(
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += stride) {
-        int lo = 0, hi = n_params;
-        while (hi - lo > 1) {
-            const int mid = (lo + hi) >> 1;
-            if (offsets[mid] <= idx) lo = mid; else hi = mid;
-        }
+        const int lo = caffeplus_param_of(offsets, n_params, idx);
         const long long j = idx - offsets[lo];
         float* w = reinterpret_cast<float*>(w_ptr[lo]) + j;
         float* g = reinterpret_cast<float*>(g_ptr[lo]) + j;
@@ -105,11 +116,7 @@ extern "C" __global__ void caffeplus_gradient_check(
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += stride) {
-        int lo = 0, hi = n_params;
-        while (hi - lo > 1) {
-            const int mid = (lo + hi) >> 1;
-            if (offsets[mid] <= idx) lo = mid; else hi = mid;
-        }
+        const int lo = caffeplus_param_of(offsets, n_params, idx);
         const float g = reinterpret_cast<const float*>(g_ptr[lo])[idx - offsets[lo]];
         if (!isfinite(g)) {
             *guard = __longlong_as_double(0x7ff8000000000000LL);
@@ -136,7 +143,8 @@ def _get_check_kernel():
     k = _kernel.get('check')
     if k is None:
         import cupy
-        k = _kernel['check'] = cupy.RawKernel(_CHECK_SOURCE, 'caffeplus_gradient_check')
+        k = _kernel['check'] = cupy.RawKernel(_INDEX_SOURCE + _CHECK_SOURCE,
+                                              'caffeplus_gradient_check')
     return k
 
 
