@@ -24,9 +24,10 @@ next checkout.
 Placed (the reusing plans: shared, offload, auto). The algorithms are
 chosen as the arena chooses them, then the memory plan places each layer's
 forward, backward-data and backward-filter workspace in its own arena, live
-at that call's step only (PlacedWorkspace); where the fastest algorithm
-would raise the plan's peak, a timed one that fits the bytes left free there
-and is at most 10% slower is used.
+at that call's step only (PlacedWorkspace); under `offload` and `auto`,
+where the fastest algorithm would raise the plan's peak, a timed one that
+fits the bytes left free there and is at most 10% slower is used (`shared`
+keeps every call's fastest: headroom_slowdown).
 
 Stock. Each convolution layer owns its workspace, sized exactly as Caffe
 1.0's CuDNNConvolutionLayer::Reshape sizes it: per kind, the first _v7
