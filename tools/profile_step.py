@@ -29,20 +29,11 @@ def main(argv=None):
     ap.add_argument('--iters', type=int, default=10)
     ap.add_argument('--top', type=int, default=25)
     args = ap.parse_args(argv)
-    # cuDNN's algorithms timed, as `caffeplus train` chooses them (heuristic
-    # choices run AlexNet twice as long).
-    os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
-    from caffeplus import backend
     from caffeplus.memory import shapes
     from caffeplus.solver import get_solver
     from tools.check_plans_equal import solver_param
-    if args.gpu is not None:
-        backend.set_mode_gpu(args.gpu)
-
-    def sync():
-        if args.gpu is not None:
-            import cupy
-            cupy.cuda.Device().synchronize()
+    from tools.time_plans import training_device
+    sync = training_device(args.gpu)
     with shapes.quiet():
         param = shapes.load_net_param(args.net)
         solver = get_solver(solver_param(param, args.plan, 10 ** 6))

@@ -57,6 +57,22 @@ def environment(settings):
                 os.environ[k] = v
 
 
+def training_device(gpu):
+    """Run as `caffeplus train` runs (cuDNN's algorithms timed: heuristic
+    choices run AlexNet twice as long) on GPU `gpu` (None: the CPU); returns
+    the function that waits for the device."""
+    os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
+    from caffeplus import backend
+    if gpu is not None:
+        backend.set_mode_gpu(gpu)
+
+    def sync():
+        if gpu is not None:
+            import cupy
+            cupy.cuda.Device().synchronize()
+    return sync
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--net', required=True)
@@ -67,22 +83,11 @@ def main(argv=None):
     ap.add_argument('--warmup', type=int, default=5)
     ap.add_argument('--offload', default=None, help="offload policy for plan offload (e.g. free)")
     args = ap.parse_args(argv)
-    # cuDNN's algorithms timed, as `caffeplus train` chooses them (heuristic
-    # choices run AlexNet twice as long).
-    os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
-    from caffeplus import backend
     from caffeplus.memory import shapes
     from caffeplus.solver import get_solver
     from tools.check_plans_equal import solver_param
     plans = [p.strip() for p in args.plans.split(',') if p.strip()]
-    if args.gpu is not None:
-        backend.set_mode_gpu(args.gpu)
-
-    def sync():
-        if args.gpu is not None:
-            import cupy
-            cupy.cuda.Device().synchronize()
-
+    sync = training_device(args.gpu)
     solvers = {}
     with shapes.quiet():
         param = shapes.load_net_param(args.net)
