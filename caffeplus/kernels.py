@@ -655,8 +655,10 @@ extern "C" __global__ void cp_softmax_loss_rows(const float* x, const float* lab
     }
 }
 
-/* SoftmaxWithLoss total, one block: top[0] = sum(rowloss) / normalizer;
-   info = [normalizer, err[0], err[1]], and err is cleared for the next call.
+/* SoftmaxWithLoss total, one block: top[0] = sum(rowloss) / normalizer (NaN
+   after a label error, so that a check guarding the update skips it before
+   the host reads the error); info = [normalizer, err[0], err[1]], and err is
+   cleared for the next call.
    mode: Caffe's LossParameter.NormalizationMode (FULL, VALID, BATCH_SIZE, NONE). */
 extern "C" __global__ void cp_softmax_loss_total(const float* rowloss, const float* rowvalid,
     float* err, float* top, float* info, const unsigned rows, const int mode,
@@ -676,7 +678,8 @@ extern "C" __global__ void cp_softmax_loss_total(const float* rowloss, const flo
         else if (mode == 2) n = (double)outer;
         else n = 1.0;
         const float norm = (float)(n > 1.0 ? n : 1.0);
-        top[0] = (float)(a / (double)norm);
+        top[0] = err[0] != 0.0f ? (float)__longlong_as_double(0x7ff8000000000000LL)
+                                : (float)(a / (double)norm);
         info[0] = norm;
         info[1] = err[0];
         info[2] = err[1];
@@ -686,7 +689,8 @@ extern "C" __global__ void cp_softmax_loss_total(const float* rowloss, const flo
 }
 
 /* SoftmaxWithLoss backward, one block per row: dx = (p - onehot(label)) *
-   valid * (top_diff[0] / normalizer). */
+   valid * (top_diff[0] / normalizer); NaN after a label error (info[1]), so
+   that no update in backward applies what it leads to. */
 extern "C" __global__ void cp_softmax_loss_bwd(const float* x, const float* label,
     const float* top_diff, const float* info, float* dx,
     const unsigned outer, const unsigned classes, const unsigned inner,
@@ -708,7 +712,8 @@ extern "C" __global__ void cp_softmax_loss_bwd(const float* x, const float* labe
     const float s = (float)a;
     const int l = (int)label[r];
     const float valid = (has_ignore && l == ignore) ? 0.0f : 1.0f;
-    const float scale = __fdiv_rn(top_diff[0], info[0]);
+    const float scale = info[1] != 0.0f ? (float)__longlong_as_double(0x7ff8000000000000LL)
+                                        : __fdiv_rn(top_diff[0], info[0]);
     for (unsigned c = threadIdx.x; c < classes; c += blockDim.x) {
         float d = __fdiv_rn(expf(__fsub_rn(xr[c * inner], m)), s);
         d = __fsub_rn(d, (int)c == l ? 1.0f : 0.0f);

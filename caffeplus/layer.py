@@ -15,7 +15,7 @@ import os
 
 import numpy
 
-from caffeplus import backend
+from caffeplus import backend, deferred_loss
 from caffeplus.blob import Blob
 from caffeplus.errors import NetError, UnknownLayerError
 from caffeplus.proto import caffe_pb2
@@ -208,22 +208,37 @@ class Layer:
     # -- Caffe's Forward/Backward -------------------------------------------
     def forward(self, bottom, top):
         """Run the layer; return its weighted loss (0 for non-loss layers)."""
+        return self._run_forward(bottom, top, deferred=False)
+
+    def forward_deferred(self, bottom, top):
+        """forward(), its weighted loss left on the device: a float, or a
+        callable that reads it (caffeplus.deferred_loss). A layer with a
+        forward() of its own runs that (its loss is read now)."""
+        if type(self).forward is not Layer.forward:
+            return self.forward(bottom, top)
+        return self._run_forward(bottom, top, deferred=True)
+
+    def _run_forward(self, bottom, top, deferred):
         try:
             self._forward(bottom, top)
         except Exception as exc:        # out of GPU memory: name the layer
             _reraise_out_of_memory(self, 'forward', exc)
             raise
-        return self.weighted_loss(top)
+        return self.weighted_loss(top, deferred)
 
-    def weighted_loss(self, top):
+    def weighted_loss(self, top, deferred=False):
         """Caffe's loss of a forward: each top's data dotted with its diff,
-        where the loss weight (set in the diff at setup) is not zero."""
-        loss = 0.0
+        where the loss weight (set in the diff at setup) is not zero.
+        `deferred`: device values are read later (a callable is returned)."""
+        values = []
         for i, w in enumerate(self.loss_weights):
             if w:
                 xp = backend.get_array_module(top[i].data)
-                loss += float(xp.dot(top[i].data.ravel(), top[i].diff.ravel()))
-        return loss
+                values.append(xp.dot(top[i].data.ravel(), top[i].diff.ravel()))
+        read = deferred_loss.read_later(values)
+        if deferred and any(backend.get_array_module(v) is not numpy for v in values):
+            return read
+        return read()
 
     def backward(self, top, propagate_down, bottom):
         try:

@@ -13,6 +13,7 @@ import numpy
 
 from caffeplus import backend, kernels, log
 from caffeplus.blob import Blob, HostBlob
+from caffeplus.deferred_loss import DeferredLoss
 from caffeplus.errors import CaffeplusError, FormatError, NetError
 from caffeplus.layer import create_layer
 from caffeplus.netstate import filter_net
@@ -345,20 +346,29 @@ class Net:
         except ValueError:
             raise CaffeplusError("net %s has no layer named '%s'" % (self.name, name))
 
-    def forward_from_to(self, start, end):
+    def forward_from_to(self, start, end, defer_loss=False):
+        """Run layers start..end; return their total weighted loss, a float,
+        or with `defer_loss` a caffeplus.deferred_loss.DeferredLoss (on the
+        GPU, reading the loss now would wait for the pass to finish)."""
         plan = self.applied_plan    # memory plan: clears release marks, re-places on growth
         if plan is not None:
             plan.before_forward(start, end)
         kernels.begin_pass(self, start, end)    # fused chains of layers (GPU)
-        loss = 0.0
+        loss = DeferredLoss() if defer_loss else 0.0
         for i in range(start, end + 1):
             for hook in self.before_layer_forward:
                 hook(i)
             # Caffe's Layer::Forward reshapes first, so an input reshaped from
             # Python (pycaffe's blob.reshape, then forward) flows through, and
             # Python layers that load data in reshape() get called each pass.
-            self.layers[i].reshape(self.bottom_vecs[i], self.top_vecs[i])
-            loss += self.layers[i].forward(self.bottom_vecs[i], self.top_vecs[i])
+            layer = self.layers[i]
+            layer.reshape(self.bottom_vecs[i], self.top_vecs[i])
+            if defer_loss:
+                # (A forward set on the instance, a wrapper, is called as it is.)
+                run = layer.forward if 'forward' in vars(layer) else layer.forward_deferred
+                loss.add(run(self.bottom_vecs[i], self.top_vecs[i]))
+            else:
+                loss += layer.forward(self.bottom_vecs[i], self.top_vecs[i])
             if self.debug_info:
                 self._forward_debug_info(i)
             for hook in self.after_layer_forward:
@@ -367,9 +377,10 @@ class Net:
             plan.after_forward(start, end)
         return loss
 
-    def forward_prefilled(self):
-        """Run every layer; return the total weighted loss (Caffe's Forward)."""
-        return self.forward_from_to(0, len(self.layers) - 1)
+    def forward_prefilled(self, defer_loss=False):
+        """Run every layer; return the total weighted loss (Caffe's Forward;
+        `defer_loss`: see forward_from_to)."""
+        return self.forward_from_to(0, len(self.layers) - 1, defer_loss)
 
     def backward_from_to(self, start, end):
         plan = self.applied_plan    # memory plan: clears release marks

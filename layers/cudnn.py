@@ -2291,34 +2291,48 @@ class GPUSplitLayer(SplitLayer):
 
 
 
+_NOT_QUEUED = object()      # GPUSoftmaxWithLossLayer: its forward's report is checked at once
+
+
 @register_engine('CUDNN')
 class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
     """SoftmaxWithLoss (one top) through caffeplus.kernels on the GPU: three
-    kernels and one synchronisation forward (the last kernel writes the
-    loss's normalizer, the label check, and the loss and its weight for
-    Layer.forward's weighted loss into pinned host memory), one kernel
+    kernels forward (the last writes the loss's normalizer, the label check,
+    and the loss and its weight for Layer.forward's weighted loss into pinned
+    host memory) and one synchronisation, when the loss is read (the
+    solver's, after the update is queued: forward_deferred), one kernel
     backward; the generic code makes two host synchronisations and about
     twenty CuPy operations each way."""
     engine = 'FUSED'
     _bufs = None
     _fwd_key = None
-    _host_loss = None
 
     def forward(self, bottom, top):
         """Layer.forward, with the weighted loss from the fused forward's read-back."""
+        loss = self.forward_deferred(bottom, top)
+        return loss() if callable(loss) else loss
+
+    def forward_deferred(self, bottom, top):
+        """Layer.forward_deferred: the fused forward's report is read (and its
+        label check raised) when the loss is."""
         from caffeplus import kernels
         if not kernels.active():
-            return super().forward(bottom, top)
-        self._host_loss = None
+            return self._run_forward(bottom, top, deferred=True)
+        self._queued_report = None
         try:
             self._forward(bottom, top)
+            report = self._queued_report
         except Exception as exc:        # out of GPU memory: name the layer
             from caffeplus.layer import _reraise_out_of_memory
             _reraise_out_of_memory(self, 'forward', exc)
             raise
-        if self._host_loss is not None and len(self.loss_weights) == 1:
-            return self._host_loss if self.loss_weights[0] else 0.0
-        return self.weighted_loss(top)
+        finally:
+            del self._queued_report     # back to the class's: reports are checked at once
+        if report is not None and len(self.loss_weights) == 1:
+            return report.loss if self.loss_weights[0] else report.check
+        if report is not None:
+            report.check()
+        return self.weighted_loss(top, deferred=True)
 
     def _fast_forward(self, bottom, top):
         from caffeplus import kernels as K
@@ -2347,31 +2361,30 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
         self._args = args
         self._fwd_key = (bottom[0]._shape, bottom[1]._shape)
         dtop = K.flat(top[0], diff=True)
-        host = self._report(info, y, dtop)
-        flag, value = float(host[1]), float(host[2])
-        if dtop is not None:
-            # Layer.forward's float(dot(top, top diff)) of one float32 value each
-            self._host_loss = float(numpy.float32(host[3]) * numpy.float32(host[4]))
-        if flag:
-            self._fwd_key = None
-            self._fail('label value %g is out of range: labels must be integers in '
-                       '[0, %d)%s' % (value, classes, '' if ign is None else
-                                      ' or loss_param.ignore_label (%d)' % ign))
+        report = self._launch_report(info, y, dtop)
+        if self._queued_report is _NOT_QUEUED:
+            report.check()          # a synchronous forward: the label check now
+        else:
+            self._queued_report = report
         return True
 
     _pinned = None
+    _queued_report = _NOT_QUEUED    # forward_deferred sets None: queue the report
+    _outstanding = None             # the report in the pinned buffer, not read yet
 
-    def _report(self, info, y, dtop):
-        """[normalizer, label error flag, its value, loss, loss weight] on the
-        host, written by cp_loss_report straight into pinned memory: one
-        synchronisation with the compute stream, no copy on the copy engines
-        (behind offload's copies there it waited for milliseconds)."""
+    def _launch_report(self, info, y, dtop):
+        """[normalizer, label error flag, its value, loss, loss weight],
+        written by cp_loss_report straight into pinned memory (no copy on the
+        copy engines: behind offload's copies there it waited for
+        milliseconds); the _LossReport reads it with one synchronisation."""
         from caffeplus import kernels as K
+        if self._outstanding is not None:
+            self._outstanding.read()        # the buffer is about to be written again
         if K.emulating():
             out = numpy.zeros(5, numpy.float32)
             K.kernel('cp_loss_report')((1,), (32,), (info, y, dtop if dtop is not None else y,
                                                      out, K.i32(dtop is not None)))
-            return out
+            return _LossReport(self, out, None, dtop is not None)
         import cupy
         if self._pinned is None:
             mem = cupy.cuda.alloc_pinned_memory(5 * 4)
@@ -2380,8 +2393,17 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
         K.kernel('cp_loss_report')((1,), (32,), (
             info, y, dtop if dtop is not None else y, numpy.uint64(out.ctypes.data),
             K.i32(dtop is not None)))
-        cupy.cuda.get_current_stream().synchronize()
-        return out.copy()
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record()
+        self._outstanding = _LossReport(self, out, done, dtop is not None)
+        return self._outstanding
+
+    def _label_error(self, value):
+        self._fwd_key = None
+        ign = self.ignore_label
+        self._fail('label value %g is out of range: labels must be integers in '
+                   '[0, %d)%s' % (value, self.num_classes, '' if ign is None else
+                                  ' or loss_param.ignore_label (%d)' % ign))
 
     def _forward(self, bottom, top):
         from caffeplus import kernels
@@ -2415,6 +2437,40 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
 
 def _row_block(classes):
     return 32 if classes <= 64 else 128 if classes <= 512 else 256
+
+
+class _LossReport:
+    """A fused SoftmaxWithLoss forward's report in pinned memory, read once
+    (after its event): the label check, then the weighted loss."""
+
+    def __init__(self, layer, out, event, has_dtop):
+        self.layer, self._out, self._event, self._has_dtop = layer, out, event, has_dtop
+        self._host = None
+
+    def read(self):
+        if self._host is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._host = self._out.copy()
+            if self.layer._outstanding is self:
+                self.layer._outstanding = None
+        return self._host
+
+    def check(self):
+        """Raise the label check's error, if any; the weighted loss is 0.0
+        (a loss weight of 0)."""
+        host = self.read()
+        if float(host[1]):
+            self.layer._label_error(float(host[2]))
+        return 0.0
+
+    def loss(self):
+        self.check()
+        host = self.read()
+        if not self._has_dtop:
+            return 0.0
+        # Layer.forward's float(dot(top, top diff)) of one float32 value each
+        return float(numpy.float32(host[3]) * numpy.float32(host[4]))
 
 
 @register_engine('CUDNN')

@@ -223,8 +223,8 @@ layer { name: "log" type: "Log" bottom: "n" top: "s" }'''
 
 def _solver(body, base_lr=0.1, **fields):
     from caffeplus.solver import get_solver
-    sp = caffe_pb2.SolverParameter(base_lr=base_lr, lr_policy='fixed', max_iter=50,
-                                   random_seed=3, **fields)
+    fields.setdefault('lr_policy', 'fixed')
+    sp = caffe_pb2.SolverParameter(base_lr=base_lr, max_iter=50, random_seed=3, **fields)
     parse_text(NAN_NET % body, sp.net_param)
     return get_solver(sp)
 
@@ -372,3 +372,80 @@ def test_cli_train_stops_on_nan(tmp_path):
     assert rc != 0
     assert 'Traceback' not in t.log()
     assert re.search(r"Iteration 0: .*'sqrt'", t.log()), t.tail()
+
+
+def test_a_stopped_iteration_leaves_the_learning_rate_step_as_it_was():
+    """The check's verdict is read after the update is queued (the update
+    skips on its guard): the iteration count and a multistep policy's step
+    go back to the stopped iteration's, as if it had stopped before the
+    update."""
+    from caffeplus.solver import nan_check
+    body = 'layer { name: "relu" type: "ReLU" bottom: "h" top: "s" }'
+    solver = _solver(body, lr_policy='multistep', stepvalue=[2], gamma=0.5)
+    nan_check.install(solver, 'stop')
+    solver.step(2)
+    assert solver.iter == 2 and solver.current_step == 0
+    before = _weights(solver)
+    x = solver.net.layers[0]
+    x.refill = [False] * len(x.refill)       # keep the poisoned input below
+    solver.net.blobs['x'].data[...] = numpy.nan
+    with numpy.errstate(all='ignore'), pytest.raises(nan_check.NumericalError) as info:
+        solver.step(3)
+    assert info.value.iteration == 2 and solver.iter == 2
+    assert solver.current_step == 0          # iteration 2's update would have moved it to 1
+    for a, b in zip(before, _weights(solver)):
+        numpy.testing.assert_array_equal(a, b)
+
+
+def test_emulated_bad_label_stops_before_the_update(emulated):
+    """On the GPU the fused SoftmaxWithLoss reports a bad label when the loss
+    is read, after the update is queued; the loss and its gradient are then
+    NaN, so the guarded update skipped: the label error is raised, the
+    weights are those of before and the iteration did not happen."""
+    from caffeplus.errors import NetError
+    solver = _solver('layer { name: "relu" type: "ReLU" bottom: "h" top: "s" }')
+    loss_layer = solver.net.layers[solver.net.layer_index('loss')]
+    assert type(loss_layer).__name__ == 'GPUSoftmaxWithLossLayer'
+    solver.step(2)
+    assert solver.iter == 2
+    before = _weights(solver)
+    solver.net.blobs['label'].data[1] = 7
+    with pytest.raises(NetError, match='label value 7 is out of range'):
+        solver.step(3)
+    assert solver.iter == 2
+    for a, b in zip(before, _weights(solver)):
+        numpy.testing.assert_array_equal(a, b)
+    solver.net.blobs['label'].data[1] = 1      # the flag was cleared: training goes on
+    solver.step(1)
+    assert solver.iter == 3
+
+
+def test_emulated_loss_is_read_after_the_update_is_queued(emulated, monkeypatch):
+    """With the check guarding the update, nothing reads the fused loss
+    layer's report (a GPU synchronisation) until the update is queued; the
+    losses and weights are those of a run that reads it first."""
+    from caffeplus.solver import nan_check
+    from layers import cudnn as cudnn_layers
+    body = 'layer { name: "relu" type: "ReLU" bottom: "h" top: "s" }'
+    runs = []
+    read = cudnn_layers._LossReport.read
+    for mode in ('stop', 'off'):
+        solver = _solver(body, average_loss=2)
+        nan_check.install(solver, mode)
+        events = []
+        apply = solver.apply_update
+        monkeypatch.setattr(solver, 'apply_update', lambda: (events.append('update'), apply()))
+        monkeypatch.setattr(cudnn_layers._LossReport, 'read',
+                            lambda self, events=events: (
+                                self._host is None and events.append('read'), read(self))[1])
+        smoothed = []
+        for _ in range(4):
+            solver.step(1)
+            smoothed.append(float(solver.smoothed_loss))
+        runs.append((events, smoothed, _weights(solver)))
+    guarded, unguarded = runs
+    assert guarded[0] == ['update', 'read'] * 4
+    assert unguarded[0] == ['read', 'update'] * 4
+    assert guarded[1] == unguarded[1]
+    for a, b in zip(guarded[2], unguarded[2]):
+        numpy.testing.assert_array_equal(a, b)

@@ -438,9 +438,9 @@ def test_average_loss_smoothing(logs):
     raw = []
     orig = s.net.forward_prefilled
 
-    def spy():
-        loss = orig()
-        raw.append(loss)
+    def spy(*args, **kwargs):
+        loss = orig(*args, **kwargs)
+        raw.append(float(loss))
         return loss
     s.net.forward_prefilled = spy
     s.step(8)

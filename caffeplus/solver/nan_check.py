@@ -29,12 +29,19 @@ The check is a solver callback; every solver installs it when it is built
 its mode afterwards.
 
 The steady-state cost is, on the GPU, one kernel over the loss tops and
-every gradient and one read of its guard (NanCheck._all_finite_on_device;
-a reduction per array cost AlexNet 10% of an iteration and ResNet-50 more),
-on the CPU one reduction per array, plus saving the random stream's state at
-each iteration's start; the full check runs only when a value is not finite,
-and the layer-by-layer re-run only once a problem is seen (it leaves
-parameters, gradients and layer state as they were).
+every gradient and one read of its guard (a reduction per array cost AlexNet
+10% of an iteration and ResNet-50 more), on the CPU one reduction per array,
+plus saving the random stream's state at each iteration's start; the full
+check runs only when a value is not finite, and the layer-by-layer re-run
+only once a problem is seen (it leaves parameters, gradients and layer state
+as they were).
+
+The guard is read after the update is queued, where the solver allows it
+(Solver.guarded_update: 'stop', no display that iteration, an SGD-family
+update with no gradient clipping): the update kernels skip on a guard that
+is not finite, so the weights stay as they were, and the GPU is not left
+idle while the host reads the verdict and then launches the update
+(NanCheck.after_update; the iteration count goes back to the stopped one).
 """
 import os
 
@@ -279,16 +286,61 @@ class NanCheck:
             from caffeplus import rng
             self._rng_state = rng.get_state()
 
+    _queued = None      # (guard, updated in backward, lr step): a verdict read in after_update
+
+    @property
+    def guards_update(self):
+        """Whether this check guards the update (Solver.step then reads the
+        losses and the verdict after queuing it)."""
+        return self.mode == 'stop'
+
     def on_gradients_ready(self):
         if self.mode == 'off':
             return
         ub = getattr(self.solver, 'in_backward', None)
         pending = ub is not None and ub.pending
+        self._queued = None
+        if self.mode == 'stop' and self.solver.guarded_update:
+            # The verdict stays on the device: the update skips on its guard,
+            # and after_update reads it once the update is queued.
+            guard = self._queue_check(ub if pending else None)
+            if guard is not None:
+                self._queued = (guard, pending, getattr(self.solver, 'current_step', None))
+                if not pending:
+                    self.solver.update_guard = guard
+                return
         if self._all_finite_on_device(ub if pending else None):
             return
-        applied = ub.bad_gradients() if pending else None
-        error = check_net(self.solver.net, self.solver.iter, getattr(self, '_rng_state', None),
-                          applied)
+        self._report(self.solver.iter, ub.bad_gradients() if pending else None)
+
+    def after_update(self, iteration):
+        """After the update of `iteration` is queued: read a queued verdict.
+        A value that was not finite skipped the update (its guard): the
+        iteration did not happen, and the full check says what and where."""
+        queued = self._take_skipped(iteration)
+        if queued is not None:
+            pending = queued[1]
+            ub = self.solver.in_backward if pending else None
+            self._report(iteration, ub.bad_gradients() if pending else None)
+
+    def discard_update(self, iteration):
+        """The iteration stopped on another error after its update was
+        queued: a skipped update did not happen (no report of our own)."""
+        self._take_skipped(iteration)
+
+    def _take_skipped(self, iteration):
+        """The queued verdict, if it skipped the update (the solver's
+        iteration count and learning-rate step put back); else None."""
+        queued, self._queued = self._queued, None
+        if queued is None or numpy.isfinite(float(queued[0])):
+            return None
+        self.solver.iter = iteration
+        if queued[2] is not None:
+            self.solver.current_step = queued[2]
+        return queued
+
+    def _report(self, iteration, applied):
+        error = check_net(self.solver.net, iteration, getattr(self, '_rng_state', None), applied)
         if error is None:
             return
         self.problems += 1
@@ -301,35 +353,66 @@ class NanCheck:
     _guard = None
     _flag = None
 
-    def _all_finite_on_device(self, in_backward=None):
-        """True when the loss and every gradient still held are finite, known
-        from one check kernel over all of them and one read of its guard (an
-        update in backward's guard, which its checks of the gradients already
-        applied have set, else one of the check's own). False where that
-        cannot tell (not all CuPy float32 arrays; a value not finite): the
-        full check then runs and says what and where."""
+    def _checked_arrays(self):
+        """The loss tops and every gradient still held (an update in backward
+        released those it applied)."""
         net = self.solver.net
         arrays = [_safe(lambda: net._blobs[blob_id].data)
                   for blob_id, weight in enumerate(net._blob_loss_weights) if weight]
         arrays += [_safe(lambda: blob.diff) for blob in net.learnable_params]
-        arrays = [a for a in arrays if a is not None and a.size]
-        if not arrays or any(type(a).__module__.split('.')[0] != 'cupy' or
-                             a.dtype != numpy.float32 or not a.flags.c_contiguous
-                             for a in arrays):
-            return False
+        return [a for a in arrays if a is not None and a.size]
+
+    def _guard_for(self, xp, in_backward):
+        """The guard the verdict goes into: an update in backward's (its
+        checks of the gradients it applied have set it), else the check's own
+        (cleared)."""
+        if in_backward is not None and in_backward.guard is not None:
+            return in_backward.guard
+        if self._guard is None or backend.get_array_module(self._guard) is not xp:
+            self._guard = xp.zeros((), dtype=numpy.float64)
+        self._guard.fill(0)
+        return self._guard
+
+    def _on_device(self, arrays):
+        return bool(arrays) and all(type(a).__module__.split('.')[0] == 'cupy' and
+                                    a.dtype == numpy.float32 and a.flags.c_contiguous
+                                    for a in arrays)
+
+    def _run_kernel(self, arrays, guard):
         import cupy
         from caffeplus.solver import gpu_kernels
         if self._fused is None:
             self._fused = gpu_kernels.MultiTensorCheck()
             self._flag = cupy.zeros(1, dtype=numpy.int32)
-        if in_backward is not None and in_backward.guard is not None:
-            guard = in_backward.guard
-        else:
-            if self._guard is None:
-                self._guard = cupy.zeros((), dtype=numpy.float64)
-            guard = self._guard
-            guard.fill(0)
         self._fused.run(arrays, guard, self._flag)
+
+    def _queue_check(self, in_backward=None):
+        """The guard, NaN where the loss or a gradient held is not finite,
+        set without reading anything back on the GPU (one check kernel); on
+        the CPU the same verdict, made now. None where neither applies
+        (arrays of mixed kinds)."""
+        arrays = self._checked_arrays()
+        if self._on_device(arrays):
+            guard = self._guard_for(backend.get_array_module(arrays[0]), in_backward)
+            self._run_kernel(arrays, guard)
+            return guard
+        if any(backend.get_array_module(a) is not numpy for a in arrays):
+            return None
+        guard = self._guard_for(numpy, in_backward)
+        if not _all_finite(arrays):
+            guard[...] = numpy.nan
+        return guard
+
+    def _all_finite_on_device(self, in_backward=None):
+        """True when the loss and every gradient still held are finite, known
+        from one check kernel over all of them and one read of its guard.
+        False where that cannot tell (not all CuPy float32 arrays; a value
+        not finite): the full check then runs and says what and where."""
+        arrays = self._checked_arrays()
+        if not self._on_device(arrays):
+            return False
+        guard = self._guard_for(backend.get_array_module(arrays[0]), in_backward)
+        self._run_kernel(arrays, guard)
         return bool(numpy.isfinite(float(guard)))
 
 

@@ -102,8 +102,15 @@ class SGDSolver(Solver):
             self.iter += 1
             return
         self.clip_gradients()
-        self.update_params(range(len(self.net.learnable_params)), rate)
+        self.update_params(range(len(self.net.learnable_params)), rate, self.update_guard)
         self.iter += 1
+
+    def can_guard_update(self):
+        # Clipping scales every gradient by their global norm before the
+        # update: a check must see them before that.
+        return self.param.clip_gradients < 0 and \
+            type(self).apply_update is SGDSolver.apply_update and \
+            type(self).update_params is SGDSolver.update_params
 
     def update_params(self, indices, rate, guard=None, flag=None):
         """ApplyUpdate's per-parameter part and Net::Update for the learnable

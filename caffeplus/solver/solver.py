@@ -102,6 +102,8 @@ class Solver:
             param = p
         self.rank, self.solver_count = rank, solver_count
         self.callbacks = []
+        self.update_guard = None        # a check's device guard the update skips on (step)
+        self.guarded_update = False
         self._action_function = None
         self.requested_early_exit = False
         self.iter = 0
@@ -370,18 +372,36 @@ class Solver:
                 cb.on_start()
             display = bool(display_every) and self.iter % display_every == 0
             net.debug_info = display and p.debug_info
-            loss = F32(0)
+            # On the GPU reading a loss waits for the work queued before it,
+            # and the GPU then idles while the host queues more: the losses
+            # stay on the device until the iteration's work is all queued
+            # where a check guards the update (below), else they are read
+            # before the update, as Caffe logs them.
+            losses = []
             for _ in range(p.iter_size):
-                loss += F32(net.forward_prefilled())
+                losses.append(net.forward_prefilled(defer_loss=True))
                 net.backward_all()
             self.end_backward()
-            loss /= F32(p.iter_size)
-            self.update_smoothed_loss(loss, start_iter, average_loss)
+            iteration = self.iter
+            self.update_guard = None
+            self.guarded_update = not display and self.can_guard_update() and \
+                any(getattr(cb, 'guards_update', False) for cb in self.callbacks)
+            if not self.guarded_update:
+                loss = self._mean_loss(losses)      # a loss layer's error (a bad label) first
             if display:
+                self.update_smoothed_loss(loss, start_iter, average_loss)
                 self._display()
+            # A check queues its verdict on the device: the update skips on
+            # its guard, and the verdict is read once the update is queued
+            # (caffeplus.solver.nan_check).
             for cb in self.callbacks:
                 cb.on_gradients_ready()
             self.apply_update()
+            self.update_guard = None
+            if self.guarded_update:
+                loss = self._read_guarded_iteration(losses, iteration)
+            if not display:
+                self.update_smoothed_loss(loss, start_iter, average_loss, iteration)
             request = self.get_requested_action()
             if (p.snapshot and self.iter % p.snapshot == 0 and self.rank == 0) or \
                     request == SNAPSHOT:
@@ -428,14 +448,48 @@ class Solver:
                 log.info(fmt, score_index, name, v, extra)
                 score_index += 1
 
-    def update_smoothed_loss(self, loss, start_iter, average_loss):
+    def _read_guarded_iteration(self, losses, iteration):
+        """After a guarded update is queued, the iteration's loss: read with
+        the loss layers' own errors (a label check), then the checks'
+        verdicts (after_update). A loss layer that finds an error also makes
+        the loss and its gradient NaN, so the guard skipped the update: the
+        checks put the iteration back before the error is raised."""
+        try:
+            loss = self._mean_loss(losses)
+        except Exception:
+            for cb in self.callbacks:
+                discard = getattr(cb, 'discard_update', None)
+                if discard is not None:
+                    discard(iteration)
+            raise
+        for cb in self.callbacks:
+            after = getattr(cb, 'after_update', None)
+            if after is not None:
+                after(iteration)
+        return loss
+
+    @staticmethod
+    def _mean_loss(losses):
+        """The iteration's loss: the mean over iter_size passes, in float32 as
+        Caffe sums it (float() reads a deferred loss)."""
+        loss = F32(0)
+        for one in losses:
+            loss += F32(float(one))
+        return loss / F32(len(losses))
+
+    def can_guard_update(self):
+        """Whether apply_update skips on a device guard (update_guard) that a
+        check sets, so the check can be read after the update is queued."""
+        return False
+
+    def update_smoothed_loss(self, loss, start_iter, average_loss, iteration=None):
         loss = F32(loss)
         if len(self.losses) < average_loss:
             self.losses.append(loss)
             size = len(self.losses)
             self.smoothed_loss = F32((self.smoothed_loss * F32(size - 1) + loss) / F32(size))
         else:
-            idx = (self.iter - start_iter) % average_loss
+            idx = ((self.iter if iteration is None else iteration) - start_iter) % average_loss
             self.smoothed_loss = F32(self.smoothed_loss +
                                      (loss - self.losses[idx]) / F32(average_loss))
             self.losses[idx] = loss
