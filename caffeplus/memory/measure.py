@@ -51,7 +51,7 @@ import time
 from caffeplus import backend
 from caffeplus.errors import CaffeplusError
 from caffeplus.memory import thread_stack
-from caffeplus.memory.plan import CATEGORIES
+from caffeplus.memory.plan import CATEGORIES, workspace_calls
 
 FLOAT_BYTES = 4
 
@@ -456,9 +456,9 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1, apply=No
                 'offload_bandwidth': getattr(getattr(applied, 'runtime', None),
                                              'bandwidth', None),
                 'thread_stack_bytes': thread_stack.current_bytes(),
-                # The algorithms' workspace as the run placed it (AppliedPlan's
-                # views: its plan's buffers hold none).
-                'workspace_calls': dict(getattr(applied, 'workspace_calls', None) or {}),
+                # The algorithms' workspace as the run placed it.
+                'workspace_calls': dict(getattr(applied, 'workspace_calls', None) or
+                                        (workspace_calls(ran) if ran is not None else {})),
             }
     finally:
         del solver, net, info
