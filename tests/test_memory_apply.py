@@ -841,3 +841,17 @@ def test_a_plan_made_for_other_layers_is_refused():
     vpool = virtual.layers[virtual._layer_names.index('pool1')]
     assert vpool.backward_reads == frozenset(('bottom_data', 'top_data'))
     apply_plan(net, make_plan(virtual, 'shared'))     # made with the GPU's reads: fits
+
+
+@pytest.mark.gpu
+def test_gpu_the_bandwidth_probe_leaves_nothing_in_the_pool():
+    """Offload 'free' measures the host link with a 64 MiB device buffer
+    when an iteration made no copies; its block must not stay cached in
+    CuPy's pool (the process's footprint: AlexNet's `free` held it)."""
+    import cupy
+    from caffeplus.memory import offload_runtime
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    assert offload_runtime.CupyDevice().measure_bandwidth() > 1e9
+    assert pool.total_bytes() == before

@@ -181,6 +181,10 @@ class CupyDevice:
             c.synchronize()
             worst = max(self.seconds(a, b), self.seconds(b, c))
         del dev, host
+        # The probe's block would stay in CuPy's pool, in the process's
+        # footprint, where no re-layout follows (AlexNet's `free`: 64 MiB).
+        from caffeplus.memory.apply import release_cached
+        release_cached(cupy)
         return nbytes / worst if worst > 0 else None
 
 
