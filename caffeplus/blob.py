@@ -140,6 +140,15 @@ def _prod(shape):
     return n
 
 
+_shape_changes = [0]
+
+
+def shape_changes():
+    """How many times a blob's shape has changed in this process: a memory
+    plan checks whether its buffers still fit only when this moved."""
+    return _shape_changes[0]
+
+
 class Blob:
     def __init__(self, shape=(), name=''):
         self.name = name
@@ -162,6 +171,8 @@ class Blob:
                 raise CaffeplusError('blob %s: negative dimension in shape %s'
                                      % (self.name, shape))
         check_count(shape, 'blob %s' % self.name)
+        if shape != self._shape:
+            _shape_changes[0] += 1
         self._shape = shape
         self._count = _prod(shape)
 

@@ -32,6 +32,7 @@ The same source compiles on the host for tests (tools/kernel_emu.py runs
 it with one thread per CUDA thread), so the layers' GPU code paths can be
 checked against the CPU layers on a machine without a GPU.
 """
+import collections
 import os
 import re
 
@@ -335,6 +336,24 @@ extern "C" __global__ void cp_scale2(float* g, float* d0, float* d1, const float
         if (flags & 4) { t = __fmul_rn(t, r[u] > 0.0f ? 1.0f : 0.0f); g[o[u]] = t; }
         if (flags & 1) d0[o[u]] = __fmul_rn(c0, t);
         if (flags & 2) d1[o[u]] = __fmul_rn(c1, t);)
+}
+/* Zero n arrays in one launch: word w of the concatenation lies in array
+   k where offsets[k] <= w < offsets[k + 1] (32-bit words: float32 values,
+   int32 flags, a float64 guard as two). A launch per array costs the host
+   5-20 us each; ResNet-50 clears 161 gradients every iteration. */
+extern "C" __global__ void cp_zero_many(const unsigned long long* ptrs,
+    const long long* offsets, const int n, const long long total)
+{
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x; w < total;
+         w += stride) {
+        int lo = 0, hi = n - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (offsets[mid] <= w) lo = mid; else hi = mid - 1;
+        }
+        reinterpret_cast<unsigned*>(ptrs[lo])[w - offsets[lo]] = 0u;
+    }
 }
 '''
 
@@ -1223,24 +1242,51 @@ def channel_block(m):
 
 
 # -- zeroing many arrays (parameter diffs) ----------------------------------------
-def zero_diffs(blobs):
-    """diff[...] = 0 for every blob, one cudaMemsetAsync each (no kernels,
-    no views). Returns False (and does nothing) if a diff is not a device
+def zero_diffs(blobs, also=()):
+    """diff[...] = 0 for every blob, and every array of `also` (contiguous,
+    a whole number of 32-bit words: a guard, flags), in one kernel launch
+    (zero_many). Returns False (and does nothing) if a diff is not a device
     array, so the caller can take the generic path."""
     arrays = []
     for b in blobs:
         a = flat(b, diff=True)
         if a is None:
             return False
-        arrays.append((a, b._count))
-    if _state['emulator'] is not None:
-        for a, n in arrays:
-            a[:n] = 0
-        return True
-    import cupy
-    stream = cupy.cuda.get_current_stream().ptr
-    memset = cupy.cuda.runtime.memsetAsync
-    for a, n in arrays:
-        if n:
-            memset(a.data.ptr, 0, n * 4, stream)
+        if b._count:
+            arrays.append((_address(a), b._count * a.itemsize // 4))
+    for a in also:
+        arrays.append((_address(a), a.nbytes // 4))
+    zero_many(arrays)
     return True
+
+
+def _address(a):
+    return a.ctypes.data if isinstance(a, numpy.ndarray) else a.data.ptr
+
+
+_ZERO_TABLES = collections.OrderedDict()     # key -> device tables, the latest few
+
+
+def zero_many(arrays):
+    """Zero the 32-bit words of every (device address, words) of `arrays`
+    in one launch of cp_zero_many. The address tables are kept on the
+    device until an address or size changes (a re-layout, a reshape)."""
+    arrays = [(p, w) for p, w in arrays if w]
+    if not arrays:
+        return
+    xp = array_module()
+    key = (xp.__name__, tuple(arrays))
+    tables = _ZERO_TABLES.get(key)
+    if tables is None:
+        offsets = numpy.zeros(len(arrays) + 1, dtype=numpy.int64)
+        numpy.cumsum([w for _, w in arrays], out=offsets[1:])
+        tables = _ZERO_TABLES[key] = (
+            xp.asarray(numpy.array([p for p, _ in arrays], dtype=numpy.uint64)),
+            xp.asarray(offsets), i32(len(arrays)), numpy.int64(offsets[-1]))
+        while len(_ZERO_TABLES) > 16:       # (callers: a net's diffs, a solver's, hooks)
+            _ZERO_TABLES.popitem(last=False)
+    else:
+        _ZERO_TABLES.move_to_end(key)
+    total = int(tables[3])
+    blocks = max(min((total + ELEMENTWISE_THREADS - 1) // ELEMENTWISE_THREADS, MAX_BLOCKS), 1)
+    kernel('cp_zero_many')((blocks,), (ELEMENTWISE_THREADS,), tables)

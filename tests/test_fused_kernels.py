@@ -315,6 +315,37 @@ def test_zero_diffs_gpu():
         caffeplus.set_mode_cpu()
 
 
+def test_zero_diffs_in_one_launch_emulated(emulated):
+    """Every diff and every extra array (a float64 guard, int32 flags) is
+    zeroed by one cp_zero_many launch; values beside them stay."""
+    blobs = [Blob((3, 4)), Blob((5,)), Blob((0,))]
+    for b in blobs:
+        b.diff[...] = 7
+    store = numpy.full(16, 5, numpy.float32)
+    blobs[0].diff_storage.array = store            # a storage larger than the blob
+    guard = numpy.full((), numpy.nan)
+    flags = numpy.ones(3, numpy.int32)
+    launches = []
+    real = kernels.kernel
+
+    def spy(name):
+        launches.append(name)
+        return real(name)
+    try:
+        kernels.kernel = spy
+        for _ in range(2):                          # the second reuses the tables
+            for b in blobs:
+                b.diff[...] = 7
+            guard[...], flags[...] = numpy.nan, 1
+            assert kernels.zero_diffs(blobs, also=(guard, flags))
+    finally:
+        kernels.kernel = real
+    assert launches == ['cp_zero_many'] * 2
+    assert not blobs[0].diff.any() and not blobs[1].diff.any()
+    assert float(guard) == 0.0 and not flags.any()
+    assert not store[:12].any() and (store[12:] == 5).all()
+
+
 @pytest.mark.parametrize('name', ['relu_leaky', 'eltwise_sum_coeff3', 'scale_learned_bias',
                                   'split3'])
 def test_grid_stride_loops_emulated(name, emulated, monkeypatch):

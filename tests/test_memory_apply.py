@@ -333,6 +333,30 @@ def test_plan_follows_reshapes():
         assert any(e.storage.array is life.view for life in e.lives)
 
 
+def test_unchanged_shapes_skip_the_size_check(monkeypatch):
+    """Whether the buffers still fit is checked before a forward only when a
+    blob's shape (or the passes' hooks) changed since it was last seen to
+    fit: on ResNet-50 the check cost 0.86 ms of host time an iteration. A
+    grown input is still caught and placed again."""
+    net = small_net(memory='shared', text=INPUT_NET)
+    applied = net.applied_plan
+    calls = []
+    check = type(applied)._internals_outgrown
+    monkeypatch.setattr(type(applied), '_internals_outgrown',
+                        lambda self: (calls.append(1), check(self))[1])
+    _input_run(net, [3, 3, 3])
+    assert len(calls) <= 1
+    replans = applied.replans
+    _input_run(net, [9])
+    assert applied.replans == replans + 1 and len(calls) >= 2
+    for e in applied.entries:
+        assert e.storage.array.size >= max(b.count for b in e.blobs)
+    net.before_layer_forward.append(lambda i: None)      # hooks change the kept buffers
+    before = len(calls)
+    _input_run(net, [9])
+    assert len(calls) == before + 1
+
+
 # -- offload on the CPU (simulated copies) ------------------------------------------------------
 @pytest.mark.parametrize('policy', ['conv', 'all', ['pool1', 'sig2']])
 @pytest.mark.parametrize('mode', ['eager', 'lazy'])

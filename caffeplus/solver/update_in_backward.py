@@ -45,7 +45,7 @@ import os
 
 import numpy
 
-from caffeplus import backend, log
+from caffeplus import backend, kernels, log
 from caffeplus.memory import liveness
 from caffeplus.solver.nan_check import installed_mode
 
@@ -173,14 +173,19 @@ class UpdateInBackward:
         params = solver.net.learnable_params
         xp = backend.get_array_module(params[0].data) if params else numpy
         self.stopping = installed_mode(solver) == 'stop'
-        if self.stopping:
-            if self.guard is None or backend.get_array_module(self.guard) is not xp:
-                self.guard = xp.zeros((), dtype=numpy.float64)
-                self.flags = xp.zeros(max(len(self.groups), 1), dtype=numpy.int32)
-            self.guard.fill(0)
-            self.flags.fill(0)
-        for k in self.rest:
-            params[k].diff[...] = 0
+        if self.stopping and (self.guard is None or
+                              backend.get_array_module(self.guard) is not xp):
+            self.guard = xp.zeros((), dtype=numpy.float64)
+            self.flags = xp.zeros(max(len(self.groups), 1), dtype=numpy.int32)
+        cleared = (self.guard, self.flags) if self.stopping else ()
+        # On the GPU one launch for all (a launch each cost `shared` 0.3 ms of
+        # host time an iteration on AlexNet, where the GPU waits for it).
+        if xp is numpy or not kernels.active() or \
+                not kernels.zero_diffs([params[k] for k in self.rest], also=cleared):
+            for a in cleared:
+                a.fill(0)
+            for k in self.rest:
+                params[k].diff[...] = 0
         self.pending = True
         self.updating = True
 
