@@ -390,7 +390,6 @@ def _options_of(space, offloaded, caps=None):
         reruns = rerun_steps(net, lives, again[r]) if r else {}
         return liveness.live_bytes_by_half_step(lives + space.kept, space.steps), reruns
     out = []
-    runtime = wm.OFFLOAD_RUNTIME_BYTES if offloaded else 0
     for cap, (steps_s, seconds, ws) in space.timing.items():
         if caps is not None and cap not in caps:
             continue
@@ -416,9 +415,9 @@ def _options_of(space, offloaded, caps=None):
                     busiest = max(a + w for a, w in zip(by_step, ws))
                     total = seconds
                 else:
-                    busiest, total = _fit_workspace(space, by_step, space.fixed + runtime,
+                    busiest, total = _fit_workspace(space, by_step, space.fixed,
                                                     seconds - sum(steps_s), reruns)
-                out.append(Option(space.fixed + busiest + runtime, total + stall + extra, cap,
+                out.append(Option(space.fixed + busiest, total + stall + extra, cap,
                                   tuple(offloaded), busiest, host, r, held, split))
     return out
 
@@ -677,8 +676,7 @@ def _auto_plan(net, option, solver_type, keep, training, budget=None, calls=None
     bare = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
                      offload_policy=names, internals=kept, recompute=option.recompute,
                      offload_holds=holds, recompute_split=option.split)
-    other = wm.other_bytes(net, 'auto') - sum(sum(k.values()) for k in kept.values()) + \
-        (wm.OFFLOAD_RUNTIME_BYTES if option.offloaded else 0)
+    other = wm.other_bytes(net, 'auto') - sum(sum(k.values()) for k in kept.values())
 
     def placed(sizes):
         return make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,

@@ -104,10 +104,9 @@ STOCK_WORKSPACE_LIMIT = 8 * 1024 * 1024     # Caffe's workspace_limit_bytes
 STREAMS_PER_GROUP = 3                       # Caffe's CUDNN_STREAMS_PER_GROUP
 RUNTIME_BYTES = 660 * MiB                   # measured (see "Fixed cost" above)
 HANDLE_BYTES = 5 * MiB                      # a fit (see "Fixed cost" above)
-# The offload runtime's own device memory (copy streams, events, its
-# kernels): measured as `offload` less `shared` on AlexNet b128 where
-# nothing moves, 60 and 64 MiB (2026-11-24, e04418e and 8f19b0e).
-OFFLOAD_RUNTIME_BYTES = 62 * MiB
+# (The offload runtime holds no device memory of its own: the 60-64 MiB once
+# measured as `offload` less `shared` on AlexNet b128, where nothing moves,
+# was its host-link probe's block left in CuPy's pool, now given back.)
 CONV_FLOPS = 22e12                          # effective FP32 convolution FLOP/s
 LAYER_OVERHEAD = 0.3e-3                     # seconds per layer call (launches, sync)
 MEMORY_BANDWIDTH = 1.5e12                   # effective bytes/s of elementwise layers
@@ -403,8 +402,6 @@ def other_bytes(net, plan_name):
     """The estimate's "other": the runtime's fixed cost, stock's per-layer
     handles, and the layers' internal buffers (for stock, Caffe 1.0's)."""
     other = RUNTIME_BYTES - thread_stack.saved_bytes(plan_name) + internals(net, plan_name)
-    if plan_name == 'offload':
-        other += OFFLOAD_RUNTIME_BYTES
     if plan_name == 'stock':
         other += HANDLE_BYTES * (stock_handles(net) + caffe1.handle_count(net))
     return other
