@@ -425,7 +425,7 @@ def test_emulated_loss_is_read_after_the_update_is_queued(emulated, monkeypatch)
     layer's report (a GPU synchronisation) until the update is queued; the
     losses and weights are those of a run that reads it first."""
     from caffeplus.solver import nan_check
-    from layers import cudnn as cudnn_layers
+    from caffeplus.layers import cudnn as cudnn_layers
     body = 'layer { name: "relu" type: "ReLU" bottom: "h" top: "s" }'
     runs = []
     read = cudnn_layers._LossReport.read
