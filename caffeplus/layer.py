@@ -235,6 +235,8 @@ class Layer:
             if w:
                 xp = backend.get_array_module(top[i].data)
                 values.append(xp.dot(top[i].data.ravel(), top[i].diff.ravel()))
+        if not values:
+            return 0.0          # (every layer's forward comes here: no closure for none)
         read = deferred_loss.read_later(values)
         if deferred and any(backend.get_array_module(v) is not numpy for v in values):
             return read

@@ -73,6 +73,25 @@ def training_device(gpu):
     return sync
 
 
+def build_solvers(net_path, plans, warmup, sync, offload=None):
+    """{plan spec: an SGD solver over the net under it}, each built under its
+    spec's settings and stepped `warmup` times (`offload`: the policy of
+    plan offload)."""
+    from caffeplus.memory import shapes
+    from caffeplus.solver import get_solver
+    from tools.check_plans_equal import solver_param
+    param = shapes.load_net_param(net_path)
+    solvers = {}
+    for plan in plans:
+        name, settings = parse_plan(plan)
+        with environment(settings):
+            solvers[plan] = get_solver(solver_param(
+                param, name, 10 ** 6, offload=offload if name == 'offload' else None))
+        solvers[plan].step(warmup)
+        sync()
+    return solvers
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--net', required=True)
@@ -84,20 +103,10 @@ def main(argv=None):
     ap.add_argument('--offload', default=None, help="offload policy for plan offload (e.g. free)")
     args = ap.parse_args(argv)
     from caffeplus.memory import shapes
-    from caffeplus.solver import get_solver
-    from tools.check_plans_equal import solver_param
     plans = [p.strip() for p in args.plans.split(',') if p.strip()]
     sync = training_device(args.gpu)
-    solvers = {}
     with shapes.quiet():
-        param = shapes.load_net_param(args.net)
-        for plan in plans:
-            name, settings = parse_plan(plan)
-            offload = args.offload if name == 'offload' else None
-            with environment(settings):
-                solvers[plan] = get_solver(solver_param(param, name, 10 ** 6, offload=offload))
-            solvers[plan].step(args.warmup)
-            sync()
+        solvers = build_solvers(args.net, plans, args.warmup, sync, args.offload)
         times = {plan: [] for plan in plans}
         for r in range(args.rounds):
             order = plans[r % len(plans):] + plans[:r % len(plans)]

@@ -102,9 +102,7 @@ def main(argv=None):
     import torch
     from torch.profiler import ProfilerActivity, profile
     from caffeplus.memory import shapes
-    from caffeplus.solver import get_solver
-    from tools.check_plans_equal import solver_param
-    from tools.time_plans import environment, parse_plan, training_device
+    from tools.time_plans import build_solvers, training_device
     sync = training_device(args.gpu)
     torch.cuda.init()
     plans = [p.strip() for p in args.plans.split(',') if p.strip()]
@@ -112,14 +110,7 @@ def main(argv=None):
     os.makedirs(out_dir, exist_ok=True)
     results = {}
     with shapes.quiet():
-        param = shapes.load_net_param(args.net)
-        solvers = {}
-        for plan in plans:
-            name, settings = parse_plan(plan)
-            with environment(settings):
-                solvers[plan] = get_solver(solver_param(param, name, 10 ** 6))
-            solvers[plan].step(args.warmup)
-            sync()
+        solvers = build_solvers(args.net, plans, args.warmup, sync)
         for plan in plans:
             solvers[plan].step(2)
             sync()

@@ -226,7 +226,6 @@ class AppliedPlan:
         self.workspace_bytes = 0    # of the arena: the placed workspace views
         self.internals = {}
         self.internal_views = {}
-        self._fits = None          # placed anew: check again
         self.replans = 0
         self._recompute_hook = None
         self._layout_limit = None   # adopt_lookahead: refuse a larger layout untaken
