@@ -25,6 +25,8 @@ def main(argv=None):
     ap.add_argument('--iterations', type=int, default=8)
     ap.add_argument('--baseline', action='store_true',
                     help='first time the same iterations under plan shared, in this process')
+    ap.add_argument('--json', help='write the measured step times here (layer names, types, '
+                    'forward and backward seconds) to fit the layer-time model against')
     args = ap.parse_args(argv)
     os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
     import cupy
@@ -121,6 +123,14 @@ def main(argv=None):
         print('  %-40s %10s release %3d prefetch %3d' % ('/'.join(k[1])[:40],
                                                          format_bytes(size[k]), h.release,
                                                          h.prefetch))
+    if args.json:
+        import json
+        with open(args.json, 'w') as f:
+            json.dump({'model': os.path.basename(args.model), 'names': list(net._layer_names),
+                       'types': [layer.layer_param.type for layer in net.layers],
+                       'forward_s': s[:L], 'backward_s': s[L:][::-1],
+                       'bandwidth': seen['bandwidth'],
+                       'chosen': ['/'.join(k[1]) for k in hidden]}, f, indent=1)
     ms = [round(x * 1e3, 2) for x in s]
     print('step ms forward:', ms[:L])
     print('step ms backward:', ms[L:])

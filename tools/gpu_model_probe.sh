@@ -1,0 +1,29 @@
+#!/bin/bash
+# Probes for the memory model, in one device call (run through
+# tools/gpu_snapshot.sh; outputs under $OUT):
+#   STEPS="net net"     tools/free_offload_probe.py --json: the step times offload
+#                       'free' measures, to fit workspace_model's layer times
+#   CENSUS="net:plan"   tools/pool_census.py: what holds the device at the steady peak
+#   CONTEXT=1           tools/context_probe.py at the 256-byte stack, with cuBLAS's
+#                       default workspace and with CUBLAS_WORKSPACE_CONFIG=:4096:1
+set -u
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+B=.gpu_carry/bench
+for net in ${STEPS:-}; do
+  echo "== steps $net"
+  GLOG_minloglevel=2 timeout 240 python3 tools/free_offload_probe.py $B/$net.prototxt \
+    --iterations ${STEPS_ITERS:-6} --json "$OUT/steps_$net.json" > "$OUT/steps_$net.log" 2>&1
+  echo "rc=$?"; grep -E "^iteration|chose at|candidates" "$OUT/steps_$net.log" | tail -4
+done
+for spec in ${CENSUS:-}; do
+  net=${spec%%:*}; plan=${spec#*:}
+  echo "== census $net $plan"
+  GLOG_minloglevel=2 timeout 240 python3 tools/pool_census.py $B/$net.prototxt --plan $plan 2>&1 | tail -40
+done
+if [ -n "${CONTEXT:-}" ]; then
+  echo "== context, cuBLAS default"
+  timeout 120 python3 tools/context_probe.py --stack 256 2>&1 | tail -12
+  echo "== context, CUBLAS_WORKSPACE_CONFIG=:4096:1"
+  CUBLAS_WORKSPACE_CONFIG=:4096:1 timeout 120 python3 tools/context_probe.py --stack 256 2>&1 | tail -12
+fi

@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""What holds the device at a plan's steady peak, allocation by allocation.
+
+    python tools/pool_census.py .gpu_carry/bench/alexnet_b128.prototxt --plan offload --offload free
+
+Builds the net as `caffeplus memory -gpu` does (TRAIN, SGD solver, the
+estimated plan applied), runs iterations until the plan settles, then times
+--iterations more with a CuPy memory hook that remembers every live block of
+the pool and where it was taken (the innermost caffeplus frames). Prints the
+live blocks at the pool's busiest moment grouped by site, what the pool held
+cached but unused, and what the device holds outside the pool (context,
+cuBLAS, cuDNN): the three parts of `caffeplus memory`'s steady peak.
+"""
+import argparse
+import collections
+import os
+import sys
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+MiB = 2 ** 20
+
+
+def _site():
+    """The innermost two frames of this project's code taking a block."""
+    frames = [f for f in traceback.extract_stack()[:-2]
+              if ('caffeplus' in f.filename or '/layers/' in f.filename)
+              and 'memory/measure.py' not in f.filename]
+    return ' < '.join('%s:%d %s' % (os.path.basename(f.filename), f.lineno, f.name)
+                      for f in reversed(frames[-2:])) or '(outside caffeplus)'
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    ap.add_argument('model')
+    ap.add_argument('--plan', default='offload')
+    ap.add_argument('--offload', default='free')
+    ap.add_argument('--iterations', type=int, default=3)
+    ap.add_argument('--top', type=int, default=25)
+    args = ap.parse_args(argv)
+    import cupy
+    from caffeplus import backend
+    from caffeplus.memory import budget, measure, shapes
+    from caffeplus.proto import caffe_pb2
+    backend.set_mode_gpu(0)
+    pool = cupy.get_default_memory_pool()
+    live = {}                    # device pointer -> (bytes, site)
+    state = {'peak': 0, 'snapshot': {}, 'now': 0}
+
+    class Census(cupy.cuda.MemoryHook):
+        name = 'PoolCensus'
+
+        def malloc_postprocess(self, **kw):
+            old = live.pop(kw['mem_ptr'], None)
+            if old:
+                state['now'] -= old[0]
+            live[kw['mem_ptr']] = (kw['mem_size'], _site())
+            state['now'] += kw['mem_size']
+            if state['now'] > state['peak']:
+                state['peak'] = state['now']
+                state['snapshot'] = dict(live)
+
+        def free_postprocess(self, **kw):
+            old = live.pop(kw['mem_ptr'], None)
+            if old:
+                state['now'] -= old[0]
+
+    param = shapes.load_net_param(args.model, phase=caffe_pb2.TRAIN)
+    with Census(), shapes.quiet():
+        solver = measure._solver(param, 'SGD', args.iterations + 8)
+        net = solver.net
+        plan = budget.estimate_plan(shapes.build_net(param), args.plan,
+                                    offload_policy=args.offload)
+        measure.apply_plan(net, plan)
+        pool.free_all_blocks()
+        measure.run_iteration(net, solver)
+        for _ in range(measure.MAX_SETTLING):
+            if measure.plan_settled(net):
+                break
+            measure.run_iteration(net, solver)
+        measure.run_iteration(net, solver)
+        cupy.cuda.Device().synchronize()
+        state['peak'], state['snapshot'] = state['now'], dict(live)
+        for _ in range(args.iterations):
+            measure.run_iteration(net, solver)
+        cupy.cuda.Device().synchronize()
+    free, total = cupy.cuda.runtime.memGetInfo()
+    used = total - free
+    by_site = collections.defaultdict(lambda: [0, 0])
+    for size, site in state['snapshot'].values():
+        by_site[site][0] += size
+        by_site[site][1] += 1
+    print('%s, plan %s (%s): pool live at its peak %.1f MiB in %d blocks; pool now holds '
+          '%.1f MiB (%.1f MiB of it unused); device used %.1f MiB, outside the pool %.1f MiB'
+          % (os.path.basename(args.model), args.plan, args.offload, state['peak'] / MiB,
+             len(state['snapshot']), pool.total_bytes() / MiB,
+             (pool.total_bytes() - pool.used_bytes()) / MiB, used / MiB,
+             (used - pool.total_bytes()) / MiB))
+    for site, (size, count) in sorted(by_site.items(), key=lambda kv: -kv[1][0])[:args.top]:
+        print('  %9.1f MiB %4d  %s' % (size / MiB, count, site))
+    applied = getattr(net, 'applied_plan', None)
+    if applied is not None and hasattr(applied, 'info'):
+        info = applied.info()
+        print('arena %.1f MiB, offloaded %s' % ((info.get('arena_bytes') or 0) / MiB,
+                                                 info.get('offloaded')))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
