@@ -4,6 +4,8 @@
 #   STEPS="net net"     tools/free_offload_probe.py --json: the step times offload
 #                       'free' measures, to fit workspace_model's layer times
 #   CENSUS="net:plan"   tools/pool_census.py: what holds the device at the steady peak
+#   CUBLAS=1            tools/cublas_workspace_probe.py: GEMM bits and memory by
+#                       CUBLAS_WORKSPACE_CONFIG
 #   CONTEXT=1           tools/context_probe.py at the 256-byte stack, with cuBLAS's
 #                       default workspace and with CUBLAS_WORKSPACE_CONFIG=:4096:1
 set -u
@@ -26,4 +28,14 @@ if [ -n "${CONTEXT:-}" ]; then
   timeout 120 python3 tools/context_probe.py --stack 256 2>&1 | tail -12
   echo "== context, CUBLAS_WORKSPACE_CONFIG=:4096:1"
   CUBLAS_WORKSPACE_CONFIG=:4096:1 timeout 120 python3 tools/context_probe.py --stack 256 2>&1 | tail -12
+fi
+if [ -n "${CUBLAS:-}" ]; then
+  echo "== cuBLAS workspace: GEMM outputs and memory per CUBLAS_WORKSPACE_CONFIG"
+  timeout 120 python3 tools/cublas_workspace_probe.py "$OUT/gemm_default.npz" 2>&1 | grep -v "^I2"
+  for cfg in :4096:1 :4096:8 :16384:2; do
+    CUBLAS_WORKSPACE_CONFIG=$cfg timeout 120 python3 tools/cublas_workspace_probe.py \
+      "$OUT/gemm_$cfg.npz" 2>&1 | grep -v "^I2"
+    python3 tools/cublas_workspace_probe.py --compare "$OUT/gemm_default.npz" "$OUT/gemm_$cfg.npz"
+  done
+  rm -f "$OUT"/gemm_*.npz
 fi

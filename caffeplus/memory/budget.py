@@ -194,12 +194,12 @@ def _finish(plan, net, name, workspace, other, seconds, choice):
 
 
 # Offload 'free' moves the maps whose copies the steps it times hide. The
-# estimate has only modelled steps, which run up to a quarter over the
-# H100's (ResNet-50: 71.9 ms modelled, 57.5 measured), so it hides copies
-# behind this share of them: its steady peaks for the four bench nets then
-# come within 4.2% of the measured ones (tests/test_memory_command.py's
-# recorded runs; with the whole steps ResNet-50's was 6.3% low, AlexNet's
-# 5.0% high; with 0.8 GoogLeNet's, masked, 8.2% high).
+# estimate has only modelled steps (workspace_model.step_seconds: within
+# 11% of the measured sums forward and backward on the bench nets), so it
+# hides copies behind this share of them, a margin for the model's errors
+# step by step: its steady peaks for the four bench nets then come within
+# 3.1% of the measured ones (tests/test_memory_command.py's recorded runs;
+# with the whole steps GoogLeNet's is 4.6% high, VGG-16's 3.2% low).
 FREE_STEP_SHARE = 0.9
 
 

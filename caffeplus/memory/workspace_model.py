@@ -84,11 +84,15 @@ Layer times (for `auto` and iter_ms estimates)
 ----------------------------------------------
 Convolution and InnerProduct: 2 x weights x output positions FLOPs forward,
 twice that backward, at CONV_FLOPS (fitted to stock Caffe's VGG-16 at
-b64 and b256: 299 and 940 ms forward-backward without data); every other
-layer moves its bottoms and tops once forward and twice backward at
-MEMORY_BANDWIDTH; each layer call adds LAYER_OVERHEAD (fitted to GoogLeNet
-and ResNet-50, whose many small layers dominate). Good to tens of percent:
-`auto` only compares plans of one net with it.
+b64 and b256: 299 and 940 ms forward-backward without data), each call
+adding LAYER_OVERHEAD, all divided by CAFFEPLUS_SPEEDUP (caffeplus's own
+runs); 1 x 1 convolutions and image stems at their measured factors
+(GEMM_1X1_TIME, STEM_TIME). Every other layer is caffeplus's own GPU
+layer in absolute seconds (own_layer_seconds: its maps moved at
+MEASURED_BANDWIDTH plus a call's cost, fused chains at their head). On the
+four bench nets the modelled steps sum to within 10% of the measured ones
+forward and backward, except ResNet-50's backward (11% short) and
+GoogLeNet's forward (11% short); they place offload 'free''s copies.
 
 CALIBRATION: `caffeplus memory -gpu 0` prints measured beside estimated
 numbers; adjust RUNTIME_BYTES, HANDLE_BYTES, the candidate sizes and the
@@ -108,16 +112,15 @@ HANDLE_BYTES = 5 * MiB                      # a fit (see "Fixed cost" above)
 # measured as `offload` less `shared` on AlexNet b128, where nothing moves,
 # was its host-link probe's block left in CuPy's pool, now given back.)
 CONV_FLOPS = 22e12                          # effective FP32 convolution FLOP/s
-LAYER_OVERHEAD = 0.3e-3                     # seconds per layer call (launches, sync)
-MEMORY_BANDWIDTH = 1.5e12                   # effective bytes/s of elementwise layers
+LAYER_OVERHEAD = 0.3e-3                     # seconds per conv/IP call (launches, sync)
+MEMORY_BANDWIDTH = 1.5e12                   # effective bytes/s of the solver's update
 # What VGG-16 b256's ReLUs and poolings move per second on the H100
 # (tools/profile_gpu.py, 2026-11-24: 15 ReLUs forward 27.8 GB in 10.35 ms,
-# backward 41.6 GB in 15.5 ms; 5 poolings forward 7.8 GB in 3.0 ms): used
-# instead of MEMORY_BANDWIDTH / CAFFEPLUS_SPEEDUP beside measured
-# convolutions (caffeplus.memory.calibration), whose times are absolute.
+# backward 41.6 GB in 15.5 ms; 5 poolings forward 7.8 GB in 3.0 ms), and
+# most of the bench nets' own layers (2026-11-28): own_layer_seconds' rate.
 MEASURED_BANDWIDTH = 2.7e12
-# caffeplus's own iterations on the H100 run this much faster than the model
-# above (fitted to stock Caffe): arena-plan iterations measured at 8f19b0e
+# caffeplus's own convolutions and InnerProducts on the H100 run this much
+# faster than the model above (fitted to stock Caffe): arena-plan iterations measured at 8f19b0e
 # against the model's, AlexNet 11.8 vs 43.3 ms, GoogLeNet 38 vs 139, VGG-16
 # 84 vs 313, ResNet-50 70 vs 263 (3.7x, +-2%). Step times feed offload
 # decisions (policy 'free', `auto`), which weigh them against the host link.
@@ -224,6 +227,19 @@ def _measured(layer, kind):
     return [Candidate('measured', b, t / base) for b, t in pairs]
 
 
+# Times the model's FLOP rate misses (the step times offload 'free' measured
+# on the bench nets, 2026-11-28, H100): 1 x 1 convolutions are plain GEMMs
+# at about a third of the transforms' effective rate, (forward, backward)
+# factors by unit stride (ResNet-50's 30 unit-stride ones 1.2 / 1.6 and 6
+# strided ones 1.3 / 2.9; GoogLeNet's 39: 1.14 / 1.15); and image stems
+# (at most STEM_CHANNELS input channels: AlexNet's conv1, ResNet's and
+# GoogLeNet's 7 x 7, VGG's conv1_1) reduce over too few channels to keep
+# the GPU busy: 3.6-6.9 x forward, 1.9-3.8 x backward.
+GEMM_1X1_TIME = {True: (1.2, 1.5), False: (1.3, 2.9)}
+STEM_CHANNELS = 4
+STEM_TIME = (4.0, 2.2)
+
+
 def candidates(layer, kind=None):
     """The algorithm candidates of one convolution layer (for call site
     `kind`: fwd, bwd_data, bwd_filter; None: those every kind has). Where
@@ -234,7 +250,7 @@ def candidates(layer, kind=None):
         return [c for k in kinds for c in _measured(layer, k)]
     s = ConvShape(layer)
     if s.is_1x1:
-        return [Candidate('gemm', 0, 1.0)]
+        return [Candidate('gemm', 0, *GEMM_1X1_TIME[s.unit_stride])]
     # Backward-filter's GEMM-like algorithms are far slower than its
     # transforms (2-2.7x on VGG-16's first layers), the others' less so.
     slow = 2.0 if kind == 'bwd_filter' else 1.0
@@ -262,6 +278,11 @@ def candidates(layer, kind=None):
     out.extend(Candidate('%s/%d' % (big.name, k), big.bytes // k,
                          big.time_factor * chunk_time[k])
                for k in CHUNK_SLICES if s.num % k == 0 and s.num >= 2 * k)
+    if s.im_channels // s.group <= STEM_CHANNELS and not s.reverse:
+        fwd, bwd = STEM_TIME
+        out = [c._replace(time_factor=c.time_factor * fwd,
+                          backward_factor=(c.backward_factor or c.time_factor) * bwd)
+               for c in out]
     return out
 
 
@@ -409,35 +430,85 @@ def other_bytes(net, plan_name):
 
 # -- layer times --------------------------------------------------------------------
 def layer_seconds(net, i, conv_factor=1.0):
-    """(forward, backward) seconds of layer i under the model above;
-    `conv_factor` scales a convolution by its algorithm's time factor."""
+    """(forward, backward) seconds of layer i, a convolution or an
+    InnerProduct, under the model above; `conv_factor` scales a
+    convolution by its algorithm's time factor."""
     layer = net.layers[i]
-    t = layer.layer_param.type
     backward = net.layer_need_backward[i]
     if is_conv(layer):
         f = ConvShape(layer).flops / CONV_FLOPS * conv_factor
-        b = 2 * f
-    elif t == 'InnerProduct' and layer.blobs:
+    else:
         m = getattr(layer, 'M', None) or \
             net.bottom_vecs[i][0].count // max(layer.blobs[0].count // layer.blobs[0].shape[0], 1)
         f = 2.0 * layer.blobs[0].count * m / CONV_FLOPS
-        b = 2 * f
-    else:
-        moved = FLOAT_BYTES * (sum(b.count for b in net.bottom_vecs[i]) +
-                               sum(b.count for b in net.top_vecs[i]))
-        # Beside measured convolutions (absolute seconds), what these layers
-        # measure on the H100, not the fitted whole-iteration speed-up.
-        bandwidth = MEASURED_BANDWIDTH / CAFFEPLUS_SPEEDUP \
-            if _measured_net(net) and not _in_fused_chain(net, i) else MEMORY_BANDWIDTH
-        f = moved / bandwidth
-        b = 2 * f
+    b = 2 * f
     return f + LAYER_OVERHEAD, (b + LAYER_OVERHEAD if backward else 0.0)
 
 
+# caffeplus's own elementwise, pooling and data layers on the H100, in
+# absolute seconds (not through CAFFEPLUS_SPEEDUP). Fitted to the step times
+# offload 'free' measured on the four bench nets (tools/free_offload_probe.py
+# --json, 2026-11-28, benchmarks/memory/2026-11-28-s13/steps_*.json): most
+# such layers move their maps at MEASURED_BANDWIDTH (forward: bottoms and
+# tops once; backward: twice) plus about OWN_CALL_SECONDS a call; the GPU's
+# fused chains (layers/cudnn.py: BatchNorm, Scale and a ReLU after them, or
+# Eltwise and a ReLU, as one pass each way) run at their head and leave their
+# members next to nothing; Split's forward shares its bottom.
+OWN_CALL_SECONDS = 20e-6
+FUSED_MEMBER_SECONDS = 1.5e-6
+# ResNet-50 b64's 53 chains: forward 5.44 ms, backward 8.6 ms for 5.42 GB
+# of BatchNorm bottoms and tops (statistics, then normalise-scale-ReLU).
+BATCHNORM_CHAIN_PASSES = (2.7, 3.6)
+# Max pooling's backward where windows overlap (kernel > stride: AlexNet's,
+# GoogLeNet's and ResNet's 3 x 3 / 2) scatters into shared inputs: 0.7-1
+# TB/s measured against VGG-16's 2 x 2 / 2 at its full rate.
+OVERLAPPING_POOL_BACKWARD_PASSES = 5.4
+
+
+def _moved_bytes(net, i):
+    return FLOAT_BYTES * (sum(b.count for b in net.bottom_vecs[i]) +
+                          sum(b.count for b in net.top_vecs[i]))
+
+
+def own_layer_seconds(net, i):
+    """(forward, backward) seconds of caffeplus's own layer i (neither a
+    convolution nor an InnerProduct) on the GPU: the fitted model above."""
+    layer = net.layers[i]
+    t = layer.layer_param.type
+    backward = net.layer_need_backward[i]
+    passes = (1.0, 2.0)
+    calls = (OWN_CALL_SECONDS, OWN_CALL_SECONDS)
+    if _in_fused_chain(net, i) and t not in ('BatchNorm', 'Eltwise') and \
+            (t != 'Scale' or _follows(net, i, 'BatchNorm')):
+        passes, calls = (0.0, 0.0), (FUSED_MEMBER_SECONDS, FUSED_MEMBER_SECONDS)
+    elif t == 'BatchNorm':
+        passes = BATCHNORM_CHAIN_PASSES
+    elif t == 'Eltwise' and _in_fused_chain(net, i):
+        passes = (1.0, 1.0)
+    elif t == 'Split':
+        passes, calls = (0.0, 1.0), (FUSED_MEMBER_SECONDS, OWN_CALL_SECONDS)
+    elif t == 'Concat':
+        calls = (OWN_CALL_SECONDS * len(net.bottom_vecs[i]), OWN_CALL_SECONDS)
+    elif t == 'Pooling' and hasattr(layer, 'pool'):
+        g = layer.pool.geom
+        if any(k > s for k, s in zip(g.kernel, g.stride)):
+            passes = (1.0, OVERLAPPING_POOL_BACKWARD_PASSES)
+    moved = _moved_bytes(net, i) / MEASURED_BANDWIDTH
+    f = passes[0] * moved + calls[0]
+    b = passes[1] * moved + calls[1] if backward else 0.0
+    return f, b
+
+
 # Layers the GPU runs as fused chains (layers/cudnn.py: BatchNorm, Scale,
-# Eltwise and a ReLU after them, one pass for the chain): their cost is in
-# the fitted speed-up (ResNet-50's iterations), not at MEASURED_BANDWIDTH.
+# Eltwise and a ReLU after them, one pass for the chain).
 FUSED_TYPES = ('BatchNorm', 'Scale', 'Eltwise')
+
+
+def _follows(net, i, kind):
+    """Whether layer i reads a top of an earlier layer of type `kind`."""
+    blobs = set(net.bottom_id_vecs[i])
+    return any(set(net.top_id_vecs[j]) & blobs and net.layers[j].layer_param.type == kind
+               for j in range(i))
 
 
 def _in_fused_chain(net, i):
@@ -449,19 +520,6 @@ def _in_fused_chain(net, i):
     blobs = set(net.bottom_id_vecs[i])
     return any(set(net.top_id_vecs[j]) & blobs and net.layers[j].layer_param.type in FUSED_TYPES
                for j in range(i))
-
-
-def _measured_net(net):
-    """Whether the calibration table in use measured any of the net's
-    convolutions (memoised per table size)."""
-    if not calibration.in_use():
-        return False
-    size = calibration.entries()
-    memo = net.__dict__.get('_wm_measured')
-    if memo is None or memo[0] != size:
-        memo = (size, any(calibration.covers(l) for _, l in conv_layers(net)))
-        net.__dict__['_wm_measured'] = memo
-    return memo[1]
 
 
 def update_seconds(net, history_copies=1):
@@ -500,9 +558,11 @@ def step_seconds(net, choice=None, factors=None):
         if is_conv(layer):
             cand = (choice or {}).get(i) or fastest(layer)
             f, b = _conv_seconds(net, i, cand, (factors or {}).get(i))
-        else:
+        elif layer.layer_param.type == 'InnerProduct' and layer.blobs:
             f, b = layer_seconds(net, i)
             f, b = f / CAFFEPLUS_SPEEDUP, b / CAFFEPLUS_SPEEDUP
+        else:
+            f, b = own_layer_seconds(net, i)
         steps[i] += f
         steps[2 * L - 1 - i] += b
     return steps

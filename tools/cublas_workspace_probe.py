@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Does cuBLAS's workspace size change caffeplus's GEMMs, and what does it hold?
+
+    python tools/cublas_workspace_probe.py OUT.npz        # one process, this environment
+    python tools/cublas_workspace_probe.py --compare A.npz B.npz
+
+Runs the bench nets' InnerProduct shapes (AlexNet's and VGG-16's fc6-8 at
+their batches, ResNet-50's fc1000, GoogLeNet's classifiers) forward and
+backward through caffeplus's InnerProduct layer on the GPU from fixed
+inputs, saves every output, and prints the device memory cuBLAS added
+(before and after the first GEMM). Run it once per CUBLAS_WORKSPACE_CONFIG
+and compare the files bit for bit.
+"""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+MiB = 2 ** 20
+# (batch, inputs, outputs)
+SHAPES = [(128, 9216, 4096), (128, 4096, 4096), (128, 4096, 1000), (64, 25088, 4096),
+          (64, 2048, 1000), (64, 1024, 1000), (64, 2048, 1024), (256, 25088, 4096)]
+
+
+def run(path):
+    import numpy
+    import cupy
+    from caffeplus import backend
+    from caffeplus.blob import Blob
+    from caffeplus.layer import create_layer
+    from caffeplus.proto import caffe_pb2
+    backend.set_mode_gpu(0)
+    cupy.zeros(1)
+    cupy.cuda.Device().synchronize()
+    free0, total = cupy.cuda.runtime.memGetInfo()
+    out = {}
+    rng = numpy.random.RandomState(7)
+    for n, k, m in SHAPES:
+        p = caffe_pb2.LayerParameter(name='fc', type='InnerProduct')
+        p.inner_product_param.num_output = m
+        bottom, top = Blob((n, k)), Blob()
+        bottom.data[...] = cupy.asarray(rng.standard_normal((n, k)).astype(numpy.float32))
+        layer = create_layer(p)
+        layer.setup([bottom], [top])
+        layer.blobs[0].data[...] = cupy.asarray(
+            rng.standard_normal(layer.blobs[0].shape).astype(numpy.float32) * 0.01)
+        layer.forward([bottom], [top])
+        top.diff[...] = cupy.asarray(rng.standard_normal(top.shape).astype(numpy.float32))
+        for b in layer.blobs:
+            b.diff[...] = 0
+        layer.backward([top], [True], [bottom])
+        key = '%dx%dx%d' % (n, k, m)
+        out[key + '_y'] = cupy.asnumpy(top.data)
+        out[key + '_dx'] = cupy.asnumpy(bottom.diff)
+        out[key + '_dw'] = cupy.asnumpy(layer.blobs[0].diff)
+        if len(out) == 3:
+            cupy.cuda.Device().synchronize()
+            free1, _ = cupy.cuda.runtime.memGetInfo()
+            pool = cupy.get_default_memory_pool().total_bytes()
+            print('CUBLAS_WORKSPACE_CONFIG=%s: the first GEMMs added %.1f MiB outside CuPy\'s pool'
+                  % (os.environ.get('CUBLAS_WORKSPACE_CONFIG', '(unset)'),
+                     (free0 - free1 - pool) / MiB))
+    numpy.savez(path, **out)
+
+
+def compare(a, b):
+    import numpy
+    x, y = numpy.load(a), numpy.load(b)
+    same = 0
+    for key in sorted(x.files):
+        if numpy.array_equal(x[key], y[key]):
+            same += 1
+        else:
+            d = numpy.abs(x[key] - y[key]).max()
+            print('  differs: %s (max |diff| %.3g)' % (key, d))
+    print('%s vs %s: %d of %d outputs bit-identical' % (os.path.basename(a), os.path.basename(b),
+                                                        same, len(x.files)))
+
+
+if __name__ == '__main__':
+    if sys.argv[1] == '--compare':
+        compare(sys.argv[2], sys.argv[3])
+    else:
+        run(sys.argv[1])
