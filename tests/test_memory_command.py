@@ -528,9 +528,12 @@ def test_memory_command_measures_with_the_estimate_beside(capsys):
 # stack for every plan but stock; shared and offload apply AlexNet's and
 # VGG-16's fc6-7 updates in backward; shared makes nothing again), and
 # `--plans shared,offload` in session 12 at aecf70e (the host-link probe's
-# 64 MiB no longer left in CuPy's pool): a plan's newest run counts.
+# 64 MiB no longer left in CuPy's pool) and in session 13 at cbe9269 (the
+# layer-time model fitted to measured steps): a plan's newest run counts.
 _MEMORY = os.path.join(ROOT, 'benchmarks', 'memory')
-MEASURED = {net: [os.path.join(_MEMORY, '2026-11-27-s12',
+MEASURED = {net: [os.path.join(_MEMORY, '2026-11-28-s13',
+                               'cbe9269_memory_%s_shared_offload.json' % net),
+                  os.path.join(_MEMORY, '2026-11-27-s12',
                                'aecf70e_memory_%s_shared_offload.json' % net),
                   os.path.join(_MEMORY, '2026-11-25-s11',
                                'b4e4fb8_memory_%s_stock_arena_shared_offload.json' % net)]
