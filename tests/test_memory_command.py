@@ -767,3 +767,16 @@ def test_own_layer_times_follow_the_runtime():
     vpool = [l.name for l in vgg.layers].index('pool1')
     vmoved = wm._moved_bytes(vgg, vpool) / wm.MEASURED_BANDWIDTH
     assert vsteps[2 * len(vgg.layers) - 1 - vpool] < 2.5 * vmoved
+
+
+@pytest.mark.parametrize('plan_name', ['stock', 'shared', 'offload'])
+def test_estimated_curve_peaks_at_the_estimated_peak(plan_name):
+    """The timeline chart's estimated curve tops out at the plan's peak: a
+    convolution's filter call (half a step early) and its data call share
+    their workspace's bytes and count once (AlexNet's conv5 backward put the
+    curve 211 MiB over the peak when both counted)."""
+    from caffeplus.commands.memory import estimate_curve
+    net = shapes.build_net(shapes.load_net_param(bench('alexnet_b128'), phase=caffe_pb2.TRAIN))
+    plan = budget.estimate_plan(net, plan_name, offload_policy='free')
+    curve = estimate_curve(plan)
+    assert plan.peak_bytes * 0.99 <= max(curve) <= plan.peak_bytes

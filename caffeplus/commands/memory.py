@@ -187,10 +187,15 @@ def step_labels(net):
 def estimate_curve(plan):
     """Bytes live at each step: the activation buffers live then plus
     everything that lives throughout (parameters, diffs, history, workspace,
-    other)."""
+    other). A placing plan's arena holds its workspace and the gradients
+    applied in backward too: what lives throughout is what its peak holds
+    beside the arena."""
     b = plan.breakdown
-    fixed = sum(b[c] for c in ('parameters', 'parameter_diffs', 'solver_history', 'workspace',
-                               'other'))
+    if plan.arena_bytes:
+        fixed = plan.peak_bytes - plan.arena_bytes
+    else:
+        fixed = sum(b[c] for c in ('parameters', 'parameter_diffs', 'solver_history',
+                                   'workspace', 'other'))
     return [fixed + v for v in plan.live_curve()]
 
 

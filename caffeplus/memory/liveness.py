@@ -265,10 +265,8 @@ def live_bytes_by_half_step(bufs, steps):
 
 
 def live_bytes_by_step(bufs, steps):
-    """Bytes live at each step (a buffer counts at start..end inclusive)."""
-    live = [0] * (steps + 1)
-    for b in bufs:
-        # A buffer of half a step (FILTER_FIRST) counts at its step.
-        for t in range(max(int(math.ceil(b.start)), 0), min(int(b.end + 0.5), steps) + 1):
-            live[t] += b.nbytes
-    return live
+    """Bytes live at each step: the busier of its two half steps (a step's
+    filter call half a step early, then its other calls), so a filter call's
+    workspace and the data call's that reuses its bytes count once."""
+    half = live_bytes_by_half_step(bufs, steps)
+    return [max(half[2 * t], half[2 * t - 1] if t else 0) for t in range(steps + 1)]
