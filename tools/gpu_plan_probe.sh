@@ -5,6 +5,7 @@
 #   ALGOS="net:plan,plan"             tools/dump_algorithms.py JSON per plan
 #   MEMORY="net:plans:budget:iters"   caffeplus memory -gpu 0 (budget '-' for none)
 # e.g. PROFILE="alexnet_b128:arena,shared" MEMORY="vgg16_b256:shared,auto:12G:5"
+# MEMORY_PLOT=1 writes each memory run's charts beside its JSON (--plot).
 # PROFILE_FULL=1 prints the profiles (the device tool brings back 8 files at most);
 # PROFILE_BUDGET=12G profiles plan auto under that budget.
 set -u
@@ -37,6 +38,7 @@ for spec in ${MEMORY:-}; do
   IFS=: read -r net plans budget iters <<< "$spec"
   echo "== memory $net $plans budget $budget"
   extra=""; [ "$budget" != "-" ] && extra="--budget $budget"
+  [ -n "${MEMORY_PLOT:-}" ] && extra="$extra --plot $OUT/memory_${net}_${plans//,/_}.png"
   GLOG_minloglevel=2 timeout ${MEMORY_S:-300} python3 -m caffeplus memory -model $B/$net.prototxt \
     -gpu 0 --plans $plans $extra --offload ${MEMORY_OFFLOAD:-free} --iterations ${iters:-5} --json \
     > "$OUT/memory_${net}_${plans//,/_}.json" 2> "$OUT/memory_${net}_${plans//,/_}.err"
