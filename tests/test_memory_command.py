@@ -506,8 +506,25 @@ def test_measure_plan_on_the_gpu():
         assert r['peak_bytes'] >= r['pool_peak_bytes'] > 0
         params = sum(p.count for p in net.learnable_params) * 4
         assert r['breakdown']['parameters'] >= params
+        # The per-step curve is the device's memory in use (context
+        # included), below the peak, which also counts the pool's cache.
+        curve = r['live_curve']
+        assert len(curve) == 2 * len(net.layers) + 1
+        assert r['baseline_bytes'] < min(curve) and max(curve) <= r['peak_bytes']
         results[name] = r
     assert results['shared']['pool_peak_bytes'] <= results['stock']['pool_peak_bytes']
+
+
+@pytest.mark.gpu
+def test_measured_curve_keeps_the_fused_chains():
+    """The stepped iteration that records the curve runs the GPU's fused
+    BatchNorm-Scale-ReLU chains as a run without hooks does: a chain's
+    members allocate nothing of their own, so the curve stays within the
+    peak (unfused, ResNet-50's rose 2.5 GiB over `shared`'s peak)."""
+    param = shapes.load_net_param(bench('resnet50_b32'), batch=8, phase=caffe_pb2.TRAIN)
+    net = shapes.build_net(param)
+    r = measure.measure_plan(param, budget.estimate_plan(net, 'shared'), 0)
+    assert max(r['live_curve']) <= r['peak_bytes']
 
 
 @pytest.mark.gpu

@@ -317,8 +317,7 @@ def _measure(param, plan, gpu, args, estimate_entry, budget_for_auto=None, host_
         if key in estimate_entry and key not in entry:     # the measured, where measured
             entry[key] = estimate_entry[key]
     entry['curve'] = estimate_entry['curve']
-    entry['measured_curve'] = [measured['baseline_bytes'] + v
-                               for v in measured.get('live_curve', [])]
+    entry['measured_curve'] = list(measured.get('live_curve', []))
     return entry
 
 

@@ -32,7 +32,9 @@ What is measured:
                   counted once); workspace: what the plan applier reports;
                   other: peak_bytes minus all of those (context, handles,
                   layer-internal buffers, temporaries, pool caching)
-  live_curve      CuPy pool bytes in use after each of the 2L steps
+  live_curve      device bytes in use after each of the 2L steps and the
+                  update (the device's used memory less what CuPy's pool
+                  holds unused), in a stepped iteration run last
 
 How a plan is applied: by `caffeplus.memory.apply.apply_plan(net, plan)`
 when the GPU runtime provides it (it owns the offload copies); until then by
@@ -268,8 +270,13 @@ def run_iteration(net, solver, after_step=None):
         net.clear_param_diffs()
     hooks = []
     if after_step:
+        def after_backward(i):
+            after_step(2 * L - 1 - i)
+        # At step boundaries, on whole buffers: the fused layer chains stay
+        # fused (layers/cudnn.py), as in a run without the hook.
+        after_step.chain_safe = after_backward.chain_safe = True
         hooks = [(net.after_layer_forward, after_step),
-                 (net.on_layer_backward_done, lambda i: after_step(2 * L - 1 - i))]
+                 (net.on_layer_backward_done, after_backward)]
         for where, hook in hooks:
             where.append(hook)
     try:
@@ -393,14 +400,14 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1, apply=No
 
             def after_step(t):
                 _sync()
-                tracker.sample()
-                curve[t] = tracker.live
+                used = tracker.sample()
+                curve[t] = used - (pool.total_bytes() - pool.used_bytes())
 
             # A plain iteration first (algorithm search, first-touch
             # allocations: a real run pays them too), then the timed ones;
             # the peak is theirs. The stepped iteration that records the
-            # curve runs last and outside the peak: its per-layer hooks turn
-            # the fused layer chains off, which a real run does not.
+            # curve runs last and outside the peak (it synchronises at
+            # every step).
             run_iteration(net, solver)
             # Offload calibrates its look-ahead on an early iteration and
             # places the buffers again at the next: the timed iterations
