@@ -464,6 +464,24 @@ def test_measure_iteration_goes_through_the_plan_hooks():
     assert not net.after_layer_forward[1:] and len(net.on_layer_backward_done) == 0
 
 
+def test_measure_iteration_hooks_leave_the_fused_chains_on():
+    """The stepped iteration's per-step hooks act at step boundaries and say
+    so (chain_safe): the fused layer chains see no watcher and stay fused."""
+    from caffeplus.memory import measure
+
+    class Solver:
+        def apply_update(self):
+            pass
+    net = small_net()
+    seen = []
+
+    def after_step(t):
+        seen.append(all(getattr(h, 'chain_safe', False)
+                        for h in net.after_layer_forward + net.before_layer_forward))
+    measure.run_iteration(net, Solver(), after_step)
+    assert seen and all(seen)
+
+
 # -- solver and CLI ------------------------------------------------------------------------------
 def test_solver_plans_train_and_test_nets(tmp_path):
     param = param_of(NET)

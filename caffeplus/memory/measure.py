@@ -270,12 +270,15 @@ def run_iteration(net, solver, after_step=None):
         net.clear_param_diffs()
     hooks = []
     if after_step:
+        def after_forward(i):
+            after_step(i)
+
         def after_backward(i):
             after_step(2 * L - 1 - i)
         # At step boundaries, on whole buffers: the fused layer chains stay
         # fused (layers/cudnn.py), as in a run without the hook.
-        after_step.chain_safe = after_backward.chain_safe = True
-        hooks = [(net.after_layer_forward, after_step),
+        after_forward.chain_safe = after_backward.chain_safe = True
+        hooks = [(net.after_layer_forward, after_forward),
                  (net.on_layer_backward_done, after_backward)]
         for where, hook in hooks:
             where.append(hook)
