@@ -125,7 +125,8 @@ def plot(path, results, title='', step_labels=None):
     steps = 0
     for n in names:
         r = results[n]
-        for key, style, suffix in (('curve', '-', ''), ('measured_curve', '--', ' (measured)')):
+        for key, style, suffix in (('curve', '-', ' (planned, live)'),
+                                   ('measured_curve', '--', ' (measured, in use)')):
             curve = r.get(key)
             if curve:
                 steps = max(steps, len(curve))
