@@ -544,17 +544,22 @@ def test_memory_command_measures_with_the_estimate_beside(capsys):
 # `caffeplus memory -gpu 0 --plans stock,arena,shared,offload --offload free
 # --iterations 10` on the H100 in session 11 at b4e4fb8 (a 256-byte thread
 # stack for every plan but stock; shared and offload apply AlexNet's and
-# VGG-16's fc6-7 updates in backward; shared makes nothing again), and
-# `--plans shared,offload` in session 12 at aecf70e (the host-link probe's
-# 64 MiB no longer left in CuPy's pool) and in session 13 at cbe9269 (the
-# layer-time model fitted to measured steps): a plan's newest run counts.
+# VGG-16's fc6-7 updates in backward; shared makes nothing again), `--plans
+# shared,offload` in session 12 at aecf70e (the host-link probe's 64 MiB no
+# longer left in CuPy's pool), and in session 13 (the layer-time model
+# fitted to measured steps) `--plans shared,offload` at cbe9269, then every
+# plan at d52b1f5, d2e6c12 and 87e4b45: a plan's newest run counts.
 _MEMORY = os.path.join(ROOT, 'benchmarks', 'memory')
-MEASURED = {net: [os.path.join(_MEMORY, '2026-11-28-s13',
-                               'cbe9269_memory_%s_shared_offload.json' % net),
-                  os.path.join(_MEMORY, '2026-11-27-s12',
-                               'aecf70e_memory_%s_shared_offload.json' % net),
-                  os.path.join(_MEMORY, '2026-11-25-s11',
-                               'b4e4fb8_memory_%s_stock_arena_shared_offload.json' % net)]
+_RUNS = [('2026-11-28-s13', '87e4b45', 'stock_arena_shared_offload'),
+         ('2026-11-28-s13', 'd2e6c12', 'stock_arena_shared_offload'),
+         ('2026-11-28-s13', 'd52b1f5', 'stock_arena_shared_offload'),
+         ('2026-11-28-s13', 'cbe9269', 'shared_offload'),
+         ('2026-11-27-s12', 'aecf70e', 'shared_offload'),
+         ('2026-11-25-s11', 'b4e4fb8', 'stock_arena_shared_offload')]
+MEASURED = {net: [path for path in (os.path.join(_MEMORY, folder, '%s_memory_%s_%s.json'
+                                                 % (commit, net, plans))
+                                    for folder, commit, plans in _RUNS)
+                  if os.path.exists(path)]
             for net in ('alexnet_b128', 'resnet50_b64', 'vgg16_b64', 'googlenet_b64')}
 # Known misses, (net, plan): error. None since the layer-time model was
 # fitted to measured step times (2026-11-28): ResNet-50's offload 'free'
