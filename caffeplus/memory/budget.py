@@ -229,7 +229,7 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
     hidden = None
     if name == 'offload' and offload_policy == 'free' and training:
         # What the runtime would choose from the steps it times; modelled
-        # steps may be longer than those (FREE_STEP_SHARE).
+        # steps differ from those step by step (FREE_STEP_SHARE).
         from caffeplus.memory import free_offload
         bufs = liveness.buffers(net, keep=keep, training=training)
         hidden = free_offload.choose_hidden(
