@@ -220,6 +220,25 @@ def test_plot_writes_bar_and_timeline_pngs(capsys, tmp_path):
         assert os.path.getsize(path) > 5000
 
 
+def test_bar_of_a_settling_plan_is_its_steady_peak(tmp_path):
+    """offload 'free' runs its first iterations as shared: its bar is the
+    steady peak (the table's and the estimate's), "other" less the bytes
+    only the first iterations held; a plan without a lower steady peak keeps
+    its breakdown, and the chart is drawn from these."""
+    from caffeplus.memory import report
+    MiB = 2 ** 20
+    breakdown = {c: 100 * MiB for c in CATEGORIES}
+    free = {'peak_bytes': 700 * MiB, 'steady_peak_bytes': 640 * MiB, 'breakdown': breakdown}
+    values, steady = report.bar_bytes(free)
+    assert steady and sum(values.values()) == 640 * MiB and values['other'] == 40 * MiB
+    shared = {'peak_bytes': 700 * MiB, 'steady_peak_bytes': 700 * MiB, 'breakdown': breakdown}
+    assert report.bar_bytes(shared) == (breakdown, False)
+    assert report.bar_bytes({'peak_bytes': 700 * MiB, 'breakdown': breakdown}) == \
+        (breakdown, False)
+    paths = report.plot(str(tmp_path / 'm.png'), {'shared': shared, 'offload': free})
+    assert all(os.path.getsize(p) > 5000 for p in paths)
+
+
 # -- auto and budgets --------------------------------------------------------------------
 def test_parse_bytes_units():
     assert budget.parse_bytes('12G') == 12 * 2 ** 30

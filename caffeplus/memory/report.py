@@ -7,8 +7,10 @@ backward of every layer, the solver update).
 
 Charts (matplotlib, Agg backend, no display needed), two PNG files:
   <name>.png           one stacked bar per plan: its peak split into the
-                       categories (a measured plan's bar is the measurement;
-                       a black tick marks the planner's estimate beside it)
+                       categories (a measured plan's bar is the measurement,
+                       its steady peak where that is lower: offload 'free'
+                       runs its first iterations as shared; a black tick
+                       marks the planner's estimate beside it)
   <name>_timeline.png  one line per plan: bytes live across the forward then
                        backward steps of one iteration (dashed: measured)
 where --plot gives <name>.png (a name without .png gets it appended).
@@ -91,6 +93,18 @@ def _pyplot():
     return plt
 
 
+def bar_bytes(result):
+    """({category: bytes}, whether steady) of one plan's bar: the breakdown,
+    less what the run held only before it settled (its peak over its steady
+    peak, counted as "other": what the steady iterations no longer hold)."""
+    values = dict((c, result['breakdown'].get(c, 0)) for c in CATEGORIES)
+    steady = result.get('steady_peak_bytes')
+    if not steady or steady >= result['peak_bytes']:
+        return values, False
+    values['other'] = max(0, values['other'] - (result['peak_bytes'] - steady))
+    return values, True
+
+
 def plot(path, results, title='', step_labels=None):
     """Write the two charts; returns their paths."""
     plt = _pyplot()
@@ -103,14 +117,15 @@ def plot(path, results, title='', step_labels=None):
 
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(names) + 3), 5))
     bottoms = [0.0] * len(names)
+    bars = [bar_bytes(results[n]) for n in names]
     for c in CATEGORIES:
-        values = [results[n]['breakdown'].get(c, 0) / gib for n in names]
+        values = [b[0][c] / gib for b in bars]
         ax.bar(names, values, bottom=bottoms, color=COLORS[c], label=LABELS[c])
         bottoms = [b + v for b, v in zip(bottoms, values)]
     for i, n in enumerate(names):
         r = results[n]
-        ax.text(i, bottoms[i], '%.2f' % (r['peak_bytes'] / gib), ha='center', va='bottom',
-                fontsize=8)
+        ax.text(i, bottoms[i], '%.2f%s' % (bottoms[i], ' steady' if bars[i][1] else ''),
+                ha='center', va='bottom', fontsize=8)
         if r.get('estimate'):
             ax.plot([i - 0.4, i + 0.4], [r['estimate']['peak_bytes'] / gib] * 2, color='black',
                     linewidth=2, label='estimate' if i == 0 else None)
@@ -142,10 +157,10 @@ def plot(path, results, title='', step_labels=None):
             ticks = list(range(0, len(step_labels), every))
             ax.set_xticks(ticks)
             ax.set_xticklabels([step_labels[t] for t in ticks], rotation=90, fontsize=6)
+        ax.legend(fontsize=8)
     ax.set_xlabel('step of one training iteration (layer forward, then backward, then update)')
     ax.set_ylabel('live device memory (GiB)')
     ax.set_title((title + ': ' if title else '') + 'live memory across one iteration')
-    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(timeline_path, dpi=100)
     plt.close(fig)
