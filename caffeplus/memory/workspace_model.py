@@ -120,10 +120,11 @@ MEMORY_BANDWIDTH = 1.5e12                   # effective bytes/s of the solver's 
 # most of the bench nets' own layers (2026-11-28): own_layer_seconds' rate.
 MEASURED_BANDWIDTH = 2.7e12
 # caffeplus's own convolutions and InnerProducts on the H100 run this much
-# faster than the model above (fitted to stock Caffe): arena-plan iterations measured at 8f19b0e
-# against the model's, AlexNet 11.8 vs 43.3 ms, GoogLeNet 38 vs 139, VGG-16
-# 84 vs 313, ResNet-50 70 vs 263 (3.7x, +-2%). Step times feed offload
-# decisions (policy 'free', `auto`), which weigh them against the host link.
+# faster than the model above (fitted to stock Caffe): arena-plan
+# iterations measured at 8f19b0e against the model's (then for every
+# layer), AlexNet 11.8 vs 43.3 ms, GoogLeNet 38 vs 139, VGG-16 84 vs 313,
+# ResNet-50 70 vs 263 (3.7x, +-2%). Step times feed offload decisions
+# (policy 'free', `auto`), which weigh them against the host link.
 CAFFEPLUS_SPEEDUP = 3.7
 CONV_TYPES = ('Convolution', 'Deconvolution')
 KINDS = ('fwd', 'bwd_data', 'bwd_filter')
@@ -483,8 +484,8 @@ def own_layer_seconds(net, i):
         passes, calls = (0.0, 0.0), (FUSED_MEMBER_SECONDS, FUSED_MEMBER_SECONDS)
     elif t == 'BatchNorm':
         passes = BATCHNORM_CHAIN_PASSES
-    elif t == 'Eltwise' and _in_fused_chain(net, i):
-        passes = (1.0, 1.0)
+    elif t == 'Eltwise':
+        passes = (1.0, 1.0)     # backward: its chain's ReLU, the diffs shared
     elif t == 'Split':
         passes, calls = (0.0, 1.0), (FUSED_MEMBER_SECONDS, OWN_CALL_SECONDS)
     elif t == 'Concat':
