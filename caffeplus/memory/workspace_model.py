@@ -480,7 +480,7 @@ def own_layer_seconds(net, i):
     passes = (1.0, 2.0)
     calls = (OWN_CALL_SECONDS, OWN_CALL_SECONDS)
     if _in_fused_chain(net, i) and t not in ('BatchNorm', 'Eltwise') and \
-            (t != 'Scale' or _follows(net, i, 'BatchNorm')):
+            (t != 'Scale' or _follows(net, i, ('BatchNorm',))):
         passes, calls = (0.0, 0.0), (FUSED_MEMBER_SECONDS, FUSED_MEMBER_SECONDS)
     elif t == 'BatchNorm':
         passes = BATCHNORM_CHAIN_PASSES
@@ -505,22 +505,30 @@ def own_layer_seconds(net, i):
 FUSED_TYPES = ('BatchNorm', 'Scale', 'Eltwise')
 
 
-def _follows(net, i, kind):
-    """Whether layer i reads a top of an earlier layer of type `kind`."""
-    blobs = set(net.bottom_id_vecs[i])
-    return any(set(net.top_id_vecs[j]) & blobs and net.layers[j].layer_param.type == kind
-               for j in range(i))
+def _writer_types(net):
+    """Per layer, the types of the earlier layers that wrote any of its
+    bottoms (found once per net, in one pass: step_seconds asks of every
+    layer, and the search calls it many times)."""
+    memo = net.__dict__.get('_wm_writer_types')
+    if memo is None:
+        written = {}
+        memo = []
+        for i, layer in enumerate(net.layers):
+            memo.append(frozenset().union(*(written.get(b, ()) for b in net.bottom_id_vecs[i])))
+            for b in net.top_id_vecs[i]:
+                written.setdefault(b, set()).add(layer.layer_param.type)
+        net.__dict__['_wm_writer_types'] = memo
+    return memo
+
+
+def _follows(net, i, kinds):
+    """Whether layer i reads a top of an earlier layer of one of `kinds`."""
+    return not _writer_types(net)[i].isdisjoint(kinds)
 
 
 def _in_fused_chain(net, i):
     t = net.layers[i].layer_param.type
-    if t in FUSED_TYPES:
-        return True
-    if t != 'ReLU':
-        return False
-    blobs = set(net.bottom_id_vecs[i])
-    return any(set(net.top_id_vecs[j]) & blobs and net.layers[j].layer_param.type in FUSED_TYPES
-               for j in range(i))
+    return t in FUSED_TYPES or (t == 'ReLU' and _follows(net, i, FUSED_TYPES))
 
 
 def update_seconds(net, history_copies=1):
