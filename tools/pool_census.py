@@ -4,7 +4,8 @@
     python tools/pool_census.py .gpu_carry/bench/alexnet_b128.prototxt --plan offload --offload free
 
 Builds the net as `caffeplus memory -gpu` does (TRAIN, SGD solver, the
-estimated plan applied), runs iterations until the plan settles, then times
+estimated plan applied, its algorithm search), runs iterations until the
+plan settles (caffeplus.memory.measure.settle), then runs
 --iterations more with a CuPy memory hook that remembers every live block of
 the pool and where it was taken (the innermost caffeplus frames). Prints the
 live blocks at the pool's busiest moment grouped by site, what the pool held
@@ -39,6 +40,9 @@ def main(argv=None):
     ap.add_argument('--iterations', type=int, default=3)
     ap.add_argument('--top', type=int, default=25)
     args = ap.parse_args(argv)
+    # The algorithms `caffeplus memory` measures with (its child's setting):
+    # another search picks other workspaces, and another arena.
+    os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
     import cupy
     from caffeplus import backend
     from caffeplus.memory import budget, measure, shapes
@@ -74,12 +78,7 @@ def main(argv=None):
                                     offload_policy=args.offload)
         measure.apply_plan(net, plan)
         pool.free_all_blocks()
-        measure.run_iteration(net, solver)
-        for _ in range(measure.MAX_SETTLING):
-            if measure.plan_settled(net):
-                break
-            measure.run_iteration(net, solver)
-        measure.run_iteration(net, solver)
+        measure.settle(net, solver)
         cupy.cuda.Device().synchronize()
         state['peak'], state['snapshot'] = state['now'], dict(live)
         for _ in range(args.iterations):

@@ -366,6 +366,20 @@ def plan_settled(net):
                                runtime.pending_offload is None)
 
 
+def settle(net, solver):
+    """The iterations before the timed ones: a plain one (algorithm search,
+    first-touch allocations), then, as offload calibrates its look-ahead on
+    an early iteration and places the buffers again at the next, those until
+    the plan has settled (at most MAX_SETTLING) and the new layout's first."""
+    run_iteration(net, solver)
+    settling = 0
+    while not plan_settled(net) and settling < MAX_SETTLING:
+        run_iteration(net, solver)
+        settling += 1
+    if settling:
+        run_iteration(net, solver)
+
+
 def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1, apply=None):
     """Run one stepped iteration and then `iterations` timed ones of
     `net_param` on GPU `gpu` with `plan` applied; return the measurements
@@ -411,16 +425,7 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1, apply=No
             # the peak is theirs. The stepped iteration that records the
             # curve runs last and outside the peak (it synchronises at
             # every step).
-            run_iteration(net, solver)
-            # Offload calibrates its look-ahead on an early iteration and
-            # places the buffers again at the next: the timed iterations
-            # start once that is done (its peak still counts).
-            settling = 0
-            while not plan_settled(net) and settling < MAX_SETTLING:
-                run_iteration(net, solver)
-                settling += 1
-            if settling:
-                run_iteration(net, solver)      # the new layout's first pass
+            settle(net, solver)
             _sync()
             tracker.sample()
             warm_peak, warm_pool = tracker.device_peak, tracker.pool_peak
