@@ -2,6 +2,7 @@
 """Does cuBLAS's workspace size change caffeplus's GEMMs, and what does it hold?
 
     python tools/cublas_workspace_probe.py OUT.npz        # one process, this environment
+    python tools/cublas_workspace_probe.py OUT.npz --own BYTES   # on a buffer of ours
     python tools/cublas_workspace_probe.py --compare A.npz B.npz
 
 Runs the bench nets' InnerProduct shapes (AlexNet's and VGG-16's fc6-8 at
@@ -9,7 +10,9 @@ their batches, ResNet-50's fc1000, GoogLeNet's classifiers) forward and
 backward through caffeplus's InnerProduct layer on the GPU from fixed
 inputs, saves every output, and prints the device memory cuBLAS added
 (before and after the first GEMM). Run it once per CUBLAS_WORKSPACE_CONFIG
-and compare the files bit for bit.
+and compare the files bit for bit. --own runs the GEMMs on a workspace
+buffer from CuPy's pool (caffeplus.backend.blas.workspace), as a memory
+plan places it in its arena.
 """
 import os
 import sys
@@ -22,17 +25,34 @@ SHAPES = [(128, 9216, 4096), (128, 4096, 4096), (128, 4096, 1000), (64, 25088, 4
           (64, 2048, 1000), (64, 1024, 1000), (64, 2048, 1024), (256, 25088, 4096)]
 
 
-def run(path):
+def run(path, own=None):
+    import contextlib
     import numpy
     import cupy
     from caffeplus import backend
-    from caffeplus.blob import Blob
-    from caffeplus.layer import create_layer
-    from caffeplus.proto import caffe_pb2
+    from caffeplus.backend import blas
     backend.set_mode_gpu(0)
     cupy.zeros(1)
     cupy.cuda.Device().synchronize()
     free0, total = cupy.cuda.runtime.memGetInfo()
+    blas._handle()
+    cupy.cuda.Device().synchronize()
+    free_h, _ = cupy.cuda.runtime.memGetInfo()
+    print('the cuBLAS handle added %.1f MiB' % ((free0 - free_h) / MiB))
+    scope = contextlib.nullcontext()
+    if own:
+        buf = cupy.empty(own, dtype=numpy.uint8)
+        scope = blas.workspace(buf.data.ptr, own)
+    with scope:
+        _gemms(path, own, free0)
+
+
+def _gemms(path, own, free0):
+    import numpy
+    import cupy
+    from caffeplus.blob import Blob
+    from caffeplus.layer import create_layer
+    from caffeplus.proto import caffe_pb2
     out = {}
     rng = numpy.random.RandomState(7)
     for n, k, m in SHAPES:
@@ -57,9 +77,21 @@ def run(path):
             cupy.cuda.Device().synchronize()
             free1, _ = cupy.cuda.runtime.memGetInfo()
             pool = cupy.get_default_memory_pool().total_bytes()
-            print('CUBLAS_WORKSPACE_CONFIG=%s: the first GEMMs added %.1f MiB outside CuPy\'s pool'
+            print('CUBLAS_WORKSPACE_CONFIG=%s%s: the handle and the first GEMMs added %.1f MiB '
+                  'outside CuPy\'s pool'
                   % (os.environ.get('CUBLAS_WORKSPACE_CONFIG', '(unset)'),
+                     ', own workspace %d bytes' % own if own else '',
                      (free0 - free1 - pool) / MiB))
+    # a strided-batched GEMM as a 1x1 convolution runs it (ResNet-50's
+    # 256 -> 64 channels at 56x56, 64 images)
+    from caffeplus.backend import blas
+    P, M, K, B = 56 * 56, 64, 256, 64
+    x = cupy.asarray(rng.standard_normal((B, K, P)).astype(numpy.float32))
+    w = cupy.asarray(rng.standard_normal((M, K)).astype(numpy.float32) * 0.05)
+    y = cupy.empty((B, M, P), dtype=numpy.float32)
+    blas.gemm_strided_batched(blas.N, blas.N, P, M, K, x.data.ptr, P, K * P, w.data.ptr, K, 0,
+                              y.data.ptr, P, M * P, B)
+    out['batched_1x1_y'] = cupy.asnumpy(y)
     numpy.savez(path, **out)
 
 
@@ -80,5 +112,7 @@ def compare(a, b):
 if __name__ == '__main__':
     if sys.argv[1] == '--compare':
         compare(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) > 3 and sys.argv[2] == '--own':
+        run(sys.argv[1], int(sys.argv[3]))
     else:
         run(sys.argv[1])

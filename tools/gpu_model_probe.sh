@@ -6,6 +6,9 @@
 #   CENSUS="net:plan"   tools/pool_census.py: what holds the device at the steady peak
 #   CUBLAS=1            tools/cublas_workspace_probe.py: GEMM bits and memory by
 #                       CUBLAS_WORKSPACE_CONFIG
+#   OWN=1               the same with the GEMMs on a 32 MiB workspace of CuPy's pool
+#                       (blas.workspace), against cuBLAS's default pool
+#   LRN=1               tools/lrn_slices_probe.py: cuDNN's LRN bits over batch slices
 #   CONTEXT=1           tools/context_probe.py at the 256-byte stack, with cuBLAS's
 #                       default workspace and with CUBLAS_WORKSPACE_CONFIG=:4096:1
 set -u
@@ -38,4 +41,17 @@ if [ -n "${CUBLAS:-}" ]; then
     python3 tools/cublas_workspace_probe.py --compare "$OUT/gemm_default.npz" "$OUT/gemm_$cfg.npz"
   done
   rm -f "$OUT"/gemm_*.npz
+fi
+if [ -n "${OWN:-}" ]; then
+  echo "== cuBLAS on a workspace of ours against its default pool"
+  timeout 120 python3 tools/cublas_workspace_probe.py "$OUT/gemm_default.npz" 2>&1 | grep -v "^I2"
+  for size in 33554432 67108864 4194304; do
+    timeout 120 python3 tools/cublas_workspace_probe.py "$OUT/gemm_own.npz" --own $size 2>&1 | grep -v "^I2"
+    python3 tools/cublas_workspace_probe.py --compare "$OUT/gemm_default.npz" "$OUT/gemm_own.npz"
+  done
+  rm -f "$OUT"/gemm_*.npz
+fi
+if [ -n "${LRN:-}" ]; then
+  echo "== LRN over batch slices"
+  timeout 120 python3 tools/lrn_slices_probe.py 2>&1 | grep -v "^I2"
 fi
