@@ -35,6 +35,9 @@ def run(path, own=None):
     cupy.zeros(1)
     cupy.cuda.Device().synchronize()
     free0, total = cupy.cuda.runtime.memGetInfo()
+    if os.environ.get('PROBE_SET_CONFIG') is not None:
+        # set in the process once CUDA runs, before the cuBLAS handle exists
+        os.environ['CUBLAS_WORKSPACE_CONFIG'] = os.environ['PROBE_SET_CONFIG']
     blas._handle()
     cupy.cuda.Device().synchronize()
     free_h, _ = cupy.cuda.runtime.memGetInfo()

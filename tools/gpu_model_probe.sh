@@ -43,12 +43,20 @@ if [ -n "${CUBLAS:-}" ]; then
   rm -f "$OUT"/gemm_*.npz
 fi
 if [ -n "${OWN:-}" ]; then
-  echo "== cuBLAS on a workspace of ours against its default pool"
+  echo "== cuBLAS: one 32 MiB buffer, and a workspace of ours, against its default pool"
   timeout 120 python3 tools/cublas_workspace_probe.py "$OUT/gemm_default.npz" 2>&1 | grep -v "^I2"
-  for size in 33554432 67108864 4194304; do
-    timeout 120 python3 tools/cublas_workspace_probe.py "$OUT/gemm_own.npz" --own $size 2>&1 | grep -v "^I2"
-    python3 tools/cublas_workspace_probe.py --compare "$OUT/gemm_default.npz" "$OUT/gemm_own.npz"
+  for cfg in :32768:1 :0:0 :4096:1; do
+    CUBLAS_WORKSPACE_CONFIG=$cfg timeout 120 python3 tools/cublas_workspace_probe.py \
+      "$OUT/gemm_c.npz" 2>&1 | grep -v "^I2"
+    python3 tools/cublas_workspace_probe.py --compare "$OUT/gemm_default.npz" "$OUT/gemm_c.npz"
+    CUBLAS_WORKSPACE_CONFIG=$cfg timeout 120 python3 tools/cublas_workspace_probe.py \
+      "$OUT/gemm_c.npz" --own 33554432 2>&1 | grep -v "^I2"
+    python3 tools/cublas_workspace_probe.py --compare "$OUT/gemm_default.npz" "$OUT/gemm_c.npz"
   done
+  echo "-- the setting made inside the process, before the handle"
+  PROBE_SET_CONFIG=:0:0 timeout 120 python3 tools/cublas_workspace_probe.py \
+    "$OUT/gemm_c.npz" --own 33554432 2>&1 | grep -v "^I2"
+  python3 tools/cublas_workspace_probe.py --compare "$OUT/gemm_default.npz" "$OUT/gemm_c.npz"
   rm -f "$OUT"/gemm_*.npz
 fi
 if [ -n "${LRN:-}" ]; then
