@@ -57,7 +57,8 @@ from caffeplus import backend, log
 from caffeplus import blob as blob_mod
 from caffeplus.blob import HEAD_DEVICE, HEAD_HOST
 from caffeplus.errors import CaffeplusError
-from caffeplus.memory import liveness, masks, placement, recompute, scratch, thread_stack
+from caffeplus.memory import (cublas_pool, liveness, masks, placement, recompute, scratch,
+                              thread_stack)
 from caffeplus.memory.plan import PLANS, check_plan_name, make_plan
 
 FLOAT_BYTES = liveness.FLOAT_BYTES
@@ -1093,6 +1094,7 @@ def apply_plan(net, plan, keep=(), training=None, workspace_limit=None, lookahea
     remove_plan(net, keep_values=False)     # what the arena held is dead between passes
     if backend.mode() == backend.GPU:
         thread_stack.apply(plan.name)
+        cublas_pool.apply(plan.name)
     masks.apply(net, plan.masked)           # the layers as the plan saw them
     if training is None:
         training = plan.steps == 2 * len(net.layers) if plan.steps else _training_default(net)

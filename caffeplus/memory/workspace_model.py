@@ -69,8 +69,10 @@ buffers: the CUDA context, CuPy, cuBLAS's workspace, cuDNN, the fused
 kernels and the captured CUDA graphs. It is MEASURED: the "other" of the
 `arena` and `shared` plans on the H100 (2026-11-22,
 benchmarks/memory_results.md: 637-684 MiB over AlexNet, GoogLeNet, VGG-16
-and ResNet-50; mean 660 MiB), at CUDA's default per-thread stack; the plans
-but `stock` lower that limit and hold less (caffeplus.memory.thread_stack).
+and ResNet-50; mean 660 MiB), at CUDA's default per-thread stack and cuBLAS's default
+workspace pool; the plans but `stock` lower that limit and keep one cuBLAS
+buffer instead of two, and hold less (caffeplus.memory.thread_stack,
+caffeplus.memory.cublas_pool).
 
 For `stock`, Caffe's per-layer cuDNN handles add HANDLE_BYTES each: 3 per
 group per convolution layer (with a CUDA stream each) and one per other
@@ -100,7 +102,7 @@ internal-buffer table until the estimates are within 5%.
 """
 import collections
 
-from caffeplus.memory import caffe1, calibration, thread_stack
+from caffeplus.memory import caffe1, calibration, cublas_pool, thread_stack
 from caffeplus.memory.liveness import FLOAT_BYTES
 
 MiB = 2 ** 20
@@ -423,7 +425,8 @@ def internals(net, plan_name=None):
 def other_bytes(net, plan_name):
     """The estimate's "other": the runtime's fixed cost, stock's per-layer
     handles, and the layers' internal buffers (for stock, Caffe 1.0's)."""
-    other = RUNTIME_BYTES - thread_stack.saved_bytes(plan_name) + internals(net, plan_name)
+    other = RUNTIME_BYTES - thread_stack.saved_bytes(plan_name) - \
+        cublas_pool.saved_bytes(plan_name) + internals(net, plan_name)
     if plan_name == 'stock':
         other += HANDLE_BYTES * (stock_handles(net) + caffe1.handle_count(net))
     return other
