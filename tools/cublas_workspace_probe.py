@@ -11,8 +11,8 @@ backward through caffeplus's InnerProduct layer on the GPU from fixed
 inputs, saves every output, and prints the device memory cuBLAS added
 (before and after the first GEMM). Run it once per CUBLAS_WORKSPACE_CONFIG
 and compare the files bit for bit. --own runs the GEMMs on a workspace
-buffer from CuPy's pool (caffeplus.backend.blas.workspace), as a memory
-plan places it in its arena.
+buffer from CuPy's pool (tools/cublas_own_workspace.py), as a memory plan
+would place it in its arena.
 """
 import os
 import sys
@@ -45,7 +45,8 @@ def run(path, own=None):
     scope = contextlib.nullcontext()
     if own:
         buf = cupy.empty(own, dtype=numpy.uint8)
-        scope = blas.workspace(buf.data.ptr, own)
+        from tools.cublas_own_workspace import own_workspace
+        scope = own_workspace(buf.data.ptr, own)
     with scope:
         _gemms(path, own, free0)
 
