@@ -4,7 +4,7 @@ timeline of every kernel, copy and memset in the process (PyTorch's
 profiler, which records CuPy's and cuDNN's work as well), summarised.
 
     python tools/trace_plans.py --net ../shared/bench/alexnet_b128.prototxt \\
-        --plans arena,shared --gpu 0 [--iters 5] [--gaps 12] [--trace-dir DIR]
+        --plans arena,shared --gpu 0 [--iters 5] [--gaps 12] [--trace-dir DIR] [--offload free]
 
 For each plan (its own solver, built as tools/time_plans.py builds them,
 warmed up, then --iters steps traced) it prints: the traced span per
@@ -98,6 +98,7 @@ def main(argv=None):
     ap.add_argument('--warmup', type=int, default=8)
     ap.add_argument('--gaps', type=int, default=10)
     ap.add_argument('--trace-dir', default=None, help='keep the chrome traces here')
+    ap.add_argument('--offload', default=None, help="offload policy for plan offload (e.g. free)")
     args = ap.parse_args(argv)
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -110,7 +111,7 @@ def main(argv=None):
     os.makedirs(out_dir, exist_ok=True)
     results = {}
     with shapes.quiet():
-        solvers = build_solvers(args.net, plans, args.warmup, sync)
+        solvers = build_solvers(args.net, plans, args.warmup, sync, offload=args.offload)
         for plan in plans:
             solvers[plan].step(2)
             sync()
