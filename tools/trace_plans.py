@@ -65,6 +65,42 @@ def busy_union(device):
     return busy, gaps
 
 
+def _compute_stream(device):
+    """The stream with the most kernel time (the layers' stream)."""
+    time = collections.Counter()
+    for e in device:
+        if e.get('cat') == 'kernel':
+            time[e.get('args', {}).get('stream')] += e['dur']
+    return time.most_common(1)[0][0] if time else None
+
+
+def _compute_stream_gaps(plan, device, copies, api, iters, n_gaps):
+    """With copies on other streams (offload), the union hides the layers'
+    stream waiting for them: its own busy time and longest gaps, with the
+    copies in flight across each gap."""
+    stream = _compute_stream(device)
+    mine = [e for e in device if e.get('args', {}).get('stream') == stream]
+    busy, gaps = busy_union(mine)
+    span = mine[-1]['ts'] + mine[-1]['dur'] - mine[0]['ts']
+    print('%s, the layers\' stream %s alone: busy %.3f ms, idle %.3f ms an iteration; copies on '
+          'other streams %.3f ms an iteration' % (plan, stream, busy / 1e3 / iters,
+                                                   (span - busy) / 1e3 / iters,
+                                                   sum(c['dur'] for c in copies) / 1e3 / iters))
+    for s, t, before, after in sorted(gaps, key=lambda g: g[0] - g[1])[:n_gaps]:
+        flying = collections.Counter(family(c.get('name', '?')) for c in copies
+                                     if c['ts'] < t and c['ts'] + c['dur'] > s)
+        ending = [c for c in copies if s < c['ts'] + c['dur'] <= t + 2]
+        calls = collections.Counter(a['name'] for a in api
+                                    if a['ts'] < t and a['ts'] + a['dur'] > s)
+        print('   gap %7.1f us  before %-36s copies across it: %s%s; host in: %s'
+              % (t - s, family(after.get('name', '?'))[:36],
+                 ', '.join('%s x%d' % kv for kv in flying.most_common(2)) or '-',
+                 ' (one ends %.0f us before the kernel)' % (t - max(c['ts'] + c['dur']
+                                                                 for c in ending))
+                 if ending else '',
+                 ', '.join('%s x%d' % kv for kv in calls.most_common(3)) or '-'))
+
+
 def summarise(plan, device, api, iters, n_gaps):
     if not device:
         print('%s: no device events traced (is CUPTI available?)' % plan)
@@ -84,6 +120,10 @@ def summarise(plan, device, api, iters, n_gaps):
         print('   gap %7.1f us  after %-40s before %-40s host in: %s'
               % (t - s, family(before.get('name', '?'))[:40], family(after.get('name', '?'))[:40],
                  ', '.join('%s x%d' % kv for kv in calls.most_common(4)) or '-'))
+    copies = [e for e in device if e.get('cat') == 'gpu_memcpy' and
+              e.get('args', {}).get('stream') != _compute_stream(device)]
+    if copies:
+        _compute_stream_gaps(plan, device, copies, api, iters, n_gaps)
     return {'span_ms': span / 1e3 / iters, 'busy_ms': busy / 1e3 / iters,
             'idle_ms': (span - busy) / 1e3 / iters,
             'families': {'%s %s' % k: v / 1e3 / iters for k, v in by_family.items()}}
