@@ -23,10 +23,31 @@ map's copies still end in time and it leaves the device for at least one
 step (release < prefetch).
 """
 import collections
+import os
 
+from caffeplus.errors import CaffeplusError
 from caffeplus.memory import offload
 
 MARGIN = 1.25
+# The runtime hides copies behind this share of the step times it measured
+# (CAFFEPLUS_FREE_STEP_SHARE sets another, in (0, 1]).
+STEP_SHARE = 1.0
+STEP_SHARE_ENV = 'CAFFEPLUS_FREE_STEP_SHARE'
+
+
+def step_share():
+    """The share of its measured step times the runtime hides copies behind."""
+    value = os.environ.get(STEP_SHARE_ENV, '').strip()
+    if not value:
+        return STEP_SHARE
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0.0 < share <= 1.0:
+        raise CaffeplusError('%s must be a share of the step times in (0, 1], not %r'
+                             % (STEP_SHARE_ENV, value))
+    return share
 Hidden = collections.namedtuple('Hidden', 'release prefetch')
 
 

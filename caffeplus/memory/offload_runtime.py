@@ -358,6 +358,9 @@ class OffloadRuntime:
         self.iteration = 0
         # Policy 'free' before its choice: time FREE_SAMPLES iterations, then choose.
         self.choosing = applied.choosing_free_offload
+        if self.choosing:
+            from caffeplus.memory import free_offload
+            self.step_share = free_offload.step_share()
         self.pending_offload = None
         self.calibrated = applied.options.get('lookahead') != 'auto' and not self.choosing
         self.bandwidth = None
@@ -585,7 +588,8 @@ class OffloadRuntime:
         bufs = liveness.buffers(net, keep=keep, training=applied.training)
         candidates = offload.choose(net, bufs, 'all', keep)
         host = self.options.get('host_budget', default_host_budget())
-        return free_offload.choose_hidden(net, bufs, candidates, seconds, bandwidth,
+        return free_offload.choose_hidden(net, bufs, candidates,
+                                          [t * self.step_share for t in seconds], bandwidth,
                                           host_budget=host)
 
     def lookaheads(self):
