@@ -261,3 +261,49 @@ def test_the_choice_takes_the_median_of_several_timed_iterations(monkeypatch):
     sgd_run(net, iters=rt.FREE_SAMPLES + 2)
     assert len(timed) == rt.FREE_SAMPLES == 3
     assert chosen == [[0.002] * steps]
+
+
+def test_step_share_defaults_and_setting(monkeypatch):
+    from caffeplus.errors import CaffeplusError
+    monkeypatch.delenv(free_offload.STEP_SHARE_ENV, raising=False)
+    assert free_offload.step_share() == free_offload.STEP_SHARE == 0.8
+    monkeypatch.setenv(free_offload.STEP_SHARE_ENV, '1')
+    assert free_offload.step_share() == 1.0
+    for bad in ('0', '1.5', '-0.2', 'most'):
+        monkeypatch.setenv(free_offload.STEP_SHARE_ENV, bad)
+        with pytest.raises(CaffeplusError, match='CAFFEPLUS_FREE_STEP_SHARE must be a share'):
+            free_offload.step_share()
+
+
+@pytest.mark.parametrize('share', ['1', '0.5'])
+def test_runtime_and_estimate_hide_copies_behind_the_share_of_the_steps(monkeypatch, share):
+    """The runtime chooses on its measured step times and the estimate on
+    its modelled ones, both times the share: the times choose_hidden sees."""
+    monkeypatch.setenv(free_offload.STEP_SHARE_ENV, share)
+    real, seen = free_offload.choose_hidden, []
+
+    def spy(net, bufs, candidates, step_seconds, *args, **kw):
+        seen.append(list(step_seconds))
+        return real(net, bufs, candidates, step_seconds, *args, **kw)
+    monkeypatch.setattr(free_offload, 'choose_hidden', spy)
+    from caffeplus.memory import workspace_model as wm
+    net = small_net(text=CHAIN)
+    estimate_plan(net, 'offload', offload_policy='free')
+    convs = wm.conv_layers(net)
+    modelled = wm.step_seconds(net, {i: wm.fastest(l, wm.knee_cap(net)) for i, l in convs})
+    assert seen[-1] == pytest.approx([t * float(share) for t in modelled])
+    from caffeplus.memory.offload_runtime import OffloadRuntime
+    real_choose, measured = OffloadRuntime._choose_free, []
+
+    def choose(self, seconds, bandwidth):
+        measured.append(list(seconds))
+        return real_choose(self, seconds, bandwidth)
+    monkeypatch.setattr(OffloadRuntime, '_choose_free', choose)
+    net = small_net(text=CHAIN)
+    apply_named_plan(net, 'offload', offload_policy='free',
+                     runtime_options={'simulate': 'eager', 'bandwidth': 1e15})
+    seen.clear()
+    sgd_run(net, iters=4)
+    assert len(measured) == 1 and len(seen) == 1
+    assert len(seen[0]) == 2 * len(net.layers)
+    assert seen[0] == pytest.approx([t * float(share) for t in measured[0]])

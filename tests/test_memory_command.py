@@ -820,9 +820,11 @@ def test_estimated_curve_peaks_at_the_estimated_peak(plan_name):
     """The timeline chart's estimated curve tops out at the plan's peak: a
     convolution's filter call (half a step early) and its data call share
     their workspace's bytes and count once (AlexNet's conv5 backward put the
-    curve 211 MiB over the peak when both counted)."""
+    curve 211 MiB over the peak when both counted). A placed arena may
+    exceed the most bytes live at once by what its placement cannot pack
+    (AlexNet's estimated `free`, four maps moved: 1.1%)."""
     from caffeplus.commands.memory import estimate_curve
     net = shapes.build_net(shapes.load_net_param(bench('alexnet_b128'), phase=caffe_pb2.TRAIN))
     plan = budget.estimate_plan(net, plan_name, offload_policy='free')
     curve = estimate_curve(plan)
-    assert plan.peak_bytes * 0.99 <= max(curve) <= plan.peak_bytes
+    assert plan.peak_bytes * 0.98 <= max(curve) <= plan.peak_bytes

@@ -193,16 +193,6 @@ def _finish(plan, net, name, workspace, other, seconds, choice):
     return plan
 
 
-# Offload 'free' moves the maps whose copies the steps it times hide. The
-# estimate has only modelled steps (workspace_model.step_seconds: within
-# 11% of the measured sums forward and backward on the bench nets), so it
-# hides copies behind this share of them, a margin for the model's errors
-# step by step: its steady peaks for the four bench nets then come within
-# 3.1% of the measured ones (tests/test_memory_command.py's recorded runs;
-# with the whole steps GoogLeNet's is 4.6% high, VGG-16's 3.2% low).
-FREE_STEP_SHARE = 0.9
-
-
 def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_policy='conv',
                   budget=None, host_budget=None):
     """A MemoryPlan for `name` with the workspace model's workspace and other
@@ -228,13 +218,14 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
                                          if placing else 0)
     hidden = None
     if name == 'offload' and offload_policy == 'free' and training:
-        # What the runtime would choose from the steps it times; modelled
-        # steps differ from those step by step (FREE_STEP_SHARE).
+        # What the runtime would choose from the steps it times, with the
+        # same share of them (free_offload.step_share) on modelled steps.
         from caffeplus.memory import free_offload
         bufs = liveness.buffers(net, keep=keep, training=training)
         hidden = free_offload.choose_hidden(
             net, bufs, offload.choose(net, bufs, 'all', keep),
-            [t * FREE_STEP_SHARE for t in steps_s], PCIE_BANDWIDTH, host_budget=host_budget)
+            [t * free_offload.step_share() for t in steps_s], PCIE_BANDWIDTH,
+            host_budget=host_budget)
 
     # A solver updates the large parameters in backward under `shared` and `offload`
     # (caffeplus.solver.update_in_backward): their gradients are placed too.
