@@ -6,7 +6,7 @@ whose copies the measured step times hide.
 
 vDNN's copies are free only while the link keeps up with the compute. This
 chooses maps by the runtime's own rules (caffeplus.memory.offload_runtime),
-on a timeline of measured step times:
+on a timeline of step times (the measured ones times STEP_SHARE, below):
   * a map's copy out is issued when its last forward step f ends and runs
     on the copy-out stream, one copy after another in issue order, taking
     bytes / bandwidth * MARGIN;
