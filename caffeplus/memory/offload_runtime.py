@@ -49,9 +49,9 @@ it planned: the calibrated look-ahead never fetches one later than planned.
 
 Policy 'free'. The plan starts with nothing offloaded; the runtime times
 FREE_SAMPLES iterations the same way (the link's bandwidth measured by a
-pinned copy), chooses the maps whose copies the per-step median times (times
-free_offload.STEP_SHARE) hide
-(caffeplus.memory.free_offload) and hands them over as `pending_offload`;
+pinned copy), chooses the maps whose copies the per-step median times, times
+free_offload.STEP_SHARE, hide (caffeplus.memory.free_offload) and hands them
+over as `pending_offload`;
 AppliedPlan.adopt_free_offload places the arena again with them, holding
 each map's bytes until its copy out is predicted done.
 
