@@ -32,33 +32,32 @@ if [ -n "${CONTEXT:-}" ]; then
   echo "== context, CUBLAS_WORKSPACE_CONFIG=:4096:1"
   CUBLAS_WORKSPACE_CONFIG=:4096:1 timeout 120 python3 tools/context_probe.py --stack 256 2>&1 | tail -12
 fi
+# gemm_against_default ENV=VALUE [probe args]: the probe in a process of its
+# own under that setting, its outputs compared bit for bit with the default's
+gemm_against_default() {
+  local setting=$1; shift
+  env "$setting" timeout 120 python3 tools/cublas_workspace_probe.py "$OUT/gemm_c.npz" "$@" \
+    2>&1 | grep -v "^I2"
+  python3 tools/cublas_workspace_probe.py --compare "$OUT/gemm_default.npz" "$OUT/gemm_c.npz"
+}
+if [ -n "${CUBLAS:-}${OWN:-}" ]; then
+  echo "== cuBLAS's default pool"
+  timeout 120 python3 tools/cublas_workspace_probe.py "$OUT/gemm_default.npz" 2>&1 | grep -v "^I2"
+fi
 if [ -n "${CUBLAS:-}" ]; then
   echo "== cuBLAS workspace: GEMM outputs and memory per CUBLAS_WORKSPACE_CONFIG"
-  timeout 120 python3 tools/cublas_workspace_probe.py "$OUT/gemm_default.npz" 2>&1 | grep -v "^I2"
-  for cfg in :4096:1 :4096:8 :16384:2; do
-    CUBLAS_WORKSPACE_CONFIG=$cfg timeout 120 python3 tools/cublas_workspace_probe.py \
-      "$OUT/gemm_$cfg.npz" 2>&1 | grep -v "^I2"
-    python3 tools/cublas_workspace_probe.py --compare "$OUT/gemm_default.npz" "$OUT/gemm_$cfg.npz"
-  done
-  rm -f "$OUT"/gemm_*.npz
+  for cfg in :4096:1 :4096:8 :16384:2; do gemm_against_default CUBLAS_WORKSPACE_CONFIG=$cfg; done
 fi
 if [ -n "${OWN:-}" ]; then
   echo "== cuBLAS: one 32 MiB buffer, and a workspace of ours, against its default pool"
-  timeout 120 python3 tools/cublas_workspace_probe.py "$OUT/gemm_default.npz" 2>&1 | grep -v "^I2"
   for cfg in :32768:1 :0:0 :4096:1; do
-    CUBLAS_WORKSPACE_CONFIG=$cfg timeout 120 python3 tools/cublas_workspace_probe.py \
-      "$OUT/gemm_c.npz" 2>&1 | grep -v "^I2"
-    python3 tools/cublas_workspace_probe.py --compare "$OUT/gemm_default.npz" "$OUT/gemm_c.npz"
-    CUBLAS_WORKSPACE_CONFIG=$cfg timeout 120 python3 tools/cublas_workspace_probe.py \
-      "$OUT/gemm_c.npz" --own 33554432 2>&1 | grep -v "^I2"
-    python3 tools/cublas_workspace_probe.py --compare "$OUT/gemm_default.npz" "$OUT/gemm_c.npz"
+    gemm_against_default CUBLAS_WORKSPACE_CONFIG=$cfg
+    gemm_against_default CUBLAS_WORKSPACE_CONFIG=$cfg --own 33554432
   done
   echo "-- the setting made inside the process, before the handle"
-  PROBE_SET_CONFIG=:0:0 timeout 120 python3 tools/cublas_workspace_probe.py \
-    "$OUT/gemm_c.npz" --own 33554432 2>&1 | grep -v "^I2"
-  python3 tools/cublas_workspace_probe.py --compare "$OUT/gemm_default.npz" "$OUT/gemm_c.npz"
-  rm -f "$OUT"/gemm_*.npz
+  gemm_against_default PROBE_SET_CONFIG=:0:0 --own 33554432
 fi
+rm -f "$OUT"/gemm_*.npz
 if [ -n "${LRN:-}" ]; then
   echo "== LRN over batch slices"
   timeout 120 python3 tools/lrn_slices_probe.py 2>&1 | grep -v "^I2"
