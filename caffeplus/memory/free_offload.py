@@ -42,7 +42,7 @@ STEP_SHARE_ENV = 'CAFFEPLUS_FREE_STEP_SHARE'
 
 
 def step_share():
-    """The share of its measured step times the runtime hides copies behind."""
+    """The share of the step times copies hide behind (STEP_SHARE, or the setting)."""
     value = os.environ.get(STEP_SHARE_ENV, '').strip()
     if not value:
         return STEP_SHARE
@@ -54,6 +54,8 @@ def step_share():
         raise CaffeplusError('%s must be a share of the step times in (0, 1], not %r'
                              % (STEP_SHARE_ENV, value))
     return share
+
+
 Hidden = collections.namedtuple('Hidden', 'release prefetch')
 
 
