@@ -74,11 +74,16 @@ def _compute_stream(device):
     return time.most_common(1)[0][0] if time else None
 
 
-def _compute_stream_gaps(plan, device, copies, api, iters, n_gaps):
+def _host_calls(api, s, t, most):
+    """The CUDA API calls the host was in during (s, t), the most frequent first."""
+    calls = collections.Counter(a['name'] for a in api if a['ts'] < t and a['ts'] + a['dur'] > s)
+    return ', '.join('%s x%d' % kv for kv in calls.most_common(most)) or '-'
+
+
+def _compute_stream_gaps(plan, device, stream, copies, api, iters, n_gaps):
     """With copies on other streams (offload), the union hides the layers'
     stream waiting for them: its own busy time and longest gaps, with the
     copies in flight across each gap."""
-    stream = _compute_stream(device)
     mine = [e for e in device if e.get('args', {}).get('stream') == stream]
     busy, gaps = busy_union(mine)
     span = mine[-1]['ts'] + mine[-1]['dur'] - mine[0]['ts']
@@ -90,15 +95,12 @@ def _compute_stream_gaps(plan, device, copies, api, iters, n_gaps):
         flying = collections.Counter(family(c.get('name', '?')) for c in copies
                                      if c['ts'] < t and c['ts'] + c['dur'] > s)
         ending = [c for c in copies if s < c['ts'] + c['dur'] <= t + 2]
-        calls = collections.Counter(a['name'] for a in api
-                                    if a['ts'] < t and a['ts'] + a['dur'] > s)
         print('   gap %7.1f us  before %-36s copies across it: %s%s; host in: %s'
               % (t - s, family(after.get('name', '?'))[:36],
                  ', '.join('%s x%d' % kv for kv in flying.most_common(2)) or '-',
                  ' (one ends %.0f us before the kernel)' % (t - max(c['ts'] + c['dur']
                                                                  for c in ending))
-                 if ending else '',
-                 ', '.join('%s x%d' % kv for kv in calls.most_common(3)) or '-'))
+                 if ending else '', _host_calls(api, s, t, 3)))
 
 
 def summarise(plan, device, api, iters, n_gaps):
@@ -115,15 +117,14 @@ def summarise(plan, device, api, iters, n_gaps):
           % (plan, span / 1e3 / iters, busy / 1e3 / iters, (span - busy) / 1e3 / iters,
              len(gaps), len(device) // iters))
     for s, t, before, after in sorted(gaps, key=lambda g: g[0] - g[1])[:n_gaps]:
-        calls = collections.Counter(a['name'] for a in api
-                                    if a['ts'] < t and a['ts'] + a['dur'] > s)
         print('   gap %7.1f us  after %-40s before %-40s host in: %s'
               % (t - s, family(before.get('name', '?'))[:40], family(after.get('name', '?'))[:40],
-                 ', '.join('%s x%d' % kv for kv in calls.most_common(4)) or '-'))
+                 _host_calls(api, s, t, 4)))
+    stream = _compute_stream(device)
     copies = [e for e in device if e.get('cat') == 'gpu_memcpy' and
-              e.get('args', {}).get('stream') != _compute_stream(device)]
+              e.get('args', {}).get('stream') != stream]
     if copies:
-        _compute_stream_gaps(plan, device, copies, api, iters, n_gaps)
+        _compute_stream_gaps(plan, device, stream, copies, api, iters, n_gaps)
     return {'span_ms': span / 1e3 / iters, 'busy_ms': busy / 1e3 / iters,
             'idle_ms': (span - busy) / 1e3 / iters,
             'families': {'%s %s' % k: v / 1e3 / iters for k, v in by_family.items()}}
