@@ -549,6 +549,23 @@ def test_bench_stock_memory_script(tmp_path, monkeypatch, capsys):
     assert '1 of 4 nets within 5% of stock Caffe' in capsys.readouterr().out
 
 
+def test_bench_stock_memory_peak_phases():
+    """The peak is split at the timed iterations' start and placed after the
+    last output line that arrived before its sample."""
+    sys.path.insert(0, os.path.join(ROOT, 'tools'))
+    import bench_stock_memory as bench
+    lines = [(1.0, 'Performing Forward'), (2.0, 'Initial loss: 6.9'),
+             (3.0, '*** Benchmark begins ***'), (4.0, 'Iteration: 1 forward-backward time')]
+    trace = [(0.5, 500), (1.5, 2400), (2.5, 1900), (3.5, 2000), (4.5, 1990)]
+    got = bench.peak_phases(trace, lines)
+    assert got == {'setup_peak_mib': 2400, 'timed_peak_mib': 2000,
+                   'peak_after': 'Performing Forward'}
+    # A run that never reached the timed iterations: all of it is setup.
+    got = bench.peak_phases(trace, lines[:2])
+    assert got['setup_peak_mib'] == 2400 and got['timed_peak_mib'] is None
+    assert bench.peak_phases([], [])['peak_after'] is None
+
+
 def test_bench_readme_table():
     sys.path.insert(0, os.path.join(ROOT, 'tools'))
     import bench_stock_memory as bench

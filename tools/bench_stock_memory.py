@@ -118,6 +118,7 @@ class Sampler:
         self.index, self.interval_ms = index, int(interval_ms)
         self.peak = None
         self.samples = 0
+        self.trace = []             # (seconds since the epoch, MiB): where the peak falls
         self.mode = None
         self._stop = threading.Event()
         self._proc = None
@@ -127,6 +128,7 @@ class Sampler:
         if value is None:
             return
         self.samples += 1
+        self.trace.append((time.time(), value))
         if self.peak is None or value > self.peak:
             self.peak = value
 
@@ -225,16 +227,22 @@ def run_net(prototxt, args, log_path):
     sampler = Sampler(args.smi_index, args.interval_ms).start()
     t0 = time.time()
     timed_out, rc, error = False, None, None
+    lines = []                      # (arrival time, line) of the run's output
     with open(log_path, 'w') as log:
         try:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    env=env, cwd=ROOT, start_new_session=True, text=True,
+                                    errors='replace', bufsize=1)
+            reader = threading.Thread(target=_copy_lines, args=(proc.stdout, log, lines),
+                                      daemon=True)
+            reader.start()
             try:
                 rc = proc.wait(timeout=args.timeout)
             except subprocess.TimeoutExpired:
                 timed_out = True
                 os.killpg(proc.pid, signal.SIGKILL)
                 rc = proc.wait()
+            reader.join(timeout=10)
         except OSError as exc:
             error = 'could not start: %s' % exc
     seconds = time.time() - t0
@@ -245,10 +253,41 @@ def run_net(prototxt, args, log_path):
         error = 'timed out after %d s' % args.timeout
     elif error is None and rc != 0:
         error = 'exit status %s: %s' % (rc, tail(text, 3).replace('\n', ' | '))
-    return {'prototxt': prototxt, 'command': ' '.join(cmd), 'rc': rc, 'timed_out': timed_out,
-            'seconds': round(seconds, 1), 'peak_mib': peak, 'baseline_mib': baseline,
-            'samples': sampler.samples, 'sampling': sampler.mode,
-            'fwd_bwd_ms': fwd_bwd_ms(text), 'error': error, 'log': log_path}
+    result = {'prototxt': prototxt, 'command': ' '.join(cmd), 'rc': rc, 'timed_out': timed_out,
+              'seconds': round(seconds, 1), 'peak_mib': peak, 'baseline_mib': baseline,
+              'samples': sampler.samples, 'sampling': sampler.mode,
+              'fwd_bwd_ms': fwd_bwd_ms(text), 'error': error, 'log': log_path}
+    result.update(peak_phases(sampler.trace, lines))
+    return result
+
+
+def _copy_lines(stream, log, lines):
+    for line in stream:
+        lines.append((time.time(), line.rstrip('\n')))
+        log.write(line)
+        log.flush()
+
+
+BENCHMARK_BEGINS = '*** Benchmark begins ***'
+
+
+def peak_phases(trace, lines):
+    """Where the peak falls: {'setup_peak_mib': the peak before the timed
+    iterations (net construction, the algorithm search, the untimed forward
+    and backward), 'timed_peak_mib': the peak during them, 'peak_after':
+    the last output line before the overall peak's sample}. Samples are
+    placed by their arrival time beside the lines'; a sample can lag the
+    memory it reports by up to one interval."""
+    begins = next((t for t, line in lines if BENCHMARK_BEGINS in line), None)
+    setup = [v for t, v in trace if begins is None or t < begins]
+    timed = [v for t, v in trace if begins is not None and t >= begins]
+    out = {'setup_peak_mib': max(setup) if setup else None,
+           'timed_peak_mib': max(timed) if timed else None, 'peak_after': None}
+    if trace:
+        t_peak = max(trace, key=lambda tv: tv[1])[0]
+        before = [line for t, line in lines if t <= t_peak]
+        out['peak_after'] = before[-1][:200] if before else None
+    return out
 
 
 def judge(result, caffe_mib, tolerance):
@@ -275,14 +314,16 @@ def markdown(results, plan, tolerance, device, iterations=5):
            '--memory %s`%s; pass: within %g%% of stock Caffe\'s peak (bench/README.md).'
            % (iterations, plan, ' on %s' % device if device else '', tolerance * 100), '',
            '| net | caffeplus `%s` | stock Caffe | ratio | within %g%% | baseline | '
-           'forward-backward | status |' % (plan, tolerance * 100),
-           '|---|---|---|---|---|---|---|---|']
+           'forward-backward | before / during the timed iterations | status |'
+           % (plan, tolerance * 100),
+           '|---|---|---|---|---|---|---|---|---|']
     for r in results:
         status = 'ok' if not r.get('error') else r['error'].replace('|', '/')[:120]
-        out.append('| %s | %s MiB | %s MiB | %s | %s | %s MiB | %s ms | %s |' % (
+        out.append('| %s | %s MiB | %s MiB | %s | %s | %s MiB | %s ms | %s / %s MiB | %s |' % (
             r['net'], _fmt(r['peak_mib']), _fmt(r['caffe_mib']),
             _fmt(r['ratio'], '{:.3f}'), 'yes' if r['pass'] else 'no',
-            _fmt(r['baseline_mib']), _fmt(r['fwd_bwd_ms'], '{:.1f}'), status))
+            _fmt(r['baseline_mib']), _fmt(r['fwd_bwd_ms'], '{:.1f}'),
+            _fmt(r.get('setup_peak_mib')), _fmt(r.get('timed_peak_mib')), status))
     return '\n'.join(out) + '\n'
 
 
@@ -291,6 +332,10 @@ def print_row(r, tolerance):
         r['net'], _fmt(r['peak_mib']), _fmt(r['caffe_mib']), _fmt(r['ratio'], '{:.3f}'),
         'PASS' if r['pass'] else 'FAIL', '' if not r.get('error') else '  (%s)' % r['error']),
         flush=True)
+    if r.get('setup_peak_mib') is not None or r.get('timed_peak_mib') is not None:
+        print('%-16s setup %s MiB, timed iterations %s MiB; peak after: %s' % (
+            '', _fmt(r.get('setup_peak_mib')), _fmt(r.get('timed_peak_mib')),
+            r.get('peak_after')), flush=True)
 
 
 # -- main -------------------------------------------------------------------------------------
