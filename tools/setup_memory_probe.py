@@ -34,13 +34,12 @@ class Sampler(threading.Thread):
         self.phase = 'start'
         self.peaks = {}             # phase -> (used, pool total, pool used)
         self.order = []
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def mark(self, phase):
         self.take()                 # what the last phase ended with
         self.phase = phase
-        if phase not in self.peaks:
-            self.order.append(phase)
+        self.take()
 
     def take(self):
         free, total = self.cupy.cuda.runtime.memGetInfo()
@@ -53,12 +52,12 @@ class Sampler(threading.Thread):
             self.peaks[self.phase] = row
 
     def run(self):
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             self.take()
             time.sleep(self.interval)
 
     def stop(self):
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=2)
         self.take()
 
@@ -109,12 +108,8 @@ def main(argv=None):
     sampler.stop()
     rows = [(p,) + tuple(v / MiB for v in sampler.peaks[p]) for p in sampler.order
             if p in sampler.peaks]
-    seen = set()
     print('%-44s %10s %10s %10s' % ('phase', 'used MiB', 'pool', 'pool used'))
     for p, used, total, inuse in rows:
-        if p in seen:
-            continue
-        seen.add(p)
         print('%-44s %10.0f %10.0f %10.0f' % (p[:44], used, total, inuse))
     top = max(rows, key=lambda r: r[1])
     timed = [r for r in rows if r[0] == 'timed iterations']
