@@ -303,6 +303,11 @@ class _ConvDescs:
             if key is not None and found:
                 _TIMED[key] = list(found)
             return found
+        # What run() allocates besides the workspace (the workspace manager
+        # keeps the search within the room a plan leaves: _time_sites).
+        k = self.batch_chunks
+        run.scratch_bytes = FLOAT_BYTES * (_prod(self.x_full) // k + _prod(self.y_full) // k +
+                                           _prod(self.w_shape))
         return run
 
 

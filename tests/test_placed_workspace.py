@@ -292,6 +292,24 @@ def test_stale_layout_is_placed_again_before_the_next_pass():
     assert stand_in.views[(id(net.layers[conv]), 'backward')][1] == 8 * KB
 
 
+def test_a_pending_timed_search_is_given_the_maps_arena_as_its_room():
+    """Before the arena is taken the timed search may use what the placed
+    maps will hold, and no more (PlacedWorkspace.search_limit); nothing is
+    computed when no search waits."""
+    net = build('stock')
+    sizes = {i: (32 * KB, 32 * KB) for i in conv_indices(net)}
+    applied, stand_in = apply_with(net, 'shared', sizes)
+    assert not hasattr(stand_in, 'search_room')
+    stand_in.search_pending = lambda: True
+    stand_in.search_room = None
+    applied.relayout()
+    assert 0 < stand_in.search_room < applied.arena_bytes
+    # The same net and plan with no workspace: the maps and the few bytes
+    # layers keep (pooling's, dropout's), which the room leaves out.
+    bare, _ = apply_with(build('stock'), 'shared', {i: (0, 0) for i in sizes})
+    assert bare.arena_bytes - 4 * KB <= stand_in.search_room <= bare.arena_bytes
+
+
 # -- on the GPU -----------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_gpu_shared_plan_runs_convolutions_in_placed_views():

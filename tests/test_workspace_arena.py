@@ -117,6 +117,100 @@ def test_knee_with_deterministic_math_weighs_deterministic_candidates_only():
         == 500 * MB
 
 
+class _FakeCupy:
+    """CuPy as the timed search uses it: buffers, a pool whose cached blocks
+    go back to the device, and the device's memory in use."""
+
+    def __init__(self):
+        self.live = 0               # bytes held by buffers
+        self.cached = 0             # freed, kept by the pool
+        self.most = 0
+        self.frees = 0
+        outer = self
+
+        class Array:
+            def __init__(self, n):
+                self.nbytes = n
+                outer.live += n
+                outer.most = max(outer.most, outer.live + outer.cached)
+                self.data = type('D', (), {'ptr': 4096})()
+
+            def __del__(self):
+                outer.live -= self.nbytes
+                outer.cached += self.nbytes
+
+        class Pool:
+            def free_all_blocks(self):
+                outer.cached = 0
+                outer.frees += 1
+        self.uint8 = 'uint8'
+        self._pool = Pool()
+        self.empty = lambda n, dtype=None: Array(n)
+        self.scratch = lambda n: Array(n)
+
+    def get_default_memory_pool(self):
+        return self._pool
+
+
+def _timed_site(fake, kind, memories, scratch, seen):
+    """A site whose timer takes `scratch` bytes beside the workspace it is
+    given and times the candidates that fit it (the fastest needs most)."""
+    def timer(ptr, nbytes):
+        held = fake.scratch(scratch)
+        seen.append((kind, nbytes, fake.live))
+        del held
+        return [Cand(i, m, time=1.0 / (1 + m)) for i, m in enumerate(memories) if m <= nbytes]
+    timer.scratch_bytes = scratch
+    return Site(kind, [Cand(i, m) for i, m in enumerate(memories)], timer=timer)
+
+
+def test_timed_search_holds_one_site_at_a_time_within_the_maps_room(monkeypatch):
+    """Each site is timed with a buffer of its own largest candidate, its
+    scratch given back before the next site; under a placed plan, scratch
+    and workspace together stay within the room the maps will take (VGG-16
+    b64 held 7.7 GB at the search for a 4.6 GB iteration)."""
+    fake = _FakeCupy()
+    monkeypatch.setattr(workspace, '_cupy', lambda: fake)
+
+    class Layer:
+        layer_param = type('P', (), {'name': 'conv'})()
+    layer = Layer()
+
+    def search(manager, room=None):
+        seen = []
+        big = _timed_site(fake, 'fwd', [0, 300 * MB, 3000 * MB], 1600 * MB, seen)
+        small = _timed_site(fake, 'bwd_data', [0, 200 * MB], 50 * MB, seen)
+        manager.search_room = room
+        fake.most = 0
+        manager._time_sites([(layer, big), (layer, small)], budget=10 ** 12)
+        return seen, big, small
+
+    arena = workspace.WorkspaceArena()
+
+    # The arena: no room bound; still one site's buffer at a time.
+    seen, big, small = search(arena)
+    assert [(k, n) for k, n, _ in seen] == [('fwd', 3000 * MB), ('bwd_data', 200 * MB)]
+    assert fake.most == 4600 * MB           # not 3000 MB beside a later site's scratch
+    assert max(c.memory for c in big.candidates) == 3000 * MB
+    assert big.timer is None and small.timer is None    # timed once
+    arena.release()                         # its buffer (the last site's) goes
+    fake.get_default_memory_pool().free_all_blocks()
+    assert fake.live == 0
+    # Placed, with 2 GB of maps: the 3 GB candidate is not timed (it would
+    # take 4.6 GB to time), the 300 MB one is; the small site is untouched.
+    placed = workspace.PlacedWorkspace()
+    monkeypatch.setattr(placed, '_timing_wanted', lambda pairs: True)
+    seen, big, small = search(placed, room=2000 * MB)
+    assert [(k, n) for k, n, _ in seen] == [('fwd', 300 * MB), ('bwd_data', 200 * MB)]
+    assert fake.most <= 2000 * MB
+    assert sorted(c.memory for c in big.candidates) == [0, 300 * MB]
+    assert fake.live == 0 and fake.cached == 0          # all given back after the search
+    assert placed.nbytes == 0
+    # A room smaller than a site's scratch still times what needs none.
+    seen, big, _ = search(workspace.PlacedWorkspace(), room=1000 * MB)
+    assert seen[0][:2] == ('fwd', 0) and [c.memory for c in big.candidates] == [0]
+
+
 def test_stock_choice_is_first_within_8mb():
     cands = [Cand(6, STOCK_WORKSPACE_LIMIT + 1), Cand(1, STOCK_WORKSPACE_LIMIT), Cand(0, 0)]
     assert choose_stock(cands).algo == 1
