@@ -381,8 +381,10 @@ class WorkspaceArena:
         for layer, s in pairs:
             if s.timer is None:
                 continue
-            limit = min(budget, self.search_limit(s))
-            want = max([0] + [c.memory for c in s.candidates if c.memory <= limit])
+            # (The limit itself where it cuts the site's candidates: the
+            # sliced and per-group variants timed beside them need less.)
+            want = min(max([0] + [c.memory for c in s.candidates if c.memory <= budget]),
+                       self.search_limit(s))
             self._buffer.resize(want, layer, self.plan_name)
             timed = s.timer(self._buffer.ptr, self._buffer.nbytes)
             pool.free_all_blocks()              # the site's scratch
@@ -486,7 +488,7 @@ class PlacedWorkspace(WorkspaceArena):
         maps' arena just to be timed; the ones chosen fit far within it
         (VGG-16 b64: 3.4 GB candidates for conv1_2, none chosen above 477 MB)."""
         room = self.search_room
-        if room is None:
+        if room is None or os.environ.get('CAFFEPLUS_SEARCH_ROOM', '').strip() == '0':
             return float('inf')
         return max(room - getattr(site.timer, 'scratch_bytes', 0), 0)
 
