@@ -182,15 +182,17 @@ def test_timed_search_holds_one_site_at_a_time_within_the_maps_room(monkeypatch)
         small = _timed_site(fake, 'bwd_data', [0, 200 * MB], 50 * MB, seen)
         manager.search_room = room
         fake.most = 0
-        manager._time_sites([(layer, big), (layer, small)], budget=10 ** 12)
+        manager._time_sites([(layer, small), (layer, big)], budget=10 ** 12)
         return seen, big, small
 
     arena = workspace.WorkspaceArena()
 
     # The arena: no room bound; still one site's buffer at a time.
     seen, big, small = search(arena)
-    assert [(k, n) for k, n, _ in seen] == [('fwd', 3000 * MB), ('bwd_data', 200 * MB)]
-    assert fake.most == 4600 * MB           # not 3000 MB beside a later site's scratch
+    assert [(k, n) for k, n, _ in seen] == [('bwd_data', 200 * MB), ('fwd', 3000 * MB)]
+    # One site at a time: not the 3000 MB buffer beside another site's
+    # scratch, nor beside the last site's buffer left cached in the pool.
+    assert fake.most == 4600 * MB
     assert max(c.memory for c in big.candidates) == 3000 * MB
     assert big.timer is None and small.timer is None    # timed once
     arena.release()                         # its buffer (the last site's) goes
@@ -203,14 +205,14 @@ def test_timed_search_holds_one_site_at_a_time_within_the_maps_room(monkeypatch)
     placed = workspace.PlacedWorkspace()
     monkeypatch.setattr(placed, '_timing_wanted', lambda pairs: True)
     seen, big, small = search(placed, room=2000 * MB)
-    assert [(k, n) for k, n, _ in seen] == [('fwd', 400 * MB), ('bwd_data', 200 * MB)]
+    assert [(k, n) for k, n, _ in seen] == [('bwd_data', 200 * MB), ('fwd', 400 * MB)]
     assert fake.most <= 2000 * MB
     assert sorted(c.memory for c in big.candidates) == [0, 300 * MB]
     assert fake.live == 0 and fake.cached == 0          # all given back after the search
     assert placed.nbytes == 0
     # A room smaller than a site's scratch still times what needs none.
     seen, big, _ = search(workspace.PlacedWorkspace(), room=1000 * MB)
-    assert seen[0][:2] == ('fwd', 0) and [c.memory for c in big.candidates] == [0]
+    assert seen[1][:2] == ('fwd', 0) and [c.memory for c in big.candidates] == [0]
 
 
 def test_stock_choice_is_first_within_8mb():

@@ -385,6 +385,11 @@ class WorkspaceArena:
             # sliced and per-group variants timed beside them need less.)
             want = min(max([0] + [c.memory for c in s.candidates if c.memory <= budget]),
                        self.search_limit(s))
+            if want != self._buffer.nbytes:
+                # The old buffer back to the device before the new one is
+                # taken: CuPy's pool would keep it cached beside a larger one.
+                self._buffer.resize(0, layer, self.plan_name)
+                pool.free_all_blocks()
             self._buffer.resize(want, layer, self.plan_name)
             timed = s.timer(self._buffer.ptr, self._buffer.nbytes)
             pool.free_all_blocks()              # the site's scratch
