@@ -374,8 +374,9 @@ class WorkspaceArena:
         budget and the site's search room (search_limit), and its scratch
         given back to the device before the next site, so the search holds
         one site's workspace and scratch at once, not the largest workspace
-        of the net beside the largest scratch (VGG-16 b64: 7.7 GB at the
-        search against 4.6 GB an iteration)."""
+        of the net beside every site's scratch. (What bounds VGG-16 b64's
+        search, 7.7 GB against 4.4 GB an iteration, is the room:
+        PlacedWorkspace.search_limit.)"""
         from caffeplus.memory import calibration
         pool = _cupy().get_default_memory_pool()
         for layer, s in pairs:
