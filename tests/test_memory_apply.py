@@ -8,6 +8,7 @@ compare losses and weights bit for bit; tools/check_plans_equal.py runs the
 deterministic math, and check offload with a copy stream artificially
 delayed.
 """
+import math
 import os
 import sys
 
@@ -374,6 +375,35 @@ def test_offload_simulated_bit_identical_to_shared(policy, mode):
         assert set(net.applied_plan.info()['offloaded']) == set(policy)
     with pytest.raises(CaffeplusError, match='pool1'):
         net.blobs['pool1'].data
+
+
+def test_offload_hooks_touch_the_device_only_at_steps_with_work():
+    """The runtime's per-layer hook returns before touching the device at a
+    step with no wait, prefetch or consumer (host time on host-bound nets),
+    and the results stay those of shared."""
+    shared = sgd_run(small_net(memory='shared'))
+    net = small_net()
+    apply_named_plan(net, 'offload', offload_policy=['pool1'],
+                     runtime_options={'simulate': 'lazy'})
+    rt = net.applied_plan.runtime
+    (it,) = rt.items
+    want = {s for s in range(2 * rt.L) if rt.wait_copied_at[s] or rt.consume_at[s]}
+    want.add(int(math.ceil(it.bstart)))
+    assert {s for s, busy in enumerate(rt.busy_at) if busy} == want
+    assert len(want) < rt.L
+
+    class NoDevice:
+        def __getattr__(self, name):
+            raise AssertionError('the device was touched at an idle step')
+    device, rt.device = rt.device, NoDevice()
+    for s in range(2 * rt.L):
+        if s not in want:
+            rt._before(s)
+    rt.device = device
+    got = sgd_run(net)
+    assert got[0] == shared[0]
+    assert all(numpy.array_equal(a, b) for a, b in zip(shared[1], got[1]))
+    assert rt.stats['copies_out'] == rt.stats['copies_in'] > 0
 
 
 def test_offload_leaves_values_written_once_in_place():
