@@ -253,6 +253,12 @@ class _ConvDescs:
         `chunked` ({variant: batch-sliced descriptors}) adds each slicing's
         candidates, timed as one call per slice."""
         chunked = chunked or {}
+        # A sliced call touches its first slice only: scratch of one slice
+        # (a batch too large for one call would double its bytes). (The
+        # sliced variants come only with an unsliced primary: k 1.)
+        k = self.batch_chunks
+        scratch = ((self.x_full[0] // k,) + self.x_full[1:],
+                   (self.y_full[0] // k,) + self.y_full[1:], self.w_shape)
 
         def run(ws_ptr, ws_bytes):
             # FindEx results hold for one math mode (TF32 or strict) only.
@@ -265,15 +271,8 @@ class _ConvDescs:
                 if found is not None:
                     return found
             import cupy
-            # A sliced call touches its first slice only: scratch of one
-            # slice (a batch too large for one call would double its bytes).
-            # (The sliced variants come only with an unsliced primary: k 1.)
-            k = self.batch_chunks
-            xa = cupy.random.standard_normal((self.x_full[0] // k,) + self.x_full[1:],
-                                             dtype=numpy.float32)
-            ya = cupy.random.standard_normal((self.y_full[0] // k,) + self.y_full[1:],
-                                             dtype=numpy.float32)
-            wa = cupy.random.standard_normal(self.w_shape, dtype=numpy.float32)
+            xa, ya, wa = (cupy.random.standard_normal(shape, dtype=numpy.float32)
+                          for shape in scratch)
             try:
                 found = api.timed_algorithms(kind, self.x, self.w, self.conv, self.y, xa, wa, ya,
                                              ws_ptr or None, ws_bytes)
@@ -305,9 +304,7 @@ class _ConvDescs:
             return found
         # What run() allocates besides the workspace (the workspace manager
         # keeps the search within the room a plan leaves: _time_sites).
-        k = self.batch_chunks
-        run.scratch_bytes = FLOAT_BYTES * (_prod(self.x_full) // k + _prod(self.y_full) // k +
-                                           _prod(self.w_shape))
+        run.scratch_bytes = FLOAT_BYTES * sum(_prod(shape) for shape in scratch)
         return run
 
 

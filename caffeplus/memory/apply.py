@@ -606,7 +606,7 @@ class AppliedPlan:
         if room != getattr(ws, 'headroom', None):
             ws.headroom = room
             ws._dirty = True            # choose again with the new room
-        if callable(getattr(ws, 'search_pending', None)) and ws.search_pending():
+        if ws.search_pending():
             # A timed search is to run, before the arena is taken: it may
             # use the bytes the placed maps will hold (search_limit).
             ws.search_room = placement.place(bufs)[1]
