@@ -9,6 +9,14 @@ Builds an SGD solver (momentum 0.9, weight decay, the NaN check as
 runs 3 steps, times --iters steps (ms/iter, device synchronised), then runs
 --iters more under cProfile and prints the functions of most own time.
 CAFFEPLUS_UPDATE_IN_BACKWARD=0 compares with the update after backward.
+
+    python tools/profile_step.py --net ... --plan shared --against offload --offload free \
+        --warmup 20 --gpu 0
+
+profiles a second plan the same way (--offload: its offload policy; `free`
+measures its first iterations as `shared`, hence --warmup) and prints the
+functions whose own host time per iteration differs most between the two:
+where the second plan's extra host time goes.
 """
 import argparse
 import cProfile
@@ -28,7 +36,47 @@ def main(argv=None):
     ap.add_argument('--gpu', type=int)
     ap.add_argument('--iters', type=int, default=10)
     ap.add_argument('--top', type=int, default=25)
+    ap.add_argument('--warmup', type=int, default=3)
+    ap.add_argument('--against', default=None, help='a second plan to compare with')
+    ap.add_argument('--offload', default=None, help='offload policy of plan offload')
     args = ap.parse_args(argv)
+    runs = [profile_plan(args, args.plan)]
+    if args.against:
+        runs.append(profile_plan(args, args.against))
+    for plan, ms, stats in runs:
+        print('%s plan %s: %.2f ms/iter' % (os.path.basename(args.net), plan, ms))
+        stats.sort_stats('tottime').print_stats(args.top)
+    if args.against:
+        print_difference(runs[0], runs[1], args.iters, args.top)
+
+
+def own_times(stats):
+    """{function label: (own seconds, calls)} of a pstats.Stats."""
+    out = {}
+    for (path, line, name), (_, calls, tottime, _, _) in stats.stats.items():
+        out['%s:%d(%s)' % (os.path.basename(path), line, name)] = (tottime, calls)
+    return out
+
+
+def print_difference(first, second, iters, top):
+    """The functions whose own time per iteration grew or shrank most from
+    the first plan's profile to the second's."""
+    a, b = own_times(first[2]), own_times(second[2])
+    rows = []
+    for label in set(a) | set(b):
+        ta, ca = a.get(label, (0.0, 0))
+        tb, cb = b.get(label, (0.0, 0))
+        rows.append(((tb - ta) * 1e3 / iters, ca / iters, cb / iters, label))
+    rows.sort(key=lambda r: -abs(r[0]))
+    print('own host time per iteration, %s -> %s (ms; calls per iteration):' % (first[0], second[0]))
+    for delta, ca, cb, label in rows[:top]:
+        print('  %+8.3f ms  calls %7.1f -> %7.1f  %s' % (delta, ca, cb, label))
+    total = sum(r[0] for r in rows)
+    print('  total %+.3f ms an iteration (under cProfile)' % total)
+
+
+def profile_plan(args, plan_name):
+    """(plan, ms/iter without the profiler, pstats.Stats of --iters steps)."""
     from caffeplus.memory import shapes
     from caffeplus.solver import get_solver
     from tools.check_plans_equal import solver_param
@@ -36,8 +84,9 @@ def main(argv=None):
     sync = training_device(args.gpu)
     with shapes.quiet():
         param = shapes.load_net_param(args.net)
-        solver = get_solver(solver_param(param, args.plan, 10 ** 6))
-        solver.step(3)
+        offload = args.offload if plan_name == 'offload' else None
+        solver = get_solver(solver_param(param, plan_name, 10 ** 6, offload=offload))
+        solver.step(args.warmup)
         sync()
         t0 = time.perf_counter()
         solver.step(args.iters)
@@ -49,10 +98,9 @@ def main(argv=None):
         sync()
         profile.disable()
     plan = solver.net.applied_plan
-    print('%s plan %s: %.2f ms/iter; update in backward: %s' % (
-        os.path.basename(args.net), args.plan, ms,
-        bool(getattr(getattr(plan, 'plan', None), 'param_diffs', False))))
-    pstats.Stats(profile, stream=sys.stdout).sort_stats('tottime').print_stats(args.top)
+    label = '%s (update in backward: %s)' % (
+        plan_name, bool(getattr(getattr(plan, 'plan', None), 'param_diffs', False)))
+    return label, ms, pstats.Stats(profile, stream=sys.stdout)
 
 
 if __name__ == '__main__':
