@@ -44,6 +44,24 @@ def load_net_param(network):
     return read_net_param(os.fspath(network))
 
 
+def hook_table(hooks):
+    """[(hook, layers)] of a list of per-layer hooks, taken as a pass starts
+    (hooks added or removed during the pass count from the next one). A
+    hook with an `at` attribute (a set of layer indices, or None) is called
+    at those layers only: the memory plans' hooks have work at a few layers
+    of ~170 (GoogLeNet), and each call they skip is host time on nets whose
+    GPU waits for the host. Without one, at every layer."""
+    return [(hook, getattr(hook, 'at', None)) for hook in hooks]
+
+
+def call_hooks(table, i):
+    """Call the hooks of a hook_table that run at layer `i` (the loops of
+    Net's passes do this inline)."""
+    for hook, at in table:
+        if at is None or i in at:
+            hook(i)
+
+
 class Net:
     """A Caffe net. Accepts pycaffe's forms too:
 
@@ -87,6 +105,7 @@ class Net:
         # Callables hook(layer_id) before/after each layer's forward and before
         # each layer's backward (caffeplus.memory.offload_runtime's copies), and
         # the memory plan applied to the net (caffeplus.memory.apply), if any.
+        # A hook with an `at` attribute runs at those layers only (hook_table).
         self.before_layer_forward, self.after_layer_forward = [], []
         self.before_layer_backward = []
         self.applied_plan = None
@@ -354,10 +373,12 @@ class Net:
         if plan is not None:
             plan.before_forward(start, end)
         kernels.begin_pass(self, start, end)    # fused chains of layers (GPU)
+        before, after = hook_table(self.before_layer_forward), hook_table(self.after_layer_forward)
         loss = DeferredLoss() if defer_loss else 0.0
         for i in range(start, end + 1):
-            for hook in self.before_layer_forward:
-                hook(i)
+            for hook, at in before:
+                if at is None or i in at:
+                    hook(i)
             # Caffe's Layer::Forward reshapes first, so an input reshaped from
             # Python (pycaffe's blob.reshape, then forward) flows through, and
             # Python layers that load data in reshape() get called each pass.
@@ -371,8 +392,9 @@ class Net:
                 loss += layer.forward(self.bottom_vecs[i], self.top_vecs[i])
             if self.debug_info:
                 self._forward_debug_info(i)
-            for hook in self.after_layer_forward:
-                hook(i)
+            for hook, at in after:
+                if at is None or i in at:
+                    hook(i)
         if plan is not None:        # marks blobs whose memory the plan reuses
             plan.after_forward(start, end)
         return loss
@@ -387,16 +409,20 @@ class Net:
         if plan is not None:
             plan.before_backward(start, end)
         kernels.begin_pass(self, start, end, backward=True)
+        before, done = hook_table(self.before_layer_backward), \
+            hook_table(self.on_layer_backward_done)
         for i in range(start, end - 1, -1):
-            for hook in self.before_layer_backward:
-                hook(i)
+            for hook, at in before:
+                if at is None or i in at:
+                    hook(i)
             if self.layer_need_backward[i]:
                 self.layers[i].backward(self.top_vecs[i], self.bottom_need_backward[i],
                                         self.bottom_vecs[i])
                 if self.debug_info:
                     self._backward_debug_info(i)
-            for hook in self.on_layer_backward_done:   # every layer, as Caffe's
-                hook(i)
+            for hook, at in done:       # every layer, as Caffe's (unless it says `at`)
+                if at is None or i in at:
+                    hook(i)
         if plan is not None:        # marks blobs whose memory the plan reuses
             plan.after_backward(start, end)
 

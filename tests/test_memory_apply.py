@@ -406,6 +406,37 @@ def test_offload_hooks_touch_the_device_only_at_steps_with_work():
     assert rt.stats['copies_out'] == rt.stats['copies_in'] > 0
 
 
+def test_offload_hooks_are_called_only_at_layers_with_work(monkeypatch):
+    """The net calls the runtime's hooks only where it has work (their `at`,
+    Net.hook_table): before the steps busy_at names, after the forwards that
+    send a copy out; at every step of an iteration it times."""
+    shared = sgd_run(small_net(memory='shared'))
+    net = small_net()
+    apply_named_plan(net, 'offload', offload_policy=['pool1'], lookahead='auto',
+                     runtime_options={'simulate': 'lazy', 'calibrate_at': 2})
+    seen = []
+    before = offload_runtime.OffloadRuntime._before
+
+    def counted(self, s):
+        seen.append((s, self._timing is not None))
+        return before(self, s)
+    monkeypatch.setattr(offload_runtime.OffloadRuntime, '_before', counted)
+    got = sgd_run(net)
+    rt = net.applied_plan.runtime
+    L = rt.L
+    busy = {s for s in range(2 * L) if rt.busy_at[s]}
+    timed = {s for s, t in seen if t}
+    assert timed == set(range(2 * L))              # the timed iteration: every step
+    untimed = [s for s, t in seen if not t]
+    assert untimed and set(untimed) == busy and len(busy) < L
+    (_, before_forward), (_, after_forward), (_, before_backward) = rt._hooks
+    assert before_forward.at == {s for s in busy if s < L}
+    assert before_backward.at == {2 * L - 1 - s for s in busy if s >= L}
+    assert after_forward.at == {it.last_fwd for it in rt.items}
+    assert got[0] == shared[0]
+    assert all(numpy.array_equal(a, b) for a, b in zip(shared[1], got[1]))
+
+
 def test_offload_leaves_values_written_once_in_place():
     """DummyData's constant tops are written at setup only: never offloaded
     (nor placed in the arena), or the next iteration would read garbage."""

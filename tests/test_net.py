@@ -257,3 +257,35 @@ def test_pycaffe_constructor_forms(tmp_path):
     assert net.phase == caffeplus.TRAIN
     with pytest.raises(CaffeplusError, match='phase'):
         caffeplus.Net(str(path), phase='VALIDATE')
+
+
+def test_layer_hooks_run_at_the_layers_they_name():
+    """A per-layer hook with `at` runs at those layers only, one without at
+    every layer; the set is read as each pass starts (Net.hook_table)."""
+    net = net_from_text('force_backward: true\n' + LOSS_NET)
+    L = len(net.layers)
+    calls = []
+
+    def hook(kind):
+        def fn(i):
+            calls.append((kind, i))
+        return fn
+    everywhere, somewhere, after, before_back, done = (
+        hook('every'), hook('some'), hook('after'), hook('back'), hook('done'))
+    somewhere.at, after.at, before_back.at, done.at = {1, 3}, frozenset(), {0}, {2, L - 1}
+    net.before_layer_forward.extend([everywhere, somewhere])
+    net.after_layer_forward.append(after)
+    net.before_layer_backward.append(before_back)
+    net.on_layer_backward_done.append(done)
+    net.blobs['x'].data = numpy.ones((2, 3))
+    net.forward_prefilled()
+    net.backward_all()
+    assert [i for k, i in calls if k == 'every'] == list(range(L))
+    assert [i for k, i in calls if k == 'some'] == [1, 3]
+    assert [i for k, i in calls if k == 'after'] == []
+    assert [i for k, i in calls if k == 'back'] == [0]
+    assert [i for k, i in calls if k == 'done'] == [L - 1, 2]
+    calls.clear()
+    somewhere.at = None                 # every layer again, from the next pass on
+    net.forward_prefilled()
+    assert [i for k, i in calls if k == 'some'] == list(range(L))

@@ -38,6 +38,7 @@ from caffeplus import backend, kernels, log
 from caffeplus.commands.train import add_device_arguments, parse_gpus, parse_phase, \
     parse_stages, restored_search_setting, use_device
 from caffeplus.errors import CaffeplusError
+from caffeplus.net import call_hooks, hook_table
 from caffeplus.proto import caffe_pb2
 
 
@@ -93,15 +94,14 @@ def _forward_pass(net, timer, per_layer):
     if plan is not None:
         plan.before_forward(0, n - 1)
     kernels.begin_pass(net, 0, n - 1)       # fused chains run whole passes only
+    before, after = hook_table(net.before_layer_forward), hook_table(net.after_layer_forward)
     for i in range(n):
-        for hook in net.before_layer_forward:
-            hook(i)
+        call_hooks(before, i)
         timer.start()
         net.layers[i].reshape(net.bottom_vecs[i], net.top_vecs[i])
         net.layers[i].forward(net.bottom_vecs[i], net.top_vecs[i])
         per_layer[i] += timer.micro()
-        for hook in net.after_layer_forward:
-            hook(i)
+        call_hooks(after, i)
     if plan is not None:
         plan.after_forward(0, n - 1)
 
@@ -113,16 +113,15 @@ def _backward_pass(net, timer, per_layer):
     if plan is not None:
         plan.before_backward(n - 1, 0)
     kernels.begin_pass(net, n - 1, 0, backward=True)
+    before, done = hook_table(net.before_layer_backward), hook_table(net.on_layer_backward_done)
     for i in range(n - 1, -1, -1):
-        for hook in net.before_layer_backward:
-            hook(i)
+        call_hooks(before, i)
         timer.start()
         if net.layer_need_backward[i]:
             net.layers[i].backward(net.top_vecs[i], net.bottom_need_backward[i],
                                    net.bottom_vecs[i])
         per_layer[i] += timer.micro()
-        for hook in net.on_layer_backward_done:
-            hook(i)
+        call_hooks(done, i)
     if plan is not None:
         plan.after_backward(n - 1, 0)
 

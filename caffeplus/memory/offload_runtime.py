@@ -379,6 +379,7 @@ class OffloadRuntime:
                        (net.before_layer_backward, _hook(self._before_backward_layer, safe))]
         for hooks, fn in self._hooks:
             hooks.append(fn)
+        self._aim_hooks()
 
     def _schedule(self):
         from caffeplus.memory.placement import _align
@@ -414,6 +415,22 @@ class OffloadRuntime:
             s = max(int(math.ceil(it.bstart)), 0)
             if s < steps:
                 self.busy_at[s] = True
+        self._aim_hooks()
+
+    def _aim_hooks(self):
+        """Tell the net at which layers each hook has work (Net's hook_table):
+        the steps busy_at names, where copies go out, and every step of an
+        iteration whose steps are timed."""
+        if not getattr(self, '_hooks', None):
+            return
+        L = self.L
+        (_, before_forward), (_, after_forward), (_, before_backward) = self._hooks
+        timing = self._timing is not None
+        before_forward.at = None if timing else \
+            frozenset(i for i in range(L) if self.busy_at[i])
+        before_backward.at = None if timing else \
+            frozenset(i for i in range(L) if self.busy_at[2 * L - 1 - i])
+        after_forward.at = frozenset(i for i in range(L) if self.out_at[i])
 
     # -- hooks ----------------------------------------------------------------------
     def _before_forward_layer(self, i):
@@ -499,6 +516,7 @@ class OffloadRuntime:
                                                                        CALIBRATE_AT)) or \
                 self._probe is not None:
             self._timing = {'steps': [], 'copies': [], 'captures': _captures()}
+            self._aim_hooks()
 
     def _pause(self):
         dev = self.device
@@ -523,10 +541,12 @@ class OffloadRuntime:
         self._pause()
         if timing is not None and end == 0 and self._probe is not None:
             self._timing, probe, self._probe = None, self._probe, None
+            self._aim_hooks()
             probe(self._seconds(timing))
             return
         if timing is not None and end == 0:
             self._timing = None
+            self._aim_hooks()
             retries = self.iteration - self.options.get('calibrate_at', CALIBRATE_AT)
             if _captures() != timing['captures'] and retries < MAX_RETIMES:
                 return      # CUDA graphs were captured in it: not a typical iteration

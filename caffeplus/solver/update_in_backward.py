@@ -42,6 +42,7 @@ and looks for the NaN's origin by running the iteration again before the
 update, when the weights are still those that made it.
 """
 import os
+import weakref
 
 import numpy
 
@@ -153,13 +154,19 @@ class UpdateInBackward:
         if self._hooked is net:
             return
         self._unhook()
-        net.on_layer_backward_done.append(self._after_layer)
-        self._hooked = net
+
+        def after_layer(i, _self=weakref.ref(self)):
+            updates = _self()
+            if updates is not None:
+                updates._after_layer(i)
+        net.on_layer_backward_done.append(after_layer)
+        self._hooked, self._hook_fn = net, after_layer
 
     def _unhook(self):
-        if self._hooked is not None and self._after_layer in self._hooked.on_layer_backward_done:
-            self._hooked.on_layer_backward_done.remove(self._after_layer)
-        self._hooked = None
+        fn = getattr(self, '_hook_fn', None)
+        if self._hooked is not None and fn in self._hooked.on_layer_backward_done:
+            self._hooked.on_layer_backward_done.remove(fn)
+        self._hooked, self._hook_fn = None, None
 
     # -- one iteration -------------------------------------------------------------------
     def begin(self):
@@ -169,6 +176,7 @@ class UpdateInBackward:
         solver = self.solver
         self._layout()
         self._hook()
+        self._hook_fn.at = frozenset(self.groups)   # the layers with updates (Net.hook_table)
         self.rate = solver.peek_learning_rate()
         params = solver.net.learnable_params
         xp = backend.get_array_module(params[0].data) if params else numpy
