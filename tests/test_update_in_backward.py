@@ -111,8 +111,8 @@ def test_the_gradients_live_from_their_first_backward_write_to_the_update():
 
 
 @pytest.mark.parametrize('plan, placed', [('stock', False), ('arena', False), ('shared', True),
-                                          ('offload', True)])
-def test_shared_and_offload_update_in_backward(plan, placed):
+                                          ('offload', True), ('auto', True)])
+def test_the_reusing_plans_update_in_backward(plan, placed):
     result = train(plan, iters=1)
     assert in_backward(result) == placed
 
@@ -141,6 +141,13 @@ def test_training_is_bit_identical_to_stock(solver_type):
     assert not cpe.differences(stock, result), cpe.differences(stock, result)
 
 
+def test_auto_training_is_bit_identical_to_stock():
+    stock = _train_with(param_of(NET), 'stock', 6, 'SGD', None, {})
+    result = _train_with(param_of(NET), 'auto', 6, 'SGD', None, {})
+    assert in_backward(result)
+    assert not cpe.differences(stock, result), cpe.differences(stock, result)
+
+
 def test_lenet_and_cifar10_bn_are_bit_identical_to_stock(tmp_path):
     for name in ('lenet', 'cifar10_bn'):
         try:
@@ -153,9 +160,11 @@ def test_lenet_and_cifar10_bn_are_bit_identical_to_stock(tmp_path):
         assert not cpe.differences(stock, shared), (name, cpe.differences(stock, shared))
 
 
-def test_a_callback_added_later_places_the_gradients_again(monkeypatch):
+@pytest.mark.parametrize('plan', ['shared', 'auto'])
+def test_a_callback_added_later_places_the_gradients_again(monkeypatch, plan):
     """A data-parallel sync (here: any callback) reads every gradient before
-    the update: the next iteration keeps them whole, with the same numbers."""
+    the update: the next iteration keeps them whole, with the same numbers
+    (`auto` plans again without them)."""
     seen = []
 
     class Reader:
@@ -173,7 +182,7 @@ def test_a_callback_added_later_places_the_gradients_again(monkeypatch):
         solver.add_callback(reader)
     said = []
     monkeypatch.setattr(update_in_backward.log, 'info', lambda fmt, *a: said.append(fmt % a))
-    result = _train_with(param_of(NET), 'shared', 3, 'SGD', hook, {})
+    result = _train_with(param_of(NET), plan, 3, 'SGD', hook, {})
     assert not in_backward(result)
     kept = [m for m in said if 'gradients kept whole' in m]
     assert kept == ['Memory plan: parameter gradients kept whole: a solver callback (Reader) '
@@ -211,6 +220,24 @@ def test_vgg16_peaks_lower_by_the_fc_gradients(monkeypatch):
     assert placed.param_diffs and not whole.param_diffs
     assert whole.peak_bytes - placed.peak_bytes > 300 * 2 ** 20
     assert placed.breakdown['parameter_diffs'] < whole.breakdown['parameter_diffs'] / 10
+
+
+def test_auto_fits_budgets_that_need_the_fc_gradients_gone(monkeypatch):
+    """AlexNet b128: with fc6-8's gradients placed (about 220 MiB that
+    `shared` and `offload` no longer hold at the convolutions' peaks), auto
+    fits 1.6 GiB; holding them whole, its smallest plan is above that and
+    the error names the smallest budget that fits."""
+    path = os.path.join(SHARED, 'bench', 'alexnet_b128.prototxt')
+    if not os.path.exists(path):
+        pytest.skip('needs ../shared/bench')
+    net = shapes.build_net(shapes.load_net_param(path))
+    limit = budget.parse_bytes('1.6G')
+    plan = budget.estimate_plan(net, 'auto', budget=limit)
+    assert plan.param_diffs and plan.peak_bytes <= limit
+    assert plan.breakdown['parameter_diffs'] < 64 * 2 ** 20
+    monkeypatch.setenv(update_in_backward.ENV, '0')
+    with pytest.raises(CaffeplusError, match=r'smallest budget that fits is 1\.[7-9]\dG'):
+        budget.estimate_plan(net, 'auto', budget=limit)
 
 
 # -- the NaN check ---------------------------------------------------------------------
@@ -260,15 +287,16 @@ def test_warn_mode_keeps_the_gradients_whole(monkeypatch):
 
 # -- on the GPU ---------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize('solver_type', ['SGD', 'Adam'])
-def test_gpu_training_is_bit_identical_to_arena(solver_type):
+@pytest.mark.parametrize('solver_type, plan', [('SGD', 'shared'), ('Adam', 'shared'),
+                                               ('SGD', 'auto')])
+def test_gpu_training_is_bit_identical_to_arena(solver_type, plan):
     """The fused update kernel over one layer's parameters at a time, the
     gradients zeroed by memset in the arena: the same bits as `arena`
     (deterministic math, the same algorithms)."""
     def run(plan):
         return _train_with(param_of(NET), plan, 6, solver_type, None, {}, gpu=0,
                            math='deterministic')
-    arena, shared = run('arena'), run('shared')
+    arena, shared = run('arena'), run(plan)
     assert in_backward(shared) and not in_backward(arena)
     assert not cpe.differences(arena, shared), cpe.differences(arena, shared)
 

@@ -31,7 +31,7 @@ the arena too, live from the layer's forward to its backward. A map the
 plan makes again in backward (caffeplus.memory.recompute: an LRN's or a
 pooling layer's output) has two lives like an offloaded one; a backward
 hook points its Storage at the second and runs the producing layer's
-forward into it just before its first backward use. Under `shared` with a
+forward into it just before its first backward use. Under the reusing plans with a
 solver that updates in backward (caffeplus.solver.update_in_backward) the
 large parameter gradients are placed too, each zeroed by a hook just before
 the first backward step that writes it.
@@ -1149,7 +1149,7 @@ def apply_named_plan(net, name, keep=(), offload_policy='conv', workspace_limit=
     most auto may offload to pinned host memory (None: default_host_budget);
     `training`: plan the backward too (default: TRAIN phase or
     force_backward); `param_diffs`: the net's solver updates in backward,
-    so `shared` and `offload` place the parameter gradients too."""
+    so `shared`, `offload` and `auto` place the parameter gradients too."""
     check_plan_name(name)
     keep = check_keep(net, list(check_keep(net, keep)) + _net_keep(net))
     if training is None:
@@ -1164,7 +1164,8 @@ def apply_named_plan(net, name, keep=(), offload_policy='conv', workspace_limit=
             # Applied here: the offloaded maps must fit this machine's memory.
             return budget_module.plan_for_budget(
                 n, budget or None, solver_type, keep, training,
-                host_budget=host_budget or budget_module.default_host_budget())
+                host_budget=host_budget or budget_module.default_host_budget(),
+                param_diffs=overrides.get('param_diffs', param_diffs))
         kw = dict(offload_policy=offload_policy, param_diffs=param_diffs)
         kw.update(overrides)
         masks.for_plan(n, name)

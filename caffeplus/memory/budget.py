@@ -201,7 +201,8 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
     from caffeplus.memory.plan import check_plan_name
     check_plan_name(name)
     if name == 'auto':
-        return plan_for_budget(net, budget, solver_type, keep, training, host_budget)
+        return plan_for_budget(net, budget, solver_type, keep, training, host_budget,
+                               param_diffs=training and update_in_backward.places_gradients(name))
     masks.for_plan(net, name)
     convs = wm.conv_layers(net)
     if name == 'stock':
@@ -325,12 +326,17 @@ _Space = collections.namedtuple('_Space', 'net keep training bufs steps kept fix
                                 'budget calls', defaults=(None, None))
 
 
-def search_space(net, solver_type='SGD', keep=(), training=True, budget=None):
+def search_space(net, solver_type='SGD', keep=(), training=True, budget=None, param_diffs=False):
     """What the search weighs every option against; `budget`: the bytes
-    plan auto plans within (planned_budget), or None."""
+    plan auto plans within (planned_budget), or None; `param_diffs`: the
+    solver updates in backward, so the large gradients live in the arena
+    (liveness.param_diff_buffers) beside every option's lives, not for the
+    whole iteration."""
     bufs = liveness.buffers(net, keep=keep, training=training)
     steps = 2 * len(net.layers) if training else len(net.layers)
     kept = liveness.internal_buffers(net, model_internals(net), training)
+    if param_diffs and training:
+        kept = kept + liveness.param_diff_buffers(net)
     fixed = persistent_bytes(net, solver_type, training) + \
         wm.other_bytes(net, 'auto') - sum(b.nbytes for b in kept)
     convs = wm.conv_layers(net)
@@ -648,7 +654,8 @@ def refine(space, plan, option, budget, place):
     return out
 
 
-def _auto_plan(net, option, solver_type, keep, training, budget=None, calls=None):
+def _auto_plan(net, option, solver_type, keep, training, budget=None, calls=None,
+               param_diffs=False):
     """The placed plan of a search option. `budget` (planned_budget bytes):
     the placed workspace takes any slower algorithm that keeps the peak
     within it (as the runtime's does: apply._apply_workspace), and the
@@ -666,7 +673,8 @@ def _auto_plan(net, option, solver_type, keep, training, budget=None, calls=None
                                         wm.step_seconds(net, choice))[0]
     bare = make_plan(net, 'offload', solver_type=solver_type, keep=keep, training=training,
                      offload_policy=names, internals=kept, recompute=option.recompute,
-                     offload_holds=holds, recompute_split=option.split)
+                     offload_holds=holds, recompute_split=option.split,
+                     param_diffs=param_diffs)
     other = wm.other_bytes(net, 'auto') - sum(sum(k.values()) for k in kept.values())
 
     def placed(sizes):
@@ -674,14 +682,15 @@ def _auto_plan(net, option, solver_type, keep, training, budget=None, calls=None
                          offload_policy=names, workspace=sizes, internals=kept,
                          recompute=option.recompute, offload_holds=holds,
                          recompute_split=option.split, other_bytes=other,
-                         workspace_last=budgeted)
+                         workspace_last=budgeted, param_diffs=param_diffs)
     seconds = option.seconds
     call_bytes = None
     if budgeted:
         # Each call the fastest algorithm that fits the largest hole the
         # other buffers leave at its step below what the budget leaves the
         # arena; placed after them, into those holes.
-        room = budget - other - persistent_bytes(net, solver_type, training)
+        room = budget - other - persistent_bytes(net, solver_type, training) + \
+            sum(b.nbytes for b in bare.buffers if b.kind == 'param_diff')   # in the arena
         reruns = rerun_steps(net, bare.buffers, bare.recomputed)
         picks = fit_calls(calls or ConvCalls(net, training),
                           _PlacedRoom(bare.buffers, bare.offsets, room), reruns)
@@ -738,21 +747,25 @@ def planned_budget(budget):
     return int(budget * (1 - BUDGET_MARGIN))
 
 
-def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True, host_budget=None):
+def plan_for_budget(net, budget, solver_type='SGD', keep=(), training=True, host_budget=None,
+                    param_diffs=False):
     """The `auto` MemoryPlan: least estimated time with peak <= budget
     (None: no limit), offloading at most `host_budget` bytes to pinned host
     memory (None: no limit). CaffeplusError with the smallest feasible
     budget when nothing fits. Convolutions the calibration table measured
     (caffeplus.memory.calibration) are weighed with their measured
-    algorithms."""
+    algorithms. `param_diffs`: the solver updates the large parameters in
+    backward (caffeplus.solver.update_in_backward), so their gradients are
+    placed in the arena too, as under `shared` and `offload`."""
     masks.for_plan(net, 'auto')
     with calibration.applied():
-        return _plan_for_budget(net, budget, solver_type, keep, training, host_budget)
+        return _plan_for_budget(net, budget, solver_type, keep, training, host_budget,
+                                param_diffs)
 
 
-def _plan_for_budget(net, budget, solver_type, keep, training, host_budget):
+def _plan_for_budget(net, budget, solver_type, keep, training, host_budget, param_diffs):
     space = search_space(net, solver_type, keep, training,
-                         None if budget is None else planned_budget(budget))
+                         None if budget is None else planned_budget(budget), param_diffs)
     options = search(net, solver_type, keep, training, space)
     if host_budget is not None:
         options = [o for o in options if o.host <= host_budget] or \
@@ -764,7 +777,7 @@ def _plan_for_budget(net, budget, solver_type, keep, training, host_budget):
     fits = [o for o in options if budget is None or o.peak <= budget]
     fits.sort(key=lambda o: (round(o.seconds, 9), o.peak))
     if budget is None:          # the fastest; every option fits
-        plan = _auto_plan(net, fits[0], solver_type, keep, training)
+        plan = _auto_plan(net, fits[0], solver_type, keep, training, param_diffs=param_diffs)
         plan.budget = None
         return plan
     # Under a budget: the first of the search's choices that fits once
@@ -772,7 +785,7 @@ def _plan_for_budget(net, budget, solver_type, keep, training, host_budget):
 
     def place(option):
         return _auto_plan(net, option, solver_type, keep, training, budget=budget,
-                          calls=space.calls)
+                          calls=space.calls, param_diffs=param_diffs)
     # The fastest few first (the first that fits once placed), then, as a
     # lower bound can come out over the budget placed, the fastest that
     # fits of those with the least peaks.
@@ -799,7 +812,7 @@ def _plan_for_budget(net, budget, solver_type, keep, training, host_budget):
 
     def least_placed(option):
         return _auto_plan(net, option, solver_type, keep, training, budget=0,
-                          calls=space.calls).peak_bytes
+                          calls=space.calls, param_diffs=param_diffs).peak_bytes
     least = min(sorted(options, key=lambda o: (o.peak, o.seconds))[:PLACEMENT_TRIES],
                 key=least_placed)
     peak = least_placed(least)

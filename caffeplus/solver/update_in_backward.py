@@ -2,7 +2,7 @@
 
 Caffe updates every parameter after the whole backward pass, so every
 parameter gradient is held for the whole iteration: 528 MiB on VGG-16, at
-the end of backward, where its peak is. Under plans `shared` and `offload`
+the end of backward, where its peak is. Under plans `shared`, `offload` and `auto`
 the solver instead updates a parameter as soon as the last layer that owns it
 has run its backward, and the plan places the gradients in its arena, live
 from their first write in backward to that update only
@@ -21,7 +21,7 @@ updated in backward costs kernel launches; small ones are updated together
 at the end, as before).
 
 When: the train net's plan placed the gradients (plan.param_diffs: plans
-`shared` and `offload` under a solver, unless CAFFEPLUS_UPDATE_IN_BACKWARD=0)
+`shared`, `offload` and `auto` under a solver, unless CAFFEPLUS_UPDATE_IN_BACKWARD=0)
 and nothing needs all of them at once: iter_size 1 (accumulation over
 passes), no clip_gradients (a global norm), no debug_info (it logs every
 gradient after backward), no snapshot_diff (a snapshot holds the gradients,
@@ -53,7 +53,7 @@ from caffeplus.solver.nan_check import installed_mode
 ENV = 'CAFFEPLUS_UPDATE_IN_BACKWARD'
 
 
-PLANS = ('shared', 'offload')         # the plans that place the gradients for a solver
+PLANS = ('shared', 'offload', 'auto')     # the plans that place the gradients for a solver
 
 
 def enabled():
