@@ -830,3 +830,29 @@ def test_estimated_curve_peaks_at_the_estimated_peak(plan_name):
     plan = budget.estimate_plan(net, plan_name, offload_policy='free')
     curve = estimate_curve(plan)
     assert plan.peak_bytes * 0.98 <= max(curve) <= plan.peak_bytes
+
+
+def test_measuring_auto_plans_the_gradients_as_its_estimate(monkeypatch):
+    """The measuring process plans `auto` again on the GPU: with the large
+    gradients placed, as its estimate and a training solver have them (it
+    planned without them, and refused AlexNet's 1.6 GiB that the estimate fits)."""
+    from caffeplus.commands import memory as command
+    from caffeplus.solver import update_in_backward
+    monkeypatch.setattr(liveness, 'MIN_APPLIED_GRADIENT_BYTES', 0)
+    param = shapes.load_net_param(LENET)
+    seen = {}
+
+    def fake_measure(net_param, plan, gpu, solver_type='SGD', iterations=1, apply=None):
+        net = shapes.build_net(net_param)
+        apply(net)
+        seen['estimate'] = plan.param_diffs
+        seen['applied'] = net.applied_plan.plan.param_diffs
+        return {}
+    monkeypatch.setattr(measure, 'measure_plan', fake_measure)
+    opts = {'level': 0, 'stages': None, 'solver_type': 'SGD', 'keep': [], 'offload': 'conv',
+            'budget': None, 'host_budget': None, 'iterations': 1}
+    command._measure_child(param.SerializeToString(), 'auto', 0, opts)
+    assert seen == {'estimate': True, 'applied': True}
+    monkeypatch.setenv(update_in_backward.ENV, '0')
+    command._measure_child(param.SerializeToString(), 'auto', 0, opts)
+    assert seen == {'estimate': False, 'applied': False}

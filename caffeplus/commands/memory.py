@@ -347,9 +347,11 @@ def _measure_child(param_bytes, name, gpu, opts):
         from caffeplus.memory.apply import apply_named_plan
 
         def apply(net):
+            # As the estimate (and a solver that updates in backward) plans it.
             return apply_named_plan(net, 'auto', keep=opts['keep'], training=True,
                                     solver_type=opts['solver_type'], budget=opts['budget'],
-                                    host_budget=opts['host_budget'])
+                                    host_budget=opts['host_budget'],
+                                    param_diffs=plan.param_diffs)
     return measure_plan(param, plan, gpu, solver_type=opts['solver_type'],
                         iterations=opts['iterations'], apply=apply)
 
