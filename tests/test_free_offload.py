@@ -307,3 +307,35 @@ def test_runtime_and_estimate_hide_copies_behind_the_share_of_the_steps(monkeypa
     assert len(measured) == 1 and len(seen) == 1
     assert len(seen[0]) == 2 * len(net.layers)
     assert seen[0] == pytest.approx([t * float(share) for t in measured[0]])
+
+
+def test_on_the_gpu_a_step_hides_copies_behind_at_most_its_modelled_time(monkeypatch):
+    """A measured GPU step includes the host's gaps (a host-bound net): the
+    runtime hides copies behind min(measured, modelled) times the share;
+    the simulated CPU device keeps its measured steps; the setting lifts it."""
+    from caffeplus.memory import workspace_model as wm
+    from caffeplus.memory.offload_runtime import OffloadRuntime
+    monkeypatch.setenv(free_offload.STEP_SHARE_ENV, '0.5')
+    assert free_offload.hiding_seconds([2.0, 1.0, 4.0], 0.5) == [1.0, 0.5, 2.0]
+    assert free_offload.hiding_seconds([2.0, 1.0, 4.0], 0.5, [1.0, 3.0, 0.0]) == [0.5, 0.5, 0.0]
+    net = small_net(text=CHAIN)
+    convs = wm.conv_layers(net)
+    modelled = wm.step_seconds(net, {i: wm.fastest(l, wm.knee_cap(net)) for i, l in convs})
+    assert free_offload.modelled_step_seconds(net) == pytest.approx(modelled)
+    seen = []
+
+    def spy(net, bufs, candidates, step_seconds, *args, **kw):
+        seen.append(list(step_seconds))
+        return {}
+    monkeypatch.setattr(free_offload, 'choose_hidden', spy)
+    apply_named_plan(net, 'offload', offload_policy='free',
+                     runtime_options={'simulate': 'eager', 'bandwidth': 1e15})
+    rt = net.applied_plan.runtime
+    measured = [m * 1e3 + 1.0 for m in modelled]       # a host far slower than the model
+    for kind, bound, want in (('sim', '', [t * 0.5 for t in measured]),
+                              ('cuda', '', [t * 0.5 for t in modelled]),
+                              ('cuda', '0', [t * 0.5 for t in measured])):
+        monkeypatch.setattr(rt.device, 'kind', kind)
+        monkeypatch.setenv(free_offload.MODEL_BOUND_ENV, bound)
+        OffloadRuntime._choose_free(rt, measured, 1e9)
+        assert seen[-1] == pytest.approx(want), kind

@@ -225,7 +225,7 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
         bufs = liveness.buffers(net, keep=keep, training=training)
         hidden = free_offload.choose_hidden(
             net, bufs, offload.choose(net, bufs, 'all', keep),
-            [t * free_offload.step_share() for t in steps_s], PCIE_BANDWIDTH,
+            free_offload.hiding_seconds(steps_s, free_offload.step_share()), PCIE_BANDWIDTH,
             host_budget=host_budget)
 
     # A solver updates the large parameters in backward under `shared` and `offload`

@@ -58,6 +58,38 @@ def step_share():
 
 Hidden = collections.namedtuple('Hidden', 'release prefetch')
 
+# On the GPU a measured step is the time between the compute stream's marks,
+# which on a net whose GPU waits for the host (GoogLeNet: idle a third of an
+# iteration) includes the host's gaps; a copy hidden only behind those runs
+# into the compute once the host runs faster, and host speed moves by 15-30%
+# between runs. So on the GPU a step hides copies behind at most its modelled
+# device time (caffeplus.memory.workspace_model, what the estimate hides
+# behind). GoogLeNet's runtime moved about 900 MB each way an iteration
+# behind its measured steps and ran x1.07-1.14 of `shared` on an H100 host;
+# the model hides none of them. CAFFEPLUS_FREE_MODEL_BOUND=0 lifts the bound.
+MODEL_BOUND_ENV = 'CAFFEPLUS_FREE_MODEL_BOUND'
+
+
+def model_bound():
+    return os.environ.get(MODEL_BOUND_ENV, '').strip().lower() not in ('0', 'off', 'false', 'no')
+
+
+def modelled_step_seconds(net):
+    """The 2L steps' modelled device seconds (the estimate's: each
+    convolution at the fastest algorithm within the arena's knee)."""
+    from caffeplus.memory import workspace_model as wm
+    cap = wm.knee_cap(net)
+    return wm.step_seconds(net, {i: wm.fastest(l, cap) for i, l in wm.conv_layers(net)})
+
+
+def hiding_seconds(measured, share, modelled=None):
+    """The seconds copies may hide behind at each step: `share` of the
+    measured step, and with `modelled` (the GPU) at most `share` of its
+    modelled device time."""
+    if modelled is None:
+        return [t * share for t in measured]
+    return [min(t, m) * share for t, m in zip(measured, modelled)]
+
 
 def _timeline(step_seconds):
     starts, t = [], 0.0

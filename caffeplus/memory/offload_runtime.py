@@ -621,9 +621,12 @@ class OffloadRuntime:
         bufs = liveness.buffers(net, keep=keep, training=applied.training)
         candidates = offload.choose(net, bufs, 'all', keep)
         host = self.options.get('host_budget', default_host_budget())
+        modelled = free_offload.modelled_step_seconds(net) \
+            if self.device.kind == 'cuda' and free_offload.model_bound() else None
         return free_offload.choose_hidden(net, bufs, candidates,
-                                          [t * self.step_share for t in seconds], bandwidth,
-                                          host_budget=host)
+                                          free_offload.hiding_seconds(seconds, self.step_share,
+                                                                      modelled),
+                                          bandwidth, host_budget=host)
 
     def lookaheads(self):
         return {it.name: it.first_back - it.bstart for it in self.items}
