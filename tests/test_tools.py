@@ -452,3 +452,24 @@ def test_max_batch_search_finds_the_largest_fitting_multiple():
     if os.path.exists(lenet):
         assert max_batch.fits_estimate(lenet, 64, 2 ** 30) is not None
         assert max_batch.fits_estimate(lenet, 64, 2 ** 20) is None
+
+
+def test_estimate_timeline_lists_the_steps_and_what_holds_the_peak(capsys):
+    """tools/estimate_timeline.py: one line a step (2L + the end), the peak
+    marked where the plan's live curve is highest, and at a step asked for
+    the buffers live there, whose bytes add up to that step's line (a
+    step's filter call half a step early counts once: none in LeNet's conv1
+    forward)."""
+    from tools import estimate_timeline
+    path = os.path.join(ROOT, 'examples', 'mnist', 'lenet_train_test.prototxt')
+    plan = estimate_timeline.main([path, '--plan', 'shared', '--steps', '1', '--min-mib', '0'])
+    out = capsys.readouterr().out.splitlines()
+    live = plan.live_curve()
+    rows = [line for line in out if line[:3].strip().isdigit()]
+    assert len(rows) == len(live)
+    assert rows[1].split()[1:3] == ['F', 'conv1']
+    peak = [i for i, line in enumerate(rows) if line.endswith('<- peak')]
+    assert peak and all(live[i] == max(live) for i in peak)
+    listed = out[out.index('step 1 (F conv1):') + 1:]
+    total = sum(float(line.split()[-4]) for line in listed)      # '... 3.4 MiB  [1, 1]'
+    assert abs(total - live[1] / 2.0 ** 20) < 0.05 * len(listed) + 1e-6
