@@ -415,13 +415,13 @@ class OffloadRuntime:
             s = max(int(math.ceil(it.bstart)), 0)
             if s < steps:
                 self.busy_at[s] = True
-        self._aim_hooks()
 
     def _aim_hooks(self):
         """Tell the net at which layers each hook has work (Net's hook_table):
         the steps busy_at names, where copies go out, and every step of an
-        iteration whose steps are timed."""
-        if not getattr(self, '_hooks', None):
+        iteration whose steps are timed. (The schedule is fixed for the
+        runtime's life: a re-layout makes a new runtime.)"""
+        if not self._hooks:             # closed
             return
         L = self.L
         (_, before_forward), (_, after_forward), (_, before_backward) = self._hooks

@@ -42,7 +42,6 @@ and looks for the NaN's origin by running the iteration again before the
 update, when the weights are still those that made it.
 """
 import os
-import weakref
 
 import numpy
 
@@ -112,6 +111,7 @@ class UpdateInBackward:
         self.guard = None           # float64 scalar: NaN once a gradient was not finite
         self.flags = None           # int32 per group: its gradient was not finite
         self._hooked = None
+        self._hook_fn = None        # the per-layer hook on _hooked (its `at`: the groups' layers)
         self._laid_out = None
 
     # -- set up ----------------------------------------------------------------------
@@ -155,15 +155,13 @@ class UpdateInBackward:
             return
         self._unhook()
 
-        def after_layer(i, _self=weakref.ref(self)):
-            updates = _self()
-            if updates is not None:
-                updates._after_layer(i)
+        def after_layer(i):         # a function, so that it can carry `at`
+            self._after_layer(i)
         net.on_layer_backward_done.append(after_layer)
         self._hooked, self._hook_fn = net, after_layer
 
     def _unhook(self):
-        fn = getattr(self, '_hook_fn', None)
+        fn = self._hook_fn
         if self._hooked is not None and fn in self._hooked.on_layer_backward_done:
             self._hooked.on_layer_backward_done.remove(fn)
         self._hooked, self._hook_fn = None, None
