@@ -7,7 +7,8 @@ runs) after each stage: the CUDA context, cuBLAS's handle and a GEMM,
 cuDNN's handle and a convolution, and, with --net, a training iteration of
 `caffeplus memory` minus what CuPy's pool holds. --stack sets the CUDA
 per-thread stack limit right after the context exists: the driver reserves
-that much local memory for every thread the GPU can hold at once.
+that much local memory for every thread the GPU can hold at once. --heap
+sets the device-side malloc heap (CUDA's default 8 MiB) the same way.
 """
 import argparse
 import subprocess
@@ -41,6 +42,7 @@ def report(stage, cupy=None):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--stack', type=int, help='per-thread stack limit in bytes')
+    parser.add_argument('--heap', type=int, help='device malloc heap limit in bytes')
     parser.add_argument('--net', help='a training net to run under caffeplus memory -gpu 0')
     parser.add_argument('--plan', default='shared')
     parser.add_argument('--iterations', type=int, default=5)
@@ -52,6 +54,9 @@ def main():
     if args.stack is not None:
         cupy.cuda.runtime.deviceSetLimit(LIMITS['stack'], args.stack)
         report('stack limit set', cupy)
+    if args.heap is not None:
+        cupy.cuda.runtime.deviceSetLimit(LIMITS['malloc_heap'], args.heap)
+        report('malloc heap limit set', cupy)
     for name, limit in sorted(LIMITS.items()):
         print('  limit %-12s %d' % (name, cupy.cuda.runtime.deviceGetLimit(limit)))
     a = cupy.ones((512, 512), dtype=cupy.float32)
