@@ -10,6 +10,10 @@ Each layer class also declares, for the memory planner:
                   {'bottom_data', 'top_data'} (internal buffers, such as a
                   pooling mask, are the layer's own and always kept)
   inplace_ok      whether top may be the same blob as bottom
+  diff_over_top_diff
+                  whether its backward gives the same bits when it writes
+                  its bottom's gradient over its top's (a reusing plan may
+                  then place both in the same bytes: liveness.diff_overlays)
 """
 import os
 
@@ -121,6 +125,7 @@ class Layer:
     auto_top_blobs = False
     backward_reads = frozenset(('bottom_data', 'top_data'))
     inplace_ok = False
+    diff_over_top_diff = False
     # Layers that have no backward at all (Accuracy, ArgMax, data layers).
     has_backward = True
 

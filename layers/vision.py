@@ -1052,6 +1052,9 @@ class LRNLayer(Layer):
     exact_num_top = 1
     backward_reads = frozenset(('bottom_data',))
     inplace_ok = False
+    # Both backwards read dy elementwise before writing dx at the same
+    # index; cuDNN's gives the same bits with dx == dy (tools/lrn_slices_probe.py).
+    diff_over_top_diff = True
 
     def layer_setup(self, bottom, top):
         p = self.layer_param.lrn_param

@@ -10,6 +10,8 @@ policy is checked bit-identical to `shared` on the CPU (simulated copies).
 import numpy
 import pytest
 
+import caffeplus
+
 from caffeplus.memory import free_offload, liveness, offload
 from caffeplus.memory.apply import apply_named_plan
 from caffeplus.memory.budget import estimate_plan
@@ -339,3 +341,42 @@ def test_on_the_gpu_a_step_hides_copies_behind_at_most_its_modelled_time(monkeyp
         monkeypatch.setenv(free_offload.MODEL_BOUND_ENV, bound)
         OffloadRuntime._choose_free(rt, measured, 1e9)
         assert seen[-1] == pytest.approx(want), kind
+
+
+def test_the_data_layers_batch_can_leave_and_its_copy_goes_out_after_the_data_layer():
+    """Policy 'free' also weighs the data layer's batch (read again only by
+    the first convolution's filter gradient): its copy is issued after the
+    data layer, beside the first convolution's forward, it comes back for
+    that backward and stays readable after the iteration; training stays
+    bit-identical to `shared`. The other policies leave it."""
+    net = small_net(text=CHAIN)
+    bufs = liveness.buffers(net, training=True)
+    batch = [b for b in bufs if b.blobs == ('data',)][0]
+    assert batch.key in offload.choose(net, bufs, 'free')
+    assert batch.key not in offload.choose(net, bufs, 'all')
+    fwd, bwd = offload._uses(net, batch)
+    assert (max(fwd), offload.copy_out_step(net, batch)) == (1, 0)
+    c1 = [b for b in bufs if b.blobs == ('c1',)][0]
+    assert offload.copy_out_step(net, c1) == max(offload._uses(net, c1)[0])
+    # One step of the data layer hides its copy issued there, not one issued
+    # after conv1's (a long step: the copy would end only after c3's forward).
+    L = len(net.layers)
+    steps = [1.0] * (2 * L)
+    steps[1] = 10.0
+    nbytes = batch.nbytes * free_offload.MARGIN
+    hidden = free_offload.choose_hidden(net, bufs, [batch.key], steps, nbytes / 0.9)
+    assert hidden[batch.key].release == 2
+    shared = sgd_run(small_net(memory='shared', text=CHAIN), iters=6)
+    net = small_net(text=CHAIN)
+    apply_named_plan(net, 'offload', offload_policy='free',
+                     runtime_options={'simulate': 'lazy', 'bandwidth': 1e15})
+    got = sgd_run(net, iters=6)
+    assert shared[0] == got[0]
+    assert all(numpy.array_equal(a, b) for a, b in zip(shared[1], got[1]))
+    assert 'data' in net.applied_plan.info()['offloaded']
+    ref = small_net(memory='shared', text=CHAIN)
+    for n in (ref, net):
+        caffeplus.set_random_seed(11)
+        n.forward()
+        n.backward()
+    assert numpy.array_equal(ref.blobs['data'].data, net.blobs['data'].data)

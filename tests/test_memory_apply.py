@@ -958,3 +958,45 @@ def test_gpu_the_bandwidth_probe_leaves_nothing_in_the_pool():
     before = pool.total_bytes()
     assert offload_runtime.CupyDevice().measure_bandwidth() > 1e9
     assert pool.total_bytes() == before
+
+
+# -- LRN's gradients overlaid (liveness.diff_overlays) -------------------------------------
+LRN_NET = NET.replace(
+    'layer { name: "pool1"',
+    'layer { name: "norm1" type: "LRN" bottom: "conv1" top: "norm1"\n'
+    '        lrn_param { local_size: 3 alpha: 0.1 beta: 0.75 } }\n'
+    'layer { name: "pool1"').replace('type: "Pooling" bottom: "conv1"',
+                                     'type: "Pooling" bottom: "norm1"')
+
+
+def test_lrn_writes_its_bottom_gradient_where_its_top_gradient_was():
+    """Under the reusing plans norm1's top and bottom gradients are one
+    region (two maps at its backward step instead of three); training stays
+    bit-identical to stock, reading the overlaid gradient after backward is
+    a clear error, and so is a backward from norm1 whose top gradient was
+    written over."""
+    assert 'LRN' in LRN_NET and 'bottom: "norm1"' in LRN_NET
+    stock = sgd_run(small_net(text=LRN_NET))
+    net = small_net(memory='shared', text=LRN_NET)
+    shared = sgd_run(net)
+    assert stock[0] == shared[0]
+    assert all(numpy.array_equal(a, b) for a, b in zip(stock[1], shared[1]))
+    raw = dict(zip(net._blob_names, net._blobs))
+    top, bottom = raw['norm1'].diff_storage, raw['conv1'].diff_storage
+    assert top is not bottom
+    assert top.array.__array_interface__['data'][0] == \
+        bottom.array.__array_interface__['data'][0]
+    net.forward()
+    net.backward()
+    with pytest.raises(CaffeplusError, match='overwritten in the backward of layer norm1'):
+        net.blobs['norm1'].diff
+    with pytest.raises(CaffeplusError, match=r'blob norm1 \(diff\).*not intact'):
+        net.backward(start='norm1')
+    # Kept, the top gradient has its own bytes and stock's values.
+    kept = small_net(memory='shared', keep=['norm1'], text=LRN_NET)
+    kept.forward()
+    kept.backward()
+    ref = small_net(text=LRN_NET)      # (the same seed: the same batch)
+    ref.forward()
+    ref.backward()
+    assert numpy.array_equal(kept.blobs['norm1'].diff, ref.blobs['norm1'].diff)

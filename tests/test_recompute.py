@@ -384,7 +384,10 @@ def test_training_with_convolutions_run_again_is_bit_identical_to_stock(monkeypa
 def test_auto_runs_convolutions_again_where_that_beats_the_host_link(monkeypatch):
     """VGG-16 b256 within 11.8 GiB: conv1_1's output (3.3 GB, 66 ms each way
     over the link) is made again from the data in 0.7 ms. (At 12 GiB,
-    since the plans' smaller thread stack, little has to leave at all.)"""
+    since the plans' smaller thread stack, little has to leave at all.)
+    Since the placement's local search (placement._search) the plan without
+    convolutions made again fits with fewer maps moved (377 against 450 ms
+    estimated), and at 11.5 GiB only the plan that makes them again fits."""
     net = shapes.build_net(shapes.load_net_param(bench_path('vgg16_b64'), batch=256))
     limit = budget.parse_bytes('11.8G')
     plan = budget.plan_for_budget(net, limit)
@@ -397,8 +400,14 @@ def test_auto_runs_convolutions_again_where_that_beats_the_host_link(monkeypatch
     monkeypatch.setattr(recompute, 'CONV_TYPES', ())
     without = budget.plan_for_budget(net, limit)
     assert without.peak_bytes <= limit and 'conv1_1' not in without.recomputed_names()
-    assert plan.est_iter_ms < 0.8 * without.est_iter_ms
+    assert plan.est_iter_ms < 0.97 * without.est_iter_ms
     assert host_bytes(net, plan) < host_bytes(net, without)
+    with pytest.raises(CaffeplusError, match='smallest budget that fits'):
+        budget.plan_for_budget(net, budget.parse_bytes('11.5G'))
+    monkeypatch.undo()
+    tight = budget.plan_for_budget(net, budget.parse_bytes('11.5G'))
+    assert tight.peak_bytes <= budget.parse_bytes('11.5G')
+    assert 'conv1_1' in tight.recomputed_names()
 
 
 def test_a_chosen_set_of_convolutions_runs_again_and_no_other():

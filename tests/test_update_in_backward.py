@@ -225,18 +225,19 @@ def test_vgg16_peaks_lower_by_the_fc_gradients(monkeypatch):
 def test_auto_fits_budgets_that_need_the_fc_gradients_gone(monkeypatch):
     """AlexNet b128: with fc6-8's gradients placed (about 220 MiB that
     `shared` and `offload` no longer hold at the convolutions' peaks), auto
-    fits 1.6 GiB; holding them whole, its smallest plan is above that and
-    the error names the smallest budget that fits."""
+    fits 1.5 GiB; holding them whole, its smallest plan is above that and
+    the error names the smallest budget that fits (1.6x GiB; 1.7x before
+    norm1's and norm2's gradients overlaid and the placement's search)."""
     path = os.path.join(SHARED, 'bench', 'alexnet_b128.prototxt')
     if not os.path.exists(path):
         pytest.skip('needs ../shared/bench')
     net = shapes.build_net(shapes.load_net_param(path))
-    limit = budget.parse_bytes('1.6G')
+    limit = budget.parse_bytes('1.5G')
     plan = budget.estimate_plan(net, 'auto', budget=limit)
     assert plan.param_diffs and plan.peak_bytes <= limit
     assert plan.breakdown['parameter_diffs'] < 64 * 2 ** 20
     monkeypatch.setenv(update_in_backward.ENV, '0')
-    with pytest.raises(CaffeplusError, match=r'smallest budget that fits is 1\.[7-9]\dG'):
+    with pytest.raises(CaffeplusError, match=r'smallest budget that fits is 1\.[6-9]\dG'):
         budget.estimate_plan(net, 'auto', budget=limit)
 
 

@@ -48,6 +48,7 @@ the blob and how to keep it, never stale numbers. A pass that starts in the
 middle (forward(start=...)) first checks that what it reads from before its
 start is still there.
 """
+import collections
 import math
 import weakref
 
@@ -177,7 +178,7 @@ class _Life:
 class _Entry:
     """A planned Storage: its blobs, its lives, whether it stays outside the arena."""
     __slots__ = ('storage', 'kind', 'names', 'blobs', 'lives', 'persistent', 'offloaded',
-                 'reasons', 'uses', 'valid', 'stale', 'producer')
+                 'reasons', 'uses', 'valid', 'stale', 'producer', 'overwritten_at')
 
     def __init__(self, storage, kind, names, blobs):
         self.storage, self.kind, self.names, self.blobs = storage, kind, names, blobs
@@ -185,6 +186,9 @@ class _Entry:
         self.persistent = False
         self.offloaded = False
         self.producer = None        # a map made again in backward: its layers (recompute)
+        # A top diff that shares its life with its layer's bottom diff
+        # (liveness.diff_overlays): the backward step that writes over it.
+        self.overwritten_at = None
         self.reasons = {}
         self.uses = ()
         # The life whose values the storage holds now: ANY right after the
@@ -375,19 +379,32 @@ class AppliedPlan:
                     param.diff_storage, buf.kind, (self._param_name(buf.key[1]),), [param])
                 entry.lives.append(_Life(buf))
                 continue
-            blob = blobs[buf.blobs[0]]
-            storage = blob.data_storage if buf.kind == 'data' else blob.diff_storage
-            if id(storage) in params:
-                continue        # a Parameter layer's top: the parameter stays where it is
-            entry = by_storage.get(id(storage))
-            if entry is None:
-                entry = by_storage[id(storage)] = _Entry(
-                    storage, buf.kind, tuple(buf.blobs), [blobs[n] for n in buf.blobs])
-            entry.lives.append(_Life(buf))
-            if buf.key[:2] in offloaded or buf.key in offloaded:
-                entry.offloaded = True
-            if buf.key[:2] in again:
-                entry.producer = again[buf.key[:2]]
+            # One storage, or two whose diffs overlay (liveness.diff_overlays):
+            # one life, one place in the arena, shared by both.
+            groups = collections.OrderedDict()
+            for n in buf.blobs:
+                blob = blobs[n]
+                storage = blob.data_storage if buf.kind == 'data' else blob.diff_storage
+                groups.setdefault(id(storage), (storage, []))[1].append(n)
+            life = _Life(buf)
+            for storage, names in groups.values():
+                if id(storage) in params:
+                    continue        # a Parameter layer's top: the parameter stays where it is
+                entry = by_storage.get(id(storage))
+                if entry is None:
+                    entry = by_storage[id(storage)] = _Entry(
+                        storage, buf.kind, tuple(names), [blobs[n] for n in names])
+                entry.lives.append(life)
+                if buf.key[:2] in offloaded or buf.key in offloaded:
+                    entry.offloaded = True
+                if buf.key[:2] in again:
+                    entry.producer = again[buf.key[:2]]
+        if self.training:
+            for step, top, _ in liveness.overlay_steps(net):
+                entry = by_storage.get(id(blobs[top].diff_storage))
+                if entry is not None and len(entry.lives) == 1 and \
+                        entry.lives[0].buf.start < step < entry.lives[0].buf.end:
+                    entry.overwritten_at = step
         entries = list(by_storage.values())
         uses = storage_uses(net, self.training)
         for e in entries:
@@ -410,7 +427,8 @@ class AppliedPlan:
                 e.lives[0].end >= self.steps
         if any(e.offloaded for e in entries):
             self._set_lookahead(entries, self.options.get('lookahead_steps') or {})
-        placed = [life for e in entries if not e.persistent for life in e.lives]
+        placed = list({id(life): life for e in entries if not e.persistent
+                       for life in e.lives}.values())
         # An offloaded map's return copy is issued before its first step's
         # layer runs, so it must not share bytes with a filter call's
         # workspace placed half a step early (liveness.FILTER_FIRST).
@@ -968,7 +986,14 @@ class AppliedPlan:
         self.pause = t
         for e in self.entries:
             life = e.live_at(t)
-            if life is None:
+            if e.overwritten_at is not None and s0 <= e.overwritten_at <= t:
+                e.valid = None
+                e.stale = e.storage.released_reason = (
+                    "overwritten in the backward of layer %s, which memory plan '%s' lets "
+                    "write its bottom's gradient where this one was; %s"
+                    % (self.net._layer_names[2 * self.L - 1 - e.overwritten_at], self.name,
+                       KEEP_HINT))
+            elif life is None:
                 e.valid = None
                 e.storage.released_reason = self._reason_at(e, t)
             elif life.start >= s0 or e.valid is ANY or e.valid is life:

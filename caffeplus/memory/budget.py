@@ -224,7 +224,7 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
         from caffeplus.memory import free_offload
         bufs = liveness.buffers(net, keep=keep, training=training)
         hidden = free_offload.choose_hidden(
-            net, bufs, offload.choose(net, bufs, 'all', keep),
+            net, bufs, offload.choose(net, bufs, 'free', keep),
             free_offload.hiding_seconds(steps_s, free_offload.step_share()), PCIE_BANDWIDTH,
             host_budget=host_budget)
 

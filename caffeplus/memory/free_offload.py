@@ -7,8 +7,9 @@ whose copies the measured step times hide.
 vDNN's copies are free only while the link keeps up with the compute. This
 chooses maps by the runtime's own rules (caffeplus.memory.offload_runtime),
 on a timeline of step times (the measured ones times STEP_SHARE, below):
-  * a map's copy out is issued when its last forward step f ends and runs
-    on the copy-out stream, one copy after another in issue order, taking
+  * a map's copy out is issued when its last forward step f ends (a data
+    layer's batch: when the data layer's step ends, offload.copy_out_step)
+    and runs on the copy-out stream, one copy after another in issue order, taking
     bytes / bandwidth * MARGIN;
   * its device bytes stay reserved until `release`, the first step that
     starts after the copy's predicted end, so no later buffer has to wait
@@ -107,14 +108,16 @@ def _first_step_from(starts, time, lo):
     return None
 
 
-def _plan_copies(items, starts, ends, bandwidth, margin):
+def _plan_copies(items, starts, ends, bandwidth, margin, issue=None):
     """{key: Hidden} for `items` ((key, nbytes, last_fwd, first_back), in
     issue order of their copies out), or None when some copy cannot end in
-    time."""
+    time. `issue`: {key: step} of copies issued before the last forward use
+    (offload.copy_out_step); their bytes are still held until that use."""
     out_end, link = {}, 0.0
     release = {}
+    issue = issue or {}
     for key, nbytes, last_fwd, first_back in items:
-        link = max(link, ends[last_fwd]) + nbytes * margin / bandwidth
+        link = max(link, ends[issue.get(key, last_fwd)]) + nbytes * margin / bandwidth
         out_end[key] = link
         r = _first_step_from(starts, link, last_fwd + 1)
         if r is None or r >= first_back:
@@ -159,19 +162,20 @@ def choose_hidden(net, bufs, candidates, step_seconds, bandwidth, margin=MARGIN,
         return {}
     starts, ends = _timeline(list(step_seconds))
     candidates = set(candidates)
-    items = []
+    items, issue = [], {}
     for b in bufs:
         if b.key not in candidates:
             continue
         fwd, bwd = offload._uses(net, b)
         if fwd and bwd:
             items.append((b.key, b.nbytes, max(fwd), min(bwd)))
-    items.sort(key=lambda it: (it[2], it[3]))
+            issue[b.key] = offload.copy_out_step(net, b)
+    items.sort(key=lambda it: (issue[it[0]], it[2], it[3]))
     taken, plan, host = [], {}, 0
     for item in items:
         if host_budget is not None and host + item[1] > host_budget:
             continue
-        trial = _plan_copies(taken + [item], starts, ends, bandwidth, margin)
+        trial = _plan_copies(taken + [item], starts, ends, bandwidth, margin, issue)
         if trial is None:
             continue
         taken.append(item)

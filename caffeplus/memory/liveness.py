@@ -44,8 +44,10 @@ def data_layer_tops(net):
     return names
 
 
-def buffers(net, keep=(), training=True):
-    """List of Buffer for every data and diff Storage the iteration touches."""
+def buffers(net, keep=(), training=True, overlay=True):
+    """List of Buffer for every data and diff Storage the iteration touches;
+    with `overlay` (the reusing plans), the diffs that diff_overlays puts
+    in one region are one Buffer."""
     L, fwd, bwd = _steps(net)
     end_of_iteration = 2 * L if training else L
     keep = set(keep) | set(net.outputs) | set(net.inputs) | written_once(net) | \
@@ -125,8 +127,56 @@ def buffers(net, keep=(), training=True):
             start, end = min(start, 0), end_of_iteration
         out.append(Buffer((kind, tuple(sorted(blob_names))), kind, tuple(sorted(blob_names)),
                           nbytes, start, end))
+    if training and overlay:
+        out = diff_overlays(net, out)
     out.sort(key=lambda b: (b.start, b.key))
     return out
+
+
+def overlay_steps(net):
+    """[(backward step, top diff name, bottom diff name)] of the layers whose
+    backward may write its bottom's gradient over its top's
+    (Layer.diff_over_top_diff: LRN), where both are one blob's whole diff."""
+    from caffeplus import kernels
+    L, _, bwd = _steps(net)
+    heads = kernels.chain_heads(net)
+    names = net._blob_names
+    out = []
+    for i, layer in enumerate(net.layers):
+        if not (getattr(layer, 'diff_over_top_diff', False) and net.layer_need_backward[i]) \
+                or heads.get(i, i) != i or len(net.top_vecs[i]) != 1 or \
+                len(net.bottom_vecs[i]) != 1 or not net.bottom_need_backward[i][0]:
+            continue
+        top, bottom = net.top_vecs[i][0], net.bottom_vecs[i][0]
+        if top.diff_storage is bottom.diff_storage or top.count != bottom.count:
+            continue
+        out.append((bwd(i), names[net.top_id_vecs[i][0]], names[net.bottom_id_vecs[i][0]]))
+    return out
+
+
+def diff_overlays(net, bufs):
+    """Merge each overlay layer's top-diff and bottom-diff buffers into one
+    (overlay_steps): the top's gradient is dead once that backward has read
+    it, the bottom's is first written there, so one region serves both
+    (AlexNet's norm1 backward then holds three maps of 142 MiB, not four).
+    Only where the top's diff ends and the bottom's starts at that step
+    (neither kept, nor read before written)."""
+    by_name = {}
+    for b in bufs:
+        if b.kind == 'diff':
+            for n in b.blobs:
+                by_name[n] = b
+    for step, top, bottom in overlay_steps(net):
+        t, u = by_name.get(top), by_name.get(bottom)
+        if t is None or u is None or t is u or t.nbytes != u.nbytes or \
+                t.end != step or u.start != step:
+            continue
+        merged = Buffer(('diff', tuple(sorted(t.blobs + u.blobs))), 'diff',
+                        tuple(sorted(t.blobs + u.blobs)), t.nbytes, t.start, u.end)
+        bufs = [b for b in bufs if b is not t and b is not u] + [merged]
+        for n in merged.blobs:
+            by_name[n] = merged
+    return bufs
 
 
 # Each layer updated in backward costs a check and an update kernel launch

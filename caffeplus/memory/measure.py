@@ -217,20 +217,24 @@ def apply_static(net, plan, xp=None):
     for buf in plan.buffers:
         if not buf.blobs:
             continue        # workspace: the layers' own arena here
-        blob = blobs[buf.blobs[0]]
-        storage = blob.data_storage if buf.kind == 'data' else blob.diff_storage
-        if id(storage) in params:
-            continue        # a Parameter layer's top: the parameter stays where it is
         offset = plan.offsets[buf.key] // FLOAT_BYTES
         count = buf.nbytes // FLOAT_BYTES
         view = arena[offset:offset + count]
-        old = storage.array
-        if old is not None and old.size and buf.start <= 0:
-            # Live from setup on (DummyData's tops, loss weights in diffs):
-            # keep what setup wrote. Such buffers never share bytes.
-            n = min(count, old.size)
-            view[:n] = cupy.asarray(old[:n])
-        storage.array = view
+        # (Two storages where diffs overlay: liveness.diff_overlays.)
+        storages = {}
+        for n in buf.blobs:
+            st = blobs[n].data_storage if buf.kind == 'data' else blobs[n].diff_storage
+            storages[id(st)] = st
+        for storage in storages.values():
+            if id(storage) in params:
+                continue    # a Parameter layer's top: the parameter stays where it is
+            old = storage.array
+            if old is not None and old.size and buf.start <= 0:
+                # Live from setup on (DummyData's tops, loss weights in diffs):
+                # keep what setup wrote. Such buffers never share bytes.
+                n = min(count, old.size)
+                view[:n] = cupy.asarray(old[:n])
+            storage.array = view
     return {'applier': 'static', 'arena': arena}
 
 

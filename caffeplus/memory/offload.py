@@ -52,13 +52,33 @@ def _scan_uses(net, buf, heads):
     return fwd, bwd
 
 
+def copy_out_step(net, buf):
+    """The forward step after which a map's copy out is issued: its last
+    forward use, or for a data layer's batch, which the layers after only
+    read, the data layer's own step (the copy then runs beside conv1's
+    forward instead of after it)."""
+    from caffeplus.memory.liveness import data_layer_tops
+    fwd, _ = _uses(net, buf)
+    if fwd and set(buf.blobs) & data_layer_tops(net):
+        writers = [i for i in fwd if set(buf.blobs) & {net._blob_names[b]
+                                                       for b in net.top_id_vecs[i]}]
+        if writers == [min(fwd)] and not net.bottom_id_vecs[min(fwd)]:
+            return min(fwd)
+    return max(fwd)
+
+
 def choose(net, bufs, policy, keep=()):
     """Keys of the data buffers to offload under `policy`."""
-    from caffeplus.memory.liveness import written_once
+    from caffeplus.memory.liveness import data_layer_tops, written_once
     # Values that must outlive the iteration (DummyData's constant tops) stay put.
     keep = set(keep) | set(net.outputs) | set(net.inputs) | written_once(net)
+    batches = set()
     if policy == 'free':
         policy = 'all'          # the candidates; free_offload picks among them
+        # The data layers' batch too (AlexNet's 75 MiB, read again only by
+        # conv1's filter gradient at the end of backward): it comes back for
+        # that read and stays, readable after the iteration as in every plan.
+        batches = data_layer_tops(net)
     if isinstance(policy, str) and policy not in ('conv', 'all'):
         policy = [n for n in policy.split(',') if n]
     if not isinstance(policy, str):
@@ -73,8 +93,9 @@ def choose(net, bufs, policy, keep=()):
             conv_inputs.update(net._blob_names[b] for b in net.bottom_id_vecs[i])
     chosen = []
     for buf in bufs:
+        batch = bool(set(buf.blobs) & batches)
         if buf.kind != 'data' or set(buf.blobs) & keep or \
-                (buf.start <= 0 and buf.end >= 2 * len(net.layers)):
+                (buf.start <= 0 and buf.end >= 2 * len(net.layers) and not batch):
             continue        # kept, or live for the whole iteration
         fwd, bwd = _uses(net, buf)
         if not bwd or not fwd or max(fwd) + 1 >= min(bwd):

@@ -307,15 +307,17 @@ def clear_pool():
 # -- the runtime --------------------------------------------------------------------
 class _Item:
     """One offloaded Storage and this iteration's copies of it."""
-    __slots__ = ('entry', 'F', 'B', 'last_fwd', 'first_back', 'count', 'host', 'copied',
-                 'copied_ev', 'copied_waited', 'fetched', 'fetched_ev', 'consumed')
+    __slots__ = ('entry', 'F', 'B', 'last_fwd', 'issue', 'first_back', 'count', 'host',
+                 'copied', 'copied_ev', 'copied_waited', 'fetched', 'fetched_ev', 'consumed')
 
-    def __init__(self, entry, last_fwd, first_back):
+    def __init__(self, entry, last_fwd, first_back, issue=None):
         self.entry = entry
         self.F, self.B = entry.lives[0], entry.lives[1]
-        # The copy out follows the last forward use; F may end later (policy
-        # 'free' holds its bytes until the copy is predicted done).
+        # The copy out follows the last forward use (a data layer's batch:
+        # its write, offload.copy_out_step); F may end later (policy 'free'
+        # holds its bytes until the copy is predicted done).
         self.last_fwd = last_fwd
+        self.issue = last_fwd if issue is None else issue
         self.first_back = first_back
         self.count = self.F.view.size
         self.host = None
@@ -352,7 +354,8 @@ class OffloadRuntime:
         for e in applied.entries:
             if e.offloaded:
                 fwd, bwd = offload._uses(net, e.lives[0].buf)
-                self.items.append(_Item(e, max(fwd), min(bwd)))
+                self.items.append(_Item(e, max(fwd), min(bwd),
+                                        offload.copy_out_step(net, e.lives[0].buf)))
         for it in self.items:
             it.host = _host_buffer(self.device, it.count)
         self._schedule()
@@ -395,7 +398,7 @@ class OffloadRuntime:
             [(int(math.ceil(start)), offset, nbytes, None)
              for start, offset, nbytes in getattr(self.applied, 'extra_regions', ())]
         for it in self.items:
-            self.out_at[it.last_fwd].append(it)
+            self.out_at[it.issue].append(it)
             self.consume_at[it.first_back].append(it)
             lo, hi = it.F.offset, it.F.offset + _align(it.F.buf.nbytes)
             for start, offset, nbytes, z in regions:
@@ -619,7 +622,7 @@ class OffloadRuntime:
         net = applied.net
         keep = applied.options.get('keep', ())
         bufs = liveness.buffers(net, keep=keep, training=applied.training)
-        candidates = offload.choose(net, bufs, 'all', keep)
+        candidates = offload.choose(net, bufs, 'free', keep)
         host = self.options.get('host_budget', default_host_budget())
         modelled = free_offload.modelled_step_seconds(net) \
             if self.device.kind == 'cuda' and free_offload.model_bound() else None

@@ -5,8 +5,24 @@ first: ORDERS, the smallest arena wins); each goes at the lowest offset
 where it overlaps in address no buffer it overlaps in time. The
 arena's size is the highest end offset. Alignment keeps device pointers
 suitable for cuDNN and vectorised kernels.
+
+When the best order leaves the arena above the bytes live at the busiest
+moment (the bound no placement beats) by more than SEARCH_GAP, a short
+local search moves the buffers that end above that bound earlier in the
+order, one at a time, and keeps every order that places no worse: AlexNet
+b128's `free` plan went from 718.9 to 638.3 MiB against a bound of 635.8.
+The moves come from a fixed seed, so a plan places the same every time.
 """
+import random
+
 ALIGN = 512
+# Search only when the arena exceeds the bound by more than this share, and
+# at most SEARCH_WORK buffer placements (moves x buffers) per search: nets
+# of hundreds of buffers (GoogLeNet, ResNet-50) place within 0.5% of the
+# bound by ORDERS alone, where a search would cost seconds.
+SEARCH_GAP = 0.01
+SEARCH_WORK = 40000
+SEARCH_SEED = 1
 
 
 def _align(n):
@@ -49,18 +65,55 @@ def _place_in_order(order, placed=None):
     return placed, offsets, arena
 
 
-def place(buffers, last=()):
+def live_bound(buffers):
+    """The most aligned bytes live at one time: no placement's arena is smaller."""
+    events = sorted({b.start for b in buffers})
+    return max([sum(_align(b.nbytes) for b in buffers if b.start <= t <= b.end)
+                for t in events] + [0])
+
+
+def _search(order, done, bound):
+    """Local search from `order` (placed as `done`): move a buffer that
+    ends above `bound` to an earlier place in the order; keep the new order
+    when its arena is no larger. Returns the best placement found."""
+    n = len(order)
+    if n < 2:
+        return done
+    rng = random.Random(SEARCH_SEED)
+    best = done
+    for _ in range(max(SEARCH_WORK // n, 1)):
+        if best[2] <= bound:
+            break
+        offsets = best[1]
+        high = [i for i, b in enumerate(order) if offsets[b.key] + _align(b.nbytes) > bound]
+        i = rng.choice(high) if high and rng.random() < 0.8 else rng.randrange(n)
+        j = rng.randrange(i) if i else rng.randrange(n)
+        trial = list(order)
+        trial.insert(j, trial.pop(i))
+        placed = _place_in_order(trial)
+        if placed[2] <= best[2]:
+            order, best = trial, placed
+    return best
+
+
+def place(buffers, last=(), search=True):
     """Return ({buffer.key: offset}, arena_bytes). Buffers of the kinds in
     `last` are placed after all others (plan auto's workspace: each call
     sized to fit the holes the others leave at its step, free_at), in the
-    layout the others take."""
+    layout the others take. `search`: improve on the orders' best by a
+    local search where it is far from the bound (see the module's doc)."""
     first = [b for b in buffers if b.kind not in last]
     rest = [b for b in buffers if b.kind in last]
-    best = None
+    best, best_order = None, None
     for key in ORDERS:
-        done = _place_in_order(sorted(first, key=key))
+        order = sorted(first, key=key)
+        done = _place_in_order(order)
         if best is None or done[2] < best[2]:
-            best = done
+            best, best_order = done, order
+    if search and first:
+        bound = live_bound(first)
+        if best[2] > bound * (1 + SEARCH_GAP):
+            best = _search(best_order, best, bound)
     placed, offsets, _ = best
     _, more, arena = _place_in_order(sorted(rest, key=ORDERS[1]), placed)
     offsets.update(more)

@@ -127,7 +127,9 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     check_plan_name(name)
     if name == 'auto':
         raise CaffeplusError("plan 'auto' needs a budget: use caffeplus.memory.budget.plan_for_budget")
-    bufs = liveness.buffers(net, keep=keep, training=training)
+    # (stock and arena keep every diff in its own array: no overlays)
+    bufs = liveness.buffers(net, keep=keep, training=training,
+                            overlay=name not in ('stock', 'arena'))
     steps = 2 * len(net.layers) if training else len(net.layers)
     params = _param_bytes(net)
     breakdown = {
