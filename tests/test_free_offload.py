@@ -373,7 +373,13 @@ def test_the_data_layers_batch_can_leave_and_its_copy_goes_out_after_the_data_la
     got = sgd_run(net, iters=6)
     assert shared[0] == got[0]
     assert all(numpy.array_equal(a, b) for a, b in zip(shared[1], got[1]))
-    assert 'data' in net.applied_plan.info()['offloaded']
+    applied = net.applied_plan
+    assert 'data' in applied.info()['offloaded']
+    # Moved into the arena, the batch no longer counts outside it: the
+    # choice is weighed on the arena and those storages together.
+    assert not any('data' in e.names for e in applied.persistent)
+    assert applied.placed_bytes() == applied.arena_bytes + sum(
+        e.lives[0].buf.nbytes for e in applied.persistent)
     ref = small_net(memory='shared', text=CHAIN)
     for n in (ref, net):
         caffeplus.set_random_seed(11)

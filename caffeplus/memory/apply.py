@@ -261,6 +261,12 @@ class AppliedPlan:
         return getattr(self.plan, 'offload_policy', None) == 'free' and \
             'offload_hidden' not in self.options.get('plan_overrides', {})
 
+    def placed_bytes(self):
+        """The arena and the planned storages kept outside it for the whole
+        iteration (the data layer's batch): what an offload that moves one
+        of those into the arena must lower."""
+        return self.arena_bytes + sum(e.lives[0].buf.nbytes for e in self.persistent)
+
     def _free_offload_shrinks(self, hidden):
         """Whether offloading `hidden` lowers the placed feature maps' arena
         (the plans' own placement, before the workspace joins it)."""
@@ -288,20 +294,20 @@ class AppliedPlan:
                                   'peaks' % len(hidden))
             return
         bandwidth = getattr(self.runtime, 'bandwidth', None) or 0
-        before = self.arena_bytes
+        before = self.placed_bytes()
         self.relayout(replan=True)      # _set_lookahead takes the chosen prefetch steps
-        if self.arena_bytes >= before:
+        if self.placed_bytes() >= before:
             # Placed with the workspace, the held and returning lives
             # fragment the arena more than the absences save.
             self._no_free_offload('placed, the arena would not shrink (%s, was %s)'
-                                  % (format_bytes(self.arena_bytes), format_bytes(before)))
+                                  % (format_bytes(self.placed_bytes()), format_bytes(before)))
             self.relayout(replan=True)
             return
         log.info('Memory plan %s: offload policy free: %d feature maps (%s) move to host memory '
                  'while the measured steps hide their copies (link %s/s); arena %s, was %s',
                  self.name, len(hidden), format_bytes(sum(
                      e.lives[0].buf.nbytes for e in self.entries if e.offloaded)),
-                 format_bytes(bandwidth), format_bytes(self.arena_bytes), format_bytes(before))
+                 format_bytes(bandwidth), format_bytes(self.placed_bytes()), format_bytes(before))
 
     def adopt_lookahead(self, steps):
         """Place the buffers again with the calibrated prefetch steps; if the
