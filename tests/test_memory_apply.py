@@ -1000,3 +1000,29 @@ def test_lrn_writes_its_bottom_gradient_where_its_top_gradient_was():
     ref.forward()
     ref.backward()
     assert numpy.array_equal(kept.blobs['norm1'].diff, ref.blobs['norm1'].diff)
+
+
+def test_a_relayout_lets_the_old_arena_go_with_overlaid_gradients(monkeypatch):
+    """Both storages of an overlaid life drop their views of the old arena
+    before the new one is taken (two arenas at once were the peak: AlexNet's
+    `free` briefly held 600 MiB more while it placed its choice)."""
+    import weakref
+    net = small_net(memory='shared', text=LRN_NET)
+    net.forward()
+    net.backward()
+    applied = net.applied_plan
+    size = applied.arena_base().size
+    old = weakref.ref(applied.arena_base())
+    alive_at_new = []
+    zeros = numpy.zeros
+
+    def watched(shape, *args, **kwargs):
+        if shape == size:           # the new arena (the same plan: the same size)
+            alive_at_new.append(old() is not None)
+        return zeros(shape, *args, **kwargs)
+    monkeypatch.setattr(numpy, 'zeros', watched)
+    applied.relayout(reuse=False)
+    monkeypatch.undo()
+    assert alive_at_new == [False]
+    net.forward()
+    net.backward()

@@ -914,6 +914,8 @@ class AppliedPlan:
             arr = e.storage.array
             if arr is not None and any(arr is life.view for life in e.lives):
                 e.storage.array = None
+        # (Only then: overlaid diffs share a life, liveness.diff_overlays.)
+        for e in entries:
             for life in e.lives:
                 life.view = None
         for layer in self.net.layers:
