@@ -132,6 +132,8 @@ def test_free_policy_trains_bit_identical_to_shared(bandwidth, mode):
         assert chosen and applied.runtime.stats['copies_in'] > 0
         assert set(applied.info()['offloaded']) == {n for k in chosen for n in k[1]}
         assert applied.arena_bytes < shared_net.applied_plan.arena_bytes
+        # A fresh arena of that size, not a view of the larger one before.
+        assert applied.arena_base().size == max(applied.arena_bytes // 4, 1)
     else:
         assert chosen == {} and applied.runtime is None
 
@@ -386,3 +388,20 @@ def test_the_data_layers_batch_can_leave_and_its_copy_goes_out_after_the_data_la
         n.forward()
         n.backward()
     assert numpy.array_equal(ref.blobs['data'].data, net.blobs['data'].data)
+
+
+def test_the_chosen_layout_gets_a_fresh_arena_of_its_size(monkeypatch):
+    """The old arena, were it at most SPARE_SLACK larger, would serve a new
+    layout again and keep the bytes the choice saves: adopting the choice
+    takes an arena of exactly the new size."""
+    from caffeplus.memory import apply as apply_mod
+    monkeypatch.setattr(apply_mod, 'SPARE_SLACK', 0.125)    # any old arena up to 9x the size
+    net = small_net(text=CHAIN)
+    apply_named_plan(net, 'offload', offload_policy='free',
+                     runtime_options={'simulate': 'lazy', 'bandwidth': 1e15})
+    before = net.applied_plan.arena_base().size
+    sgd_run(net, iters=6)
+    applied = net.applied_plan
+    assert applied.options['plan_overrides']['offload_hidden']
+    assert applied.arena_bytes // 4 < before <= 9 * (applied.arena_bytes // 4)
+    assert applied.arena_base().size == applied.arena_bytes // 4
