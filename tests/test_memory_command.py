@@ -574,7 +574,10 @@ def test_memory_command_measures_with_the_estimate_beside(capsys):
 # copies behind at most the modelled device time on the GPU): a plan's
 # newest run counts.
 _MEMORY = os.path.join(ROOT, 'benchmarks', 'memory')
-_RUNS = [('2026-11-28-s17', '9a644e7', 'stock_shared_offload'),
+_RUNS = [('2026-11-28-s17', '20ebec9', 'stock_shared_offload'),
+         ('2026-11-28-s17', '20ebec9', 'shared_offload'),
+         ('2026-11-28-s17', '5c4f301', 'shared_offload'),
+         ('2026-11-28-s17', '9a644e7', 'stock_shared_offload'),
          ('2026-11-28-s17', 'c9f062b', 'shared_offload'),
          ('2026-11-28-s16', '87d9bc3', 'shared_offload'),
          ('2026-11-28-s14', 'd1644f8', 'stock_arena_shared_offload'),
