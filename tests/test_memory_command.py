@@ -574,7 +574,9 @@ def test_memory_command_measures_with_the_estimate_beside(capsys):
 # copies behind at most the modelled device time on the GPU): a plan's
 # newest run counts.
 _MEMORY = os.path.join(ROOT, 'benchmarks', 'memory')
-_RUNS = [('2026-11-28-s17', 'd17b9a0', 'shared_offload'),
+_RUNS = [('2026-11-28-s17', '096de8c', 'stock_shared_offload'),
+         ('2026-11-28-s17', '096de8c', 'shared_offload'),
+         ('2026-11-28-s17', 'd17b9a0', 'shared_offload'),
          ('2026-11-28-s17', '20ebec9', 'stock_shared_offload'),
          ('2026-11-28-s17', '20ebec9', 'shared_offload'),
          ('2026-11-28-s17', '5c4f301', 'shared_offload'),
