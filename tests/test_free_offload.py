@@ -113,18 +113,26 @@ def test_host_budget_limits_the_choice():
     assert sum(size[k] for k in some) <= cap and len(some) < len(every)
 
 
+def _free_beside_shared(iters, mode='lazy', bandwidth=1e15):
+    """Train CHAIN under `shared` and under offload 'free' (simulated copies)
+    for `iters` iterations; assert the same losses and weights bit for bit.
+    Returns (free net, shared net)."""
+    shared_net = small_net(memory='shared', text=CHAIN)
+    shared = sgd_run(shared_net, iters=iters)
+    net = small_net(text=CHAIN)
+    apply_named_plan(net, 'offload', offload_policy='free',
+                     runtime_options={'simulate': mode, 'bandwidth': bandwidth})
+    got = sgd_run(net, iters=iters)
+    assert shared[0] == got[0]
+    assert all(numpy.array_equal(a, b) for a, b in zip(shared[1], got[1]))
+    return net, shared_net
+
+
 @pytest.mark.parametrize('bandwidth,mode', [(1e15, 'lazy'), (1e15, 'eager'), (1.0, 'lazy')])
 def test_free_policy_trains_bit_identical_to_shared(bandwidth, mode):
     """The runtime times an early iteration without offload, chooses, places
     the arena again and trains on with the chosen maps offloaded."""
-    shared_net = small_net(memory='shared', text=CHAIN)
-    shared = sgd_run(shared_net, iters=6)
-    net = small_net(text=CHAIN)
-    apply_named_plan(net, 'offload', offload_policy='free',
-                     runtime_options={'simulate': mode, 'bandwidth': bandwidth})
-    got = sgd_run(net, iters=6)
-    assert shared[0] == got[0]
-    assert all(numpy.array_equal(a, b) for a, b in zip(shared[1], got[1]))
+    net, shared_net = _free_beside_shared(6, mode, bandwidth)
     applied = net.applied_plan
     chosen = applied.options['plan_overrides']['offload_hidden']
     assert applied.replans == (1 if bandwidth > 1e9 else 0)    # none: the layout stays
@@ -202,13 +210,7 @@ def test_copy_out_follows_the_last_forward_use_even_when_bytes_are_held_into_bac
         hidden[first] = free_offload.Hidden(L + 1, hidden[first].prefetch)
         return hidden
     monkeypatch.setattr(free_offload, 'choose_hidden', held_long)
-    shared = sgd_run(small_net(memory='shared', text=CHAIN), iters=5)
-    net = small_net(text=CHAIN)
-    apply_named_plan(net, 'offload', offload_policy='free',
-                     runtime_options={'simulate': 'lazy', 'bandwidth': 1e15})
-    got = sgd_run(net, iters=5)
-    assert shared[0] == got[0]
-    assert all(numpy.array_equal(a, b) for a, b in zip(shared[1], got[1]))
+    net, _ = _free_beside_shared(5)
     rt = net.applied_plan.runtime
     assert rt.items and rt.stats['copies_out'] == rt.stats['copies_in'] > 0
     (it,) = [it for it in rt.items if it.entry.names == held[0][1]]
@@ -368,13 +370,7 @@ def test_the_data_layers_batch_can_leave_and_its_copy_goes_out_after_the_data_la
     nbytes = batch.nbytes * free_offload.MARGIN
     hidden = free_offload.choose_hidden(net, bufs, [batch.key], steps, nbytes / 0.9)
     assert hidden[batch.key].release == 2
-    shared = sgd_run(small_net(memory='shared', text=CHAIN), iters=6)
-    net = small_net(text=CHAIN)
-    apply_named_plan(net, 'offload', offload_policy='free',
-                     runtime_options={'simulate': 'lazy', 'bandwidth': 1e15})
-    got = sgd_run(net, iters=6)
-    assert shared[0] == got[0]
-    assert all(numpy.array_equal(a, b) for a, b in zip(shared[1], got[1]))
+    net, _ = _free_beside_shared(6)
     applied = net.applied_plan
     assert 'data' in applied.info()['offloaded']
     # Moved into the arena, the batch no longer counts outside it: the

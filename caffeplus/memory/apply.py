@@ -48,7 +48,6 @@ the blob and how to keep it, never stale numbers. A pass that starts in the
 middle (forward(start=...)) first checks that what it reads from before its
 start is still there.
 """
-import collections
 import math
 import weakref
 
@@ -390,13 +389,8 @@ class AppliedPlan:
                 continue
             # One storage, or two whose diffs overlay (liveness.diff_overlays):
             # one life, one place in the arena, shared by both.
-            groups = collections.OrderedDict()
-            for n in buf.blobs:
-                blob = blobs[n]
-                storage = blob.data_storage if buf.kind == 'data' else blob.diff_storage
-                groups.setdefault(id(storage), (storage, []))[1].append(n)
             life = _Life(buf)
-            for storage, names in groups.values():
+            for storage, names in liveness.buffer_storages(buf, blobs):
                 if id(storage) in params:
                     continue        # a Parameter layer's top: the parameter stays where it is
                 entry = by_storage.get(id(storage))

@@ -108,16 +108,16 @@ def _first_step_from(starts, time, lo):
     return None
 
 
-def _plan_copies(items, starts, ends, bandwidth, margin, issue=None):
+def _plan_copies(items, starts, ends, bandwidth, margin, issue):
     """{key: Hidden} for `items` ((key, nbytes, last_fwd, first_back), in
     issue order of their copies out), or None when some copy cannot end in
-    time. `issue`: {key: step} of copies issued before the last forward use
-    (offload.copy_out_step); their bytes are still held until that use."""
+    time. `issue`: {key: step} after which each copy out is issued
+    (offload.copy_out_step; before the last forward use for a data layer's
+    batch, whose bytes are still held until that use)."""
     out_end, link = {}, 0.0
     release = {}
-    issue = issue or {}
     for key, nbytes, last_fwd, first_back in items:
-        link = max(link, ends[issue.get(key, last_fwd)]) + nbytes * margin / bandwidth
+        link = max(link, ends[issue[key]]) + nbytes * margin / bandwidth
         out_end[key] = link
         r = _first_step_from(starts, link, last_fwd + 1)
         if r is None or r >= first_back:

@@ -154,6 +154,18 @@ def overlay_steps(net):
     return out
 
 
+def buffer_storages(buf, blobs):
+    """[(storage, [blob names])] behind a data or diff Buffer, in the order
+    of its blobs (`blobs`: name -> Blob): one storage, or two where diffs
+    overlay (diff_overlays)."""
+    groups = collections.OrderedDict()
+    for n in buf.blobs:
+        blob = blobs[n]
+        storage = blob.data_storage if buf.kind == 'data' else blob.diff_storage
+        groups.setdefault(id(storage), (storage, []))[1].append(n)
+    return list(groups.values())
+
+
 def diff_overlays(net, bufs):
     """Merge each overlay layer's top-diff and bottom-diff buffers into one
     (overlay_steps): the top's gradient is dead once that backward has read

@@ -52,7 +52,7 @@ import time
 
 from caffeplus import backend
 from caffeplus.errors import CaffeplusError
-from caffeplus.memory import thread_stack
+from caffeplus.memory import liveness, thread_stack
 from caffeplus.memory.plan import CATEGORIES, workspace_calls
 
 FLOAT_BYTES = 4
@@ -221,11 +221,7 @@ def apply_static(net, plan, xp=None):
         count = buf.nbytes // FLOAT_BYTES
         view = arena[offset:offset + count]
         # (Two storages where diffs overlay: liveness.diff_overlays.)
-        storages = {}
-        for n in buf.blobs:
-            st = blobs[n].data_storage if buf.kind == 'data' else blobs[n].diff_storage
-            storages[id(st)] = st
-        for storage in storages.values():
+        for storage, _ in liveness.buffer_storages(buf, blobs):
             if id(storage) in params:
                 continue    # a Parameter layer's top: the parameter stays where it is
             old = storage.array

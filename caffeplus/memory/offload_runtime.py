@@ -310,14 +310,14 @@ class _Item:
     __slots__ = ('entry', 'F', 'B', 'last_fwd', 'issue', 'first_back', 'count', 'host',
                  'copied', 'copied_ev', 'copied_waited', 'fetched', 'fetched_ev', 'consumed')
 
-    def __init__(self, entry, last_fwd, first_back, issue=None):
+    def __init__(self, entry, last_fwd, first_back, issue):
         self.entry = entry
         self.F, self.B = entry.lives[0], entry.lives[1]
         # The copy out follows the last forward use (a data layer's batch:
         # its write, offload.copy_out_step); F may end later (policy 'free'
         # holds its bytes until the copy is predicted done).
         self.last_fwd = last_fwd
-        self.issue = last_fwd if issue is None else issue
+        self.issue = issue
         self.first_back = first_back
         self.count = self.F.view.size
         self.host = None
