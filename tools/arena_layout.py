@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""The arena a plan placed at run time, step by step (the run's counterpart
+of tools/estimate_timeline.py).
+
+    python tools/arena_layout.py .gpu_carry/bench/alexnet_b128.prototxt --plan offload \\
+        --offload free [--steps 9,13,43] [--json layout.json]
+
+Builds the net as `caffeplus memory -gpu` does (TRAIN, SGD solver, the
+estimated plan applied), runs iterations until the plan settles (for
+`free`: it has chosen and laid out again), then prints the arena's size
+beside the bytes live at the busiest step (the bound no placement beats),
+the live bytes at each step, and at the steps asked for (and the busiest)
+the buffers live there, largest first. --json writes every placed buffer
+(name, kind, bytes, first and last step, offset) to compare with the
+estimate's on a machine without a GPU.
+"""
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+MiB = 2.0 ** 20
+
+
+def placed_buffers(applied):
+    """[(name, kind, nbytes, start, end, offset)] of what the applied plan placed."""
+    from caffeplus.memory import placement
+    bufs, placed = applied.layout
+    names = {}
+    for e in applied.entries:
+        for life in e.lives:
+            names.setdefault(id(life), []).append('%s(%s)' % (e.name, e.kind))
+    offsets, _ = placement.place(bufs)  # the same call, for offsets by key
+    out = []
+    for b in bufs:
+        if b.key[0] == 'life':
+            life = placed[b.key[1]]
+            name, kind = ','.join(names.get(id(life), ['?'])), life.buf.kind
+        else:
+            name, kind = '/'.join(str(k) for k in b.key), b.kind
+        out.append((name, kind, b.nbytes, b.start, b.end, offsets.get(b.key)))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    ap.add_argument('model')
+    ap.add_argument('--plan', default='offload')
+    ap.add_argument('--offload', default='free')
+    ap.add_argument('--steps', default='')
+    ap.add_argument('--min-mib', type=float, default=1.0)
+    ap.add_argument('--json')
+    ap.add_argument('--cpu', action='store_true', help='on the CPU backend (to try the tool)')
+    args = ap.parse_args(argv)
+    os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
+    from caffeplus import backend
+    from caffeplus.memory import budget, measure, placement, shapes
+    from caffeplus.proto import caffe_pb2
+    if not args.cpu:
+        backend.set_mode_gpu(0)
+    param = shapes.load_net_param(args.model, phase=caffe_pb2.TRAIN)
+    with shapes.quiet():
+        solver = measure._solver(param, 'SGD', 20)
+        net = solver.net
+        est = budget.estimate_plan(shapes.build_net(param), args.plan,
+                                   offload_policy=args.offload)
+        measure.apply_plan(net, est)
+        measure.settle(net, solver)
+    applied = net.applied_plan
+    bufs = applied.layout[0]
+    rows = placed_buffers(applied)
+    steps = applied.steps
+    curve = [sum(placement._align(b.nbytes) for b in bufs if b.start <= t <= b.end)
+             for t in range(steps + 1)]
+    top = max(curve)
+    print('%s, plan %s (%s): arena %.1f MiB, bound %.1f MiB, busiest step %d; offloaded %s'
+          % (os.path.basename(args.model), args.plan, args.offload,
+             applied.arena_bytes / MiB, placement.live_bound(bufs) / MiB,
+             curve.index(top), [e.name for e in applied.entries if e.offloaded]))
+    names = net._layer_names
+    L = len(names)
+    for t, n in enumerate(curve):
+        label = ('F ' + names[t]) if t < L else ('B ' + names[2 * L - 1 - t]) if t < 2 * L \
+            else 'end'
+        print('%3d %-24s %8.1f MiB%s' % (t, label, n / MiB, '  <- busiest' if n == top else ''))
+    wanted = [int(s) for s in args.steps.split(',') if s.strip()] + [curve.index(top)]
+    for t in wanted:
+        print('step %d:' % t)
+        for name, kind, nbytes, start, end, off in sorted(
+                rows, key=lambda r: -r[2]):
+            if start <= t and end >= t - 0.5 and nbytes >= args.min_mib * MiB:
+                print('   %-10s %-40s %8.1f MiB  [%g, %g]' % (kind, name[:40], nbytes / MiB,
+                                                            start, end))
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump({'arena_bytes': applied.arena_bytes, 'steps': steps,
+                       'layer_names': names,
+                       'buffers': [dict(zip(('name', 'kind', 'nbytes', 'start', 'end',
+                                             'offset'), r)) for r in rows]}, f, indent=1)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
