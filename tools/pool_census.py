@@ -51,6 +51,7 @@ def main(argv=None):
     pool = cupy.get_default_memory_pool()
     live = {}                    # device pointer -> (bytes, site)
     state = {'peak': 0, 'snapshot': {}, 'now': 0}
+    taken = {}                   # site -> largest block of 1 MiB or more taken while timed
 
     class Census(cupy.cuda.MemoryHook):
         name = 'PoolCensus'
@@ -60,6 +61,9 @@ def main(argv=None):
             if old:
                 state['now'] -= old[0]
             live[kw['mem_ptr']] = (kw['mem_size'], _site())
+            if state.get('timed') and kw['mem_size'] >= MiB:
+                taken[live[kw['mem_ptr']][1]] = max(taken.get(live[kw['mem_ptr']][1], 0),
+                                                    kw['mem_size'])
             state['now'] += kw['mem_size']
             if state['now'] > state['peak']:
                 state['peak'] = state['now']
@@ -81,9 +85,12 @@ def main(argv=None):
         measure.settle(net, solver)
         cupy.cuda.Device().synchronize()
         state['peak'], state['snapshot'] = state['now'], dict(live)
+        held_before = pool.total_bytes()
+        state['timed'] = True
         for _ in range(args.iterations):
             measure.run_iteration(net, solver)
         cupy.cuda.Device().synchronize()
+        state['timed'] = False
     free, total = cupy.cuda.runtime.memGetInfo()
     used = total - free
     by_site = collections.defaultdict(lambda: [0, 0])
@@ -98,6 +105,16 @@ def main(argv=None):
              (used - pool.total_bytes()) / MiB))
     for site, (size, count) in sorted(by_site.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print('  %9.1f MiB %4d  %s' % (size / MiB, count, site))
+    print('pool held %.1f MiB when the timed iterations began; blocks of 1 MiB or more '
+          'taken while they ran, by site (largest):' % (held_before / MiB))
+    for site, size in sorted(taken.items(), key=lambda kv: -kv[1])[:args.top]:
+        print('  %9.1f MiB  %s' % (size / MiB, site))
+    pool.free_all_blocks()
+    after_free = pool.total_bytes()
+    measure.run_iteration(net, solver)
+    cupy.cuda.Device().synchronize()
+    print('pool after free_all_blocks %.1f MiB; after one more iteration %.1f MiB' % (
+        after_free / MiB, pool.total_bytes() / MiB))
     applied = getattr(net, 'applied_plan', None)
     if applied is not None and hasattr(applied, 'info'):
         info = applied.info()
