@@ -51,6 +51,7 @@ def main(argv=None):
     pool = cupy.get_default_memory_pool()
     live = {}                    # device pointer -> (bytes, site)
     state = {'peak': 0, 'snapshot': {}, 'now': 0}
+    chunks = []                  # (pointer, bytes, site) of every cudaMalloc, in order
     taken = {}                   # site -> largest block of 1 MiB or more taken while timed
 
     class Census(cupy.cuda.MemoryHook):
@@ -68,6 +69,9 @@ def main(argv=None):
             if state['now'] > state['peak']:
                 state['peak'] = state['now']
                 state['snapshot'] = dict(live)
+
+        def alloc_postprocess(self, **kw):
+            chunks.append((kw['mem_ptr'], kw['mem_size'], _site()))
 
         def free_postprocess(self, **kw):
             old = live.pop(kw['mem_ptr'], None)
@@ -111,6 +115,22 @@ def main(argv=None):
         print('  %9.1f MiB  %s' % (size / MiB, site))
     pool.free_all_blocks()
     after_free = pool.total_bytes()
+    # Which chunks the device gave the pool hold bytes no live block uses
+    # (a chunk split for a smaller block cannot go back while that lives).
+    owner = {}
+    for ptr, (size, site) in live.items():
+        for cptr, csize, csite in reversed(chunks):
+            if cptr <= ptr < cptr + csize:
+                owner.setdefault((cptr, csize, csite), []).append((size, site))
+                break
+    print('chunks partly unused (unused, chunk, where the chunk was taken; its live blocks):')
+    for (cptr, csize, csite), blocks in sorted(owner.items(),
+                                               key=lambda kv: sum(b[0] for b in kv[1]) - kv[0][1]):
+        unused = csize - sum(b[0] for b in blocks)
+        if unused >= MiB:
+            print('  %8.1f of %8.1f MiB  %s; %s' % (
+                unused / MiB, csize / MiB, csite,
+                ', '.join('%.1f MiB %s' % (b[0] / MiB, b[1]) for b in blocks[:3])))
     measure.run_iteration(net, solver)
     cupy.cuda.Device().synchronize()
     print('pool after free_all_blocks %.1f MiB; after one more iteration %.1f MiB' % (
