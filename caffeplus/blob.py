@@ -250,12 +250,26 @@ class Blob:
                                                         view.shape))
             return
         xp = backend.get_array_module(view)
-        value = xp.asarray(value, dtype=numpy.float32) if xp is not numpy \
-            else numpy.asarray(backend.to_numpy(value), dtype=numpy.float32)
+        on_host = xp is not numpy and backend.get_array_module(value) is numpy
+        if on_host:
+            # Host values go straight into the device view: a device copy of
+            # them first (xp.asarray) would be freed at once and its chunk of
+            # CuPy's pool split for later blobs, leaving bytes no array uses
+            # that the pool cannot give back (fc6's filled weights: 32 MiB of
+            # a 144 MiB chunk, tools/pool_census.py).
+            value = numpy.ascontiguousarray(value, dtype=numpy.float32)
+        elif xp is not numpy:
+            value = xp.asarray(value, dtype=numpy.float32)
+        else:
+            value = numpy.asarray(backend.to_numpy(value), dtype=numpy.float32)
         if value.shape != view.shape and value.size != view.size:
             raise CaffeplusError('cannot assign an array of shape %s to the %s of blob %s '
                                  'with shape %s' % (value.shape, which, self.name, view.shape))
-        view[...] = value.reshape(view.shape)
+        if on_host and view.flags.c_contiguous:
+            view.set(value.reshape(view.shape))
+        else:
+            view[...] = xp.asarray(value).reshape(view.shape) if on_host else \
+                value.reshape(view.shape)
 
     def share_data(self, other):
         if self._count != other._count:

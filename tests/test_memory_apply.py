@@ -1026,3 +1026,51 @@ def test_a_relayout_lets_the_old_arena_go_with_overlaid_gradients(monkeypatch):
     assert alive_at_new == [False]
     net.forward()
     net.backward()
+
+
+def test_assigning_host_values_keeps_shapes_dtypes_and_errors():
+    """Blob.data = values: float64, lists and flat arrays of the blob's size
+    land as float32; another size is refused, naming the blob."""
+    from caffeplus.blob import Blob
+    b = Blob((2, 3))
+    b.name = 'w'
+    b.data = numpy.arange(6, dtype=numpy.float64).reshape(2, 3) / 3
+    assert b.data.dtype == numpy.float32
+    numpy.testing.assert_array_equal(b.data, (numpy.arange(6) / 3).astype(numpy.float32).reshape(2, 3))
+    b.data = list(range(6))
+    numpy.testing.assert_array_equal(b.data.ravel(), numpy.arange(6, dtype=numpy.float32))
+    with pytest.raises(CaffeplusError, match='blob w'):
+        b.data = numpy.zeros(5)
+
+
+@pytest.mark.gpu
+def test_host_values_go_straight_into_a_device_blob():
+    """No device copy of host values is taken first: it would be freed at
+    once and its chunk of CuPy's pool split for later blobs, bytes the pool
+    cannot give back (AlexNet's fc6 weights left 32 MiB so)."""
+    import cupy
+    from caffeplus.blob import Blob
+    caffeplus.set_mode_gpu()
+    try:
+        b = Blob((512, 1024))
+        b.data                      # allocated before the hook watches
+        values = numpy.random.RandomState(0).rand(512, 1024)       # float64, as fillers' can be
+        taken = []
+
+        class Hook(cupy.cuda.MemoryHook):
+            name = 'TakenBlocks'
+
+            def malloc_postprocess(self, **kw):
+                taken.append(kw['mem_size'])
+
+        with Hook():
+            b.data = values
+            b.diff = values.ravel()[::-1].copy()     # flat, of the blob's size
+        assert taken == []
+        numpy.testing.assert_array_equal(cupy.asnumpy(b.data), values.astype(numpy.float32))
+        numpy.testing.assert_array_equal(cupy.asnumpy(b.diff).ravel(),
+                                         values.ravel()[::-1].astype(numpy.float32))
+        b.data = cupy.ones((512, 1024), dtype=cupy.float64)     # device values still work
+        assert float(b.data.sum()) == 512 * 1024
+    finally:
+        caffeplus.set_mode_cpu()
