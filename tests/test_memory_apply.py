@@ -1053,7 +1053,7 @@ def test_host_values_go_straight_into_a_device_blob():
     caffeplus.set_mode_gpu()
     try:
         b = Blob((512, 1024))
-        b.data                      # allocated before the hook watches
+        b.data, b.diff              # allocated before the hook watches
         values = numpy.random.RandomState(0).rand(512, 1024)       # float64, as fillers' can be
         taken = []
 
