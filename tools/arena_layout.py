@@ -52,6 +52,8 @@ def main(argv=None):
     ap.add_argument('--steps', default='')
     ap.add_argument('--min-mib', type=float, default=1.0)
     ap.add_argument('--json')
+    ap.add_argument('--sites', action='store_true',
+                    help="each convolution call's chosen algorithm and its timed candidates")
     ap.add_argument('--cpu', action='store_true', help='on the CPU backend (to try the tool)')
     args = ap.parse_args(argv)
     os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
@@ -93,6 +95,15 @@ def main(argv=None):
             if start <= t and end >= t - 0.5 and nbytes >= args.min_mib * MiB:
                 print('   %-10s %-40s %8.1f MiB  [%g, %g]' % (kind, name[:40], nbytes / MiB,
                                                             start, end))
+    if args.sites:
+        for layer, name in zip(net.layers, names):
+            for kind, site in sorted((getattr(layer, '_sites', None) or {}).items()):
+                best = min((c.time for c in site.candidates if c.time and c.time > 0), default=0)
+                print('%s %s: chosen %r' % (name, kind, site.choice))
+                for c in sorted(site.candidates, key=lambda c: c.memory):
+                    if c.time and c.time > 0:
+                        print('     %8.1f MiB  %7.3f ms  x%.3f  %r' % (
+                            c.memory / MiB, c.time, c.time / best if best else 0, c))
     if args.json:
         with open(args.json, 'w') as f:
             json.dump({'arena_bytes': applied.arena_bytes, 'steps': steps,
