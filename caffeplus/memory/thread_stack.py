@@ -27,9 +27,10 @@ CUDA_DEFAULT_BYTES = 1024
 # device once). 256 until session 17, 208 until session 18.
 THREAD_STACK_BYTES = 0
 # What the kernels the plans choose raised it to on the bench nets (H200,
-# tools/stack_probe.py, from 0 after the search): AlexNet b128 144 bytes,
-# GoogLeNet b64 128 (benchmarks/memory_results.md, session 18). The
-# estimate, made without a GPU, counts this much.
+# tools/stack_probe.py, from 0 after the search): AlexNet b128 and
+# ResNet-50 b64 144 bytes, GoogLeNet b64 128, VGG-16 b64 160 (its fc6's
+# GEMM; benchmarks/memory_results.md, session 18). The estimate, made
+# without a GPU, counts 144 (VGG-16's 16 bytes more are 4 MiB).
 ESTIMATED_STACK_BYTES = 144
 # Threads an H100 holds at once: what the estimate (made without a GPU) scales by.
 H100_THREADS = 132 * 2048
