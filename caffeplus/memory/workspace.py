@@ -42,7 +42,6 @@ import re
 import weakref
 
 from caffeplus import backend, log
-from caffeplus.memory import thread_stack
 from caffeplus.errors import CaffeplusError
 
 STOCK_WORKSPACE_LIMIT = 8 * 1024 * 1024     # Caffe 1.0's workspace_limit_bytes
@@ -401,8 +400,6 @@ class WorkspaceArena:
                 # For plan auto's search in this process (and a saved table).
                 if hasattr(layer, 'geom'):
                     calibration.record(layer, s.kind, timed)
-        # What the candidates raised the CUDA stack to, not kept for the chosen.
-        thread_stack.after_search(self.plan_name)
 
     def search_limit(self, site):
         """The most workspace a timed search may give `site`'s candidates
