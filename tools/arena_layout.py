@@ -58,18 +58,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
     from caffeplus import backend
-    from caffeplus.memory import budget, measure, placement, shapes
-    from caffeplus.proto import caffe_pb2
+    from caffeplus.memory import measure, placement
     if not args.cpu:
         backend.set_mode_gpu(0)
-    param = shapes.load_net_param(args.model, phase=caffe_pb2.TRAIN)
-    with shapes.quiet():
-        solver = measure._solver(param, 'SGD', 20)
-        net = solver.net
-        est = budget.estimate_plan(shapes.build_net(param), args.plan,
-                                   offload_policy=args.offload)
-        measure.apply_plan(net, est)
-        measure.settle(net, solver)
+    net, solver = measure.settled_net(args.model, args.plan, args.offload)
     applied = net.applied_plan
     bufs = applied.layout[0]
     rows = placed_buffers(applied)

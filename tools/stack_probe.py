@@ -28,17 +28,9 @@ def main(argv=None):
     os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
     import cupy
     from caffeplus import backend
-    from caffeplus.memory import budget, measure, shapes, thread_stack
-    from caffeplus.proto import caffe_pb2
+    from caffeplus.memory import measure, thread_stack
     backend.set_mode_gpu(0)
-    param = shapes.load_net_param(args.model, phase=caffe_pb2.TRAIN)
-    with shapes.quiet():
-        solver = measure._solver(param, 'SGD', 20)
-        net = solver.net
-        est = budget.estimate_plan(shapes.build_net(param), args.plan,
-                                   offload_policy=args.offload)
-        measure.apply_plan(net, est)
-        measure.settle(net, solver)
+    net, solver = measure.settled_net(args.model, args.plan, args.offload)
     cupy.cuda.Device().synchronize()
     print('%s, plan %s: stack limit after the first iterations (the search among them) %d bytes'
           % (os.path.basename(args.model), args.plan, thread_stack.current_bytes()))

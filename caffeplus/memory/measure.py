@@ -380,6 +380,22 @@ def settle(net, solver):
         run_iteration(net, solver)
 
 
+def settled_net(path, plan_name, offload_policy='free', max_iter=20):
+    """(net, solver) of the TRAIN net at `path`, built as `caffeplus memory`
+    builds it (SGD solver, the estimated plan applied) in the current mode,
+    after settle(): what the probes in tools/ look at."""
+    from caffeplus.memory import budget, shapes
+    from caffeplus.proto import caffe_pb2
+    param = shapes.load_net_param(path, phase=caffe_pb2.TRAIN)
+    with shapes.quiet():
+        solver = _solver(param, 'SGD', max_iter)
+        net = solver.net
+        apply_plan(net, budget.estimate_plan(shapes.build_net(param), plan_name,
+                                             offload_policy=offload_policy))
+        settle(net, solver)
+    return net, solver
+
+
 def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1, apply=None):
     """Run one stepped iteration and then `iterations` timed ones of
     `net_param` on GPU `gpu` with `plan` applied; return the measurements
