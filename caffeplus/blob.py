@@ -250,26 +250,25 @@ class Blob:
                                                         view.shape))
             return
         xp = backend.get_array_module(view)
-        on_host = xp is not numpy and backend.get_array_module(value) is numpy
-        if on_host:
-            # Host values go straight into the device view: a device copy of
-            # them first (xp.asarray) would be freed at once and its chunk of
-            # CuPy's pool split for later blobs, leaving bytes no array uses
-            # that the pool cannot give back (fc6's filled weights: 32 MiB of
-            # a 144 MiB chunk, tools/pool_census.py).
-            value = numpy.ascontiguousarray(value, dtype=numpy.float32)
-        elif xp is not numpy:
-            value = xp.asarray(value, dtype=numpy.float32)
-        else:
+        # Host values into a device blob go straight into its view (views
+        # are contiguous): a device copy of them first (xp.asarray) would be
+        # freed at once and its chunk of CuPy's pool split for later blobs,
+        # leaving bytes no array uses that the pool cannot give back (fc6's
+        # filled weights: 32 MiB of a 144 MiB chunk, tools/pool_census.py).
+        host_to_device = xp is not numpy and backend.get_array_module(value) is numpy
+        if xp is numpy:
             value = numpy.asarray(backend.to_numpy(value), dtype=numpy.float32)
+        elif host_to_device:
+            value = numpy.ascontiguousarray(value, dtype=numpy.float32)
+        else:
+            value = xp.asarray(value, dtype=numpy.float32)
         if value.shape != view.shape and value.size != view.size:
             raise CaffeplusError('cannot assign an array of shape %s to the %s of blob %s '
                                  'with shape %s' % (value.shape, which, self.name, view.shape))
-        if on_host and view.flags.c_contiguous:
+        if host_to_device:
             view.set(value.reshape(view.shape))
         else:
-            view[...] = xp.asarray(value).reshape(view.shape) if on_host else \
-                value.reshape(view.shape)
+            view[...] = value.reshape(view.shape)
 
     def share_data(self, other):
         if self._count != other._count:

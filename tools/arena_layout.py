@@ -26,13 +26,11 @@ MiB = 2.0 ** 20
 
 def placed_buffers(applied):
     """[(name, kind, nbytes, start, end, offset)] of what the applied plan placed."""
-    from caffeplus.memory import placement
-    bufs, placed = applied.layout
+    bufs, placed, offsets = applied.layout
     names = {}
     for e in applied.entries:
         for life in e.lives:
             names.setdefault(id(life), []).append('%s(%s)' % (e.name, e.kind))
-    offsets, _ = placement.place(bufs)  # the same call, for offsets by key
     out = []
     for b in bufs:
         if b.key[0] == 'life':
@@ -40,7 +38,7 @@ def placed_buffers(applied):
             name, kind = ','.join(names.get(id(life), ['?'])), life.buf.kind
         else:
             name, kind = '/'.join(str(k) for k in b.key), b.kind
-        out.append((name, kind, b.nbytes, b.start, b.end, offsets.get(b.key)))
+        out.append((name, kind, b.nbytes, b.start, b.end, offsets[b.key]))
     return out
 
 
@@ -61,7 +59,7 @@ def main(argv=None):
     from caffeplus.memory import measure, placement
     if not args.cpu:
         backend.set_mode_gpu(0)
-    net, solver = measure.settled_net(args.model, args.plan, args.offload)
+    net, _ = measure.settled_net(args.model, args.plan, args.offload)
     applied = net.applied_plan
     bufs = applied.layout[0]
     rows = placed_buffers(applied)

@@ -446,8 +446,8 @@ class AppliedPlan:
         kept_bufs = self._internal_buffers(unfused)
         last = ('workspace',) if getattr(self.plan, 'call_workspace', None) else ()
         offsets, arena_bytes = placement.place(bufs + ws_bufs + kept_bufs, last)
-        # What was placed, for tools/arena_layout.py: ('life', i) is placed[i].
-        self.layout = (bufs + ws_bufs + kept_bufs, placed)
+        # What was placed and where, for tools/arena_layout.py: ('life', i) is placed[i].
+        self.layout = (bufs + ws_bufs + kept_bufs, placed, offsets)
         if self._layout_limit is not None and arena_bytes > self._layout_limit:
             raise _OverLimit(arena_bytes)
         self.arena_bytes = arena_bytes
