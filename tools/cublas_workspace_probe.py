@@ -10,9 +10,10 @@ their batches, ResNet-50's fc1000, GoogLeNet's classifiers) forward and
 backward through caffeplus's InnerProduct layer on the GPU from fixed
 inputs, saves every output, and prints the device memory cuBLAS added
 (before and after the first GEMM). Run it once per CUBLAS_WORKSPACE_CONFIG
-and compare the files bit for bit. --own runs the GEMMs on a workspace
-buffer from CuPy's pool (tools/cublas_own_workspace.py), as a memory plan
-would place it in its arena.
+and compare the files bit for bit. --own runs the GEMMs on caffeplus's own
+handle (no pool) and a workspace buffer from CuPy's pool
+(tools/cublas_own_workspace.py), as a memory plan runs InnerProduct on its
+arena's bytes.
 """
 import os
 import sys
@@ -38,10 +39,13 @@ def run(path, own=None):
     if os.environ.get('PROBE_SET_CONFIG') is not None:
         # set in the process once CUDA runs, before the cuBLAS handle exists
         os.environ['CUBLAS_WORKSPACE_CONFIG'] = os.environ['PROBE_SET_CONFIG']
-    blas._handle()
+    # --own: caffeplus's handle alone (no pool), as the memory plans run
+    # InnerProduct; else CuPy's, with the pool CUBLAS_WORKSPACE_CONFIG gives.
+    blas.own_handle() if own else blas._handle()
     cupy.cuda.Device().synchronize()
     free_h, _ = cupy.cuda.runtime.memGetInfo()
-    print('the cuBLAS handle added %.1f MiB' % ((free0 - free_h) / MiB))
+    print('the cuBLAS handle (%s) added %.1f MiB'
+          % ('caffeplus\'s' if own else 'CuPy\'s', (free0 - free_h) / MiB))
     scope = contextlib.nullcontext()
     if own:
         buf = cupy.empty(own, dtype=numpy.uint8)

@@ -8,8 +8,19 @@ pointers: compute type CUBLAS_COMPUTE_32F in strict mode (true FP32),
 CUBLAS_COMPUTE_32F_FAST_TF32 in TF32 mode, or as the caller asks (bias
 sums stay FP32 in every mode). Column-major, as cuBLAS: a C-ordered r x c
 array is a column-major c x r matrix.
+
+`workspace=(pointer, bytes)`: the call runs on a cuBLAS handle of
+caffeplus's own (one per device), made without a workspace pool of its
+own (CUBLAS_WORKSPACE_CONFIG=:0:0 while it is created), on those bytes,
+which a memory plan places in its arena (caffeplus.memory.cublas_pool).
+CuPy's wrappers set the handle's stream before every call and
+cublasSetStream puts the handle's default workspace back, so these calls
+go through ctypes: stream, workspace, GEMM. Without `workspace` the call
+runs on CuPy's handle and its pool.
 """
 import ctypes
+import os
+import re
 
 from caffeplus.backend import mathmode
 
@@ -21,7 +32,9 @@ _GEMM_DEFAULT = -1
 _ONE = ctypes.c_float(1.0)
 _ZERO = ctypes.c_float(0.0)
 _SCALARS = {1.0: ctypes.addressof(_ONE), 0.0: ctypes.addressof(_ZERO)}
-_state = {'cublas': None, 'handle': None}
+_state = {'cublas': None, 'handle': None, 'ctypes': None, 'own': {}}
+WORKSPACE_ENV = 'CUBLAS_WORKSPACE_CONFIG'
+NO_POOL = ':0:0'
 
 
 def _lib():
@@ -42,23 +55,103 @@ def _handle():
     return get()
 
 
-def gemm(transa, transb, m, n, k, a, lda, b, ldb, c, ldc, beta=0.0, tf32=None):
+def loaded_cublas():
+    """libcublas through ctypes: the library CuPy loaded (so a handle of
+    either kind is valid in both), with the signatures used here."""
+    lib = _state['ctypes']
+    if lib is not None:
+        return lib
+    _lib()
+    path = None
+    with open('/proc/self/maps') as maps:
+        for line in maps:
+            name = line.rsplit(None, 1)[-1]
+            if re.search(r'/libcublas\.so[.0-9]*$', name):
+                path = name
+                break
+    lib = ctypes.CDLL(path or 'libcublas.so')
+    v, i, s, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_longlong
+    lib.cublasCreate_v2.argtypes = [ctypes.POINTER(v)]
+    lib.cublasSetStream_v2.argtypes = [v, v]
+    lib.cublasSetWorkspace_v2.argtypes = [v, v, s]
+    lib.cublasGemmEx.argtypes = [v, i, i, i, i, i, v, v, i, i, v, i, i, v, v, i, i, i, i]
+    lib.cublasGemmStridedBatchedEx.argtypes = [v, i, i, i, i, i, v, v, i, i, ll, v, i, i, ll,
+                                               v, v, i, i, ll, i, i, i]
+    _state['ctypes'] = lib
+    return lib
+
+
+def own_handle():
+    """caffeplus's own cuBLAS handle on the current device, made with no
+    workspace pool (cuBLAS reads CUBLAS_WORKSPACE_CONFIG when a handle is
+    made); every call on it brings its workspace."""
+    import cupy
+    device = cupy.cuda.runtime.getDevice()
+    handle = _state['own'].get(device)
+    if handle is None:
+        lib = loaded_cublas()
+        saved = os.environ.get(WORKSPACE_ENV)
+        os.environ[WORKSPACE_ENV] = NO_POOL
+        try:
+            made = ctypes.c_void_p()
+            _check('cublasCreate', lib.cublasCreate_v2(ctypes.byref(made)))
+        finally:
+            if saved is None:
+                del os.environ[WORKSPACE_ENV]
+            else:
+                os.environ[WORKSPACE_ENV] = saved
+        handle = _state['own'][device] = made.value
+    return handle
+
+
+def _check(function, status):
+    if status:
+        raise RuntimeError('%s failed: cuBLAS status %d' % (function, status))
+
+
+def _on_workspace(workspace, function, *args):
+    """`function` on caffeplus's handle, on CuPy's current stream, with the
+    workspace (pointer, bytes)."""
+    import cupy
+    lib = loaded_cublas()
+    handle = own_handle()
+    ptr, nbytes = workspace
+    _check('cublasSetStream', lib.cublasSetStream_v2(handle, cupy.cuda.get_current_stream().ptr))
+    _check('cublasSetWorkspace', lib.cublasSetWorkspace_v2(handle, int(ptr), int(nbytes)))
+    _check(function, getattr(lib, function)(handle, *args))
+
+
+def gemm(transa, transb, m, n, k, a, lda, b, ldb, c, ldc, beta=0.0, tf32=None, workspace=None):
     """C (m x n) = op(A) op(B) + beta C on device pointers (ints), column-major,
-    on CuPy's current stream. beta is 0 or 1; tf32 None follows the math mode."""
+    on CuPy's current stream. beta is 0 or 1; tf32 None follows the math
+    mode; `workspace` (pointer, bytes): on caffeplus's handle, there."""
     if tf32 is None:
         tf32 = mathmode.tf32()
+    compute = _COMPUTE_32F_FAST_TF32 if tf32 else _COMPUTE_32F
+    if workspace is not None:
+        _on_workspace(workspace, 'cublasGemmEx', transa, transb, int(m), int(n), int(k),
+                      _SCALARS[1.0], a, _R_32F, int(lda), b, _R_32F, int(ldb),
+                      _SCALARS[float(beta)], c, _R_32F, int(ldc), compute, _GEMM_DEFAULT)
+        return
     lib = _lib()
     lib.gemmEx(_handle(), transa, transb, int(m), int(n), int(k), _SCALARS[1.0], a, _R_32F,
                int(lda), b, _R_32F, int(ldb), _SCALARS[float(beta)], c, _R_32F, int(ldc),
-               _COMPUTE_32F_FAST_TF32 if tf32 else _COMPUTE_32F, _GEMM_DEFAULT)
+               compute, _GEMM_DEFAULT)
 
 
 def gemm_strided_batched(transa, transb, m, n, k, a, lda, stride_a, b, ldb, stride_b, c, ldc,
-                         stride_c, batch, beta=0.0, tf32=None):
+                         stride_c, batch, beta=0.0, tf32=None, workspace=None):
     """C_i = op(A_i) op(B_i) + beta C_i for i < batch, X_i = X + i * stride_x
     (elements; a stride of 0 shares the matrix); as gemm() otherwise."""
     if tf32 is None:
         tf32 = mathmode.tf32()
+    if workspace is not None:
+        _on_workspace(workspace, 'cublasGemmStridedBatchedEx', transa, transb, int(m), int(n),
+                      int(k), _SCALARS[1.0], a, _R_32F, int(lda), int(stride_a), b, _R_32F,
+                      int(ldb), int(stride_b), _SCALARS[float(beta)], c, _R_32F, int(ldc),
+                      int(stride_c), int(batch),
+                      _COMPUTE_32F_FAST_TF32 if tf32 else _COMPUTE_32F, _GEMM_DEFAULT)
+        return
     lib = _lib()
     lib.gemmStridedBatchedEx(
         _handle(), transa, transb, int(m), int(n), int(k), _SCALARS[1.0], a, _R_32F, int(lda),
