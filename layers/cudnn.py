@@ -2484,9 +2484,13 @@ class GPUInnerProductLayer(InnerProductLayer):
     and VGG's fc6), the bias gradient is one GEMM with a ones vector
     (beta = 1), the bias is added by a rank-1 GEMM (k = 1: exactly y + b,
     as the generic code). The matrix products follow the math mode (TF32
-    or strict FP32, CUBLAS_COMPUTE_32F); the bias sums are FP32 always."""
+    or strict FP32, CUBLAS_COMPUTE_32F); the bias sums are FP32 always.
+    Under a placing plan on Hopper the GEMMs run on caffeplus's own cuBLAS
+    handle with workspace the plan placed for this layer's forward and
+    backward steps (`gemm_views`; caffeplus.memory.cublas_pool)."""
     engine = 'FUSED'
     _ones = None
+    gemm_views = {}         # 'forward' | 'backward' -> (pointer, bytes), set by the plan
 
     def _ones_ptr(self, n):
         from caffeplus import kernels as K
@@ -2513,13 +2517,14 @@ class GPUInnerProductLayer(InnerProductLayer):
             return False
         M, N, Kd = self.M, self.num_output, self.K
         xp, wp, yp = int(x.data.ptr), int(w.data.ptr), int(y.data.ptr)
+        ws = self.gemm_views.get('forward')
         if self.transpose:          # W is K x N: y = x W
-            blas.gemm(blas.N, blas.N, N, M, Kd, wp, N, xp, Kd, yp, N)
+            blas.gemm(blas.N, blas.N, N, M, Kd, wp, N, xp, Kd, yp, N, workspace=ws)
         else:                       # W is N x K: y = x W^T
-            blas.gemm(blas.T, blas.N, N, M, Kd, wp, Kd, xp, Kd, yp, N)
+            blas.gemm(blas.T, blas.N, N, M, Kd, wp, Kd, xp, Kd, yp, N, workspace=ws)
         if bias is not None:        # y += 1 b^T
             blas.gemm(blas.N, blas.N, N, M, 1, int(bias.data.ptr), N, self._ones_ptr(M), 1, yp, N,
-                      beta=1.0, tf32=False)
+                      beta=1.0, tf32=False, workspace=ws)
         return True
 
     def _forward(self, bottom, top):
@@ -2545,21 +2550,24 @@ class GPUInnerProductLayer(InnerProductLayer):
                 (propagate_down[0] and (dx is None or w is None)):
             return False
         dyp, xp = int(dy.data.ptr), int(x.data.ptr)
+        ws = self.gemm_views.get('backward')
         if want_w:
             if self.transpose:      # W is K x N: dW += x^T dy
-                blas.gemm(blas.N, blas.T, N, Kd, M, dyp, N, xp, Kd, int(dw.data.ptr), N, beta=1.0)
+                blas.gemm(blas.N, blas.T, N, Kd, M, dyp, N, xp, Kd, int(dw.data.ptr), N, beta=1.0,
+                          workspace=ws)
             else:                   # W is N x K: dW += dy^T x
-                blas.gemm(blas.N, blas.T, Kd, N, M, xp, Kd, dyp, N, int(dw.data.ptr), Kd, beta=1.0)
+                blas.gemm(blas.N, blas.T, Kd, N, M, xp, Kd, dyp, N, int(dw.data.ptr), Kd, beta=1.0,
+                          workspace=ws)
         if want_b:                  # db += dy^T 1
             blas.gemm(blas.N, blas.N, N, 1, M, dyp, N, self._ones_ptr(M), M, int(db.data.ptr), N,
-                      beta=1.0, tf32=False)
+                      beta=1.0, tf32=False, workspace=ws)
         if propagate_down[0]:
             if self.transpose:      # dx = dy W^T
                 blas.gemm(blas.T, blas.N, Kd, M, N, int(w.data.ptr), N, dyp, N, int(dx.data.ptr),
-                          Kd)
+                          Kd, workspace=ws)
             else:                   # dx = dy W
                 blas.gemm(blas.N, blas.N, Kd, M, N, int(w.data.ptr), Kd, dyp, N, int(dx.data.ptr),
-                          Kd)
+                          Kd, workspace=ws)
         return True
 
     def _backward(self, top, propagate_down, bottom):

@@ -110,8 +110,10 @@ def test_estimate_places_modelled_workspace_for_reusing_plans():
     net = build()
     shared = budget.estimate_plan(net, 'shared')
     placed = [b for b in shared.buffers if b.kind == 'workspace']
-    # 3x3 stride-1 convolutions: the model's fastest candidate needs workspace.
-    assert {b.key[1] for b in placed} == {'conv1', 'conv2', 'conv3'}
+    # 3x3 stride-1 convolutions: the model's fastest candidate needs workspace;
+    # the InnerProduct's GEMMs get cuBLAS's (caffeplus.memory.cublas_pool).
+    assert {b.key[1] for b in placed} == {'conv1', 'conv2', 'conv3', 'ip'}
+    assert {b.nbytes for b in placed if b.key[1] == 'ip'} == {32 * 2 ** 20}
     # Its share of the arena at the busiest step (the arena has alignment gaps).
     assert 0 <= shared.breakdown["workspace"] <= 1.25 * max(b.nbytes for b in placed)
     stock = budget.estimate_plan(net, 'stock')
@@ -266,6 +268,34 @@ def test_applied_plan_places_views_apart_from_live_buffers(name):
     assert abs(sum(shares.values()) - 1.0) < 1e-9
 
 
+def test_inner_products_get_cublas_workspace_views_apart_from_live_buffers(monkeypatch):
+    """Where the GPU runs InnerProduct's GEMMs on arena bytes
+    (caffeplus.memory.cublas_pool), the plan places a view for the layer's
+    forward step and its backward step; removing the plan takes them away."""
+    from caffeplus.memory.apply import AppliedPlan, remove_plan
+    monkeypatch.setattr(AppliedPlan, '_gemm_bytes', lambda self: 8 * KB)
+    net = build('stock')
+    sizes = {i: (16 * KB, 16 * KB) for i in conv_indices(net)}
+    applied, stand_in = apply_with(net, 'shared', sizes)
+    L = len(net.layers)
+    i = net._layer_names.index('ip')
+    ip = net.layers[i]
+    assert set(ip.gemm_views) == {'forward', 'backward'}
+    assert all((id(ip), k) not in stand_in.views for k in ('forward', 'backward'))
+    for pass_kind, (offset, nbytes) in ip.gemm_views.items():
+        step = i if pass_kind == 'forward' else 2 * L - 1 - i
+        assert nbytes == 8 * KB and 0 <= offset and offset + nbytes <= applied.arena_bytes
+        for e in applied.entries:
+            for life in e.lives:
+                if life.start <= step <= life.end:
+                    assert life.offset + life.buf.nbytes <= offset or \
+                        offset + nbytes <= life.offset, (e.name, pass_kind)
+        assert applied.workspace_calls['ip/' + pass_kind] == 8 * KB
+    placement.validate(applied.layout[0], applied.layout[2])
+    remove_plan(net)
+    assert ip.gemm_views == {}
+
+
 def test_passes_name_their_kind_and_training_is_unchanged():
     ref = train(build('stock'))
     net = build('stock')
@@ -328,6 +358,11 @@ def test_gpu_shared_plan_runs_convolutions_in_placed_views():
         got = train(net)
         assert ws.views, 'no placed views'
         assert ws._buffer.nbytes == 0, 'a call fell back to a private buffer'
+        import cupy
+        if cupy.cuda.Device().compute_capability[:-1] == '9':
+            # and InnerProduct's GEMMs on the arena's bytes (cublas_pool)
+            ip = net.layers[net._layer_names.index('ip')]
+            assert set(ip.gemm_views) == {'forward', 'backward'}
         assert numpy.allclose(got[0], ref[0], rtol=0, atol=0)
         for a, b in zip(got[1], ref[1]):
             assert numpy.array_equal(a, b)

@@ -387,7 +387,8 @@ def test_auto_runs_convolutions_again_where_that_beats_the_host_link(monkeypatch
     since the plans' smaller thread stack, little has to leave at all.)
     Since the placement's local search (placement._search) the plan without
     convolutions made again fits with fewer maps moved (377 against 450 ms
-    estimated), and at 11.5 GiB only the plan that makes them again fits."""
+    estimated), and at 11.45 GiB only the plan that makes them again fits
+    (11.5 before InnerProduct's cuBLAS workspace moved into the arena)."""
     net = shapes.build_net(shapes.load_net_param(bench_path('vgg16_b64'), batch=256))
     limit = budget.parse_bytes('11.8G')
     plan = budget.plan_for_budget(net, limit)
@@ -403,10 +404,10 @@ def test_auto_runs_convolutions_again_where_that_beats_the_host_link(monkeypatch
     assert plan.est_iter_ms < 0.97 * without.est_iter_ms
     assert host_bytes(net, plan) < host_bytes(net, without)
     with pytest.raises(CaffeplusError, match='smallest budget that fits'):
-        budget.plan_for_budget(net, budget.parse_bytes('11.5G'))
+        budget.plan_for_budget(net, budget.parse_bytes('11.45G'))
     monkeypatch.undo()
-    tight = budget.plan_for_budget(net, budget.parse_bytes('11.5G'))
-    assert tight.peak_bytes <= budget.parse_bytes('11.5G')
+    tight = budget.plan_for_budget(net, budget.parse_bytes('11.45G'))
+    assert tight.peak_bytes <= budget.parse_bytes('11.45G')
     assert 'conv1_1' in tight.recomputed_names()
 
 

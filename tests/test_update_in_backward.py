@@ -226,8 +226,9 @@ def test_auto_fits_budgets_that_need_the_fc_gradients_gone(monkeypatch):
     """AlexNet b128: with fc6-8's gradients placed (about 220 MiB that
     `shared` and `offload` no longer hold at the convolutions' peaks), auto
     fits 1.5 GiB; holding them whole, its smallest plan is above that and
-    the error names the smallest budget that fits (1.6x GiB; 1.7x before
-    norm1's and norm2's gradients overlaid and the placement's search)."""
+    the error names the smallest budget that fits (1.58 GiB; 1.6x before
+    InnerProduct's cuBLAS workspace moved into the arena, 1.7x before norm1's
+    and norm2's gradients overlaid and the placement's search)."""
     path = os.path.join(SHARED, 'bench', 'alexnet_b128.prototxt')
     if not os.path.exists(path):
         pytest.skip('needs ../shared/bench')
@@ -237,7 +238,7 @@ def test_auto_fits_budgets_that_need_the_fc_gradients_gone(monkeypatch):
     assert plan.param_diffs and plan.peak_bytes <= limit
     assert plan.breakdown['parameter_diffs'] < 64 * 2 ** 20
     monkeypatch.setenv(update_in_backward.ENV, '0')
-    with pytest.raises(CaffeplusError, match=r'smallest budget that fits is 1\.[6-9]\dG'):
+    with pytest.raises(CaffeplusError, match=r'smallest budget that fits is 1\.[5-9]\dG'):
         budget.estimate_plan(net, 'auto', budget=limit)
 
 

@@ -4,7 +4,8 @@
     python3 tools/estimate_with_run_workspace.py MEASURED.json NET.prototxt [--plans shared,offload]
 
 MEASURED.json is `caffeplus memory -gpu 0 --json` output, whose placing
-plans record the workspace each cuDNN call was given (workspace_calls).
+plans record the workspace each cuDNN call was given (workspace_calls; those
+of InnerProduct's cuBLAS calls the estimate places alike).
 For each plan this prints the measured peak, the estimate, and the
 estimate again with the run's workspace sizes in place of the model's
 algorithms: what is left of the error then is liveness, placement and the
@@ -28,7 +29,7 @@ def main(argv=None):
     ap.add_argument('--offload', default='free')
     args = ap.parse_args(argv)
     from caffeplus import Net, TRAIN
-    from caffeplus.memory import budget, shapes
+    from caffeplus.memory import budget, liveness, shapes
     runs = json.load(open(args.measured))['plans']
     param = shapes.load_net_param(args.model)
     for name in args.plans.split(','):
@@ -39,6 +40,8 @@ def main(argv=None):
         sizes = {}
         for key, nbytes in calls.items():
             layer, part = key.rsplit('/', 1)
+            if liveness.takes_gemm_workspace(net.layers[index[layer]]):
+                continue        # cuBLAS's, which the estimate places as the run did
             row = sizes.setdefault(index[layer], [0, 0, 0])
             row[('forward', 'backward', 'backward_filter').index(part)] = nbytes
         model = budget.estimate_plan(net, name, offload_policy=args.offload)

@@ -16,7 +16,12 @@ which a memory plan places in its arena (caffeplus.memory.cublas_pool).
 CuPy's wrappers set the handle's stream before every call and
 cublasSetStream puts the handle's default workspace back, so these calls
 go through ctypes: stream, workspace, GEMM. Without `workspace` the call
-runs on CuPy's handle and its pool.
+runs on CuPy's handle and its pool, unless caffeplus's handle exists:
+cuBLAS reads CUBLAS_WORKSPACE_CONFIG once, for the first handle of the
+process, so a CuPy handle made after ours has no pool either; such calls
+then run on caffeplus's handle over a FALLBACK_BYTES buffer of CuPy's
+pool, and every GEMM here still sees the workspace size, hence the bits,
+it would have on CuPy's handle with its one buffer (tools/cublas_handles_probe.py).
 """
 import ctypes
 import os
@@ -32,7 +37,10 @@ _GEMM_DEFAULT = -1
 _ONE = ctypes.c_float(1.0)
 _ZERO = ctypes.c_float(0.0)
 _SCALARS = {1.0: ctypes.addressof(_ONE), 0.0: ctypes.addressof(_ZERO)}
-_state = {'cublas': None, 'handle': None, 'ctypes': None, 'own': {}}
+_state = {'cublas': None, 'handle': None, 'ctypes': None, 'own': {}, 'fallback': {}}
+# cuBLAS's one buffer on Hopper (caffeplus.memory.cublas_pool.POOL): what a
+# call without workspace of its own gets on caffeplus's handle.
+FALLBACK_BYTES = 32 * 1024 * 1024
 WORKSPACE_ENV = 'CUBLAS_WORKSPACE_CONFIG'
 NO_POOL = ':0:0'
 
@@ -104,6 +112,27 @@ def own_handle():
     return handle
 
 
+def own_handle_made():
+    """Whether caffeplus's handle exists (on any device: the setting cuBLAS
+    read for the process's first handle holds for every later one)."""
+    return bool(_state['own'])
+
+
+def _fallback_workspace():
+    import cupy
+    device = cupy.cuda.runtime.getDevice()
+    buf = _state['fallback'].get(device)
+    if buf is None:
+        buf = _state['fallback'][device] = cupy.empty(FALLBACK_BYTES, dtype='uint8')
+    return int(buf.data.ptr), FALLBACK_BYTES
+
+
+def _workspace(workspace):
+    if workspace is None and _state['own']:
+        return _fallback_workspace()
+    return workspace
+
+
 def _check(function, status):
     if status:
         raise RuntimeError('%s failed: cuBLAS status %d' % (function, status))
@@ -128,6 +157,7 @@ def gemm(transa, transb, m, n, k, a, lda, b, ldb, c, ldc, beta=0.0, tf32=None, w
     if tf32 is None:
         tf32 = mathmode.tf32()
     compute = _COMPUTE_32F_FAST_TF32 if tf32 else _COMPUTE_32F
+    workspace = _workspace(workspace)
     if workspace is not None:
         _on_workspace(workspace, 'cublasGemmEx', transa, transb, int(m), int(n), int(k),
                       _SCALARS[1.0], a, _R_32F, int(lda), b, _R_32F, int(ldb),
@@ -145,6 +175,7 @@ def gemm_strided_batched(transa, transb, m, n, k, a, lda, stride_a, b, ldb, stri
     (elements; a stride of 0 shares the matrix); as gemm() otherwise."""
     if tf32 is None:
         tf32 = mathmode.tf32()
+    workspace = _workspace(workspace)
     if workspace is not None:
         _on_workspace(workspace, 'cublasGemmStridedBatchedEx', transa, transb, int(m), int(n),
                       int(k), _SCALARS[1.0], a, _R_32F, int(lda), int(stride_a), b, _R_32F,

@@ -614,9 +614,10 @@ class AppliedPlan:
         layer's forward and backward step, how many bytes the other buffers
         leave free below their peak, so that where a nearly-as-fast
         algorithm fits there it need not raise the peak."""
+        gemm = liveness.gemm_workspace_buffers(self.net, self._gemm_bytes(), self.training)
         ws = self.workspace
         if ws is None:
-            return []
+            return gemm
         net = self.net
         layers = net.layers
         calls = getattr(self.plan, 'call_workspace', None)
@@ -637,24 +638,41 @@ class AppliedPlan:
             ws.search_room = placement.place(bufs)[1]
         sizes = ws.sizes(net)
         plan = self.plan
+        again = getattr(plan, 'recomputed', {})
         return liveness.workspace_buffers(net, sizes, self.training) + \
-            recompute.workspace_buffers(net, plan.buffers, getattr(plan, 'recomputed', {}), sizes)
+            recompute.workspace_buffers(net, plan.buffers, again, sizes) + gemm
+
+    def _gemm_bytes(self):
+        """cuBLAS's workspace for each InnerProduct call, placed in the
+        arena (caffeplus.memory.cublas_pool), or 0 (CPU; not this GPU; a
+        layer that runs GEMMs through CuPy)."""
+        if backend.mode() != backend.GPU or cublas_pool.cupy_gemm_layers(self.net):
+            return 0
+        import cupy
+        return cublas_pool.arena_bytes(self.plan.name, cupy.cuda.Device().compute_capability)
 
     def _place_workspace(self, ws_bufs, offsets):
-        ws = self.workspace
-        if ws is None:
-            return
-        layers = {name: layer for name, layer in zip(self.net._layer_names, self.net.layers)}
+        net = self.net
+        layers = {name: layer for name, layer in zip(net._layer_names, net.layers)}
         base = int(self.arena.data.ptr) if hasattr(self.arena, 'data') and \
             hasattr(self.arena.data, 'ptr') else 0
-        views = {}
+        views, gemm_views = {}, {}
         for b in ws_bufs:
             _, layer_name, pass_kind = b.key
-            views[(id(layers[layer_name]), pass_kind)] = (base + offsets[b.key], b.nbytes)
-        ws.set_views(views)
+            layer = layers[layer_name]
+            view = (base + offsets[b.key], b.nbytes)
+            if liveness.takes_gemm_workspace(layer):
+                gemm_views.setdefault(layer_name, {})[pass_kind] = view
+            else:
+                views[(id(layer), pass_kind)] = view
+        _set_gemm_views(net, gemm_views)
         self.workspace_bytes = sum(b.nbytes for b in ws_bufs)
         # As the memory command reports them (plan.workspace_calls).
         self.workspace_calls = {'%s/%s' % b.key[1:]: int(b.nbytes) for b in ws_bufs}
+        ws = self.workspace
+        if ws is None:
+            return
+        ws.set_views(views)
 
     # -- buffers layers keep from forward to backward (caffeplus.memory.scratch) -------
     def _internal_buffers(self, unfused=False):
@@ -829,6 +847,8 @@ class AppliedPlan:
             if arr is not None and any(arr is life.view for life in e.lives):
                 st.array = arr.copy() if copy else None
         self.entries = []
+        if self.net is not None:
+            _set_gemm_views(self.net, {})
         for layer in self.net.layers if self.net is not None else ():
             if scratch.VIEWS in layer.__dict__:
                 scratch.set_views(layer, {})
@@ -917,6 +937,7 @@ class AppliedPlan:
         for e in entries:
             for life in e.lives:
                 life.view = None
+        _set_gemm_views(self.net, {})
         for layer in self.net.layers:
             # Every layer: one in a fused chain may hold a view of another's
             # kept buffer (a chained Scale, BatchNorm's normalized copy).
@@ -1075,6 +1096,16 @@ class AppliedPlan:
 
 
 # -- entry points -------------------------------------------------------------------
+def _set_gemm_views(net, views):
+    """Give each InnerProduct its cuBLAS workspace views ({layer name:
+    {'forward' | 'backward': (pointer, bytes)}}; a layer not named gets
+    none, and runs its GEMMs on CuPy's handle)."""
+    for name, layer in zip(net._layer_names, net.layers):
+        if liveness.takes_gemm_workspace(layer):
+            if views.get(name) or layer.__dict__.get('gemm_views'):
+                layer.gemm_views = dict(views.get(name, {}))
+
+
 def remove_plan(net, keep_values=True):
     """Undo an applied plan: every blob owns its memory again (with its
     values, or, without `keep_values`, allocated anew when first touched)."""

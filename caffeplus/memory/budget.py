@@ -48,8 +48,8 @@ import math
 import re
 
 from caffeplus.errors import CaffeplusError
-from caffeplus.memory import calibration, liveness, masks, placement, offload, offload_timing, \
-    recompute, workspace_model as wm
+from caffeplus.memory import calibration, cublas_pool, liveness, masks, placement, offload, \
+    offload_timing, recompute, workspace_model as wm
 from caffeplus.memory.plan import HISTORY_COPIES, make_plan, persistent_bytes
 from caffeplus.solver import update_in_backward
 
@@ -244,7 +244,8 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
         return make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
                          offload_policy=offload_policy, workspace=sizes,
                          internals=kept, other_bytes=other, offload_hidden=hidden,
-                         param_diffs=grads)
+                         param_diffs=grads,
+                         gemm_workspace=cublas_pool.modelled_arena_bytes(name))
     plan = placed(hidden)
     if hidden:
         # As the runtime (AppliedPlan.adopt_free_offload): the maps move
@@ -312,7 +313,9 @@ def _workspace_by_half_step(net, choice, steps, training):
     """Workspace bytes at each half step (liveness.live_bytes_by_half_step)
     for the algorithm `choice`."""
     ws = [0] * (2 * steps + 1)
-    for b in liveness.workspace_buffers(net, workspace_sizes(choice), training):
+    gemm = liveness.gemm_workspace_buffers(net, cublas_pool.modelled_arena_bytes('auto'),
+                                           training)
+    for b in liveness.workspace_buffers(net, workspace_sizes(choice), training) + gemm:
         h = int(round(2 * b.start))         # a filter call's at its half step
         ws[h] = max(ws[h], b.nbytes)
     return ws
@@ -682,7 +685,8 @@ def _auto_plan(net, option, solver_type, keep, training, budget=None, calls=None
                          offload_policy=names, workspace=sizes, internals=kept,
                          recompute=option.recompute, offload_holds=holds,
                          recompute_split=option.split, other_bytes=other,
-                         workspace_last=budgeted, param_diffs=param_diffs)
+                         workspace_last=budgeted, param_diffs=param_diffs,
+                         gemm_workspace=cublas_pool.modelled_arena_bytes('auto'))
     seconds = option.seconds
     call_bytes = None
     if budgeted:

@@ -16,6 +16,17 @@ asks for POOL when it is applied on a GPU of compute capability 9. It only
 counts if cuBLAS's handle for the device does not exist yet (the plans are
 applied before the first GEMM in `caffeplus train` and `caffeplus memory`);
 a CUBLAS_WORKSPACE_CONFIG the user set is left alone.
+
+The placing plans (shared, offload, auto) go further: an InnerProduct's
+GEMMs run on caffeplus's own handle, made with no pool
+(caffeplus.backend.blas.own_handle), on ARENA_BYTES of the plan's arena
+placed at that layer's forward step and at its backward step
+(liveness.gemm_workspace_buffers), where the feature maps leave room far
+below the peak; CuPy's handle, with its one buffer, is then made only if
+something else calls cuBLAS (a 1x1 convolution timed as a GEMM, the
+generic layers). Each call still sees 32 MiB, so the bits stay
+(tools/cublas_workspace_probe.py --own). CAFFEPLUS_CUBLAS_IN_ARENA=0
+keeps every GEMM on CuPy's handle.
 """
 import os
 
@@ -24,6 +35,11 @@ POOL = ':32768:1'
 HOPPER_MAJOR = 9
 # What one buffer instead of two saves on the H100 (the estimate's GPU).
 SAVED_BYTES = 32 * 1024 * 1024
+# The workspace each GEMM sees on Hopper, and what a placing plan places
+# for an InnerProduct's calls (the estimate's, for the H100).
+ARENA_BYTES = 32 * 1024 * 1024
+ARENA_PLANS = ('shared', 'offload', 'auto')
+ARENA_ENV = 'CAFFEPLUS_CUBLAS_IN_ARENA'
 
 
 def wanted(plan_name, compute_capability):
@@ -49,6 +65,56 @@ def apply(plan_name):
     return setting
 
 
+def _in_arena_wanted():
+    return os.environ.get(ARENA_ENV, '1').strip().lower() not in ('0', 'off', 'false', 'no')
+
+
+def arena_bytes(plan_name, compute_capability):
+    """The workspace bytes plan `plan_name` places for each InnerProduct
+    call on a GPU of `compute_capability` (0: its GEMMs stay on CuPy's
+    handle): a placing plan's on Hopper, unless the user set
+    CUBLAS_WORKSPACE_CONFIG (their cuBLAS, their bits) or
+    CAFFEPLUS_CUBLAS_IN_ARENA=0."""
+    if plan_name not in ARENA_PLANS or not _in_arena_wanted():
+        return 0
+    if os.environ.get(ENV) not in (None, POOL):        # (POOL: apply() set it)
+        return 0
+    if not compute_capability or int(str(compute_capability)[:-1] or 0) != HOPPER_MAJOR:
+        return 0
+    return ARENA_BYTES
+
+
+# Layers that may run GEMMs through CuPy on the GPU (its matmul, on CuPy's
+# handle): with caffeplus's handle made first, CuPy's has no pool and those
+# GEMMs' bits would change (caffeplus.backend.blas), so a net with one keeps
+# every GEMM on CuPy's handle.
+CUPY_GEMM_TYPES = ('RNN', 'LSTM', 'Python')
+
+
+def cupy_gemm_layers(net):
+    """Names of the net's layers that may run GEMMs on CuPy's handle: the
+    recurrent and Python layers, a convolution not run by cuDNN (im2col
+    and matmul), an InnerProduct not run by caffeplus's GPU layer."""
+    out = []
+    for name, layer in zip(net._layer_names, net.layers):
+        kind = layer.layer_param.type
+        if kind in CUPY_GEMM_TYPES or \
+                (kind in ('Convolution', 'Deconvolution') and
+                 not hasattr(layer, 'set_workspace_manager')) or \
+                (kind == 'InnerProduct' and not hasattr(type(layer), 'gemm_views')):
+            out.append(name)
+    return out
+
+
+def modelled_arena_bytes(plan_name):
+    """arena_bytes as the estimate models it (the H100)."""
+    return ARENA_BYTES if plan_name in ARENA_PLANS else 0
+
+
 def saved_bytes(plan_name):
-    """Device memory the setting saves for `plan_name` on the H100 (the estimate's)."""
-    return 0 if plan_name == 'stock' else SAVED_BYTES
+    """Device memory outside CuPy's pool the plan saves against cuBLAS's
+    default on the H100 (the estimate's): one buffer instead of two, and
+    for a placing plan the other too (its GEMMs' workspace is in the arena)."""
+    if plan_name == 'stock':
+        return 0
+    return SAVED_BYTES + modelled_arena_bytes(plan_name)

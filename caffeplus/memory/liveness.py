@@ -277,6 +277,32 @@ def workspace_buffers(net, sizes, training=True):
     return out
 
 
+def takes_gemm_workspace(layer):
+    """Whether the layer's calls are cuBLAS GEMMs that a placing plan gives
+    workspace from its arena (caffeplus.memory.cublas_pool)."""
+    return layer.layer_param.type == 'InnerProduct'
+
+
+def gemm_workspace_buffers(net, nbytes, training=True):
+    """Buffers for cuBLAS's workspace: `nbytes` for each InnerProduct at
+    its forward step and at its backward step (its filter, bias and data
+    GEMMs one after another on the same bytes)."""
+    if not nbytes:
+        return []
+    L = len(net.layers)
+    out = []
+    for i, layer in enumerate(net.layers):
+        if not takes_gemm_workspace(layer):
+            continue
+        name = net._layer_names[i]
+        out.append(Buffer(('workspace', name, 'forward'), 'workspace', (), int(nbytes), i, i))
+        if training and net.layer_need_backward[i]:
+            t = 2 * L - 1 - i
+            out.append(Buffer(('workspace', name, 'backward'), 'workspace', (), int(nbytes),
+                              t, t))
+    return out
+
+
 def internal_buffers(net, sizes, training=True):
     """Buffers a layer keeps from its forward to its backward (max pooling's
     argmax, BatchNorm's normalised copy; caffeplus.memory.scratch): live

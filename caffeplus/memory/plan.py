@@ -100,7 +100,7 @@ def _arena_workspace(net):
 def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_policy='conv',
               other_bytes=0, workspace=None, internals=None, offload_hidden=None,
               recompute=True, offload_holds=None, recompute_split=(), workspace_last=False,
-              param_diffs=False):
+              param_diffs=False, gemm_workspace=0):
     """Compute plan `name` for a built net. `workspace`: {layer index:
     (forward bytes, backward bytes)} of the convolutions' workspace; the
     reusing plans then place it in the arena beside the activations, live
@@ -123,7 +123,10 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     the hole it gets, budget.fit_calls). `param_diffs`: the solver applies
     each parameter's update in backward (caffeplus.solver.update_in_backward),
     so the reusing plans place the parameter gradients in the arena too, live
-    from their first backward write to that update (liveness.param_diff_spans)."""
+    from their first backward write to that update (liveness.param_diff_spans).
+    `gemm_workspace`: with `workspace`, the bytes of cuBLAS's workspace each
+    InnerProduct call gets placed in the arena (caffeplus.memory.cublas_pool;
+    liveness.gemm_workspace_buffers)."""
     check_plan_name(name)
     if name == 'auto':
         raise CaffeplusError("plan 'auto' needs a budget: use caffeplus.memory.budget.plan_for_budget")
@@ -171,7 +174,8 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     bufs = recompute_mod.shorten(bufs, again, net, split)
     if workspace is not None:
         bufs = bufs + liveness.workspace_buffers(net, workspace, training) + \
-            recompute_mod.workspace_buffers(net, bufs, again, workspace)
+            recompute_mod.workspace_buffers(net, bufs, again, workspace) + \
+            liveness.gemm_workspace_buffers(net, gemm_workspace, training)
     if internals is not None:
         bufs = bufs + liveness.internal_buffers(net, internals, training)
     placed_diffs = liveness.param_diff_buffers(net) if param_diffs and training else []
