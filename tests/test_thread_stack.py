@@ -19,6 +19,7 @@ ALEXNET = os.path.join(SHARED, 'bench', 'alexnet_b128.prototxt')
 @pytest.fixture(autouse=True)
 def _no_env(monkeypatch):
     monkeypatch.delenv(thread_stack.ENV, raising=False)
+    monkeypatch.delenv(thread_stack.SETTLE_ENV, raising=False)
 
 
 def test_stock_keeps_cuda_default_and_the_other_plans_lower_it(monkeypatch):
@@ -40,10 +41,29 @@ def test_a_bad_setting_is_a_clear_error(monkeypatch, value):
         thread_stack.wanted_bytes('shared')
 
 
+def test_the_placing_plans_settle_lower_after_their_search(monkeypatch):
+    for plan in ('shared', 'offload', 'auto'):
+        assert thread_stack.settles(plan)
+        assert thread_stack.modelled_bytes(plan) == thread_stack.SETTLED_MODEL_BYTES < 208
+    for plan in ('stock', 'arena'):
+        assert not thread_stack.settles(plan)
+        assert thread_stack.modelled_bytes(plan) == thread_stack.wanted_bytes(plan)
+    # a limit the user set is kept; so is the fixed one when settling is off
+    monkeypatch.setenv(thread_stack.ENV, '512')
+    assert not thread_stack.settles('shared') and thread_stack.modelled_bytes('shared') == 512
+    monkeypatch.delenv(thread_stack.ENV)
+    monkeypatch.setenv(thread_stack.SETTLE_ENV, '0')
+    assert not thread_stack.settles('offload')
+    assert thread_stack.modelled_bytes('offload') == thread_stack.THREAD_STACK_BYTES
+    assert not thread_stack.settle('offload')       # nothing to do, and no GPU touched
+
+
 def test_the_estimate_counts_what_the_limit_saves(monkeypatch):
     """(1024 - 208) bytes for each of the H100's 132 x 2048 threads (at 256
-    the 198 MiB that tools/context_probe.py measured)."""
-    assert thread_stack.saved_bytes('shared') == 816 * 270336
+    the 198 MiB that tools/context_probe.py measured); the placing plans
+    (1024 - 160) once settled."""
+    assert thread_stack.saved_bytes('arena') == 816 * 270336
+    assert thread_stack.saved_bytes('shared') == 864 * 270336
     assert thread_stack.saved_bytes('stock') == 0
     if not os.path.exists(ALEXNET):
         pytest.skip('needs ../shared/bench')
@@ -70,7 +90,7 @@ def test_gpu_plans_set_the_limit_and_the_device_holds_less(monkeypatch):
         apply_named_plan(net, 'stock')
         assert thread_stack.current_bytes() == 1024
         at_stock = used()
-        apply_named_plan(net, 'shared')
+        apply_named_plan(net, 'arena')
         assert thread_stack.current_bytes() == thread_stack.THREAD_STACK_BYTES
         # What stock's arrays free (put back in CuPy's pool, not the
         # device's) does not count here: the pool keeps them.
@@ -89,3 +109,28 @@ def test_gpu_training_is_the_same_at_any_limit(monkeypatch):
     monkeypatch.setenv(thread_stack.ENV, '0')
     lowest = cpe.train(param, 'shared', 5, 0, gpu=0, math='deterministic')
     assert not cpe.differences(default, lowest), cpe.differences(default, lowest)
+
+
+@pytest.mark.gpu
+def test_gpu_a_timed_search_settles_the_limit_and_drops_the_graphs(monkeypatch):
+    """After the placing plans' timed search the limit goes to 0 and every
+    captured cuDNN graph is dropped; the next iterations raise the limit
+    only as far as the chosen kernels need and capture their graphs again,
+    and training goes on (the bits at any limit:
+    test_gpu_training_is_the_same_at_any_limit)."""
+    import math
+    from caffeplus.cudnn import api
+    monkeypatch.setenv('CAFFEPLUS_CUDNN_SEARCH', 'timed')
+    calls = []
+    real = api.clear_replays
+
+    def clear():
+        calls.append(api.graph_stats()['captured'])
+        real()
+    monkeypatch.setattr(api, 'clear_replays', clear)
+    result = cpe.train(vgg_like(), 'offload', 8, 0, gpu=0)
+    assert calls, 'the search did not settle the limit'
+    assert thread_stack.current_bytes() < thread_stack.THREAD_STACK_BYTES
+    assert api.graph_stats()['captured'] > calls[-1], 'no graph captured after settling'
+    assert len(result.losses) == 8 and all(math.isfinite(v) for v in result.losses)
+    assert result.losses[-1] < result.losses[0]

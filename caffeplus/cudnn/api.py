@@ -15,6 +15,7 @@ same kernels with the same arguments.
 """
 import ctypes
 import os
+import weakref
 
 from caffeplus.cudnn.lib import BwdDataPerf, BwdFilterPerf, FwdPerf, call, library
 
@@ -372,6 +373,14 @@ def graph_stats():
 
 
 _BUSY = object()
+_owners = weakref.WeakSet()        # every Replays made (clear_replays)
+
+
+def clear_replays():
+    """Drop every captured graph (caffeplus.memory.thread_stack.settle): the
+    next calls run directly and are captured again."""
+    for owner in list(_owners):
+        owner.clear()
 
 
 def _capture(issue):
@@ -414,12 +423,13 @@ class Replays:
     kept (the oldest goes); an owner whose calls do not capture runs them
     directly from then on."""
     MAX = 8
-    __slots__ = ('graphs', 'seen', 'off')
+    __slots__ = ('graphs', 'seen', 'off', '__weakref__')
 
     def __init__(self):
         self.graphs = {}
         self.seen = set()
         self.off = False
+        _owners.add(self)
 
     def run(self, key, issue):
         if not (_graphs['on'] if _graphs['on'] is not None else graphs_enabled()) or self.off:

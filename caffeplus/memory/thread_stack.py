@@ -24,12 +24,20 @@ CUDA_DEFAULT_BYTES = 1024
 # (256 until session 17: 12.4 MiB more on every net.) The kernels the
 # plans choose need less (tools/stack_probe.py on the H200, from 0 after the
 # search: AlexNet and ResNet-50 144 bytes, GoogLeNet 128, VGG-16 160); the
-# timed search's candidates raise it to 208 on AlexNet. Setting it to 0 and
-# again after the search saved 16.5 MiB on AlexNet, but VGG-16 b64's `free`
-# then failed in 2 of 9 runs (cudnnActivationForward: CUDNN_STATUS_EXECUTION_
-# FAILED_CUDART, a launch failure; 0 of 8 at 208 bytes), so it stays fixed
-# until that is understood (session 18).
+# timed search's candidates raise it to 208 on AlexNet.
 THREAD_STACK_BYTES = 208
+# So the placing plans lower it again once their timed search is done
+# (settle): to 0, and the chosen kernels raise it to what they need. CUDA
+# graphs captured before then were made under the larger limit; launched
+# after it went down, VGG-16 b64's `free` failed in 2 of 9 runs (session 18:
+# cudnnActivationForward, CUDNN_STATUS_EXECUTION_FAILED_CUDART), so settling
+# drops every captured graph (caffeplus.cudnn.api.clear_replays): each call
+# runs directly once, raising the limit as its kernels need, and is captured
+# again. For the estimate: the most the four benchmark nets' chosen kernels
+# needed.
+SETTLED_MODEL_BYTES = 160
+SETTLING_PLANS = ('shared', 'offload', 'auto')
+SETTLE_ENV = 'CAFFEPLUS_STACK_SETTLE'
 # Threads an H100 holds at once: what the estimate (made without a GPU) scales by.
 H100_THREADS = 132 * 2048
 ENV = 'CAFFEPLUS_THREAD_STACK'
@@ -54,9 +62,24 @@ def wanted_bytes(plan_name):
     return n
 
 
+def settles(plan_name):
+    """Whether `plan_name` lowers the limit after its timed search (not
+    where the user set a limit, nor with CAFFEPLUS_STACK_SETTLE=0)."""
+    if plan_name not in SETTLING_PLANS or os.environ.get(ENV, '').strip():
+        return False
+    return os.environ.get(SETTLE_ENV, '1').strip().lower() not in ('0', 'off', 'false', 'no')
+
+
+def modelled_bytes(plan_name):
+    """The limit the estimate assumes a plan runs at."""
+    if settles(plan_name):
+        return min(SETTLED_MODEL_BYTES, wanted_bytes(plan_name))
+    return wanted_bytes(plan_name)
+
+
 def saved_bytes(plan_name, threads=H100_THREADS):
     """Device memory a plan's limit saves against CUDA's default (for the estimate)."""
-    return max(CUDA_DEFAULT_BYTES - wanted_bytes(plan_name), 0) * threads
+    return max(CUDA_DEFAULT_BYTES - modelled_bytes(plan_name), 0) * threads
 
 
 def apply(plan_name):
@@ -66,6 +89,24 @@ def apply(plan_name):
     except ImportError:
         return
     cupy.cuda.runtime.deviceSetLimit(_STACK_LIMIT, wanted_bytes(plan_name))
+
+
+def settle(plan_name):
+    """After a timed search (whose candidates raised the limit): down to 0
+    for the plans that settle, every captured CUDA graph dropped (see
+    SETTLED_MODEL_BYTES); the next launches raise it to what they need.
+    Returns whether it did."""
+    if not settles(plan_name):
+        return False
+    try:
+        import cupy
+    except ImportError:
+        return False
+    from caffeplus.cudnn import api
+    cupy.cuda.Device().synchronize()        # no graph of the old layout still running
+    api.clear_replays()
+    cupy.cuda.runtime.deviceSetLimit(_STACK_LIMIT, 0)
+    return True
 
 
 def current_bytes():

@@ -485,6 +485,10 @@ class PlacedWorkspace(WorkspaceArena):
             set_search(previous)
         self._buffer.resize(0, self, self.plan_name)
         _cupy().get_default_memory_pool().free_all_blocks()   # timing's scratch
+        # The candidates raised the per-thread stack past what the chosen
+        # kernels need (caffeplus.memory.thread_stack.settle).
+        from caffeplus.memory import thread_stack
+        thread_stack.settle(self.plan_name)
 
     def search_limit(self, site):
         """The search runs before the plan's arena is taken (AppliedPlan
