@@ -16,6 +16,7 @@ from caffeplus.io.prototxt import parse_text
 from caffeplus.memory import liveness, placement
 from caffeplus.memory.apply import apply_plan
 from caffeplus.memory.plan import make_plan
+from caffeplus.errors import CaffeplusError
 from caffeplus.memory.workspace import PlacedWorkspace, Site, forward_kinds
 from caffeplus.proto import caffe_pb2
 
@@ -395,6 +396,49 @@ def test_within_headroom_trades_a_little_time_for_the_peak():
     assert within_headroom(untimed, untimed[0], 10) is untimed[0]
     # Unless any slowdown will do (auto's budget): the first within the room.
     assert within_headroom(untimed, untimed[0], 10, slowdown=float('inf')) is untimed[1]
+
+
+def test_trades_past_each_calls_share_spend_one_allowance_for_the_net(monkeypatch):
+    """AlexNet b128's conv3 backward-data (H200, session 20): the fastest,
+    0.531 ms, needs 193.5 MiB; over half batches 0.637 ms (x1.2) fits the
+    step. The 10% rule refuses it; 2% of the net's convolution time takes
+    it, once: a second such trade finds the allowance spent."""
+    from caffeplus.memory.workspace import (PLAN_TRADE_SHARE, TRADE_SHARE_ENV, TradeAllowance,
+                                            trade_time_share, within_headroom)
+
+    class Timed(Cand):
+        def __init__(self, algo, memory, time):
+            super().__init__(algo, memory, True)
+            self.time = time
+
+    whole, halves = Timed(1, 193, 0.531), Timed(2, 103, 0.637)
+    others = [Timed(9, 0, 1.0) for _ in range(9)]            # the rest of the net: 9 ms
+    allowance = TradeAllowance([whole] + others, 0.02, 0.10)
+    assert abs(allowance.left - 0.02 * 9.531) < 1e-12
+    assert within_headroom([whole, halves], whole, 150, slowdown=0.10) is whole
+    pick = allowance.spend(whole, within_headroom([whole, halves], whole, 150, slowdown=0.10,
+                                                  allowance=allowance.left))
+    assert pick is halves
+    assert abs(allowance.left - (0.02 * 9.531 - 0.106)) < 1e-9
+    # the second trade would need 0.106 ms more than the 0.085 left
+    again = within_headroom([whole, halves], whole, 150, slowdown=0.10, allowance=allowance.left)
+    assert allowance.spend(whole, again) is whole
+    # within the call's own share a trade spends nothing
+    near = Timed(3, 100, 0.55)
+    assert allowance.spend(whole, within_headroom([whole, near], whole, 150, slowdown=0.10,
+                                                  allowance=allowance.left)) is near
+    assert abs(allowance.left - (0.02 * 9.531 - 0.106)) < 1e-9
+    # untimed choices add no allowance
+    assert TradeAllowance([Timed(1, 0, -1), Timed(2, 0, None)], 0.02, 0.1).left == 0
+    # per plan, and the setting
+    monkeypatch.delenv(TRADE_SHARE_ENV, raising=False)
+    assert trade_time_share('shared') == PLAN_TRADE_SHARE['shared'] == 0.0
+    assert trade_time_share('offload') == trade_time_share('auto') == 0.02
+    monkeypatch.setenv(TRADE_SHARE_ENV, '0.05')
+    assert trade_time_share('shared') == 0.05
+    monkeypatch.setenv(TRADE_SHARE_ENV, 'lots')
+    with pytest.raises(CaffeplusError, match=TRADE_SHARE_ENV):
+        trade_time_share('offload')
 
 
 # -- buffers layers keep from forward to backward (caffeplus.memory.scratch) -----------------

@@ -138,7 +138,8 @@ def model_internals(net):
 _Modelled = collections.namedtuple('_Modelled', 'memory time deterministic')
 
 
-def placed_workspace_sizes(net, bufs, steps, training=True, cap=None, slowdown=None):
+def placed_workspace_sizes(net, bufs, steps, training=True, cap=None, slowdown=None,
+                           trade_share=None):
     """{layer index: (forward, backward data, backward filter) bytes}: the
     model's algorithms as the placed workspace chooses them at run time
     (caffeplus.memory.workspace.within_headroom): the fastest within `cap`,
@@ -151,27 +152,40 @@ def placed_workspace_sizes(net, bufs, steps, training=True, cap=None, slowdown=N
     the runtime did not (VGG-16 b64 `offload` estimated 7.2% under the
     measured peak; with each call's fastest, 2.7%). (Plan auto under a
     budget fits every call to its step instead: fit_calls.) `slowdown`: the
-    plan's share (workspace.headroom_slowdown; None: HEADROOM_SLOWDOWN)."""
-    from caffeplus.memory.workspace import HEADROOM_SLOWDOWN, within_headroom
+    plan's share (workspace.headroom_slowdown; None: HEADROOM_SLOWDOWN);
+    `trade_share`: its share of the convolution time for all trades
+    (workspace.trade_time_share; None: none)."""
+    from caffeplus.memory.workspace import HEADROOM_SLOWDOWN, TradeAllowance, within_headroom
     if slowdown is None:
         slowdown = HEADROOM_SLOWDOWN
+    if trade_share is None:
+        trade_share = 0.0
     convs = wm.conv_layers(net)
     measured = {i for i, layer in convs if calibration.covers(layer)}
     room = liveness.headroom(net, bufs, steps, training) if measured else {}
-    out = {}
+    ranked = {}
     for i, layer in convs:
-        sizes = []
         for kind in wm.KINDS:
             cands = wm.candidates(layer, kind)
             if cap is not None:
                 cands = [c for c in cands if c.bytes <= cap] or \
                     [min(cands, key=lambda c: c.bytes)]
-            # Fastest first, the smaller of equally fast ones first.
-            ranked = [_Modelled(c.bytes, c.time_factor, True)
-                      for c in sorted(cands, key=lambda c: (c.time_factor, c.bytes))]
+            # Fastest first, the smaller of equally fast ones first; in
+            # seconds, so that the trades of all the layers add up.
+            base = wm.base_seconds(layer) or 1.0
+            ranked[(i, kind)] = [_Modelled(c.bytes, c.time_factor * base, True)
+                                 for c in sorted(cands, key=lambda c: (c.time_factor, c.bytes))]
+    allowance = TradeAllowance([r[0] for (i, _), r in ranked.items() if i in measured],
+                               trade_share, slowdown)
+    out = {}
+    for i, layer in convs:
+        sizes = []
+        for kind in wm.KINDS:
+            r = ranked[(i, kind)]
             free = room.get((i, VIEW_PARTS[kind])) if i in measured else None
-            pick = ranked[0] if free is None else \
-                within_headroom(ranked, ranked[0], free, slowdown=slowdown)
+            pick = r[0] if free is None else allowance.spend(
+                r[0], within_headroom(r, r[0], free, slowdown=slowdown,
+                                      allowance=allowance.left))
             sizes.append(pick.memory)
         out[i] = tuple(sizes)
     return out
@@ -238,9 +252,10 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
             bare = make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
                              offload_policy=offload_policy, internals=kept,
                              offload_hidden=hidden, param_diffs=grads)
-            from caffeplus.memory.workspace import headroom_slowdown
+            from caffeplus.memory.workspace import headroom_slowdown, trade_time_share
             sizes = placed_workspace_sizes(net, bare.buffers, bare.steps, training, cap=cap,
-                                           slowdown=headroom_slowdown(name))
+                                           slowdown=headroom_slowdown(name),
+                                           trade_share=trade_time_share(name))
         return make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
                          offload_policy=offload_policy, workspace=sizes,
                          internals=kept, other_bytes=other, offload_hidden=hidden,
