@@ -155,7 +155,7 @@ def placed_workspace_sizes(net, bufs, steps, training=True, cap=None, slowdown=N
     plan's share (workspace.headroom_slowdown; None: HEADROOM_SLOWDOWN);
     `trade_share`: its share of the convolution time for all trades
     (workspace.trade_time_share; None: none)."""
-    from caffeplus.memory.workspace import HEADROOM_SLOWDOWN, TradeAllowance, within_headroom
+    from caffeplus.memory.workspace import HEADROOM_SLOWDOWN, trade_for_room
     if slowdown is None:
         slowdown = HEADROOM_SLOWDOWN
     if trade_share is None:
@@ -175,19 +175,11 @@ def placed_workspace_sizes(net, bufs, steps, training=True, cap=None, slowdown=N
             base = wm.base_seconds(layer) or 1.0
             ranked[(i, kind)] = [_Modelled(c.bytes, c.time_factor * base, True)
                                  for c in sorted(cands, key=lambda c: (c.time_factor, c.bytes))]
-    allowance = TradeAllowance([r[0] for (i, _), r in ranked.items() if i in measured],
-                               trade_share, slowdown)
-    out = {}
-    for i, layer in convs:
-        sizes = []
-        for kind in wm.KINDS:
-            r = ranked[(i, kind)]
-            free = room.get((i, VIEW_PARTS[kind])) if i in measured else None
-            pick = r[0] if free is None else allowance.spend(
-                r[0], within_headroom(r, r[0], free, slowdown=slowdown,
-                                      allowance=allowance.left))
-            sizes.append(pick.memory)
-        out[i] = tuple(sizes)
+    calls = [((i, kind), r, r[0],
+              room.get((i, VIEW_PARTS[kind])) if i in measured else None)
+             for (i, kind), r in ranked.items()]
+    picks = trade_for_room(calls, trade_share, slowdown=slowdown)
+    out = {i: tuple(picks[(i, kind)].memory for kind in wm.KINDS) for i, _ in convs}
     return out
 
 

@@ -512,14 +512,13 @@ class PlacedWorkspace(WorkspaceArena):
         the applied plan afterwards (layout_stale)."""
         from caffeplus.backend import mathmode
         budget, pairs, size = self._choose()
-        allowance = TradeAllowance([s.choice for _, s in pairs], self.trade_share,
-                                   self.headroom_slowdown)
-        for layer, s in pairs:
-            room = self.headroom.get((id(layer), VIEW_NAMES[view_part(layer, s.kind)]))
-            if room is not None:
-                s.choice = allowance.spend(s.choice, within_headroom(
-                    s.candidates, s.choice, room, mathmode.deterministic(),
-                    self.headroom_slowdown, allowance.left))
+        calls = [(i, s.candidates, s.choice,
+                  self.headroom.get((id(layer), VIEW_NAMES[view_part(layer, s.kind)])))
+                 for i, (layer, s) in enumerate(pairs)]
+        picks = trade_for_room(calls, self.trade_share, mathmode.deterministic(),
+                               self.headroom_slowdown)
+        for i, (_, s) in enumerate(pairs):
+            s.choice = picks[i]
         self.layout_stale = True
         log.info('Workspace placed in the memory plan: %d call sites, budget %d bytes, '
                  'largest call %d bytes', len(pairs), budget, size)
@@ -609,7 +608,7 @@ PLAN_SLOWDOWN = {'shared': 0.0}
 # fastest (0.637 against 0.531 ms, H200, session 20): 0.1 ms of a 12.5 ms
 # iteration for 33 MiB less at `free`'s peak, which the 10% rule refused
 # and a 20% one took or not by timing noise. `shared` trades nothing.
-TRADE_TIME_SHARE = 0.02
+TRADE_TIME_SHARE = 0.04
 TRADE_SHARE_ENV = 'CAFFEPLUS_HEADROOM_TIME_SHARE'
 PLAN_TRADE_SHARE = {'shared': 0.0}
 
@@ -649,23 +648,37 @@ def trade_time_share(plan_name=None):
     return share
 
 
-class TradeAllowance:
-    """The time the trades of one choice may still add (trade_time_share):
-    `share` of the summed times of `choices` (each call's fastest; untimed
-    ones count nothing)."""
+def _timed(choice):
+    t = getattr(choice, 'time', None)
+    return t is not None and t > 0
 
-    def __init__(self, choices, share, slowdown):
-        times = [getattr(c, 'time', None) for c in choices]
-        self.left = share * sum(t for t in times if t is not None and t > 0)
-        self.slowdown = slowdown
 
-    def spend(self, best, pick):
-        """`pick` (within_headroom's, with this allowance); what it adds
-        beyond the per-call share is taken off."""
-        t0, t1 = getattr(best, 'time', None), getattr(pick, 'time', None)
-        if pick is not best and t0 and t1 and t0 > 0 and t1 > t0 * (1 + self.slowdown):
-            self.left = max(self.left - (t1 - t0), 0.0)
-        return pick
+def trade_for_room(calls, share, deterministic=False, slowdown=HEADROOM_SLOWDOWN):
+    """{key: choice} for `calls` [(key, candidates, best, room)]: each call
+    as within_headroom chooses within its own `slowdown` (room None: its
+    best); then, where that still raises the peak, trades beyond it that
+    add at most `share` of the calls' summed best times in all. The peak
+    is the plan's buffers' plus the largest overflow left, so the trades go
+    largest overflow first and stop at the first one the time left cannot
+    pay for: trading a smaller one after it would cost time for nothing."""
+    picks, offenders = {}, []
+    left = share * sum(best.time for _, _, best, _ in calls if _timed(best))
+    for key, cands, best, room in calls:
+        pick = best if room is None else \
+            within_headroom(cands, best, room, deterministic, slowdown)
+        picks[key] = pick
+        if room is None or pick is None or pick.memory <= room or not _timed(best):
+            continue
+        alt = within_headroom(cands, best, room, deterministic, slowdown, allowance=left)
+        if alt.memory < pick.memory:
+            offenders.append((pick.memory - room, key, best, alt))
+    for _, key, best, alt in sorted(offenders, key=lambda o: -o[0]):
+        cost = alt.time - best.time
+        if cost > left:
+            break
+        picks[key] = alt
+        left -= cost
+    return picks
 
 
 def within_headroom(candidates, best, room, deterministic=False, slowdown=HEADROOM_SLOWDOWN,
