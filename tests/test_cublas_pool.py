@@ -276,3 +276,68 @@ def test_gpu_inner_product_gemms_on_the_arena_keep_their_bits(order):
         assert not got['own_made'] and not got['fallback_after_first'], line
         assert got['cupy_handle_mib'] < 8, line           # made by stock already
         assert not got['fallback_after_second'], line     # CuPy's handle has its pool
+
+
+_FIRST_HANDLE_SCRIPT = r'''
+import os, json, cupy, caffeplus
+from caffeplus.backend import blas
+from caffeplus.io.prototxt import parse_text
+from caffeplus.memory.apply import apply_named_plan
+from caffeplus.proto import caffe_pb2
+from test_cublas_pool import _SMALL_NET
+os.environ['CAFFEPLUS_CUDNN_SEARCH'] = 'timed'
+caffeplus.set_mode_gpu()
+# a 1x1 convolution first: timed search weighs it as a GEMM too
+text = _SMALL_NET.replace('kernel_size: 3', 'kernel_size: 1')
+net = caffeplus.Net(parse_text(text, caffe_pb2.NetParameter()), caffeplus.TRAIN)
+apply_named_plan(net, 'shared')
+made_at_apply = blas.own_handle_made()
+for _ in range(3):
+    net.forward_prefilled()
+    net.backward_all()
+cupy.cuda.Device().synchronize()
+conv = net.layers[net._layer_names.index('conv')]
+gemm_chosen = any(s.choice is not None and s.choice.variant == 2 for s in conv._sites.values())
+print('RESULT ' + json.dumps({'made_at_apply': made_at_apply, 'gemm_chosen': gemm_chosen,
+      'fallback_held': bool(blas._state['fallback'])}))
+'''
+
+
+@pytest.mark.gpu
+def test_gpu_a_placing_plan_makes_caffeplus_handle_before_any_gemm():
+    """In a fresh process: applying `shared` makes caffeplus's handle at
+    once, so a timed search that weighs a 1x1 convolution as a GEMM does
+    not make CuPy's handle first (its 32 MiB pool, and ours 32 MiB more);
+    the search's fallback buffer goes back afterwards unless a GEMM was
+    chosen."""
+    import cupy
+    if cupy.cuda.Device().compute_capability[:-1] != '9':
+        pytest.skip('Hopper: the plans place cuBLAS workspace there only')
+    env = {k: v for k, v in os.environ.items()
+           if k not in (cublas_pool.ENV, cublas_pool.ARENA_ENV)}
+    env['PYTHONPATH'] = os.pathsep.join([ROOT, os.path.join(ROOT, 'tests')] +
+                                        env.get('PYTHONPATH', '').split(os.pathsep))
+    run = subprocess.run([sys.executable, '-c', _FIRST_HANDLE_SCRIPT], cwd=ROOT,
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = [l for l in run.stdout.splitlines() if l.startswith('RESULT')][0]
+    got = json.loads(line[len('RESULT '):])
+    assert got['made_at_apply'], line
+    assert got['fallback_held'] == got['gemm_chosen'], line
+
+
+def test_claiming_the_first_handle_needs_a_gpu_and_a_net_without_cupy_gemms(monkeypatch):
+    """Without CuPy (this machine) nothing is made; a net whose layers GEMM
+    through CuPy never makes caffeplus's handle first."""
+    import caffeplus
+    from caffeplus.io.prototxt import parse_text
+    from caffeplus.proto import caffe_pb2
+    net = caffeplus.Net(parse_text(_SMALL_NET, caffe_pb2.NetParameter()), caffeplus.TRAIN)
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        assert cublas_pool.claim_first_handle(net, 'shared') is False
+    caffe_conv = _SMALL_NET.replace('convolution_param {', 'convolution_param { engine: CAFFE')
+    other = caffeplus.Net(parse_text(caffe_conv, caffe_pb2.NetParameter()), caffeplus.TRAIN)
+    assert cublas_pool.claim_first_handle(other, 'shared') is False
+    assert cublas_pool.claim_first_handle(net, 'stock') is False

@@ -127,6 +127,15 @@ def _fallback_workspace():
     return int(buf.data.ptr), FALLBACK_BYTES
 
 
+def release_fallback():
+    """Give the fallback buffers back (after a timed search, whose GEMM
+    candidates used them); the next call without a workspace takes one
+    again. Returns the bytes released."""
+    n = FALLBACK_BYTES * len(_state['fallback'])
+    _state['fallback'].clear()
+    return n
+
+
 def _workspace(workspace):
     if workspace is None and _state['own']:
         return _fallback_workspace()

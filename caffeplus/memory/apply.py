@@ -1164,6 +1164,7 @@ def apply_plan(net, plan, keep=(), training=None, workspace_limit=None, lookahea
     if backend.mode() == backend.GPU:
         thread_stack.apply(plan.name)
         cublas_pool.apply(plan.name)
+        cublas_pool.claim_first_handle(net, plan.name)
     masks.apply(net, plan.masked)           # the layers as the plan saw them
     if training is None:
         training = plan.steps == 2 * len(net.layers) if plan.steps else _training_default(net)

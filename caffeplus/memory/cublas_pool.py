@@ -106,6 +106,26 @@ def cupy_gemm_layers(net):
     return out
 
 
+def claim_first_handle(net, plan_name):
+    """Make caffeplus's handle now, before anything calls cuBLAS, where the
+    plan places the net's GEMM workspace: cuBLAS reads its setting for the
+    process's first handle only, and a timed search that weighs a 1x1
+    convolution as a GEMM before the first InnerProduct runs would
+    otherwise make CuPy's handle first, with its 32 MiB pool, and ours
+    after it with 32 MiB more (GoogLeNet b64 and ResNet-50 b64 `shared`
+    held 80 MiB more outside CuPy's pool than AlexNet, H200, session 20).
+    Returns whether it did."""
+    try:
+        import cupy
+    except ImportError:
+        return False
+    if cupy_gemm_layers(net) or not arena_bytes(plan_name, cupy.cuda.Device().compute_capability):
+        return False
+    from caffeplus.backend import blas
+    blas.own_handle()
+    return True
+
+
 def modelled_arena_bytes(plan_name):
     """arena_bytes as the estimate models it (the H100)."""
     return ARENA_BYTES if plan_name in ARENA_PLANS else 0

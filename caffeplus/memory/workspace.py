@@ -486,6 +486,9 @@ class PlacedWorkspace(WorkspaceArena):
             super()._time_sites(pairs, budget)
         finally:
             set_search(previous)
+        # The GEMM candidates' cuBLAS workspace, should no chosen one need it.
+        from caffeplus.backend import blas
+        blas.release_fallback()
         self._buffer.resize(0, self, self.plan_name)
         _cupy().get_default_memory_pool().free_all_blocks()   # timing's scratch
         # The candidates raised the per-thread stack past what the chosen
