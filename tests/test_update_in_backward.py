@@ -421,11 +421,20 @@ def test_a_filter_call_workspace_never_shares_the_gradient_it_writes():
 
 
 def test_only_large_gradients_leave(monkeypatch):
-    """At the default size the fc layers of AlexNet leave (fc8's 15.6 MiB
-    too), none of ResNet-50's many small ones (each layer updated in
-    backward costs kernel launches)."""
+    """Every gradient of at least 12 MiB leaves (AlexNet's fc layers, fc8's
+    15.6 MiB too), and the largest others down to 1 MiB up to 8 in all
+    (each layer updated in backward costs kernel launches): AlexNet's
+    conv2-5 (conv1's 0.13 MiB stays), ResNet-50's 8 largest of its many
+    (res5's and fc1000, 4-9 MiB), VGG-16's fc layers and 5 of its 9 MiB
+    convolutions."""
     monkeypatch.undo()
-    for name, expected in (('alexnet_b128', {'fc6', 'fc7', 'fc8'}), ('resnet50_b64', set())):
+    for name, expected in (('alexnet_b128', {'fc6', 'fc7', 'fc8', 'conv2', 'conv3', 'conv4',
+                                             'conv5'}),
+                           ('resnet50_b64', {'fc1000', 'res5a_branch1', 'res5a_branch2b',
+                                             'res5a_branch2c', 'res5b_branch2a', 'res5b_branch2b',
+                                             'res5b_branch2c', 'res5c_branch2b'}),
+                           ('vgg16_b64', {'fc6', 'fc7', 'fc8-5', 'conv4_2', 'conv4_3', 'conv5_1',
+                                          'conv5_2', 'conv5_3'})):
         path = os.path.join(SHARED, 'bench', name + '.prototxt')
         if not os.path.exists(path):
             pytest.skip('needs ../shared/bench')

@@ -199,6 +199,13 @@ def diff_overlays(net, bufs):
 # fc8's 15.6 MiB stayed whole, on AlexNet beside the convolutions' peaks;
 # the next below are VGG-16's and ResNet-50's 9.4 MiB 3x3 convolutions.)
 MIN_APPLIED_GRADIENT_BYTES = 12 * 2 ** 20
+# Beside those, the largest of the rest down to SMALL_APPLIED_GRADIENT_BYTES
+# leave too, up to MAX_APPLIED_GRADIENTS gradients in all: a few launches
+# more for what they hold at the peak (AlexNet's conv2-5, 8.7 MiB, held
+# through its `free` peak at pool1's backward; ResNet-50's res5 and fc1000,
+# GoogLeNet's auxiliary classifiers).
+SMALL_APPLIED_GRADIENT_BYTES = 2 ** 20
+MAX_APPLIED_GRADIENTS = 8
 
 
 def param_diff_spans(net):
@@ -209,7 +216,8 @@ def param_diff_spans(net):
     its head's step: kernels.chain_heads) and complete after the last one,
     where the update uses it. Left out (they keep their memory and are
     updated at the end, as Caffe): parameters no layer's backward writes,
-    and gradients under MIN_APPLIED_GRADIENT_BYTES."""
+    and gradients under MIN_APPLIED_GRADIENT_BYTES but for the largest ones
+    down to SMALL_APPLIED_GRADIENT_BYTES while MAX_APPLIED_GRADIENTS allows."""
     from caffeplus import kernels
     L, _, bwd = _steps(net)
     heads = kernels.chain_heads(net)
@@ -218,13 +226,16 @@ def param_diff_spans(net):
         if not net.layer_need_backward[layer_id]:
             continue
         k = net.learnable_param_ids[pid]
-        if net.learnable_params[k].count * FLOAT_BYTES < MIN_APPLIED_GRADIENT_BYTES:
-            continue
         first = min(bwd(layer_id), bwd(heads.get(layer_id, layer_id)))
         last = bwd(layer_id)
         lo, hi = spans.get(k, (first, last))
         spans[k] = (min(lo, first), max(hi, last))
-    return spans
+    size = {k: net.learnable_params[k].count * FLOAT_BYTES for k in spans}
+    big = [k for k in spans if size[k] >= MIN_APPLIED_GRADIENT_BYTES]
+    rest = sorted((k for k in spans if SMALL_APPLIED_GRADIENT_BYTES <= size[k] <
+                   MIN_APPLIED_GRADIENT_BYTES), key=lambda k: (-size[k], k))
+    chosen = set(big) | set(rest[:max(MAX_APPLIED_GRADIENTS - len(big), 0)])
+    return {k: v for k, v in spans.items() if k in chosen}
 
 
 def param_diff_buffers(net):
