@@ -594,10 +594,14 @@ def test_memory_command_measures_with_the_estimate_beside(capsys):
 # at b1cfdc8 (one cuBLAS workspace buffer instead of two for the plans but
 # stock) and d1644f8 (offload 'free' hides copies behind 80% of the steps):
 # in session 16 GoogLeNet and ResNet-50 at 87d9bc3 (offload 'free' hides
-# copies behind at most the modelled device time on the GPU): a plan's
-# newest run counts.
+# copies behind at most the modelled device time on the GPU); in session 20
+# every plan at 8abacef (the thread stack settled after the search, caffeplus's
+# cuBLAS handle first) and shared/offload at 364b71c (more gradients applied
+# in backward): a plan's newest run counts.
 _MEMORY = os.path.join(ROOT, 'benchmarks', 'memory')
-_RUNS = [('2026-11-28-s17', '096de8c', 'stock_shared_offload'),
+_RUNS = [('2026-11-29-s20', '364b71c', 'shared_offload'),
+         ('2026-11-29-s20', '8abacef', 'stock_shared_offload'),
+         ('2026-11-28-s17', '096de8c', 'stock_shared_offload'),
          ('2026-11-28-s17', '096de8c', 'shared_offload'),
          ('2026-11-28-s17', 'd17b9a0', 'shared_offload'),
          ('2026-11-28-s17', '20ebec9', 'stock_shared_offload'),

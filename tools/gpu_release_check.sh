@@ -3,11 +3,12 @@
 #   1. every gpu-marked test of the suite,
 #   2. `caffeplus memory -gpu 0` (measured plans beside the planner's estimate) on the bench nets,
 #   3. tools/bench_gpu.py on the nets not yet benchmarked (caffeplus vs PyTorch in the same run),
-#   4. (STEPS=stock) tools/bench_stock_memory.py: the `stock` plan against stock Caffe's peaks.
+#   4. (STEPS=stock) tools/bench_stock_memory.py: the `stock` plan against stock Caffe's peaks,
+#   5. (STEPS=time) tools/time_plans.py: `shared` against `offload --offload free`, interleaved.
 # Prefer running it through tools/gpu_snapshot.sh (the committed tree only).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
 # (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
-# env: STEPS (tests,memory,probe,bench,stock), MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
+# env: STEPS (tests,memory,probe,bench,stock,time), TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
 #      MEMORY_ITERS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S
 set -u
 OUT=${OUT:-/tmp/gpu_out}
@@ -74,5 +75,14 @@ if has stock; then
   stamp "stock plan against stock Caffe"
   timeout "${STOCK_S:-300}" python3 tools/bench_stock_memory.py ${STOCK_NETS:-alexnet_b128 googlenet_b64 vgg16_b64 resnet50_b64} \
     --bench-dir .gpu_carry/bench --timeout 100 --json "$OUT/stock.json" --md "$OUT/stock.md" 2>&1 | tail -n 8
+fi
+if has time; then
+  for n in ${TIME_NETS:-alexnet_b128 googlenet_b64 resnet50_b64}; do
+    stamp "time_plans $n"
+    GLOG_minloglevel=2 timeout "${TIME_S:-120}" python3 tools/time_plans.py --net .gpu_carry/bench/$n.prototxt \
+      --gpu 0 --plans shared,offload --offload free --rounds ${TIME_ROUNDS:-12} --iters 10 --warmup 10 \
+      > "$OUT/time_plans_$n.txt" 2>&1
+    tail -n 3 "$OUT/time_plans_$n.txt"
+  done
 fi
 stamp done
