@@ -203,6 +203,20 @@ layer { name: "ip2" type: "InnerProduct" bottom: "ip" top: "ip2"
 layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }
 '''
 
+def _result_of_fresh_process(script, *args):
+    """The RESULT line `script` prints in a fresh process (cuBLAS reads its
+    setting for the process's first handle), without the user's cuBLAS
+    settings."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in (cublas_pool.ENV, cublas_pool.ARENA_ENV)}
+    env['PYTHONPATH'] = os.pathsep.join([ROOT, os.path.join(ROOT, 'tests')] +
+                                        env.get('PYTHONPATH', '').split(os.pathsep))
+    run = subprocess.run([sys.executable, '-c', script] + list(args), cwd=ROOT,
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [l for l in run.stdout.splitlines() if l.startswith('RESULT')][0]
+
+
 _ORDER_SCRIPT = r'''
 import sys, numpy, cupy, caffeplus
 from caffeplus.backend import blas, mathmode
@@ -255,14 +269,7 @@ def test_gpu_inner_product_gemms_on_the_arena_keep_their_bits(order):
     import cupy
     if cupy.cuda.Device().compute_capability[:-1] != '9':
         pytest.skip('Hopper: the plans place cuBLAS workspace there only')
-    env = {k: v for k, v in os.environ.items()
-           if k not in (cublas_pool.ENV, cublas_pool.ARENA_ENV)}
-    env['PYTHONPATH'] = os.pathsep.join([ROOT, os.path.join(ROOT, 'tests')] +
-                                        env.get('PYTHONPATH', '').split(os.pathsep))
-    run = subprocess.run([sys.executable, '-c', _ORDER_SCRIPT, order], cwd=ROOT,
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    line = [l for l in run.stdout.splitlines() if l.startswith('RESULT')][0]
+    line = _result_of_fresh_process(_ORDER_SCRIPT, order)
     print(line)
     got = json.loads(line[len('RESULT '):])
     assert got['same'], line                                # the same bits
@@ -313,14 +320,7 @@ def test_gpu_a_placing_plan_makes_caffeplus_handle_before_any_gemm():
     import cupy
     if cupy.cuda.Device().compute_capability[:-1] != '9':
         pytest.skip('Hopper: the plans place cuBLAS workspace there only')
-    env = {k: v for k, v in os.environ.items()
-           if k not in (cublas_pool.ENV, cublas_pool.ARENA_ENV)}
-    env['PYTHONPATH'] = os.pathsep.join([ROOT, os.path.join(ROOT, 'tests')] +
-                                        env.get('PYTHONPATH', '').split(os.pathsep))
-    run = subprocess.run([sys.executable, '-c', _FIRST_HANDLE_SCRIPT], cwd=ROOT,
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    line = [l for l in run.stdout.splitlines() if l.startswith('RESULT')][0]
+    line = _result_of_fresh_process(_FIRST_HANDLE_SCRIPT)
     got = json.loads(line[len('RESULT '):])
     assert got['made_at_apply'], line
     assert got['fallback_held'] == got['gemm_chosen'], line

@@ -619,39 +619,35 @@ TRADE_SHARE_ENV = 'CAFFEPLUS_HEADROOM_TIME_SHARE'
 PLAN_TRADE_SHARE = {'shared': 0.0}
 
 
+def _share_setting(variable, hint):
+    """A share (0 or more) from the environment, or None where unset."""
+    value = os.environ.get(variable, '').strip()
+    if not value:
+        return None
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not share >= 0:
+        raise CaffeplusError('%s=%r: give %s, 0 or more' % (variable, value, hint))
+    return share
+
+
 def headroom_slowdown(plan_name=None):
     """How much slower than its fastest a call's algorithm may be where it
     fits its step's room: CAFFEPLUS_HEADROOM_SLOWDOWN if set (0: every call
     keeps its fastest), else the plan's (PLAN_SLOWDOWN), else
     HEADROOM_SLOWDOWN."""
-    value = os.environ.get(SLOWDOWN_ENV, '').strip()
-    if not value:
-        return PLAN_SLOWDOWN.get(plan_name, HEADROOM_SLOWDOWN)
-    try:
-        share = float(value)
-    except ValueError:
-        raise CaffeplusError('%s=%r: give a share such as 0.1 (10%% slower at most)'
-                             % (SLOWDOWN_ENV, value))
-    if not share >= 0:
-        raise CaffeplusError('%s=%r: the share must be 0 or more' % (SLOWDOWN_ENV, value))
-    return share
+    share = _share_setting(SLOWDOWN_ENV, 'a share such as 0.1 (10% slower at most)')
+    return PLAN_SLOWDOWN.get(plan_name, HEADROOM_SLOWDOWN) if share is None else share
 
 
 def trade_time_share(plan_name=None):
     """The share of the net's convolution time a plan's trades may add
     beyond each call's own slowdown: CAFFEPLUS_HEADROOM_TIME_SHARE if set,
     else the plan's (PLAN_TRADE_SHARE), else TRADE_TIME_SHARE."""
-    value = os.environ.get(TRADE_SHARE_ENV, '').strip()
-    if not value:
-        return PLAN_TRADE_SHARE.get(plan_name, TRADE_TIME_SHARE)
-    try:
-        share = float(value)
-    except ValueError:
-        share = -1.0
-    if not share >= 0:
-        raise CaffeplusError('%s=%r: give a share of the convolution time such as 0.02'
-                             % (TRADE_SHARE_ENV, value))
-    return share
+    share = _share_setting(TRADE_SHARE_ENV, 'a share of the convolution time such as 0.06')
+    return PLAN_TRADE_SHARE.get(plan_name, TRADE_TIME_SHARE) if share is None else share
 
 
 def _timed(choice):
