@@ -12,11 +12,11 @@ import pytest
 
 import caffeplus
 from caffeplus import log
+from caffeplus.errors import CaffeplusError
 from caffeplus.io.prototxt import parse_text
 from caffeplus.memory import liveness, placement
 from caffeplus.memory.apply import apply_plan
 from caffeplus.memory.plan import make_plan
-from caffeplus.errors import CaffeplusError
 from caffeplus.memory.workspace import PlacedWorkspace, Site, forward_kinds
 from caffeplus.proto import caffe_pb2
 
@@ -416,9 +416,8 @@ def test_trades_past_each_calls_share_spend_one_allowance_for_the_net(monkeypatc
 
     c3, c3_halves = Timed(1, 193, 0.531), Timed(2, 103, 0.637)
     c4, c4_groups = Timed(3, 226, 0.468), Timed(4, 113, 0.580)
-    rest = [('c%d' % k, [Timed(9, 0, 1.0)], None, None) for k in range(9)]
-    for call in rest:
-        rest[rest.index(call)] = (call[0], call[1], call[1][0], 500)
+    others = [Timed(9, 0, 1.0) for _ in range(9)]             # the rest of the net: 9 ms
+    rest = [('c%d' % k, [t], t, 500) for k, t in enumerate(others)]
     assert within_headroom([c3, c3_halves], c3, 150, slowdown=0.10) is c3
     calls = [('conv3', [c3, c3_halves], c3, 150), ('conv4', [c4, c4_groups], c4, 186)] + rest
     total = 0.531 + 0.468 + 9.0

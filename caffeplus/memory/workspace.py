@@ -689,15 +689,15 @@ def within_headroom(candidates, best, room, deterministic=False, slowdown=HEADRO
     `room` (what the plan's buffers leave free at the call's step, so more
     would raise the peak): then, of the timed candidates at most `slowdown`
     slower (or at most `allowance` slower, in the times' unit: what the
-    plan's TradeAllowance has left), the one that raises the peak least
-    (the fastest of those; one that fits raises it not at all). Untimed candidates (heuristics: no
-    times) keep `best`, except where any slowdown will do (plan auto under
+    plan's trades have left, trade_for_room), the one that raises the peak
+    least (the fastest of those; one that fits raises it not at all).
+    Untimed candidates (heuristics: no times) keep `best`, except where any slowdown will do (plan auto under
     a budget): then where nothing timed fits, the first candidate, in
     cuDNN's order, within the room."""
     if best is None or best.memory <= room:
         return best
     pick = best
-    if getattr(best, 'time', -1) is not None and getattr(best, 'time', -1) > 0:
+    if _timed(best):
         limit = max(best.time * (1 + slowdown), best.time + allowance)
         near = [c for c in candidates if 0 < getattr(c, 'time', -1) <= limit
                 and (c.deterministic or not deterministic)]
