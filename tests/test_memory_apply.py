@@ -460,6 +460,33 @@ def test_offloaded_blob_between_forward_and_backward_is_released():
     net.backward()
 
 
+def test_placed_rows_describe_the_arena_the_plan_holds():
+    """The rows `caffeplus memory` lists under CAFFEPLUS_MEMORY_LAYOUT: every
+    placed buffer once, none sharing bytes with one live at the same time,
+    the highest ending at the arena's size; the info's bound is the most
+    bytes live at one step, and the arena held is at least the layout."""
+    from caffeplus.memory import placement
+    net = small_net()
+    apply_named_plan(net, 'offload', offload_policy=['pool1'])
+    applied = net.applied_plan
+    rows = applied.placed_rows()
+    assert len(rows) == len(applied.layout[0])
+    assert any(name.startswith('pool1(data)') for name, *_ in rows)
+    assert len([r for r in rows if r[0] == 'pool1(data)']) == 2     # out, and back
+    ends = [off + placement._align(n) for _, _, n, _, _, off in rows]
+    assert max(ends) == applied.arena_bytes
+    for i, (_, _, n, s, e, off) in enumerate(rows):
+        for _, _, n2, s2, e2, off2 in rows[i + 1:]:
+            if not (e < s2 or e2 < s):
+                assert off + n <= off2 or off2 + n2 <= off
+    steps = sorted({r[3] for r in rows})
+    busiest = max(sum(placement._align(n) for _, _, n, s, e, _ in rows if s <= t <= e)
+                  for t in steps)
+    info = applied.info()
+    assert info['arena_bound_bytes'] == busiest <= info['arena_bytes']
+    assert info['arena_held_bytes'] >= info['arena_bytes']
+
+
 def test_lazy_copies_catch_a_missing_wait(monkeypatch):
     """The lazy simulation is strict: without the compute stream's wait on
     'copied' a reused region corrupts the host copy, and the numbers change."""

@@ -24,24 +24,6 @@ sys.path.insert(0, ROOT)
 MiB = 2.0 ** 20
 
 
-def placed_buffers(applied):
-    """[(name, kind, nbytes, start, end, offset)] of what the applied plan placed."""
-    bufs, placed, offsets = applied.layout
-    names = {}
-    for e in applied.entries:
-        for life in e.lives:
-            names.setdefault(id(life), []).append('%s(%s)' % (e.name, e.kind))
-    out = []
-    for b in bufs:
-        if b.key[0] == 'life':
-            life = placed[b.key[1]]
-            name, kind = ','.join(names.get(id(life), ['?'])), life.buf.kind
-        else:
-            name, kind = '/'.join(str(k) for k in b.key), b.kind
-        out.append((name, kind, b.nbytes, b.start, b.end, offsets[b.key]))
-    return out
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('model')
@@ -62,7 +44,7 @@ def main(argv=None):
     net, _ = measure.settled_net(args.model, args.plan, args.offload)
     applied = net.applied_plan
     bufs = applied.layout[0]
-    rows = placed_buffers(applied)
+    rows = applied.placed_rows()
     steps = applied.steps
     curve = [sum(placement._align(b.nbytes) for b in bufs if b.start <= t <= b.end)
              for t in range(steps + 1)]
@@ -98,8 +80,8 @@ def main(argv=None):
         with open(args.json, 'w') as f:
             json.dump({'arena_bytes': applied.arena_bytes, 'steps': steps,
                        'layer_names': names,
-                       'buffers': [dict(zip(('name', 'kind', 'nbytes', 'start', 'end',
-                                             'offset'), r)) for r in rows]}, f, indent=1)
+                       'buffers': [dict(zip(measure.LAYOUT_FIELDS, r)) for r in rows]},
+                      f, indent=1)
     return 0
 
 

@@ -1087,9 +1087,35 @@ class AppliedPlan:
         if self._outgrown():
             self.relayout(replan=True, preserve=True)
 
+    def placed_rows(self):
+        """[(name, kind, nbytes, start, end, offset)] of every buffer the
+        layout placed (the lives, named by their storages; the workspace
+        and layer buffers by their keys)."""
+        bufs, placed, offsets = self.layout
+        names = {}
+        for e in self.entries:
+            for life in e.lives:
+                names.setdefault(id(life), []).append('%s(%s)' % (e.name, e.kind))
+        rows = []
+        for b in bufs:
+            if b.key[0] == 'life':
+                life = placed[b.key[1]]
+                name, kind = ','.join(names.get(id(life), ['?'])), life.buf.kind
+            else:
+                name, kind = '/'.join(str(k) for k in b.key), b.kind
+            rows.append((name, kind, b.nbytes, b.start, b.end, offsets[b.key]))
+        return rows
+
     def info(self):
+        base = self.arena_base()
         return {'applier': 'caffeplus.memory.apply', 'plan': self.name, 'arena': self.arena,
-                'arena_bytes': self.arena_bytes, 'arena_shares': dict(self.shares),
+                'arena_bytes': self.arena_bytes,
+                # What the device holds for it (an old arena serving a new
+                # layout may be up to 1/SPARE_SLACK larger) and the bytes
+                # live at the layout's busiest step (no placement is smaller).
+                'arena_held_bytes': int(base.nbytes) if base is not None else 0,
+                'arena_bound_bytes': int(placement.live_bound(self.layout[0])),
+                'arena_shares': dict(self.shares),
                 'planned_storages': len(self.entries),
                 'persistent_storages': len(self.persistent),
                 'offloaded': [e.name for e in self.entries if e.offloaded]}

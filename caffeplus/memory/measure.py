@@ -32,6 +32,10 @@ What is measured:
                   counted once); workspace: what the plan applier reports;
                   other: peak_bytes minus all of those (context, handles,
                   layer-internal buffers, temporaries, pool caching)
+  arena_bytes, arena_held_bytes, arena_bound_bytes
+                  the placed arena's layout, the device bytes behind it (an
+                  old arena may serve a smaller new layout), and the bytes
+                  live at its busiest step
   live_curve      device bytes in use after each of the 2L steps and the
                   update (the device's used memory less what CuPy's pool
                   holds unused), in a stepped iteration run last
@@ -48,6 +52,7 @@ group cuDNN handles per layer; the other plans: one arena, capped for
 `auto` at the cap its search chose).
 """
 import gc
+import os
 import time
 
 from caffeplus import backend
@@ -56,6 +61,10 @@ from caffeplus.memory import liveness, thread_stack
 from caffeplus.memory.plan import CATEGORIES, workspace_calls
 
 FLOAT_BYTES = 4
+# CAFFEPLUS_MEMORY_LAYOUT=1: each plan's entry also lists the buffers its
+# arena placed (as tools/arena_layout.py --json writes them).
+LAYOUT_ENV = 'CAFFEPLUS_MEMORY_LAYOUT'
+LAYOUT_FIELDS = ('name', 'kind', 'nbytes', 'start', 'end', 'offset')
 
 
 def _cupy():
@@ -468,7 +477,7 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1, apply=No
             planned = {'peak_bytes': int(ran.peak_bytes), 'est_iter_ms': ran.est_iter_ms,
                        'recomputed': ran.recomputed_names(), 'masked': list(ran.masked)} \
                 if ran is not None and ran.name == 'auto' else None
-            return {
+            result = {
                 'planned': planned,
                 'peak_bytes': int(peak),
                 'breakdown': breakdown,
@@ -483,6 +492,8 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1, apply=No
                 'device': gpu,
                 # As applied (offload 'free' chooses its maps at run time).
                 'arena_bytes': int(info.get('arena_bytes') or 0),
+                'arena_held_bytes': int(info.get('arena_held_bytes') or 0),
+                'arena_bound_bytes': int(info.get('arena_bound_bytes') or 0),
                 'offloaded': list(info.get('offloaded') or []),
                 'offload_bandwidth': getattr(getattr(applied, 'runtime', None),
                                              'bandwidth', None),
@@ -491,6 +502,12 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1, apply=No
                 'workspace_calls': dict(getattr(applied, 'workspace_calls', None) or
                                         (workspace_calls(ran) if ran is not None else {})),
             }
+            if os.environ.get(LAYOUT_ENV, '').strip() not in ('', '0') and \
+                    hasattr(applied, 'placed_rows'):
+                # Every placed buffer, to place again on a machine without a GPU.
+                result['arena_layout'] = [dict(zip(LAYOUT_FIELDS, row))
+                                          for row in applied.placed_rows()]
+            return result
     finally:
         del solver, net, info
         gc.collect()                    # layers hold cycles; free their arrays now
