@@ -7,28 +7,36 @@ arena's size is the highest end offset. Alignment keeps device pointers
 suitable for cuDNN and vectorised kernels.
 
 When the best order leaves the arena above the bytes live at the busiest
-moment (the bound no placement beats) by more than SEARCH_GAP, a short
-local search moves the buffers that end above that bound earlier in the
-order, one at a time, and keeps every order that places no worse: AlexNet
-b128's `free` plan went from 718.9 to 638.3 MiB against a bound of 635.8.
-The moves come from fixed seeds (a few independent chains, the best
-kept), so a plan places the same every time.
+moment (the bound no placement beats) by more than SEARCH_GAP, a search
+moves the buffers that end above that bound earlier in the order, one at
+a time, and anneals: a move that places larger is kept too, with a
+chance that falls with how much larger and as the search cools. A search
+that only kept moves placing no worse stalled where the first moves led
+it: on six of AlexNet b128's `free` layouts (H200) its chains from 16
+seeds ended anywhere from the bound of 569.2 to 620 MiB, and the plan's
+four chains gave 575.5 to 598 MiB from run to run; annealed, the best of
+the chains reaches the bound on each of them in about a second. The moves
+come from fixed seeds (independent chains, the best kept), so a plan
+places the same every time.
 """
+import math
 import random
 
 ALIGN = 512
-# Search only when the arena exceeds the bound by more than this share, and
-# at most SEARCH_WORK buffer placements (moves x buffers) per search: nets
-# of hundreds of buffers (GoogLeNet, ResNet-50) place within 0.5% of the
-# bound by ORDERS alone, where a search would cost seconds.
+# Search only when the arena exceeds the bound by more than this share.
 SEARCH_GAP = 0.01
-SEARCH_WORK = 80000
 SEARCH_SEED = 1
-# Independent chains from seeds SEARCH_SEED.. (SEARCH_WORK shared between
-# them): one chain can stall in a layout none of its moves improves
-# (AlexNet's `free` with fc8's gradient placed: 604.5 MiB from seed 1, the
-# bound of 569.2 from seeds 2 and 3).
-SEARCH_CHAINS = 4
+# Chains from seeds SEARCH_SEED.., each of up to SEARCH_MOVES moves, at
+# most SEARCH_WORK (offsets tried: a buffer against each buffer it meets
+# in time, summed over every placement) in all: GoogLeNet and ResNet-50
+# place within 0.5% of the bound by ORDERS alone, where SEARCH_WORK keeps a
+# search to seconds.
+SEARCH_CHAINS = 32
+SEARCH_MOVES = 500
+SEARCH_WORK = 16000000
+# The starting temperature, a share of the bound: a move placing this much
+# larger is kept with chance 1/e at first; it cools to nothing.
+SEARCH_HEAT = 0.2
 
 
 def _align(n):
@@ -78,41 +86,82 @@ def live_bound(buffers):
                 for t in events] + [0])
 
 
+class _Meets:
+    """Which buffers meet which in time, to place an order quickly."""
+
+    def __init__(self, bufs):
+        self.sizes = [_align(b.nbytes) for b in bufs]
+        by_start = sorted(range(len(bufs)), key=lambda i: bufs[i].start)
+        self.meets = [[] for _ in bufs]
+        for n, i in enumerate(by_start):
+            for j in by_start[n + 1:]:
+                if bufs[j].start > bufs[i].end:
+                    break
+                self.meets[i].append(j)
+                self.meets[j].append(i)
+        self.cost = len(bufs) + sum(len(m) for m in self.meets)
+
+    def place(self, order):
+        """(offsets by index, arena) of first fit in `order` (indices)."""
+        sizes, meets = self.sizes, self.meets
+        offsets = [None] * len(sizes)
+        arena = 0
+        for i in order:
+            size = sizes[i]
+            offset = 0
+            for lo, hi in sorted((offsets[j], offsets[j] + sizes[j]) for j in meets[i]
+                                 if offsets[j] is not None):
+                if offset + size <= lo:
+                    break
+                offset = max(offset, hi)
+            offsets[i] = offset
+            arena = max(arena, offset + size)
+        return offsets, arena
+
+
 def _search(order, done, bound):
-    """The best of SEARCH_CHAINS local searches from `order` (placed as
-    `done`), stopping once one reaches `bound`."""
-    best = done
-    for chain in range(SEARCH_CHAINS):
-        if best[2] <= bound:
+    """The best of the annealing chains from `order` (placed as `done`),
+    stopping once one reaches `bound`: (placed, offsets, arena) as
+    _place_in_order gives them."""
+    meets = _Meets(order)
+    moves = max(SEARCH_WORK // meets.cost, 1)
+    chains = max(min(SEARCH_CHAINS, moves // SEARCH_MOVES), 1)
+    best_arena, best_order = done[2], None
+    for chain in range(chains):
+        if best_arena <= bound:
             break
-        found = _search_chain(order, done, bound, SEARCH_SEED + chain,
-                              max(SEARCH_WORK // SEARCH_CHAINS, 1))
-        if found[2] < best[2]:
-            best = found
-    return best
-
-
-def _search_chain(order, done, bound, seed, work):
-    """Local search from `order` (placed as `done`): move a buffer that
-    ends above `bound` to an earlier place in the order; keep the new order
-    when its arena is no larger. Returns the best placement found."""
-    n = len(order)
-    if n < 2:
+        arena, indices = _anneal(meets, bound, SEARCH_SEED + chain,
+                                 min(SEARCH_MOVES, moves // chains))
+        if arena < best_arena:
+            best_arena, best_order = arena, indices
+    if best_order is None:
         return done
+    return _place_in_order([order[i] for i in best_order])
+
+
+def _anneal(meets, bound, seed, moves):
+    """(arena, order of indices) of the best placement one chain finds."""
+    n = len(meets.sizes)
     rng = random.Random(seed)
-    best = done
-    for _ in range(max(work // n, 1)):
-        if best[2] <= bound:
+    order = list(range(n))
+    offsets, arena = meets.place(order)
+    best = (arena, order)
+    heat = SEARCH_HEAT * bound
+    for k in range(moves):
+        if best[0] <= bound or n < 2:
             break
-        offsets = best[1]
-        high = [i for i, b in enumerate(order) if offsets[b.key] + _align(b.nbytes) > bound]
+        high = [p for p, i in enumerate(order) if offsets[i] + meets.sizes[i] > bound]
         i = rng.choice(high) if high and rng.random() < 0.8 else rng.randrange(n)
         j = rng.randrange(i) if i else rng.randrange(n)
         trial = list(order)
         trial.insert(j, trial.pop(i))
-        placed = _place_in_order(trial)
-        if placed[2] <= best[2]:
-            order, best = trial, placed
+        trial_offsets, trial_arena = meets.place(trial)
+        worse = trial_arena - arena
+        temperature = heat * (1.0 - k / float(moves)) + 1.0
+        if worse <= 0 or rng.random() < math.exp(-worse / temperature):
+            order, offsets, arena = trial, trial_offsets, trial_arena
+            if arena < best[0]:
+                best = (arena, order)
     return best
 
 
@@ -121,7 +170,7 @@ def place(buffers, last=(), search=True):
     `last` are placed after all others (plan auto's workspace: each call
     sized to fit the holes the others leave at its step, free_at), in the
     layout the others take. `search`: improve on the orders' best by a
-    local search where it is far from the bound (see the module's doc)."""
+    search where it is far from the bound (see the module's doc)."""
     first = [b for b in buffers if b.kind not in last]
     rest = [b for b in buffers if b.kind in last]
     best, best_order = None, None
