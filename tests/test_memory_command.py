@@ -599,7 +599,8 @@ def test_memory_command_measures_with_the_estimate_beside(capsys):
 # cuBLAS handle first) and shared/offload at 364b71c (more gradients applied
 # in backward): a plan's newest run counts.
 _MEMORY = os.path.join(ROOT, 'benchmarks', 'memory')
-_RUNS = [('2026-11-29-s20', '364b71c', 'shared_offload'),
+_RUNS = [('2026-11-29-s21', '8c26d64', 'stock_shared_offload'),
+         ('2026-11-29-s20', '364b71c', 'shared_offload'),
          ('2026-11-29-s20', '8abacef', 'stock_shared_offload'),
          ('2026-11-28-s17', '096de8c', 'stock_shared_offload'),
          ('2026-11-28-s17', '096de8c', 'shared_offload'),

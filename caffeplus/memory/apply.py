@@ -59,10 +59,9 @@ from caffeplus.blob import HEAD_DEVICE, HEAD_HOST
 from caffeplus.errors import CaffeplusError
 from caffeplus.memory import (cublas_pool, liveness, masks, placement, recompute, scratch,
                               thread_stack)
-from caffeplus.memory.plan import PLANS, check_plan_name, make_plan
+from caffeplus.memory.plan import PLACING, PLANS, check_plan_name, make_plan
 
 FLOAT_BYTES = liveness.FLOAT_BYTES
-PLACING = ('shared', 'offload', 'auto')      # plans that place buffers in an arena
 KEEP_HINT = ('add it to `keep` (caffe.Net(..., keep=[...]) / caffeplus_param { keep: ... }) '
              'to read it')
 

@@ -30,6 +30,8 @@ keeps every GEMM on CuPy's handle.
 """
 import os
 
+from caffeplus.memory.plan import PLACING
+
 ENV = 'CUBLAS_WORKSPACE_CONFIG'
 POOL = ':32768:1'
 HOPPER_MAJOR = 9
@@ -38,7 +40,6 @@ SAVED_BYTES = 32 * 1024 * 1024
 # The workspace each GEMM sees on Hopper, and what a placing plan places
 # for an InnerProduct's calls (the estimate's, for the H100).
 ARENA_BYTES = 32 * 1024 * 1024
-ARENA_PLANS = ('shared', 'offload', 'auto')
 ARENA_ENV = 'CAFFEPLUS_CUBLAS_IN_ARENA'
 
 
@@ -75,7 +76,7 @@ def arena_bytes(plan_name, compute_capability):
     handle): a placing plan's on Hopper, unless the user set
     CUBLAS_WORKSPACE_CONFIG (their cuBLAS, their bits) or
     CAFFEPLUS_CUBLAS_IN_ARENA=0."""
-    if plan_name not in ARENA_PLANS or not _in_arena_wanted():
+    if plan_name not in PLACING or not _in_arena_wanted():
         return 0
     if os.environ.get(ENV) not in (None, POOL):        # (POOL: apply() set it)
         return 0
@@ -128,7 +129,7 @@ def claim_first_handle(net, plan_name):
 
 def modelled_arena_bytes(plan_name):
     """arena_bytes as the estimate models it (the H100)."""
-    return ARENA_BYTES if plan_name in ARENA_PLANS else 0
+    return ARENA_BYTES if plan_name in PLACING else 0
 
 
 def saved_bytes(plan_name):

@@ -20,6 +20,8 @@ from caffeplus.errors import CaffeplusError
 from caffeplus.memory import liveness, masks, placement
 
 PLANS = ('stock', 'arena', 'shared', 'offload', 'auto')
+# The plans that place buffers in one arena (the others keep Caffe's own blobs).
+PLACING = ('shared', 'offload', 'auto')
 CATEGORIES = ('parameters', 'parameter_diffs', 'solver_history', 'activations',
               'activation_diffs', 'workspace', 'other')
 # Solver history blobs per learnable parameter (Caffe's solvers).

@@ -15,6 +15,7 @@ the other plans ('default' leaves CUDA's).
 import os
 
 from caffeplus.errors import CaffeplusError
+from caffeplus.memory.plan import PLACING
 
 CUDA_DEFAULT_BYTES = 1024
 # Started at 0 and read back after training on the H100, the driver had
@@ -36,7 +37,6 @@ THREAD_STACK_BYTES = 208
 # again. For the estimate: the most the four benchmark nets' chosen kernels
 # needed.
 SETTLED_MODEL_BYTES = 160
-SETTLING_PLANS = ('shared', 'offload', 'auto')
 SETTLE_ENV = 'CAFFEPLUS_STACK_SETTLE'
 # Threads an H100 holds at once: what the estimate (made without a GPU) scales by.
 H100_THREADS = 132 * 2048
@@ -65,7 +65,7 @@ def wanted_bytes(plan_name):
 def settles(plan_name):
     """Whether `plan_name` lowers the limit after its timed search (not
     where the user set a limit, nor with CAFFEPLUS_STACK_SETTLE=0)."""
-    if plan_name not in SETTLING_PLANS or os.environ.get(ENV, '').strip():
+    if plan_name not in PLACING or os.environ.get(ENV, '').strip():
         return False
     return os.environ.get(SETTLE_ENV, '1').strip().lower() not in ('0', 'off', 'false', 'no')
 

@@ -47,12 +47,12 @@ import numpy
 
 from caffeplus import backend, kernels, log
 from caffeplus.memory import liveness
+from caffeplus.memory.plan import PLACING
 from caffeplus.solver.nan_check import installed_mode
 
 ENV = 'CAFFEPLUS_UPDATE_IN_BACKWARD'
 
 
-PLANS = ('shared', 'offload', 'auto')     # the plans that place the gradients for a solver
 
 
 def enabled():
@@ -63,7 +63,7 @@ def enabled():
 def places_gradients(plan_name, solver=None):
     """Whether plan `plan_name` places the large gradients: for `solver` when
     given (nothing blocks it now), else for the estimate's plain SGD solver."""
-    if plan_name not in PLANS:
+    if plan_name not in PLACING:
         return False
     return not blockers(solver) if solver is not None else enabled()
 
