@@ -664,22 +664,31 @@ def test_estimate_within_five_percent_of_the_measurement(capsys, net):
     used memory: what this test process holds (its CUDA context, and what
     the GPU tests before it left cached: about 5 GB in a full run) is
     counted too, so it is freed as far as it can be, and what remains is
-    taken off the measurement."""
+    taken off the measurement: the least this process held before and
+    after the runs (what it let go meanwhile, its collector freeing a
+    cycle, was not there at the children's peaks: in a full run of the GPU
+    tests on the H200 AlexNet's `shared` came out 1,666 MiB against 1,701
+    in a process of its own)."""
     import gc
     import cupy
-    gc.collect()
-    cupy.get_default_memory_pool().free_all_blocks()
-    cupy.get_default_pinned_memory_pool().free_all_blocks()
-    cupy.cuda.Device(0).synchronize()
-    free, total = cupy.cuda.runtime.memGetInfo()
-    held_here = total - free
+
+    def held_by_this_process():
+        gc.collect()
+        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+        cupy.cuda.Device(0).synchronize()
+        free, total = cupy.cuda.runtime.memGetInfo()
+        return total - free
+
+    before = held_by_this_process()
     code, out, err = memory(capsys, '-model', bench(net), '-gpu', '0', '--json',
                             '--plans', 'stock,arena,shared')
     assert code == 0, err
+    held_here = min(before, held_by_this_process())
     for name, entry in json.loads(out)['plans'].items():
         real = (entry.get('steady_peak_bytes') or entry['peak_bytes']) - held_here
         error = (entry['estimate']['peak_bytes'] - real) / float(real)
-        assert abs(error) <= 0.05, (name, round(100 * error, 2), held_here)
+        assert abs(error) <= 0.05, (name, round(100 * error, 2), before, held_here)
 
 
 # -- each measured plan in its own process ----------------------------------------------
