@@ -208,6 +208,13 @@ TILING_TIME = 1.04
 # over eighths for the filter gradient).
 CHUNK_SLICES = (2, 4, 8)
 CHUNK_TIME = {2: 1.02, 4: 1.06, 8: 1.08}
+# A slice of FULL_SLICE images or more keeps the GPU as busy as the whole
+# batch: its calls cost no more. On the H200 at b256, VGG-16's conv3-5 calls
+# chose 612-1,360 MiB where the whole batch's transforms take 784-1,764
+# (benchmarks/memory_results.md, session 21), and the estimate of `shared`
+# was 6.8% over the measured peak with the whole-batch transform at conv4_3's
+# backward; at b64 the same calls took 180-477 MiB, about the whole batch's.
+FULL_SLICE = 128
 # Small maps' FFTs neither tile nor slice cheaply: AlexNet's conv3-5 (13 x 13)
 # at b128 run 13-50% slower over halves (tools/dump_algorithms.py, db0798f),
 # and their tiled FFTs are no faster than the implicit GEMMs.
@@ -279,7 +286,8 @@ def candidates(layer, kind=None):
         out.append(big)
     # The batch-sized workspace, run over slices of the batch.
     out.extend(Candidate('%s/%d' % (big.name, k), big.bytes // k,
-                         big.time_factor * chunk_time[k])
+                         big.time_factor * (1.0 if not small and s.num // k >= FULL_SLICE
+                                            else chunk_time[k]))
                for k in CHUNK_SLICES if s.num % k == 0 and s.num >= 2 * k)
     if s.im_channels // s.group <= STEM_CHANNELS and not s.reverse:
         fwd, bwd = STEM_TIME
