@@ -385,7 +385,7 @@ def test_auto_runs_convolutions_again_where_that_beats_the_host_link(monkeypatch
     """VGG-16 b256 within 11.8 GiB: conv1_1's output (3.3 GB, 66 ms each way
     over the link) is made again from the data in 0.7 ms. (At 12 GiB,
     since the plans' smaller thread stack, little has to leave at all.)
-    Since the placement's local search (placement._search) the plan without
+    Since the placement's search (placement._search) the plan without
     convolutions made again fits with fewer maps moved (377 against 450 ms
     estimated), and at 11.45 GiB only the plan that makes them again fits
     (11.5 before InnerProduct's cuBLAS workspace moved into the arena)."""
