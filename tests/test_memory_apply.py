@@ -487,6 +487,45 @@ def test_placed_rows_describe_the_arena_the_plan_holds():
     assert info['arena_held_bytes'] >= info['arena_bytes']
 
 
+def test_check_plans_equal_names_differing_algorithms_and_plans_that_fail(monkeypatch, capsys):
+    """tools/check_plans_equal.py --algorithms: each convolution call whose
+    chosen algorithm differs from the first plan's, by layer and kind; a
+    plan that raises is reported and the others still run (exit status 1)."""
+    class Conv:
+        def __init__(self, picks):
+            self.picks = picks
+
+        def algorithms(self):
+            return self.picks
+
+    class FakeNet:
+        _layer_names = ['conv1', 'relu1']
+        layers = [Conv({'fwd': 'IMPLICIT', 'bwd_filter': 'ALGO_1'}), object()]
+
+    a, b = cpe.Result('stock'), cpe.Result('shared')
+    a.algorithms = cpe.chosen_algorithms(FakeNet())
+    assert a.algorithms == {'conv1': {'bwd_filter': "'ALGO_1'", 'fwd': "'IMPLICIT'"}}
+    b.algorithms = {'conv1': {'bwd_filter': "'ALGO_1/2'", 'fwd': "'IMPLICIT'"}}
+    assert cpe.algorithm_differences(a, b) == \
+        ["  conv1 bwd_filter: stock 'ALGO_1', shared 'ALGO_1/2'"]
+    assert cpe.algorithm_differences(a, a) == []
+
+    def train(param, plan, iters, *args, **kwargs):
+        if plan == 'shared':
+            raise CaffeplusError('every cuDNN algorithm needs more workspace than the budget')
+        r = cpe.Result(plan)
+        r.losses, r.solver = [1.0], None
+        return r
+
+    monkeypatch.setattr(cpe, 'train', train)
+    monkeypatch.setattr(cpe, 'net_param', lambda name, tmp, batch: (None, 0))
+    assert cpe.main(['--nets', 'lenet', '--plans', 'stock,shared,arena', '--iters', '1',
+                     '--algorithms']) == 1
+    out = capsys.readouterr().out
+    assert 'shared   FAILED: CaffeplusError: every cuDNN algorithm' in out
+    assert 'arena' in out and 'bit-identical to stock' in out
+
+
 def test_lazy_copies_catch_a_missing_wait(monkeypatch):
     """The lazy simulation is strict: without the compute stream's wait on
     'copied' a reused region corrupts the host copy, and the numbers change."""

@@ -137,6 +137,7 @@ class Result:
         self.test_outputs = {}
         self.info = {}
         self.seconds = 0.0
+        self.algorithms = {}        # {layer: {call kind: the chosen algorithm}} (GPU)
 
 
 def _host(a):
@@ -184,6 +185,7 @@ def train(param, plan, iters, test_nets=0, gpu=None, math=None, keep=(), offload
             solver.test(i)
             for name in test_net.outputs:
                 result.test_outputs['%d/%s' % (i, name)] = _host(test_net._blob_dict[name].data)
+        result.algorithms = chosen_algorithms(solver.net)
         applied = solver.net.applied_plan
         if applied is not None:
             result.info = applied.info()
@@ -193,6 +195,31 @@ def train(param, plan, iters, test_nets=0, gpu=None, math=None, keep=(), offload
                 result.info['lookahead'] = applied.runtime.lookaheads()
     result.solver = solver
     return result
+
+
+def chosen_algorithms(net):
+    """{layer name: {call kind: repr of its chosen algorithm}} of the layers
+    that choose one (cuDNN's convolutions on the GPU)."""
+    out = {}
+    for name, layer in zip(net._layer_names, net.layers):
+        choose = getattr(layer, 'algorithms', None)
+        if callable(choose):
+            picks = choose() or {}
+            if picks:
+                out[name] = {kind: repr(c) for kind, c in sorted(picks.items())}
+    return out
+
+
+def algorithm_differences(a, b):
+    """Lines naming each call whose algorithm differs between two Results."""
+    out = []
+    for layer in sorted(set(a.algorithms) | set(b.algorithms)):
+        x, y = a.algorithms.get(layer, {}), b.algorithms.get(layer, {})
+        for kind in sorted(set(x) | set(y)):
+            if x.get(kind) != y.get(kind):
+                out.append('  %s %s: %s %s, %s %s' % (layer, kind, a.plan, x.get(kind),
+                                                      b.plan, y.get(kind)))
+    return out
 
 
 def differences(a, b):
@@ -229,6 +256,9 @@ def main(argv=None):
     ap.add_argument('--math', default=None, help='GPU math mode (deterministic for bit-identity)')
     ap.add_argument('--offload', default='conv', help='offload policy: conv, all, blob names')
     ap.add_argument('--workspace_limit', type=int, default=None)
+    ap.add_argument('--algorithms', action='store_true',
+                    help="list each convolution call whose algorithm differs from the first "
+                         "plan's (GPU)")
     args = ap.parse_args(argv)
     from caffeplus import log
     log.logger.setLevel(30)
@@ -245,9 +275,15 @@ def main(argv=None):
                 continue
             results = []
             for plan in plans:
-                r = train(param, plan, args.iters, test_nets, gpu=args.gpu, math=args.math,
-                          offload=args.offload if plan == 'offload' else None,
-                          workspace_limit=args.workspace_limit)
+                try:
+                    r = train(param, plan, args.iters, test_nets, gpu=args.gpu,
+                              math=args.math,
+                              offload=args.offload if plan == 'offload' else None,
+                              workspace_limit=args.workspace_limit)
+                except Exception as exc:        # a plan that cannot run says why; the rest run
+                    print('%-11s %-8s FAILED: %s: %s' % (name, plan, type(exc).__name__, exc))
+                    failed = True
+                    continue
                 results.append(r)
                 diff = differences(results[0], r) if len(results) > 1 else []
                 extra = ''
@@ -259,6 +295,9 @@ def main(argv=None):
                       % (name, plan, args.iters, r.seconds, r.losses[-1] if r.losses else 0,
                          extra, ('DIFFERS: ' + '; '.join(diff)) if diff else
                          ('bit-identical to %s' % plans[0] if len(results) > 1 else '')))
+                if args.algorithms and len(results) > 1:
+                    for line in algorithm_differences(results[0], r):
+                        print(line)
                 sys.stdout.flush()
                 failed |= bool(diff)
                 del r.solver
