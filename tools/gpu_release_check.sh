@@ -5,10 +5,13 @@
 #   3. tools/bench_gpu.py on the nets not yet benchmarked (caffeplus vs PyTorch in the same run),
 #   4. (STEPS=stock) tools/bench_stock_memory.py: the `stock` plan against stock Caffe's peaks,
 #   5. (STEPS=time) tools/time_plans.py: `shared` against `offload --offload free`, interleaved.
+#   6. (STEPS=stockbits) tools/check_plans_equal.py: `stock` against `shared` under deterministic
+#      math with Caffe's 8 MiB per call (as tests/test_memory_apply.py's xfailed GoogLeNet and
+#      ResNet-50 cases), naming the calls whose algorithms differ.
 # Prefer running it through tools/gpu_snapshot.sh (the committed tree only).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
 # (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
-# env: STEPS (tests,memory,probe,bench,stock,time), TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
+# env: STEPS (tests,memory,probe,bench,stock,time,stockbits), TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
 #      MEMORY_ITERS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S
 set -u
 OUT=${OUT:-/tmp/gpu_out}
@@ -84,5 +87,13 @@ if has time; then
       > "$OUT/time_plans_$n.txt" 2>&1
     tail -n 3 "$OUT/time_plans_$n.txt"
   done
+fi
+if has stockbits; then
+  stamp "stock against shared, deterministic"
+  GLOG_minloglevel=2 timeout "${STOCKBITS_S:-240}" python3 tools/check_plans_equal.py --gpu 0 \
+    --math deterministic --workspace_limit 8388608 --nets googlenet,resnet50 --batch 4 \
+    --iters 10 --plans stock,shared,arena --algorithms > "$OUT/stockbits.log" 2>&1
+  echo "rc=$?" >> "$OUT/stockbits.log"
+  tail -n 40 "$OUT/stockbits.log"
 fi
 stamp done
