@@ -107,15 +107,11 @@ class _Meets:
         offsets = [None] * len(sizes)
         arena = 0
         for i in order:
-            size = sizes[i]
-            offset = 0
-            for lo, hi in sorted((offsets[j], offsets[j] + sizes[j]) for j in meets[i]
-                                 if offsets[j] is not None):
-                if offset + size <= lo:
-                    break
-                offset = max(offset, hi)
+            offset = _lowest_offset(sorted((offsets[j], offsets[j] + sizes[j])
+                                           for j in meets[i] if offsets[j] is not None),
+                                    sizes[i])
             offsets[i] = offset
-            arena = max(arena, offset + size)
+            arena = max(arena, offset + sizes[i])
         return offsets, arena
 
 

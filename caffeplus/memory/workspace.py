@@ -691,9 +691,9 @@ def within_headroom(candidates, best, room, deterministic=False, slowdown=HEADRO
     slower (or at most `allowance` slower, in the times' unit: what the
     plan's trades have left, trade_for_room), the one that raises the peak
     least (the fastest of those; one that fits raises it not at all).
-    Untimed candidates (heuristics: no times) keep `best`, except where any slowdown will do (plan auto under
-    a budget): then where nothing timed fits, the first candidate, in
-    cuDNN's order, within the room."""
+    Untimed candidates (heuristics: no times) keep `best`, except where any
+    slowdown will do (plan auto under a budget): then where nothing timed
+    fits, the first candidate, in cuDNN's order, within the room."""
     if best is None or best.memory <= room:
         return best
     pick = best

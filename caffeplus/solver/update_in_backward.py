@@ -53,8 +53,6 @@ from caffeplus.solver.nan_check import installed_mode
 ENV = 'CAFFEPLUS_UPDATE_IN_BACKWARD'
 
 
-
-
 def enabled():
     """Whether the plans place the gradients for a solver (the environment)."""
     return os.environ.get(ENV, '1').strip().lower() not in ('0', 'false', 'off', 'no')
