@@ -33,7 +33,10 @@ Stock. Each convolution layer owns its workspace, sized exactly as Caffe
 1.0's CuDNNConvolutionLayer::Reshape sizes it: per kind, the first _v7
 heuristic result whose workspace is <= 8 MiB; the layer allocates
 max(fwd, bwd_data, bwd_filter) * group * CUDNN_STREAMS_PER_GROUP (3) bytes,
-growing only. The layer also creates 3 * group cuDNN handles and CUDA
+growing only. Under deterministic math every plan takes the first
+deterministic algorithm within its limit, and where none fits, the
+deterministic one needing least (over_budget), so stock and the arena run
+the same algorithms. The layer also creates 3 * group cuDNN handles and CUDA
 streams, as Caffe does, so that the process's other memory matches stock.
 """
 import contextlib
@@ -97,8 +100,9 @@ class Site:
 
 def choose(candidates, budget, deterministic=False, what='call site'):
     """The first (fastest) candidate whose workspace is <= budget (and, with
-    `deterministic`, that cuDNN reports deterministic). None fitting: the
-    one needing the least workspace if it fits, else a CaffeplusError."""
+    `deterministic`, that cuDNN reports deterministic). None fitting: under
+    deterministic math the deterministic one needing least (over_budget);
+    otherwise a CaffeplusError naming the site and the bytes."""
     pool = [c for c in candidates if not deterministic or c.deterministic]
     if not pool:
         raise CaffeplusError('%s: cuDNN offers no deterministic algorithm (math mode '
@@ -107,26 +111,49 @@ def choose(candidates, budget, deterministic=False, what='call site'):
         if c.memory <= budget:
             return c
     smallest = min(pool, key=lambda c: c.memory)
+    if deterministic:
+        return over_budget(smallest, budget, what)
     raise CaffeplusError('%s: every cuDNN algorithm needs more workspace than the budget of '
                          '%d bytes (the smallest, %s, needs %d); raise the workspace limit '
                          '(--workspace_limit / caffeplus_param.workspace_limit)'
                          % (what, budget, getattr(smallest, 'name', smallest), smallest.memory))
 
 
-def choose_stock(candidates, limit=STOCK_WORKSPACE_LIMIT, deterministic=None):
+_over_budget_said = set()
+
+
+def over_budget(choice, budget, what):
+    """Deterministic math outranks the workspace limit, under every plan:
+    where no deterministic algorithm fits (GoogLeNet's and ResNet-50's
+    filter gradients need 13-16 MB against Caffe's 8 MiB), the call takes
+    the deterministic one needing least, as stock Caffe's fallback runs the
+    least-workspace algorithm whatever the limit. Said once per call site."""
+    key = (what, budget, choice.memory)
+    if key not in _over_budget_said:
+        _over_budget_said.add(key)
+        log.warning('%s: no deterministic cuDNN algorithm fits the workspace limit of %d bytes; '
+                    'using %s, which needs %d (math mode deterministic)',
+                    what, budget, getattr(choice, 'name', choice), choice.memory)
+    return choice
+
+
+def choose_stock(candidates, limit=STOCK_WORKSPACE_LIMIT, deterministic=None,
+                 what='call site'):
     """Caffe 1.0: the first heuristic result whose workspace is <= 8 MiB; if
     none fits, the one needing least (Caffe's zero-workspace fallback). In
-    the 'deterministic' math mode only deterministic algorithms count, as
-    for the arena, so the two plans run the same algorithms."""
+    the 'deterministic' math mode the arena's rule (choose): only
+    deterministic algorithms count, so the plans run the same algorithms."""
     if deterministic is None:
         from caffeplus.backend import mathmode
         deterministic = mathmode.deterministic()
+    if not candidates:
+        return None
     if deterministic:
-        candidates = [c for c in candidates if c.deterministic] or candidates
+        return choose(candidates, limit, True, what)
     for c in candidates:
         if c.memory <= limit:
             return c
-    return min(candidates, key=lambda c: c.memory) if candidates else None
+    return min(candidates, key=lambda c: c.memory)
 
 
 def stock_bytes(choices, group):
@@ -759,8 +786,10 @@ class StockWorkspace:
         self._sites = []
 
     def plan(self):
+        layer = self._layer()
+        name = getattr(getattr(layer, 'layer_param', None), 'name', '?')
         for s in self._sites:
-            s.choice = choose_stock(s.candidates)
+            s.choice = choose_stock(s.candidates, what='layer %s %s' % (name, s.kind))
         need = stock_bytes([s.choice for s in self._sites], self.group)
         if need > self._buffer.nbytes:         # Caffe only ever grows it
             self._buffer.resize(need, self._layer(), self.plan_name)
