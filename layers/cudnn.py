@@ -893,7 +893,9 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         # (Sliced, too large for one call, Caffe 1.0 could not run it: as sliced.)
         cd = self._cd if self._cd.batch_chunks > 1 or self._cd.loops == self.group \
             else _ConvDescs(self, True)
-        choices = [workspace.choose_stock(cd.candidates(k)) for k in workspace.KINDS]
+        choices = [workspace.choose_stock(cd.candidates(k), what='layer %s %s'
+                                          % (self.layer_param.name, k))
+                   for k in workspace.KINDS]
         return workspace.stock_bytes(choices, self.group)
 
     def algorithms(self):
