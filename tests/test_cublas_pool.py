@@ -344,3 +344,47 @@ def test_claiming_the_first_handle_needs_a_gpu_and_a_net_without_cupy_gemms(monk
     other = caffeplus.Net(parse_text(caffe_conv, caffe_pb2.NetParameter()), caffeplus.TRAIN)
     assert cublas_pool.claim_first_handle(other, 'shared') is False
     assert cublas_pool.claim_first_handle(net, 'stock') is False
+
+
+def test_own_handle_sets_stream_and_workspace_only_when_they_change(monkeypatch):
+    """caffeplus's handle gets its stream and workspace set only when they
+    change; a new stream puts cuBLAS's default workspace back, so the
+    workspace is set again after it."""
+    from caffeplus.backend import blas
+    calls = []
+
+    class Lib:
+        def cublasSetStream_v2(self, handle, stream):
+            calls.append(('stream', stream))
+            return 0
+
+        def cublasSetWorkspace_v2(self, handle, ptr, nbytes):
+            calls.append(('workspace', ptr, nbytes))
+            return 0
+
+        def cublasGemmEx(self, handle, *args):
+            calls.append(('gemm',))
+            return 0
+
+    stream = {'ptr': 11}
+    monkeypatch.setattr(blas, 'loaded_cublas', lambda: Lib())
+    monkeypatch.setattr(blas, 'own_handle', lambda: 7)
+    monkeypatch.setattr(blas, '_current_stream', lambda: stream['ptr'])
+    monkeypatch.setitem(blas._state, 'bound', {})
+    run = lambda ws: blas._on_workspace(ws, 'cublasGemmEx', 1, 2)     # noqa: E731
+    run((100, 32))
+    run((100, 32))
+    assert calls == [('stream', 11), ('workspace', 100, 32), ('gemm',), ('gemm',)]
+    del calls[:]
+    run((200, 32))
+    assert calls == [('workspace', 200, 32), ('gemm',)]
+    del calls[:]
+    stream['ptr'] = 12
+    run((200, 32))
+    assert calls == [('stream', 12), ('workspace', 200, 32), ('gemm',)]
+    # A failed call leaves nothing assumed: the next one sets its workspace again.
+    del calls[:]
+    monkeypatch.setattr(Lib, 'cublasSetWorkspace_v2', lambda self, h, p, n: 3)
+    with pytest.raises(RuntimeError, match='cublasSetWorkspace'):
+        run((300, 32))
+    assert blas._state['bound'][7][1] is None

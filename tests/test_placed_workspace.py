@@ -183,6 +183,29 @@ def test_placed_workspace_sizes_and_checkout():
         assert (ptr, nbytes) == (8192, 700)
     with ws.checkout(conv, 'bwd_filter') as (ptr, nbytes):
         assert (ptr, nbytes) == (16384, 500)
+    # A call needing no workspace has no view: it gets the private buffer,
+    # as an unplaced call would, but is not counted as one the layout missed.
+    ws.register(deconv, [Site('fwd', [Cand(4, 0)]), Site('bwd_data', [Cand(5, 0)]),
+                         Site('bwd_filter', [Cand(6, 0)])])
+    ws.ensure_planned()
+    ws.pass_kind = 'forward'
+    with ws.checkout(deconv, 'bwd_data') as (ptr, nbytes):
+        assert nbytes == 0
+    assert ws.outside == {}
+    # A call the layout missed that needs bytes is counted.
+
+    class Buffer:                                   # (the device buffer, on the CPU)
+        ptr, nbytes = 0, 0
+
+        def resize(self, n, layer, plan):
+            self.ptr, self.nbytes = 1 << 20, n
+    ws._buffer = Buffer()
+    ws.register(deconv, [Site('fwd', [Cand(4, 0)]), Site('bwd_data', [Cand(5, 64)]),
+                         Site('bwd_filter', [Cand(6, 0)])])
+    ws.ensure_planned()
+    with ws.checkout(deconv, 'bwd_data') as (ptr, nbytes):
+        assert nbytes == 64
+    assert ws.outside == {('d', 'bwd_data'): 64}
     # A reshape re-registers: re-planned on the next checkout, the layout stale again.
     ws.register(conv, [Site('fwd', [Cand(1, 200)]), Site('bwd_data', [Cand(2, 100)]),
                        Site('bwd_filter', [Cand(3, 100)])])

@@ -596,11 +596,14 @@ class PlacedWorkspace(WorkspaceArena):
         if self.again is not None and part == 'forward':
             part = self.again
         view = self.views.get((id(layer), part))
-        if view is None or view[1] < need:
+        if need == 0 and view is None:
+            # A call that needs no workspace has no view in the layout.
+            view = (self._buffer.ptr, self._buffer.nbytes)
+        elif view is None or view[1] < need:
             # Not in the layout (yet): a buffer of its own for this call.
             if self._buffer.nbytes < need:
                 self._buffer.resize(need, layer, self.plan_name)
-            key = (getattr(getattr(layer, 'layer_param', None), 'name', str(layer)), kind)
+            key = (getattr(getattr(layer, 'layer_param', None), 'name', None) or str(layer), kind)
             if key not in self.outside:
                 log.info('Placed workspace: layer %s %s needs %d bytes, its view in the plan '
                          'has %d: a buffer of its own until the plan is placed again',
