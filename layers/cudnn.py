@@ -893,8 +893,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         # (Sliced, too large for one call, Caffe 1.0 could not run it: as sliced.)
         cd = self._cd if self._cd.batch_chunks > 1 or self._cd.loops == self.group \
             else _ConvDescs(self, True)
-        choices = [workspace.choose_stock(cd.candidates(k), what='layer %s %s'
-                                          % (self.layer_param.name, k))
+        choices = [workspace.choose_stock(cd.candidates(k),
+                                          what=workspace.call_site_name(self, k))
                    for k in workspace.KINDS]
         return workspace.stock_bytes(choices, self.group)
 

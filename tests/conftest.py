@@ -47,6 +47,26 @@ def _cpu_mode_and_seed():
         mathmode.set_math_mode(mode)
 
 
+@pytest.fixture
+def caplog_caffeplus():
+    """The messages caffeplus logs while the test runs."""
+    import logging
+    from caffeplus import log
+
+    messages = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+    h = Grab()
+    log.logger.addHandler(h)
+    old = log.logger.level
+    log.logger.setLevel(logging.INFO)
+    yield messages
+    log.logger.removeHandler(h)
+    log.logger.setLevel(old)
+
+
 def need(path):
     if not os.path.exists(path):
         pytest.skip('reference data not found: %s' % path)

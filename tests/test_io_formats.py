@@ -273,26 +273,6 @@ def test_record_reader_wraps_and_restores(caplog_caffeplus):
     r2.close()
 
 
-@pytest.fixture
-def caplog_caffeplus():
-    """The messages caffeplus logs while the test runs."""
-    import logging
-    from caffeplus import log
-
-    messages = []
-
-    class Grab(logging.Handler):
-        def emit(self, record):
-            messages.append(record.getMessage())
-    h = Grab()
-    log.logger.addHandler(h)
-    old = log.logger.level
-    log.logger.setLevel(logging.INFO)
-    yield messages
-    log.logger.removeHandler(h)
-    log.logger.setLevel(old)
-
-
 def test_write_mean_round_trip(tmp_path):
     arr = numpy.arange(12, dtype=numpy.float32).reshape(1, 3, 2, 2)
     path = str(tmp_path / 'm.binaryproto')

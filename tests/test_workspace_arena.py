@@ -48,23 +48,15 @@ def test_choose_deterministic_filter():
         choose([Cand(5, 0, deterministic=False)], 100, deterministic=True)
 
 
-def test_deterministic_math_outranks_the_limit(caplog):
+def test_deterministic_math_outranks_the_limit(caplog_caffeplus):
     """No deterministic algorithm within the limit: the deterministic one
     needing least, under the arena's rule and stock's alike, said once."""
-    import logging
     cands = [Cand(5, 0, deterministic=False), Cand(1, 30 * MB), Cand(3, 13 * MB),
              Cand(4, 13 * MB)]
-    from caffeplus import log
-    log.logger.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.WARNING, logger='caffeplus'):
-            for _ in range(2):
-                assert choose(cands, 8 * MB, True, 'layer conv2 bwd_filter').algo == 3
-                assert choose_stock(cands, deterministic=True,
-                                    what='layer conv2 bwd_filter').algo == 3
-    finally:
-        log.logger.removeHandler(caplog.handler)
-    said = [r.getMessage() for r in caplog.records if 'no deterministic' in r.getMessage()]
+    for _ in range(2):
+        assert choose(cands, 8 * MB, True, 'layer conv2 bwd_filter').algo == 3
+        assert choose_stock(cands, deterministic=True, what='layer conv2 bwd_filter').algo == 3
+    said = [m for m in caplog_caffeplus if 'no deterministic' in m]
     assert len(said) == 1 and 'conv2 bwd_filter' in said[0] and str(13 * MB) in said[0]
     # Without deterministic math stock keeps Caffe's rule (the zero-workspace one).
     assert choose_stock(cands, deterministic=False).algo == 5

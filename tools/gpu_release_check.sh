@@ -5,9 +5,9 @@
 #   3. tools/bench_gpu.py on the nets not yet benchmarked (caffeplus vs PyTorch in the same run),
 #   4. (STEPS=stock) tools/bench_stock_memory.py: the `stock` plan against stock Caffe's peaks,
 #   5. (STEPS=time) tools/time_plans.py: `shared` against `offload --offload free`, interleaved.
-#   6. (STEPS=stockbits) tools/check_plans_equal.py: `stock` against `shared` under deterministic
-#      math with Caffe's 8 MiB per call (as tests/test_memory_apply.py's xfailed GoogLeNet and
-#      ResNet-50 cases), naming the calls whose algorithms differ.
+#   6. (STEPS=stockbits) tools/check_plans_equal.py: `stock` against `shared` and `arena` under
+#      deterministic math with Caffe's 8 MiB per call (as tests/test_memory_apply.py's GoogLeNet
+#      and ResNet-50 cases), naming the calls whose algorithms differ.
 # Prefer running it through tools/gpu_snapshot.sh (the committed tree only).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
 # (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).

@@ -98,6 +98,13 @@ class Site:
         return '<Site %s[%d] %s>' % (self.kind, self.index, self.choice)
 
 
+def call_site_name(layer, kind):
+    """How errors and warnings name a convolution's call site: 'layer conv1
+    bwd_filter' (one spelling, so that over_budget says each site once
+    whichever path chose for it)."""
+    return 'layer %s %s' % (getattr(getattr(layer, 'layer_param', None), 'name', '?'), kind)
+
+
 def choose(candidates, budget, deterministic=False, what='call site'):
     """The first (fastest) candidate whose workspace is <= budget (and, with
     `deterministic`, that cuDNN reports deterministic). None fitting: under
@@ -380,7 +387,7 @@ class WorkspaceArena:
         pairs = self.sites()
         if self._timing_wanted(pairs):
             self._time_sites(pairs, budget)
-        names = ['layer %s %s' % (layer.layer_param.name, s.kind) for layer, s in pairs]
+        names = [call_site_name(layer, s.kind) for layer, s in pairs]
         sites = [s for _, s in pairs]
         if self.limit <= 0:         # the user set no limit: stop at the knee
             budget = knee_budget(sites, budget, mathmode.deterministic())
@@ -790,12 +797,11 @@ class StockWorkspace:
 
     def plan(self):
         layer = self._layer()
-        name = getattr(getattr(layer, 'layer_param', None), 'name', '?')
         for s in self._sites:
-            s.choice = choose_stock(s.candidates, what='layer %s %s' % (name, s.kind))
+            s.choice = choose_stock(s.candidates, what=call_site_name(layer, s.kind))
         need = stock_bytes([s.choice for s in self._sites], self.group)
         if need > self._buffer.nbytes:         # Caffe only ever grows it
-            self._buffer.resize(need, self._layer(), self.plan_name)
+            self._buffer.resize(need, layer, self.plan_name)
         self._dirty = False
 
     def ensure_planned(self):
