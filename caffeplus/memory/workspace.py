@@ -321,6 +321,29 @@ class _Buffer:
 # =============================================================================
 # The arena
 # =============================================================================
+class _Lease:
+    """What checkout returns: `with` it yields the call's (pointer, bytes)
+    and keeps the manager busy until the call is done. (A class: a
+    generator's context manager costs several calls more each time.)"""
+    __slots__ = ('manager', 'view', 'who')
+
+    def __init__(self, manager, view, who):
+        self.manager, self.view, self.who = manager, view, who
+
+    def __enter__(self):
+        self.manager._busy = self.who
+        return self.view
+
+    def __exit__(self, *exc):
+        self.manager._busy = None
+        return False
+
+
+# A call that needs no workspace and has no view: the manager's own buffer,
+# whatever it holds then.
+_WHOLE_BUFFER = object()
+
+
 class WorkspaceArena:
     """One device buffer for every cuDNN call site of a net."""
     plan_name = 'arena'
@@ -333,6 +356,7 @@ class WorkspaceArena:
         self._buffer = _Buffer()
         self._dirty = False
         self._busy = None
+        self._resolved = {}         # (the placed workspace's: its calls' views)
         self.budget = None          # the budget of the last plan
         self.replans = 0
 
@@ -392,6 +416,7 @@ class WorkspaceArena:
         if self.limit <= 0:         # the user set no limit: stop at the knee
             budget = knee_budget(sites, budget, mathmode.deterministic())
         size = plan_sites(sites, budget, mathmode.deterministic(), names)
+        self._resolved = {}
         self.budget = budget
         self._dirty = False
         self.replans += 1
@@ -455,18 +480,20 @@ class WorkspaceArena:
     def workspace_bytes(self):
         return self._buffer.nbytes
 
-    @contextlib.contextmanager
     def checkout(self, layer=None, kind=None):
-        """The buffer for one cuDNN call: yields (device pointer, bytes)."""
-        self.ensure_planned()
+        """The buffer for one cuDNN call: `with arena.checkout(layer, kind)
+        as (device pointer, bytes)`."""
+        if self._dirty:
+            self.plan()
+        self._check_free(layer, kind)
+        return _Lease(self, (self._buffer.ptr, self._buffer.nbytes), (layer, kind))
+
+    def _check_free(self, layer, kind):
         if self._busy is not None:
-            raise CaffeplusError('workspace arena checked out twice (by %s, then %s %s)'
-                                 % (self._busy, layer, kind))
-        self._busy = (layer, kind)
-        try:
-            yield self._buffer.ptr, self._buffer.nbytes
-        finally:
-            self._busy = None
+            raise CaffeplusError('%s checked out twice (by %s, then %s %s)'
+                                 % (self.checkout_name, self._busy, layer, kind))
+
+    checkout_name = 'workspace arena'
 
     def release(self):
         self._buffer.resize(0, self, self.plan_name)
@@ -500,6 +527,9 @@ class PlacedWorkspace(WorkspaceArena):
         # add beyond that (trade_time_share).
         self.trade_share = trade_time_share(self.plan_name)
         self.layout_stale = True    # the choices changed since the views were placed
+        # (id(layer), kind, again) -> the call's (ptr, bytes) view in the
+        # layout, or _WHOLE_BUFFER; forgotten when the choices or views change.
+        self._resolved = {}
         self.outside = {}           # (layer name, kind) -> bytes of calls the layout missed
         # A convolution's forward run again in backward (caffeplus.memory
         # .recompute): the name of its view, placed at that step ('again@t').
@@ -579,6 +609,7 @@ class PlacedWorkspace(WorkspaceArena):
 
     def set_views(self, views):
         self.views = dict(views)
+        self._resolved = {}
         self.layout_stale = False
         # The private buffer served calls the old layout missed: the new one
         # covers them, so it goes (else it stays beside the arena for good).
@@ -592,12 +623,24 @@ class PlacedWorkspace(WorkspaceArena):
         return max([s.choice.memory for s in sites if s.kind == kind and s.choice is not None]
                    + [0])
 
-    @contextlib.contextmanager
+    checkout_name = 'workspace'
+
     def checkout(self, layer=None, kind=None):
-        self.ensure_planned()
-        if self._busy is not None:
-            raise CaffeplusError('workspace checked out twice (by %s, then %s %s)'
-                                 % (self._busy, layer, kind))
+        """Each call's view, worked out once per plan and layout (a
+        GoogLeNet iteration makes ~270 calls, and on a host-bound net the
+        GPU waits for each)."""
+        if self._dirty:
+            self.plan()
+        self._check_free(layer, kind)
+        key = (id(layer), kind, self.again)
+        view = self._resolved.get(key)
+        if view is None:
+            view = self._resolve(layer, kind, key)
+        elif view is _WHOLE_BUFFER:
+            view = (self._buffer.ptr, self._buffer.nbytes)
+        return _Lease(self, view, (layer, kind))
+
+    def _resolve(self, layer, kind, key):
         need = self._need(layer, kind)
         part = VIEW_NAMES[view_part(layer, kind)]
         if self.again is not None and part == 'forward':
@@ -605,27 +648,28 @@ class PlacedWorkspace(WorkspaceArena):
         view = self.views.get((id(layer), part))
         if need == 0 and view is None:
             # A call that needs no workspace has no view in the layout.
+            self._resolved[key] = _WHOLE_BUFFER
             view = (self._buffer.ptr, self._buffer.nbytes)
         elif view is None or view[1] < need:
             # Not in the layout (yet): a buffer of its own for this call.
             if self._buffer.nbytes < need:
                 self._buffer.resize(need, layer, self.plan_name)
-            key = (getattr(getattr(layer, 'layer_param', None), 'name', None) or str(layer), kind)
-            if key not in self.outside:
+            name = (getattr(getattr(layer, 'layer_param', None), 'name', None) or str(layer),
+                    kind)
+            if name not in self.outside:
                 log.info('Placed workspace: layer %s %s needs %d bytes, its view in the plan '
                          'has %d: a buffer of its own until the plan is placed again',
-                         key[0], kind, need, 0 if view is None else view[1])
-            self.outside[key] = max(self.outside.get(key, 0), need)
+                         name[0], kind, need, 0 if view is None else view[1])
+            self.outside[name] = max(self.outside.get(name, 0), need)
             view = (self._buffer.ptr, self._buffer.nbytes)
-        self._busy = (layer, kind)
-        try:
-            yield view
-        finally:
-            self._busy = None
+        else:
+            self._resolved[key] = view
+        return view
 
     def release(self):
         super().release()
         self.views = {}
+        self._resolved = {}
         self.layout_stale = True
 
 
