@@ -160,6 +160,10 @@ class Blob:
 
     # -- shape ---------------------------------------------------------------
     def reshape(self, *shape):
+        if len(shape) == 1 and shape[0].__class__ is tuple and shape[0] == self._shape:
+            # The shape it has (every forward reshapes every top, as Caffe's
+            # does): checked when it was set.
+            return
         if len(shape) == 1 and not isinstance(shape[0], (int, numpy.integer)):
             shape = tuple(shape[0])
         shape = tuple(int(d) for d in shape)

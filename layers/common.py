@@ -278,7 +278,7 @@ class ConcatLayer(Layer):
                                 b.shape_string()))
             shape[axis] += b.shape[axis]
         self.axis = axis
-        top[0].reshape(shape)
+        top[0].reshape(tuple(shape))
         if len(bottom) == 1:
             top[0].share_data(bottom[0])
             top[0].share_diff(bottom[0])

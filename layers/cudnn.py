@@ -29,7 +29,7 @@ import numpy
 
 from caffeplus import backend, log
 from caffeplus import kernels as _kernels
-from caffeplus.backend import mathmode
+from caffeplus.backend import blas, mathmode
 from caffeplus.cudnn import api
 from caffeplus.errors import CaffeplusError
 from caffeplus.layer import register_engine
@@ -347,12 +347,10 @@ class _DeviceOps:
 
     @staticmethod
     def gemm_strided_batched(*args, **kw):
-        from caffeplus.backend import blas
         blas.gemm_strided_batched(*args, **kw)
 
     @staticmethod
     def gemm(*args, **kw):
-        from caffeplus.backend import blas
         blas.gemm(*args, **kw)
 
 
@@ -438,7 +436,6 @@ class _GemmConv:
 
     def forward(self, x, w, y, ws, tf32=None, ops=_DeviceOps):
         """y = conv(x, w) (no bias) on device pointers; ws: the column buffer."""
-        from caffeplus.backend import blas
         M, K, P = self.m, self.K, self.P
         if self.direct:
             ops.gemm_strided_batched(blas.N, blas.N, P, M, K, x, P, K * P, w, K, 0, y, P, M * P,
@@ -451,7 +448,6 @@ class _GemmConv:
 
     def backward_data(self, dy, w, dx, tf32=None, ops=_DeviceOps):
         """dx = the data gradient (direct only; written, as cuDNN's beta 0)."""
-        from caffeplus.backend import blas
         M, K, P = self.m, self.K, self.P
         ops.gemm_strided_batched(blas.N, blas.T, P, K, M, dy, P, M * P, w, K, 0, dx, P, K * P,
                                  self.n, tf32=tf32)
@@ -464,7 +460,6 @@ class _GemmConv:
 
     def backward_filter(self, x, dy, dw, ws, tf32=None, ops=_DeviceOps, ones=None):
         """dw += the filter gradient on device pointers; ws: columns, then partials."""
-        from caffeplus.backend import blas
         M, K, P = self.m, self.K, self.P
         part = ws + self.col_bytes
         for n0, nb in self.chunks():
@@ -821,7 +816,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         VGG-16 b256 conv1_1's map is 3.3 GB, 2.4 ms a pass. False (nothing
         run) where this path does not apply: then run the two layers."""
         if self.reverse or len(bottom) != 1 or not self.bias_term or \
-                not self._ready(bottom[0].data, self.blobs[0].data):
+                not self._ready(_kernels.flat(bottom[0]), _kernels.flat(self.blobs[0])):
             return False
         self._ensure_planned(self._manager())
         if self._sites['fwd'].choice.variant == 2:
@@ -863,6 +858,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             self._build_cudnn()
 
     def _ready(self, *arrays):
+        # (`arrays`: the blobs' storage, kernels.flat: a view of each, made
+        # only to ask its type, cost the host ~2 us a blob every call.)
         if not self._cudnn_geometry_ok() or not self._cudnn_usable(*arrays):
             return False
         self._build_cudnn()
@@ -909,7 +906,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
     # by every value the calls read: replayed as a CUDA graph from the
     # second iteration on (caffeplus.cudnn.api).
     def _forward(self, bottom, top):
-        if not self._ready(bottom[0].data, self.blobs[0].data):
+        if not self._ready(_kernels.flat(bottom[0]), _kernels.flat(self.blobs[0])):
             return super()._forward(bottom, top)
         self._forward_calls(bottom, top)
 
@@ -941,7 +938,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                                                  self.reverse, x, w, y, b, ws, nbytes))
 
     def _backward(self, top, propagate_down, bottom):
-        if not self._ready(top[0].diff, self.blobs[0].data):
+        if not self._ready(_kernels.flat(top[0], True), _kernels.flat(self.blobs[0])):
             return super()._backward(top, propagate_down, bottom)
         mgr = self._manager()
         self._ensure_planned(mgr)
@@ -1113,8 +1110,8 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         self._fused_arg = False
         if self.masked and _kernels.active():
             return self._masked_forward(bottom, top)
-        if not self._ready(bottom[0].data):
-            from caffeplus import kernels
+        if not self._ready(_kernels.flat(bottom[0])):
+            kernels = _kernels
             if kernels.active() and _fused('Pooling forward', self._fast_forward, bottom, top):
                 return
             return super()._forward(bottom, top)
@@ -1128,8 +1125,8 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
             return
         if self.masked and _kernels.active():
             return self._masked_backward(top, bottom)
-        if not self._ready(top[0].diff):
-            from caffeplus import kernels
+        if not self._ready(_kernels.flat(top[0], True)):
+            kernels = _kernels
             if kernels.active() and _fused('Pooling backward', self._fast_backward, top,
                                            propagate_down, bottom):
                 return
@@ -1599,7 +1596,7 @@ class CuDNNELULayer(_CudnnActivationMixin, ELULayer):
 def _fused(what, fn, *args):
     """Run a fused path; False (the caller runs the generic code) when it
     does not apply or its kernel failed to build or launch."""
-    from caffeplus import kernels
+    kernels = _kernels
     try:
         return fn(*args)
     except CaffeplusError:
@@ -1813,7 +1810,7 @@ def _chain_backward(layer, what):
         return False
     if ch.bwd_done:
         return True
-    from caffeplus import kernels
+    kernels = _kernels
     return ch.head is layer and ch.bwd_active and kernels.active() and _fused(what, ch.backward)
 
 
@@ -1822,7 +1819,7 @@ def _begin_pass(net, start, end, backward):
     chains = _chains(net)
     if not chains:
         return
-    from caffeplus import kernels
+    kernels = _kernels
     # Hooks that look at blobs between a chain's layers need it unfused;
     # hooks marked chain_safe (the offload runtime's copies and waits, which
     # act at step boundaries on whole buffers) do not.
@@ -1854,7 +1851,7 @@ def _chain_heads(net):
 
 
 def _register_planner():
-    from caffeplus import kernels
+    kernels = _kernels
     kernels.set_chain_planner(_begin_pass)
     kernels.set_chain_heads(_chain_heads)
 
@@ -1975,7 +1972,7 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         return self._launch_forward(x, y)
 
     def _forward(self, bottom, top):
-        from caffeplus import kernels
+        kernels = _kernels
         if not (kernels.active() and _fused('BatchNorm forward', self._fast_forward, bottom, top)):
             super()._forward(bottom, top)
 
@@ -2004,7 +2001,7 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
             return
         if not propagate_down[0]:
             return
-        from caffeplus import kernels
+        kernels = _kernels
         if not (kernels.active() and _fused('BatchNorm backward', self._fast_backward, top,
                                             propagate_down, bottom)):
             super()._backward(top, propagate_down, bottom)
@@ -2068,7 +2065,7 @@ class GPUScaleLayer(_FusedMixin, ScaleLayer):
         ch = self._chain
         if ch is not None and ch.fwd_done:
             return
-        from caffeplus import kernels
+        kernels = _kernels
         if not (kernels.active() and _fused('Scale forward', self._fast_forward, bottom, top)):
             super()._forward(bottom, top)
 
@@ -2122,7 +2119,7 @@ class GPUScaleLayer(_FusedMixin, ScaleLayer):
         return True
 
     def _backward(self, top, propagate_down, bottom):
-        from caffeplus import kernels
+        kernels = _kernels
         if _chain_backward(self, 'BatchNorm-Scale backward'):
             return
         if not (kernels.active() and _fused('Scale backward', self._fast_backward, top,
@@ -2181,13 +2178,13 @@ def _relu_forward(self, bottom, top):
     ch = self._chain
     if ch is not None and ch.fwd_done:
         return
-    from caffeplus import kernels
+    kernels = _kernels
     if not (kernels.active() and _fused('ReLU forward', self._fast_forward, bottom, top)):
         _CudnnActivationMixin._forward(self, bottom, top)
 
 
 def _relu_backward(self, top, propagate_down, bottom):
-    from caffeplus import kernels
+    kernels = _kernels
     if self.masked:
         if propagate_down[0]:
             self._masked_backward(top, bottom)
@@ -2248,13 +2245,13 @@ class GPUEltwiseLayer(_FusedMixin, EltwiseLayer):
         return True
 
     def _forward(self, bottom, top):
-        from caffeplus import kernels
+        kernels = _kernels
         if not (self.op == _ELTWISE_SUM and kernels.active() and
                 _fused('Eltwise forward', self._fast_forward, bottom, top)):
             super()._forward(bottom, top)
 
     def _backward(self, top, propagate_down, bottom):
-        from caffeplus import kernels
+        kernels = _kernels
         ch = self._chain
         if ch is not None and ch.bwd_done:
             return
@@ -2288,7 +2285,7 @@ class GPUSplitLayer(SplitLayer):
     def _backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        from caffeplus import kernels
+        kernels = _kernels
         if not (kernels.active() and
                 _fused('Split backward', self._fast_backward, top, propagate_down, bottom)):
             super()._backward(top, propagate_down, bottom)
@@ -2319,7 +2316,7 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
     def forward_deferred(self, bottom, top):
         """Layer.forward_deferred: the fused forward's report is read (and its
         label check raised) when the loss is."""
-        from caffeplus import kernels
+        kernels = _kernels
         if not kernels.active():
             return self._run_forward(bottom, top, deferred=True)
         self._queued_report = None
@@ -2410,7 +2407,7 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
                                   ' or loss_param.ignore_label (%d)' % ign))
 
     def _forward(self, bottom, top):
-        from caffeplus import kernels
+        kernels = _kernels
         self._fwd_key = None
         if not (kernels.active() and
                 _fused('SoftmaxWithLoss forward', self._fast_forward, bottom, top)):
@@ -2433,7 +2430,7 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
         self._check_propagate(propagate_down)
         if not propagate_down[0]:
             return
-        from caffeplus import kernels
+        kernels = _kernels
         if not (kernels.active() and _fused('SoftmaxWithLoss backward', self._fast_backward, top,
                                             propagate_down, bottom)):
             super()._backward(top, propagate_down, bottom)
@@ -2510,7 +2507,6 @@ class GPUInnerProductLayer(InnerProductLayer):
 
     def _fast_forward(self, bottom, top):
         from caffeplus import kernels as K
-        from caffeplus.backend import blas
         if not self._usable():
             return False
         x, w, y = K.flat(bottom[0]), K.flat(self.blobs[0]), K.flat(top[0])
@@ -2530,14 +2526,13 @@ class GPUInnerProductLayer(InnerProductLayer):
         return True
 
     def _forward(self, bottom, top):
-        from caffeplus import kernels
+        kernels = _kernels
         if not (kernels.active() and
                 _fused('InnerProduct forward', self._fast_forward, bottom, top)):
             super()._forward(bottom, top)
 
     def _fast_backward(self, top, propagate_down, bottom):
         from caffeplus import kernels as K
-        from caffeplus.backend import blas
         if not self._usable():
             return False
         M, N, Kd = self.M, self.num_output, self.K
@@ -2573,7 +2568,7 @@ class GPUInnerProductLayer(InnerProductLayer):
         return True
 
     def _backward(self, top, propagate_down, bottom):
-        from caffeplus import kernels
+        kernels = _kernels
         if not (kernels.active() and _fused('InnerProduct backward', self._fast_backward, top,
                                             propagate_down, bottom)):
             super()._backward(top, propagate_down, bottom)
@@ -2624,12 +2619,12 @@ class GPUConcatLayer(ConcatLayer):
         return True
 
     def _forward(self, bottom, top):
-        from caffeplus import kernels
+        kernels = _kernels
         if not (kernels.active() and _fused('Concat forward', self._copies, bottom, top, False)):
             super()._forward(bottom, top)
 
     def _backward(self, top, propagate_down, bottom):
-        from caffeplus import kernels
+        kernels = _kernels
         self._propagate = list(propagate_down)
         if not (kernels.active() and _fused('Concat backward', self._copies, bottom, top, True)):
             super()._backward(top, propagate_down, bottom)

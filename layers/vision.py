@@ -116,6 +116,7 @@ class _BaseConvolution(Layer):
     reverse = False
 
     def layer_setup(self, bottom, top):
+        self._reshaped = None
         cp = self.layer_param.convolution_param
         b0 = bottom[0]
         self.channel_axis = b0.canonical_axis_index(cp.axis)
@@ -156,7 +157,18 @@ class _BaseConvolution(Layer):
                 b.data = fill_array(fillers[i], s)
                 self.blobs.append(b)
 
+    # The bottoms' shapes the geometry below was worked out for, and the top
+    # shape it gave: Caffe reshapes before every forward, and with the same
+    # shapes the checks would only repeat (a host-bound net waits for them).
+    _reshaped = None
+
     def reshape(self, bottom, top):
+        shapes = tuple(b.shape for b in bottom)
+        if shapes == self._reshaped:
+            for t in top:
+                t.reshape(self._top_shape)
+            return
+        self._reshaped = None
         b0 = bottom[0]
         if b0.num_axes != self.first_spatial + self.num_spatial:
             _fail(self, 'bottom num_axes may not change (was %d, now %d)'
@@ -183,6 +195,7 @@ class _BaseConvolution(Layer):
         out_shape = tuple(b0.shape[:self.channel_axis]) + (self.num_output,) + self.out_spatial
         for t in top:
             t.reshape(out_shape)
+        self._reshaped, self._top_shape = shapes, out_shape
 
     def _views(self, blob_array, channels, spatial):
         return blob_array.reshape((self.num, channels) + tuple(spatial))
@@ -256,7 +269,18 @@ class Im2colLayer(Layer):
                   '(convolution_param.axis)')
         self.geom = conv_geometry(self, cp, self.num_spatial)
 
+    # The bottoms' shapes the geometry below was worked out for, and the top
+    # shape it gave: Caffe reshapes before every forward, and with the same
+    # shapes the checks would only repeat (a host-bound net waits for them).
+    _reshaped = None
+
     def reshape(self, bottom, top):
+        shapes = tuple(b.shape for b in bottom)
+        if shapes == self._reshaped:
+            for t in top:
+                t.reshape(self._top_shape)
+            return
+        self._reshaped = None
         b0 = bottom[0]
         if b0.num_axes != self.first_spatial + self.num_spatial:
             _fail(self, 'bottom num_axes may not change')
@@ -803,7 +827,13 @@ class PoolingLayer(Layer):
         self.pool = None
 
     def reshape(self, bottom, top):
-        self.pool = _Pool(self, self.layer_param.pooling_param, bottom[0].shape)
+        pool = self.pool
+        if pool is not None and pool.x_shape == bottom[0].shape:
+            # The same input shape (Caffe reshapes before every forward): the
+            # same geometry, its checks passed; the argmax as a new one's.
+            pool.arg = None
+        else:
+            self.pool = _Pool(self, self.layer_param.pooling_param, bottom[0].shape)
         for t in top:
             t.reshape(self.pool.out_shape)
 

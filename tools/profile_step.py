@@ -39,6 +39,9 @@ def main(argv=None):
     ap.add_argument('--warmup', type=int, default=3)
     ap.add_argument('--against', default=None, help='a second plan to compare with')
     ap.add_argument('--offload', default=None, help='offload policy of plan offload')
+    ap.add_argument('--callers', default='',
+                    help="comma-separated function names (e.g. '_view,_handle_fromlist'): "
+                         "who calls them, in the first plan's profile")
     args = ap.parse_args(argv)
     runs = [profile_plan(args, args.plan)]
     if args.against:
@@ -48,6 +51,9 @@ def main(argv=None):
         stats.sort_stats('tottime').print_stats(args.top)
     if args.against:
         print_difference(runs[0], runs[1], args.iters, args.top)
+    for name in filter(None, args.callers.split(',')):
+        print('callers of %s (plan %s):' % (name, runs[0][0]))
+        runs[0][2].sort_stats('ncalls').print_callers(r'\(%s\)' % name)
 
 
 def own_times(stats):
