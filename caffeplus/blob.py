@@ -116,7 +116,17 @@ class Storage:
         if stale:
             arr.get(out=self.host)
         self.head = HEAD_HOST
+        _host_views[0] += 1
         return self.host
+
+
+# How many times a host mirror was handed out (and may have been written):
+# a memory plan looks for newer mirrors only when this moved.
+_host_views = [0]
+
+
+def host_views():
+    return _host_views[0]
 
 
 def same_data(a, b):

@@ -225,6 +225,8 @@ class AppliedPlan:
         self.arena_bytes = 0
         self.entries = []
         self._pass_tables = {}
+        self._marked = []
+        self._host_views_seen = None
         self.runtime = None
         self.pause = None           # the step after which the last pass stopped
         self.workspace_bytes = 0    # of the arena: the placed workspace views
@@ -499,6 +501,8 @@ class AppliedPlan:
         self._hook_param_diffs()
         self.pause = None
         self._pass_tables = {}      # (s0, t) -> _pass_table's, for these entries
+        self._marked = []           # storages _mark released, for _unmark to clear
+        self._host_views_seen = None
 
     # -- parameter gradients applied in backward (caffeplus.solver.update_in_backward) ----
     def _param_name(self, k):
@@ -978,9 +982,14 @@ class AppliedPlan:
         a host mirror newer than the device (pycaffe wrote it) goes to the
         device now if the storage is live there, else it is dropped: later it
         could land on bytes another buffer owns."""
+        for st in self._marked:
+            st.released_reason = None
+        self._marked = []
+        if blob_mod.host_views() == self._host_views_seen:
+            return              # no mirror handed out since the last look: none is newer
+        self._host_views_seen = blob_mod.host_views()
         for e in self.entries:
             st = e.storage
-            st.released_reason = None
             if st.head == HEAD_HOST:
                 if e.live_at(first_step) is not None and st.array is not None:
                     st._push_host()
@@ -1036,9 +1045,11 @@ class AppliedPlan:
         the ones released (not live at t, or live but not rewritten by this
         pass after the plan reused them)."""
         self.pause = t
+        marked = self._marked
         for e, life, overwritten, released in self._pass_table(s0, t)[1]:
             if overwritten:
                 e.valid = None
+                marked.append(e.storage)
                 e.stale = e.storage.released_reason = (
                     "overwritten in the backward of layer %s, which memory plan '%s' lets "
                     "write its bottom's gradient where this one was; %s"
@@ -1046,12 +1057,14 @@ class AppliedPlan:
                        KEEP_HINT))
             elif life is None:
                 e.valid = None
+                marked.append(e.storage)
                 e.storage.released_reason = released
             elif life.start >= s0 or e.valid is ANY or e.valid is life:
                 e.valid = life
                 e.storage.released_reason = None
             else:
                 e.valid = None
+                marked.append(e.storage)
                 e.stale = e.storage.released_reason = (
                     "not recomputed by the last pass (%s), which started after it was "
                     "written, while memory plan '%s' had reused its memory; run the pass from "
