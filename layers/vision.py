@@ -269,18 +269,7 @@ class Im2colLayer(Layer):
                   '(convolution_param.axis)')
         self.geom = conv_geometry(self, cp, self.num_spatial)
 
-    # The bottoms' shapes the geometry below was worked out for, and the top
-    # shape it gave: Caffe reshapes before every forward, and with the same
-    # shapes the checks would only repeat (a host-bound net waits for them).
-    _reshaped = None
-
     def reshape(self, bottom, top):
-        shapes = tuple(b.shape for b in bottom)
-        if shapes == self._reshaped:
-            for t in top:
-                t.reshape(self._top_shape)
-            return
-        self._reshaped = None
         b0 = bottom[0]
         if b0.num_axes != self.first_spatial + self.num_spatial:
             _fail(self, 'bottom num_axes may not change')

@@ -347,6 +347,7 @@ _WHOLE_BUFFER = object()
 class WorkspaceArena:
     """One device buffer for every cuDNN call site of a net."""
     plan_name = 'arena'
+    checkout_name = 'workspace arena'       # (in errors)
 
     def __init__(self, limit=0, net=None, name='arena'):
         self.limit = int(limit or 0)
@@ -493,8 +494,6 @@ class WorkspaceArena:
             raise CaffeplusError('%s checked out twice (by %s, then %s %s)'
                                  % (self.checkout_name, self._busy, layer, kind))
 
-    checkout_name = 'workspace arena'
-
     def release(self):
         self._buffer.resize(0, self, self.plan_name)
         self._dirty = True
@@ -512,6 +511,7 @@ class PlacedWorkspace(WorkspaceArena):
     bigger algorithms mid-pass) gets a private buffer until the plan is
     placed again before the next pass."""
     plan_name = 'shared'
+    checkout_name = 'workspace'
 
     def __init__(self, limit=0, net=None, name='placed workspace'):
         super().__init__(limit, net, name)
@@ -622,8 +622,6 @@ class PlacedWorkspace(WorkspaceArena):
         sites = self._layers.get(id(layer), (None, ()))[1]
         return max([s.choice.memory for s in sites if s.kind == kind and s.choice is not None]
                    + [0])
-
-    checkout_name = 'workspace'
 
     def checkout(self, layer=None, kind=None):
         """Each call's view, worked out once per plan and layout (a
