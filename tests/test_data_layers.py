@@ -1,6 +1,5 @@
 """Data, ImageData, HDF5Data, HDF5Output, MemoryData and the DataTransformer."""
 import json
-import logging
 import os
 
 import numpy
@@ -9,7 +8,6 @@ from google.protobuf import text_format
 
 import caffeplus
 from conftest import REFERENCE, need
-from caffeplus import log
 from caffeplus.blob import Blob
 from caffeplus.errors import CaffeplusError, NetError
 from caffeplus.io import datum as datum_io
@@ -24,23 +22,6 @@ IMAGES = os.path.join(IO, 'images')
 TRAIN_LMDB = os.path.join(DATA, 'mnist_synth_train_lmdb')
 MEAN = os.path.join(IO, 'mnist_synth_train_mean.binaryproto')
 SCALE = numpy.float32(0.00390625)
-
-
-@pytest.fixture
-def messages():
-    """The messages caffeplus logs while the test runs."""
-    got = []
-
-    class Grab(logging.Handler):
-        def emit(self, record):
-            got.append(record.getMessage())
-    h = Grab()
-    old = log.logger.level
-    log.logger.addHandler(h)
-    log.logger.setLevel(logging.INFO)
-    yield got
-    log.logger.removeHandler(h)
-    log.logger.setLevel(old)
 
 
 def make(text, ntop=2, phase=caffe_pb2.TRAIN):
@@ -75,7 +56,7 @@ def mnist(split='train'):
 
 
 # -- Data ----------------------------------------------------------------------
-def test_data_layer_key_order_scale_and_wraparound(messages):
+def test_data_layer_key_order_scale_and_wraparound(caplog_caffeplus):
     data, label = mnist()
     layer, tops = data_layer()
     try:
@@ -89,9 +70,9 @@ def test_data_layer_key_order_scale_and_wraparound(messages):
             numpy.testing.assert_array_equal(tops[1].data, label[i:i + 64])
     finally:
         layer.close()
-    assert 'Opened lmdb %s' % TRAIN_LMDB in messages
-    assert 'output data size: 64,1,28,28' in messages
-    assert 'Restarting data prefetching from start.' in messages
+    assert 'Opened lmdb %s' % TRAIN_LMDB in caplog_caffeplus
+    assert 'output data size: 64,1,28,28' in caplog_caffeplus
+    assert 'Restarting data prefetching from start.' in caplog_caffeplus
 
 
 def test_data_layer_batch_not_dividing_the_database():
@@ -319,7 +300,7 @@ def test_data_layer_over_leveldb(tmp_path):
     numpy.testing.assert_array_equal(numpy.concatenate([g[1] for g in got]), label[idx])
 
 
-def test_rand_skip_is_seeded(messages):
+def test_rand_skip_is_seeded(caplog_caffeplus):
     data, _ = mnist()
 
     def first(seed):
@@ -329,7 +310,7 @@ def test_rand_skip_is_seeded(messages):
         layer.close()
         return tops[0].data.copy()
     a = first(3)
-    skips = [int(m.split()[2]) for m in messages if m.startswith('Skipping first')]
+    skips = [int(m.split()[2]) for m in caplog_caffeplus if m.startswith('Skipping first')]
     assert len(skips) == 1 and 0 <= skips[0] < 100
     numpy.testing.assert_array_equal(a, data[skips[0]:skips[0] + 4])
     numpy.testing.assert_array_equal(first(3), a)
@@ -398,7 +379,7 @@ def list_labels():
         return [int(line.split()[1]) for line in f if line.strip()]
 
 
-def test_image_data_bgr_gray_and_resize(messages):
+def test_image_data_bgr_gray_and_resize(caplog_caffeplus):
     raw = numpy.load(need(os.path.join(IO, 'imageset_raw.npz')))
     gray = numpy.load(need(os.path.join(IO, 'imageset_gray.npz')))
     resized = numpy.load(need(os.path.join(IO, 'imageset_resized_6x5.npz')))
@@ -409,8 +390,8 @@ def test_image_data_bgr_gray_and_resize(messages):
         numpy.testing.assert_array_equal(tops[0].data[0], raw['data_%d' % (i % 8)])
         assert tops[1].data[0] == labels[i % 8]
     layer.close()
-    assert 'A total of 8 images.' in messages
-    assert 'output data size: 1,3,8,10' in messages
+    assert 'A total of 8 images.' in caplog_caffeplus
+    assert 'output data size: 1,3,8,10' in caplog_caffeplus
     layer, tops = image_layer('is_color: false')
     for i in range(8):
         layer.forward([], tops)
@@ -756,14 +737,14 @@ def test_device_random_is_made_once_per_device_and_source_without_a_draw():
     assert caffeplus.rng.get().random() == untouched      # nothing drawn
 
 
-def test_device_random_falls_back_to_the_host_once(messages):
+def test_device_random_falls_back_to_the_host_once(caplog_caffeplus):
     from caffeplus.fillers import DeviceRandomRegistry
 
     def broken(seed):
         raise OSError('libcurand.so: cannot open shared object file')
     reg = DeviceRandomRegistry(broken, device_id=lambda: 0)
     assert reg.get() is None and reg.get() is None
-    assert sum('cannot make a cuRAND generator' in m for m in messages) == 1
+    assert sum('cannot make a cuRAND generator' in m for m in caplog_caffeplus) == 1
 
 
 def test_dummy_data_gpu_mode_refills_in_place_without_host_draws(monkeypatch):

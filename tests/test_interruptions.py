@@ -34,7 +34,6 @@ sys.path.insert(0, ROOT)
 from tools import kill_test as kt  # noqa: E402
 
 import caffeplus  # noqa: E402
-from caffeplus import log  # noqa: E402
 from caffeplus.errors import CaffeplusError  # noqa: E402
 from caffeplus.io.prototxt import parse_text  # noqa: E402
 from caffeplus.proto import caffe_pb2  # noqa: E402
@@ -290,23 +289,13 @@ def test_divergence_stops_at_the_iteration_it_happens():
         assert numpy.isfinite(w).all()
 
 
-def test_warn_mode_logs_and_trains_on():
-    import logging
+def test_warn_mode_logs_and_trains_on(caplog_caffeplus):
     from caffeplus.solver import nan_check
     solver = _solver(GRADIENT_NAN)
     cb = nan_check.install(solver, 'warn')
-    records = []
-
-    class Grab(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-    handler = Grab()
-    log.logger.addHandler(handler)
-    try:
-        with numpy.errstate(all='ignore'):
-            solver.step(3)
-    finally:
-        log.logger.removeHandler(handler)
+    records = caplog_caffeplus
+    with numpy.errstate(all='ignore'):
+        solver.step(3)
     assert solver.iter == 3 and cb.problems == 3
     warned = [r for r in records if re.match(r'Iteration \d+: ', r)]
     assert len(warned) == 3 and 'Training goes on' in warned[0]
