@@ -357,7 +357,6 @@ class WorkspaceArena:
         self._buffer = _Buffer()
         self._dirty = False
         self._busy = None
-        self._resolved = {}         # (the placed workspace's: its calls' views)
         self.budget = None          # the budget of the last plan
         self.replans = 0
 
@@ -417,7 +416,6 @@ class WorkspaceArena:
         if self.limit <= 0:         # the user set no limit: stop at the knee
             budget = knee_budget(sites, budget, mathmode.deterministic())
         size = plan_sites(sites, budget, mathmode.deterministic(), names)
-        self._resolved = {}
         self.budget = budget
         self._dirty = False
         self.replans += 1
@@ -484,8 +482,7 @@ class WorkspaceArena:
     def checkout(self, layer=None, kind=None):
         """The buffer for one cuDNN call: `with arena.checkout(layer, kind)
         as (device pointer, bytes)`."""
-        if self._dirty:
-            self.plan()
+        self.ensure_planned()
         self._check_free(layer, kind)
         return _Lease(self, (self._buffer.ptr, self._buffer.nbytes), (layer, kind))
 
@@ -586,6 +583,7 @@ class PlacedWorkspace(WorkspaceArena):
                                self.headroom_slowdown)
         for i, (_, s) in enumerate(pairs):
             s.choice = picks[i]
+        self._resolved = {}         # new choices: every call's need again
         self.layout_stale = True
         log.info('Workspace placed in the memory plan: %d call sites, budget %d bytes, '
                  'largest call %d bytes', len(pairs), budget, size)
@@ -627,8 +625,7 @@ class PlacedWorkspace(WorkspaceArena):
         """Each call's view, worked out once per plan and layout (a
         GoogLeNet iteration makes ~270 calls, and on a host-bound net the
         GPU waits for each)."""
-        if self._dirty:
-            self.plan()
+        self.ensure_planned()
         self._check_free(layer, kind)
         key = (id(layer), kind, self.again)
         view = self._resolved.get(key)
