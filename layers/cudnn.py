@@ -1111,8 +1111,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         if self.masked and _kernels.active():
             return self._masked_forward(bottom, top)
         if not self._ready(_kernels.flat(bottom[0])):
-            kernels = _kernels
-            if kernels.active() and _fused('Pooling forward', self._fast_forward, bottom, top):
+            if _kernels.active() and _fused('Pooling forward', self._fast_forward, bottom, top):
                 return
             return super()._forward(bottom, top)
         pd, xd, yd = self._pd
@@ -1126,8 +1125,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         if self.masked and _kernels.active():
             return self._masked_backward(top, bottom)
         if not self._ready(_kernels.flat(top[0], True)):
-            kernels = _kernels
-            if kernels.active() and _fused('Pooling backward', self._fast_backward, top,
+            if _kernels.active() and _fused('Pooling backward', self._fast_backward, top,
                                            propagate_down, bottom):
                 return
             return super()._backward(top, propagate_down, bottom)
@@ -1166,7 +1164,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
 
     def _window_args(self):
         """H, W, OH, OW, KH, KW, SH, SW, PH, PW as the pooling kernels take them."""
-        from caffeplus import kernels as K
+        K = _kernels
         pool = self.pool
         (kh, kw), (sh, sw), (ph, pw) = pool.geom
         h, w = pool.x_shape[2:]
@@ -1174,7 +1172,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         return tuple(K.i32(v) for v in (h, w, oh, ow, kh, kw, sh, sw, ph, pw))
 
     def _masked_forward(self, bottom, top):
-        from caffeplus import kernels as K
+        K = _kernels
         count = _prod(self.pool.out_shape)
         x, y = K.flat(bottom[0]), K.flat(top[0])
         self._arg8 = arg = scratch.get(self, 'argmax8', count, numpy.uint8, K.array_module())
@@ -1182,7 +1180,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
                                  (x, y, arg, numpy.uint64(count)) + self._window_args())
 
     def _masked_backward(self, top, bottom):
-        from caffeplus import kernels as K
+        K = _kernels
         if self._arg8 is None:
             raise CaffeplusError("layer '%s': backward before forward (its argmax mask is not "
                                  "there)" % self.name)
@@ -1232,12 +1230,12 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         self._fused_arg = False
 
     def _pool_args(self):
-        from caffeplus import kernels as K
+        K = _kernels
         n, c = self.pool.x_shape[:2]
         return (K.u32(n * c),) + self._window_args() + (K.i32(self.pool.method == AVE),)
 
     def _fast_forward(self, bottom, top):
-        from caffeplus import kernels as K
+        K = _kernels
         pool = self.pool
         if pool is None or pool.method not in (MAX, AVE) or \
                 not 0 < _prod(pool.x_shape) <= K.MAX_COUNT:
@@ -1262,7 +1260,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         return True
 
     def _fast_backward(self, top, propagate_down, bottom):
-        from caffeplus import kernels as K
+        K = _kernels
         pool = self.pool
         if pool is None or pool.method not in (MAX, AVE) or \
                 not 0 < _prod(pool.x_shape) <= K.MAX_COUNT:
@@ -1596,7 +1594,6 @@ class CuDNNELULayer(_CudnnActivationMixin, ELULayer):
 def _fused(what, fn, *args):
     """Run a fused path; False (the caller runs the generic code) when it
     does not apply or its kernel failed to build or launch."""
-    kernels = _kernels
     try:
         return fn(*args)
     except CaffeplusError:
@@ -1605,7 +1602,7 @@ def _fused(what, fn, *args):
         from caffeplus.memory import workspace
         if workspace.is_out_of_memory(exc):
             raise
-        kernels.note_failure(what, exc)
+        _kernels.note_failure(what, exc)
         return False
 
 
@@ -1661,7 +1658,7 @@ class _Chain:
 
     def forward(self, x, y):
         """BatchNorm's fused forward for the whole chain (called by BatchNorm)."""
-        from caffeplus import kernels as K
+        K = _kernels
         sc = self.scale
         s = K.flat(sc.blobs[0])
         b = K.flat(sc.blobs[sc.bias_param_id]) if sc.bias_param_id is not None else None
@@ -1677,7 +1674,7 @@ class _Chain:
 
     def backward(self):
         """The chain's fused backward (called by its head, first in backward order)."""
-        from caffeplus import kernels as K
+        K = _kernels
         bn, sc = self.bn, self.scale
         if not self.geometry_ok() or bn._x_norm is None or bn._std is None:
             return False
@@ -1712,7 +1709,7 @@ def _scale_diffs(g, ref, outs, n, mask):
     """cp_scale2 over (diff array, coefficient) pairs, two per launch; with
     `mask`, g is first multiplied by (ref > 0) and written back (an in-place
     ReLU's backward)."""
-    from caffeplus import kernels as K
+    K = _kernels
     grid, block = K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,)
     k = K.kernel('cp_scale2')
     if not outs:
@@ -1746,7 +1743,7 @@ class _SumChain:
 
     def backward(self):
         """ReLU's and Eltwise's backward in one kernel (called by the ReLU)."""
-        from caffeplus import kernels as K
+        K = _kernels
         n = self.top._count
         if not 0 < n <= K.MAX_COUNT:
             return False
@@ -1810,8 +1807,7 @@ def _chain_backward(layer, what):
         return False
     if ch.bwd_done:
         return True
-    kernels = _kernels
-    return ch.head is layer and ch.bwd_active and kernels.active() and _fused(what, ch.backward)
+    return ch.head is layer and ch.bwd_active and _kernels.active() and _fused(what, ch.backward)
 
 
 def _begin_pass(net, start, end, backward):
@@ -1819,13 +1815,12 @@ def _begin_pass(net, start, end, backward):
     chains = _chains(net)
     if not chains:
         return
-    kernels = _kernels
     # Hooks that look at blobs between a chain's layers need it unfused;
     # hooks marked chain_safe (the offload runtime's copies and waits, which
     # act at step boundaries on whole buffers) do not.
     watchers = [h for h in (net.before_layer_forward + net.after_layer_forward +
                             net.before_layer_backward) if not getattr(h, 'chain_safe', False)]
-    on = kernels.active() and not (net.debug_info or watchers)
+    on = _kernels.active() and not (net.debug_info or watchers)
     for ch in chains:
         if backward:
             ch.bwd_done = False
@@ -1851,9 +1846,8 @@ def _chain_heads(net):
 
 
 def _register_planner():
-    kernels = _kernels
-    kernels.set_chain_planner(_begin_pass)
-    kernels.set_chain_heads(_chain_heads)
+    _kernels.set_chain_planner(_begin_pass)
+    _kernels.set_chain_heads(_chain_heads)
 
 
 @register_engine('CUDNN')
@@ -1875,7 +1869,7 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
     def _buffers(self, keep):
         """The layer's std and normalized copy: views of device buffers reused
         across calls (the generic code's self._std and self._x_norm)."""
-        from caffeplus import kernels as K
+        K = _kernels
         n, c, s = self._cfg
         count = n * c * s
         if self._std_buf is None or self._std_buf.size < c or not K.is_device(self._std_buf):
@@ -1893,7 +1887,7 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         return self._xn_buf if keep else None
 
     def _launch_forward(self, x, y, chain_flags=0, sc=None, bi=None):
-        from caffeplus import kernels as K
+        K = _kernels
         n, c, s = self._cfg
         b0, b1, b2 = (K.flat(b) for b in self.blobs)
         if b0 is None or b1 is None or b2 is None:
@@ -1928,7 +1922,7 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
     def _split_kernels(self, names):
         """(kernel, kernel, P, partial sums, K values, block) to run this layer
         over P blocks per channel; None for one block per channel."""
-        from caffeplus import kernels as K
+        K = _kernels
         n, c, s = self._cfg
         P = K.blocks_per_channel(c, n * s)
         if P <= 1 or not GPUBatchNormLayer._split_ok:
@@ -1945,7 +1939,7 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         return (ks[0], ks[1], P, b[0], b[1], (K.channel_block(n * s // P),))
 
     def _launch_backward(self, dy, xn, std, dx, sc, bi, dsc, dbi, flags):
-        from caffeplus import kernels as K
+        K = _kernels
         n, c, s = self._cfg
         split = self._split_kernels(('cp_bn_bwd_part', 'cp_bn_bwd_apply'))
         if split is not None:
@@ -1959,7 +1953,7 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
             dy, xn, std, dx, sc, bi, dsc, dbi, K.u32(n), K.u32(c), K.u32(s), K.i32(flags)))
 
     def _fast_forward(self, bottom, top):
-        from caffeplus import kernels as K
+        K = _kernels
         n, c, s = self._cfg
         if not 0 < n * c * s <= K.MAX_COUNT:
             return False
@@ -1972,12 +1966,11 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         return self._launch_forward(x, y)
 
     def _forward(self, bottom, top):
-        kernels = _kernels
-        if not (kernels.active() and _fused('BatchNorm forward', self._fast_forward, bottom, top)):
+        if not (_kernels.active() and _fused('BatchNorm forward', self._fast_forward, bottom, top)):
             super()._forward(bottom, top)
 
     def _fast_backward(self, top, propagate_down, bottom):
-        from caffeplus import kernels as K
+        K = _kernels
         n, c, s = self._cfg
         count = n * c * s
         if not 0 < count <= K.MAX_COUNT or self._std is None or self._std.size != c:
@@ -2001,8 +1994,7 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
             return
         if not propagate_down[0]:
             return
-        kernels = _kernels
-        if not (kernels.active() and _fused('BatchNorm backward', self._fast_backward, top,
+        if not (_kernels.active() and _fused('BatchNorm backward', self._fast_backward, top,
                                             propagate_down, bottom)):
             super()._backward(top, propagate_down, bottom)
 
@@ -2029,7 +2021,7 @@ class GPUScaleLayer(_FusedMixin, ScaleLayer):
         self._keep_buf = self._keep_key = self._my_copy = None
 
     def _fast_forward(self, bottom, top):
-        from caffeplus import kernels as K
+        K = _kernels
         outer, dim, inner = self.dims
         count = outer * dim * inner
         if not 0 < count <= K.MAX_COUNT:
@@ -2065,12 +2057,11 @@ class GPUScaleLayer(_FusedMixin, ScaleLayer):
         ch = self._chain
         if ch is not None and ch.fwd_done:
             return
-        kernels = _kernels
-        if not (kernels.active() and _fused('Scale forward', self._fast_forward, bottom, top)):
+        if not (_kernels.active() and _fused('Scale forward', self._fast_forward, bottom, top)):
             super()._forward(bottom, top)
 
     def _fast_backward(self, top, propagate_down, bottom):
-        from caffeplus import kernels as K
+        K = _kernels
         outer, dim, inner = self.dims
         count = outer * dim * inner
         if not 0 < count <= K.MAX_COUNT:
@@ -2119,10 +2110,9 @@ class GPUScaleLayer(_FusedMixin, ScaleLayer):
         return True
 
     def _backward(self, top, propagate_down, bottom):
-        kernels = _kernels
         if _chain_backward(self, 'BatchNorm-Scale backward'):
             return
-        if not (kernels.active() and _fused('Scale backward', self._fast_backward, top,
+        if not (_kernels.active() and _fused('Scale backward', self._fast_backward, top,
                                             propagate_down, bottom)):
             super()._backward(top, propagate_down, bottom)
 
@@ -2134,7 +2124,7 @@ class _FusedReLUMixin:
     # Elementwise: a blob over the kernels' 32-bit count runs in pieces
     # (the generic code's temporaries would take 1-4 bytes per value more).
     def _fast_forward(self, bottom, top):
-        from caffeplus import kernels as K
+        K = _kernels
         n = bottom[0]._count
         if n <= 0:
             return False
@@ -2147,7 +2137,7 @@ class _FusedReLUMixin:
         return True
 
     def _fast_backward(self, top, propagate_down, bottom):
-        from caffeplus import kernels as K
+        K = _kernels
         n = top[0]._count
         if n <= 0:
             return False
@@ -2178,13 +2168,11 @@ def _relu_forward(self, bottom, top):
     ch = self._chain
     if ch is not None and ch.fwd_done:
         return
-    kernels = _kernels
-    if not (kernels.active() and _fused('ReLU forward', self._fast_forward, bottom, top)):
+    if not (_kernels.active() and _fused('ReLU forward', self._fast_forward, bottom, top)):
         _CudnnActivationMixin._forward(self, bottom, top)
 
 
 def _relu_backward(self, top, propagate_down, bottom):
-    kernels = _kernels
     if self.masked:
         if propagate_down[0]:
             self._masked_backward(top, bottom)
@@ -2193,7 +2181,7 @@ def _relu_backward(self, top, propagate_down, bottom):
         return
     if not propagate_down[0]:
         return
-    if not (kernels.active() and _fused('ReLU backward', self._fast_backward, top,
+    if not (_kernels.active() and _fused('ReLU backward', self._fast_backward, top,
                                         propagate_down, bottom)):
         _CudnnActivationMixin._backward(self, top, propagate_down, bottom)
 
@@ -2212,7 +2200,7 @@ class GPUEltwiseLayer(_FusedMixin, EltwiseLayer):
     _chain = None
 
     def _fast_forward(self, bottom, top):
-        from caffeplus import kernels as K
+        K = _kernels
         n = top[0]._count
         if not 0 < n <= K.MAX_COUNT:
             return False
@@ -2232,7 +2220,7 @@ class GPUEltwiseLayer(_FusedMixin, EltwiseLayer):
         return True
 
     def _fast_backward(self, top, propagate_down, bottom):
-        from caffeplus import kernels as K
+        K = _kernels
         n = top[0]._count
         if not 0 < n <= K.MAX_COUNT:
             return False
@@ -2245,17 +2233,15 @@ class GPUEltwiseLayer(_FusedMixin, EltwiseLayer):
         return True
 
     def _forward(self, bottom, top):
-        kernels = _kernels
-        if not (self.op == _ELTWISE_SUM and kernels.active() and
+        if not (self.op == _ELTWISE_SUM and _kernels.active() and
                 _fused('Eltwise forward', self._fast_forward, bottom, top)):
             super()._forward(bottom, top)
 
     def _backward(self, top, propagate_down, bottom):
-        kernels = _kernels
         ch = self._chain
         if ch is not None and ch.bwd_done:
             return
-        if not (self.op == _ELTWISE_SUM and kernels.active() and
+        if not (self.op == _ELTWISE_SUM and _kernels.active() and
                 _fused('Eltwise backward', self._fast_backward, top, propagate_down, bottom)):
             super()._backward(top, propagate_down, bottom)
 
@@ -2266,7 +2252,7 @@ class GPUSplitLayer(SplitLayer):
     engine = 'FUSED'
 
     def _fast_backward(self, top, propagate_down, bottom):
-        from caffeplus import kernels as K
+        K = _kernels
         n = bottom[0]._count
         if len(top) < 2 or not 0 < n <= K.MAX_COUNT:
             return False
@@ -2285,8 +2271,7 @@ class GPUSplitLayer(SplitLayer):
     def _backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        kernels = _kernels
-        if not (kernels.active() and
+        if not (_kernels.active() and
                 _fused('Split backward', self._fast_backward, top, propagate_down, bottom)):
             super()._backward(top, propagate_down, bottom)
 
@@ -2316,8 +2301,7 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
     def forward_deferred(self, bottom, top):
         """Layer.forward_deferred: the fused forward's report is read (and its
         label check raised) when the loss is."""
-        kernels = _kernels
-        if not kernels.active():
+        if not _kernels.active():
             return self._run_forward(bottom, top, deferred=True)
         self._queued_report = None
         try:
@@ -2336,7 +2320,7 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
         return self.weighted_loss(top, deferred=True)
 
     def _fast_forward(self, bottom, top):
-        from caffeplus import kernels as K
+        K = _kernels
         if len(top) != 1:
             return False
         outer, classes, inner = self.outer_num, self.num_classes, self.inner_num
@@ -2378,7 +2362,7 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
         written by cp_loss_report straight into pinned memory (no copy on the
         copy engines: behind offload's copies there it waited for
         milliseconds); the _LossReport reads it with one synchronisation."""
-        from caffeplus import kernels as K
+        K = _kernels
         if self._outstanding is not None:
             self._outstanding.read()        # the buffer is about to be written again
         if K.emulating():
@@ -2407,14 +2391,13 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
                                   ' or loss_param.ignore_label (%d)' % ign))
 
     def _forward(self, bottom, top):
-        kernels = _kernels
         self._fwd_key = None
-        if not (kernels.active() and
+        if not (_kernels.active() and
                 _fused('SoftmaxWithLoss forward', self._fast_forward, bottom, top)):
             super()._forward(bottom, top)
 
     def _fast_backward(self, top, propagate_down, bottom):
-        from caffeplus import kernels as K
+        K = _kernels
         if self._fwd_key != (bottom[0]._shape, bottom[1]._shape) or self._bufs is None:
             return False            # the normalizer comes from a fused forward
         x, lab = K.flat(bottom[0]), K.flat(bottom[1])
@@ -2430,8 +2413,7 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
         self._check_propagate(propagate_down)
         if not propagate_down[0]:
             return
-        kernels = _kernels
-        if not (kernels.active() and _fused('SoftmaxWithLoss backward', self._fast_backward, top,
+        if not (_kernels.active() and _fused('SoftmaxWithLoss backward', self._fast_backward, top,
                                             propagate_down, bottom)):
             super()._backward(top, propagate_down, bottom)
 
@@ -2492,21 +2474,21 @@ class GPUInnerProductLayer(InnerProductLayer):
     gemm_views = {}         # 'forward' | 'backward' -> (pointer, bytes), set by the plan
 
     def _ones_ptr(self, n):
-        from caffeplus import kernels as K
+        K = _kernels
         if self._ones is None or self._ones.size < n or not K.is_device(self._ones):
             import cupy
             self._ones = cupy.ones(max(int(n), 1), dtype=numpy.float32)
         return int(self._ones.data.ptr)
 
     def _usable(self):
-        from caffeplus import kernels as K
+        K = _kernels
         if K.emulating():
             return False
         limit = 2 ** 31 - 1       # cuBLAS's int dimensions
         return 0 < self.M <= limit and 0 < self.K <= limit and 0 < self.num_output <= limit
 
     def _fast_forward(self, bottom, top):
-        from caffeplus import kernels as K
+        K = _kernels
         if not self._usable():
             return False
         x, w, y = K.flat(bottom[0]), K.flat(self.blobs[0]), K.flat(top[0])
@@ -2526,13 +2508,12 @@ class GPUInnerProductLayer(InnerProductLayer):
         return True
 
     def _forward(self, bottom, top):
-        kernels = _kernels
-        if not (kernels.active() and
+        if not (_kernels.active() and
                 _fused('InnerProduct forward', self._fast_forward, bottom, top)):
             super()._forward(bottom, top)
 
     def _fast_backward(self, top, propagate_down, bottom):
-        from caffeplus import kernels as K
+        K = _kernels
         if not self._usable():
             return False
         M, N, Kd = self.M, self.num_output, self.K
@@ -2568,8 +2549,7 @@ class GPUInnerProductLayer(InnerProductLayer):
         return True
 
     def _backward(self, top, propagate_down, bottom):
-        kernels = _kernels
-        if not (kernels.active() and _fused('InnerProduct backward', self._fast_backward, top,
+        if not (_kernels.active() and _fused('InnerProduct backward', self._fast_backward, top,
                                             propagate_down, bottom)):
             super()._backward(top, propagate_down, bottom)
 
@@ -2582,7 +2562,7 @@ class GPUConcatLayer(ConcatLayer):
     engine = 'FUSED'
 
     def _copies(self, bottom, top, backward):
-        from caffeplus import kernels as K
+        K = _kernels
         if len(bottom) < 2 or K.emulating():
             return False
         axis = self.axis
@@ -2619,14 +2599,12 @@ class GPUConcatLayer(ConcatLayer):
         return True
 
     def _forward(self, bottom, top):
-        kernels = _kernels
-        if not (kernels.active() and _fused('Concat forward', self._copies, bottom, top, False)):
+        if not (_kernels.active() and _fused('Concat forward', self._copies, bottom, top, False)):
             super()._forward(bottom, top)
 
     def _backward(self, top, propagate_down, bottom):
-        kernels = _kernels
         self._propagate = list(propagate_down)
-        if not (kernels.active() and _fused('Concat backward', self._copies, bottom, top, True)):
+        if not (_kernels.active() and _fused('Concat backward', self._copies, bottom, top, True)):
             super()._backward(top, propagate_down, bottom)
 
 
