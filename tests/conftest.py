@@ -5,7 +5,10 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED = os.environ.get('CAFFEPLUS_SHARED', os.path.join(os.path.dirname(ROOT), 'shared'))
+# The stock-Caffe reference outputs, the zoo's prototxts and the bench nets
+# ship with the tests (tests/data/reference/README.md says what made them);
+# CAFFEPLUS_SHARED points the tests at another copy.
+SHARED = os.environ.get('CAFFEPLUS_SHARED', os.path.join(ROOT, 'tests', 'data'))
 REFERENCE = os.path.join(SHARED, 'reference')
 ZOO = os.path.join(SHARED, 'zoo')
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -68,8 +71,10 @@ def caplog_caffeplus():
 
 
 def need(path):
+    """`path`, which the tests' own data holds: missing, the test fails
+    (a silent skip would hide a broken checkout)."""
     if not os.path.exists(path):
-        pytest.skip('reference data not found: %s' % path)
+        pytest.fail('test data missing: %s' % path)
     return path
 
 

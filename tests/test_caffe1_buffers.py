@@ -34,7 +34,7 @@ MiB = 2 ** 20
 def bench_net(name):
     path = os.path.join(BENCH, name + '.prototxt')
     if not os.path.exists(path):
-        pytest.skip('bench net not found: %s' % path)
+        pytest.fail('test data missing: %s' % path)
     return shapes.build_net(shapes.load_net_param(path, phase=caffe_pb2.TRAIN))
 
 
@@ -236,7 +236,7 @@ def test_memory_estimate_json_stock_other(capsys):
     from caffeplus.cli import main
     path = os.path.join(BENCH, 'resnet50_b32.prototxt')
     if not os.path.exists(path):
-        pytest.skip('bench net not found')
+        pytest.fail('test data missing')
     assert main(['memory', '-model', path, '--estimate', '--plans', 'stock,arena',
                  '--json']) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -454,7 +454,7 @@ def test_time_memory_flag_parsing():
 def _lenet(tmp_path):
     src = os.path.join(REFERENCE, 'cli', 'lenet_dummy_b64.prototxt')
     if not os.path.exists(src):
-        pytest.skip('reference data not found: %s' % src)
+        pytest.fail('test data missing: %s' % src)
     return src
 
 
@@ -520,7 +520,7 @@ print('I1122 time.py] Average Forward-Backward: 12.5 ms.')
 
 def test_bench_stock_memory_script(tmp_path, monkeypatch, capsys):
     if not os.path.exists(os.path.join(BENCH, 'README.md')):
-        pytest.skip('bench README not found')
+        pytest.fail('test data missing')
     sys.path.insert(0, os.path.join(ROOT, 'tools'))
     import bench_stock_memory as bench
     fake = tmp_path / 'bin'
@@ -571,7 +571,7 @@ def test_bench_readme_table():
     import bench_stock_memory as bench
     path = os.path.join(BENCH, 'README.md')
     if not os.path.exists(path):
-        pytest.skip('bench README not found')
+        pytest.fail('test data missing')
     with open(path) as f:
         rows = dict(bench.parse_readme(f.read()))
     assert rows == {'AlexNet b128': 2781, 'GoogLeNet b64': 7835, 'VGG-16 b64': 10009,

@@ -211,7 +211,7 @@ def test_timed_results_of_a_larger_workspace_serve_a_smaller_one():
 def vgg_b256():
     path = os.path.join(SHARED, 'bench', 'vgg16_b256.prototxt')
     if not os.path.exists(path):
-        pytest.skip('bench net not found: %s' % path)
+        pytest.fail('test data missing: %s' % path)
     return shapes.build_net(shapes.load_net_param(path))
 
 

@@ -346,7 +346,7 @@ def test_sighup_snapshots_and_sigint_stops(tiny):
 def _copy_training(root):
     src = os.path.join(REFERENCE, 'training')
     if not os.path.isdir(src):
-        pytest.skip('reference data not found: %s' % src)
+        pytest.fail('test data missing: %s' % src)
     dst = os.path.join(str(root), 'training')
     os.makedirs(os.path.join(dst, 'sgd'))
     shutil.copytree(os.path.join(src, 'data'), os.path.join(dst, 'data'))
@@ -405,7 +405,7 @@ def test_test_command_errors(tmp_path, capsys):
 def test_time_command_lines(tmp_path):
     src = os.path.join(REFERENCE, 'cli', 'lenet_dummy_b64.prototxt')
     if not os.path.exists(src):
-        pytest.skip('reference data not found: %s' % src)
+        pytest.fail('test data missing: %s' % src)
     shutil.copy(src, tmp_path)
     rc, cap = run_cli(tmp_path, 'time', '-model', 'lenet_dummy_b64.prototxt', '-iterations', '5')
     assert rc == 0

@@ -52,7 +52,7 @@ def test_apply_sets_the_variable_for_the_current_gpu(monkeypatch):
 
 def test_the_estimate_counts_the_buffer_saved():
     if not os.path.exists(ALEXNET):
-        pytest.skip('needs ../shared/bench')
+        pytest.fail('test data missing')
     net = shapes.build_net(shapes.load_net_param(ALEXNET))
     assert cublas_pool.saved_bytes('stock') == 0
     assert cublas_pool.saved_bytes('arena') == 32 * 2 ** 20
@@ -88,7 +88,7 @@ def test_the_estimate_places_the_gemms_workspace_at_the_inner_product_steps():
     where AlexNet's maps are small: the arena's peak does not move, and
     other is 32 MiB less than under arena's one buffer."""
     if not os.path.exists(ALEXNET):
-        pytest.skip('needs ../shared/bench')
+        pytest.fail('test data missing')
     from caffeplus.memory import budget, liveness, placement
     net = shapes.build_net(shapes.load_net_param(ALEXNET))
     plan = budget.estimate_plan(net, 'shared')

@@ -202,7 +202,7 @@ def test_param_diffs_accumulate_like_caffe():
 
 # -- every reference case in GPU mode ----------------------------------------------
 LAYERS = os.path.join(REFERENCE, 'layers')
-REF_CASES = case_names(LAYERS) if os.path.isdir(LAYERS) else []
+REF_CASES = case_names(LAYERS)
 REFUSED = ('swl_two_tops_default_loss_weight', 'swl_two_tops_explicit_loss_weight')
 
 

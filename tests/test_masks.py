@@ -136,7 +136,7 @@ def test_no_masks_without_the_fused_kernels():
 def test_vgg16_masks_every_pool_and_the_relu_before_it():
     path = os.path.join(SHARED, 'bench', 'vgg16_b64.prototxt')
     if not os.path.exists(path):
-        pytest.skip('bench net not found: %s' % path)
+        pytest.fail('test data missing: %s' % path)
     net = shapes.build_net(shapes.load_net_param(path))
     chosen = masks.choose(net)
     assert set(chosen) == {'pool%d' % i for i in range(1, 6)} | \
@@ -180,7 +180,7 @@ def test_a_masked_map_dies_after_the_forward_of_its_pooling():
 def test_masks_lower_the_vgg16_b256_peak_and_auto_runs_less_again(monkeypatch):
     path = os.path.join(SHARED, 'bench', 'vgg16_b256.prototxt')
     if not os.path.exists(path):
-        pytest.skip('bench net not found: %s' % path)
+        pytest.fail('test data missing: %s' % path)
     net = shapes.build_net(shapes.load_net_param(path))
     monkeypatch.setenv(masks.ENV, '0')
     plain = budget.estimate_plan(net, 'shared')

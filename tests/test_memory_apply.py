@@ -95,7 +95,7 @@ def assert_identical(a, b):
 
 def need_model(name):
     if not os.path.exists(cpe.model_path(name)):
-        pytest.skip('model not found: %s' % cpe.model_path(name))
+        pytest.fail('test data missing: %s' % cpe.model_path(name))
 
 
 # -- bit-identical training, CPU ------------------------------------------------------------

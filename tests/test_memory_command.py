@@ -27,7 +27,7 @@ LENET = os.path.join(ROOT, 'examples', 'mnist', 'lenet_train_test.prototxt')
 def bench(name):
     path = os.path.join(BENCH, name + '.prototxt')
     if not os.path.exists(path):
-        pytest.skip('bench net not found: %s' % path)
+        pytest.fail('test data missing: %s' % path)
     return path
 
 
@@ -50,7 +50,7 @@ def caffe_figures():
     the README's table of stock Caffe's log lines."""
     path = os.path.join(BENCH, 'README.md')
     if not os.path.exists(path):
-        pytest.skip('bench README not found')
+        pytest.fail('test data missing')
     out = {}
     for line in open(path):
         m = re.match(r'^\|\s*([A-Za-z0-9-]+) (b\d+)\s*\|\s*([\d,]+)\s*\|\s*([\d,]+)\s*\|', line)

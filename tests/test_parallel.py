@@ -110,7 +110,7 @@ class Boom(caffeplus.Layer):
 
 def need_data():
     if not os.path.isdir(TRAIN_LMDB):
-        pytest.skip('reference data not found: %s' % TRAIN_LMDB)
+        pytest.fail('test data missing: %s' % TRAIN_LMDB)
 
 
 def write_job(tmp_path, name, batch, iter_size=1, max_iter=12, snapshot=0, extra='',

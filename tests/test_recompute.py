@@ -57,7 +57,7 @@ def _quiet(monkeypatch):
 def bench_path(name):
     path = os.path.join(SHARED, 'bench', name + '.prototxt')
     if not os.path.exists(path):
-        pytest.skip('bench net not found: %s' % path)
+        pytest.fail('test data missing: %s' % path)
     return path
 
 
@@ -223,7 +223,7 @@ def test_offload_beside_maps_made_again_is_bit_identical(tmp_path):
     """GoogLeNet on the CPU: shared makes norm2 and the large pools again;
     offload 'all' (simulated, lazy copies) moves the rest."""
     if not os.path.exists(cpe.model_path('googlenet')):
-        pytest.skip('model not found')
+        pytest.fail('test data missing')
     param, test_nets = cpe.net_param('googlenet', str(tmp_path), 2)
     stock = cpe.train(param, 'stock', 2, test_nets)
     shared = cpe.train(param, 'shared', 2, test_nets)

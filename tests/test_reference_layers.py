@@ -8,7 +8,7 @@ from conftest import REFERENCE
 from reference_cases import case_names, run_case
 
 LAYERS = os.path.join(REFERENCE, 'layers')
-CASES = case_names(LAYERS) if os.path.isdir(LAYERS) else []
+CASES = case_names(LAYERS)
 
 
 @pytest.mark.parametrize('case', CASES)
@@ -18,7 +18,7 @@ def test_reference_case(case):
 
 def test_reference_cases_present():
     if not os.path.isdir(LAYERS):
-        pytest.skip('no reference data at %s' % LAYERS)
+        pytest.fail('test data missing at %s' % LAYERS)
     assert len(CASES) >= 120
 
 
@@ -29,6 +29,6 @@ def test_caffe_refuses_softmaxwithloss_two_tops(case):
     import caffeplus
     path = os.path.join(LAYERS, case + '.prototxt')
     if not os.path.exists(path):
-        pytest.skip('no reference data')
+        pytest.fail('test data missing')
     with pytest.raises(caffeplus.CaffeplusError, match='loss_weight'):
         caffeplus.Net(path, caffeplus.TRAIN)

@@ -670,7 +670,7 @@ def test_restore_reads_stock_caffe_hdf5_and_binary_states():
     from conftest import REFERENCE
     ref = os.path.join(REFERENCE, 'io')
     if not os.path.exists(ref):
-        pytest.skip('reference data not found')
+        pytest.fail('test data missing')
     a = state_io.read_state(os.path.join(ref, 'lenet_iter_2.solverstate'))
     b = state_io.read_state(os.path.join(ref, 'lenet_iter_2.solverstate.h5'))
     assert a.iter == b.iter == 2 and a.current_step == b.current_step == 0

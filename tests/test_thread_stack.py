@@ -66,7 +66,7 @@ def test_the_estimate_counts_what_the_limit_saves(monkeypatch):
     assert thread_stack.saved_bytes('shared') == 864 * 270336
     assert thread_stack.saved_bytes('stock') == 0
     if not os.path.exists(ALEXNET):
-        pytest.skip('needs ../shared/bench')
+        pytest.fail('test data missing')
     net = shapes.build_net(shapes.load_net_param(ALEXNET))
     lower = wm.other_bytes(net, 'arena')
     monkeypatch.setenv(thread_stack.ENV, 'default')

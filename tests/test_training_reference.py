@@ -29,8 +29,6 @@ TRAINING = os.path.join(REFERENCE, 'training')
 RUNS = ['sgd', 'nesterov', 'adagrad', 'adam']
 ADAPTIVE = {'adagrad', 'adam'}
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(TRAINING),
-                                reason='reference data not found: %s' % TRAINING)
 
 
 

@@ -153,7 +153,7 @@ def test_lenet_and_cifar10_bn_are_bit_identical_to_stock(tmp_path):
         try:
             param, tests = cpe.net_param(name, str(tmp_path))
         except FileNotFoundError:
-            pytest.skip('needs ../shared')
+            pytest.fail('test data missing')
         stock = cpe.train(param, 'stock', 8, tests)
         shared = cpe.train(param, 'shared', 8, tests)
         assert in_backward(shared)
@@ -212,7 +212,7 @@ def test_vgg16_peaks_lower_by_the_fc_gradients(monkeypatch):
     MiB less)."""
     path = os.path.join(SHARED, 'bench', 'vgg16_b64.prototxt')
     if not os.path.exists(path):
-        pytest.skip('needs ../shared/bench')
+        pytest.fail('test data missing')
     net = shapes.build_net(shapes.load_net_param(path))
     placed = budget.estimate_plan(net, 'shared')
     monkeypatch.setenv(update_in_backward.ENV, '0')
@@ -231,7 +231,7 @@ def test_auto_fits_budgets_that_need_the_fc_gradients_gone(monkeypatch):
     and norm2's gradients overlaid and the placement's search)."""
     path = os.path.join(SHARED, 'bench', 'alexnet_b128.prototxt')
     if not os.path.exists(path):
-        pytest.skip('needs ../shared/bench')
+        pytest.fail('test data missing')
     net = shapes.build_net(shapes.load_net_param(path))
     limit = budget.parse_bytes('1.5G')
     plan = budget.estimate_plan(net, 'auto', budget=limit)
@@ -437,7 +437,7 @@ def test_only_large_gradients_leave(monkeypatch):
                                           'conv5_2', 'conv5_3'})):
         path = os.path.join(SHARED, 'bench', name + '.prototxt')
         if not os.path.exists(path):
-            pytest.skip('needs ../shared/bench')
+            pytest.fail('test data missing')
         net = shapes.build_net(shapes.load_net_param(path))
         spans = liveness.param_diff_spans(net)
         owners = {net.learnable_param_ids[pid]: net._layer_names[layer_id]

@@ -22,8 +22,6 @@ UPGRADE_DIR = os.path.join(REFERENCE, 'io', 'upgrade')
 
 def _entries():
     path = os.path.join(UPGRADE_DIR, 'UPGRADES.json')
-    if not os.path.exists(path):
-        return []
     with open(path) as f:
         return json.load(f)
 

@@ -62,7 +62,7 @@ MEMORY_PLANS = ('stock', 'arena', 'shared', 'offload', 'auto')
 
 
 def default_bench_dir():
-    shared = os.environ.get('CAFFEPLUS_SHARED', os.path.join(os.path.dirname(ROOT), 'shared'))
+    shared = os.environ.get('CAFFEPLUS_SHARED', os.path.join(ROOT, 'tests', 'data'))
     return os.path.join(shared, 'bench')
 
 

@@ -340,7 +340,7 @@ def print_row(r, tolerance):
 
 # -- main -------------------------------------------------------------------------------------
 def default_bench_dir():
-    shared = os.environ.get('CAFFEPLUS_SHARED', os.path.join(os.path.dirname(ROOT), 'shared'))
+    shared = os.environ.get('CAFFEPLUS_SHARED', os.path.join(ROOT, 'tests', 'data'))
     for d in (os.path.join(ROOT, '.gpu_carry', 'bench'), os.path.join(shared, 'bench')):
         if os.path.isdir(d):
             return d

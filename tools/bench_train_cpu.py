@@ -31,7 +31,7 @@ STOCK_CAFFE_ITER_S = 41.0
 
 
 def default_reference():
-    shared = os.environ.get('CAFFEPLUS_SHARED', os.path.join(os.path.dirname(ROOT), 'shared'))
+    shared = os.environ.get('CAFFEPLUS_SHARED', os.path.join(ROOT, 'tests', 'data'))
     return os.path.join(shared, 'reference')
 
 

@@ -34,7 +34,7 @@ DEFAULT_BATCH = {'lenet': None, 'cifar10_bn': 2, 'googlenet': 1, 'resnet50': 1}
 
 
 def shared_dir():
-    return os.environ.get('CAFFEPLUS_SHARED', os.path.join(os.path.dirname(ROOT), 'shared'))
+    return os.environ.get('CAFFEPLUS_SHARED', os.path.join(ROOT, 'tests', 'data'))
 
 
 def model_path(name):

@@ -59,7 +59,7 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-SHARED = os.environ.get('CAFFEPLUS_SHARED', os.path.join(os.path.dirname(ROOT), 'shared'))
+SHARED = os.environ.get('CAFFEPLUS_SHARED', os.path.join(ROOT, 'tests', 'data'))
 REFERENCE = os.path.join(SHARED, 'reference')
 ZOO = os.path.join(SHARED, 'zoo')
 
@@ -1427,12 +1427,14 @@ def _vm_size():
     return 0
 
 
-def worker_main():
+def worker_main(workdir=None):
     """Read {"target", "data"} lines from stdin, answer one JSON line each
     on the original stdout (everything else the code prints goes to stderr)."""
     out = os.fdopen(os.dup(1), 'w')
     os.dup2(2, 1)
-    workdir = tempfile.mkdtemp(prefix='caffeplus-fuzz-')
+    # The parent owns the scratch folder: a worker killed for a hang or a
+    # crash never reaches its own clean-up.
+    workdir = workdir or tempfile.mkdtemp(prefix='caffeplus-fuzz-')
     try:
         ctx = worker_setup(workdir)
         out.write(json.dumps({'ready': True}) + '\n')
@@ -1484,7 +1486,9 @@ class Worker:
         env.setdefault('OPENBLAS_NUM_THREADS', '1')
         env.setdefault('OMP_NUM_THREADS', '1')
         self.stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), '--worker'],
+        self.workdir = tempfile.mkdtemp(prefix='caffeplus-fuzz-')
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), '--worker',
+                                      '--workdir', self.workdir],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.stderr, env=env, cwd=ROOT)
         reply = self._read(self.startup_timeout)
@@ -1553,6 +1557,7 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
         for f in (self.proc.stdin, self.proc.stdout):
             try:
                 f.close()
@@ -1587,9 +1592,10 @@ def main(argv=None):
     parser.add_argument('--time-limit', type=float, default=EXAMPLE_TIME_LIMIT,
                         help='seconds one example may take before it counts as a hang')
     parser.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
+    parser.add_argument('--workdir', help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker_main()
+        worker_main(args.workdir)
         return 0
     names = [n for n in args.targets.split(',') if n]
     for n in names:

@@ -39,7 +39,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-SHARED = os.environ.get('CAFFEPLUS_SHARED', os.path.join(os.path.dirname(ROOT), 'shared'))
+SHARED = os.environ.get('CAFFEPLUS_SHARED', os.path.join(ROOT, 'tests', 'data'))
 REFERENCE = os.path.join(SHARED, 'reference')
 TRAINING_DATA = os.path.join(REFERENCE, 'training', 'data')
 IMAGES = os.path.join(REFERENCE, 'io', 'images')
