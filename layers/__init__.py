@@ -4,7 +4,7 @@ Importing this package registers every layer type with caffeplus.layer.
 """
 import importlib
 
-_FAMILIES = ('data', 'common', 'neuron', 'vision', 'normalization', 'loss',
+_FAMILIES = ('data', 'window_data', 'common', 'neuron', 'vision', 'normalization', 'loss',
              'recurrent', 'python', 'cudnn')
 
 for _family in _FAMILIES:

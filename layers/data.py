@@ -12,7 +12,7 @@ resumed run reads on exactly where the snapshot was taken. `set_shard(rank,
 world)` (Data, ImageData, HDF5Data) makes a layer read one rank's share of the
 records for data-parallel training (caffeplus.parallel).
 
-WindowData (R-CNN window files) is not supported: it raises NetError.
+WindowData (R-CNN window files) lives in layers/window_data.py.
 """
 import copy
 import os
@@ -965,19 +965,3 @@ class MemoryDataLayer(Layer):
     snapshot_state = get_state
     restore_state = set_state
 
-
-# -- WindowData ----------------------------------------------------------------
-@register
-class WindowDataLayer(Layer):
-    """R-CNN window files: not supported by caffeplus."""
-    type = 'WindowData'
-    exact_num_bottom = 0
-    has_backward = False
-
-    def layer_setup(self, bottom, top):
-        raise NetError('layer %s: WindowData is not supported by caffeplus (it needs OpenCV '
-                       'window crops); convert the windows to an LMDB of cropped images and '
-                       'use a Data layer, or read them with a Python layer' % self.name)
-
-    def reshape(self, bottom, top):
-        pass

@@ -316,11 +316,6 @@ def test_rand_skip_is_seeded(caplog_caffeplus):
     numpy.testing.assert_array_equal(first(3), a)
 
 
-def test_window_data_is_refused():
-    with pytest.raises(NetError, match='WindowData is not supported'):
-        make('name: "w" type: "WindowData" top: "data" top: "label"')
-
-
 # -- transformer ---------------------------------------------------------------
 def test_transformer_matches_numpy_reference():
     rs = numpy.random.RandomState(0)
