@@ -1,7 +1,12 @@
 """Weights: .caffemodel (binary, legacy shapes, V1) and HDF5, and .binaryproto."""
+import builtins
 import json
 import os
+import select
 import shutil
+import signal
+import sys
+import threading
 
 import h5py
 import numpy
@@ -177,37 +182,126 @@ def test_blobproto_vector_round_trip(tmp_path):
         numpy.testing.assert_array_equal(a, b)
 
 
-def test_a_stop_signal_while_the_temporary_file_is_made_leaves_none(tmp_path, monkeypatch):
-    """SIGTERM (mpirun stopping a rank) arriving just as the temporary file
-    is created, before its name is known: the signal waits until the name
-    is, then its handler's exception removes the file; the old one stays."""
-    import signal
-    import tempfile
+class _Stop(BaseException):
+    """What a stop signal's handler raises (as trainer.Terminated does)."""
+
+
+def _temporary_files(folder):
+    return [p.name for p in folder.iterdir() if p.name.endswith('.tmp')]
+
+
+@pytest.mark.skipif(not hasattr(signal, 'pthread_sigmask'), reason='needs POSIX signal masks')
+def test_sigterm_taken_by_another_thread_as_the_temporary_file_is_made_leaves_none(
+        tmp_path, monkeypatch):
+    """A SIGTERM sent to the process is taken by a thread that does not block
+    it (OpenBLAS's, the prefetch thread's) while the main thread blocks it;
+    Python still runs the handler in the main thread, at its next bytecode.
+    Here that bytecode comes right after the call that made the temporary
+    file returns, before the writer has its result: the old good file stays
+    and no temporary file is left behind."""
     from caffeplus.io import atomic
     target = tmp_path / 'model.caffemodel'
     target.write_bytes(b'old good snapshot')
+    made = {}
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
 
-    class Stop(BaseException):
-        pass
+    def signal_once_made(real):
+        def wrapper(file, *args, **kwargs):
+            name = os.fspath(file) if isinstance(file, (str, bytes, os.PathLike)) else None
+            fresh = isinstance(name, str) and name.startswith(str(tmp_path)) and \
+                name.endswith('.tmp') and not made and not os.path.exists(name)
+            result = real(file, *args, **kwargs)
+            if fresh and os.path.exists(name):
+                made['name'] = name
+                try:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    # The C-level handler (in the other thread) writes to the
+                    # wakeup fd once the signal is tripped; the main thread
+                    # runs the Python handler at its next bytecode, here.
+                    ready, _, _ = select.select([wake_r], [], [], 120)
+                    assert ready, 'the helper thread never took the SIGTERM'
+                    for _ in range(1000):
+                        pass
+                except _Stop:
+                    made['raised_at_creation'] = True
+                    result.close() if hasattr(result, 'close') else os.close(result)
+                    raise
+            return result
+        return wrapper
 
     def handler(signum, frame):
-        raise Stop()
-    real = tempfile.mkstemp
-
-    def mkstemp_then_signal(*a, **k):
-        made = real(*a, **k)
-        os.kill(os.getpid(), signal.SIGTERM)    # delivered now, unless held back
-        return made
-    old = signal.signal(signal.SIGTERM, handler)
+        raise _Stop()
+    release = threading.Event()
+    helper = threading.Thread(target=release.wait, name='takes-sigterm')
+    old_handler = signal.signal(signal.SIGTERM, handler)
+    old_wakeup = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    helper.start()          # before the block: it keeps SIGTERM unblocked
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
-        monkeypatch.setattr(tempfile, 'mkstemp', mkstemp_then_signal)
-        with pytest.raises(Stop):
+        monkeypatch.setattr(os, 'open', signal_once_made(os.open))
+        monkeypatch.setattr(builtins, 'open', signal_once_made(builtins.open))
+        with pytest.raises(_Stop):
             with atomic.atomic_write(str(target)) as f:
                 f.write(b'half a new snapshot')
     finally:
-        signal.signal(signal.SIGTERM, old)
+        monkeypatch.undo()
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        signal.set_wakeup_fd(old_wakeup)
+        signal.signal(signal.SIGTERM, old_handler)
+        release.set()
+        helper.join()
+        os.close(wake_r)
+        os.close(wake_w)
+    assert made.get('raised_at_creation'), 'the handler did not run in the window: %r' % made
     assert target.read_bytes() == b'old good snapshot'
-    assert [p.name for p in tmp_path.iterdir() if p.name.endswith('.tmp')] == []
+    assert _temporary_files(tmp_path) == []
+
+
+def test_an_exception_at_any_bytecode_of_the_write_leaves_a_whole_file(tmp_path):
+    """A stop signal's handler may raise between any two bytecodes: raised
+    at each one of the atomic write in turn, the target is always the old
+    file or the whole new one, and no temporary file is left."""
+    from caffeplus.io import atomic
+    target = tmp_path / 'model.caffemodel'
+    old, new = b'old good snapshot', b'the whole new snapshot'
+
+    def write(raise_at):
+        """The number of bytecodes atomic.py ran (raising at the
+        raise_at-th one; a trace function that raises is removed, so once)."""
+        count = [0]
+
+        def each_bytecode(frame, event, arg):
+            if event == 'opcode':
+                count[0] += 1
+                if count[0] == raise_at:
+                    raise _Stop()
+            return each_bytecode
+
+        def each_call(frame, event, arg):
+            if frame.f_code.co_filename != atomic.__file__:
+                return None
+            frame.f_trace_opcodes = True
+            return each_bytecode
+        previous = sys.gettrace()
+        sys.settrace(each_call)
+        try:
+            with atomic.atomic_write(str(target)) as f:
+                f.write(new)
+        except _Stop:
+            pass
+        finally:
+            sys.settrace(previous)
+        return count[0]
+
+    target.write_bytes(old)
+    total = write(raise_at=0)
+    assert target.read_bytes() == new and total > 20
+    for raise_at in range(1, total + 1):
+        target.write_bytes(old)
+        write(raise_at)
+        assert target.read_bytes() in (old, new), raise_at
+        assert _temporary_files(tmp_path) == [], raise_at
 
 
 def test_blob_shape_bound_checked():

@@ -2,38 +2,22 @@
 
 The data goes to a temporary file beside the target, is flushed and synced,
 then renamed over the target (rename is atomic on POSIX file systems).
+
+A stop signal's handler (SIGTERM from a scheduler or mpirun, Ctrl-C) may
+raise between any two bytecodes of this code: Python runs handlers in the
+main thread whichever thread the signal was delivered to, so blocking the
+signal here cannot hold it back. The temporary file's name is therefore
+chosen before the file exists, and removing that name is always safe.
 """
 import contextlib
 import os
-import signal
-import tempfile
-import threading
+import secrets
 
 
-def _umask_mode():
-    """0666 less the process umask: what open() would have given the file
-    (mkstemp creates 0600, which would hide snapshots from other users)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-_STOP_SIGNALS = tuple(getattr(signal, name) for name in ('SIGTERM', 'SIGINT', 'SIGHUP')
-                      if hasattr(signal, name))
-
-
-@contextlib.contextmanager
-def _signals_held():
-    """Hold back the stop signals (delivered when the block ends)."""
-    mask = getattr(signal, 'pthread_sigmask', None)
-    if mask is None or threading.current_thread() is not threading.main_thread():
-        yield           # (handlers run in the main thread only)
-        return
-    old = mask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        mask(signal.SIG_SETMASK, old)
+def _temporary_name(path):
+    """A fresh hidden name beside `path` (the file itself is not made)."""
+    directory, base = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, '.%s.%s.tmp' % (base, secrets.token_hex(8)))
 
 
 @contextlib.contextmanager
@@ -44,17 +28,20 @@ def atomic_path(path):
     directory = os.path.dirname(os.path.abspath(path))
     tmp = None
     try:
-        # A stop signal (mpirun's SIGTERM to a rank, Ctrl-C) raises in its
-        # handler; held back while the file is made and named, it raises
-        # below, where the temporary file is known and removed.
-        with _signals_held():
-            fd, tmp = tempfile.mkstemp(prefix='.' + os.path.basename(path) + '.',
-                                       suffix='.tmp', dir=directory)
-        os.close(fd)
+        while True:
+            tmp = _temporary_name(path)
+            try:
+                # 'x' refuses an existing file, so the name is ours; the
+                # mode is what open() gives (0666 less the umask).
+                with open(tmp, 'xb'):
+                    break
+            except FileExistsError:
+                # Another file has this name (64 random bits make this
+                # all but impossible): it is not ours to remove.
+                tmp = None
         yield tmp
         with open(tmp, 'rb+') as f:
             os.fsync(f.fileno())
-        os.chmod(tmp, _umask_mode())
         os.replace(tmp, path)
     except BaseException:
         if tmp is not None:
