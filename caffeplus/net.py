@@ -44,6 +44,23 @@ def load_net_param(network):
     return read_net_param(os.fspath(network))
 
 
+def output_order(names):
+    """The net's outputs in Caffe's order: byte-wise sorted names. Caffe
+    keeps the blobs no layer consumed in a std::set<string> and takes the
+    outputs from it, so the order is alphabetical, not the order the layers
+    made them; net.outputs[0], the "This network produces output" lines and
+    the numbering of "Test net output #k" (which log parsers key on) all
+    follow it. UTF-8 byte order and code point order agree."""
+    return sorted(names)
+
+
+def unique_names(names):
+    """`names` without repeats, in their first order: the keys of the dicts
+    forward() and backward() return come in the net's output (or input)
+    order, then the extra blobs asked for, not in a set's arbitrary order."""
+    return list(dict.fromkeys(names))
+
+
 def hook_table(hooks):
     """[(hook, layers)] of a list of per-layer hooks, taken as a pass starts
     (hooks added or removed during the pass count from the next one). A
@@ -229,9 +246,9 @@ class Net:
         self.memory_used_bytes = memory_used * FLOAT_BYTES
 
         self._decide_backward(param.force_backward)
-        for name, blob_id in available.items():
+        for name in output_order(available):
             log.info('This network produces output %s', name)
-            self.output_blob_indices.append(blob_id)
+            self.output_blob_indices.append(available[name])
         self._share_weights()
         self._blob_dict = collections.OrderedDict(zip(self._blob_names, self._blobs))
         # GPU mode: the net's cuDNN layers share one workspace arena
@@ -506,10 +523,10 @@ class Net:
         start_ind = self.layer_index(start) if start is not None else 0
         if end is not None:
             end_ind = self.layer_index(end)
-            outputs = set([end] + blobs)
+            outputs = unique_names([end] + blobs)
         else:
             end_ind = len(self.layers) - 1
-            outputs = set(self.outputs + blobs)
+            outputs = unique_names(self.outputs + blobs)
         if kwargs:
             if set(kwargs) != set(self.inputs):
                 raise CaffeplusError('Input blob arguments do not match net inputs.')
@@ -526,10 +543,10 @@ class Net:
         start_ind = self.layer_index(start) if start is not None else len(self.layers) - 1
         if end is not None:
             end_ind = self.layer_index(end)
-            outputs = set([end] + diffs)
+            outputs = unique_names([end] + diffs)
         else:
             end_ind = 0
-            outputs = set(self.inputs + diffs)
+            outputs = unique_names(self.inputs + diffs)
         if kwargs:
             if set(kwargs) != set(self.outputs):
                 raise CaffeplusError('Top diff arguments do not match net outputs.')

@@ -7,11 +7,13 @@ This module holds what pycaffe adds on top of Caffe's C++ classes:
     attached to caffeplus.Net;
   * `Layer`, the base class of Python layers (pycaffe's caffe.Layer), with
     the switch that refuses Python layers for untrusted files;
-  * `install_caffe_alias()`, which lets unmodified modules that say
-    `import caffe` (Python layer modules from model zoos) get caffeplus.
+  * `import caffe` giving caffeplus: Python layer modules (py-faster-rcnn's,
+    model zoos') get it by themselves when a net loads them
+    (caffe_alias_for_python_layer), other scripts by `install_caffe_alias()`.
 
 The Python layer type itself ('Python') lives in layers/python.py.
 """
+import contextlib
 import itertools
 import os
 import sys
@@ -21,7 +23,7 @@ import numpy
 from caffeplus import backend
 from caffeplus.blob import Blob
 from caffeplus.errors import CaffeplusError
-from caffeplus.net import Net
+from caffeplus.net import Net, unique_names
 from caffeplus.proto import caffe_pb2
 
 # -- Python layers: the trust switch -------------------------------------------
@@ -195,7 +197,7 @@ def _net_batch(self, blobs):
 def _net_forward_all(self, blobs=None, **kwargs):
     """Run forward over inputs of any length, batch by batch; return
     {output: array of all rows} (pycaffe's Net.forward_all)."""
-    names = set(self.outputs + list(blobs or []))
+    names = unique_names(self.outputs + list(blobs or []))
     if not kwargs:
         outs = self.forward(blobs=blobs)
         return {name: _to_host(outs[name]) for name in names}
@@ -212,8 +214,8 @@ def _net_forward_all(self, blobs=None, **kwargs):
 def _net_forward_backward_all(self, blobs=None, diffs=None, **kwargs):
     """Forward and backward over inputs (and output diffs) of any length;
     return (outputs, diffs) dicts of whole arrays (pycaffe's version)."""
-    out_names = set(self.outputs + list(blobs or []))
-    diff_names = set(self.inputs + list(diffs or []))
+    out_names = unique_names(self.outputs + list(blobs or []))
+    diff_names = unique_names(self.inputs + list(diffs or []))
     fwd = {name: kwargs[name] for name in self.inputs if name in kwargs}
     bwd = {name: kwargs[name] for name in self.outputs if name in kwargs}
     unknown = set(kwargs) - set(fwd) - set(bwd)
@@ -363,25 +365,75 @@ attach_net_helpers()
 
 
 # -- `import caffe` for unmodified modules -------------------------------------
+CAFFE_SUBMODULES = ('io', 'proto', 'proto.caffe_pb2', 'draw', 'net_spec', 'classifier',
+                    'detector', 'pycaffe')
+
+
+def _alias_modules():
+    """{'caffe': caffeplus, 'caffe.io': caffeplus.io, ...}."""
+    import importlib
+    import caffeplus
+    modules = {'caffe': caffeplus}
+    for sub in CAFFE_SUBMODULES:
+        modules['caffe.' + sub] = importlib.import_module('caffeplus.' + sub)
+    return modules
+
+
+def _other_caffe_imported():
+    import caffeplus
+    existing = sys.modules.get('caffe')
+    return existing is not None and existing is not caffeplus
+
+
 def install_caffe_alias():
     """Make `import caffe` (and caffe.io, caffe.proto.caffe_pb2, caffe.draw,
     caffe.net_spec, caffe.classifier, caffe.detector) give caffeplus.
 
-    For Python layer modules and scripts you cannot edit. Refuses to replace
-    a real `caffe` that is already imported.
+    For scripts you cannot edit (Python layer modules get the alias by
+    themselves: caffe_alias_for_python_layer). Refuses to replace a real
+    `caffe` that is already imported.
     """
-    import importlib
     import caffeplus
-    existing = sys.modules.get('caffe')
-    if existing is not None and existing is not caffeplus:
+    if _other_caffe_imported():
+        existing = sys.modules['caffe']
         raise CaffeplusError('a module named caffe is already imported (%s); not replacing it'
                              % getattr(existing, '__file__', existing))
-    sys.modules['caffe'] = caffeplus
-    for sub in ('io', 'proto', 'proto.caffe_pb2', 'draw', 'net_spec', 'classifier',
-                'detector', 'pycaffe'):
-        sys.modules['caffe.' + sub] = importlib.import_module('caffeplus.' + sub)
+    sys.modules.update(_alias_modules())
     return caffeplus
 
 
+@contextlib.contextmanager
+def caffe_alias_for_python_layer():
+    """While a Python layer's module is imported, `import caffe` gives caffeplus.
+
+    The layer runs inside caffeplus: its base class (caffe.Layer), the blobs
+    it is handed and caffe.TRAIN/TEST must be caffeplus's, so caffeplus's
+    alias is what it gets even where a stock pycaffe is installed (stock
+    caffe.Layer cannot run in a caffeplus net). If no module named caffe is
+    imported yet, the alias stays for the rest of the process, because a
+    layer may also `import caffe` inside its methods; this shadows an
+    installed stock pycaffe in this process only. If the process has already
+    imported another caffe (a script using stock pycaffe beside caffeplus),
+    that one is not taken from it: the alias is in place only during the
+    import (the module's own `import caffe` binds caffeplus), and the
+    script's modules are put back afterwards.
+    """
+    if not _other_caffe_imported():
+        sys.modules.update(_alias_modules())
+        yield
+        return
+    aliases = _alias_modules()
+    saved = {name: sys.modules.get(name) for name in aliases}
+    sys.modules.update(aliases)
+    try:
+        yield
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
 __all__ = ['Layer', 'BlobVec', 'set_python_layers_allowed', 'python_layers_allowed',
-           'install_caffe_alias', 'attach_net_helpers']
+           'install_caffe_alias', 'caffe_alias_for_python_layer', 'attach_net_helpers']

@@ -6,8 +6,10 @@
 
 As Caffe does, the module is imported by name from the Python search path
 (sys.path, which includes $PYTHONPATH) and the class is instantiated with the
-LayerParameter; it should subclass caffeplus.Layer (pycaffe's caffe.Layer)
-and override setup/reshape/forward/backward. The net holds a wrapper that
+LayerParameter; it should subclass caffeplus.Layer (pycaffe's caffe.Layer:
+a module written for Caffe that says `import caffe` gets caffeplus, with no
+edit and no extra step, from Python and from the command line alike) and
+override setup/reshape/forward/backward. The net holds a wrapper that
 speaks caffeplus's layer protocol and forwards any other attribute to the
 Python object, so `net.layers[i].my_attribute` reaches the user's layer as
 in pycaffe.
@@ -21,7 +23,9 @@ import sys
 
 from caffeplus.errors import CaffeplusError, NetError
 from caffeplus.layer import Layer, register
-from caffeplus.pycaffe import BlobVec, HostBlobVec, host_blobs, python_layers_refusal
+from caffeplus.pycaffe import (CAFFE_SUBMODULES, BlobVec, HostBlobVec,
+                               caffe_alias_for_python_layer, host_blobs,
+                               python_layers_refusal)
 
 
 class PythonLayerError(CaffeplusError):
@@ -37,7 +41,9 @@ def _search_path():
 
 def _import_module(module, layer_name):
     try:
-        return importlib.import_module(module)
+        # Layer modules written for Caffe say `import caffe`; they get caffeplus.
+        with caffe_alias_for_python_layer():
+            return importlib.import_module(module)
     except ModuleNotFoundError as exc:
         missing = exc.name or ''
         if missing and (module == missing or module.startswith(missing + '.')):
@@ -45,9 +51,9 @@ def _import_module(module, layer_name):
                            "name on the Python search path. Put its directory on PYTHONPATH "
                            "(or sys.path). Search path: %s" % (layer_name, module, _search_path()))
         hint = ''
-        if missing == 'caffe' or missing.startswith('caffe.'):
-            hint = (" (the module imports 'caffe': write `import caffeplus as caffe`, or call "
-                    "caffeplus.pycaffe.install_caffe_alias() before building the net)")
+        if missing.startswith('caffe.'):
+            hint = (" (caffeplus, which a layer module gets as `caffe`, has no module '%s'; "
+                    "it has caffe.%s)" % (missing, ', caffe.'.join(CAFFE_SUBMODULES)))
         raise NetError("Python layer '%s': importing module '%s' failed: %s%s. Search path: %s"
                        % (layer_name, module, exc, hint, _search_path()))
     except Exception as exc:

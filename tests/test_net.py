@@ -208,7 +208,7 @@ def test_backward_decision_and_loss_weight_default():
     assert need == {'data': False, 'x_data_0_split': False, 'frozen': False, 'ip': True,
                     'side': False, 'loss': True}
     assert net.blob_loss_weights['loss'] == 1.0
-    assert net.outputs == ['s', 'loss']
+    assert net.outputs == ['loss', 's']     # Caffe's order: sorted by name
     loss_bottom = dict(zip(net._layer_names, net.bottom_need_backward))['loss']
     assert loss_bottom == [True, False]
 
