@@ -1,11 +1,17 @@
 """Data layers: Input, DummyData, Data, ImageData, HDF5Data, HDF5Output, MemoryData.
 
-Data and ImageData load their batches ahead in a background thread (Caffe's
-prefetch: data_param.prefetch batches, default 4). The order is fixed by the
-seed, not by thread timing: every random decision for a batch (mirror, crop
-offsets, shuffles) comes from generators that belong to the layer, seeded
-from caffeplus.rng at setup, and only the prefetch thread draws from them,
-batch after batch. `get_state()` gives the position after the last batch a
+Data and ImageData load their batches ahead in a background thread, the
+prefetch coordinator (Caffe's prefetch: data_param.prefetch batches, default
+4). For each batch the coordinator picks the records in order (database
+cursor, list position, shuffles, the rank's shard), hands their reading and
+decoding to the layer's worker threads (caffeplus.io.workers: data_workers,
+by default one per core), then draws the batch's random decisions (mirror,
+crop offsets) image by image in record order, and transforms the whole
+batch at once (caffeplus.io.batch_transform), again split over the workers.
+The order is fixed by the seed, not by thread timing: every random decision
+comes from generators that belong to the layer, seeded from caffeplus.rng at
+setup, and only the coordinator draws from them, batch after batch; the
+workers draw nothing, so any number of workers gives the same batches. `get_state()` gives the position after the last batch a
 forward returned (database cursor or list position, generator states) as
 plain Python values (JSON-serialisable); `set_state()` restores it, so a
 resumed run reads on exactly where the snapshot was taken. `set_shard(rank,
@@ -18,6 +24,7 @@ import copy
 import os
 import queue
 import threading
+import time
 import weakref
 
 import numpy
@@ -27,6 +34,7 @@ from caffeplus.errors import CaffeplusError, NetError
 from caffeplus.fillers import device_recipe, fill_array, fill_device
 from caffeplus.io import datum as datum_io
 from caffeplus.io import db as db_io
+from caffeplus.io import workers as workers_io
 from caffeplus.io.transformer import DataTransformer, from_layer_param
 from caffeplus.layer import Layer, register
 from caffeplus.proto import caffe_pb2
@@ -131,10 +139,13 @@ def _generator(seed):
 
 
 class _Batch:
-    __slots__ = ('data', 'label', 'state')
+    """A loaded batch: tops, the source's state after it, and how long the
+    coordinator spent reading/decoding (read_s) and transforming it."""
+    __slots__ = ('data', 'label', 'state', 'read_s', 'transform_s')
 
-    def __init__(self, data, label, state):
+    def __init__(self, data, label, state, read_s=0.0, transform_s=0.0):
         self.data, self.label, self.state = data, label, state
+        self.read_s, self.transform_s = read_s, transform_s
 
 
 class _Failure:
@@ -142,7 +153,7 @@ class _Failure:
         self.exc = exc
 
 
-def _prefetch_loop(source, full, free, stop):
+def _prefetch_loop(source, full, free, stop, pool):
     # Runs in the prefetch thread: the only user of `source` while it lives.
     while True:
         free.acquire()
@@ -151,6 +162,8 @@ def _prefetch_loop(source, full, free, stop):
         try:
             batch = source.load_batch()
         except BaseException as exc:  # handed to the consumer, raised there
+            if pool is not None:
+                pool.close()      # nothing more will be asked of the workers
             full.put(_Failure(exc))
             return
         full.put(batch)
@@ -166,10 +179,11 @@ class _Prefetcher:
     each batch synchronously in forward.
     """
 
-    def __init__(self, source, count, name):
+    def __init__(self, source, count, name, pool=None):
         self.source = source
         self.count = int(count)
         self.name = name
+        self.pool = pool
         self._thread = None
         self._failure = None
 
@@ -181,7 +195,8 @@ class _Prefetcher:
         self._stop = threading.Event()
         self._holding = False
         self._thread = threading.Thread(
-            target=_prefetch_loop, args=(self.source, self._full, self._free, self._stop),
+            target=_prefetch_loop,
+            args=(self.source, self._full, self._free, self._stop, self.pool),
             name='caffeplus-prefetch-%s' % self.name, daemon=True)
         self._thread.start()
 
@@ -221,12 +236,96 @@ class _Prefetcher:
         self._failure = None
 
 
+# The net waiting for its data longer than this share of an iteration is
+# worth a warning: the data layer, not the net, then sets the pace.
+DATA_WAIT_WARN_FRACTION = 0.10
+# Forwards over which that share is measured, so that single stalls (a pass
+# wrapping around, a test run in between) average out.
+DATA_WAIT_WINDOW = 50
+# While the waiting persists the warning repeats, at most once in this many
+# forwards.
+DATA_WAIT_WARN_EVERY = 5000
+
+
+class DataTiming:
+    """A prefetching data layer's times: what its forwards waited for batches,
+    and what the coordinator spent reading/decoding and transforming them.
+
+    Totals (wait_s, read_s, transform_s over `forwards` forwards) feed
+    `caffeplus time`; a window of recent forwards feeds the warning that the
+    net waits for data (warn_if_starved)."""
+
+    def __init__(self, layer):
+        self.layer_name = layer.name
+        self.workers = getattr(layer, 'data_workers', 1)
+        self.reset()
+        self._last_end = None
+        self._window = [0, 0.0, 0.0, 0.0]     # forwards, waited, interval, batch load
+        self._since_warning = None
+
+    def reset(self):
+        """Zero the totals (caffeplus time, after its warm-up pass)."""
+        self.forwards = 0
+        self.wait_s = self.read_s = self.transform_s = 0.0
+
+    def record(self, started, waited, batch):
+        ended = started + waited
+        self.forwards += 1
+        self.wait_s += waited
+        load = getattr(batch, 'read_s', 0.0) + getattr(batch, 'transform_s', 0.0)
+        self.read_s += getattr(batch, 'read_s', 0.0)
+        self.transform_s += getattr(batch, 'transform_s', 0.0)
+        if self._since_warning is not None:
+            self._since_warning += 1
+        if self._last_end is not None:
+            # From the end of one forward's wait to the end of the next: one
+            # iteration of the net, waiting included.
+            w = self._window
+            w[0] += 1
+            w[1] += waited
+            w[2] += ended - self._last_end
+            w[3] += load
+            if w[0] >= DATA_WAIT_WINDOW:
+                self.warn_if_starved(*w)
+                self._window = [0, 0.0, 0.0, 0.0]
+        self._last_end = ended
+
+    def warn_if_starved(self, forwards, waited, interval, load):
+        if interval <= 0 or waited <= DATA_WAIT_WARN_FRACTION * interval:
+            return False
+        if self._since_warning is not None and self._since_warning < DATA_WAIT_WARN_EVERY:
+            return False
+        self._since_warning = 0
+        cores = workers_io.host_cores()
+        log.warning('Data layer %s is slowing the net down: it waited %.1f ms for data per '
+                    'iteration, %.0f%% of the %.1f ms an iteration took (last %d iterations); '
+                    'a batch takes %.1f ms to read, decode and transform with %d data '
+                    'worker%s. More workers may help: --data_workers N or caffeplus_param '
+                    '{ data_workers: N } (this host has %d cores).',
+                    self.layer_name, 1e3 * waited / forwards, 100.0 * waited / interval,
+                    1e3 * interval / forwards, forwards, 1e3 * load / forwards, self.workers,
+                    '' if self.workers == 1 else 's', cores)
+        return True
+
+    def summary_lines(self):
+        """Lines for caffeplus time: mean times per forward, in ms."""
+        n = max(self.forwards, 1)
+        return ['%10s\tprefetch wait: %g ms.' % (self.layer_name, 1e3 * self.wait_s / n),
+                '%10s\tread and decode: %g ms, transform: %g ms (a batch, in the prefetch '
+                'thread, %d data worker%s).'
+                % (self.layer_name, 1e3 * self.read_s / n, 1e3 * self.transform_s / n,
+                   self.workers, '' if self.workers == 1 else 's')]
+
+
 class BasePrefetchingDataLayer(Layer):
-    """Shared by Data and ImageData: a transformer, a source, a prefetch thread.
+    """Shared by Data and ImageData: a transformer, a source, a prefetch thread
+    and worker threads.
 
     Subclasses implement make_source(top), which opens the input, shapes the
     tops and returns an object with load_batch(), state(), restore(state) and
-    close().
+    close(). A source may spread its work over self.workers (a
+    caffeplus.io.workers.WorkerPool of self.data_workers threads, made
+    before make_source is called) and report its times in the _Batch.
     """
     exact_num_bottom = 0
     min_num_top = 1
@@ -242,13 +341,21 @@ class BasePrefetchingDataLayer(Layer):
         self.transformer = DataTransformer(from_layer_param(self.layer_param, legacy),
                                            self.phase, self.name)
         self.transformer.init_rand()
-        self.source = self.make_source(top)
+        self.data_workers = workers_io.resolve()
+        self.workers = workers_io.WorkerPool(self.data_workers, self.name)
+        try:
+            self.source = self.make_source(top)
+        except BaseException:
+            self.workers.close()
+            raise
         self._consumed_state = self.source.state()
         self._prefetcher = _Prefetcher(self.source, self.layer_param.data_param.prefetch,
-                                       self.name)
-        # Stop the thread when the layer goes away (the thread holds no
-        # reference to the layer, only to its source).
-        self._finalizer = weakref.finalize(self, _close_source, self._prefetcher, self.source)
+                                       self.name, self.workers)
+        self.timing = DataTiming(self)
+        # Stop the threads when the layer goes away (they hold no reference
+        # to the layer, only to its source and pool).
+        self._finalizer = weakref.finalize(self, _close_source, self._prefetcher, self.source,
+                                           self.workers)
         self._prefetcher.start()
 
     def make_source(self, top):
@@ -258,7 +365,9 @@ class BasePrefetchingDataLayer(Layer):
         pass
 
     def _forward(self, bottom, top):
+        started = time.perf_counter()
         batch = self._prefetcher.next()
+        self.timing.record(started, time.perf_counter() - started, batch)
         top[0].reshape(batch.data.shape)
         top[0].data = batch.data
         if self.output_labels:
@@ -311,8 +420,10 @@ class BasePrefetchingDataLayer(Layer):
             finalizer()
 
 
-def _close_source(prefetcher, source):
+def _close_source(prefetcher, source, pool=None):
     prefetcher.stop()
+    if pool is not None:
+        pool.close()
     source.close()
 
 
@@ -326,11 +437,15 @@ def _check_shard(layer, rank, world):
 
 # -- Data ----------------------------------------------------------------------
 class _DatabaseSource:
-    def __init__(self, name, dparam, transformer, output_labels, batch_size):
+    """Datum records in key order: the coordinator reads the records (and
+    skips other ranks' shares), the workers parse and decode them."""
+
+    def __init__(self, name, dparam, transformer, output_labels, batch_size, pool=None):
         self.name = name
         self.transformer = transformer
         self.output_labels = output_labels
         self.batch_size = batch_size
+        self.pool = pool or workers_io.WorkerPool(1)
         self.path = dparam.source
         self.shard = (0, 1)     # (rank, world): see set_shard
         kind = db_io.backend_name(dparam.backend)
@@ -344,30 +459,41 @@ class _DatabaseSource:
     def _what(self, key):
         return 'datum %s of %s' % (key.decode('utf-8', 'replace'), self.path)
 
+    def decode(self, record):
+        """(pixels C x H x W, label, description) of one (key, value) record."""
+        key, value = record
+        what = self._what(key)
+        datum = datum_io.parse_datum(value, key, self.path)
+        return self.transformer.datum_array(datum, key, what=what), datum.label, what
+
     def peek_array(self):
         key, value = self.reader.current()
         datum = datum_io.parse_datum(value, key, self.path)
-        return datum, self.transformer.datum_array(datum, key), self._what(key)
+        what = self._what(key)
+        return datum, self.transformer.datum_array(datum, key, what=what), what
 
     def _skip(self, n):
         for _ in range(n):
             self.reader.advance()
 
-    def load_batch(self):
-        arrays, labels, whats = [], [], []
+    def _next_records(self):
+        records = []
         rank, world = self.shard
         for i in range(self.batch_size):
             self._skip(rank if i == 0 else world - 1)
-            key, value = self.reader.current()
-            datum = datum_io.parse_datum(value, key, self.path)
-            arrays.append(self.transformer.datum_array(datum, key))
-            labels.append(datum.label)
-            whats.append(self._what(key))
+            records.append(self.reader.current())
             self.reader.advance()
         self._skip(world - 1 - rank)
-        data = self.transformer.transform_batch(arrays, whats=whats)
+        return records
+
+    def load_batch(self):
+        started = time.perf_counter()
+        decoded = self.pool.map(self.decode, self._next_records())
+        read = time.perf_counter()
+        arrays, labels, whats = zip(*decoded)
+        data = self.transformer.transform_batch(arrays, whats=whats, pool=self.pool)
         label = numpy.asarray(labels, dtype=numpy.float32) if self.output_labels else None
-        return _Batch(data, label, self.state())
+        return _Batch(data, label, self.state(), read - started, time.perf_counter() - read)
 
     def state(self):
         return {'reader': self.reader.state(), 'transformer': self.transformer.get_state()}
@@ -400,7 +526,7 @@ class DataLayer(BasePrefetchingDataLayer):
             raise NetError('layer %s (Data): data_param.source is not set' % self.name)
         try:
             source = _DatabaseSource(self.name, dp, self.transformer, self.output_labels,
-                                     batch_size)
+                                     batch_size, self.workers)
         except CaffeplusError as exc:
             raise CaffeplusError('layer %s (Data): %s' % (self.name, exc)) from exc
         try:
@@ -451,10 +577,14 @@ def read_image_list(path, layer_name=''):
 
 
 class _ImageListSource:
-    def __init__(self, layer, p, transformer, batch_size):
+    """Images of a list file: the coordinator walks the (shuffled) list, the
+    workers read, decode and resize the files."""
+
+    def __init__(self, layer, p, transformer, batch_size, pool=None):
         self.name = layer.name
         self.transformer = transformer
         self.batch_size = batch_size
+        self.pool = pool or workers_io.WorkerPool(1)
         self.list_path = p.source
         self.root = p.root_folder
         self.is_color = p.is_color
@@ -489,7 +619,11 @@ class _ImageListSource:
         self.order = self._shuffle_rng.permutation(len(self.lines))
 
     def image(self, index):
-        path, label, lineno = self.lines[self.order[index]]
+        return self.read(self.lines[self.order[index]])
+
+    def read(self, line):
+        """(pixels C x H x W, label, description) of one (path, label, line) entry."""
+        path, label, lineno = line
         full = self.root + path
         what = "image '%s' (line %d of image list %s)" % (full, lineno, self.list_path)
         if not os.path.exists(full) and self.root and not self.root.endswith('/') and \
@@ -508,19 +642,26 @@ class _ImageListSource:
                 if self.shuffle:
                     self._reshuffle()
 
-    def load_batch(self):
-        arrays, labels, whats = [], [], []
+    def _next_lines(self):
+        # The entries are looked up as they are reached: a pass that ends
+        # inside the batch reshuffles the order for the rest of it.
+        lines = []
         rank, world = self.shard
         for i in range(self.batch_size):
             self._advance(rank if i == 0 else world - 1)
-            arr, label, what = self.image(self.lines_id)
-            arrays.append(arr)
-            labels.append(label)
-            whats.append(what)
+            lines.append(self.lines[self.order[self.lines_id]])
             self._advance()
         self._advance(world - 1 - rank)
-        data = self.transformer.transform_batch(arrays, whats=whats)
-        return _Batch(data, numpy.asarray(labels, dtype=numpy.float32), self.state())
+        return lines
+
+    def load_batch(self):
+        started = time.perf_counter()
+        decoded = self.pool.map(self.read, self._next_lines())
+        read = time.perf_counter()
+        arrays, labels, whats = zip(*decoded)
+        data = self.transformer.transform_batch(arrays, whats=whats, pool=self.pool)
+        return _Batch(data, numpy.asarray(labels, dtype=numpy.float32), self.state(),
+                      read - started, time.perf_counter() - read)
 
     def state(self):
         return {'lines_id': self.lines_id, 'num_lines': len(self.lines),
@@ -561,7 +702,7 @@ class ImageDataLayer(BasePrefetchingDataLayer):
         if not p.source:
             raise NetError('layer %s (ImageData): image_data_param.source is not set'
                            % self.name)
-        source = _ImageListSource(self, p, self.transformer, batch_size)
+        source = _ImageListSource(self, p, self.transformer, batch_size, self.workers)
         arr, _, what = source.image(source.lines_id)
         shape = self.transformer.infer_shape(arr.shape, what)
         top[0].reshape((batch_size,) + shape)

@@ -90,28 +90,29 @@ def datum_shape(datum, key=None):
     return c, h, w
 
 
-def datum_to_array(datum, key=None, mode=UNCHANGED):
+def datum_to_array(datum, key=None, mode=UNCHANGED, what=None):
     """The C x H x W array of a Datum: uint8 for `data`, float32 for `float_data`.
 
     An encoded datum is decoded (mode: 'unchanged' as OpenCV's native decode,
-    'color' or 'gray').
+    'color' or 'gray'). Errors name `what` (default: 'datum <key>').
     """
     if datum.encoded:
-        return decode_image(datum.data, mode, what=_what(key))
+        return decode_image(datum.data, mode, what=what or _what(key))
     c, h, w = datum_shape(datum, key)
+    name = what or _what(key)
     count = c * h * w
     if len(datum.data):
         if len(datum.data) != count:
             raise FormatError('%s holds %d bytes of data but channels*height*width = '
-                              '%d*%d*%d = %d' % (_what(key), len(datum.data), c, h, w, count))
+                              '%d*%d*%d = %d' % (name, len(datum.data), c, h, w, count))
         return numpy.frombuffer(datum.data, dtype=numpy.uint8).reshape(c, h, w)
     if len(datum.float_data):
         if len(datum.float_data) != count:
             raise FormatError('%s holds %d float_data values but channels*height*width = '
-                              '%d*%d*%d = %d' % (_what(key), len(datum.float_data), c, h, w,
+                              '%d*%d*%d = %d' % (name, len(datum.float_data), c, h, w,
                                                  count))
         return numpy.asarray(datum.float_data, dtype=numpy.float32).reshape(c, h, w)
-    raise FormatError('%s holds no pixel data (neither data nor float_data)' % _what(key))
+    raise FormatError('%s holds no pixel data (neither data nor float_data)' % name)
 
 
 # -- images --------------------------------------------------------------------

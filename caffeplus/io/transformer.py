@@ -21,11 +21,14 @@ save and restore the generator for resuming.
 force_color / force_gray apply to encoded datums only (Caffe logs an error and
 ignores them for raw datums).
 """
+import os
+
 import numpy
 
 from caffeplus import log, rng
 from caffeplus.errors import CaffeplusError, NetError
 from caffeplus.io import datum as datum_io
+from caffeplus.io.batch_transform import TransformPlan, apply_plan
 from caffeplus.proto import caffe_pb2
 
 TRAIN, TEST = caffe_pb2.TRAIN, caffe_pb2.TEST
@@ -56,11 +59,16 @@ class DataTransformer:
                                % self._who())
             from caffeplus.io.blobproto import read_mean
             log.info('Loading mean file from: %s', self.mean_file)
+            if not os.path.exists(self.mean_file):
+                # One line with the path once, and where relative paths start
+                # (as the LMDB source's error says).
+                raise CaffeplusError('%smean file not found: %s (no such file or directory; '
+                                     'paths are relative to the current directory %s)'
+                                     % (self._who(), self.mean_file, os.getcwd()))
             try:
                 mean = read_mean(self.mean_file)
-            except CaffeplusError as exc:
-                raise CaffeplusError('%scannot read mean file %s: %s'
-                                     % (self._who(), self.mean_file, exc))
+            except CaffeplusError as exc:   # names the file already
+                raise CaffeplusError('%scannot read the mean file: %s' % (self._who(), exc))
             self.mean_shape = tuple(mean.shape)
             if mean.ndim > 3:
                 lead = int(numpy.prod(mean.shape[:-3]))
@@ -137,8 +145,9 @@ class DataTransformer:
         return (c, h, w)
 
     # -- datums ----------------------------------------------------------------
-    def datum_array(self, datum, key=None):
-        """The C x H x W pixels of a datum (encoded ones decoded per force_*)."""
+    def datum_array(self, datum, key=None, what=None):
+        """The C x H x W pixels of a datum (encoded ones decoded per force_*);
+        errors name `what` (default: the datum's key)."""
         if datum.encoded:
             if self.param.force_color:
                 mode = datum_io.COLOR
@@ -146,8 +155,8 @@ class DataTransformer:
                 mode = datum_io.GRAY
             else:
                 mode = datum_io.UNCHANGED
-            return datum_io.datum_to_array(datum, key, mode)
-        return datum_io.datum_to_array(datum, key)
+            return datum_io.datum_to_array(datum, key, mode, what=what)
+        return datum_io.datum_to_array(datum, key, what=what)
 
     def transform_datum(self, datum, out=None, key=None):
         arr = self.datum_array(datum, key)
@@ -168,68 +177,92 @@ class DataTransformer:
                 w_off = (w - self.crop_size) // 2
         return do_mirror, h_off, w_off
 
+    def plan(self, draws, shape):
+        """The TransformPlan of inputs of one C x H x W shape, given their draws."""
+        c, h, w = (int(d) for d in shape)
+        ch, cw = (self.crop_size, self.crop_size) if self.crop_size else (h, w)
+        mean_values = None
+        if self.mean is None and self.mean_values:
+            mv = self.mean_values * c if len(self.mean_values) == 1 else self.mean_values
+            mean_values = numpy.asarray(mv, dtype=numpy.float32)
+        return TransformPlan([d[1] for d in draws], [d[2] for d in draws],
+                             [d[0] for d in draws], ch, cw, self.mean, mean_values, self.scale)
+
     def transform(self, arr, out=None, what='the data'):
         """Transform one C x H x W array; returns float32 C x h x w (into `out`)."""
+        arr = self._checked(arr, what)
+        draw = self.draw(arr.shape)
+        return self._apply_one(arr, draw, out)
+
+    def _checked(self, arr, what):
         arr = numpy.asarray(arr)
         if arr.ndim != 3:
             raise CaffeplusError('%sexpected a C x H x W input, got shape %s'
                                  % (self._who(), arr.shape))
         self.check_input(arr.shape, what)
-        do_mirror, h_off, w_off = self.draw(arr.shape)
-        return self._apply(arr, do_mirror, h_off, w_off, out)
+        return arr
 
-    def _apply(self, arr, do_mirror, h_off, w_off, out=None):
-        c, h, w = arr.shape
-        ch, cw = (self.crop_size, self.crop_size) if self.crop_size else (h, w)
-        pix = arr[:, h_off:h_off + ch, w_off:w_off + cw].astype(numpy.float32)
-        if self.mean is not None:
-            pix = pix - self.mean[:, h_off:h_off + ch, w_off:w_off + cw]
-        elif self.mean_values:
-            mv = self.mean_values * c if len(self.mean_values) == 1 else self.mean_values
-            pix = pix - numpy.asarray(mv, dtype=numpy.float32)[:, None, None]
-        pix = pix * self.scale
-        if do_mirror:
-            pix = pix[:, :, ::-1]
-        if out is None:
-            return numpy.ascontiguousarray(pix, dtype=numpy.float32)
-        if out.shape != pix.shape:
+    def _apply_one(self, arr, draw, out=None):
+        plan = self.plan([draw], arr.shape)
+        result_shape = (arr.shape[0], plan.crop_h, plan.crop_w)
+        if out is not None and tuple(out.shape) != result_shape:
             raise CaffeplusError('%san input of shape %s transforms to %s, but the batch holds '
                                  '%s (all inputs of a batch must have the same shape: resize '
                                  'them (new_height/new_width), crop them (crop_size), or for '
                                  'encoded datums set force_color/force_gray)'
-                                 % (self._who(), _shape_str(arr.shape), _shape_str(pix.shape),
-                                    _shape_str(out.shape)))
-        out[...] = pix
-        return out
+                                 % (self._who(), _shape_str(arr.shape),
+                                    _shape_str(result_shape), _shape_str(out.shape)))
+        result = apply_plan(numpy, arr[None], plan,
+                            None if out is None else out.reshape((1,) + result_shape))
+        return result[0] if out is None else out
 
-    def transform_batch(self, arrays, out=None, whats=None):
+    def prepare_batch(self, arrays, whats=None):
+        """Check the inputs and draw their decisions image by image, in order.
+
+        Returns (raw, plan) when all inputs share one shape (raw: the N x C x
+        H x W stack, uint8 for uint8 inputs), else (None, draws) with draws
+        the per-input (mirror, h_off, w_off)."""
+        if not len(arrays):
+            raise CaffeplusError('%sempty batch' % self._who())
+        arrays = [self._checked(a, whats[i] if whats else 'the data')
+                  for i, a in enumerate(arrays)]
+        draws = [self.draw(a.shape) for a in arrays]
+        if any(a.shape != arrays[0].shape for a in arrays):
+            return None, draws
+        return numpy.stack(arrays), self.plan(draws, arrays[0].shape)
+
+    def transform_batch(self, arrays, out=None, whats=None, pool=None):
         """Transform a list of C x H x W arrays into one N x C x h x w float32 batch.
 
         The random draws are made image by image in order, exactly as
-        transforming them one at a time would.
+        transforming them one at a time would; the pixels are transformed
+        for the whole batch at once (caffeplus.io.batch_transform), split
+        over `pool`'s workers (a caffeplus.io.workers.WorkerPool) if given.
         """
-        if not len(arrays):
-            raise CaffeplusError('%sempty batch' % self._who())
-        first = self.infer_shape(numpy.shape(arrays[0]),
-                                 whats[0] if whats else 'the data')
+        raw, plan = self.prepare_batch(arrays, whats)
+        first = self.infer_shape(numpy.shape(arrays[0]))
         n = len(arrays)
         if out is None:
             out = numpy.empty((n,) + first, dtype=numpy.float32)
-        same = all(numpy.shape(a) == numpy.shape(arrays[0]) for a in arrays)
-        if same and not self.needs_rand and self.crop_size == 0:
-            # Nothing random and nothing cropped: one vectorised pass.
-            stack = numpy.stack([numpy.asarray(a) for a in arrays]).astype(numpy.float32)
-            if self.mean is not None:
-                stack -= self.mean
-            elif self.mean_values:
-                c = stack.shape[1]
-                mv = self.mean_values * c if len(self.mean_values) == 1 else self.mean_values
-                stack -= numpy.asarray(mv, dtype=numpy.float32)[None, :, None, None]
-            numpy.multiply(stack, self.scale, out=out)
+        if raw is None:
+            for i, a in enumerate(arrays):
+                self._apply_one(numpy.asarray(a), plan[i], out[i])
             return out
-        for i, a in enumerate(arrays):
-            self.transform(a, out[i], whats[i] if whats else 'the data')
+        apply_batch(raw, plan, out, pool)
         return out
+
+
+def apply_batch(raw, plan, out, pool=None):
+    """apply_plan on the host, the batch split over the pool's workers."""
+    if pool is None or pool.count == 1:
+        apply_plan(numpy, raw, plan, out)
+        return out
+
+    def run(bounds):
+        lo, hi = bounds
+        apply_plan(numpy, raw[lo:hi], plan.slice(lo, hi), out[lo:hi])
+    pool.map(run, pool.chunks(len(plan)))
+    return out
 
 
 def _key_str(key):
