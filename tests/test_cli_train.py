@@ -291,55 +291,123 @@ def test_train_usage_lists_caffe_flags(capsys):
 
 
 # -- signals ------------------------------------------------------------------------
-@pytest.mark.skipif(not hasattr(signal, 'SIGHUP'), reason='needs SIGHUP')
-def test_sighup_snapshots_and_sigint_stops(tiny):
-    (tiny / 'long.prototxt').write_text(
-        TINY_SOLVER.replace('max_iter: 20', 'max_iter: 10000000').replace('snapshot: 10',
-                                                                          'snapshot: 0')
-        .replace('display: 5', 'display: 200'))
-    proc = subprocess.Popen([sys.executable, '-m', 'caffeplus', 'train', '-solver',
-                             'long.prototxt'], cwd=str(tiny), env=env(),
-                            stderr=subprocess.PIPE, text=True)
-    lines = queue.Queue()
+class TrainProcess:
+    """`caffeplus train` in a subprocess, its log lines read by a thread, so
+    the test waits for the line it needs (a deadline only guards a hang)."""
 
-    def reader():
-        for line in proc.stderr:
-            lines.put(line.rstrip('\n'))
-        lines.put(None)
-    threading.Thread(target=reader, daemon=True).start()
+    DEADLINE_S = 300
 
-    def wait_for(pattern, timeout=60):
-        deadline = time.time() + timeout
-        seen = []
-        while time.time() < deadline:
+    def __init__(self, cwd, *flags):
+        self.proc = subprocess.Popen([sys.executable, '-m', 'caffeplus', 'train'] + list(flags),
+                                     cwd=str(cwd), env=env(), stderr=subprocess.PIPE, text=True)
+        self.lines = []
+        self._queue = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self._queue.put(line.rstrip('\n'))
+        self._queue.put(None)
+
+    def wait_for(self, pattern):
+        """The next log line matching `pattern`."""
+        deadline = time.monotonic() + self.DEADLINE_S
+        while time.monotonic() < deadline:
             try:
-                line = lines.get(timeout=1)
+                line = self._queue.get(timeout=1)
             except queue.Empty:
                 continue
             if line is None:
-                break
-            seen.append(line)
+                raise AssertionError('train ended (status %s) before %r:\n%s'
+                                     % (self.proc.wait(), pattern, self.tail()))
+            self.lines.append(line)
             if re.search(pattern, line):
                 return line
-        proc.kill()
-        raise AssertionError('no %r in:\n%s' % (pattern, '\n'.join(seen[-30:])))
+        raise AssertionError('no %r within %d s:\n%s' % (pattern, self.DEADLINE_S, self.tail()))
 
+    def send(self, signum):
+        self.proc.send_signal(signum)
+
+    def finish(self):
+        """The exit status, once the process and its log have ended."""
+        code = self.proc.wait(timeout=self.DEADLINE_S)
+        self._reader.join()
+        while True:
+            line = self._queue.get()
+            if line is None:
+                return code
+            self.lines.append(line)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def tail(self, n=30):
+        return '\n'.join(self.lines[-n:])
+
+
+def write_long_solver(folder):
+    """TINY_SOLVER without an end in sight, its interval snapshots off."""
+    (folder / 'long.prototxt').write_text(
+        TINY_SOLVER.replace('max_iter: 20', 'max_iter: 10000000').replace('snapshot: 10',
+                                                                          'snapshot: 0')
+        .replace('display: 5', 'display: 200'))
+    return 'long.prototxt'
+
+
+SOLVERSTATE_LINE = r'Snapshotting solver state to binary proto file snap/tiny_iter_(\d+)'
+
+
+def snapshot_iteration(line):
+    return int(re.search(r'tiny_iter_(\d+)', line).group(1))
+
+
+@pytest.mark.skipif(not hasattr(signal, 'SIGHUP'), reason='needs SIGHUP')
+def test_sighup_snapshots_and_sigint_stops(tiny):
+    train = TrainProcess(tiny, '-solver', write_long_solver(tiny))
     try:
-        wait_for(r'\] Iteration 200 \(')
-        proc.send_signal(signal.SIGHUP)
-        line = wait_for(r'Snapshotting solver state to binary proto file snap/tiny_iter_\d+')
-        proc.send_signal(signal.SIGINT)
-        wait_for(r'\] Optimization stopped early\.')
-        wait_for(r'\] Optimization Done\.')
-        assert proc.wait(timeout=30) == 0
+        train.wait_for(r'\] Iteration 200 \(')
+        train.send(signal.SIGHUP)
+        hup = snapshot_iteration(train.wait_for(SOLVERSTATE_LINE))
+        train.send(signal.SIGINT)
+        # SIGINT stops; snapshot_after_train writes the last iteration too
+        # (the same one as SIGHUP's when both land while the net tests,
+        # before the iteration's training step, as in Caffe).
+        final = snapshot_iteration(train.wait_for(SOLVERSTATE_LINE))
+        train.wait_for(r'\] Optimization stopped early\.')
+        train.wait_for(r'\] Optimization Done\.')
+        assert train.finish() == 0, train.tail()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    snaps = sorted(os.listdir(tiny / 'snap'))
-    n = int(re.search(r'tiny_iter_(\d+)', line).group(1))
-    assert 'tiny_iter_%d.solverstate' % n in snaps
-    # SIGINT stops; snapshot_after_train writes the last iteration too
-    assert len([s for s in snaps if s.endswith('.solverstate')]) == 2
+        train.stop()
+    assert final >= hup
+    states = sorted(s for s in os.listdir(tiny / 'snap') if s.endswith('.solverstate'))
+    assert states == sorted({'tiny_iter_%d.solverstate' % hup,
+                             'tiny_iter_%d.solverstate' % final})
+
+
+@pytest.mark.parametrize('sigint_effect', ['stop', 'snapshot', 'none'])
+def test_sigterm_stops_with_the_final_snapshot_whatever_the_flags(tiny, sigint_effect):
+    """SIGTERM (docker stop, systemd, a scheduler's pre-emption) ends the run
+    as a SIGINT stop does: the final snapshot, Caffe's lines, status 0, even
+    when -sigint_effect / -sighup_effect would only snapshot or do nothing."""
+    train = TrainProcess(tiny, '-solver', write_long_solver(tiny),
+                         '-sigint_effect', sigint_effect, '-sighup_effect', 'none')
+    try:
+        train.wait_for(r'\] Iteration 200 \(')
+        train.send(signal.SIGTERM)
+        final = snapshot_iteration(train.wait_for(SOLVERSTATE_LINE))
+        train.wait_for(r'\] Optimization stopped early\.')
+        train.wait_for(r'\] Optimization Done\.')
+        assert train.finish() == 0, train.tail()
+    finally:
+        train.stop()
+    assert final >= 200
+    snapshots = sorted(f for f in os.listdir(tiny / 'snap')
+                       if f.endswith(('.caffemodel', '.solverstate')))
+    assert snapshots == ['tiny_iter_%d.caffemodel' % final, 'tiny_iter_%d.solverstate' % final]
+    assert not any('Traceback' in line for line in train.lines), train.tail()
 
 
 # -- test ----------------------------------------------------------------------------
@@ -507,12 +575,39 @@ def test_signal_handler_actions_and_double_sigint():
     quiet = SignalHandler('none', 'none')
     quiet._handle(signal.SIGINT, None)
     assert quiet.action() == 'none'
-    # SIGTERM: only when asked for (`caffeplus train` passes -sigint_effect);
-    # a second one before the first was acted on exits at once.
-    assert signal.SIGTERM not in SignalHandler('stop', 'snapshot').effects
-    term = SignalHandler('stop', 'snapshot', sigterm_effect='stop')
-    term._handle(signal.SIGTERM, None)
+
+
+@pytest.mark.parametrize('sigint_effect', ['stop', 'snapshot', 'none'])
+def test_sigterm_always_stops_and_a_second_one_exits(sigint_effect):
+    from caffeplus.commands.train import SignalHandler
+    h = SignalHandler(sigint_effect, 'snapshot')
+    if hasattr(signal, 'SIGHUP'):
+        h._handle(signal.SIGHUP, None)
+    h._handle(signal.SIGTERM, None)
     with pytest.raises(SystemExit) as info:
-        term._handle(signal.SIGTERM, None)
+        h._handle(signal.SIGTERM, None)
     assert info.value.code == 128 + signal.SIGTERM
-    assert term.action() == 'stop'
+    # The stop outranks the snapshot queued before it.
+    assert h.action() == 'stop'
+    if hasattr(signal, 'SIGHUP'):
+        assert h.action() == 'snapshot'
+    assert h.action() == 'none'
+
+
+def test_sigterm_policy_of_a_rank():
+    """A training rank's SIGTERM: a stop request, never escalated by a
+    repeat (a scheduler and the supervisor may both send one), but at once
+    when the supervisor is stopping the ranks (its abort file exists)."""
+    import tempfile
+    from caffeplus.commands.train import SignalHandler
+    from caffeplus.parallel.trainer import Terminated, unwind_if_aborting
+    with tempfile.TemporaryDirectory() as rundir:
+        abort = os.path.join(rundir, 'abort')
+        h = SignalHandler('snapshot', 'none', on_sigterm=unwind_if_aborting(abort))
+        h._handle(signal.SIGTERM, None)
+        h._handle(signal.SIGTERM, None)
+        assert h.action() == 'stop'
+        assert h.action() == 'none'
+        open(abort, 'w').close()
+        with pytest.raises(Terminated):
+            h._handle(signal.SIGTERM, None)

@@ -841,7 +841,7 @@ import sys
 sys.path.insert(0, %r)
 from test_parallel import _parsed
 from caffeplus.parallel import supervise
-args, param = _parsed('.', sys.argv[1])
+args, param = _parsed('.', sys.argv[1], *sys.argv[2:])
 sys.exit(supervise(args, param, [None, None]))
 """
 
@@ -886,29 +886,70 @@ def test_supervisor_passes_sighup_and_sigint_to_all_ranks(tmp_path):
     assert len(glob.glob(str(tmp_path / 'out' / '*.caffemodel'))) == 2   # SIGHUP, then stop
 
 
-def test_supervisor_turns_sigterm_into_a_clean_stop(tmp_path):
-    """SIGTERM to the supervisor does what -sigint_effect says (stop): every
-    rank stops at one iteration, rank 0 writes the final snapshot, exit 0."""
+def _rank_pids(supervisor_pid):
+    """The supervisor's children (its ranks), from /proc."""
+    pids = []
+    for task in os.listdir('/proc/%d/task' % supervisor_pid):
+        with open('/proc/%d/task/%s/children' % (supervisor_pid, task)) as f:
+            pids += [int(p) for p in f.read().split()]
+    return pids
+
+
+@pytest.mark.parametrize('sigint_effect,everyone', [
+    ('stop', False), ('snapshot', False), ('none', False), ('snapshot', True)],
+    ids=['stop', 'snapshot', 'none', 'snapshot-every-process'])
+def test_supervisor_turns_sigterm_into_a_clean_stop(tmp_path, sigint_effect, everyone):
+    """SIGTERM to the supervisor always stops (whatever -sigint_effect says):
+    every rank stops at one iteration, rank 0 writes the final snapshot, exit
+    0. A scheduler (SLURM) signals every process of the job at once: the
+    ranks' own SIGTERMs wait for rank 0's stop, so the stop stays clean."""
     import signal
+    import threading
+    import queue
     need_data()
+    if everyone and not os.path.exists('/proc/%d/task/%d/children' % (os.getpid(), os.getpid())):
+        pytest.skip('needs /proc/PID/task/TID/children')
     s = write_job(tmp_path, 'term', batch=8, max_iter=100000)
     (tmp_path / 'sup.py').write_text(SUPERVISE % os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, 'sup.py', s], cwd=str(tmp_path),
+    proc = subprocess.Popen([sys.executable, 'sup.py', s, '-sigint_effect', sigint_effect,
+                             '-sighup_effect', 'none'], cwd=str(tmp_path),
                             env=sub_env(), stderr=subprocess.PIPE, text=True)
-    try:
-        log = []
-        for line in proc.stderr:
-            log.append(line)
-            if 'Iteration 8 (' in line:
-                proc.send_signal(signal.SIGTERM)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(l) for l in proc.stderr] + [lines.put(None)],
+                     daemon=True).start()
+    seen = []
+
+    def wait_for(text, deadline_s=300):
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if line is None:
                 break
-        log.extend(proc.stderr)
-        assert proc.wait(60) == 0, ''.join(log[-30:])
+            seen.append(line)
+            if text in line:
+                return line
+        raise AssertionError('no %r in:\n%s' % (text, ''.join(seen[-40:])))
+    try:
+        wait_for('Iteration 8 (')
+        targets = [proc.pid] + (_rank_pids(proc.pid) if everyone else [])
+        assert len(targets) == (3 if everyone else 1), targets
+        for pid in targets:
+            os.kill(pid, signal.SIGTERM)
+        snap = wait_for('Snapshotting solver state to binary proto file out/term_iter_')
+        wait_for('Optimization stopped early.')
+        wait_for('Optimization Done.')
+        assert proc.wait(300) == 0, ''.join(seen[-30:])
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert any('Optimization stopped early.' in l for l in log), ''.join(log[-30:])
-    assert glob.glob(str(tmp_path / 'out' / 'term_iter_*.solverstate'))
+            proc.wait()
+    state = snap.rsplit(' ', 1)[1].strip()
+    assert os.path.exists(tmp_path / (state + '.ranks.json'))
+    assert len(glob.glob(str(tmp_path / 'out' / 'term_iter_*.solverstate'))) == 1
+    assert not glob.glob(str(tmp_path / 'out' / '.*.tmp'))
 
 
 # -- the channel: JSON plus raw bytes, authenticated ------------------------------------

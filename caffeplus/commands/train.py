@@ -12,10 +12,11 @@ device_id); with neither it runs on the CPU. SIGINT and SIGHUP do what
 -sigint_effect / -sighup_effect say (stop, snapshot or none; defaults stop
 and snapshot), checked once per iteration as Caffe does; a second SIGINT
 before the first was acted on interrupts at once (exit status 130). SIGTERM
-(what batch schedulers send before SIGKILL) does what -sigint_effect says:
-by default the run stops at the end of the iteration, writes its final
-snapshot, logs "Optimization stopped early." and exits 0; a second SIGTERM
-before the first was acted on exits at once (status 143).
+(what `docker stop`, systemd and batch schedulers send before SIGKILL)
+always stops, whatever -sigint_effect and -sighup_effect say: the run stops
+at the end of the iteration, writes its final snapshot (as a SIGINT stop
+does: snapshot_after_train), logs "Optimization stopped early." and exits 0;
+a second SIGTERM before the first was acted on exits at once (status 143).
 
 The helpers here (GPU list, stages, phase) serve `test` and `time` too.
 """
@@ -120,29 +121,38 @@ def parse_bytes(text):
 
 # -- signals ---------------------------------------------------------------------------
 class SignalHandler:
-    """Caffe's SignalHandler: remember SIGINT/SIGHUP (and SIGTERM when
-    `sigterm_effect` is given), turn them into solver actions when the
-    solver asks."""
+    """Caffe's SignalHandler: remember SIGINT, SIGHUP and SIGTERM, turn them
+    into solver actions when the solver asks. SIGINT and SIGHUP do what
+    their effect flags say; SIGTERM always stops (with the final snapshot):
+    `docker stop`, systemd and batch schedulers send it before SIGKILL, and
+    a run they stop must end, whatever the flags say.
 
-    def __init__(self, sigint_effect, sighup_effect, sigterm_effect=None):
+    on_sigterm(handler), run inside the signal handler for each SIGTERM, may
+    raise to unwind at once instead of at the iteration's end; by default a
+    second SIGTERM before the first was acted on exits (status 143)."""
+
+    def __init__(self, sigint_effect, sighup_effect, on_sigterm=None):
         self.effects = {signal.SIGINT: sigint_effect}
         if hasattr(signal, 'SIGHUP'):
             self.effects[signal.SIGHUP] = sighup_effect
-        if sigterm_effect is not None and hasattr(signal, 'SIGTERM'):
-            self.effects[signal.SIGTERM] = sigterm_effect
+        if hasattr(signal, 'SIGTERM'):
+            self.effects[signal.SIGTERM] = 'stop'
+        self.on_sigterm = on_sigterm or exit_on_second_sigterm
         self.pending = []
         self.previous = {}
 
     def _handle(self, signum, frame):
-        if signum in self.pending:
-            # A second Ctrl-C (or SIGTERM) before the solver took the first
-            # one: the trainer is stuck (in a long forward, say); give up at
-            # once (an unfinished snapshot is abandoned, its temporary file
-            # removed: caffeplus.io.atomic).
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            if signum == getattr(signal, 'SIGTERM', None):
-                raise SystemExit(128 + signum)
+        if signum == getattr(signal, 'SIGTERM', None):
+            self.on_sigterm(self)
+            if signum not in self.pending:
+                self.pending.append(signum)
+            return
+        if signum in self.pending and signum == signal.SIGINT:
+            # A second Ctrl-C before the solver took the first one: the
+            # trainer is stuck (in a long forward, say); give up at once (an
+            # unfinished snapshot is abandoned, its temporary file removed:
+            # caffeplus.io.atomic).
+            raise KeyboardInterrupt
         self.pending.append(signum)
 
     def __enter__(self):
@@ -161,8 +171,21 @@ class SignalHandler:
     def action(self):
         if not self.pending:
             return 'none'
+        sigterm = getattr(signal, 'SIGTERM', None)
+        if sigterm in self.pending:
+            # A stop outranks a snapshot still queued: the stop writes the
+            # final snapshot anyway, and SIGKILL may follow soon.
+            self.pending.remove(sigterm)
+            return 'stop'
         signum = self.pending.pop(0)
         return self.effects.get(signum, 'none')
+
+
+def exit_on_second_sigterm(handler):
+    """A SIGTERM while an earlier one waits for the iteration's end: the
+    trainer is stuck, so exit now (143, as a process killed by SIGTERM)."""
+    if signal.SIGTERM in handler.pending:
+        raise SystemExit(128 + signal.SIGTERM)
 
 
 # -- the command -------------------------------------------------------------------------
@@ -177,11 +200,12 @@ def add_arguments(parser):
     add_device_arguments(parser)
     parser.add_argument('--sigint_effect', default='stop', choices=EFFECTS,
                         help='action to take when a SIGINT signal is received (SIGTERM '
-                             'does the same)')
+                             'always stops, with the final snapshot)')
     parser.add_argument('--sighup_effect', default='snapshot', choices=EFFECTS,
                         help='action to take when a SIGHUP signal is received')
     parser.add_argument('--memory', default=None, choices=MEMORY_PLANS,
-                        help='memory plan for the nets (stock, arena, shared, offload, auto)')
+                        help='memory plan for the nets: stock, arena, shared, offload, auto '
+                             "(default: the solver's caffeplus_param memory_plan, else shared)")
     parser.add_argument('--workspace_limit', '--workspace-limit', default=None,
                         help='cap on the cuDNN workspace, in bytes (suffixes K, M, G allowed)')
     parser.add_argument('--memory_budget', '--memory-budget', default=None,
@@ -291,10 +315,7 @@ def _run(args):
     use_device(gpus, 'train')
     if gpus:
         param.device_id = gpus[0]
-    # SIGTERM (a scheduler's stop) does what SIGINT does: stop by default,
-    # with the final snapshot.
-    with SignalHandler(args.sigint_effect, args.sighup_effect,
-                       sigterm_effect=args.sigint_effect) as handler:
+    with SignalHandler(args.sigint_effect, args.sighup_effect) as handler:
         solver = get_solver(param, solver_path=args.solver)
         solver.set_action_function(handler.action)
         if args.snapshot:

@@ -10,9 +10,12 @@ process):
     session, so no interpreter lock is shared) and supervises them. The
     ranks meet over TCP on localhost (rank 0 publishes its port in RUNDIR),
     rank 0 sends its NCCL unique id over that channel, and gradients go
-    through NCCL. SIGINT/SIGHUP (and SIGTERM, as SIGINT) sent to this process are passed to rank 0,
-    which decides for all ranks. If a rank fails, the others are stopped
-    and the error names the rank, its GPU and its message.
+    through NCCL. SIGINT, SIGHUP and SIGTERM sent to this process are
+    passed to rank 0, which decides for all ranks (SIGTERM always stops
+    them cleanly, with the final snapshot, and the run exits 0; a second
+    SIGTERM stops the ranks at once, status 143). If a rank fails, the
+    others are stopped and the error names the rank, its GPU and its
+    message.
 
   * `mpirun -np N caffeplus train -solver s.prototxt [-gpu all]`: every MPI
     rank runs here. With -gpu (or a GPU solver_mode) each rank takes the
@@ -233,13 +236,17 @@ def supervise(args, param, devices, count=None):
                 env=rank_environ(os.environ, rank, world, device), start_new_session=True)
             children.append(_Child(rank, device, proc))
 
+        terminating = []
+
         def forward(signum, frame):
+            if signum == getattr(signal, 'SIGTERM', None):
+                if terminating:
+                    # The ranks did not stop after the first: stop them now
+                    # (the finally below), as single-process training does.
+                    raise SystemExit(128 + signum)
+                terminating.append(signum)
             root = children[0].proc
             if root.poll() is None:
-                # SIGTERM (what schedulers send) does what -sigint_effect says,
-                # as in single-process training: rank 0 decides for all ranks.
-                if signum == getattr(signal, 'SIGTERM', None):
-                    signum = signal.SIGINT
                 try:
                     os.kill(root.pid, signum)
                 except OSError:
@@ -446,8 +453,9 @@ def child_main(rundir, rank):
         print('caffeplus train: error: rank %d: %s' % (rank, exc), file=sys.stderr)
         return 1
     _watch_parent(job['parent'])
-    from caffeplus.parallel.trainer import (RankTrainer, Terminated, exit_on_sigterm,
-                                            ignore_control_signals)
+    from caffeplus.parallel.trainer import (RankTrainer, Terminated, defer_sigterm,
+                                            exit_on_sigterm, ignore_control_signals,
+                                            unwind_if_aborting)
     from caffeplus.proto import caffe_pb2
     configure_rank_logging(rank)
     exit_on_sigterm()
@@ -463,12 +471,16 @@ def child_main(rundir, rank):
         comm = comm_mod.TCPComm(rank, world, rundir)
         if device is not None:
             comm = comm_mod.NCCLComm(comm, device)
+        # The supervisor makes this file before it stops the ranks itself.
+        abort_file = os.path.join(rundir, 'abort')
         if rank == 0:
             from caffeplus.commands.train import SignalHandler
-            with SignalHandler(args.sigint_effect, args.sighup_effect) as handler:
+            with SignalHandler(args.sigint_effect, args.sighup_effect,
+                               on_sigterm=unwind_if_aborting(abort_file)) as handler:
                 code = RankTrainer(args, param, comm, device, handler).run()
         else:
             ignore_control_signals()
+            defer_sigterm(abort_file)
             code = RankTrainer(args, param, comm, device).run()
         comm.close()
         return code
@@ -520,8 +532,9 @@ def run_mpi(args, param, gpus):
     configure_rank_logging(rank)
     os.environ.update(CAFFEPLUS_RANK=str(rank), CAFFEPLUS_WORLD=str(world),
                       CAFFEPLUS_LOCAL_RANK=str(host.local_rank))
-    from caffeplus.parallel.trainer import (RankTrainer, Terminated, exit_on_sigterm,
-                                            ignore_control_signals)
+    from caffeplus.parallel.trainer import (RankTrainer, Terminated, defer_sigterm,
+                                            exit_on_sigterm, ignore_control_signals,
+                                            unwind_if_aborting)
     exit_on_sigterm()
     device = None
     comm = host
@@ -541,11 +554,14 @@ def run_mpi(args, param, gpus):
                          'CPU' if d is None else 'GPU %d (%s)' % (d, gpu_name(d)))
         if device is not None:
             comm = comm_mod.NCCLComm(host, device)
+        # mpirun stops a failed job with SIGKILL; a SIGTERM is a stop request.
         if rank == 0:
             from caffeplus.commands.train import SignalHandler
-            with SignalHandler(args.sigint_effect, args.sighup_effect) as handler:
+            with SignalHandler(args.sigint_effect, args.sighup_effect,
+                               on_sigterm=unwind_if_aborting(None)) as handler:
                 return RankTrainer(args, param, comm, device, handler).run()
         ignore_control_signals()
+        defer_sigterm(None)
         return RankTrainer(args, param, comm, device).run()
     except KeyboardInterrupt:
         sys.stderr.flush()

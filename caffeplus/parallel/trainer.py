@@ -6,10 +6,11 @@ without: only rank 0 tests, as in Caffe), shards the train net's data layers
 batch_size x world; see layers/data.py set_shard), takes rank 0's weights,
 and trains with a GradientSync. Per iteration, after the update, the ranks
 agree on what to do next over the communicator: rank 0 turns its pending
-SIGINT/SIGHUP into an action ('stop', 'snapshot' or 'none') and sends it to
-every rank, so all of them stop or go on at the same iteration. A signal
-that arrives while rank 0 tests is acted on at the end of that iteration
-(a second SIGINT still interrupts at once).
+SIGINT/SIGHUP/SIGTERM into an action ('stop', 'snapshot' or 'none'; SIGTERM
+always 'stop') and sends it to every rank, so all of them stop or go on at
+the same iteration. A signal that arrives while rank 0 tests is acted on at
+the end of that iteration (a second SIGINT still interrupts at once). The
+other ranks train on after a SIGTERM until rank 0's stop reaches them.
 
 Snapshots: rank 0 writes them (Caffe's files and sidecar, atomically). At
 an iteration that ends in a snapshot the ranks first gather their random
@@ -300,8 +301,37 @@ class Terminated(BaseException):
 
 
 def exit_on_sigterm():
+    """Until training starts, SIGTERM ends the rank at once (there is
+    nothing to save yet)."""
     def handler(signum, frame):
         raise Terminated('stopped by SIGTERM')
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except (ValueError, AttributeError):  # not the main thread / no SIGTERM
+        pass
+
+
+def unwind_if_aborting(abort_file):
+    """on_sigterm for a training rank: the supervisor stopping its ranks
+    (it makes `abort_file` first) unwinds at once; any other SIGTERM asks
+    for a clean stop, which rank 0 decides for every rank. A rank never
+    escalates on a second SIGTERM: a scheduler may signal every process
+    while the supervisor forwards its own, so one stop can arrive twice.
+    The supervisor (on its second SIGTERM) or mpirun (SIGKILL) escalates."""
+    def on_sigterm(handler=None):
+        if abort_file and os.path.exists(abort_file):
+            raise Terminated('stopped by SIGTERM')
+    return on_sigterm
+
+
+def defer_sigterm(abort_file):
+    """A non-root rank trains on after a SIGTERM until rank 0's stop ends
+    every rank at the same iteration (rank 0 gets the SIGTERM too: from the
+    supervisor, or from mpirun and schedulers, which signal every rank)."""
+    on_sigterm = unwind_if_aborting(abort_file)
+
+    def handler(signum, frame):
+        on_sigterm()
     try:
         signal.signal(signal.SIGTERM, handler)
     except (ValueError, AttributeError):  # not the main thread / no SIGTERM
