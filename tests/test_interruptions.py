@@ -116,7 +116,7 @@ def test_sigterm_never_leaves_a_broken_snapshot(workdir):
         rc = t.wait()
     finally:
         t.kill()
-    assert rc in (0, -signal.SIGTERM), t.tail()
+    assert rc == 0, t.tail()          # SIGTERM stops at the iteration's end
     files = _assert_snapshots_ok(workdir)
     assert files['solverstate']
 

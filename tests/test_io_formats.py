@@ -304,7 +304,7 @@ def test_a_reader_released_while_another_opens_does_not_deadlock(tmp_path, monke
     worker = threading.Thread(target=lambda: done.append(db_io.open_db(paths[1], 'lmdb')),
                               daemon=True)
     worker.start()
-    worker.join(20)
+    worker.join(120)     # a deadline against a deadlock
     assert not worker.is_alive(), 'opening a database deadlocked on the shared lock'
     second = done[0]
     assert second.count() == 1
