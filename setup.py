@@ -9,7 +9,8 @@ setup(
               'caffeplus.solver', 'caffeplus.memory', 'caffeplus.cudnn', 'caffeplus.commands', 'caffeplus.layers',
               'caffeplus.tools', 'caffeplus.parallel'],
     package_dir={'caffeplus.layers': 'layers', 'caffeplus.tools': 'tools'},
-    install_requires=['numpy>=1.23', 'protobuf>=5.26,<8', 'lmdb', 'h5py', 'Pillow'],
+    install_requires=['numpy>=1.23', 'protobuf>=5.26,<8', 'lmdb', 'h5py', 'Pillow',
+                      'simplejpeg>=1.7'],
     extras_require={
         'gpu': ['cupy-cuda12x', 'nvidia-cudnn-cu12'],
         'gpu13': ['cupy-cuda13x', 'nvidia-cudnn-cu13'],

@@ -5,8 +5,13 @@ bytes (`data`) or floats (`float_data`) in C x H x W order, a label, and
 `encoded` when `data` holds the bytes of a PNG/JPEG file instead. Colour
 pixels are in OpenCV's BGR order.
 
-caffeplus decodes images with Pillow but reproduces what OpenCV (which Caffe
-uses) gives:
+caffeplus decodes JPEG with libjpeg-turbo through simplejpeg (which releases
+the GIL, so data-layer workers decode in parallel, and writes BGR directly),
+everything else, and JPEGs simplejpeg does not take (CMYK, an EXIF
+orientation to apply, data it rejects), with Pillow. Both run libjpeg-turbo
+with its defaults (the accurate integer IDCT, fancy upsampling), so a JPEG
+decodes to the same pixels either way; tests/test_data_pipeline.py checks
+it. The output reproduces what OpenCV (which Caffe uses) gives:
   * colour (IMREAD_COLOR): BGR, grey images replicated to 3 channels, alpha
     dropped;
   * grey (IMREAD_GRAYSCALE): for PNG libpng's own fixed-point conversion
@@ -195,13 +200,61 @@ def _decode_pil(img, mode, what):
     raise ValueError('unknown decode mode %r' % (mode,))
 
 
+_JPEG_START = b'\xff\xd8\xff'
+# The EXIF block sits in an APP1 segment before the image data; looking in
+# this many leading bytes finds it (a false match costs only the slower path).
+_EXIF_SEARCH_BYTES = 1 << 16
+
+
+def _simplejpeg():
+    try:
+        import simplejpeg
+    except ImportError:     # Pillow decodes JPEG too, one image at a time
+        return None
+    return simplejpeg
+
+
+def _decode_jpeg_turbo(data, mode, what):
+    """H x W x C uint8 of JPEG bytes by simplejpeg, or None where Pillow must
+    decode: not a JPEG, simplejpeg missing or rejecting the data (Pillow then
+    gives the reason), CMYK/YCCK/RGB-coded files, or an EXIF orientation to
+    apply (COLOR and GRAY apply it, as OpenCV's imread does)."""
+    if data[:3] != _JPEG_START:
+        return None
+    sj = _simplejpeg()
+    if sj is None:
+        return None
+    try:
+        h, w, colorspace, _ = sj.decode_jpeg_header(data)
+    except ValueError:
+        return None
+    if colorspace not in ('Gray', 'YCbCr'):
+        return None
+    if mode != UNCHANGED and data.find(b'Exif\x00\x00', 0, _EXIF_SEARCH_BYTES) >= 0:
+        return None
+    if w <= 0 or h <= 0 or w * h * 3 > MAX_IMAGE_VALUES:
+        raise FormatError('%s: image of %d x %d pixels is too large or empty' % (what, w, h))
+    gray_out = colorspace == 'Gray' or mode == GRAY
+    try:
+        pixels = sj.decode_jpeg(data, colorspace='GRAY' if gray_out else 'BGR')
+    except ValueError:
+        return None
+    if gray_out and mode == COLOR:
+        return numpy.repeat(pixels, 3, axis=2)
+    return pixels
+
+
 def decode_image_hwc(data, mode=COLOR, what='image'):
     """Encoded image bytes -> H x W x C uint8 (BGR / grey / native)."""
     Image, _ = _pil()
     if not len(data):
         raise FormatError('%s: empty image data' % what)
+    data = bytes(data)
+    fast = _decode_jpeg_turbo(data, mode, what)
+    if fast is not None:
+        return fast
     try:
-        img = Image.open(io.BytesIO(bytes(data)))
+        img = Image.open(io.BytesIO(data))
         return numpy.ascontiguousarray(_decode_pil(img, mode, what))
     except FormatError:
         raise
@@ -219,23 +272,35 @@ def read_image_hwc(path, mode=COLOR, new_height=0, new_width=0, what=None):
     Image, _ = _pil()
     what = what or path
     try:
-        img = Image.open(path)
+        with open(path, 'rb') as f:
+            data = f.read()
     except FileNotFoundError:
         raise FormatError('%s: image file not found' % what)
     except IsADirectoryError:
         raise FormatError('%s: is a directory, not an image' % what)
+    except (OSError, ValueError) as exc:   # ValueError: a NUL in the path
+        raise FormatError('%s: cannot open image (%s)' % (what, getattr(exc, 'strerror', None)
+                                                         or exc))
+    arr = _decode_jpeg_turbo(data, mode, what)
+    if arr is None:
+        arr = _decode_file_pil(Image, data, mode, what)
+    if new_height > 0 and new_width > 0:
+        arr = resize_linear(arr, new_height, new_width)
+    return numpy.ascontiguousarray(arr)
+
+
+def _decode_file_pil(Image, data, mode, what):
+    try:
+        img = Image.open(io.BytesIO(data))
     except Exception as exc:
         raise FormatError('%s: cannot open image (%s)' % (what, exc))
     try:
         with img:
-            arr = _decode_pil(img, mode, what)
+            return _decode_pil(img, mode, what)
     except FormatError:
         raise
     except Exception as exc:
         raise FormatError('%s: cannot decode image (%s)' % (what, exc))
-    if new_height > 0 and new_width > 0:
-        arr = resize_linear(arr, new_height, new_width)
-    return numpy.ascontiguousarray(arr)
 
 
 def read_image(path, is_color=True, new_height=0, new_width=0, what=None):
