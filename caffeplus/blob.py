@@ -34,6 +34,11 @@ def set_virtual_allocation(on):
     return previous
 
 
+def virtual_allocation():
+    """Whether virtual allocation is on (a shape-only build)."""
+    return _VIRTUAL['on']
+
+
 def virtual_array(count):
     """A writable float32 array of `count` elements that all alias one float."""
     return numpy.lib.stride_tricks.as_strided(numpy.zeros(1, dtype=numpy.float32),

@@ -20,7 +20,15 @@ import math
 import numpy
 
 from caffeplus import rng
+from caffeplus.blob import is_virtual, virtual_allocation, virtual_array
 from caffeplus.errors import NetError
+
+
+def _count(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _fans(shape):
@@ -63,69 +71,148 @@ def _check_param(param):
             raise _bad(kind, 'sparse', param.sparse, 'it must be -1 (dense) or >= 0')
 
 
-def fill_array(param, shape):
-    """A float32 array of `shape` filled as FillerParameter `param` says."""
+def _checked_shape(param, shape):
+    """`shape` as a tuple of ints, and the filler's fields, checked before
+    anything is allocated or drawn for them."""
     from caffeplus.blob import check_count
     shape = tuple(int(d) for d in shape)
     kind = param.type
     if any(d < 0 for d in shape):
         raise NetError('%s filler: negative dimension in shape %s' % (kind, shape))
-    check_count(shape, '%s filler' % kind)      # before allocating or drawing
+    check_count(shape, '%s filler' % kind)
     _check_param(param)
     if kind not in _KINDS:
         raise NetError("Unknown filler name: '%s'" % kind)
-    if 0 in shape:
-        return numpy.zeros(shape, dtype=numpy.float32)      # nothing to draw
-    g = rng.get()
+    if kind == 'gaussian' and param.sparse >= 0 and len(shape) < 1:
+        raise NetError('sparse gaussian filler needs a blob with at least one axis '
+                       '(FillerParameter.sparse)')
+    if kind == 'bilinear' and (len(shape) != 4 or shape[2] != shape[3]):
+        raise NetError('bilinear filler needs a 4-D blob with square kernels, got %s'
+                       % (shape,))
+    return shape
+
+
+def fill_array(param, shape):
+    """A float32 array of `shape` filled as FillerParameter `param` says."""
+    shape = _checked_shape(param, shape)
+    if virtual_allocation() and param.type not in ('constant', 'bilinear'):
+        # A shape-only build (caffeplus.memory.shapes): random values there
+        # are never read, so none are drawn and no memory is taken.
+        return virtual_array(_count(shape))[:_count(shape)].reshape(shape)
+    out = numpy.empty(shape, dtype=numpy.float32)
+    _draw(param, out)
+    return out
+
+
+def fill_into(param, out):
+    """Fill the float32 NumPy array `out` in place as `param` says: the
+    values fill_array would return for out's shape, with no array of their
+    own (VGG-16's fc6 alone is 400 MB)."""
+    _checked_shape(param, out.shape)
+    if out.dtype != numpy.float32 or not out.flags.c_contiguous:
+        out[...] = fill_array(param, out.shape)
+        return
+    _draw(param, out)
+
+
+def _standard_normal(g, out):
+    # Drawn in float32: half the cost of float64 draws. A stand-in generator
+    # (shape-only builds, tests) may return its values instead of writing out.
+    drawn = g.standard_normal(dtype=numpy.float32, out=out)
+    if drawn is not out:
+        out[...] = drawn
+
+
+def _uniform01(g, out):
+    """Uniform [0, 1) float32 values into `out` (24 random bits each)."""
+    drawn = g.random(dtype=numpy.float32, out=out)
+    if drawn is not out:
+        out[...] = drawn
+
+
+def _uniform(g, out, low, high):
+    """Uniform values in [low, high] (as float32s) into `out`."""
+    _uniform01(g, out)
+    low32, high32 = numpy.float32(low), numpy.float32(high)
+    if high32 - low32 != 1:
+        out *= numpy.float32(high - low)
+    if low32 != 0:
+        out += low32
+    # Rounding may carry u * (high - low) + low one step past high.
+    numpy.minimum(out, high32, out=out)
+
+
+def _normal(g, out, mean, std):
+    _standard_normal(g, out)
+    if numpy.float32(std) != 1:
+        out *= numpy.float32(std)
+    if numpy.float32(mean) != 0:
+        out += numpy.float32(mean)
+
+
+def _draw(param, out):
+    """Write `param`'s values into the float32 C-contiguous array `out`
+    (shape and fields already checked)."""
+    if out.size == 0:
+        return                          # nothing to draw
+    kind = param.type
+    shape = out.shape
     if kind == 'constant':
-        out = numpy.full(shape, param.value, dtype=numpy.float32)
-    elif kind == 'uniform':
-        out = g.uniform(param.min, param.max, size=shape)
+        out.fill(param.value)
+        return
+    if kind == 'bilinear':
+        out[...] = _bilinear_kernel(shape[3])
+        return
+    g = rng.get()
+    if kind == 'uniform':
+        _uniform(g, out, param.min, param.max)
     elif kind == 'gaussian':
-        # Drawn in float32 directly: half the cost of float64 draws.
-        out = g.standard_normal(size=shape, dtype=numpy.float32) * numpy.float32(param.std) \
-            + numpy.float32(param.mean)
+        _normal(g, out, param.mean, param.std)
         if param.sparse >= 0:
-            if len(shape) < 1:
-                raise NetError('sparse gaussian filler needs a blob with at least one axis '
-                               '(FillerParameter.sparse)')
-            num_outputs = shape[0]
-            prob = param.sparse / float(num_outputs)
-            out = out * (g.random(size=shape) < prob)
+            # Each weight is kept with probability sparse / num_outputs.
+            prob = param.sparse / float(shape[0])
+            out *= g.random(size=shape) < prob
     elif kind == 'positive_unitball':
-        out = g.uniform(0, 1, size=shape)
-        num = shape[0] if shape else 1
-        flat = out.reshape(num, -1)
-        flat /= flat.sum(axis=1, keepdims=True)
-        out = flat.reshape(shape)
+        _uniform01(g, out)
+        rows = out.reshape(shape[0] if shape else 1, -1)
+        rows /= rows.sum(axis=1, keepdims=True)
     elif kind == 'xavier':
         scale = math.sqrt(3.0 / _variance_n(param, shape))
-        out = g.uniform(-scale, scale, size=shape)
+        _uniform(g, out, -scale, scale)
     elif kind == 'msra':
-        std = math.sqrt(2.0 / _variance_n(param, shape))
-        out = g.standard_normal(size=shape, dtype=numpy.float32) * numpy.float32(std)
-    elif kind == 'bilinear':
-        if len(shape) != 4 or shape[2] != shape[3]:
-            raise NetError('bilinear filler needs a 4-D blob with square kernels, got %s'
-                           % (shape,))
-        width = shape[3]
-        f = math.ceil(width / 2.0)
-        c = (2 * f - 1 - f % 2) / (2.0 * f)
-        idx = numpy.arange(int(numpy.prod(shape)))
-        x = idx % width
-        y = (idx // width) % shape[2]
-        out = ((1 - numpy.abs(x / f - c)) * (1 - numpy.abs(y / f - c))).reshape(shape)
+        _normal(g, out, 0.0, math.sqrt(2.0 / _variance_n(param, shape)))
     else:
         raise NetError("Unknown filler name: '%s'" % kind)
-    return numpy.asarray(out, dtype=numpy.float32)
+
+
+def _bilinear_kernel(width):
+    """The width x width upsampling kernel every channel of a bilinear
+    filler gets (computed in float64, stored as float32)."""
+    f = math.ceil(width / 2.0)
+    c = (2 * f - 1 - f % 2) / (2.0 * f)
+    ramp = 1 - numpy.abs(numpy.arange(width) / f - c)
+    return numpy.outer(ramp, ramp)
 
 
 _KINDS = ('constant', 'uniform', 'gaussian', 'positive_unitball', 'xavier', 'msra', 'bilinear')
 
 
 def fill(blob, param):
-    """Fill a Blob's data in place."""
-    blob.data = fill_array(param, blob.shape)
+    """Fill a Blob's data in place (Caffe's Filler::Fill). On the CPU the
+    values are drawn straight into the blob's storage; a device blob gets
+    them drawn on the host and copied once. A new blob's storage starts as
+    zeros, so a constant 0 filler (every absent filler) writes nothing."""
+    fresh = blob.data_storage.array is None
+    _checked_shape(param, blob.shape)
+    view = blob.data
+    if fresh and param.type == 'constant' and param.value == 0:
+        return
+    if is_virtual(view):
+        return              # a shape-only build: its values are never read
+    if isinstance(view, numpy.ndarray) and view.flags.c_contiguous:   # a Storage view
+        _draw(param, view)
+    else:
+        blob.data = fill_array(param, blob.shape)
 
 
 # -- drawing into device arrays in place ------------------------------------------

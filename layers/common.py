@@ -14,7 +14,7 @@ import numpy
 from caffeplus import backend
 from caffeplus.blob import Blob
 from caffeplus.errors import CaffeplusError, NetError
-from caffeplus.fillers import fill_array
+from caffeplus.fillers import fill
 from caffeplus.functions import softmax
 from caffeplus.im2col import scratch
 from caffeplus.layer import Layer, register
@@ -77,7 +77,7 @@ def _scatter_add(xp, target, indices, values):
 def _new_param_blob(layer, index, shape, filler=None):
     blob = Blob(shape, name='%s.%d' % (layer.name, index))
     if filler is not None:
-        blob.data = fill_array(filler, shape)
+        fill(blob, filler)
     return blob
 
 

@@ -19,7 +19,7 @@ import numpy
 
 from caffeplus import backend, rng
 from caffeplus.blob import Blob, same_data, same_diff
-from caffeplus.fillers import fill_array
+from caffeplus.fillers import fill
 from caffeplus.functions import keep_copy as _keep_copy
 from caffeplus.layer import NeuronLayer, layer_error, register
 from caffeplus.proto import caffe_pb2
@@ -104,7 +104,7 @@ class PReLULayer(NeuronLayer):
                 filler = caffe_pb2.FillerParameter(type='constant', value=0.25)
             shape = () if self.channel_shared else (channels,)
             blob = Blob(shape, name='%s.0' % self.name)
-            blob.data = fill_array(filler, shape)
+            fill(blob, filler)
             self.blobs.append(blob)
         self._bottom_copy = None
 

@@ -17,7 +17,7 @@ import numpy
 
 from caffeplus import backend
 from caffeplus.blob import Blob, same_data as _same_data, same_diff as _same_diff
-from caffeplus.fillers import fill_array
+from caffeplus.fillers import fill
 from caffeplus.layer import Layer, layer_error, register
 from caffeplus.memory import scratch
 from caffeplus.proto import caffe_pb2
@@ -58,7 +58,7 @@ def _new_blob(layer, index, shape, filler):
     if filler is None:
         blob.data[...] = 0
     else:
-        blob.data = fill_array(filler, shape)
+        fill(blob, filler)
     return blob
 
 

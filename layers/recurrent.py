@@ -40,7 +40,7 @@ import numpy
 from caffeplus import backend
 from caffeplus.blob import Blob
 from caffeplus.errors import NetError
-from caffeplus.fillers import fill_array
+from caffeplus.fillers import fill
 from caffeplus.layer import Layer, register
 
 FLOAT = numpy.float32
@@ -156,12 +156,11 @@ class _RecurrentLayer(Layer):
         else:
             for k, (pname, shape, kind) in enumerate(specs):
                 field = 'weight_filler' if kind == 'weight' else 'bias_filler'
+                b = Blob(shape, name='%s.%d' % (self.name, k))
                 try:
-                    values = fill_array(getattr(rp, field), shape)
+                    fill(b, getattr(rp, field))
                 except NetError as exc:
                     self._fail('recurrent_param.%s: %s' % (field, exc))
-                b = Blob(shape, name='%s.%d' % (self.name, k))
-                b.data = values
                 self.blobs.append(b)
 
     def reshape(self, bottom, top):

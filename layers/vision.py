@@ -13,7 +13,7 @@ import numpy
 
 from caffeplus import backend, rng
 from caffeplus.errors import NetError
-from caffeplus.fillers import fill_array
+from caffeplus.fillers import fill
 from caffeplus.im2col import (ConvGeometry, FLOAT, batch_chunks, conv_backward, conv_forward,
                               conv_workspace_bytes, deconv_backward, deconv_forward,
                               im2col_backward, im2col_forward, scratch)
@@ -154,7 +154,7 @@ class _BaseConvolution(Layer):
             fillers = [cp.weight_filler, cp.bias_filler]
             for i, s in enumerate(shapes):
                 b = Blob(s, name='%s.%d' % (self.name, i))
-                b.data = fill_array(fillers[i], s)
+                fill(b, fillers[i])
                 self.blobs.append(b)
 
     # The bottoms' shapes the geometry below was worked out for, and the top
