@@ -112,15 +112,16 @@ def _read_image_header(tokens, index, root_folder):
                                    'images by their position in the file, counted from 0)'
                            % (number, index))
     path, path_line = tokens.next('the image path')
-    sizes = []
-    for what in ('channels', 'height', 'width'):
+    channels, lineno = tokens.next_int('the image channels')
+    if channels != IMAGE_CHANNELS:
+        raise tokens.error(lineno, 'image channels %d: WindowData reads images in colour '
+                                   '(%d channels), as Caffe does' % (channels, IMAGE_CHANNELS))
+    sizes = [channels]
+    for what in ('height', 'width'):
         value, lineno = tokens.next_int('the image %s' % what)
         if value <= 0:
             raise tokens.error(lineno, 'image %s must be positive (got %d)' % (what, value))
         sizes.append(value)
-    if sizes[0] != IMAGE_CHANNELS:
-        raise tokens.error(lineno, 'image channels %d: WindowData reads images in colour '
-                                   '(%d channels), as Caffe does' % (sizes[0], IMAGE_CHANNELS))
     return WindowImage(root_folder + path, sizes[0], sizes[1], sizes[2], path_line)
 
 
