@@ -8,7 +8,8 @@
     caffeplus upgrade IN OUT
 
 Caffe's single-dash flags (-solver, -gpu 0,1) work as well as double-dash
-ones. Errors print one line and exit 1; --debug shows the traceback.
+ones, and, as Caffe's global flags, every command takes each of them (one it
+does not use gets a warning and is ignored). Errors print one line and exit 1; --debug shows the traceback.
 Each subcommand lives in caffeplus/commands/<name>.py with add_arguments(p)
 and run(args) -> exit code.
 """
@@ -42,6 +43,45 @@ LONG_FLAGS = {'solver', 'model', 'weights', 'snapshot', 'gpu', 'iterations', 'ph
               'encoded_color', 'help', 'shape', 'solver_type'}
 
 
+# Caffe 1.0's `caffe` tool flags (tools/caffe.cpp). gflags are global: every
+# command takes all of them and ignores those it does not use, so scripts
+# pass one set of flags to train, test and time alike.
+CAFFE_FLAGS = ('gpu', 'solver', 'model', 'phase', 'level', 'stage', 'snapshot', 'weights',
+               'iterations', 'sigint_effect', 'sighup_effect')
+UNUSED_PREFIX = 'unused_caffe_flag_'
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help with each option's default, where it has one worth saying
+    (not an empty string, None or off) and its help does not say it already."""
+
+    def _get_help_string(self, action):
+        text = action.help or ''
+        default = action.default
+        if not action.option_strings or 'default' in text or default is argparse.SUPPRESS \
+                or default is None or default is False or default == '' or default == []:
+            return text
+        return text + ' (default: %(default)s)'
+
+
+def accept_caffe_flags(parser):
+    """Give `parser` each of Caffe's flags it does not define, to be
+    warned about and ignored (warn_unused_caffe_flags)."""
+    for flag in CAFFE_FLAGS:
+        if '--' + flag not in parser._option_string_actions:
+            parser.add_argument('--' + flag, dest=UNUSED_PREFIX + flag, default=None,
+                                help=argparse.SUPPRESS)
+
+
+def warn_unused_caffe_flags(args):
+    for flag in CAFFE_FLAGS:
+        value = getattr(args, UNUSED_PREFIX + flag, None)
+        if value is not None:
+            from caffeplus import log
+            log.warning('Flag -%s (%s) is not used by `caffeplus %s`; ignored.',
+                        flag, value, args.command)
+
+
 def normalize_flags(argv):
     """Turn Caffe-style '-flag' and '-flag=value' into '--flag'."""
     out = []
@@ -59,12 +99,16 @@ def build_parser():
         prog='caffeplus', description='caffeplus: Caffe-compatible training with less GPU memory')
     parser.add_argument('--version', action='store_true', help='print the version and exit')
     sub = parser.add_subparsers(dest='command', metavar='command')
+    parser.command_parsers = {}
     for name, help_text in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=DefaultsHelpFormatter)
         p.add_argument('--debug', action='store_true', help='show tracebacks on errors')
         module = _command_module(name)
         if module is not None:
             module.add_arguments(p)
+        accept_caffe_flags(p)
+        parser.command_parsers[name] = p
     return parser
 
 
@@ -80,7 +124,11 @@ def _command_module(name):
 def main(argv=None):
     argv = normalize_flags(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # The command's own usage, not the top level's, says what it takes.
+        parser.command_parsers.get(args.command, parser).error(
+            'unrecognized arguments: %s' % ' '.join(unknown))
     if args.version:
         from caffeplus import __version__
         print('caffeplus version %s (Caffe 1.0.0 compatible)' % __version__)
@@ -88,6 +136,7 @@ def main(argv=None):
     if not args.command:
         parser.print_help()
         return 1
+    warn_unused_caffe_flags(args)
     module = _command_module(args.command)
     if module is None:
         print('caffeplus %s: not available in this build' % args.command, file=sys.stderr)

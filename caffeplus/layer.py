@@ -85,9 +85,12 @@ def create_layer(layer_param):
     """Instantiate the layer a LayerParameter describes."""
     cls = layer_class(layer_param.type)
     if cls is None:
+        from caffeplus.io.prototxt import did_you_mean
+        guess = did_you_mean(layer_param.type, layer_types())
+        hint = "; did you mean '%s'?" % guess if guess else '.'
         raise UnknownLayerError(
-            "Unknown layer type: '%s' (layer '%s'). Known types: %s"
-            % (layer_param.type, layer_param.name, ', '.join(layer_types())))
+            "Unknown layer type: '%s' (layer '%s')%s Known types: %s"
+            % (layer_param.type, layer_param.name, hint, ', '.join(layer_types())))
     gpu_cls = GPU_ENGINES.get(layer_param.type)
     if gpu_cls is not None and layer_engine(layer_param) != ENGINE_CAFFE and \
             os.environ.get('CAFFEPLUS_ENGINE', '').upper() != 'CAFFE':

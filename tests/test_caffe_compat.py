@@ -271,3 +271,152 @@ def test_layer_module_importing_a_missing_caffe_submodule_says_so(tmp_path, monk
             caffeplus.Net(str(tmp_path / 'net.prototxt'), caffeplus.TRAIN)
     finally:
         sys.modules.pop('needs_coord_map', None)
+
+
+# -- 8. smaller differences ---------------------------------------------------------------
+def test_blobproto_to_array_is_float64_as_stock_pycaffe():
+    values = numpy.random.RandomState(2).randn(2, 3, 4).astype(numpy.float32)
+    proto = caffeplus.io.array_to_blobproto(values)
+    arr = caffeplus.io.blobproto_to_array(proto)
+    # stock pycaffe: np.array(blob.data) over the repeated float field, whose
+    # values its protobuf hands over as Python floats
+    stock = numpy.array(list(proto.data)).reshape(proto.shape.dim)
+    assert arr.dtype == stock.dtype == numpy.float64
+    numpy.testing.assert_array_equal(arr, stock)
+    numpy.testing.assert_array_equal(arr, values.astype(numpy.float64))
+    listed = caffeplus.io.blobprotovector_str_to_arraylist(
+        caffeplus.io.arraylist_to_blobprotovector_str([values]))
+    assert listed[0].dtype == numpy.float64
+    numpy.testing.assert_array_equal(listed[0], stock)
+
+
+TINY_NET = '''
+name: "tiny"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+        dummy_data_param { shape { dim: 4 dim: 5 } shape { dim: 4 }
+                           data_filler { type: "gaussian" std: 1 }
+                           data_filler { type: "constant" value: 1 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+'''
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    (tmp_path / 'tiny.prototxt').write_text(TINY_NET)
+    (tmp_path / 'solver.prototxt').write_text(PY_SOLVER.replace('net.prototxt', 'tiny.prototxt'))
+    return tmp_path
+
+
+def test_every_caffe_flag_is_accepted_by_every_command(tiny):
+    rc, cap = run_cli(tiny, 'train', '-solver', 'solver.prototxt', '-iterations', '5',
+                      '-model', 'tiny.prototxt', '-phase', 'TEST')
+    assert rc == 0
+    assert 'Optimization Done.' in cap.messages
+    unused = sorted(m for m in cap.messages if 'is not used by' in m)
+    assert unused == ['Flag -iterations (5) is not used by `caffeplus train`; ignored.',
+                      'Flag -model (tiny.prototxt) is not used by `caffeplus train`; ignored.',
+                      'Flag -phase (TEST) is not used by `caffeplus train`; ignored.']
+    rc, cap = run_cli(tiny, 'time', '-model', 'tiny.prototxt', '-iterations', '1',
+                      '-solver', 'solver.prototxt', '-sigint_effect', 'none', '-weights=w')
+    assert rc == 0
+    assert sorted(m.split()[1] for m in cap.messages if 'is not used by' in m) == \
+        ['-sigint_effect', '-solver', '-weights']
+    # Caffe's flags only: anything else is still an error, with the command's usage
+    with pytest.raises(SystemExit) as exc:
+        run_cli(tiny, 'time', '-model', 'tiny.prototxt', '-bogus', '1')
+    assert exc.value.code == 2
+
+
+def test_unknown_flag_shows_the_commands_usage(tiny, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(['train', '-solver', 'solver.prototxt', '-bogus', '1'])
+    err = capsys.readouterr().err
+    assert err.startswith('usage: caffeplus train ')
+    assert 'unrecognized arguments: -bogus 1' in err
+
+
+@pytest.mark.parametrize('command, flag, default', [
+    ('time', '--iterations', '50'), ('test', '--iterations', '50'), ('train', '--memory', 'shared'),
+    ('train', '--sighup_effect', 'snapshot'), ('time', '--level', '0'),
+    ('memory', '--iterations', '3')])
+def test_help_shows_defaults(capsys, command, flag, default):
+    with pytest.raises(SystemExit) as exc:
+        cli.main([command, '--help'])
+    assert exc.value.code == 0
+    out = ' '.join(capsys.readouterr().out.split())
+    out = out[out.index('options:'):]
+    section = out[out.index(flag + ' '):]
+    section = section[:section.index(' --', 1)] if ' --' in section[1:] else section
+    assert re.search(r'\(default: [^)]*%s' % re.escape(default), section), section
+
+
+def test_v0_upgrade_note_names_caffeplus_upgrade(caplog_caffeplus):
+    v0 = 'name: "old" layers { layer { name: "ip" type: "innerproduct" num_output: 2 } ' \
+         'bottom: "x" top: "y" } input: "x" input_dim: 1 input_dim: 3 input_dim: 1 input_dim: 1'
+    param = caffe_pb2.NetParameter()
+    prototxt.parse_text(v0, param)
+    from caffeplus.io import upgrade
+    upgrade.upgrade_net_as_needed(param, 'old.prototxt')
+    notes = [m for m in caplog_caffeplus if 'will not support V0NetParameter' in m]
+    assert len(notes) == 1
+    assert '`caffeplus upgrade OLD NEW`' in notes[0] and 'build/tools' not in notes[0]
+
+
+def test_missing_mean_file_is_one_line_with_the_cwd(tmp_path, capsys):
+    (tmp_path / 'm.prototxt').write_text(
+        'layer { name: "d" type: "Data" top: "x" top: "y" transform_param { mean_file: '
+        '"means/nope.binaryproto" } data_param { source: "db" batch_size: 1 } }\n')
+    rc, _ = run_cli(tmp_path, 'time', '-model', 'm.prototxt')
+    assert rc == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.count('means/nope.binaryproto') == 1
+    assert 'layer d' in err and 'not found' in err
+    assert 'current directory %s' % os.path.realpath(str(tmp_path)) in err
+
+
+def test_unreadable_mean_file_names_it_once(tmp_path, capsys):
+    (tmp_path / 'bad.binaryproto').write_bytes(b'\xff\xff\xff garbage')
+    (tmp_path / 'm.prototxt').write_text(
+        'layer { name: "d" type: "Data" top: "x" top: "y" transform_param { mean_file: '
+        '"bad.binaryproto" } data_param { source: "db" batch_size: 1 } }\n')
+    rc, _ = run_cli(tmp_path, 'time', '-model', 'm.prototxt')
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert err.count('bad.binaryproto') == 1 and 'not a valid binaryproto' in err
+
+
+@pytest.mark.parametrize('text, line, message', [
+    ('layer {\n  name: "ip" type: "InnerProduct"\n  inner_product_param { num_ouput: 3 }\n}\n',
+     3, 'has no field named "num_ouput"; did you mean "num_output"?'),
+    ('layer {\n  name: "p" type: "Pooling"\n  pooling_param { pool: MAXX }\n}\n',
+     3, 'has no value named MAXX; did you mean "MAX"?'),
+    ('layer { nmae: "p" }\n', 1, 'has no field named "nmae"; did you mean "name"?'),
+])
+def test_mistyped_field_gets_a_suggestion(tmp_path, text, line, message):
+    path = tmp_path / 'typo.prototxt'
+    path.write_text(text)
+    with pytest.raises(caffeplus.CaffeplusError) as exc:
+        caffeplus.Net(str(path), caffeplus.TEST)
+    assert str(exc.value).startswith('%s:%d:' % (path, line))
+    assert str(exc.value).endswith(message)
+
+
+def test_far_fetched_field_gets_no_suggestion(tmp_path):
+    path = tmp_path / 'typo.prototxt'
+    path.write_text('layer { qqqzzz: 1 }\n')
+    with pytest.raises(caffeplus.CaffeplusError) as exc:
+        caffeplus.Net(str(path), caffeplus.TEST)
+    assert 'has no field named "qqqzzz"' in str(exc.value)
+    assert 'did you mean' not in str(exc.value)
+
+
+def test_mistyped_layer_type_gets_a_suggestion(tmp_path):
+    text = TINY_NET.replace('"InnerProduct"', '"InnerProdcut"')
+    with pytest.raises(caffeplus.CaffeplusError) as exc:
+        net_from_text(tmp_path, text)
+    assert "Unknown layer type: 'InnerProdcut' (layer 'ip'); did you mean 'InnerProduct'?" \
+        in str(exc.value)
+    assert 'Known types: ' in str(exc.value)

@@ -34,7 +34,7 @@ def read_mean(path):
     try:
         return blobproto_to_array(read_blobproto(path))
     except FormatError as exc:
-        if str(exc).startswith(path):
+        if path in str(exc):
             raise
         raise FormatError('%s: %s' % (path, exc))
 

@@ -2,8 +2,13 @@
 
 Errors name the file, the line and column, and protobuf's own message, so a
 user can find the typo; fields that stock Caffe does not know (fork-only
-fields) are reported the same way.
+fields) are reported the same way. A mistyped field or enum value name gets
+the closest known name as a suggestion (Caffe offers none).
 """
+import difflib
+import re
+
+from google.protobuf import descriptor_pool
 from google.protobuf import message as pb_message
 from google.protobuf import text_format
 
@@ -42,8 +47,44 @@ def parse_text(text, message, source='<string>'):
         if line is not None and msg.startswith('%s:%s' % (line, col)):
             msg = msg.split(':', 2)[-1].lstrip(' :')
         where = '%s:%s:%s' % (source, line, col) if line is not None else source
-        raise FormatError('%s: %s' % (where, msg))
+        raise FormatError('%s: %s' % (where, with_suggestion(msg)))
     return message
+
+
+def did_you_mean(word, choices):
+    """The one of `choices` closest to the mistyped `word` (case ignored:
+    `max` finds MAX), or None when none is close."""
+    by_lower = {}
+    for choice in choices:
+        by_lower.setdefault(choice.lower(), choice)
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.6)
+    return by_lower[close[0]] if close else None
+
+
+_UNKNOWN_FIELD = re.compile(r'Message type "([\w.]+)" has no field named "(\w+)"\.?$')
+_UNKNOWN_ENUM_VALUE = re.compile(r'Enum type "([\w.]+)" has no value named (\w+)\.?$')
+
+
+def _known_names(kind, full_name):
+    pool = descriptor_pool.Default()
+    try:
+        if kind == 'field':
+            return [f.name for f in pool.FindMessageTypeByName(full_name).fields]
+        return [v.name for v in pool.FindEnumTypeByName(full_name).values]
+    except KeyError:
+        return []
+
+
+def with_suggestion(msg):
+    """protobuf's parse error, with '; did you mean "num_output"?' where it
+    names an unknown field or enum value that is close to a known one."""
+    for kind, pattern in (('field', _UNKNOWN_FIELD), ('value', _UNKNOWN_ENUM_VALUE)):
+        m = pattern.search(msg)
+        if m:
+            guess = did_you_mean(m.group(2), _known_names(kind, m.group(1)))
+            if guess is not None:
+                return '%s; did you mean "%s"?' % (msg.rstrip('.'), guess)
+    return msg
 
 
 def read_text(path, message, what='prototxt'):

@@ -18,7 +18,8 @@ not applied. Other orders use scipy.ndimage when SciPy is installed.
 import numpy
 
 from caffeplus.errors import CaffeplusError, FormatError
-from caffeplus.io.blobproto import array_to_blobproto, blobproto_to_array  # noqa: F401
+from caffeplus.io import blobproto as _blobproto
+from caffeplus.io.blobproto import array_to_blobproto  # noqa: F401
 from caffeplus.io.datum import array_to_datum, datum_to_array  # noqa: F401
 from caffeplus.proto import caffe_pb2
 
@@ -32,6 +33,14 @@ _GRAY_WEIGHTS = numpy.array([0.2125, 0.7154, 0.0721])
 
 
 # -- proto helpers -------------------------------------------------------------
+def blobproto_to_array(blob, return_diff=False):
+    """The data (or diff) of a BlobProto as an array of its shape, float64
+    as stock pycaffe gives it (NumPy over the proto's repeated floats); the
+    values are the stored float32 ones. caffeplus's own readers keep float32
+    (caffeplus.io.blobproto)."""
+    return _blobproto.blobproto_to_array(blob, return_diff).astype(numpy.float64)
+
+
 def arraylist_to_blobprotovector_str(arraylist):
     """Serialized BlobProtoVector of a list of arrays."""
     vec = caffe_pb2.BlobProtoVector()

@@ -593,10 +593,10 @@ def upgrade_net(param, source='', strict=True):
             log.error('Warning: had one or more problems upgrading V0NetParameter to '
                       'NetParameter (see above); continuing anyway.')
         problems.ok = problems.ok and before
+        # Caffe's note names its own tools; here the one command that does both.
         log.warning('Note that future Caffe releases will not support V0NetParameter; use '
-                    './build/tools/upgrade_net_proto_text for prototxt and '
-                    './build/tools/upgrade_net_proto_binary for model weights upgrade this '
-                    'and any other net protos to the new format.')
+                    '`caffeplus upgrade OLD NEW` (prototxt nets and .caffemodel weights) to '
+                    'upgrade this and any other net protos to the new format.')
     if net_needs_data_upgrade(param):
         log.info('Attempting to upgrade input file specified using deprecated '
                  'transformation parameters: %s', source)
