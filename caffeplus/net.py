@@ -104,7 +104,11 @@ class Net:
         if stages is not None:
             del param.state.stage[:]
             param.state.stage.extend(stages)
-        self._init(param)
+        # Its data layers take their worker count from the net's own
+        # caffeplus_param, else from the solver or CLI building it.
+        from caffeplus.io import workers
+        with workers.setting(workers.proto_value(param), 'caffeplus_param.data_workers'):
+            self._init(param)
         if weights is not None:
             self.copy_from(weights)
         if memory is not None or keep:
@@ -127,8 +131,7 @@ class Net:
         self.before_layer_backward = []
         self.applied_plan = None
         filtered = filter_net(in_param)
-        if log.logger.isEnabledFor(log.logging.INFO):     # printing a big net costs ms
-            log.info('Initializing net from parameters: \n%s', _text(filtered).rstrip('\n'))
+        log.info('Initializing net from parameters: \n%s', _text(filtered).rstrip('\n'))
         param = insert_splits(filtered)
         self.name = param.name
         self.net_param = param

@@ -17,6 +17,7 @@ from caffeplus import backend, log
 from caffeplus.commands.train import add_device_arguments, parse_gpus, parse_phase, \
     parse_stages, use_device
 from caffeplus.errors import CaffeplusError
+from caffeplus.io import workers
 from caffeplus.proto import caffe_pb2
 
 F32 = numpy.float32
@@ -32,6 +33,7 @@ def add_arguments(parser):
     parser.add_argument('--phase', default='', help='network phase (TRAIN or TEST; default '
                         'TEST)')
     add_device_arguments(parser)
+    workers.add_argument(parser)
 
 
 def run(args):
@@ -43,7 +45,8 @@ def run(args):
     phase = parse_phase(args.phase, caffe_pb2.TEST)
     stages = parse_stages(args.stage)
     use_device(parse_gpus(args.gpu), 'test')
-    net = Net(args.model, phase, level=args.level, stages=stages)
+    with workers.cli_setting(args):
+        net = Net(args.model, phase, level=args.level, stages=stages)
     for name in args.weights.split(','):
         net.copy_from([name.strip()])
     log.info('Running for %d iterations.', args.iterations)

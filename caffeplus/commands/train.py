@@ -27,6 +27,7 @@ import signal
 
 from caffeplus import backend, log
 from caffeplus.errors import CaffeplusError
+from caffeplus.io import workers
 from caffeplus.proto import caffe_pb2
 
 EFFECTS = ('snapshot', 'stop', 'none')
@@ -216,6 +217,7 @@ def add_arguments(parser):
     parser.add_argument('--offload', default=None,
                         help="offload policy: conv, all, free (what the measured step times hide), "
                              "or blob names separated by ','")
+    workers.add_argument(parser)
     parser.add_argument('--math', default=None,
                         help='GPU math: strict (default), tf32, deterministic')
 
@@ -249,6 +251,9 @@ def build_solver_param(args):
             field.extend(v.strip() for v in value.split(',') if v.strip())
     if getattr(args, 'math', None) is not None:
         param.caffeplus_param.math = args.math
+    if getattr(args, 'data_workers', None):
+        # Carried by the solver to data-parallel ranks in other processes.
+        param.caffeplus_param.data_workers = args.data_workers
     args.workspace_limit_bytes = param.caffeplus_param.workspace_limit \
         if param.HasField('caffeplus_param') else 0
     return param
@@ -296,7 +301,7 @@ def restored_search_setting():
 
 
 def run(args):
-    with restored_search_setting():
+    with restored_search_setting(), workers.cli_setting(args):
         return _run(args)
 
 

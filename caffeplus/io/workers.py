@@ -217,3 +217,23 @@ class WorkerPool:
     @property
     def running(self):
         return any(t.is_alive() for t in self._threads)
+
+
+# -- the CLI's --data_workers ------------------------------------------------------
+def add_argument(parser):
+    """--data_workers N for caffeplus train/test/time."""
+    parser.add_argument('--data_workers', '--data-workers', type=int, default=None,
+                        metavar='N',
+                        help='worker threads each Data/ImageData layer reads and decodes '
+                        'with (default: caffeplus_param.data_workers, else the environment '
+                        'variable %s, else one per core: %d here); the batches are the '
+                        'same whatever the number' % (ENV_VAR, host_cores()))
+
+
+def cli_setting(args):
+    """The context in which a command builds its nets: --data_workers wins
+    over every caffeplus_param (checked: a negative count is an error)."""
+    value = getattr(args, 'data_workers', None)
+    if value is not None:
+        check_count(value, '--data_workers')
+    return setting(value, '--data_workers', cli=True)

@@ -134,8 +134,10 @@ class Solver:
         self._remove_stale_snapshot_temps()
         if param.random_seed >= 0:
             rng.set_random_seed(param.random_seed + self.rank)
-        self._init_train_net()
-        self._init_test_nets()
+        from caffeplus.io import workers
+        with workers.setting(workers.proto_value(param), 'caffeplus_param.data_workers'):
+            self._init_train_net()
+            self._init_test_nets()
         log.info('Solver scaffolding done.')
         self.iter = 0
         self.current_step = 0
