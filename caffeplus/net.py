@@ -131,7 +131,9 @@ class Net:
         self.before_layer_backward = []
         self.applied_plan = None
         filtered = filter_net(in_param)
-        log.info('Initializing net from parameters: \n%s', _text(filtered).rstrip('\n'))
+        if log.logger.isEnabledFor(log.logging.INFO):     # printing a big net costs ms
+            if log.logger.isEnabledFor(log.logging.INFO):     # printing a big net costs ms
+            log.info('Initializing net from parameters: \n%s', _text(filtered).rstrip('\n'))
         param = insert_splits(filtered)
         self.name = param.name
         self.net_param = param
