@@ -132,7 +132,6 @@ class Net:
         self.applied_plan = None
         filtered = filter_net(in_param)
         if log.logger.isEnabledFor(log.logging.INFO):     # printing a big net costs ms
-            if log.logger.isEnabledFor(log.logging.INFO):     # printing a big net costs ms
             log.info('Initializing net from parameters: \n%s', _text(filtered).rstrip('\n'))
         param = insert_splits(filtered)
         self.name = param.name
