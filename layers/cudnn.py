@@ -292,8 +292,10 @@ class _ConvDescs:
                         c.time *= sliced.loops
                         c.variant = variant
                     found = sorted(found + more, key=lambda c: c.time)
-                if gemm is not None and kind in gemm.kinds():
-                    t = gemm.time(kind, xa, wa, ya)
+                if gemm is not None and kind in gemm.kinds() and \
+                        gemm.memory(kind) <= ws_bytes:
+                    # In the search's own workspace: one that would not fit is not timed.
+                    t = gemm.time(kind, xa, wa, ya, ws_ptr)
                     found = sorted(found + [api.AlgoChoice(kind, GEMM_ALGO, gemm.memory(kind), t,
                                                            True, self.math, variant=2)],
                                    key=lambda c: c.time)
@@ -305,6 +307,10 @@ class _ConvDescs:
         # What run() allocates besides the workspace (the workspace manager
         # keeps the search within the room a plan leaves: _time_sites).
         run.scratch_bytes = FLOAT_BYTES * sum(_prod(shape) for shape in scratch)
+        if gemm is not None and kind == 'bwd_filter':
+            run.scratch_bytes += FLOAT_BYTES * _prod(self.w_shape)     # its filter gradient
+        # The workspace the cuBLAS variant is timed in (within the search's).
+        run.variant_bytes = gemm.memory(kind) if gemm is not None and kind in gemm.kinds() else 0
         return run
 
 
@@ -475,11 +481,11 @@ class _GemmConv:
                      ones if ones is not None else self.ones(nb), nb, dw, M * K, beta=1.0,
                      tf32=False)
 
-    def time(self, kind, xa, wa, ya):
-        """Milliseconds of one call of `kind` on scratch arrays (median of 3)."""
+    def time(self, kind, xa, wa, ya, wsp):
+        """Milliseconds of one call of `kind` on scratch arrays (median of 3),
+        in the workspace at device address `wsp` (at least memory(kind) bytes)."""
         import cupy
-        ws = cupy.empty(self.memory(kind), dtype=numpy.uint8)
-        wsp = int(ws.data.ptr)
+        wsp = int(wsp or 0)
         x, w, y = int(xa.data.ptr), int(wa.data.ptr), int(ya.data.ptr)
         if kind == 'fwd':
             def run():

@@ -919,3 +919,111 @@ def test_measuring_auto_plans_the_gradients_as_its_estimate(monkeypatch):
     monkeypatch.setenv(update_in_backward.ENV, '0')
     command._measure_child(param.SerializeToString(), 'auto', 0, opts)
     assert seen == {'estimate': False, 'applied': False}
+
+
+# -- the estimate's table at a glance -----------------------------------------------------
+ALEXNET_DEPLOY = os.path.join(SHARED, 'zoo', 'bvlc_caffe', 'models', 'bvlc_alexnet',
+                              'deploy.prototxt')
+
+
+def zoo(path):
+    if not os.path.exists(path):
+        pytest.fail('test data missing: %s' % path)
+    return path
+
+
+def table_cells(out):
+    """The size cells of the estimate table's rows (plan name first)."""
+    rows = [line for line in out.splitlines() if line.split()[:1] and
+            line.split()[0] in PLANS and line.split()[-1] == 'estimate']
+    return [re.findall(r'(-|\d+(?:\.\d+)? (?:B|KiB|MiB|GiB))(?=\s|$)', row) for row in rows]
+
+
+def test_estimate_table_names_the_gpu_its_times_model(capsys):
+    code, out, _ = memory(capsys, '-model', bench('alexnet_b128'), '--estimate')
+    assert code == 0
+    assert 'iter ms: modelled for an %s' % wm.MODEL_GPU in out
+    assert 'H100' in wm.MODEL_GPU
+    doc = memory_json(capsys, '-model', bench('alexnet_b128'), '--plans', 'shared')
+    assert doc['model_gpu'] == wm.MODEL_GPU and doc['device_name'] is None
+
+
+def test_estimate_says_what_other_holds(capsys):
+    """ResNet-50 b64 `stock`'s 11.8 GiB of "other": the runtime (the
+    measured fixed cost), Caffe's cuDNN handles (5 MiB each: 3 per
+    convolution, 53 convolutions, and one per ReLU, pooling, softmax...),
+    and Caffe's own layer buffers; the parts add up to the column."""
+    doc = memory_json(capsys, '-model', bench('resnet50_b64'), '--plans', 'stock,shared')
+    stock, shared = doc['plans']['stock'], doc['plans']['shared']
+    for entry in (stock, shared):
+        assert sum(entry['other_parts'].values()) == entry['breakdown']['other']
+    assert stock['other_parts']['runtime'] == 660 * 2 ** 20
+    handles = stock['other_parts']['cudnn_handles']
+    assert handles % wm.HANDLE_BYTES == 0 and handles // wm.HANDLE_BYTES >= 3 * 53 + 49
+    assert shared['other_parts']['cudnn_handles'] == 0
+    assert stock['other_parts']['layer_buffers'] > 5 * 2 ** 30       # BatchNorm's, mostly
+    code, out, _ = memory(capsys, '-model', bench('resnet50_b64'), '--estimate',
+                          '--plans', 'stock,shared')
+    assert 'other = runtime (CUDA context' in out
+    assert re.search(r'^  stock\s+11\.8\d GiB = runtime 660\.0 MiB \+ cuDNN handles '
+                     r'[\d.]+ (MiB|GiB) \+ layer buffers [\d.]+ GiB$', out, re.M), out
+    assert re.search(r'^  shared\s+[\d.]+ GiB = runtime [\d.]+ MiB \+ layer buffers', out, re.M)
+
+
+@pytest.mark.parametrize('model', ['deploy', 'googlenet_b64', 'vgg16_b64'])
+def test_no_table_cell_shows_a_few_bytes(capsys, model):
+    """A category with nothing shows '-', never the byte or two the shares'
+    rounding leaves (AlexNet's deploy net showed '1 B' act diffs)."""
+    path = zoo(ALEXNET_DEPLOY) if model == 'deploy' else bench(model)
+    code, out, _ = memory(capsys, '-model', path, '--estimate')
+    assert code == 0
+    rows = table_cells(out)
+    assert len(rows) == len(PLANS)
+    for cells in rows:
+        assert len(cells) == 1 + len(CATEGORIES), cells
+        for cell in cells:
+            assert cell == '-' or not cell.endswith(' B') and not cell.endswith('KiB') \
+                or float(cell.split()[0]) >= 1, cells
+    doc = memory_json(capsys, '-model', path)
+    for entry in doc['plans'].values():
+        b = entry['breakdown']
+        assert all(v == 0 or v >= 1024 for v in b.values()), b
+        assert sum(b.values()) == entry['peak_bytes']
+
+
+def test_deploy_net_is_shown_without_gradients_or_solver_history(capsys):
+    """A net without a loss (a deploy net: nothing to train, no solver) is
+    planned forward only: its parameters, maps and workspace; a training
+    net of the same layers keeps its history."""
+    doc = memory_json(capsys, '-model', zoo(ALEXNET_DEPLOY))
+    assert doc['training'] is False and doc['solver_type'] is None
+    params = 60965224 * 4           # BVLC AlexNet's parameters
+    for name, entry in doc['plans'].items():
+        b = entry['breakdown']
+        assert b['parameters'] == params, name
+        assert b['parameter_diffs'] == b['solver_history'] == b['activation_diffs'] == 0, name
+    code, out, _ = memory(capsys, '-model', zoo(ALEXNET_DEPLOY), '--estimate')
+    assert 'forward only: no loss, so no gradients or solver history' in out
+    assert all(cells[2] == cells[3] == '-' for cells in table_cells(out))
+    train = memory_json(capsys, '-model', bench('alexnet_b128'), '--plans', 'shared')
+    assert train['training'] is True
+    assert train['plans']['shared']['breakdown']['solver_history'] == \
+        train['plans']['shared']['breakdown']['parameters']
+
+
+def test_measured_table_shows_the_whole_process_peak_beside_the_iterations():
+    from caffeplus.memory import report
+    GiB = 2 ** 30
+    breakdown = dict.fromkeys(CATEGORIES, GiB)
+    results = {'auto': {'peak_bytes': 7 * GiB, 'breakdown': breakdown, 'iter_ms': 80.0,
+                        'estimated': False, 'startup_peak_bytes': 9 * GiB,
+                        'process_peak_bytes': 9 * GiB, 'device_name': 'NVIDIA H200',
+                        'estimate': {'peak_bytes': 7 * GiB, 'breakdown': breakdown,
+                                     'iter_ms': 75.0,
+                                     'other_parts': {'runtime': GiB}}}}
+    table = report.format_table(results, 'title')
+    assert re.search(r'^\s+9\.00 GiB\s+whole process, start-up included \(start-up 9\.00 GiB; '
+                     r'training iterations 7\.00 GiB\)$', table, re.M), table
+    notes = report.format_notes(results, measured_on='NVIDIA H200')
+    assert 'iter ms: measured on NVIDIA H200; estimate rows model an %s' % wm.MODEL_GPU in notes
+    assert re.search(r'^  auto\s+1\.00 GiB = runtime 1\.00 GiB$', notes, re.M), notes

@@ -13,12 +13,18 @@ activations, activation diffs, workspace, other; and the iteration time.
 --estimate (or no -gpu): the planner's numbers, computed on the CPU from a
   shape-only build of the net (no blob memory is allocated, so VGG-16 at
   batch 256 plans on a laptop); workspace, "other" and times come from the
-  documented model in caffeplus.memory.workspace_model. iter_ms is null
-  (nothing ran); est_iter_ms is the model's time.
+  documented model in caffeplus.memory.workspace_model, fitted on the GPU
+  the table names under it (workspace_model.MODEL_GPU). iter_ms is null
+  (nothing ran); est_iter_ms is the model's time. Under the table: what
+  each estimate's "other" holds (the runtime, stock Caffe's cuDNN handles,
+  the layers' own buffers; JSON: other_parts). A net without a loss (a
+  deploy net) is planned forward only: no gradients, no solver history.
 -gpu N: each plan is also run for real on GPU N (caffeplus.memory.measure),
   each in a process of its own (its peak is the whole process, as stock
   Caffe's figures are), and the measurement is shown with the estimate
-  beside it.
+  beside it: peak_bytes is the training iterations' peak, and
+  process_peak_bytes the whole process's, start-up (the algorithms' timing,
+  planning, the first iterations) included (startup_peak_bytes: start-up's).
 
 Data layers become DummyData of the same shapes (caffeplus.io.dummy), so no
 database is needed (a Data layer whose database opens plans at its first
@@ -154,8 +160,9 @@ def offloaded_names(plan):
     return sorted({n for key in plan.offloaded for n in key[1]})
 
 
-def plan_entry(plan, budget=None):
-    """A plan's JSON entry (estimate)."""
+def plan_entry(plan, budget=None, net=None):
+    """A plan's JSON entry (estimate); with the net, what its "other" holds."""
+    from caffeplus.memory import workspace_model
     from caffeplus.memory.plan import workspace_calls
     entry = {
         'peak_bytes': int(plan.peak_bytes),
@@ -174,7 +181,23 @@ def plan_entry(plan, budget=None):
         entry['workspace_cap'] = int(plan.workspace_cap)
     if budget is not None:
         entry['fits_budget'] = plan.peak_bytes <= budget
+    if net is not None:
+        entry['other_parts'] = {k: int(v) for k, v in workspace_model.other_parts(
+            net, plan.name, plan.breakdown['other']).items()}
     return entry
+
+
+def trains(net):
+    """Whether the net learns: some layer's backward runs (a deploy net
+    without a loss has none, so no gradients and no solver history)."""
+    return any(net.layer_need_backward)
+
+
+def net_title(net, batch, solver_type, training):
+    if training:
+        return 'net %s, batch %s, solver %s' % (net.name, batch, solver_type)
+    return 'net %s, batch %s, forward only: no loss, so no gradients or solver history' \
+        % (net.name, batch)
 
 
 def step_labels(net):
@@ -237,6 +260,7 @@ def run(args):
     stages = [st for st in (args.stage or '').split(',') if st] or None
     net = shapes.build_net(param, level=args.level, stages=stages)
     keep = check_keep(net, args.keep)
+    training = trains(net)
     if measuring and budget is None and 'auto' in plans:
         budget_for_auto = in_own_process(_device_total_child, gpu)
     else:
@@ -246,23 +270,28 @@ def run(args):
     estimates = {}
     for name in plans:
         estimates[name] = budget_mod.estimate_plan(
-            net, name, solver_type=args.solver_type, keep=keep, offload_policy=args.offload,
-            budget=budget_for_auto, host_budget=host_budget)
+            net, name, solver_type=args.solver_type, keep=keep, training=training,
+            offload_policy=args.offload, budget=budget_for_auto, host_budget=host_budget)
 
     results = {}
     for name, plan in estimates.items():
-        entry = plan_entry(plan, budget)
+        entry = plan_entry(plan, budget, net)
         entry['curve'] = estimate_curve(plan)
         if measuring:
-            entry = _measure(param, plan, gpu, args, entry, budget_for_auto, host_budget)
+            entry = _measure(param, plan, gpu, args, entry, budget_for_auto, host_budget,
+                             training)
         results[name] = entry
 
-    title = 'net %s, batch %s, solver %s' % (net.name, batch, args.solver_type)
+    title = net_title(net, batch, args.solver_type, training)
+    device_name = next((r['device_name'] for r in results.values() if r.get('device_name')),
+                       None)
     if args.plot:
         report.plot(args.plot, results, title=title, step_labels=step_labels(net))
     if args.json:
-        doc = {'net': net.name, 'batch': batch, 'solver_type': args.solver_type,
+        doc = {'net': net.name, 'batch': batch,
+               'solver_type': args.solver_type if training else None, 'training': training,
                'budget': budget, 'device': gpu if measuring else None,
+               'device_name': device_name, 'model_gpu': report.model_gpu(),
                'plans': {n: {k: v for k, v in r.items()
                              if k not in ('curve', 'measured_curve')}
                          for n, r in results.items()}}
@@ -270,6 +299,7 @@ def run(args):
     else:
         source = 'measured on GPU %d' % gpu if measuring else 'estimated without a GPU'
         print(report.format_table(results, 'Memory plans for %s (%s)' % (title, source)))
+        print(report.format_notes(results, measured_on=device_name))
         if budget is not None:
             print('budget: %s' % budget_mod.format_bytes(budget))
         if args.plot:
@@ -277,7 +307,8 @@ def run(args):
     return 0
 
 
-def _measure(param, plan, gpu, args, estimate_entry, budget_for_auto=None, host_budget=None):
+def _measure(param, plan, gpu, args, estimate_entry, budget_for_auto=None, host_budget=None,
+             training=True):
     """The measured entry of one plan, with the estimate beside it. The plan
     runs in a process of its own, as `caffe time` does: the peak is the
     device's used memory, so nothing another plan left behind (cuDNN
@@ -290,6 +321,7 @@ def _measure(param, plan, gpu, args, estimate_entry, budget_for_auto=None, host_
                                   {'solver_type': args.solver_type,
                                    'keep': check_keep_names(args.keep),
                                    'offload': args.offload, 'budget': budget_for_auto,
+                                   'training': training,
                                    'host_budget': host_budget,
                                    'iterations': args.iterations, 'level': args.level,
                                    'stages': [st for st in (args.stage or '').split(',') if st]
@@ -304,6 +336,8 @@ def _measure(param, plan, gpu, args, estimate_entry, budget_for_auto=None, host_
         estimate = dict(estimate, peak_bytes=planned['peak_bytes'],
                         iter_ms=planned['est_iter_ms'], recomputed=planned['recomputed'],
                         masked=planned['masked'])
+    if 'other_parts' in estimate_entry:
+        estimate['other_parts'] = estimate_entry['other_parts']
         estimate_entry = dict(estimate_entry, est_iter_ms=round(planned['est_iter_ms'], 3))
     entry = {k: v for k, v in measured.items() if k != 'live_curve'}
     entry['estimate'] = estimate
@@ -338,7 +372,9 @@ def _measure_child(param_bytes, name, gpu, opts):
     with shapes.quiet():
         net = shapes.build_net(param, level=opts['level'], stages=opts['stages'])
         plan = budget_mod.estimate_plan(net, name, solver_type=opts['solver_type'],
-                                        keep=opts['keep'], offload_policy=opts['offload'],
+                                        keep=opts['keep'],
+                                        training=opts.get('training', True),
+                                        offload_policy=opts['offload'],
                                         budget=opts['budget'], host_budget=opts['host_budget'])
     del net
     apply = None
@@ -348,7 +384,8 @@ def _measure_child(param_bytes, name, gpu, opts):
 
         def apply(net):
             # As the estimate (and a solver that updates in backward) plans it.
-            return apply_named_plan(net, 'auto', keep=opts['keep'], training=True,
+            return apply_named_plan(net, 'auto', keep=opts['keep'],
+                                    training=opts.get('training', True),
                                     solver_type=opts['solver_type'], budget=opts['budget'],
                                     host_budget=opts['host_budget'],
                                     param_diffs=plan.param_diffs)

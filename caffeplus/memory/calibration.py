@@ -166,7 +166,8 @@ def load(path):
     return len(doc['sites'])
 
 
-# Timing leaves this much of the device free besides its scratch arrays.
+# Timing leaves this much of the device (and of a budget) free besides its
+# scratch arrays and workspace: cuDNN's own allocations while it times.
 MEASURE_MARGIN = 256 * 2 ** 20
 
 
@@ -178,37 +179,73 @@ def measuring():
         ('0', 'off', 'false', 'no')
 
 
+def trial_array_bytes(layer):
+    """Device bytes of the arrays a timed search of `layer` makes beside its
+    workspace (layers/cudnn.py _ConvDescs.timer: input, output and filter,
+    and for the cuBLAS variant a filter gradient)."""
+    maps = layer.num * (layer.channels * math.prod(layer.in_spatial) +
+                        layer.num_output * math.prod(layer.out_spatial))
+    return 4 * (maps + 2 * layer.blobs[0].count)
+
+
+def process_device_bytes(pool):
+    """This process's device memory now, as far as it can be told from
+    inside it: CuPy's pool, and the device's other used memory up to the
+    runtime's modelled fixed cost (CUDA context, cuDNN and cuBLAS; what
+    is used beyond it belongs to other processes on the card)."""
+    import cupy
+    from caffeplus.memory import workspace_model
+    free, total = cupy.cuda.runtime.memGetInfo()
+    held = pool.total_bytes()
+    return held + min(max(total - free - held, 0), workspace_model.RUNTIME_BYTES)
+
+
+def trial_workspace_bytes(arrays, budget=None):
+    """The workspace a timed search may take beside `arrays` bytes of trial
+    arrays: what the device has free and, under `budget` (the process's
+    whole device memory), what the budget leaves beside what the process
+    holds now; both less MEASURE_MARGIN. None: the arrays alone would not
+    fit (the call is not timed; the model's candidates stand)."""
+    import cupy
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    free = cupy.cuda.runtime.memGetInfo()[0]
+    if pool.get_limit():            # a pool limited as a smaller card (tools)
+        free = min(free, pool.get_limit() - pool.total_bytes())
+    room = free
+    if budget is not None:
+        room = min(room, int(budget) - process_device_bytes(pool))
+    room -= arrays + MEASURE_MARGIN
+    return None if room < 0 else int(room)
+
+
 def measure_net(net, limit=None):
     """On the GPU: time every cuDNN convolution of `net` whose geometry the
     table lacks (FindEx, as the timed search does) and record it, each in
     a workspace as large as the device spares beside the call's own
-    arrays (at most `limit` bytes). Returns the number of geometries
-    timed. Plan auto calls it before planning (caffeplus.memory.apply)."""
+    arrays; `limit`: the process's memory budget, which the search, its
+    arrays and what the process already holds stay within together
+    (trial_workspace_bytes). A convolution whose arrays would not fit is
+    left untimed. Returns the number of geometries timed. Plan auto calls
+    it before planning (caffeplus.memory.apply)."""
     import cupy
     timed = 0
+    pool = cupy.get_default_memory_pool()
     for layer in net.layers:
         if not hasattr(layer, 'time_calls') or getattr(layer, '_cd', None) is None:
             continue
         key = geometry_key(layer)
         if key in _table and all(k in _table[key] for k in KINDS):
             continue
-        pool = cupy.get_default_memory_pool()
-        pool.free_all_blocks()
-        free = cupy.cuda.runtime.memGetInfo()[0]
-        if pool.get_limit():            # a pool limited as a smaller card (tools)
-            free = min(free, pool.get_limit() - pool.total_bytes())
-        arrays = 4 * (layer.num * (layer.channels * math.prod(layer.in_spatial) +
-                                   layer.num_output * math.prod(layer.out_spatial)) +
-                      layer.blobs[0].count)
-        nbytes = max(0, free - arrays - MEASURE_MARGIN)
-        if limit is not None:
-            nbytes = min(nbytes, int(limit))
+        nbytes = trial_workspace_bytes(trial_array_bytes(layer), limit)
+        if nbytes is None:
+            continue
         ws = cupy.empty(nbytes, dtype=cupy.uint8) if nbytes else None
         try:
             found = layer.time_calls(ws.data.ptr if ws is not None else 0, nbytes)
         finally:
             del ws
-            pool.free_all_blocks()
+            pool.free_all_blocks()      # the pool keeps no trial block as reserved memory
         for kind, choices in found.items():
             record(layer, kind, choices or ())
         timed += 1

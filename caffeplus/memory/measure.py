@@ -26,6 +26,15 @@ What is measured:
                   the same over the timed iterations only, once the plan has
                   settled (offload 'free' times its first iterations without
                   offload, so its run's peak is shared's)
+  startup_peak_bytes
+                  the device's used memory from the solver's construction
+                  through the first iterations: plan auto's algorithm
+                  timing and planning, the arena's placement, the first
+                  iteration's searches (the hooks' samples and a thread's,
+                  caffeplus.memory.sampler.DeviceSampler, every 10 ms)
+  process_peak_bytes
+                  the whole run's peak, start-up included (peak_bytes is the
+                  training iterations')
   breakdown       parameters, parameter_diffs, solver_history, activations,
                   activation_diffs: the device memory behind the net's and
                   the solver's arrays after the iteration (each allocation
@@ -90,6 +99,12 @@ def device_total_bytes(gpu):
             return int(cupy.cuda.runtime.memGetInfo()[1])
     except Exception as exc:  # CUDA errors come in several types
         raise CaffeplusError('cannot use GPU %d: %s' % (gpu, exc))
+
+
+def device_name(gpu):
+    """GPU `gpu`'s model name (as nvidia-smi shows it)."""
+    name = _cupy().cuda.runtime.getDeviceProperties(gpu)['name']
+    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 def _sync():
@@ -423,8 +438,10 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1, apply=No
     _sync()
     baseline = device_used_bytes()
     solver = net = info = None
+    from caffeplus.memory.sampler import DeviceSampler
+    sampler = DeviceSampler(gpu)
     try:
-        with PeakTracker() as tracker, quiet():
+        with PeakTracker() as tracker, quiet(), sampler:
             solver = _solver(net_param, solver_type, iterations)
             net = solver.net
             if apply is not None:
@@ -437,6 +454,7 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1, apply=No
             info.pop('arena', None)
             _sync()
             pool.free_all_blocks()          # what construction left cached
+            startup_peak = tracker.device_peak    # construction, algorithm timing, planning
             tracker.reset()
             curve = [0] * (2 * len(net.layers) + 1)
 
@@ -454,6 +472,7 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1, apply=No
             _sync()
             tracker.sample()
             warm_peak, warm_pool = tracker.device_peak, tracker.pool_peak
+            sampler.set_phase('training')
             tracker.reset()
             t0 = time.perf_counter()
             for _ in range(iterations):
@@ -465,6 +484,9 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1, apply=No
             # times them without offload); the steady one only the timed.
             steady_peak, steady_pool = tracker.device_peak, tracker.pool_peak
             peak, pool_peak = max(warm_peak, steady_peak), max(warm_pool, steady_pool)
+            sampler.set_phase('curve')          # the stepped iteration: outside the peaks
+            startup_peak = max(startup_peak, warm_peak, sampler.peak('startup'))
+            process_peak = max(startup_peak, peak, sampler.peak('training'))
             run_iteration(net, solver, after_step)
             _sync()
             applied = getattr(net, 'applied_plan', None)
@@ -486,10 +508,15 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1, apply=No
                 'pool_peak_bytes': int(pool_peak),
                 'steady_peak_bytes': int(steady_peak),
                 'steady_pool_peak_bytes': int(steady_pool),
+                # The whole process, start-up (construction, algorithm
+                # timing, the first iterations) included.
+                'startup_peak_bytes': int(startup_peak),
+                'process_peak_bytes': int(process_peak),
                 'baseline_bytes': int(baseline),
                 'live_curve': curve,
                 'applier': info.get('applier'),
                 'device': gpu,
+                'device_name': device_name(gpu),
                 # As applied (offload 'free' chooses its maps at run time).
                 'arena_bytes': int(info.get('arena_bytes') or 0),
                 'arena_held_bytes': int(info.get('arena_held_bytes') or 0),

@@ -199,7 +199,12 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
         in_grads = int(arena * shares['param_diff'])
         breakdown['parameter_diffs'] += in_grads - sum(b.nbytes for b in placed_diffs)
         in_arena += in_grads
-    breakdown['activation_diffs'] = arena - in_arena
+    diffs = arena - in_arena
+    if not shares['diff']:
+        # No diff at the peak step: the bytes the shares' rounding left are the maps'.
+        breakdown['activations'] += diffs
+        diffs = 0
+    breakdown['activation_diffs'] = diffs
     plan = MemoryPlan(name, breakdown, bufs, offsets, arena, offloaded, steps=steps)
     plan.param_diffs = bool(placed_diffs)
     plan.offload_policy = offload_policy if name == 'offload' else None

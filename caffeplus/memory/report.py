@@ -33,6 +33,67 @@ def _ms(value):
     return '-' if value is None else '%.1f' % value
 
 
+# Below this a table cell shows '-': nothing a reader weighs, and the few
+# bytes the shares' rounding leaves in a category are not worth a figure.
+LEAST_SHOWN = 2 ** 10
+
+
+def format_cell(n):
+    """A size for the table: '-' for none (under LEAST_SHOWN), else
+    format_bytes's GiB, MiB or KiB with one or two decimals."""
+    if n is None or abs(int(n)) < LEAST_SHOWN:
+        return '-'
+    return format_bytes(n)
+
+
+def model_gpu():
+    from caffeplus.memory import workspace_model
+    return workspace_model.MODEL_GPU
+
+
+OTHER_LEGEND = ('other = runtime (CUDA context, CuPy, cuDNN, cuBLAS workspace, kernels)\n'
+                '      + cuDNN handles (stock Caffe\'s: 3 per convolution group, 1 per other '
+                'cuDNN layer)\n'
+                '      + layer buffers (pooling indices, dropout masks, BatchNorm/Scale '
+                'copies; stock: Caffe 1.0\'s own)')
+OTHER_PART_LABELS = (('runtime', 'runtime'), ('cudnn_handles', 'cuDNN handles'),
+                     ('layer_buffers', 'layer buffers'))
+
+
+def _other_line(name, other, parts, width):
+    terms = ['%s %s' % (label, format_bytes(parts[key]))
+             for key, label in OTHER_PART_LABELS if parts.get(key, 0) >= LEAST_SHOWN]
+    return '  %s  %s = %s' % (name.ljust(width), format_cell(other).rjust(10),
+                              ' + '.join(terms) or '-')
+
+
+def format_notes(results, measured_on=None):
+    """The lines under the table: where the times come from, and what
+    "other" holds in each estimate."""
+    lines = []
+    measured = any(not r.get('estimated', True) for r in results.values())
+    if measured:
+        lines.append('iter ms: measured on %s; estimate rows model an %s'
+                     % (measured_on or 'this GPU', model_gpu()))
+    else:
+        lines.append('iter ms: modelled for an %s (caffeplus.memory.workspace_model), '
+                     'not this machine' % model_gpu())
+    rows = []
+    for name, r in results.items():
+        source = r if r.get('estimated', True) else r.get('estimate') or {}
+        parts = source.get('other_parts')
+        if parts:
+            rows.append((name, source['breakdown'].get('other', 0), parts))
+    if rows:
+        lines.append(OTHER_LEGEND)
+        width = max(len(n) for n, _, _ in rows)
+        lines.extend(_other_line(n, o, p, width) for n, o, p in rows)
+    if measured:
+        lines.append("measured: the whole process's device memory (nvidia-smi's figure); "
+                     "'whole process' rows: start-up included")
+    return '\n'.join(lines)
+
+
 def format_table(results, title=''):
     """An aligned text table, one row per plan (a measured plan gets a row
     with its steady peak where that differs, and one with the estimate and
@@ -41,8 +102,8 @@ def format_table(results, title=''):
     rows = []
     for name, r in results.items():
         source = 'estimate' if r.get('estimated', True) else 'measured'
-        rows.append([name, format_bytes(r['peak_bytes'])] +
-                    [format_bytes(r['breakdown'].get(c, 0)) for c in CATEGORIES] +
+        rows.append([name, format_cell(r['peak_bytes'])] +
+                    [format_cell(r['breakdown'].get(c, 0)) for c in CATEGORIES] +
                     [_ms(r.get('iter_ms') if r.get('iter_ms') is not None
                          else r.get('est_iter_ms')), source])
         steady = r.get('steady_peak_bytes')
@@ -50,6 +111,12 @@ def format_table(results, title=''):
             # offload 'free' runs its first iterations as shared while it measures
             rows.append(['', format_bytes(steady), 'steady peak (the timed iterations, once '
                                                    'the plan had settled)'])
+        process = r.get('process_peak_bytes')
+        if process:
+            rows.append(['', format_cell(process),
+                         'whole process, start-up included (start-up %s; training '
+                         'iterations %s)' % (format_cell(r.get('startup_peak_bytes')),
+                                             format_cell(r['peak_bytes']))])
         est = r.get('estimate')
         if est:
             settled = steady or r['peak_bytes']

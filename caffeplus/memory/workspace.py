@@ -442,8 +442,8 @@ class WorkspaceArena:
                 continue
             # (The limit itself where it cuts the site's candidates: the
             # sliced and per-group variants timed beside them need less.)
-            want = min(max([0] + [c.memory for c in s.candidates if c.memory <= budget]),
-                       self.search_limit(s))
+            needs = [c.memory for c in s.candidates] + [getattr(s.timer, 'variant_bytes', 0)]
+            want = min(max([0] + [n for n in needs if n <= budget]), self.search_limit(s))
             if want != self._buffer.nbytes:
                 # The old buffer back to the device before the new one is
                 # taken: CuPy's pool would keep it cached beside a larger one.

@@ -3,7 +3,8 @@ layer-internal buffers, the runtime's fixed cost, and layer times.
 
 Everything here is a model, not a measurement. The constants are either
 Caffe's own (the 8 MB limit, 3 streams per group) or fitted to the stock
-Caffe measurements in shared/bench/README.md (H100, CUDA 13, cuDNN 9.19),
+Caffe measurements in shared/bench/README.md (H100, CUDA 13, cuDNN 9.19:
+MODEL_GPU, which `caffeplus memory` names beside the times it gives),
 and are meant to be recalibrated with `caffeplus memory -gpu` (see
 CALIBRATION below). `caffeplus memory --estimate` prints what they give.
 
@@ -106,6 +107,8 @@ from caffeplus.memory import caffe1, calibration, cublas_pool, thread_stack
 from caffeplus.memory.liveness import FLOAT_BYTES
 
 MiB = 2 ** 20
+# The GPU the times and the runtime's fixed cost were fitted on (reports name it).
+MODEL_GPU = 'NVIDIA H100 80GB HBM3'
 STOCK_WORKSPACE_LIMIT = 8 * 1024 * 1024     # Caffe's workspace_limit_bytes
 STREAMS_PER_GROUP = 3                       # Caffe's CUDNN_STREAMS_PER_GROUP
 RUNTIME_BYTES = 660 * MiB                   # measured (see "Fixed cost" above)
@@ -433,11 +436,34 @@ def internals(net, plan_name=None):
 def other_bytes(net, plan_name):
     """The estimate's "other": the runtime's fixed cost, stock's per-layer
     handles, and the layers' internal buffers (for stock, Caffe 1.0's)."""
-    other = RUNTIME_BYTES - thread_stack.saved_bytes(plan_name) - \
-        cublas_pool.saved_bytes(plan_name) + internals(net, plan_name)
-    if plan_name == 'stock':
-        other += HANDLE_BYTES * (stock_handles(net) + caffe1.handle_count(net))
-    return other
+    return runtime_bytes(plan_name) + handle_bytes(net, plan_name) + internals(net, plan_name)
+
+
+def runtime_bytes(plan_name):
+    """The runtime's fixed cost under `plan_name` (see "Fixed cost" above)."""
+    return RUNTIME_BYTES - thread_stack.saved_bytes(plan_name) - \
+        cublas_pool.saved_bytes(plan_name)
+
+
+def handle_bytes(net, plan_name):
+    """Stock Caffe's per-layer cuDNN handles (and streams); 0 for the other plans."""
+    if plan_name != 'stock':
+        return 0
+    return HANDLE_BYTES * (stock_handles(net) + caffe1.handle_count(net))
+
+
+# What "other" holds, as reports name its parts.
+OTHER_PARTS = ('runtime', 'cudnn_handles', 'layer_buffers')
+
+
+def other_parts(net, plan_name, other):
+    """{part: bytes} of an estimated plan's "other" (`other` bytes): the
+    runtime, stock's cuDNN handles, and the rest, the layers' own buffers
+    (for the placing plans their share of the arena at its peak)."""
+    runtime = min(runtime_bytes(plan_name), other)
+    handles = min(handle_bytes(net, plan_name), other - runtime)
+    return collections.OrderedDict(zip(OTHER_PARTS, (runtime, handles,
+                                                      other - runtime - handles)))
 
 
 # -- layer times --------------------------------------------------------------------
