@@ -1,0 +1,256 @@
+"""How long building real nets takes (CPU backend), against the time NumPy
+takes to draw the same values, measured in one process.
+
+    python3 benchmarks/bench_net_build.py [--repeat 3] [--nets vgg16_deploy,alexnet_train]
+
+For every net: one untimed census build records what its fillers draw
+(kind and count, weights and DummyData tops alike); then, `--repeat` times
+and interleaved so that drift on a shared machine hits both alike, the
+build (caffeplus.Net from the prototxt, parsing included, log at WARNING)
+and NumPy drawing the census's values: for each filled array,
+numpy.empty(n, float32) and Generator.standard_normal(out=) for gaussian
+and msra, Generator.random(out=) for uniform, xavier and positive_unitball,
+.fill() for constants and bilinear, numpy.zeros for the constant 0 of an
+absent filler. Medians are printed, with build / NumPy (target <= 2.0).
+
+Stock Caffe cannot run here. Its one build time on record is LeNet's, in
+the stock-Caffe reference log reference/cli/time_lenet_dummy_b64.log (the
+time from "Initializing net from parameters" to "Network initialization
+done"): for LeNet the same window of caffeplus's log is timed and compared
+with it (target <= 1.5).
+"""
+import argparse
+import collections
+import logging
+import os
+import re
+import statistics
+import sys
+import time
+
+import numpy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import caffeplus                                         # noqa: E402
+from caffeplus import fillers, log, rng                 # noqa: E402
+from caffeplus.proto import caffe_pb2                   # noqa: E402
+from google.protobuf import text_format                 # noqa: E402
+
+SHARED = os.environ.get('CAFFEPLUS_SHARED', '/work/shared')
+if not os.path.isdir(SHARED):
+    SHARED = os.path.join(ROOT, 'tests', 'data')
+ZOO = os.path.join(SHARED, 'zoo', 'bvlc_caffe', 'models')
+BENCH = os.path.join(SHARED, 'bench')
+REFERENCE = os.path.join(SHARED, 'reference')
+
+
+# -- the nets --------------------------------------------------------------------
+def _read(path):
+    return text_format.Parse(open(path).read(), caffe_pb2.NetParameter())
+
+
+def vgg16_deploy(with_fillers):
+    """VGG-16's deploy net (138,357,544 parameters, input 10x3x224x224): the
+    bench's VGG-16 (NVIDIA Caffe's train_val) with DummyData made an Input
+    and the loss and accuracies a Softmax. The Model Zoo's deploy file
+    gives no fillers (every parameter constant 0): `with_fillers` False."""
+    train = _read(os.path.join(BENCH, 'vgg16_b64.prototxt'))
+    net = caffe_pb2.NetParameter(name='VGG_ILSVRC_16_layers')
+    data = net.layer.add(name='data', type='Input', top=['data'])
+    data.input_param.shape.add().dim.extend([10, 3, 224, 224])
+    last = None
+    for lp in train.layer:
+        if lp.type in ('DummyData', 'SoftmaxWithLoss', 'Accuracy'):
+            continue
+        copy = net.layer.add()
+        copy.CopyFrom(lp)
+        if not with_fillers:
+            for field in ('convolution_param', 'inner_product_param'):
+                if copy.HasField(field):
+                    getattr(copy, field).ClearField('weight_filler')
+                    getattr(copy, field).ClearField('bias_filler')
+        last = copy.top[0]
+    net.layer.add(name='prob', type='Softmax', bottom=[last], top=['prob'])
+    return net
+
+
+def _zoo_train(model):
+    """A zoo train_val with its data layers made DummyData (no databases here)."""
+    from caffeplus.io import dummy
+    return dummy.swap_data_layers(os.path.join(ZOO, model, 'train_val.prototxt'))
+
+
+NETS = collections.OrderedDict([
+    # name: (how to get the NetParameter, phase)
+    ('lenet_dummy_b64', (lambda: os.path.join(REFERENCE, 'cli', 'lenet_dummy_b64.prototxt'),
+                         caffe_pb2.TRAIN)),
+    ('vgg16_deploy', (lambda: vgg16_deploy(True), caffe_pb2.TEST)),
+    ('vgg16_deploy_zoo', (lambda: vgg16_deploy(False), caffe_pb2.TEST)),
+    ('vgg16_b64_train', (lambda: os.path.join(BENCH, 'vgg16_b64.prototxt'), caffe_pb2.TRAIN)),
+    ('alexnet_deploy', (lambda: os.path.join(ZOO, 'bvlc_alexnet', 'deploy.prototxt'),
+                        caffe_pb2.TEST)),
+    ('alexnet_train', (lambda: _zoo_train('bvlc_alexnet'), caffe_pb2.TRAIN)),
+    ('googlenet_train', (lambda: _zoo_train('bvlc_googlenet'), caffe_pb2.TRAIN)),
+    ('googlenet_deploy', (lambda: os.path.join(ZOO, 'bvlc_googlenet', 'deploy.prototxt'),
+                          caffe_pb2.TEST)),
+    ('resnet50_b32_train', (lambda: os.path.join(BENCH, 'resnet50_b32.prototxt'),
+                            caffe_pb2.TRAIN)),
+    ('resnet50_deploy', (lambda: os.path.join(SHARED, 'zoo', 'resnet_kaiminghe', 'prototxt',
+                                              'ResNet-50-deploy.prototxt'), caffe_pb2.TEST)),
+])
+
+
+# -- what the fillers draw ---------------------------------------------------------
+def census(source, phase):
+    """[(kind, count, value)] of every array the net's fillers fill."""
+    seen = []
+    real = fillers._checked_shape
+
+    def record(param, shape):
+        shape = real(param, shape)
+        count = int(numpy.prod(shape, dtype=numpy.int64))
+        kind = param.type
+        if kind == 'constant' and param.value == 0:
+            kind = 'zeros'
+        seen.append((kind, count, param.value))
+        return shape
+    fillers._checked_shape = record
+    try:
+        net = caffeplus.Net(source, phase)
+    finally:
+        fillers._checked_shape = real
+    del net
+    return seen
+
+
+_NORMAL = ('gaussian', 'msra')
+_UNIFORM = ('uniform', 'xavier', 'positive_unitball')
+
+
+def numpy_draws(draws):
+    """Seconds NumPy takes to allocate and fill arrays like `draws`."""
+    g = rng.get()
+    start = time.perf_counter()
+    for kind, count, value in draws:
+        if kind == 'zeros':
+            a = numpy.zeros(count, dtype=numpy.float32)
+        else:
+            a = numpy.empty(count, dtype=numpy.float32)
+            if kind in _NORMAL:
+                g.standard_normal(dtype=numpy.float32, out=a)
+            elif kind in _UNIFORM:
+                g.random(dtype=numpy.float32, out=a)
+            else:
+                a.fill(value)
+        del a
+    return time.perf_counter() - start
+
+
+def build_seconds(source, phase):
+    start = time.perf_counter()
+    net = caffeplus.Net(source, phase)
+    seconds = time.perf_counter() - start
+    del net
+    return seconds
+
+
+# -- the one stock-Caffe build time on record ------------------------------------------
+_STAMP = re.compile(r'^I\d{8} (\d\d):(\d\d):(\d\d\.\d+) ')
+
+
+def _window(lines):
+    """Seconds from 'Initializing net from parameters' to 'Network
+    initialization done' in glog-format lines."""
+    def seconds(line):
+        h, m, s = _STAMP.match(line).groups()
+        return int(h) * 3600 + int(m) * 60 + float(s)
+    start = next(seconds(l) for l in lines if 'Initializing net from parameters' in l)
+    end = next(seconds(l) for l in lines if 'Network initialization done' in l)
+    return end - start
+
+
+def stock_caffe_lenet_seconds():
+    path = os.path.join(REFERENCE, 'cli', 'time_lenet_dummy_b64.log')
+    if not os.path.exists(path):
+        return None, path
+    return _window(open(path).read().splitlines()), path
+
+
+class _Stamps(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.times = {}
+
+    def emit(self, record):
+        msg = record.getMessage()
+        for key in ('Initializing net from parameters', 'Network initialization done'):
+            if msg.startswith(key):
+                self.times[key] = time.perf_counter()
+
+
+def caffeplus_window_seconds(source, phase):
+    """caffeplus's build timed over the window stock Caffe's log shows
+    (logging at INFO, as Caffe's did, into a handler that only notes times)."""
+    handler = _Stamps()
+    handlers, level = log.logger.handlers[:], log.logger.level
+    log.logger.handlers = [handler]
+    log.logger.setLevel(logging.INFO)
+    try:
+        net = caffeplus.Net(source, phase)
+    finally:
+        log.logger.handlers = handlers
+        log.logger.setLevel(level)
+    del net
+    t = handler.times
+    return t['Network initialization done'] - t['Initializing net from parameters']
+
+
+# -- the run ----------------------------------------------------------------------------
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--repeat', type=int, default=3)
+    parser.add_argument('--nets', default=','.join(NETS))
+    args = parser.parse_args(argv)
+    caffeplus.set_mode_cpu()
+    caffeplus.set_random_seed(1701)
+    log.set_level(logging.WARNING)
+    print('numpy %s, %d CPU(s), repeat %d (medians)' % (numpy.__version__, os.cpu_count(),
+                                                       args.repeat))
+    print('| net | phase | filled values | build s | NumPy draws s | build / NumPy |')
+    print('|---|---|---|---|---|---|')
+    worst = 0.0
+    for name in args.nets.split(','):
+        make, phase = NETS[name]
+        source = make()
+        draws = census(source, phase)
+        builds, draws_s = [], []
+        for _ in range(args.repeat):
+            builds.append(build_seconds(source, phase))
+            draws_s.append(numpy_draws(draws))
+        build, base = statistics.median(builds), statistics.median(draws_s)
+        ratio = build / base if base > 0 else float('inf')
+        worst = max(worst, ratio)
+        print('| %s | %s | %s | %.3f | %.3f | %.2f |'
+              % (name, caffe_pb2.Phase.Name(phase), '{:,}'.format(sum(c for _, c, _ in draws)),
+                 build, base, ratio))
+        sys.stdout.flush()
+    print('worst build / NumPy: %.2f (target <= 2.0)' % worst)
+
+    if 'lenet_dummy_b64' in args.nets.split(','):
+        stock, path = stock_caffe_lenet_seconds()
+        make, phase = NETS['lenet_dummy_b64']
+        ours = statistics.median(caffeplus_window_seconds(make(), phase)
+                                 for _ in range(max(args.repeat, 5)))
+        if stock is None:
+            print('no stock-Caffe build time found (%s missing)' % path)
+        else:
+            print('LeNet (lenet_dummy_b64, TRAIN), "Initializing net" to "Network initialization '
+                  'done": caffeplus %.2f ms, stock Caffe %.2f ms (from %s), ratio %.2f '
+                  '(target <= 1.5)' % (ours * 1e3, stock * 1e3, path, ours / stock))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
