@@ -336,9 +336,9 @@ def _measure(param, plan, gpu, args, estimate_entry, budget_for_auto=None, host_
         estimate = dict(estimate, peak_bytes=planned['peak_bytes'],
                         iter_ms=planned['est_iter_ms'], recomputed=planned['recomputed'],
                         masked=planned['masked'])
+        estimate_entry = dict(estimate_entry, est_iter_ms=round(planned['est_iter_ms'], 3))
     if 'other_parts' in estimate_entry:
         estimate['other_parts'] = estimate_entry['other_parts']
-        estimate_entry = dict(estimate_entry, est_iter_ms=round(planned['est_iter_ms'], 3))
     entry = {k: v for k, v in measured.items() if k != 'live_curve'}
     entry['estimate'] = estimate
     # Against the steady peak: the estimate is of the settled plan (offload
