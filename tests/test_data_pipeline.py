@@ -429,7 +429,6 @@ _SCRIPT = textwrap.dedent('''
     from caffeplus.io import workers
     from caffeplus.layer import create_layer
     from caffeplus.proto import caffe_pb2
-    import layers.data
     lp = text_format.Parse({layer!r}, caffe_pb2.LayerParameter())
     layer = create_layer(lp)
     tops = [Blob(), Blob()]
@@ -580,7 +579,7 @@ def test_time_shows_the_data_layer_apart(tmp_path, caplog_caffeplus):
 
 # -- the waiting warning -----------------------------------------------------------
 def test_warning_when_the_net_waits_for_data(tmp_path, caplog_caffeplus, monkeypatch):
-    from layers import data as data_layers
+    from caffeplus.layers import data as data_layers
     monkeypatch.setattr(data_layers, 'DATA_WAIT_WINDOW', 4)
     monkeypatch.setattr(data_layers, 'DATA_WAIT_WARN_EVERY', 10)
     source = _write_lmdb(tmp_path / 'db', _images(8), 'PNG')
@@ -604,7 +603,7 @@ def test_warning_when_the_net_waits_for_data(tmp_path, caplog_caffeplus, monkeyp
 
 
 def test_no_warning_when_the_data_keeps_up(tmp_path, caplog_caffeplus, monkeypatch):
-    from layers import data as data_layers
+    from caffeplus.layers import data as data_layers
     monkeypatch.setattr(data_layers, 'DATA_WAIT_WINDOW', 4)
     source = _write_lmdb(tmp_path / 'db', _images(8), None)
     layer, tops = _data_layer(source, 'scale: 1', batch=2, count=2)

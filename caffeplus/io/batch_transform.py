@@ -112,25 +112,41 @@ def check_plan(raw, plan):
         raise ValueError('%d mean values for %d channels' % (plan.mean_values.shape[0], c))
 
 
-def apply_plan(xp, raw, plan, out=None):
-    """The float32 (N, C, crop_h, crop_w) batch of `raw` under `plan` (into `out`)."""
-    check_plan(raw, plan)
-    n, c = raw.shape[:2]
-    pix = _windows_at(xp, raw, plan.h_off, plan.w_off, plan.crop_h, plan.crop_w)
-    # Integer indexing copies, so the arithmetic below never touches `raw`.
-    pix = pix.astype(F32, copy=False)
-    if plan.mean is not None:
-        pix -= _mean_windows(xp, plan.mean, plan)
-    elif plan.mean_values is not None:
-        pix -= plan.mean_values.astype(F32).reshape(1, c, 1, 1)
-    if out is None:
-        out = pix
-    elif tuple(out.shape) != tuple(pix.shape):
-        raise ValueError('out has shape %s, the batch transforms to %s'
-                         % (tuple(out.shape), tuple(pix.shape)))
-    xp.multiply(pix, plan.scale, out=out)
+def _mirror(xp, batch, plan):
+    """Flip the images the plan mirrors, in place (any dtype, N x C x h x w)."""
     flipped = xp.nonzero(plan.mirror)[0]
     if flipped.shape[0]:
-        out[flipped] = out[flipped][..., ::-1]
-    return out
+        batch[flipped] = batch[flipped][..., ::-1]
 
+
+def apply_plan(xp, raw, plan, out=None):
+    """The float32 (N, C, crop_h, crop_w) batch of `raw` under `plan` (into `out`).
+
+    Three passes over the batch: gather the crops at raw's own type (integer
+    indexing copies, so `raw` is never written), flip the mirrored ones
+    while they are still small, then convert and subtract the mean in one
+    ufunc call (float32 operands: what astype-then-subtract gives), and
+    multiply by the scale unless it is 1 (x * 1 is x exactly).
+    """
+    check_plan(raw, plan)
+    n, c = raw.shape[:2]
+    crops = _windows_at(xp, raw, plan.h_off, plan.w_off, plan.crop_h, plan.crop_w)
+    _mirror(xp, crops, plan)
+    shape = (n, c, plan.crop_h, plan.crop_w)
+    if out is None:
+        out = xp.empty(shape, dtype=F32)
+    elif tuple(out.shape) != shape or out.dtype != F32:
+        raise ValueError('out is %s %s, the batch transforms to float32 %s'
+                         % (out.dtype, tuple(out.shape), shape))
+    if plan.mean is not None:
+        mean = _mean_windows(xp, plan.mean.astype(F32, copy=False), plan)
+        _mirror(xp, mean, plan)
+        xp.subtract(crops, mean, out=out, dtype=F32)
+    elif plan.mean_values is not None:
+        xp.subtract(crops, plan.mean_values.astype(F32).reshape(1, c, 1, 1), out=out,
+                    dtype=F32)
+    else:
+        out[...] = crops
+    if plan.scale != 1:
+        xp.multiply(out, plan.scale, out=out)
+    return out

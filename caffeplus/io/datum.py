@@ -95,14 +95,16 @@ def datum_shape(datum, key=None):
     return c, h, w
 
 
-def datum_to_array(datum, key=None, mode=UNCHANGED, what=None):
+def datum_to_array(datum, key=None, mode=UNCHANGED, what=None, contiguous=True):
     """The C x H x W array of a Datum: uint8 for `data`, float32 for `float_data`.
 
     An encoded datum is decoded (mode: 'unchanged' as OpenCV's native decode,
-    'color' or 'gray'). Errors name `what` (default: 'datum <key>').
+    'color' or 'gray'; contiguous=False: the decoder's H x W x C pixels seen
+    as C x H x W, for a caller that copies them on anyway). Errors name
+    `what` (default: 'datum <key>').
     """
     if datum.encoded:
-        return decode_image(datum.data, mode, what=what or _what(key))
+        return decode_image(datum.data, mode, what=what or _what(key), contiguous=contiguous)
     c, h, w = datum_shape(datum, key)
     name = what or _what(key)
     count = c * h * w
@@ -262,9 +264,11 @@ def decode_image_hwc(data, mode=COLOR, what='image'):
         raise FormatError('%s: cannot decode image (%s)' % (what, exc))
 
 
-def decode_image(data, mode=COLOR, what='image'):
-    """Encoded image bytes -> C x H x W uint8, as Caffe's DecodeDatumToCVMat."""
-    return numpy.ascontiguousarray(decode_image_hwc(data, mode, what).transpose(2, 0, 1))
+def decode_image(data, mode=COLOR, what='image', contiguous=True):
+    """Encoded image bytes -> C x H x W uint8, as Caffe's DecodeDatumToCVMat
+    (contiguous=False: a transposed view of the decoded H x W x C pixels)."""
+    chw = decode_image_hwc(data, mode, what).transpose(2, 0, 1)
+    return numpy.ascontiguousarray(chw) if contiguous else chw
 
 
 def read_image_hwc(path, mode=COLOR, new_height=0, new_width=0, what=None):
@@ -303,10 +307,12 @@ def _decode_file_pil(Image, data, mode, what):
         raise FormatError('%s: cannot decode image (%s)' % (what, exc))
 
 
-def read_image(path, is_color=True, new_height=0, new_width=0, what=None):
-    """An image file -> C x H x W uint8, BGR (is_color) or 1-channel grey."""
+def read_image(path, is_color=True, new_height=0, new_width=0, what=None, contiguous=True):
+    """An image file -> C x H x W uint8, BGR (is_color) or 1-channel grey
+    (contiguous=False: a transposed view of the H x W x C pixels)."""
     arr = read_image_hwc(path, COLOR if is_color else GRAY, new_height, new_width, what)
-    return numpy.ascontiguousarray(arr.transpose(2, 0, 1))
+    chw = arr.transpose(2, 0, 1)
+    return numpy.ascontiguousarray(chw) if contiguous else chw
 
 
 # -- OpenCV's INTER_LINEAR resize ---------------------------------------------

@@ -145,9 +145,10 @@ class DataTransformer:
         return (c, h, w)
 
     # -- datums ----------------------------------------------------------------
-    def datum_array(self, datum, key=None, what=None):
+    def datum_array(self, datum, key=None, what=None, contiguous=True):
         """The C x H x W pixels of a datum (encoded ones decoded per force_*);
-        errors name `what` (default: the datum's key)."""
+        errors name `what` (default: the datum's key); contiguous as
+        caffeplus.io.datum.datum_to_array's."""
         if datum.encoded:
             if self.param.force_color:
                 mode = datum_io.COLOR
@@ -155,7 +156,7 @@ class DataTransformer:
                 mode = datum_io.GRAY
             else:
                 mode = datum_io.UNCHANGED
-            return datum_io.datum_to_array(datum, key, mode, what=what)
+            return datum_io.datum_to_array(datum, key, mode, what=what, contiguous=contiguous)
         return datum_io.datum_to_array(datum, key, what=what)
 
     def transform_datum(self, datum, out=None, key=None):
@@ -216,20 +217,37 @@ class DataTransformer:
                             None if out is None else out.reshape((1,) + result_shape))
         return result[0] if out is None else out
 
-    def prepare_batch(self, arrays, whats=None):
-        """Check the inputs and draw their decisions image by image, in order.
-
-        Returns (raw, plan) when all inputs share one shape (raw: the N x C x
-        H x W stack, uint8 for uint8 inputs), else (None, draws) with draws
-        the per-input (mirror, h_off, w_off)."""
+    def draw_batch(self, arrays, whats=None):
+        """Check the inputs and draw their decisions image by image, in order:
+        (arrays, [(mirror, h_off, w_off)], uniform: whether all share a shape)."""
         if not len(arrays):
             raise CaffeplusError('%sempty batch' % self._who())
         arrays = [self._checked(a, whats[i] if whats else 'the data')
                   for i, a in enumerate(arrays)]
         draws = [self.draw(a.shape) for a in arrays]
-        if any(a.shape != arrays[0].shape for a in arrays):
-            return None, draws
+        uniform = all(a.shape == arrays[0].shape for a in arrays)
+        return arrays, draws, uniform
+
+    def prepare_batch(self, arrays, whats=None):
+        """(raw, plan) of inputs that share one shape: raw is their N x C x H
+        x W stack (uint8 for uint8 inputs), plan the batch's TransformPlan
+        with the decisions drawn in order. A device path copies raw and
+        applies the plan there (caffeplus.io.batch_transform)."""
+        arrays, draws, uniform = self.draw_batch(arrays, whats)
+        if not uniform:
+            raise CaffeplusError('%sthe inputs of the batch differ in shape' % self._who())
         return numpy.stack(arrays), self.plan(draws, arrays[0].shape)
+
+    def transform_stacked(self, raw, out=None, what='the data', pool=None):
+        """transform_batch of inputs already stacked in one N x C x H x W array
+        (`what` names the first, for errors)."""
+        raw = numpy.asarray(raw)
+        self.check_input(raw.shape[1:], what)
+        draws = [self.draw(raw.shape[1:]) for _ in range(raw.shape[0])]
+        plan = self.plan(draws, raw.shape[1:])
+        if out is None:
+            out = numpy.empty(plan.output_shape(raw.shape[1]), dtype=numpy.float32)
+        return apply_batch(raw, plan, out, pool)
 
     def transform_batch(self, arrays, out=None, whats=None, pool=None):
         """Transform a list of C x H x W arrays into one N x C x h x w float32 batch.
@@ -237,26 +255,34 @@ class DataTransformer:
         The random draws are made image by image in order, exactly as
         transforming them one at a time would; the pixels are transformed
         for the whole batch at once (caffeplus.io.batch_transform), split
-        over `pool`'s workers (a caffeplus.io.workers.WorkerPool) if given.
+        over `pool`'s workers (a caffeplus.io.workers.WorkerPool) if given,
+        each stacking and transforming its share.
         """
-        raw, plan = self.prepare_batch(arrays, whats)
-        first = self.infer_shape(numpy.shape(arrays[0]))
+        arrays, draws, uniform = self.draw_batch(arrays, whats)
+        first = self.infer_shape(arrays[0].shape)
         n = len(arrays)
         if out is None:
             out = numpy.empty((n,) + first, dtype=numpy.float32)
-        if raw is None:
+        if not uniform:
             for i, a in enumerate(arrays):
-                self._apply_one(numpy.asarray(a), plan[i], out[i])
+                self._apply_one(a, draws[i], out[i])
             return out
-        apply_batch(raw, plan, out, pool)
+        plan = self.plan(draws, arrays[0].shape)
+
+        def run(bounds):
+            lo, hi = bounds
+            apply_plan(numpy, numpy.stack(arrays[lo:hi]), plan.slice(lo, hi), out[lo:hi])
+        if pool is None or pool.count == 1:
+            run((0, n))
+        else:
+            pool.map(run, pool.chunks(n))
         return out
 
 
 def apply_batch(raw, plan, out, pool=None):
     """apply_plan on the host, the batch split over the pool's workers."""
-    if pool is None or pool.count == 1:
-        apply_plan(numpy, raw, plan, out)
-        return out
+    if pool is None or pool.count == 1 or len(plan) == 1:
+        return apply_plan(numpy, raw, plan, out)
 
     def run(bounds):
         lo, hi = bounds
