@@ -260,7 +260,15 @@ def test_gpu_auto_times_the_convolutions_and_keeps_each_call_within_its_plan():
     try:
         net = caffeplus.Net(param, caffeplus.TRAIN, memory='stock')
         shared = budget.estimate_plan(net, 'shared')
-        apply_named_plan(net, 'auto', training=True, budget=shared.peak_bytes + (64 << 20))
+        # The budget is the whole process's, and the timing stays within it:
+        # room for the largest trial beside what the process holds (its CUDA
+        # context alone exceeds the estimate's runtime before the plan
+        # lowers the thread stack).
+        import cupy
+        held = calibration.process_device_bytes(cupy.get_default_memory_pool())
+        trial = max(calibration.trial_array_bytes(layer(net, n)) for n in ('conv1', 'conv2'))
+        limit = max(shared.peak_bytes, held + trial + calibration.MEASURE_MARGIN) + (64 << 20)
+        apply_named_plan(net, 'auto', training=True, budget=limit)
         with calibration.applied():
             assert calibration.covers(layer(net, 'conv1')) and calibration.covers(layer(net, 'conv2'))
         plan = net.applied_plan.plan
