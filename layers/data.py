@@ -519,14 +519,14 @@ class _DatabaseSource:
         """(pixels C x H x W, label, description) of one (key, value) record."""
         key, value = record
         what = self._what(key)
-        datum = datum_io.parse_datum(value, key, self.path)
+        datum = datum_io.read_datum(value, key, self.path)
         # Not made contiguous: the workers copy the pixels into the batch.
         pixels = self.transformer.datum_array(datum, key, what=what, contiguous=False)
         return pixels, datum.label, what
 
     def peek_array(self):
         key, value = self.reader.current()
-        datum = datum_io.parse_datum(value, key, self.path)
+        datum = datum_io.read_datum(value, key, self.path)
         what = self._what(key)
         return datum, self.transformer.datum_array(datum, key, what=what), what
 

@@ -614,3 +614,45 @@ def test_no_warning_when_the_data_keeps_up(tmp_path, caplog_caffeplus, monkeypat
     finally:
         layer.close()
     assert not [m for m in caplog_caffeplus if 'is slowing the net down' in m]
+
+
+# -- reading Datums in place --------------------------------------------------------
+def _fields(d):
+    return (d.channels, d.height, d.width, d.label, bool(d.encoded), bytes(d.data))
+
+
+def test_datum_view_reads_what_protobuf_reads():
+    rs = numpy.random.RandomState(4)
+    samples = [datum_io.array_to_datum(rs.randint(0, 256, (3, 5, 4)).astype(numpy.uint8), -3),
+               caffe_pb2.Datum(channels=1, height=2, width=2, data=b'abcd', label=2 ** 31 - 1),
+               caffe_pb2.Datum(encoded=True, data=_encode(_images(1)[0], 'PNG'), label=7),
+               caffe_pb2.Datum()]
+    serialized = [d.SerializeToString() for d in samples]
+    # Fields repeated (the last counts) and out of order, as protobuf allows.
+    serialized.append(serialized[1] + caffe_pb2.Datum(label=-9, data=b'wxyz')
+                      .SerializeToString())
+    for s in serialized:
+        view = datum_io.view_datum(s)
+        assert view is not None
+        assert _fields(view) == _fields(datum_io.parse_datum(s))
+    # float_data takes protobuf's path.
+    floats = datum_io.array_to_datum(numpy.ones((1, 2, 2), numpy.float32)).SerializeToString()
+    assert datum_io.view_datum(floats) is None
+    assert isinstance(datum_io.read_datum(floats), caffe_pb2.Datum)
+    # Damaged records: whatever the view accepts, protobuf reads the same way.
+    accepted = 0
+    for trial in range(400):
+        s = bytearray(serialized[trial % 3])
+        for _ in range(1 + trial % 3):
+            s[rs.randint(len(s))] = rs.randint(256)
+        s = bytes(s[:len(s) - (trial % 5)])
+        view = datum_io.view_datum(s)
+        if view is None:
+            continue
+        accepted += 1
+        try:
+            parsed = datum_io.parse_datum(s)
+        except CaffeplusError:
+            raise AssertionError('view accepted a record protobuf rejects: %r' % s)
+        assert _fields(view) == _fields(parsed)
+    assert accepted > 50
