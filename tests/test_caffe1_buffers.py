@@ -649,7 +649,7 @@ def test_gpu_stock_plan_holds_the_bytes():
         net = caffeplus.Net(param, caffeplus.TRAIN)
         caffe1.detach(net)
         # Garbage of earlier tests collected in between would lower the
-        # pool's count (a full GPU run, 2026-11-24: 37 KB below `before`).
+        # pool's count (in a full GPU run, 37 KB below `before`).
         gc.collect()
         pool = cupy.get_default_memory_pool()
         before = pool.used_bytes()

@@ -319,7 +319,7 @@ def test_gpu_a_placing_plan_makes_caffeplus_handle_before_any_gemm():
     not make CuPy's handle first (its 32 MiB pool, and ours 32 MiB more);
     the search's fallback buffer goes back afterwards unless a GEMM was
     chosen for a call that runs (a GEMM chosen for the data's bwd_data,
-    which never runs, takes none: seen on the H200, 88ebe13)."""
+    which never runs, takes none)."""
     import cupy
     if cupy.cuda.Device().compute_capability[:-1] != '9':
         pytest.skip('Hopper: the plans place cuBLAS workspace there only')

@@ -662,8 +662,8 @@ def test_offload_without_fused_chains_emulated(emulated):
 def test_offload_relayout_frees_the_old_arena_with_chains_emulated(emulated, monkeypatch):
     """A re-layout that keeps no values lets the old arena go before taking
     a larger one, fused chains included: a chained Scale holds BatchNorm's
-    kept normalized copy (a view of the arena) and must forget it too (on
-    the H100 it kept ResNet-50's 4.6 GB old arena alive)."""
+    kept normalized copy (a view of the arena) and must forget it too
+    (otherwise it keeps ResNet-50's 4.6 GB old arena alive)."""
     import weakref
     from caffeplus.memory import placement
     from caffeplus.memory.apply import apply_named_plan
@@ -696,7 +696,7 @@ def test_offload_relayout_frees_the_old_arena_with_chains_emulated(emulated, mon
 def test_liveness_knows_a_chain_writes_at_its_head_step(emulated):
     """An Eltwise->ReLU chain's backward runs at the ReLU's step and writes
     the Eltwise's bottom diffs there, a step before the Eltwise's own: the
-    planner must start those diffs' lives there (on the H100, offload placed
+    planner must start those diffs' lives there (otherwise offload can place
     the ReLU's top data in the same bytes, and the fused backward read it
     while overwriting it)."""
     from caffeplus.memory import liveness

@@ -93,9 +93,9 @@ def test_placement_search_closes_gaps_the_fixed_orders_leave():
 @pytest.mark.parametrize('run', ['88ebe13_layout_alexnet_free_3.json',
                                  '888e20f_memory_alexnet_b128_offload_2.json'])
 def test_placement_reaches_the_bound_on_alexnets_recorded_free_layouts(run):
-    """AlexNet b128's `free` layouts as the H200 runs placed them (session
-    21: 579.7 and 582.1 MiB against a bound of 569.2, where the search kept
-    only moves that placed no worse): placed again, at the bound."""
+    """AlexNet b128's `free` layouts as recorded GPU runs placed them with a
+    search that kept only moves that placed no worse (579.7 and 582.1 MiB
+    against a bound of 569.2): placed again, at the bound."""
     path = os.path.join(ROOT, 'benchmarks', 'memory', '2026-11-29-s21', run)
     doc = json.load(open(path))
     rows = doc['plans']['offload']['arena_layout'] if 'plans' in doc else doc['buffers']

@@ -422,7 +422,7 @@ def test_within_headroom_trades_a_little_time_for_the_peak():
 
 
 def test_trades_past_each_calls_share_spend_one_allowance_for_the_net(monkeypatch):
-    """AlexNet b128 on the H200 (session 20): conv3's backward-data, fastest
+    """AlexNet b128 on the H200: conv3's backward-data, fastest
     0.531 ms with 193.5 MiB, fits its step only over half batches (0.637
     ms, x1.2); conv4's, 0.468 ms with 226 MiB, only per group (0.580 ms).
     The 10% rule refuses both. Trades beyond it share one allowance, a

@@ -2,8 +2,8 @@
 """Device time of a max pooling's forward and backward on the GPU, masked
 (caffeplus.memory.masks: the one-byte-argmax kernels) against cuDNN's, at
 the bench nets' shapes. Prints milliseconds per pass and the ratio
-kernels / cuDNN. (Session 9 timed an LRN backward from x alone this way
-too: 3.0-3.5x cuDNN's; benchmarks/gpu_test_runs.md.)
+kernels / cuDNN. (An LRN backward from x alone, timed this way, runs
+3.0-3.5x cuDNN's.)
 
     python3 tools/bench_layer_kernels.py [--reps 50]
 """

@@ -7,8 +7,8 @@ the steps asked for, the buffers live there, largest first.
         --plan offload --offload free [--steps 9,13,34,44] [--min-mib 1]
 
 What it answers: which steps set a plan's peak and what holds them there
-(session 16 worked out AlexNet's `free` at 0.5x of stock Caffe this way:
-benchmarks/memory_results.md).
+(for example, what AlexNet's `free` would need to reach 0.5x of stock
+Caffe).
 """
 import argparse
 import os

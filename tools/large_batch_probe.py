@@ -9,9 +9,8 @@ two training iterations; prints the exception and where it was raised.
 would leave beside the memory in use at the start (the CUDA context), so a
 plan that exceeds it fails as it would there.
 
-(Session 4: `tools/max_batch.py` saw every VGG-16 `auto` try from batch 672
-up fail without recording why; batch 576 trained. 672 is where conv1's
-output passes 2**31 elements, the limit of 32-bit sizes.)
+(VGG-16 `auto` fails from batch 672 up, where conv1's output passes 2**31
+elements, the limit of 32-bit sizes; tools/max_batch.py records no reason.)
 """
 import argparse
 import os

@@ -114,7 +114,7 @@ def claim_first_handle(net, plan_name):
     convolution as a GEMM before the first InnerProduct runs would
     otherwise make CuPy's handle first, with its 32 MiB pool, and ours
     after it with 32 MiB more (GoogLeNet b64 and ResNet-50 b64 `shared`
-    held 80 MiB more outside CuPy's pool than AlexNet, H200, session 20).
+    held 80 MiB more outside CuPy's pool than AlexNet).
     Returns whether it did."""
     try:
         import cupy

@@ -32,12 +32,12 @@ from caffeplus.memory import offload
 MARGIN = 1.25
 # Copies hide behind this share of the step times (the runtime's measured
 # ones, the estimate's modelled ones; CAFFEPLUS_FREE_STEP_SHARE sets
-# another, in (0, 1]). With the whole steps the copies were not hidden:
-# interleaved with `shared` (tools/time_plans.py, H100, session 14)
-# GoogLeNet ran x1.30 and ResNet-50 x1.04-1.08, the layers' stream waiting
-# about 1.5 ms an iteration in forward for copies out still running
-# (tools/trace_plans.py --offload free); at 0.9 x1.12 and x1.02, at 0.8
-# x1.02 and x1.01, for 7% (GoogLeNet) and 2.5% (ResNet-50) more memory.
+# another, in (0, 1]). Behind the whole steps the copies are not hidden:
+# interleaved with `shared` (tools/time_plans.py) GoogLeNet runs x1.30 and
+# ResNet-50 x1.04-1.08, the layers' stream waiting about 1.5 ms an iteration
+# in forward for copies out still running (tools/trace_plans.py --offload
+# free); at 0.9 x1.12 and x1.02, at 0.8 x1.02 and x1.01, for 7% (GoogLeNet)
+# and 2.5% (ResNet-50) more memory.
 STEP_SHARE = 0.8
 STEP_SHARE_ENV = 'CAFFEPLUS_FREE_STEP_SHARE'
 
@@ -65,9 +65,9 @@ Hidden = collections.namedtuple('Hidden', 'release prefetch')
 # into the compute once the host runs faster, and host speed moves by 15-30%
 # between runs. So on the GPU a step hides copies behind at most its modelled
 # device time (caffeplus.memory.workspace_model, what the estimate hides
-# behind). GoogLeNet's runtime moved about 900 MB each way an iteration
-# behind its measured steps and ran x1.07-1.14 of `shared` on an H100 host;
-# the model hides none of them. CAFFEPLUS_FREE_MODEL_BOUND=0 lifts the bound.
+# behind). Behind its measured steps GoogLeNet's runtime moves about 900 MB
+# each way an iteration and runs x1.07-1.14 of `shared`; the model hides
+# none of them. CAFFEPLUS_FREE_MODEL_BOUND=0 lifts the bound.
 MODEL_BOUND_ENV = 'CAFFEPLUS_FREE_MODEL_BOUND'
 
 

@@ -107,10 +107,10 @@ def _hook(method, chain_safe):
     the default) it lets the fused layer chains (layers/cudnn.py) stay
     fused, as they are under the plans without offload, so offload runs
     `shared`'s arithmetic. (fused_chains=False runs them layer by layer.
-    A chain's backward writes at its last member's step; until the planner
-    knew that (liveness.buffers, kernels.chain_heads), offload placed an
-    Eltwise->ReLU chain's top data where the chain wrote the Eltwise's
-    bottom diffs: ResNet-50's wrong offload results on the H100.)"""
+    A chain's backward writes at its last member's step, which the planner
+    must know (liveness.buffers, kernels.chain_heads): otherwise an
+    Eltwise->ReLU chain's top data could be placed where the chain writes
+    the Eltwise's bottom diffs.)"""
     def hook(i):
         return method(i)
     hook.chain_safe = bool(chain_safe)

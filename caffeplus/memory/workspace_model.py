@@ -21,7 +21,7 @@ relative to the fastest (1.0):
   precomp     8 B x (C/g) x prod(kernel) (an index buffer,    1.15  forward only
               IMPLICIT_PRECOMP_GEMM-like; cuDNN's backward
               calls have none: with no workspace to spare,
-              VGG-16 b256's conv1_2 measured 1.56x, 2026-11-24)
+              VGG-16 b256's conv1_2 measured 1.56x)
   transform   4 B x (input + output feature map), the maps   1.0   stride 1, dilation 1
               once in a tiled transform domain
               (FFT_TILING / WINOGRAD_NONFUSED-like)
@@ -68,8 +68,8 @@ Fixed cost ("other")
 RUNTIME_BYTES is what the process holds on the device besides the plan's
 buffers: the CUDA context, CuPy, cuBLAS's workspace, cuDNN, the fused
 kernels and the captured CUDA graphs. It is MEASURED: the "other" of the
-`arena` and `shared` plans on the H100 (2026-11-22,
-benchmarks/memory_results.md: 637-684 MiB over AlexNet, GoogLeNet, VGG-16
+`arena` and `shared` plans on the H100 (MODEL_GPU:
+637-684 MiB over AlexNet, GoogLeNet, VGG-16
 and ResNet-50; mean 660 MiB), at CUDA's default per-thread stack and cuBLAS's default
 workspace pool; the plans but `stock` lower that limit and keep one cuBLAS
 buffer instead of two, and hold less (caffeplus.memory.thread_stack,
@@ -120,14 +120,14 @@ CONV_FLOPS = 22e12                          # effective FP32 convolution FLOP/s
 LAYER_OVERHEAD = 0.3e-3                     # seconds per conv/IP call (launches, sync)
 MEMORY_BANDWIDTH = 1.5e12                   # effective bytes/s of the solver's update
 # What VGG-16 b256's ReLUs and poolings move per second on the H100
-# (tools/profile_gpu.py, 2026-11-24: 15 ReLUs forward 27.8 GB in 10.35 ms,
+# (tools/profile_gpu.py: 15 ReLUs forward 27.8 GB in 10.35 ms,
 # backward 41.6 GB in 15.5 ms; 5 poolings forward 7.8 GB in 3.0 ms), and
-# most of the bench nets' own layers (2026-11-28): own_layer_seconds' rate.
+# most of the bench nets' own layers: own_layer_seconds' rate.
 MEASURED_BANDWIDTH = 2.7e12
 # caffeplus's own convolutions and InnerProducts on the H100 run this much
 # faster than the model above (fitted to stock Caffe): arena-plan
-# iterations measured at 8f19b0e against the model's (then for every
-# layer), AlexNet 11.8 vs 43.3 ms, GoogLeNet 38 vs 139, VGG-16 84 vs 313,
+# iterations measured against the model's (taken for every layer),
+# AlexNet 11.8 vs 43.3 ms, GoogLeNet 38 vs 139, VGG-16 84 vs 313,
 # ResNet-50 70 vs 263 (3.7x, +-2%). Step times feed offload decisions
 # (policy 'free', `auto`), which weigh them against the host link.
 CAFFEPLUS_SPEEDUP = 3.7
@@ -199,7 +199,7 @@ class ConvShape:
 # fraction of that (0.05-0.25: 0.15 here); backward-filter has none.
 TRANSFORM_FACTOR = 2.25
 # On small maps (AlexNet's 13 x 13 conv3-5) the fastest are FFTs padded to a
-# power of two: 3.5-6 x the maps (2026-11-24, tools/dump_algorithms.py).
+# power of two: 3.5-6 x the maps (tools/dump_algorithms.py).
 SMALL_MAP = 16
 SMALL_TRANSFORM_FACTOR = 4.0
 TILING_FACTOR = 0.15
@@ -207,19 +207,18 @@ TILING_TIME = 1.04
 # Timed search also runs each call over halves, quarters and eighths of the
 # batch (layers/cudnn.py CHUNK_VARIANTS): the transforms' workspace scales
 # with the slice, the time grows a little per slicing (measured on VGG-16's
-# conv1_2 at b64, 2026-11-24: +1-4% over halves, +6-10% over quarters, +7%
+# conv1_2 at b64: +1-4% over halves, +6-10% over quarters, +7%
 # over eighths for the filter gradient).
 CHUNK_SLICES = (2, 4, 8)
 CHUNK_TIME = {2: 1.02, 4: 1.06, 8: 1.08}
 # A slice of FULL_SLICE images or more keeps the GPU as busy as the whole
-# batch: its calls cost no more. On the H200 at b256, VGG-16's conv3-5 calls
-# chose 612-1,360 MiB where the whole batch's transforms take 784-1,764
-# (benchmarks/memory_results.md, session 21), and the estimate of `shared`
-# was 6.8% over the measured peak with the whole-batch transform at conv4_3's
-# backward; at b64 the same calls took 180-477 MiB, about the whole batch's.
+# batch: its calls cost no more. At b256, VGG-16's conv3-5 calls choose
+# 612-1,360 MiB where the whole batch's transforms take 784-1,764, and an
+# estimate of `shared` with the whole-batch transform at conv4_3's backward
+# is 6.8% over the measured peak; at b64 the same calls took 180-477 MiB, about the whole batch's.
 FULL_SLICE = 128
 # Small maps' FFTs neither tile nor slice cheaply: AlexNet's conv3-5 (13 x 13)
-# at b128 run 13-50% slower over halves (tools/dump_algorithms.py, db0798f),
+# at b128 run 13-50% slower over halves (tools/dump_algorithms.py),
 # and their tiled FFTs are no faster than the implicit GEMMs.
 SMALL_CHUNK_TIME = {2: 1.3, 4: 1.5, 8: 1.7}
 
@@ -241,7 +240,7 @@ def _measured(layer, kind):
 
 
 # Times the model's FLOP rate misses (the step times offload 'free' measured
-# on the bench nets, 2026-11-28, H100): 1 x 1 convolutions are plain GEMMs
+# on the bench nets, H100): 1 x 1 convolutions are plain GEMMs
 # at about a third of the transforms' effective rate, (forward, backward)
 # factors by unit stride (ResNet-50's 30 unit-stride ones 1.2 / 1.6 and 6
 # strided ones 1.3 / 2.9; GoogLeNet's 39: 1.14 / 1.15); and image stems
@@ -283,7 +282,7 @@ def candidates(layer, kind=None):
     else:
         # Strided (AlexNet's conv1, ResNet's stem): cuDNN's implicit GEMMs
         # beat the explicit column buffer (1.31 vs 1.43 ms on AlexNet's conv1),
-        # backward-filter's too (1.35 ms, no workspace, 2026-11-24).
+        # backward-filter's too (1.35 ms, no workspace).
         out[0] = Candidate('implicit', 0, 1.0)
         big = Candidate('explicit', s.column_bytes, 1.09)
         out.append(big)
@@ -486,7 +485,7 @@ def layer_seconds(net, i, conv_factor=1.0):
 # caffeplus's own elementwise, pooling and data layers on the H100, in
 # absolute seconds (not through CAFFEPLUS_SPEEDUP). Fitted to the step times
 # offload 'free' measured on the four bench nets (tools/free_offload_probe.py
-# --json, 2026-11-28, benchmarks/memory/2026-11-28-s13/steps_*.json): most
+# --json, benchmarks/memory/2026-11-28-s13/steps_*.json): most
 # such layers move their maps at MEASURED_BANDWIDTH (forward: bottoms and
 # tops once; backward: twice) plus about OWN_CALL_SECONDS a call; the GPU's
 # fused chains (layers/cudnn.py: BatchNorm, Scale and a ReLU after them, or
