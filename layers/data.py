@@ -918,18 +918,30 @@ class HDF5DataLayer(Layer):
         pass
 
     def _forward(self, bottom, top):
-        outs = [numpy.empty((self.batch_size,) + s, dtype=numpy.float32)
-                for s in self.row_shapes]
+        # The rows are picked in order (a pass ending inside the batch may
+        # load another file and reshuffle), then each file's rows are
+        # gathered at once into the batch.
+        picks = []                      # (file's rows, row index), in batch order
         rank, world = self.shard
         for i in range(self.batch_size):
             for _ in range(rank if i == 0 else world - 1):
                 self._next()
-            row = self.data_permutation[self.current_row]
-            for out, b in zip(outs, self.blobs_data):
-                out[i] = b[row]
+            picks.append((self.blobs_data, self.data_permutation[self.current_row]))
             self._next()
         for _ in range(world - 1 - rank):
             self._next()
+        outs = [numpy.empty((self.batch_size,) + s, dtype=numpy.float32)
+                for s in self.row_shapes]
+        start = 0
+        while start < len(picks):
+            blobs = picks[start][0]
+            stop = start
+            while stop < len(picks) and picks[stop][0] is blobs:
+                stop += 1
+            rows = numpy.asarray([row for _, row in picks[start:stop]], dtype=numpy.int64)
+            for out, b in zip(outs, blobs):
+                numpy.take(b, rows, axis=0, out=out[start:stop])
+            start = stop
         for t, out in zip(top, outs):
             t.reshape(out.shape)
             t.data = out
@@ -1061,6 +1073,8 @@ class MemoryDataLayer(Layer):
         self.transformer = DataTransformer(self.layer_param.transform_param, self.phase,
                                            self.name)
         self.transformer.init_rand()
+        self.data_workers = workers_io.resolve()
+        self._pool = None
         self._data = self._labels = None
         self.n = self.pos = 0
         self.has_new_data = False
@@ -1122,10 +1136,19 @@ class MemoryDataLayer(Layer):
         self.batch_size = int(new_size)
 
     def add_datum_vector(self, datums):
-        """Transform Datums (a multiple of batch_size of them) and serve them."""
-        arrays = [self.transformer.datum_array(d) for d in datums]
+        """Transform Datums (a multiple of batch_size of them) and serve them;
+        encoded ones are decoded on data_workers threads."""
+        arrays = self._workers().map(self.transformer.datum_array, datums)
         labels = [d.label for d in datums]
         self._add(arrays, labels)
+
+    def _workers(self):
+        """The worker threads that decode and transform added images (made
+        at first use, with the count in force at setup)."""
+        if getattr(self, '_pool', None) is None:
+            self._pool = workers_io.WorkerPool(self.data_workers, self.name)
+            weakref.finalize(self, self._pool.close)
+        return self._pool
 
     def add_mat_vector(self, images, labels):
         """Transform H x W x C (BGR) uint8 images (OpenCV Mats) and serve them."""
@@ -1151,7 +1174,7 @@ class MemoryDataLayer(Layer):
                 raise CaffeplusError('layer %s: an added image transforms to %s, the layer '
                                      'serves %s' % (self.name, shape,
                                                     (self.channels, self.height, self.width)))
-        data = self.transformer.transform_batch(arrays)
+        data = self.transformer.transform_batch(arrays, pool=self._workers())
         self._data = data
         self._labels = numpy.asarray(labels, dtype=numpy.float32)
         self.n, self.pos = num, 0

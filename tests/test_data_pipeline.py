@@ -114,7 +114,8 @@ def _run(layer, tops, n):
             layer.forward([], tops)
             out.append(tuple(t.data.copy() for t in tops))
     finally:
-        layer.close()
+        if hasattr(layer, 'close'):
+            layer.close()
     return out
 
 
@@ -656,3 +657,51 @@ def test_datum_view_reads_what_protobuf_reads():
             raise AssertionError('view accepted a record protobuf rejects: %r' % s)
         assert _fields(view) == _fields(parsed)
     assert accepted > 50
+
+
+def test_memory_data_decodes_added_datums_on_the_workers(tmp_path):
+    imgs = _images(6)
+    datums = [caffe_pb2.Datum(channels=3, height=20, width=24, encoded=True, label=i,
+                              data=_encode(img, 'PNG')) for i, img in enumerate(imgs)]
+    results = []
+    for count in WORKER_COUNTS:
+        layer, tops = _make('name: "m" type: "MemoryData" top: "data" top: "label" '
+                            'transform_param { crop_size: 16 mirror: true scale: 0.5 } '
+                            'memory_data_param { batch_size: 3 channels: 3 height: 16 '
+                            'width: 16 }', count=count)
+        assert layer.data_workers == count
+        layer.add_datum_vector(datums)
+        results.append([b[0] for b in _run(layer, tops, 2)])
+    for other in results[1:]:
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(results[0], other))
+    caffeplus.rng.set_random_seed(1701)
+    t = DataTransformer(text_format.Parse('crop_size: 16 mirror: true scale: 0.5',
+                                          caffe_pb2.TransformationParameter()))
+    t.init_rand()
+    expect = numpy.stack([t.transform(img) for img in imgs])
+    assert numpy.concatenate(results[0]).tobytes() == expect.tobytes()
+
+
+def test_hdf5_data_batches_across_files_match_row_by_row(tmp_path):
+    h5py = pytest.importorskip('h5py')
+    rs = numpy.random.RandomState(8)
+    files, rows = [], []
+    for k, n in enumerate((5, 3, 4)):
+        data = rs.uniform(-1, 1, (n, 2, 3)).astype(numpy.float32)
+        path = tmp_path / ('part%d.h5' % k)
+        with h5py.File(str(path), 'w') as f:
+            f['data'] = data
+            f['label'] = numpy.arange(n, dtype=numpy.float32) + 10 * k
+        files.append(str(path))
+        rows.append(data)
+    listfile = tmp_path / 'list.txt'
+    listfile.write_text('\n'.join(files) + '\n')
+    layer, tops = _make('name: "h" type: "HDF5Data" top: "data" top: "label" '
+                        'hdf5_data_param { source: "%s" batch_size: 5 }' % listfile)
+    got = _run(layer, tops, 4)
+    order = [(k, i) for k in range(3) for i in range(len(rows[k]))]
+    for b, (data, label) in enumerate(got):
+        for i in range(5):
+            k, r = order[(5 * b + i) % len(order)]
+            assert label[i] == 10 * k + r
+            assert data[i].tobytes() == rows[k][r].tobytes()
