@@ -486,6 +486,11 @@ def _decode_batch(pool, decode, items, buffers):
 
 
 def _transform_decoded(transformer, arrays, whats, buffers, pool, top_shape):
+    """The float32 batch on the host. A device path would instead take
+    transformer.plan_stacked(buffers.raw.shape) and a copy of buffers.raw
+    (the coordinator refills it for the next batch) and apply the plan on
+    the device (caffeplus.io.batch_transform); images of differing shapes
+    (arrays not None) keep this per-image host path."""
     if arrays is None:
         return transformer.transform_stacked(buffers.raw, buffers.output(top_shape), whats[0],
                                              pool)

@@ -238,13 +238,19 @@ class DataTransformer:
             raise CaffeplusError('%sthe inputs of the batch differ in shape' % self._who())
         return numpy.stack(arrays), self.plan(draws, arrays[0].shape)
 
+    def plan_stacked(self, shape, what='the data'):
+        """The TransformPlan of a stacked N x C x H x W batch of `shape`: the
+        input checked once, the decisions drawn image by image, in order.
+        A device path transfers the uint8 batch and applies this plan there."""
+        self.check_input(shape[1:], what)
+        draws = [self.draw(shape[1:]) for _ in range(shape[0])]
+        return self.plan(draws, shape[1:])
+
     def transform_stacked(self, raw, out=None, what='the data', pool=None):
         """transform_batch of inputs already stacked in one N x C x H x W array
         (`what` names the first, for errors)."""
         raw = numpy.asarray(raw)
-        self.check_input(raw.shape[1:], what)
-        draws = [self.draw(raw.shape[1:]) for _ in range(raw.shape[0])]
-        plan = self.plan(draws, raw.shape[1:])
+        plan = self.plan_stacked(raw.shape, what)
         if out is None:
             out = numpy.empty(plan.output_shape(raw.shape[1]), dtype=numpy.float32)
         return apply_batch(raw, plan, out, pool)
