@@ -91,13 +91,15 @@ def data_layer_rate(source, batch, batches, count):
         layer.setup([], tops)
     try:
         layer.forward([], tops)
-        t0 = time.perf_counter()
+        layer.timing.reset()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(batches):
             layer.forward([], tops)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         timing = layer.timing
         per_batch = {'read_ms': 1e3 * timing.read_s / timing.forwards,
-                     'transform_ms': 1e3 * timing.transform_s / timing.forwards}
+                     'transform_ms': 1e3 * timing.transform_s / timing.forwards,
+                     'cpu_ms_per_image': 1e3 * cpu / (batch * batches)}
         return batch * batches / elapsed, layer.data_workers, per_batch
     finally:
         layer.close()
@@ -130,10 +132,11 @@ def one_thread_rate(source, batch, batches):
                 t.transform(pillow_decode(value), out[i])
             return out
         one_batch()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(batches):
             one_batch()
-        return batch * batches / (time.perf_counter() - t0)
+        images = batch * batches
+        return images / (time.perf_counter() - t0), 1e3 * (time.process_time() - c0) / images
     finally:
         reader.close()
 
@@ -164,15 +167,18 @@ def main(argv=None):
                 rates.append(data_layer_rate(path, args.batch, args.batches, args.workers))
                 bases.append(one_thread_rate(path, args.batch, args.batches))
             rate, count, per_batch = max(rates, key=lambda r: r[0])
-            base = max(bases)
+            base, base_cpu = max(bases)
             results[kind] = {'data_layer_images_per_s': rate, 'data_workers': count,
                              'one_thread_pillow_images_per_s': base, 'ratio': rate / base,
-                             'all_data_layer': [r[0] for r in rates], 'all_one_thread': bases,
-                             **per_batch}
-            print('%-4s Data layer (%d workers): %7.1f images/s (a batch: read and decode '
-                  '%.1f ms, transform %.1f ms)' % (kind, count, rate, per_batch['read_ms'],
-                                                  per_batch['transform_ms']))
-            print('%-4s one thread, Pillow + per-image transform: %7.1f images/s' % (kind, base))
+                             'one_thread_cpu_ms_per_image': base_cpu,
+                             'all_data_layer': [r[0] for r in rates],
+                             'all_one_thread': [b[0] for b in bases], **per_batch}
+            print('%-4s Data layer (%d workers): %7.1f images/s, %.2f CPU ms an image (a '
+                  'batch: read and decode %.1f ms, transform %.1f ms)'
+                  % (kind, count, rate, per_batch['cpu_ms_per_image'], per_batch['read_ms'],
+                     per_batch['transform_ms']))
+            print('%-4s one thread, Pillow + per-image transform: %7.1f images/s, %.2f CPU ms '
+                  'an image' % (kind, base, base_cpu))
             print('%-4s ratio: %.2fx' % (kind, rate / base))
     if args.json:
         with open(args.json, 'w') as f:

@@ -236,8 +236,9 @@ class _Prefetcher:
         self._failure = None
 
 
-# The net waiting for its data longer than this share of an iteration is
-# worth a warning: the data layer, not the net, then sets the pace.
+# The net waiting for its data longer than this share of the time between
+# two forward passes (an iteration, with iter_size 1) is worth a warning: the
+# data layer, not the net, then sets the pace.
 DATA_WAIT_WARN_FRACTION = 0.10
 # Forwards over which that share is measured, so that single stalls (a pass
 # wrapping around, a test run in between) average out.
@@ -297,11 +298,11 @@ class DataTiming:
             return False
         self._since_warning = 0
         cores = workers_io.host_cores()
-        log.warning('Data layer %s is slowing the net down: it waited %.1f ms for data per '
-                    'iteration, %.0f%% of the %.1f ms an iteration took (last %d iterations); '
-                    'a batch takes %.1f ms to read, decode and transform with %d data '
-                    'worker%s. More workers may help: --data_workers N or caffeplus_param '
-                    '{ data_workers: N } (this host has %d cores).',
+        log.warning('Data layer %s is slowing the net down: it waited %.1f ms for each '
+                    'batch, %.0f%% of the %.1f ms between its forward passes (last %d '
+                    'batches); a batch takes %.1f ms to read, decode and transform with %d '
+                    'data worker%s. More workers may help: --data_workers N or '
+                    'caffeplus_param { data_workers: N } (this host has %d cores).',
                     self.layer_name, 1e3 * waited / forwards, 100.0 * waited / interval,
                     1e3 * interval / forwards, forwards, 1e3 * load / forwards, self.workers,
                     '' if self.workers == 1 else 's', cores)
