@@ -297,16 +297,23 @@ class DataTiming:
         if self._since_warning is not None and self._since_warning < DATA_WAIT_WARN_EVERY:
             return False
         self._since_warning = 0
-        cores = workers_io.host_cores()
         log.warning('Data layer %s is slowing the net down: it waited %.1f ms for each '
                     'batch, %.0f%% of the %.1f ms between its forward passes (last %d '
                     'batches); a batch takes %.1f ms to read, decode and transform with %d '
-                    'data worker%s. More workers may help: --data_workers N or '
-                    'caffeplus_param { data_workers: N } (this host has %d cores).',
+                    'data worker%s. %s',
                     self.layer_name, 1e3 * waited / forwards, 100.0 * waited / interval,
                     1e3 * interval / forwards, forwards, 1e3 * load / forwards, self.workers,
-                    '' if self.workers == 1 else 's', cores)
+                    '' if self.workers == 1 else 's', self._advice())
         return True
+
+    def _advice(self):
+        cores = workers_io.host_cores()
+        if self.workers < cores:
+            return ('More workers may help: --data_workers N or caffeplus_param '
+                    '{ data_workers: N } (this host has %d cores).' % cores)
+        return ('The workers already match this host\'s %d cores (--data_workers, '
+                'caffeplus_param { data_workers: N }): the input is bound by the CPU here; '
+                'raw Datums decode faster than encoded ones.' % cores)
 
     def summary_lines(self):
         """Lines for caffeplus time: mean times per forward, in ms."""

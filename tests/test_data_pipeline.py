@@ -583,6 +583,7 @@ def test_warning_when_the_net_waits_for_data(tmp_path, caplog_caffeplus, monkeyp
     from caffeplus.layers import data as data_layers
     monkeypatch.setattr(data_layers, 'DATA_WAIT_WINDOW', 4)
     monkeypatch.setattr(data_layers, 'DATA_WAIT_WARN_EVERY', 10)
+    monkeypatch.setattr(workers, 'host_cores', lambda: 8)
     source = _write_lmdb(tmp_path / 'db', _images(8), 'PNG')
     layer, tops = _data_layer(source, 'scale: 1', batch=2, count=2)
     slow = layer.source.decode
@@ -600,7 +601,11 @@ def test_warning_when_the_net_waits_for_data(tmp_path, caplog_caffeplus, monkeyp
     # Once, then again only after DATA_WAIT_WARN_EVERY forwards: 30 forwards, 3 lines.
     assert 2 <= len(warnings) <= 3
     assert 'Data layer data' in warnings[0] and '--data_workers' in warnings[0]
-    assert 'with 2 data workers' in warnings[0]
+    assert 'with 2 data workers' in warnings[0] and 'this host has 8 cores' in warnings[0]
+    # With as many workers as cores, the advice says so instead.
+    monkeypatch.setattr(workers, 'host_cores', lambda: 2)
+    assert data_layers.DataTiming(layer).warn_if_starved(10, 0.5, 1.0, 0.6)
+    assert 'already match this host\'s 2 cores' in caplog_caffeplus[-1]
 
 
 def test_no_warning_when_the_data_keeps_up(tmp_path, caplog_caffeplus, monkeypatch):
