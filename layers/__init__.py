@@ -5,7 +5,9 @@ Importing this package registers every layer type with caffeplus.layer.
 import importlib
 
 _FAMILIES = ('data', 'window_data', 'common', 'neuron', 'vision', 'normalization', 'loss',
-             'recurrent', 'python', 'cudnn')
+             'recurrent', 'python', 'cudnn_conv', 'cudnn_pooling', 'cudnn_lrn', 'cudnn_softmax',
+             'cudnn_activations', 'fused_chain', 'fused_loss', 'fused_inner_product',
+             'fused_concat')
 
 for _family in _FAMILIES:
     try:

@@ -184,7 +184,7 @@ def test_free_at_finds_the_largest_hole_below_the_limit():
 
 
 def test_timed_results_of_a_larger_workspace_serve_a_smaller_one():
-    from caffeplus.layers import cudnn
+    from caffeplus.cudnn import algo_search
     Algo = type('Algo', (), {})
 
     def algo(memory):
@@ -192,20 +192,20 @@ def test_timed_results_of_a_larger_workspace_serve_a_smaller_one():
         a.memory = memory
         return a
     key = ('geom', 'fwd', 1000, 'math', 1)
-    saved = dict(cudnn._TIMED)
+    saved = dict(algo_search._TIMED)
     try:
-        cudnn._TIMED.clear()
-        assert cudnn._timed_within(key, 2) is None
-        cudnn._TIMED[('geom', 'fwd', 5000, 'math', 1)] = [algo(0), algo(800), algo(4000)]
-        cudnn._TIMED[('geom', 'bwd_data', 9000, 'math', 1)] = [algo(0), algo(900)]
-        assert [a.memory for a in cudnn._timed_within(key, 2)] == [0, 800]
+        algo_search._TIMED.clear()
+        assert algo_search._timed_within(key, 2) is None
+        algo_search._TIMED[('geom', 'fwd', 5000, 'math', 1)] = [algo(0), algo(800), algo(4000)]
+        algo_search._TIMED[('geom', 'bwd_data', 9000, 'math', 1)] = [algo(0), algo(900)]
+        assert [a.memory for a in algo_search._timed_within(key, 2)] == [0, 800]
         # Only a smaller search: its candidates.
-        cudnn._TIMED.clear()
-        cudnn._TIMED[('geom', 'fwd', 500, 'math', 1)] = [algo(0), algo(400)]
-        assert [a.memory for a in cudnn._timed_within(key, 2)] == [0, 400]
+        algo_search._TIMED.clear()
+        algo_search._TIMED[('geom', 'fwd', 500, 'math', 1)] = [algo(0), algo(400)]
+        assert [a.memory for a in algo_search._timed_within(key, 2)] == [0, 400]
     finally:
-        cudnn._TIMED.clear()
-        cudnn._TIMED.update(saved)
+        algo_search._TIMED.clear()
+        algo_search._TIMED.update(saved)
 
 
 def vgg_b256():

@@ -1,4 +1,5 @@
-"""The fused GPU layer paths (caffeplus.kernels, layers/cudnn.py) against the
+"""The fused GPU layer paths (caffeplus.kernels, layers/cudnn_*.py and
+layers/fused_*.py) against the
 generic CPU layers.
 
 Each case runs twice: with the kernels emulated on the host
@@ -440,7 +441,7 @@ def test_batchnorm_split_over_blocks_gpu(name, monkeypatch):
     assert kernels.failures()[before:] == []
 
 
-# -- convolution as im2col + GEMM (layers/cudnn.py _GemmConv) --------------------------
+# -- convolution as im2col + GEMM (layers/conv_gemm.py _GemmConv) --------------------------
 class _FakeConvLayer:
     """The attributes _GemmConv reads off a convolution layer."""
 
@@ -535,7 +536,7 @@ def test_gemm_convolution_plan(geom, chunk, monkeypatch):
     """_GemmConv's cuBLAS calls (operands, leading dimensions, strides,
     chunks) compute the convolution and its filter gradient."""
     from caffeplus import im2col
-    from caffeplus.layers import cudnn as L
+    from caffeplus.layers import conv_gemm as L
     layer = _FakeConvLayer(*geom)
     if chunk:       # column buffer for `chunk` images
         monkeypatch.setattr(L, 'GEMM_CHUNK_BYTES',
@@ -578,7 +579,7 @@ def test_gemm_1x1_convolution_plan(n, c, hw, m, parts, monkeypatch):
     im2col): forward, data gradient and filter gradient (partials of
     `parts` images at a time) against the generic CPU convolution."""
     from caffeplus import im2col
-    from caffeplus.layers import cudnn as L
+    from caffeplus.layers import conv_gemm as L
     layer = _FakeConvLayer(n, c, hw, m, (1, 1), (1, 1), (0, 0), (1, 1))
     if parts:
         monkeypatch.setattr(L, 'GEMM_CHUNK_BYTES', parts * m * c * 4)

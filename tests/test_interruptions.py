@@ -414,17 +414,17 @@ def test_emulated_loss_is_read_after_the_update_is_queued(emulated, monkeypatch)
     layer's report (a GPU synchronisation) until the update is queued; the
     losses and weights are those of a run that reads it first."""
     from caffeplus.solver import nan_check
-    from caffeplus.layers import cudnn as cudnn_layers
+    from caffeplus.layers import fused_loss
     body = 'layer { name: "relu" type: "ReLU" bottom: "h" top: "s" }'
     runs = []
-    read = cudnn_layers._LossReport.read
+    read = fused_loss._LossReport.read
     for mode in ('stop', 'off'):
         solver = _solver(body, average_loss=2)
         nan_check.install(solver, mode)
         events = []
         apply = solver.apply_update
         monkeypatch.setattr(solver, 'apply_update', lambda: (events.append('update'), apply()))
-        monkeypatch.setattr(cudnn_layers._LossReport, 'read',
+        monkeypatch.setattr(fused_loss._LossReport, 'read',
                             lambda self, events=events: (
                                 self._host is None and events.append('read'), read(self))[1])
         smoothed = []

@@ -572,7 +572,7 @@ def test_batch_sliced_calls_match_the_cpu(tmp_path, variant):
     candidates (the smallest workspace of each), every convolution's
     output, bottom gradient and accumulated filter and bias gradients match
     the CPU."""
-    from caffeplus.layers import cudnn as L
+    from caffeplus.cudnn import algo_search as L
     batch = 16 if variant == 5 else 8
     text = CONV_NET.replace('dim: 8 dim: 16 dim: 28', 'dim: %d dim: 16 dim: 28' % batch)
     x, dy = _inputs(batch)
@@ -606,7 +606,7 @@ def test_batch_sliced_calls_match_the_cpu(tmp_path, variant):
 
 # -- blobs over cuDNN's 32-bit element count: calls over slices of the batch ---------------
 def test_batch_slices_are_the_fewest_equal_slices_that_fit(monkeypatch):
-    from caffeplus.layers import cudnn as L
+    from caffeplus.layers import cudnn_common as L
     monkeypatch.setattr(L, 'MAX_CUDNN_COUNT', 1000)
     assert L.batch_slices(8, (10, 10)) == 1              # 800 values
     assert L.batch_slices(8, (10, 10), (5, 30)) == 2     # 8 x 150 > 1000, 4 x 150 fits
@@ -626,7 +626,7 @@ def test_convolutions_over_batch_slices_match_the_cpu(tmp_path, monkeypatch, sea
     for one call, each convolution runs its calls over quarters of the
     batch; outputs, bottom gradients and the accumulated filter and bias
     gradients match the CPU."""
-    from caffeplus.layers import cudnn as L
+    from caffeplus.layers import cudnn_common as L
     x, dy = _inputs()
     # conv1's top, 32 x 28 x 28 an image: a quarter of the batch (2 images) fits.
     monkeypatch.setattr(L, 'MAX_CUDNN_COUNT', 2 * 32 * 28 * 28)
@@ -659,7 +659,7 @@ layer { name: "pave" type: "Pooling" bottom: "pmax" top: "pave"
 
 @pytest.mark.gpu
 def test_pooling_over_batch_slices_matches_the_cpu(tmp_path, monkeypatch):
-    from caffeplus.layers import cudnn as L
+    from caffeplus.layers import cudnn_common as L
     rng = numpy.random.default_rng(5)
     x = rng.standard_normal((6, 4, 12, 12)).astype(numpy.float32)
     dy = rng.standard_normal((6, 4, 6, 6)).astype(numpy.float32)
@@ -701,7 +701,7 @@ def test_deconvolution_over_batch_slices_matches_the_cpu(tmp_path, monkeypatch):
     """A Deconvolution (forward = cuDNN's backward data, grouped) and a
     strided convolution over quarters of the batch, as the convolution test
     above: top, bottom gradient, filter and bias gradients match the CPU."""
-    from caffeplus.layers import cudnn as L
+    from caffeplus.layers import cudnn_common as L
     rng = numpy.random.default_rng(7)
     x = rng.standard_normal((8, 6, 9, 9)).astype(numpy.float32)
     # up's top, 4 x 18 x 18 an image: quarters of the batch (2 images) fit.

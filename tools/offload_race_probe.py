@@ -39,7 +39,7 @@ def main(argv=None):
     work = tempfile.mkdtemp()
     param, test_nets = cpe.net_param(args.model, work, args.batch)
 
-    from caffeplus.layers import cudnn as L
+    from caffeplus.layers import fused_chain as L
     real_find = L._find_chains
 
     def run(plan, variant='plain', **kw):

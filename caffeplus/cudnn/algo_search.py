@@ -1,0 +1,258 @@
+"""Convolution descriptors and the algorithm search over them: cuDNN's
+heuristics or FindEx timings (shared by every layer of one geometry, as
+cudnn.benchmark does), the variants timed beside cuDNN's own calls (per
+group, batch slices, im2col + cuBLAS) and the switches that enable them.
+"""
+import os
+
+import numpy
+
+from caffeplus.backend import mathmode
+from caffeplus.cudnn import api
+
+FLOAT_BYTES = 4
+
+
+def _prod(shape):
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _contiguous_strides(shape):
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.insert(0, acc)
+        acc *= int(d)
+    return strides
+
+
+class _ConvDescs:
+    """Descriptors of one convolution geometry in cuDNN's terms: conv-x is
+    the convolution's input (the layer's bottom, or a Deconvolution's top),
+    conv-y its output. With `split` each group is its own call on
+    channel-sliced, full-stride descriptors, as Caffe 1.0 does (plan stock;
+    under timed search also an alternative the arena may choose per call
+    site when it is faster than cuDNN's grouped convolution).
+
+    The convolution descriptor carries the math type: FMA in strict mode;
+    in TF32 mode the type cuDNN timed the chosen algorithm with (conv_for),
+    as cuDNN asks (an algorithm found under TENSOR_OP_MATH may have run
+    with DEFAULT_MATH). `replays` holds the CUDA graphs of this geometry's
+    calls (caffeplus.cudnn.api.Replays).
+
+    With `chunks` > 1 each call runs over the batch in that many slices of
+    num / chunks images (the filter and bias gradients accumulate, beta 1):
+    the same algorithm on a smaller batch needs less workspace (Winograd's
+    and FFT's transforms grow with the batch), so a fast algorithm can fit
+    where the whole batch's workspace would raise the peak."""
+
+    def __init__(self, layer, split, chunks=1):
+        n = layer.num
+        if layer.reverse:
+            xsp, ysp, cx, cy = layer.out_spatial, layer.in_spatial, layer.num_output, layer.channels
+        else:
+            xsp, ysp, cx, cy = layer.in_spatial, layer.out_spatial, layer.channels, layer.num_output
+        group = layer.group
+        G = group if split else 1
+        nc = n // chunks
+        x_full = (n, cx) + tuple(xsp)
+        y_full = (n, cy) + tuple(ysp)
+        self.x_full, self.y_full = x_full, y_full
+        self.x = api.TensorDesc((nc, cx // G) + tuple(xsp), _contiguous_strides(x_full))
+        self.y = api.TensorDesc((nc, cy // G) + tuple(ysp), _contiguous_strides(y_full))
+        w_shape = tuple(layer.blobs[0].shape)
+        self.w_shape = w_shape
+        self.w = api.FilterDesc((w_shape[0] // G,) + tuple(w_shape[1:]))
+        geom = layer.geom
+        self.math = mathmode.cudnn_math_type()
+        self._conv_args = (tuple(geom.pad), tuple(geom.stride), tuple(geom.dilation), group // G)
+        self.conv = api.ConvDesc(*self._conv_args, math=self.math)
+        self._convs = {self.math: self.conv}
+        m = layer.num_output
+        # Each of the `loops` calls reads and writes at these byte offsets
+        # from the last: the next group's channels, or the next batch slice
+        # (the same filter and bias).
+        self.batch_chunks = chunks
+        if chunks > 1:
+            self.loops = chunks
+            self.x_off = nc * cx * _prod(xsp) * FLOAT_BYTES
+            self.y_off = nc * cy * _prod(ysp) * FLOAT_BYTES
+            self.w_off = self.b_off = 0
+        else:
+            self.loops = G
+            self.x_off = (cx // G) * _prod(xsp) * FLOAT_BYTES
+            self.y_off = (cy // G) * _prod(ysp) * FLOAT_BYTES
+            self.w_off = (_prod(w_shape) // G) * FLOAT_BYTES
+            self.b_off = (m // G) * FLOAT_BYTES
+        self.bias = api.TensorDesc((1, m // G) + (1,) * len(geom.kernel)) \
+            if layer.bias_term else None
+        self.top = self.x if layer.reverse else self.y
+        self.top_off = self.x_off if layer.reverse else self.y_off
+        self.top_full = x_full if layer.reverse else y_full
+        self.bias_part = None       # _bias_gradient's partial sums
+        self.replays = api.Replays()
+
+    def conv_for(self, math):
+        """The convolution descriptor to run an algorithm of math type `math`
+        with: strict mode keeps FMA whatever cuDNN reports; TF32 mode takes
+        DEFAULT or TENSOR_OP as the algorithm ran when it was found."""
+        if self.math == api.FMA_MATH or math not in (api.DEFAULT_MATH, api.TENSOR_OP_MATH,
+                                                     api.FMA_MATH):
+            return self.conv
+        c = self._convs.get(math)
+        if c is None:
+            c = self._convs[math] = api.ConvDesc(*self._conv_args, math=math)
+        return c
+
+    def candidates(self, kind):
+        return api.heuristic_algorithms(kind, self.x, self.w, self.conv, self.y, self.conv_for)
+
+    def timer(self, kind, geometry_key=None, per_group=None, gemm=None, chunked=None):
+        """A callable that times `kind` with FindEx on scratch arrays. With a
+        geometry key, results are shared by every layer of that geometry
+        (ResNet-50 repeats most of its convolutions), as cudnn.benchmark does.
+        `per_group` (the split descriptors of a grouped convolution) adds its
+        candidates, variant 1, timed as one call per group; `gemm` (a
+        _GemmConv) adds cuBLAS, variant 2, for the calls it makes;
+        `chunked` ({variant: batch-sliced descriptors}) adds each slicing's
+        candidates, timed as one call per slice."""
+        chunked = chunked or {}
+        # A sliced call touches its first slice only: scratch of one slice
+        # (a batch too large for one call would double its bytes). (The
+        # sliced variants come only with an unsliced primary: k 1.)
+        k = self.batch_chunks
+        scratch = ((self.x_full[0] // k,) + self.x_full[1:],
+                   (self.y_full[0] // k,) + self.y_full[1:], self.w_shape)
+
+        def run(ws_ptr, ws_bytes):
+            # FindEx results hold for one math mode (TF32 or strict) only.
+            key = None if geometry_key is None else \
+                geometry_key + (kind, int(ws_bytes), mathmode.cudnn_math_type(),
+                                self.batch_chunks, per_group is not None, gemm is not None,
+                                tuple(sorted(chunked)))
+            if key is not None:
+                found = _timed_within(key, len(geometry_key) + 1)
+                if found is not None:
+                    return found
+            import cupy
+            xa, ya, wa = (cupy.random.standard_normal(shape, dtype=numpy.float32)
+                          for shape in scratch)
+            try:
+                found = api.timed_algorithms(kind, self.x, self.w, self.conv, self.y, xa, wa, ya,
+                                             ws_ptr or None, ws_bytes)
+                for c in found:
+                    c.time *= self.batch_chunks       # one call per slice
+                if per_group is not None:
+                    more = api.timed_algorithms(kind, per_group.x, per_group.w, per_group.conv,
+                                                per_group.y, xa, wa, ya, ws_ptr or None, ws_bytes)
+                    for c in more:
+                        c.time *= per_group.loops
+                        c.variant = 1
+                    found = sorted(found + more, key=lambda c: c.time)
+                for variant, sliced in sorted(chunked.items()):
+                    more = api.timed_algorithms(kind, sliced.x, sliced.w, sliced.conv, sliced.y,
+                                                xa, wa, ya, ws_ptr or None, ws_bytes)
+                    for c in more:
+                        c.time *= sliced.loops
+                        c.variant = variant
+                    found = sorted(found + more, key=lambda c: c.time)
+                if gemm is not None and kind in gemm.kinds() and \
+                        gemm.memory(kind) <= ws_bytes:
+                    # In the search's own workspace: one that would not fit is not timed.
+                    t = gemm.time(kind, xa, wa, ya, ws_ptr)
+                    found = sorted(found + [api.AlgoChoice(kind, GEMM_ALGO, gemm.memory(kind), t,
+                                                           True, self.math, variant=2)],
+                                   key=lambda c: c.time)
+            finally:
+                del xa, ya, wa
+            if key is not None and found:
+                _TIMED[key] = list(found)
+            return found
+        # What run() allocates besides the workspace (the workspace manager
+        # keeps the search within the room a plan leaves: _time_sites).
+        run.scratch_bytes = FLOAT_BYTES * sum(_prod(shape) for shape in scratch)
+        if gemm is not None and kind == 'bwd_filter':
+            run.scratch_bytes += FLOAT_BYTES * _prod(self.w_shape)     # its filter gradient
+        # The workspace the cuBLAS variant is timed in (within the search's).
+        run.variant_bytes = gemm.memory(kind) if gemm is not None and kind in gemm.kinds() else 0
+        return run
+
+
+GEMM_ALGO = 100                 # AlgoChoice.algo of the im2col + GEMM variant
+
+
+def _gemm_1x1_search():
+    """Whether timed search weighs cuBLAS for 1x1 stride-1 convolutions
+    (_GemmConv.direct): on unless CAFFEPLUS_CUDNN_GEMM_1X1=0."""
+    return os.environ.get('CAFFEPLUS_CUDNN_GEMM_1X1', '1').strip().lower() \
+        not in ('0', 'off', 'false', 'no')
+
+
+def _gemm_search():
+    """Whether timed search also times im2col + GEMM for convolutions over
+    few input channels: opt-in (CAFFEPLUS_CUDNN_GEMM=1). Checked correct on
+    an H100 (tests/test_gpu_layers.py), but AlexNet's time did not move with
+    it in the one benchmark run so far, and a chosen variant's column buffer
+    (up to GEMM_CHUNK_BYTES) enlarges the arena."""
+    return os.environ.get('CAFFEPLUS_CUDNN_GEMM', '0').strip().lower() \
+        in ('1', 'on', 'true', 'yes')
+
+
+# FindEx results by geometry (see _ConvDescs.timer).
+_TIMED = {}
+
+
+def _timed_within(key, at):
+    """FindEx's results for `key` (its workspace bytes at index `at`): its
+    own, or those of the same search in a larger workspace less what needs
+    more than this one, or else of the largest smaller one (plan auto times
+    before it plans, in what the device spares then:
+    caffeplus.memory.calibration.measure_net; timing again inside the placed
+    arena would need the call's arrays twice). None: not timed yet."""
+    if key in _TIMED:
+        return list(_TIMED[key])
+    ws = key[at]
+    same = sorted((other[at], found) for other, found in _TIMED.items()
+                  if len(other) == len(key) and other[:at] == key[:at] and
+                  other[at + 1:] == key[at + 1:])
+    for size, found in same:
+        if size >= ws:
+            return [c for c in found if c.memory <= ws] or None
+    # Only smaller searches: their candidates, not more (timing again may
+    # not fit beside the arena: a 12 GiB card under VGG-16 b256).
+    return list(same[-1][1]) if same else None
+
+
+# Batch slicings timed as variants of a call site: variant -> slices.
+# Eighths (5): VGG-16's conv1_2 filter gradient, the arena's largest call
+# within 3% of its fastest, needs 883 MiB over quarters of b64.
+CHUNK_VARIANTS = {3: 2, 4: 4, 5: 8}
+
+
+def _switched_on(variable):
+    """An on-by-default switch: off when the variable says 0/off/false/no."""
+    return os.environ.get(variable, '1').strip().lower() not in ('0', 'off', 'false', 'no')
+
+
+def _chunk_search():
+    """Whether timed search also times each call over halves, quarters and eighths
+    of the batch (CAFFEPLUS_CUDNN_CHUNKS=0 turns it off)."""
+    return _switched_on('CAFFEPLUS_CUDNN_CHUNKS')
+
+
+def _per_group_search():
+    """Whether timed search also times grouped convolutions one call per
+    group (CAFFEPLUS_CUDNN_PER_GROUP=0 turns it off)."""
+    return _switched_on('CAFFEPLUS_CUDNN_PER_GROUP')
+
+
+def search_default():
+    """The algorithm search a convolution uses when workspace.set_search was
+    left at 'heuristic': CAFFEPLUS_CUDNN_SEARCH = heuristic (the default),
+    timed, or auto (timed with FindEx for TRAIN nets under their own arena,
+    as PyTorch's cudnn.benchmark; heuristic otherwise). Timed search may pick
+    FFT or Winograd algorithms, which round differently from a direct sum
+    (~1e-3 of the largest value), hence not the default for every net."""
+    return os.environ.get('CAFFEPLUS_CUDNN_SEARCH', 'heuristic').lower()

@@ -1,0 +1,186 @@
+"""Convolution as im2col + cuBLAS: the variant timed search weighs beside
+cuDNN's algorithms (variant 2 of a call site).
+"""
+import numpy
+
+from caffeplus import kernels as _kernels
+from caffeplus.backend import blas
+from caffeplus.cudnn.algo_search import FLOAT_BYTES, _gemm_1x1_search, _gemm_search, _prod
+
+
+GEMM_MAX_CHANNELS = 4           # input channels up to which it is timed (image layers)
+GEMM_CHUNK_BYTES = 256 << 20    # column buffer of one batch chunk, at most
+
+
+class _DeviceOps:
+    """What _GemmConv launches: cp_im2col and cuBLAS (device pointers as ints)."""
+
+    @staticmethod
+    def im2col(x, col, n0, nb, g):
+        total = g.K * nb * g.P
+        _kernels.kernel('cp_im2col')(
+            _kernels.elementwise_grid(total), (_kernels.ELEMENTWISE_THREADS,),
+            (numpy.uint64(x), numpy.uint64(col), numpy.uint64(total), _kernels.i32(n0),
+             _kernels.i32(nb), _kernels.i32(g.c), _kernels.i32(g.h), _kernels.i32(g.w),
+             _kernels.i32(g.kh), _kernels.i32(g.kw), _kernels.i32(g.oh), _kernels.i32(g.ow),
+             _kernels.i32(g.sh), _kernels.i32(g.sw), _kernels.i32(g.ph), _kernels.i32(g.pw),
+             _kernels.i32(g.dh), _kernels.i32(g.dw)))
+
+    @staticmethod
+    def gemm_strided_batched(*args, **kw):
+        blas.gemm_strided_batched(*args, **kw)
+
+    @staticmethod
+    def gemm(*args, **kw):
+        blas.gemm(*args, **kw)
+
+
+class _GemmConv:
+    """A 2-D convolution (group 1) as Caffe 1.0 computes it without cuDNN:
+    im2col into the workspace, then cuBLAS, one batch chunk at a time.
+    cuDNN's kernels are slow on the few input channels of an image net's
+    first layer (AlexNet's conv1: 3 channels, 11x11, stride 4, most of its
+    convolution time in cuDNN); timed search weighs this variant against
+    cuDNN's algorithms for such layers.
+
+    A 1x1 convolution of stride 1 without padding (`direct`: ResNet's
+    bottlenecks) needs no im2col: each image's input is its own K x P
+    column matrix. Its forward and data gradient are one strided-batched
+    GEMM each, faster than cuDNN's best FP32 algorithm on most of
+    ResNet-50's shapes on the H100 (tools/gemm_1x1_probe.py: forward
+    1.3-2.1x, data gradient 1.0-1.9x); timed search weighs it for all three
+    calls of every such layer.
+
+    Column buffer: (K, B, P) for a chunk of B images, K = C*KH*KW, P =
+    OH*OW, so image b's columns are a K x P matrix of leading dimension B*P.
+      forward:  y_b (M x P) = W (M x K) col_b, one strided-batched GEMM;
+      filter:   dW += sum_b dy_b col_b^T: a strided-batched GEMM into
+                per-image partial products (after the columns in the
+                workspace), summed into dW by one GEMM with a ones vector
+                (beta = 1, FP32).
+      data:     dx_b (K x P) = W^T dy_b (direct only), one strided-batched GEMM.
+    (In cuBLAS's column-major terms each C-ordered r x c matrix is c x r.)"""
+
+    def __init__(self, layer):
+        g = layer.geom
+        self.n, self.c = layer.num, layer.channels
+        self.h, self.w = (int(d) for d in layer.in_spatial)
+        self.m = layer.num_output
+        self.kh, self.kw = (int(d) for d in g.kernel)
+        self.sh, self.sw = (int(d) for d in g.stride)
+        self.ph, self.pw = (int(d) for d in g.pad)
+        self.dh, self.dw = (int(d) for d in g.dilation)
+        self.oh, self.ow = (int(d) for d in layer.out_spatial)
+        self.K = self.c * self.kh * self.kw
+        self.P = self.oh * self.ow
+        self.direct = self.is_direct(layer)
+        if self.direct:     # no columns; partial filter gradients of B images
+            self.B = max(1, min(self.n, GEMM_CHUNK_BYTES // max(1, self.m * self.K *
+                                                                FLOAT_BYTES)))
+            self.col_bytes = 0
+        else:
+            self.B = max(1, min(self.n, GEMM_CHUNK_BYTES //
+                                max(1, self.K * self.P * FLOAT_BYTES)))
+            self.col_bytes = -(-self.K * self.B * self.P * FLOAT_BYTES // 256) * 256
+        self.part_bytes = self.B * self.m * self.K * FLOAT_BYTES
+        self._ones = None
+
+    @staticmethod
+    def is_direct(layer):
+        g = layer.geom
+        return tuple(g.kernel) == (1, 1) and tuple(g.stride) == (1, 1) and \
+            tuple(g.pad) == (0, 0) and tuple(g.dilation) == (1, 1)
+
+    @staticmethod
+    def eligible(layer):
+        if layer.reverse or layer.group != 1 or layer.num_spatial != 2 or layer.num <= 0 or \
+                _prod(layer.out_spatial) <= 0:
+            return False
+        if _GemmConv.is_direct(layer):
+            return _gemm_1x1_search()
+        return _gemm_search() and layer.channels <= GEMM_MAX_CHANNELS
+
+    def kinds(self):
+        """The calls this variant can make."""
+        return ('fwd', 'bwd_data', 'bwd_filter') if self.direct else ('fwd', 'bwd_filter')
+
+    def memory(self, kind):
+        return self.col_bytes + (self.part_bytes if kind == 'bwd_filter' else 0)
+
+    def _images(self, x, n0):
+        """(A, lda, stride) of images n0.. as column-major P x K matrices."""
+        return x + n0 * self.K * self.P * FLOAT_BYTES, self.P, self.K * self.P
+
+    def chunks(self):
+        for n0 in range(0, self.n, self.B):
+            yield n0, min(self.B, self.n - n0)
+
+    def forward(self, x, w, y, ws, tf32=None, ops=_DeviceOps):
+        """y = conv(x, w) (no bias) on device pointers; ws: the column buffer."""
+        M, K, P = self.m, self.K, self.P
+        if self.direct:
+            ops.gemm_strided_batched(blas.N, blas.N, P, M, K, x, P, K * P, w, K, 0, y, P, M * P,
+                                     self.n, tf32=tf32)
+            return
+        for n0, nb in self.chunks():
+            ops.im2col(x, ws, n0, nb, self)
+            ops.gemm_strided_batched(blas.N, blas.N, P, M, K, ws, nb * P, P, w, K, 0,
+                                     y + n0 * M * P * FLOAT_BYTES, P, M * P, nb, tf32=tf32)
+
+    def backward_data(self, dy, w, dx, tf32=None, ops=_DeviceOps):
+        """dx = the data gradient (direct only; written, as cuDNN's beta 0)."""
+        M, K, P = self.m, self.K, self.P
+        ops.gemm_strided_batched(blas.N, blas.T, P, K, M, dy, P, M * P, w, K, 0, dx, P, K * P,
+                                 self.n, tf32=tf32)
+
+    def ones(self, nb):
+        if self._ones is None or self._ones.size < nb:
+            import cupy
+            self._ones = cupy.ones(max(int(nb), 1), dtype=numpy.float32)
+        return int(self._ones.data.ptr)
+
+    def backward_filter(self, x, dy, dw, ws, tf32=None, ops=_DeviceOps, ones=None):
+        """dw += the filter gradient on device pointers; ws: columns, then partials."""
+        M, K, P = self.m, self.K, self.P
+        part = ws + self.col_bytes
+        for n0, nb in self.chunks():
+            if self.direct:
+                a, lda, stride = self._images(x, n0)
+            else:
+                ops.im2col(x, ws, n0, nb, self)
+                a, lda, stride = ws, nb * P, P
+            ops.gemm_strided_batched(blas.T, blas.N, K, M, P, a, lda, stride,
+                                     dy + n0 * M * P * FLOAT_BYTES, P, M * P, part, K, M * K, nb,
+                                     tf32=tf32)
+            ops.gemm(blas.N, blas.N, M * K, 1, nb, part, M * K,
+                     ones if ones is not None else self.ones(nb), nb, dw, M * K, beta=1.0,
+                     tf32=False)
+
+    def time(self, kind, xa, wa, ya, wsp):
+        """Milliseconds of one call of `kind` on scratch arrays (median of 3),
+        in the workspace at device address `wsp` (at least memory(kind) bytes)."""
+        import cupy
+        wsp = int(wsp or 0)
+        x, w, y = int(xa.data.ptr), int(wa.data.ptr), int(ya.data.ptr)
+        if kind == 'fwd':
+            def run():
+                self.forward(x, w, y, wsp)
+        elif kind == 'bwd_data':
+            def run():
+                self.backward_data(y, w, x)
+        else:
+            dw = cupy.zeros(wa.shape, dtype=numpy.float32)
+            dwp = int(dw.data.ptr)
+
+            def run():
+                self.backward_filter(x, y, dwp, wsp)
+        run()
+        times = []
+        for _ in range(3):
+            e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+            e0.record()
+            run()
+            e1.record()
+            e1.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(e0, e1))
+        return sorted(times)[1]

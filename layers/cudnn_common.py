@@ -1,0 +1,171 @@
+"""cuDNN engines for the layers cuDNN has: Convolution, Deconvolution,
+Pooling, LRN, Softmax, ReLU, Sigmoid, TanH, ELU.
+
+Each class here subclasses the generic layer and is registered with
+caffeplus.layer.register_engine('CUDNN'): create_layer picks it when the
+layer's engine is DEFAULT or CUDNN (engine: CAFFE keeps the generic class).
+With NumPy arrays (CPU mode), or a configuration cuDNN does not cover, every
+method falls back to the parent's generic code, so CPU results are the
+generic layer's, bit for bit. With CuPy arrays the math goes to cuDNN.
+
+Descriptors are built at reshape (cached by shape, so the net's reshape
+before every forward costs a dict lookup), never per call. Convolution
+workspace comes from the layer's workspace manager (caffeplus.memory.
+workspace): the net's arena, or under plan 'stock' the layer's own buffer,
+with the groups run one cuDNN call each, as in Caffe 1.0.
+
+Where cuDNN disagrees with Caffe, the generic CuPy path runs instead:
+  * Pooling whose Caffe output shape (ceil rule) differs from cuDNN's floor
+    rule, STOCHASTIC pooling, and MAX pooling with the mask top;
+  * LRN WITHIN_CHANNEL, or parameters outside cuDNN's ranges;
+  * ReLU with a negative slope; ELU computed in place (cuDNN's ELU backward
+    reads the bottom, which in place is gone);
+  * convolutions with more than 3 spatial axes or the channel axis not 1.
+
+This module holds what the cuDNN and fused GPU layers share: the decision
+to use cuDNN, cuDNN's 32-bit limits, device addresses and masking.
+"""
+import numpy
+
+from caffeplus import backend, log
+from caffeplus import kernels as _kernels
+from caffeplus.cudnn.algo_search import FLOAT_BYTES, _prod  # noqa: F401 (the layers' too)
+from caffeplus.errors import CaffeplusError
+
+
+READS_BOTH = frozenset(('bottom_data', 'top_data'))
+F32 = numpy.float32
+
+
+CUDNN_ENGINE = 2
+_status = {'available': None, 'warned': False}
+
+
+def _is_cupy(*arrays):
+    return all(type(a).__module__.startswith('cupy') for a in arrays)
+
+
+def cudnn_available():
+    if _status['available'] is None:
+        from caffeplus.cudnn import lib
+        _status['available'] = lib.available()
+    return _status['available']
+
+
+def _as4d(shape):
+    """A blob shape as cuDNN's (N, C, H, W): trailing axes folded, 1s added."""
+    shape = [int(d) for d in shape] or [1]
+    if len(shape) > 4:
+        shape = shape[:3] + [_prod(shape[3:])]
+    while len(shape) < 4:
+        shape.append(1)
+    return tuple(shape)
+
+
+# cuDNN's tensor descriptors index with 32-bit ints. Convolution and pooling
+# run larger blobs in equal slices of the batch that fit (batch_slices), one
+# cuDNN call per slice; the other layers run them generically.
+MAX_CUDNN_COUNT = 2 ** 31 - 1
+
+
+def _fits(*shapes):
+    return all(_prod(s) <= MAX_CUDNN_COUNT for s in shapes)
+
+
+def batch_slices(num, *item_shapes):
+    """How many equal slices of a batch of `num` items, each item of the
+    given shapes (one image's tensors), each cuDNN call must run over so
+    that every tensor of a call fits MAX_CUDNN_COUNT: 1 when the whole
+    batch does, the fewest dividing `num` otherwise, None when one item
+    alone does not fit."""
+    per = max([_prod(s) for s in item_shapes] + [1])
+    if per > MAX_CUDNN_COUNT or num < 1:
+        return None
+    if num * per <= MAX_CUDNN_COUNT:
+        return 1
+    for k in range(2, num + 1):
+        if num % k == 0 and (num // k) * per <= MAX_CUDNN_COUNT:
+            return k
+    return None
+
+
+def _addr(array, offset_bytes=0):
+    return int(array.data.ptr) + int(offset_bytes)
+
+
+class _CudnnMixin:
+    """Shared by every cuDNN layer: the decision to use cuDNN."""
+    engine = 'CUDNN'
+
+    def _explicit_cudnn(self):
+        field = {'Convolution': 'convolution_param', 'Deconvolution': 'convolution_param',
+                 'Pooling': 'pooling_param', 'LRN': 'lrn_param', 'ReLU': 'relu_param',
+                 'Sigmoid': 'sigmoid_param', 'TanH': 'tanh_param',
+                 'Softmax': 'softmax_param'}.get(self.layer_param.type)
+        return field is not None and self.layer_param.HasField(field) and \
+            getattr(self.layer_param, field).engine == CUDNN_ENGINE
+
+    def _cudnn_usable(self, *arrays):
+        """CuPy arrays and a loadable cuDNN (engine: CUDNN without one is an error)."""
+        if not _is_cupy(*arrays):
+            return False
+        if cudnn_available():
+            return True
+        if self._explicit_cudnn():
+            from caffeplus.cudnn import lib
+            lib.library()           # raises the error that names what is missing
+        if not _status['warned']:
+            _status['warned'] = True
+            log.warning('cuDNN was not found: GPU layers run their generic CuPy code. %s',
+                        _missing_cudnn_hint())
+        return False
+
+    @staticmethod
+    def _gpu_mode():
+        return backend.mode() == backend.GPU
+
+
+def _missing_cudnn_hint():
+    try:
+        from caffeplus.cudnn import lib
+        lib.library()
+    except CaffeplusError as exc:
+        return str(exc)
+    return ''
+
+
+def _dptr(blob, diff=False):
+    """Device address of a blob's data (diff): its storage array, no views."""
+    return int(_kernels.flat(blob, diff).data.ptr)
+
+
+class _MaskableMixin:
+    """What caffeplus.memory.masks switches: a masked layer's backward reads
+    what its forward kept (can_mask says whether it can), none of its blobs."""
+    masked = False
+
+    def set_masked(self, on):
+        """Mask (or stop masking) this layer; returns whether it is masked."""
+        on = bool(on) and self.can_mask()
+        if on != self.masked:
+            if on:
+                self._reads_unmasked = self.backward_reads
+            self.backward_reads = frozenset() if on else self._reads_unmasked
+            self.masked = on
+            self.forget_kept_buffers()      # kept by the other kind of pass
+        return on
+
+
+def _fused(what, fn, *args):
+    """Run a fused path; False (the caller runs the generic code) when it
+    does not apply or its kernel failed to build or launch."""
+    try:
+        return fn(*args)
+    except CaffeplusError:
+        raise                   # the layer's own errors (labels, released memory)
+    except Exception as exc:
+        from caffeplus.memory import workspace
+        if workspace.is_out_of_memory(exc):
+            raise
+        _kernels.note_failure(what, exc)
+        return False

@@ -1,0 +1,451 @@
+"""Convolution and Deconvolution through cuDNN (or the im2col + cuBLAS
+variant where timed search picks it): descriptors per shape, workspace
+from the layer's workspace manager, calls replayed as CUDA graphs.
+"""
+import functools
+
+import numpy
+
+from caffeplus import backend
+from caffeplus import kernels as _kernels
+from caffeplus.backend import mathmode
+from caffeplus.cudnn import api
+from caffeplus.cudnn.algo_search import (CHUNK_VARIANTS, _ConvDescs, _chunk_search,
+                                         _per_group_search, search_default)
+from caffeplus.errors import CaffeplusError
+from caffeplus.layer import register_engine
+from caffeplus.layers import cudnn_common as _common
+from caffeplus.layers.conv_gemm import _GemmConv
+from caffeplus.layers.cudnn_common import _CudnnMixin, _dptr, _prod, batch_slices, cudnn_available
+from caffeplus.layers.vision import ConvolutionLayer, DeconvolutionLayer
+from caffeplus.proto import caffe_pb2
+
+
+def _conv_forward_calls(cd, conv, algo, reverse, x, w, y, b, ws, nbytes):
+    """One convolution forward (each group with `split` descriptors) and its bias."""
+    ws = ws or None
+    for g in range(cd.loops):
+        if not reverse:
+            api.conv_forward(cd.x, x + g * cd.x_off, cd.w, w + g * cd.w_off, conv, algo, ws,
+                             nbytes, cd.y, y + g * cd.y_off)
+        else:   # a Deconvolution's forward is the convolution's backward data
+            api.conv_backward_data(cd.w, w + g * cd.w_off, cd.y, x + g * cd.y_off, conv, algo,
+                                   ws, nbytes, cd.x, y + g * cd.x_off)
+    if b:
+        for g in range(cd.loops):
+            api.add_tensor(cd.bias, b + g * cd.b_off, cd.top, y + g * cd.top_off)
+
+
+def _bias_add_calls(cd, b, y):
+    for g in range(cd.loops):
+        api.add_tensor(cd.bias, b + g * cd.b_off, cd.top, y + g * cd.top_off)
+
+
+_channel_sums_ok = [True]
+
+
+def _bias_gradient(cd, dtop, db):
+    """db += the top diff summed over batch and space, per output channel
+    (beta 1), with caffeplus.kernels.channel_sums over the whole top: every
+    group and batch slice at once. cudnnConvolutionBackwardBias's kernel
+    (calc_bias_diff) took 2.1 of AlexNet's 9.2 ms a TF32 iteration on the
+    H100 (tools/kernel_profile.py); it stays as the fallback."""
+    if _channel_sums_ok[0]:
+        # A top too large for one call is summed slice by slice (the kernel
+        # indexes with 32-bit ints); each slice adds to db.
+        pieces = cd.batch_chunks if _prod(cd.top_full) > _common.MAX_CUDNN_COUNT else 1
+        n, c = cd.top_full[0] // pieces, cd.top_full[1]
+        s = _prod(cd.top_full[2:])
+        p = _kernels.sum_blocks_per_channel(c, n * s)
+        if cd.bias_part is None or cd.bias_part.size < c * p:
+            cd.bias_part = _kernels.empty(c * p, numpy.float64)
+        try:
+            for g in range(pieces):
+                _kernels.channel_sums(dtop + g * cd.top_off, cd.bias_part, db, n, c, s, p)
+            return
+        except Exception as exc:        # the extra module did not build here
+            _channel_sums_ok[0] = False
+            _kernels.note_failure('convolution bias gradient (cp_channel_sum)', exc)
+    for g in range(cd.loops):
+        api.conv_backward_bias(cd.top, dtop + g * cd.top_off, cd.bias, db + g * cd.b_off,
+                               beta=1.0)
+
+
+def _conv_params_calls(cd, conv, algo, reverse, x, dtop, dw, db, ws, nbytes):
+    """The bias gradient (if db) and the filter gradient (if dw), accumulated (beta 1)."""
+    if db:
+        _bias_gradient(cd, dtop, db)
+    if dw:
+        ws = ws or None
+        for g in range(cd.loops):
+            if not reverse:
+                api.conv_backward_filter(cd.x, x + g * cd.x_off, cd.y, dtop + g * cd.y_off, conv,
+                                         algo, ws, nbytes, cd.w, dw + g * cd.w_off, beta=1.0)
+            else:       # x is conv-y, the top conv-x
+                api.conv_backward_filter(cd.x, dtop + g * cd.x_off, cd.y, x + g * cd.y_off, conv,
+                                         algo, ws, nbytes, cd.w, dw + g * cd.w_off, beta=1.0)
+
+
+def _conv_data_calls(cd, conv, algo, reverse, dtop, w, dx, ws, nbytes):
+    """The bottom gradient."""
+    ws = ws or None
+    for g in range(cd.loops):
+        if not reverse:
+            api.conv_backward_data(cd.w, w + g * cd.w_off, cd.y, dtop + g * cd.y_off, conv, algo,
+                                   ws, nbytes, cd.x, dx + g * cd.x_off)
+        else:
+            api.conv_forward(cd.x, dtop + g * cd.x_off, cd.w, w + g * cd.w_off, conv, algo, ws,
+                             nbytes, cd.y, dx + g * cd.y_off)
+
+
+_BIAS_RELU = []
+
+
+def _bias_relu():
+    """y = max(y + b[channel], 0) in place (forward_then_relu)."""
+    if not _BIAS_RELU:
+        import cupy
+        _BIAS_RELU.append(cupy.ElementwiseKernel(
+            'raw float32 b, int64 spatial, int64 channels', 'float32 y',
+            'float v = y + b[(i / spatial) % channels]; y = v > 0.0f ? v : 0.0f;',
+            'cp_bias_relu'))
+    return _BIAS_RELU[0]
+
+
+def _workspace():
+    from caffeplus.memory import workspace
+    return workspace
+
+
+class _CudnnConvolutionMixin(_CudnnMixin):
+
+    def layer_setup(self, bottom, top):
+        super().layer_setup(bottom, top)
+        self._cd = None
+        self._cd_groups = None
+        self._cd_chunks = {}
+        self._gemm = None
+        self._cd_key = None
+        self._sites = {}
+        self._ws = None
+        if not hasattr(self, 'memory_plan'):
+            self.memory_plan = None
+
+    # -- which configurations go to cuDNN ------------------------------------
+    def _cudnn_geometry_ok(self):
+        if not (self.channel_axis == 1 and 1 <= self.num_spatial <= 3 and self.num > 0):
+            return False
+        k = self._batch_slices()
+        # Caffe's per-group calls (plan stock) over batch slices too: not built.
+        return k is not None and (k == 1 or not self._split_groups())
+
+    def _batch_slices(self):
+        """Slices of the batch each cuDNN call runs over (batch_slices): 1
+        unless an input or output blob exceeds cuDNN's 32-bit count."""
+        return batch_slices(self.num, (self.channels,) + tuple(self.in_spatial),
+                            (self.num_output,) + tuple(self.out_spatial))
+
+    def _split_groups(self):
+        return self.memory_plan == 'stock' and self.group > 1
+
+    # -- workspace ----------------------------------------------------------
+    def set_workspace_manager(self, manager, plan_name):
+        """Called by caffeplus.memory.workspace.apply_workspace_plan."""
+        if self._ws is not None and self._ws is not manager:
+            self._ws.unregister(self)
+        self._ws = manager
+        self.memory_plan = plan_name
+        if plan_name == 'stock' and backend.mode() == backend.GPU and cudnn_available():
+            manager.create_handles()
+        if self._cd is not None:
+            # The plan decides per-group calls (stock) and timed search: the
+            # descriptors serve again only if they describe the same calls.
+            if self._cd_key == self._key() and \
+                    getattr(self, '_built_timed', False) == self._timed_search():
+                manager.register(self, list(self._sites.values()))     # same descriptors
+                if plan_name == 'stock':
+                    manager.plan()
+            else:
+                self._cd_key = None
+                if self._cudnn_geometry_ok():
+                    self._build_cudnn()
+                else:               # runs generically now (e.g. stock's groups over slices)
+                    self._cd, self._sites = None, {}
+
+    def _manager(self):
+        if self._ws is None:
+            from caffeplus.memory import workspace
+            self._ws = workspace.default_arena()
+        return self._ws
+
+    def _key(self):
+        return (self.num, tuple(self.in_spatial), tuple(self.out_spatial), self._split_groups(),
+                self._batch_slices(), mathmode.generation(), _workspace().search_mode(),
+                backend.device())
+
+    def _build_cudnn(self):
+        """Descriptors and call sites for the current shapes (cached)."""
+        key = self._key()
+        if key == self._cd_key:
+            return
+        workspace = _workspace()
+        slices = self._batch_slices()
+        cd = _ConvDescs(self, self._split_groups(), slices)
+        timed = self._timed_search()
+        self._built_timed = timed
+        self._auto_timed = timed and workspace.search_mode() != 'timed'
+        gkey = self._geometry_key() if timed else None
+        # Grouped convolutions under timed search: one call per group is a
+        # candidate too (cuDNN's grouped kernels are often slower, in TF32
+        # mode especially); the fastest of both wins per call site.
+        per_group = _ConvDescs(self, True) if timed and cd.loops == 1 and self.group > 1 and \
+            _per_group_search() else None
+        gemm, chunked = self._timed_variants(cd, slices) if timed else (None, {})
+        sites = {}
+        for kind in workspace.KINDS:
+            sites[kind] = workspace.Site(kind, cd.candidates(kind), timer=cd.timer(
+                kind, gkey, per_group, gemm, chunked) if timed else None)
+        self._cd, self._cd_groups, self._sites, self._cd_key = cd, per_group, sites, key
+        self._cd_chunks = chunked
+        self._gemm = gemm
+        mgr = self._manager()
+        mgr.register(self, list(sites.values()))
+        if self.memory_plan == 'stock':
+            mgr.plan()          # Caffe allocates its workspace in Reshape
+
+    def _timed_variants(self, cd, slices):
+        """(cuBLAS variant or None, {variant: batch-sliced descriptors}): the
+        calls timed search weighs beside cuDNN's own for descriptors `cd`."""
+        if cd.loops != 1:
+            return None, {}
+        # Few input channels (an image net's first layer): im2col + GEMM too.
+        gemm = _GemmConv(self) if _GemmConv.eligible(self) else None
+        # The batch in halves, quarters and eighths: less workspace at about the speed.
+        chunked = {v: _ConvDescs(self, False, k) for v, k in CHUNK_VARIANTS.items()
+                   if slices == 1 and self.num % k == 0 and self.num >= 2 * k and
+                   _chunk_search()}
+        return gemm, chunked
+
+    def _check_gemm_workspace(self, kind, ws, nbytes):
+        need = self._gemm.memory(kind)
+        if need and (not ws or nbytes < need):
+            raise CaffeplusError('layer %s: the workspace (%d bytes) is smaller than the cuBLAS '
+                                 'variant of its %s call needs (%d)'
+                                 % (self.layer_param.name, nbytes, kind, need))
+
+    def _descs_for(self, choice):
+        """The descriptors an algorithm choice runs with (per group or not)."""
+        if choice.variant == 1 and self._cd_groups is not None:
+            return self._cd_groups
+        if choice.variant in self._cd_chunks:
+            return self._cd_chunks[choice.variant]
+        return self._cd
+
+    def _timed_search(self):
+        """FindEx (timed) rather than cuDNN's heuristics for this layer's algorithms."""
+        from caffeplus.memory import workspace
+        if self.memory_plan == 'stock':
+            return False            # Caffe 1.0's choice
+        if workspace.search_mode() == 'timed':
+            return True
+        mode = search_default()
+        if mode == 'timed':
+            return True
+        # auto: training nets, whose shapes stay put, under a net's own arena
+        return mode == 'auto' and self.phase == caffe_pb2.TRAIN and \
+            self._ws is not None and self._ws is not workspace._default.get(backend.device())
+
+    def _geometry_key(self):
+        from caffeplus.backend import mathmode
+        g = self.geom
+        return (self.reverse, self.num, self.channels, self.num_output, tuple(self.in_spatial),
+                tuple(self.out_spatial), tuple(self.blobs[0].shape), tuple(g.kernel),
+                tuple(g.pad), tuple(g.stride), tuple(g.dilation), self.group,
+                mathmode.generation(), mathmode.deterministic(), backend.device())
+
+    def forward_then_relu(self, bottom, top):
+        """Forward, then a ReLU (negative slope 0) in place on the top, with
+        the bias add and the ReLU as one pass over the top instead of two
+        (the same float operations: y + b, then y if y > 0 else 0). For a
+        convolution run again in backward (caffeplus.memory.apply): at
+        VGG-16 b256 conv1_1's map is 3.3 GB, 2.4 ms a pass. False (nothing
+        run) where this path does not apply: then run the two layers."""
+        if self.reverse or len(bottom) != 1 or not self.bias_term or \
+                not self._ready(_kernels.flat(bottom[0]), _kernels.flat(self.blobs[0])):
+            return False
+        self._ensure_planned(self._manager())
+        if self._sites['fwd'].choice.variant == 2:
+            return False                # the cuBLAS variant: its own bias path
+        self._forward_calls(bottom, top, bias=False)
+        t = top[0].data
+        _bias_relu()(self.blobs[1].data, numpy.int64(t[0, 0].size),
+                     numpy.int64(t.shape[1]), t)
+        return True
+
+    def time_calls(self, ws_ptr, ws_bytes):
+        """{kind: cuDNN's candidates timed with FindEx} for this layer's
+        calls, as the timed search weighs them (batch slicings and the
+        cuBLAS variant included), in a workspace of `ws_bytes`; without a
+        plan (caffeplus.memory.calibration.measure_net: plan auto's search
+        weighs measured algorithms)."""
+        slices = self._batch_slices()
+        cd = _ConvDescs(self, False, slices)
+        gemm, chunked = self._timed_variants(cd, slices)
+        return {kind: cd.timer(kind, self._geometry_key(), None, gemm, chunked)(ws_ptr, ws_bytes)
+                for kind in _workspace().KINDS}
+
+    def _ensure_planned(self, mgr):
+        """The manager's plan; with the auto search, FindEx times the sites
+        (the arena times only under set_search('timed'))."""
+        if getattr(self, '_auto_timed', False) and getattr(mgr, '_dirty', False):
+            from caffeplus.memory import workspace
+            previous = workspace.set_search('timed')
+            try:
+                mgr.ensure_planned()
+            finally:
+                workspace.set_search(previous)
+        else:
+            mgr.ensure_planned()
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        if self._gpu_mode() and self._cudnn_geometry_ok() and cudnn_available():
+            self._build_cudnn()
+
+    def _ready(self, *arrays):
+        # (`arrays`: the blobs' storage, kernels.flat: a view of each, made
+        # only to ask its type, cost the host ~2 us a blob every call.)
+        if not self._cudnn_geometry_ok() or not self._cudnn_usable(*arrays):
+            return False
+        self._build_cudnn()
+        return True
+
+    def workspace_bytes(self):
+        """Arena need: the largest workspace of this layer's chosen algorithms."""
+        if self._cd is None or not self._sites:
+            return super().workspace_bytes()
+        self._ensure_planned(self._manager())
+        return self.chosen_workspace_bytes()
+
+    def chosen_workspace_bytes(self):
+        """workspace_bytes() of the algorithms chosen so far, without
+        choosing (a plan made to be applied: the memory plan's own manager
+        chooses later; planning now would time the candidates with the
+        net's default arena, what the whole GPU spares)."""
+        if self._cd is None or not self._sites:
+            return super().workspace_bytes()
+        return max([s.choice.memory for s in self._sites.values() if s.choice is not None] + [0])
+
+    def stock_workspace_bytes(self):
+        """What Caffe 1.0 allocates for this layer: per-group descriptors,
+        first _v7 algorithm within 8 MiB per kind, max * group * 3."""
+        if self._cd is None:
+            return 0
+        from caffeplus.memory import workspace
+        # (Sliced, too large for one call, Caffe 1.0 could not run it: as sliced.)
+        cd = self._cd if self._cd.batch_chunks > 1 or self._cd.loops == self.group \
+            else _ConvDescs(self, True)
+        choices = [workspace.choose_stock(cd.candidates(k),
+                                          what=workspace.call_site_name(self, k))
+                   for k in workspace.KINDS]
+        return workspace.stock_bytes(choices, self.group)
+
+    def algorithms(self):
+        """{kind: chosen AlgoChoice} (for logs and tests)."""
+        if self._cd is not None:
+            self._ensure_planned(self._manager())
+        return {k: s.choice for k, s in self._sites.items()}
+
+    # -- the math -----------------------------------------------------------
+    # Each group of cuDNN calls goes through its descriptors' Replays, keyed
+    # by every value the calls read: replayed as a CUDA graph from the
+    # second iteration on (caffeplus.cudnn.api).
+    def _forward(self, bottom, top):
+        if not self._ready(_kernels.flat(bottom[0]), _kernels.flat(self.blobs[0])):
+            return super()._forward(bottom, top)
+        self._forward_calls(bottom, top)
+
+    def _forward_calls(self, bottom, top, bias=True):
+        """The forward's cuDNN (or cuBLAS) calls; `bias` False leaves the
+        bias out (forward_then_relu adds it)."""
+        mgr = self._manager()
+        self._ensure_planned(mgr)
+        kind = 'bwd_data' if self.reverse else 'fwd'
+        c = self._sites[kind].choice
+        cd = self._descs_for(c)
+        conv = cd.conv_for(c.math)
+        w = _dptr(self.blobs[0])
+        b = _dptr(self.blobs[1]) if self.bias_term and bias else 0
+        gemm = self._gemm if c.variant == 2 else None
+        for bb, tt in zip(bottom, top):
+            x, y = _dptr(bb), _dptr(tt)
+            if gemm is not None:
+                with mgr.checkout(self, kind) as (ws, nbytes):
+                    self._check_gemm_workspace(kind, ws, nbytes)
+                    gemm.forward(x, w, y, ws)
+                if b:
+                    cd.replays.run(('bias', x, y, b), functools.partial(
+                        _bias_add_calls, cd, b, y))
+                continue
+            with mgr.checkout(self, kind) as (ws, nbytes):
+                cd.replays.run((kind, x, w, y, b, ws, nbytes, c.algo, c.math, c.variant),
+                               functools.partial(_conv_forward_calls, cd, conv, c.algo,
+                                                 self.reverse, x, w, y, b, ws, nbytes))
+
+    def _backward(self, top, propagate_down, bottom):
+        if not self._ready(_kernels.flat(top[0], True), _kernels.flat(self.blobs[0])):
+            return super()._backward(top, propagate_down, bottom)
+        mgr = self._manager()
+        self._ensure_planned(mgr)
+        wblob = self.blobs[0]
+        w = _dptr(wblob)
+        dw = _dptr(wblob, True) if self.param_needs_backward(0) else 0
+        db = _dptr(self.blobs[1], True) if self.bias_term and self.param_needs_backward(1) else 0
+        fc = self._sites['bwd_filter'].choice
+        fcd = self._descs_for(fc)
+        dkind = 'fwd' if self.reverse else 'bwd_data'
+        dc = self._sites[dkind].choice
+        dcd = self._descs_for(dc)
+        for i, (bb, tt) in enumerate(zip(bottom, top)):
+            dtop = _dptr(tt, True)
+            if dw and fc.variant == 2 and self._gemm is not None:
+                x = _dptr(bb)
+                if db:
+                    self._cd.replays.run(('bias', dtop, db), functools.partial(
+                        _conv_params_calls, self._cd, None, 0, self.reverse, 0, dtop, 0, db, 0, 0))
+                with mgr.checkout(self, 'bwd_filter') as (ws, nbytes):
+                    self._check_gemm_workspace('bwd_filter', ws, nbytes)
+                    self._gemm.backward_filter(x, dtop, dw, ws)
+            elif dw:
+                x = _dptr(bb)
+                with mgr.checkout(self, 'bwd_filter') as (ws, nbytes):
+                    fcd.replays.run(('bwd_filter', x, dtop, dw, db, ws, nbytes, fc.algo, fc.math,
+                                     fc.variant),
+                                    functools.partial(_conv_params_calls, fcd,
+                                                      fcd.conv_for(fc.math), fc.algo,
+                                                      self.reverse, x, dtop, dw, db, ws, nbytes))
+            elif db:
+                self._cd.replays.run(('bias', dtop, db), functools.partial(
+                    _conv_params_calls, self._cd, None, 0, self.reverse, 0, dtop, 0, db, 0, 0))
+            if propagate_down[i] and dc.variant == 2 and self._gemm is not None:
+                self._gemm.backward_data(dtop, w, _dptr(bb, True))
+            elif propagate_down[i]:
+                dx = _dptr(bb, True)
+                with mgr.checkout(self, dkind) as (ws, nbytes):
+                    dcd.replays.run((dkind, dtop, w, dx, ws, nbytes, dc.algo, dc.math,
+                                     dc.variant),
+                                    functools.partial(_conv_data_calls, dcd,
+                                                      dcd.conv_for(dc.math), dc.algo,
+                                                      self.reverse, dtop, w, dx, ws, nbytes))
+
+
+@register_engine('CUDNN')
+class CuDNNConvolutionLayer(_CudnnConvolutionMixin, ConvolutionLayer):
+    """Convolution through cuDNN (groups by cudnnSetConvolutionGroupCount,
+    dilation, 1-3 spatial axes through Nd descriptors)."""
+
+
+@register_engine('CUDNN')
+class CuDNNDeconvolutionLayer(_CudnnConvolutionMixin, DeconvolutionLayer):
+    """Deconvolution through cuDNN: forward is backward-data, backward is
+    forward and backward-filter."""

@@ -1,0 +1,278 @@
+"""MAX and AVE pooling through cuDNN where its output shape is Caffe's; the
+fused kernels (Caffe's ceil rule) and the masked one-byte argmax elsewhere.
+"""
+import functools
+
+import numpy
+
+from caffeplus import backend
+from caffeplus import kernels as _kernels
+from caffeplus.cudnn import api
+from caffeplus.errors import CaffeplusError
+from caffeplus.layer import register_engine
+from caffeplus.layers.cudnn_common import (FLOAT_BYTES, READS_BOTH, _CudnnMixin, _MaskableMixin,
+                                           _dptr, _fused, _prod, batch_slices, cudnn_available)
+from caffeplus.layers.vision import AVE, MAX, PoolingLayer
+from caffeplus.memory import scratch
+
+
+def cudnn_pool_size(size, kernel, stride, pad):
+    """cuDNN's output size (floor rule)."""
+    return 1 + (size + 2 * pad - kernel) // stride
+
+
+def _pool_forward_calls(pd, xd, x, yd, y, loops):
+    k, x_step, y_step = loops
+    for g in range(k):
+        api.pooling_forward(pd, xd, x + g * x_step, yd, y + g * y_step)
+
+
+def _pool_backward_calls(pd, yd, y, dy, xd, x, dx, loops):
+    k, x_step, y_step = loops
+    for g in range(k):
+        api.pooling_backward(pd, yd, y + g * y_step, dy + g * y_step, xd, x + g * x_step,
+                             dx + g * x_step)
+
+
+@register_engine('CUDNN')
+class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
+    """MAX and AVE pooling through cuDNN where cuDNN's output shape equals
+    Caffe's; there Caffe's AVE divisor (the window clipped to H + pad) is
+    the full kernel, which is cuDNN's AVERAGE_COUNT_INCLUDE_PADDING."""
+
+    def __init__(self, layer_param):
+        super().__init__(layer_param)
+        if backend.mode() == backend.GPU:
+            self.backward_reads = self.gpu_backward_reads()
+
+    def gpu_backward_reads(self):
+        """cuDNN's pooling backward reads x and y (the estimate, built on the
+        CPU, plans with these: caffeplus.memory.shapes.build_net)."""
+        if self.layer_param.pooling_param.pool in (MAX, AVE):
+            return READS_BOTH
+        return self.backward_reads
+
+    def layer_setup(self, bottom, top):
+        super().layer_setup(bottom, top)
+        self._pd = None
+        self._pd_key = None
+
+    def cudnn_agrees(self):
+        """Whether cuDNN computes exactly Caffe's pooling for this geometry."""
+        pool = self.pool
+        if pool is None or pool.method not in (MAX, AVE) or self._ntop != 1 or \
+                self._batch_slices() is None:
+            return False
+        (kh, kw), (sh, sw), (ph, pw) = pool.geom
+        h, w = pool.x_shape[2:]
+        oh, ow = pool.out_shape[2:]
+        return cudnn_pool_size(h, kh, sh, ph) == oh and cudnn_pool_size(w, kw, sw, pw) == ow
+
+    def reshape(self, bottom, top):
+        super().reshape(bottom, top)
+        self._ntop = len(top)
+        if self._gpu_mode() and cudnn_available() and self.cudnn_agrees():
+            self._build()
+
+    def _build(self):
+        from caffeplus.backend import mathmode
+        from caffeplus.cudnn import api
+        pool = self.pool
+        k = self._batch_slices()
+        key = (pool.x_shape, pool.out_shape, tuple(pool.geom), pool.method, k,
+               mathmode.generation(), backend.device())
+        if key == self._pd_key:
+            return
+        if pool.method == MAX:
+            mode = api.POOL_MAX_DETERMINISTIC if mathmode.deterministic() else api.POOL_MAX
+        else:
+            mode = api.POOL_AVG_INCLUDE_PAD
+        n = pool.x_shape[0] // k
+        x_slice, y_slice = (n,) + tuple(pool.x_shape[1:]), (n,) + tuple(pool.out_shape[1:])
+        self._pd = (api.PoolDesc(mode, pool.geom.kernel, pool.geom.pad, pool.geom.stride),
+                    api.TensorDesc(x_slice), api.TensorDesc(y_slice))
+        # One call per batch slice (a blob over cuDNN's 32-bit count): byte steps.
+        self._pool_loops = (k, _prod(x_slice) * FLOAT_BYTES, _prod(y_slice) * FLOAT_BYTES)
+        self._replays = api.Replays()
+        self._pd_key = key
+
+    def _batch_slices(self):
+        pool = self.pool
+        return batch_slices(pool.x_shape[0], pool.x_shape[1:], pool.out_shape[1:])
+
+    def _ready(self, *arrays):
+        if not self.cudnn_agrees() or not self._cudnn_usable(*arrays):
+            return False
+        self._build()
+        return True
+
+    def _forward(self, bottom, top):
+        self._fused_arg = False
+        if self.masked and _kernels.active():
+            return self._masked_forward(bottom, top)
+        if not self._ready(_kernels.flat(bottom[0])):
+            if _kernels.active() and _fused('Pooling forward', self._fast_forward, bottom, top):
+                return
+            return super()._forward(bottom, top)
+        pd, xd, yd = self._pd
+        x, y = _dptr(bottom[0]), _dptr(top[0])
+        self._replays.run(('f', x, y), functools.partial(_pool_forward_calls, pd, xd, x, yd, y,
+                                                         self._pool_loops))
+
+    def _backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        if self.masked and _kernels.active():
+            return self._masked_backward(top, bottom)
+        if not self._ready(_kernels.flat(top[0], True)):
+            if _kernels.active() and _fused('Pooling backward', self._fast_backward, top,
+                                           propagate_down, bottom):
+                return
+            return super()._backward(top, propagate_down, bottom)
+        pd, xd, yd = self._pd
+        y, dy = _dptr(top[0]), _dptr(top[0], True)
+        x, dx = _dptr(bottom[0]), _dptr(bottom[0], True)
+        self._replays.run(('b', y, dy, x, dx), functools.partial(
+            _pool_backward_calls, pd, yd, y, dy, xd, x, dx, self._pool_loops))
+
+    # -- Caffe's windows where cuDNN's differ (the ceil rule): caffeplus.kernels
+    _arg_buf = None
+    _fused_arg = False
+
+    # -- masks instead of maps (caffeplus.memory.masks) ---------------------
+    # A masked layer keeps a one-byte argmax and its backward reads that, not
+    # x and y, so a memory plan may drop both maps after forward. cuDNN's
+    # pooling keeps no argmax, so it does not run for a masked layer.
+    _arg8 = None
+
+    def masked_bits_unchanged(self):
+        """Whether masking leaves the layer's results bit for bit: cuDNN's
+        max pooling gives the masked kernels' bits where the windows do not
+        overlap (tools/compare_pooling.py), and where cuDNN does not run the
+        kernels' int32 argmax computes what the masked one does."""
+        pool = self.pool
+        (kh, kw), (sh, sw), _ = pool.geom
+        oh, ow = pool.out_shape[2:]
+        overlapping = (kh > sh and oh > 1) or (kw > sw and ow > 1)
+        return not overlapping or not self.cudnn_agrees()
+
+    def can_mask(self):
+        """MAX pooling with one top and windows of at most 255 values."""
+        pool = self.pool
+        return pool is not None and pool.method == MAX and getattr(self, '_ntop', 1) == 1 and \
+            pool.geom.kernel[0] * pool.geom.kernel[1] < 255
+
+    def _window_args(self):
+        """H, W, OH, OW, KH, KW, SH, SW, PH, PW as the pooling kernels take them."""
+        K = _kernels
+        pool = self.pool
+        (kh, kw), (sh, sw), (ph, pw) = pool.geom
+        h, w = pool.x_shape[2:]
+        oh, ow = pool.out_shape[2:]
+        return tuple(K.i32(v) for v in (h, w, oh, ow, kh, kw, sh, sw, ph, pw))
+
+    def _masked_forward(self, bottom, top):
+        K = _kernels
+        count = _prod(self.pool.out_shape)
+        x, y = K.flat(bottom[0]), K.flat(top[0])
+        self._arg8 = arg = scratch.get(self, 'argmax8', count, numpy.uint8, K.array_module())
+        K.kernel('cp_mpool_fwd')(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
+                                 (x, y, arg, numpy.uint64(count)) + self._window_args())
+
+    def _masked_backward(self, top, bottom):
+        K = _kernels
+        if self._arg8 is None:
+            raise CaffeplusError("layer '%s': backward before forward (its argmax mask is not "
+                                 "there)" % self.name)
+        pool = self.pool
+        dy, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
+        (kh, kw), (sh, sw), (ph, pw) = pool.geom
+        (h, w), (oh, ow) = pool.x_shape[2:], pool.out_shape[2:]
+        if (kh, kw) == (sh, sw) and ph == pw == 0 and (h, w) == (oh * kh, ow * kw):
+            # Windows that tile the input (VGG-16's): each output writes its own.
+            count = _prod(pool.out_shape)
+            K.kernel('cp_mpool_bwd_tiled')(
+                K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
+                (dy, self._arg8, dx, numpy.uint64(count)) +
+                tuple(K.i32(v) for v in (oh, ow, kh, kw)))
+            return
+        count = _prod(pool.x_shape)
+        K.kernel('cp_mpool_bwd')(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
+                                 (dy, self._arg8, dx, numpy.uint64(count)) + self._window_args())
+
+    def internal_buffers(self):
+        """On the GPU, MAX pooling's kernel keeps an int32 argmax for
+        backward; cuDNN keeps nothing (its backward reads x and y); a masked
+        layer keeps a one-byte argmax."""
+        pool = self.pool
+        if self.masked and _kernels.active():
+            return {'argmax8': (_prod(pool.out_shape), numpy.uint8)}
+        if pool is not None and pool.method == MAX and self._gpu_mode():
+            if cudnn_available() and self.cudnn_agrees():
+                return {}
+            return {'argmax': (_prod(pool.out_shape), numpy.int32)}
+        return super().internal_buffers()
+
+    def gpu_internal_bytes(self):
+        """What internal_buffers keeps on a GPU with cuDNN (for the estimate,
+        made on a CPU net: workspace_model.internal_bytes)."""
+        pool = self.pool
+        if self.masked:
+            return _prod(pool.out_shape)
+        if pool is None or pool.method != MAX or self.cudnn_agrees():
+            return 0
+        return 4 * _prod(pool.out_shape)
+
+    def forget_kept_buffers(self):
+        super().forget_kept_buffers()
+        self._arg_buf = None
+        self._arg8 = None
+        self._fused_arg = False
+
+    def _pool_args(self):
+        K = _kernels
+        n, c = self.pool.x_shape[:2]
+        return (K.u32(n * c),) + self._window_args() + (K.i32(self.pool.method == AVE),)
+
+    def _fast_forward(self, bottom, top):
+        K = _kernels
+        pool = self.pool
+        if pool is None or pool.method not in (MAX, AVE) or \
+                not 0 < _prod(pool.x_shape) <= K.MAX_COUNT:
+            return False
+        x, y = K.flat(bottom[0]), K.flat(top[0])
+        if x is None or y is None:
+            return False
+        count = _prod(pool.out_shape)
+        arg = y
+        if pool.method == MAX:
+            # The kept argmax: the memory plan's view, else the layer's own.
+            self._arg_buf = arg = scratch.get(self, 'argmax', count, numpy.int32,
+                                              K.array_module())
+        K.kernel('cp_pool_fwd')(K.elementwise_grid(count * K.UNROLL), (K.ELEMENTWISE_THREADS,),
+                                (x, y, arg) + self._pool_args())
+        if pool.method == MAX:
+            # the generic code's state: backward and the mask top read it
+            pool.arg = arg[:count].reshape(pool.out_shape)
+            self._fused_arg = True
+            if len(top) > 1:
+                top[1].data[...] = pool.mask()
+        return True
+
+    def _fast_backward(self, top, propagate_down, bottom):
+        K = _kernels
+        pool = self.pool
+        if pool is None or pool.method not in (MAX, AVE) or \
+                not 0 < _prod(pool.x_shape) <= K.MAX_COUNT:
+            return False
+        if pool.method == MAX and not (self._fused_arg and pool.arg is not None and
+                                       K.is_device(pool.arg)):
+            return False
+        dy, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
+        if dy is None or dx is None:
+            return False
+        arg = pool.arg if pool.method == MAX else dy
+        count = _prod(pool.x_shape)
+        K.kernel('cp_pool_bwd')(K.elementwise_grid(count * K.UNROLL), (K.ELEMENTWISE_THREADS,),
+                                (dy, arg, dx) + self._pool_args())
+        return True

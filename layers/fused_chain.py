@@ -1,0 +1,708 @@
+"""Fused kernels (caffeplus.kernels) for BatchNorm, Scale, ReLU, Eltwise SUM
+and Split, and the chain planner that runs BatchNorm -> Scale (-> ReLU)
+and Eltwise SUM -> ReLU as one kernel each way.
+"""
+import numpy
+
+from caffeplus import kernels as _kernels
+from caffeplus.layer import register_engine
+from caffeplus.layers.common import EltwiseLayer, SplitLayer
+from caffeplus.layers.cudnn_activations import CuDNNReLULayer, _CudnnActivationMixin
+from caffeplus.layers.cudnn_common import F32, _fused, _prod
+from caffeplus.layers.normalization import BatchNormLayer, ScaleLayer, _same_data
+from caffeplus.memory import scratch
+from caffeplus.proto import caffe_pb2
+
+_ELTWISE_SUM = caffe_pb2.EltwiseParameter.SUM
+
+
+# In GPU mode these layers run one CUDA kernel per forward and per backward
+# instead of the generic code's ten to twenty CuPy operations; on NumPy
+# arrays (CPU mode), for blobs of 2**31 values or more, or with
+# CAFFEPLUS_FUSED=0, they run the generic code. Their reshape returns at
+# once when the bottom shapes are those of the last call (the net reshapes
+# every layer before every forward).
+#
+# Chains. In a residual net each convolution is followed by BatchNorm,
+# Scale and (mostly) ReLU, all in place on one blob. When a pass of the net
+# runs the whole chain and nothing watches the layers in between (no
+# per-layer hooks but on_layer_backward_done, no debug_info), BatchNorm's
+# forward writes the chain's final top, relu(scale * norm(x) + bias), and
+# the chain's last layer's backward computes every gradient of the three
+# (Scale's parameter gradients included) in one kernel; the other layers
+# of the chain then do nothing. The blob's values after the chain, and
+# every gradient, are those of the layers run one by one. The net tells
+# the chains about each pass through kernels.begin_pass.
+
+
+def _base_address(array):
+    """Where an array's data starts (CuPy or NumPy): a view's identity."""
+    data = array.data
+    return int(data.ptr) if hasattr(data, 'ptr') else array.__array_interface__['data'][0]
+
+
+def _view(buf, shape):
+    """A cached view of buffer `buf` with `shape` (rebuilt when either changes)."""
+    return buf[:_prod(shape)].reshape(shape)
+
+
+class _FusedMixin:
+    """A reshape that skips when the bottom shapes are those of the last call."""
+    _rkey = None
+
+    def _reshape_key(self, bottom):
+        return tuple(b._shape for b in bottom)
+
+    def reshape(self, bottom, top):
+        key = self._reshape_key(bottom)
+        if key == self._rkey and all(t._shape == bottom[0]._shape for t in top):
+            return
+        self._rkey = None
+        super().reshape(bottom, top)
+        self._rkey = key
+        self._reshaped(bottom, top)
+
+    def _reshaped(self, bottom, top):
+        pass
+
+
+class _Chain:
+    """BatchNorm -> Scale (-> ReLU), in place on one blob, consecutive layers."""
+    __slots__ = ('bn', 'scale', 'relu', 'first', 'last', 'head', 'needs_backward',
+                 'fwd_active', 'bwd_active', 'fwd_done', 'bwd_done')
+
+    def __init__(self, net, i, bn, scale, relu):
+        self.bn, self.scale, self.relu = bn, scale, relu
+        self.first, self.last = i, i + (2 if relu is not None else 1)
+        self.head = relu if relu is not None else scale      # first in backward order
+        self.needs_backward = all(net.layer_need_backward[j] and all(net.bottom_need_backward[j])
+                                  for j in range(self.first, self.last + 1))
+        self.fwd_active = self.bwd_active = self.fwd_done = self.bwd_done = False
+
+    def geometry_ok(self):
+        """Scale covers exactly BatchNorm's channel axis (and its bias the same)."""
+        sc = self.scale
+        return sc.dims == self.bn._cfg and (sc.bias_param_id is None or
+                                            sc.bias_dims == sc.dims)
+
+    def forward(self, x, y):
+        """BatchNorm's fused forward for the whole chain (called by BatchNorm)."""
+        K = _kernels
+        sc = self.scale
+        s = K.flat(sc.blobs[0])
+        b = K.flat(sc.blobs[sc.bias_param_id]) if sc.bias_param_id is not None else None
+        if s is None or (sc.bias_param_id is not None and b is None):
+            return False
+        flags = K.BN_SCALE | (K.BN_BIAS if b is not None else 0) | \
+            (K.BN_RELU if self.relu is not None else 0)
+        if not self.bn._launch_forward(x, y, flags, s, b):
+            return False
+        sc._bottom_copy = self.bn._x_norm           # Scale's bottom: the normalized x
+        self.fwd_done = True
+        return True
+
+    def backward(self):
+        """The chain's fused backward (called by its head, first in backward order)."""
+        K = _kernels
+        bn, sc = self.bn, self.scale
+        if not self.geometry_ok() or bn._x_norm is None or bn._std is None:
+            return False
+        n, c, s_ = bn._cfg
+        count = n * c * s_
+        if not 0 < count <= K.MAX_COUNT or bn._x_norm.size != count:
+            return False
+        blob = bn._chain_blob
+        dy = K.flat(blob, diff=True)
+        s = K.flat(sc.blobs[0])
+        bid = sc.bias_param_id
+        b = K.flat(sc.blobs[bid]) if bid is not None else None
+        if dy is None or s is None or (bid is not None and b is None):
+            return False
+        want_ds = sc.param_needs_backward(0)
+        want_db = bid is not None and sc.param_needs_backward(bid)
+        ds = K.flat(sc.blobs[0], diff=True) if want_ds else None
+        db = K.flat(sc.blobs[bid], diff=True) if want_db else None
+        if (want_ds and ds is None) or (want_db and db is None):
+            return False
+        flags = K.BN_SCALE | K.BN_DX | (K.BN_BIAS if b is not None else 0) | \
+            (K.BN_RELU if self.relu is not None else 0) | \
+            (K.BN_DSCALE if want_ds else 0) | (K.BN_DBIAS if want_db else 0) | \
+            (0 if bn.use_global_stats else K.BN_BATCH)
+        bn._launch_backward(dy, bn._x_norm, bn._std, dy, s, b if b is not None else s,
+                            ds if ds is not None else dy, db if db is not None else dy, flags)
+        self.bwd_done = True
+        return True
+
+
+def _scale_diffs(g, ref, outs, n, mask):
+    """cp_scale2 over (diff array, coefficient) pairs, two per launch; with
+    `mask`, g is first multiplied by (ref > 0) and written back (an in-place
+    ReLU's backward)."""
+    K = _kernels
+    grid, block = K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,)
+    k = K.kernel('cp_scale2')
+    if not outs:
+        if mask:
+            k(grid, block, (g, g, g, ref, K.u32(n), F32(1), F32(1), K.i32(4)))
+        return
+    for j in range(0, len(outs), 2):
+        d0, c0 = outs[j]
+        if j + 1 < len(outs):
+            d1, c1, flags = outs[j + 1][0], outs[j + 1][1], 3
+        else:
+            d1, c1, flags = d0, c0, 1
+        if mask and j == 0:
+            flags |= 4
+        k(grid, block, (g, d0, d1, ref, K.u32(n), F32(c0), F32(c1), K.i32(flags)))
+
+
+class _SumChain:
+    """Eltwise SUM of two bottoms into a new top, then ReLU in place on it."""
+    __slots__ = ('eltwise', 'relu', 'first', 'last', 'head', 'needs_backward', 'bottoms',
+                 'top', 'propagate', 'fwd_active', 'bwd_active', 'fwd_done', 'bwd_done')
+
+    def __init__(self, net, i, eltwise, relu):
+        self.eltwise, self.relu = eltwise, relu
+        self.first, self.last, self.head = i, i + 1, relu
+        self.bottoms, self.top = list(net.bottom_vecs[i]), net.top_vecs[i][0]
+        self.propagate = list(net.bottom_need_backward[i])
+        self.needs_backward = net.layer_need_backward[i] and net.layer_need_backward[i + 1] \
+            and all(net.bottom_need_backward[i + 1])
+        self.fwd_active = self.bwd_active = self.fwd_done = self.bwd_done = False
+
+    def backward(self):
+        """ReLU's and Eltwise's backward in one kernel (called by the ReLU)."""
+        K = _kernels
+        n = self.top._count
+        if not 0 < n <= K.MAX_COUNT:
+            return False
+        g, ref = K.flat(self.top, diff=True), K.flat(self.top)
+        outs = [(K.flat(b, diff=True), self.eltwise.coeffs[j])
+                for j, b in enumerate(self.bottoms) if self.propagate[j]]
+        if g is None or ref is None or any(a is None for a, _ in outs):
+            return False
+        _scale_diffs(g, ref, outs, n, 1)
+        self.bwd_done = True
+        return True
+
+
+def _find_chains(net):
+    chains = []
+    layers = net.layers
+    L = len(layers)
+
+    def in_place_on(j, blob):
+        return len(net.bottom_vecs[j]) == 1 and len(net.top_vecs[j]) == 1 and \
+            net.bottom_vecs[j][0] is blob and net.top_vecs[j][0] is blob
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, GPUBatchNormLayer) or i + 1 >= L or not net.bottom_vecs[i]:
+            continue
+        blob = net.bottom_vecs[i][0]
+        if not in_place_on(i, blob):
+            continue
+        sc = layers[i + 1]
+        if not isinstance(sc, GPUScaleLayer) or not in_place_on(i + 1, blob):
+            continue
+        relu = layers[i + 2] if i + 2 < L else None
+        if not (isinstance(relu, CuDNNReLULayer) and relu.slope == 0 and in_place_on(i + 2, blob)):
+            relu = None
+        ch = _Chain(net, i, layer, sc, relu)
+        layer._chain_blob = blob
+        for member in (layer, sc, relu):
+            if member is not None:
+                member._chain = ch
+        chains.append(ch)
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, GPUEltwiseLayer) or layer.op != _ELTWISE_SUM or i + 1 >= L or \
+                len(net.bottom_vecs[i]) != 2 or len(net.top_vecs[i]) != 1:
+            continue
+        top = net.top_vecs[i][0]
+        relu = layers[i + 1]
+        if any(b is top for b in net.bottom_vecs[i]) or not (
+                isinstance(relu, CuDNNReLULayer) and relu.slope == 0 and relu._chain is None
+                and in_place_on(i + 1, top)):
+            continue
+        ch = _SumChain(net, i, layer, relu)
+        layer._chain = relu._chain = ch
+        chains.append(ch)
+    return chains
+
+
+def _chain_backward(layer, what):
+    """Whether the layer's chain took its backward: done already by the
+    chain's last layer, or run now because `layer` is that layer."""
+    ch = layer._chain
+    if ch is None:
+        return False
+    if ch.bwd_done:
+        return True
+    return ch.head is layer and ch.bwd_active and _kernels.active() and _fused(what, ch.backward)
+
+
+def _begin_pass(net, start, end, backward):
+    """kernels.begin_pass: which chains run fused in this pass of `net`."""
+    chains = _chains(net)
+    if not chains:
+        return
+    # Hooks that look at blobs between a chain's layers need it unfused;
+    # hooks marked chain_safe (the offload runtime's copies and waits, which
+    # act at step boundaries on whole buffers) do not.
+    watchers = [h for h in (net.before_layer_forward + net.after_layer_forward +
+                            net.before_layer_backward) if not getattr(h, 'chain_safe', False)]
+    on = _kernels.active() and not (net.debug_info or watchers)
+    for ch in chains:
+        if backward:
+            ch.bwd_done = False
+            ch.bwd_active = on and ch.needs_backward and end <= ch.first and ch.last <= start
+        else:
+            ch.fwd_done = False
+            ch.fwd_active = on and start <= ch.first and ch.last <= end
+
+
+def _chains(net):
+    """The net's fused chains, found once."""
+    chains = net.__dict__.get('_fused_chains')
+    if chains is None:
+        chains = net._fused_chains = _find_chains(net)
+    return chains
+
+
+def _chain_heads(net):
+    """kernels.chain_heads: every chain member -> its last layer, whose
+    backward (first in backward order) runs the chain's."""
+    return {j: ch.last for ch in _chains(net) if ch.needs_backward
+            for j in range(ch.first, ch.last + 1)}
+
+
+def _register_planner():
+    _kernels.set_chain_planner(_begin_pass)
+    _kernels.set_chain_heads(_chain_heads)
+
+
+@register_engine('CUDNN')
+class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
+    """BatchNorm through caffeplus.kernels' cp_bn_fwd / cp_bn_bwd on the GPU."""
+    engine = 'FUSED'
+    _chain = None
+    _chain_blob = None
+    _cfg = None
+    _xn_buf = _std_buf = _buf_key = None
+
+    def _reshaped(self, bottom, top):
+        self._cfg = self._dims(bottom[0])
+
+    def forget_kept_buffers(self):
+        super().forget_kept_buffers()
+        self._xn_buf = self._buf_key = self._my_xn = None
+
+    def _buffers(self, keep):
+        """The layer's std and normalized copy: views of device buffers reused
+        across calls (the generic code's self._std and self._x_norm)."""
+        K = _kernels
+        n, c, s = self._cfg
+        count = n * c * s
+        if self._std_buf is None or self._std_buf.size < c or not K.is_device(self._std_buf):
+            self._std_buf = K.empty(c)
+        if keep:
+            # The kept normalized copy: the memory plan's view, else the layer's own.
+            self._xn_buf = scratch.get(self, 'x_norm', count, numpy.float32, K.array_module())
+        key = (self._cfg, keep, id(self._std_buf), _base_address(self._xn_buf) if keep else None)
+        if key != self._buf_key:
+            self._my_std = self._std_buf[:c]
+            self._my_xn = _view(self._xn_buf, (n, c, s)) if keep else None
+            self._buf_key = key
+        self._std = self._my_std
+        self._x_norm = self._my_xn
+        return self._xn_buf if keep else None
+
+    def _launch_forward(self, x, y, chain_flags=0, sc=None, bi=None):
+        K = _kernels
+        n, c, s = self._cfg
+        b0, b1, b2 = (K.flat(b) for b in self.blobs)
+        if b0 is None or b1 is None or b2 is None:
+            return False
+        batch = not self.use_global_stats
+        keep = batch or bool(chain_flags)
+        xn = self._buffers(keep)
+        m = n * s
+        corr = F32(m) / F32(m - 1) if m > 1 else F32(1)
+        flags = (K.BN_BATCH if batch else 0) | (K.BN_KEEP if keep else 0) | chain_flags
+        xn = xn if xn is not None else y
+        sc = sc if sc is not None else b0
+        bi = bi if bi is not None else b0
+        split = self._split_kernels(('cp_bn_stats_part', 'cp_bn_fwd_apply'))
+        if split is not None:
+            kp, ka, P, part, kv, block = split
+            if batch:
+                kp((c * P,), block, (x, part, kv, K.u32(n), K.u32(c), K.u32(s), K.u32(P)))
+            ka((c * P,), block, (
+                x, y, xn, b0, b1, b2, self._std_buf, sc, bi, part, kv,
+                K.u32(n), K.u32(c), K.u32(s), K.u32(P), K.i32(flags), self.maf, self.eps,
+                F32(corr)))
+            return True
+        K.kernel('cp_bn_fwd')((c,), (K.channel_block(m),), (
+            x, y, xn, b0, b1, b2, self._std_buf, sc, bi,
+            K.u32(n), K.u32(c), K.u32(s), K.i32(flags), self.maf, self.eps, F32(corr)))
+        return True
+
+    _split_ok = True
+    _split_bufs = None
+
+    def _split_kernels(self, names):
+        """(kernel, kernel, P, partial sums, K values, block) to run this layer
+        over P blocks per channel; None for one block per channel."""
+        K = _kernels
+        n, c, s = self._cfg
+        P = K.blocks_per_channel(c, n * s)
+        if P <= 1 or not GPUBatchNormLayer._split_ok:
+            return None
+        try:
+            ks = [K.kernel(name) for name in names]
+        except Exception as exc:        # the extra module: keep the one-block kernels
+            GPUBatchNormLayer._split_ok = False
+            K.note_failure('BatchNorm split kernels', exc)
+            return None
+        b = self._split_bufs
+        if b is None or b[0].size < 2 * c * P or not K.is_device(b[0]):
+            b = self._split_bufs = (K.empty(2 * c * P, numpy.float64), K.empty(c))
+        return (ks[0], ks[1], P, b[0], b[1], (K.channel_block(n * s // P),))
+
+    def _launch_backward(self, dy, xn, std, dx, sc, bi, dsc, dbi, flags):
+        K = _kernels
+        n, c, s = self._cfg
+        split = self._split_kernels(('cp_bn_bwd_part', 'cp_bn_bwd_apply'))
+        if split is not None:
+            kp, ka, P, part, _, block = split
+            args = (K.u32(n), K.u32(c), K.u32(s), K.u32(P), K.i32(flags))
+            if flags & (K.BN_BATCH | K.BN_DSCALE | K.BN_DBIAS):
+                kp((c * P,), block, (dy, xn, sc, bi, part) + args)
+            ka((c * P,), block, (dy, xn, std, dx, sc, bi, dsc, dbi, part) + args)
+            return
+        K.kernel('cp_bn_bwd')((c,), (K.channel_block(n * s),), (
+            dy, xn, std, dx, sc, bi, dsc, dbi, K.u32(n), K.u32(c), K.u32(s), K.i32(flags)))
+
+    def _fast_forward(self, bottom, top):
+        K = _kernels
+        n, c, s = self._cfg
+        if not 0 < n * c * s <= K.MAX_COUNT:
+            return False
+        x, y = K.flat(bottom[0]), K.flat(top[0])
+        if x is None or y is None:
+            return False
+        ch = self._chain
+        if ch is not None and ch.fwd_active and ch.geometry_ok() and ch.forward(x, y):
+            return True
+        return self._launch_forward(x, y)
+
+    def _forward(self, bottom, top):
+        if not (_kernels.active() and _fused('BatchNorm forward', self._fast_forward, bottom, top)):
+            super()._forward(bottom, top)
+
+    def _fast_backward(self, top, propagate_down, bottom):
+        K = _kernels
+        n, c, s = self._cfg
+        count = n * c * s
+        if not 0 < count <= K.MAX_COUNT or self._std is None or self._std.size != c:
+            return False
+        batch = not self.use_global_stats
+        xn = self._x_norm
+        if batch and (xn is None or xn.size != count):
+            return False
+        dy, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
+        if dy is None or dx is None or not K.is_device(self._std) or \
+                (xn is not None and not K.is_device(xn)):
+            return False
+        flags = K.BN_DX | (K.BN_BATCH if batch else 0)
+        self._launch_backward(dy, xn if xn is not None else dy, self._std, dx, dy, dy, dx, dx,
+                              flags)
+        return True
+
+    def _backward(self, top, propagate_down, bottom):
+        ch = self._chain
+        if ch is not None and ch.bwd_done:
+            return
+        if not propagate_down[0]:
+            return
+        if not (_kernels.active() and _fused('BatchNorm backward', self._fast_backward, top,
+                                            propagate_down, bottom)):
+            super()._backward(top, propagate_down, bottom)
+
+
+@register_engine('CUDNN')
+class GPUScaleLayer(_FusedMixin, ScaleLayer):
+    """Scale through caffeplus.kernels' cp_scale_fwd / cp_scale_bwd on the GPU."""
+    engine = 'FUSED'
+    _chain = None
+    _keep_buf = _keep_key = None
+
+    def _scale_grad_needed(self, bottom):
+        return len(bottom) > 1 or self.param_needs_backward(0)
+
+    def internal_buffers(self):
+        """In a BatchNorm -> Scale chain the scale gradient reads BatchNorm's
+        kept normalized copy: nothing of its own to keep."""
+        if self._chain is not None:
+            return {}
+        return super().internal_buffers()
+
+    def forget_kept_buffers(self):
+        super().forget_kept_buffers()
+        self._keep_buf = self._keep_key = self._my_copy = None
+
+    def _fast_forward(self, bottom, top):
+        K = _kernels
+        outer, dim, inner = self.dims
+        count = outer * dim * inner
+        if not 0 < count <= K.MAX_COUNT:
+            return False
+        bid = self.bias_param_id
+        if bid is not None and self.bias_dims != self.dims:
+            return False
+        x, y = K.flat(bottom[0]), K.flat(top[0])
+        s = K.flat(self._scale_blob(bottom))
+        b = K.flat(self.blobs[bid]) if bid is not None else None
+        if x is None or y is None or s is None or (bid is not None and b is None):
+            return False
+        keep = _same_data(bottom[0], top[0]) and self._scale_grad_needed(bottom)
+        flags = (K.SC_BIAS if b is not None else 0)
+        kp = y
+        if keep:
+            self._keep_buf = kp = scratch.get(self, 'bottom_copy', count, numpy.float32,
+                                              K.array_module())
+            key = (self.dims, _base_address(kp))
+            if key != self._keep_key:
+                self._my_copy = _view(kp, self.dims)
+                self._keep_key = key
+            self._bottom_copy = self._my_copy
+            flags |= K.SC_KEEP
+        else:
+            self._bottom_copy = None
+        K.kernel('cp_scale_fwd')(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,), (
+            x, y, kp, s, b if b is not None else s, K.u32(outer), K.u32(dim), K.u32(inner),
+            K.i32(flags)))
+        return True
+
+    def _forward(self, bottom, top):
+        ch = self._chain
+        if ch is not None and ch.fwd_done:
+            return
+        if not (_kernels.active() and _fused('Scale forward', self._fast_forward, bottom, top)):
+            super()._forward(bottom, top)
+
+    def _fast_backward(self, top, propagate_down, bottom):
+        K = _kernels
+        outer, dim, inner = self.dims
+        count = outer * dim * inner
+        if not 0 < count <= K.MAX_COUNT:
+            return False
+        bid = self.bias_param_id
+        want_db = bid is not None and self.param_needs_backward(bid)
+        if want_db and self.bias_dims != self.dims:
+            return False
+        learned = len(bottom) == 1
+        want_ds = (learned and self.param_needs_backward(0)) or \
+            (not learned and propagate_down[1])
+        want_dx = bool(propagate_down[0])
+        if not (want_ds or want_db or want_dx):
+            return True
+        dy = K.flat(top[0], diff=True)
+        s = K.flat(self._scale_blob(bottom))
+        if dy is None or s is None:
+            return False
+        x = ds = db = dx = None
+        flags = 0
+        if want_ds:
+            if _same_data(bottom[0], top[0]):
+                x = self._bottom_copy
+                if x is None or x.size != count or not K.is_device(x):
+                    return False            # the generic code names the problem
+            else:
+                x = K.flat(bottom[0])
+            ds = K.flat(self.blobs[0], diff=True) if learned else K.flat(bottom[1], diff=True)
+            if x is None or ds is None:
+                return False
+            flags |= K.SC_DSCALE | (K.SC_DSCALE_ACC if learned else 0)
+        if want_db:
+            db = K.flat(self.blobs[bid], diff=True)
+            if db is None:
+                return False
+            flags |= K.SC_DBIAS
+        if want_dx:
+            dx = K.flat(bottom[0], diff=True)
+            if dx is None:
+                return False
+            flags |= K.SC_DX
+        K.kernel('cp_scale_bwd')((dim,), (K.channel_block(outer * inner),), (
+            dy, x if x is not None else dy, s, dx if dx is not None else dy,
+            ds if ds is not None else dy, db if db is not None else dy,
+            K.u32(outer), K.u32(dim), K.u32(inner), K.i32(flags)))
+        return True
+
+    def _backward(self, top, propagate_down, bottom):
+        if _chain_backward(self, 'BatchNorm-Scale backward'):
+            return
+        if not (_kernels.active() and _fused('Scale backward', self._fast_backward, top,
+                                            propagate_down, bottom)):
+            super()._backward(top, propagate_down, bottom)
+
+
+class _FusedReLUMixin:
+    """ReLU (any slope) through cp_relu_fwd / cp_relu_bwd; a link of a chain."""
+    _chain = None
+
+    # Elementwise: a blob over the kernels' 32-bit count runs in pieces
+    # (the generic code's temporaries would take 1-4 bytes per value more).
+    def _fast_forward(self, bottom, top):
+        K = _kernels
+        n = bottom[0]._count
+        if n <= 0:
+            return False
+        x, y = K.flat(bottom[0]), K.flat(top[0])
+        if x is None or y is None:
+            return False
+        for m, (xs, ys) in _pieces(n, K.MAX_COUNT, x, y):
+            K.kernel('cp_relu_fwd')(K.elementwise_grid(m), (K.ELEMENTWISE_THREADS,),
+                                    (xs, ys, K.u32(m), F32(self.slope)))
+        return True
+
+    def _fast_backward(self, top, propagate_down, bottom):
+        K = _kernels
+        n = top[0]._count
+        if n <= 0:
+            return False
+        ref = K.flat(top[0]) if self.slope >= 0 else K.flat(bottom[0])
+        dy, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
+        if ref is None or dy is None or dx is None:
+            return False
+        for m, (dys, refs, dxs) in _pieces(n, K.MAX_COUNT, dy, ref, dx):
+            K.kernel('cp_relu_bwd')(K.elementwise_grid(m), (K.ELEMENTWISE_THREADS,),
+                                    (dys, refs, dxs, K.u32(m), F32(self.slope)))
+        return True
+
+
+def _pieces(n, most, *arrays):
+    """(count, the arrays' views) of consecutive pieces of n values, each at
+    most `most`; one piece (every blob below 2**31 values) passes the
+    arrays themselves, without making views on this per-layer path."""
+    if n <= most:
+        return [(n, arrays)]
+    return [(min(most, n - o), tuple(a[o:o + most] for a in arrays)) for o in range(0, n, most)]
+
+
+# The fused kernels replace cuDNN's activation for ReLU (same values; one
+# launch with less Python around it): CuDNNReLULayer takes them first.
+def _relu_forward(self, bottom, top):
+    if self.masked:
+        return self._masked_forward(bottom, top)
+    ch = self._chain
+    if ch is not None and ch.fwd_done:
+        return
+    if not (_kernels.active() and _fused('ReLU forward', self._fast_forward, bottom, top)):
+        _CudnnActivationMixin._forward(self, bottom, top)
+
+
+def _relu_backward(self, top, propagate_down, bottom):
+    if self.masked:
+        if propagate_down[0]:
+            self._masked_backward(top, bottom)
+        return
+    if _chain_backward(self, 'BatchNorm-Scale-ReLU backward'):
+        return
+    if not propagate_down[0]:
+        return
+    if not (_kernels.active() and _fused('ReLU backward', self._fast_backward, top,
+                                        propagate_down, bottom)):
+        _CudnnActivationMixin._backward(self, top, propagate_down, bottom)
+
+
+for _name, _value in (('_fast_forward', _FusedReLUMixin._fast_forward),
+                      ('_fast_backward', _FusedReLUMixin._fast_backward),
+                      ('_forward', _relu_forward), ('_backward', _relu_backward),
+                      ('_chain', None)):
+    setattr(CuDNNReLULayer, _name, _value)
+
+
+@register_engine('CUDNN')
+class GPUEltwiseLayer(_FusedMixin, EltwiseLayer):
+    """Eltwise SUM through cp_axpby / cp_scale2 on the GPU (PROD and MAX: generic)."""
+    engine = 'FUSED'
+    _chain = None
+
+    def _fast_forward(self, bottom, top):
+        K = _kernels
+        n = top[0]._count
+        if not 0 < n <= K.MAX_COUNT:
+            return False
+        xs = [K.flat(b) for b in bottom]
+        y = K.flat(top[0])
+        if y is None or any(a is None for a in xs):
+            return False
+        grid, block, c = K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,), self.coeffs
+        ch = self._chain
+        relu = ch is not None and ch.fwd_active and len(xs) == 2
+        k = K.kernel('cp_axpby')
+        k(grid, block, (xs[0], xs[1], y, K.u32(n), F32(c[0]), F32(c[1]), K.i32(relu)))
+        for a, ci in zip(xs[2:], c[2:]):
+            k(grid, block, (y, a, y, K.u32(n), F32(1), F32(ci), K.i32(0)))
+        if relu:
+            ch.fwd_done = True          # the ReLU after us has nothing left to do
+        return True
+
+    def _fast_backward(self, top, propagate_down, bottom):
+        K = _kernels
+        n = top[0]._count
+        if not 0 < n <= K.MAX_COUNT:
+            return False
+        dy = K.flat(top[0], diff=True)
+        outs = [(K.flat(b, diff=True), self.coeffs[i])
+                for i, b in enumerate(bottom) if propagate_down[i]]
+        if dy is None or any(a is None for a, _ in outs):
+            return False
+        _scale_diffs(dy, dy, outs, n, 0)
+        return True
+
+    def _forward(self, bottom, top):
+        if not (self.op == _ELTWISE_SUM and _kernels.active() and
+                _fused('Eltwise forward', self._fast_forward, bottom, top)):
+            super()._forward(bottom, top)
+
+    def _backward(self, top, propagate_down, bottom):
+        ch = self._chain
+        if ch is not None and ch.bwd_done:
+            return
+        if not (self.op == _ELTWISE_SUM and _kernels.active() and
+                _fused('Eltwise backward', self._fast_backward, top, propagate_down, bottom)):
+            super()._backward(top, propagate_down, bottom)
+
+
+@register_engine('CUDNN')
+class GPUSplitLayer(SplitLayer):
+    """Split whose backward sums the top diffs with cp_axpby on the GPU."""
+    engine = 'FUSED'
+
+    def _fast_backward(self, top, propagate_down, bottom):
+        K = _kernels
+        n = bottom[0]._count
+        if len(top) < 2 or not 0 < n <= K.MAX_COUNT:
+            return False
+        ds = [K.flat(t, diff=True) for t in top]
+        dx = K.flat(bottom[0], diff=True)
+        if dx is None or any(a is None for a in ds):
+            return False
+        grid, block = K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,)
+        k = K.kernel('cp_axpby')
+        one, no = F32(1), K.i32(0)
+        k(grid, block, (ds[0], ds[1], dx, K.u32(n), one, one, no))
+        for a in ds[2:]:
+            k(grid, block, (dx, a, dx, K.u32(n), one, one, no))
+        return True
+
+    def _backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        if not (_kernels.active() and
+                _fused('Split backward', self._fast_backward, top, propagate_down, bottom)):
+            super()._backward(top, propagate_down, bottom)
+
+
+_register_planner()
