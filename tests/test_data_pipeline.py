@@ -422,6 +422,22 @@ def test_corrupt_record_names_database_key_and_reason(tmp_path, how):
     assert not [t for t in threading.enumerate() if t.name.startswith('caffeplus-data-')]
 
 
+def test_corrupt_image_file_names_list_line_and_reason(tmp_path):
+    listfile = _write_image_list(tmp_path, _images(5), 'JPEG')
+    (tmp_path / 'img_03.jpg').write_bytes(_encode(_images(1)[0], 'JPEG')[:100])
+    for count in (1, 4):
+        layer, tops = _image_layer(listfile, 'scale: 1', batch=5, count=count,
+                                   extra='root_folder: "%s/"' % tmp_path)
+        try:
+            with pytest.raises(CaffeplusError) as err:
+                layer.forward([], tops)
+        finally:
+            layer.close()
+        text = str(err.value)
+        assert 'img_03.jpg' in text and 'line 4 of image list %s' % listfile in text
+        assert 'cannot' in text and 'truncated' in text.lower()
+
+
 _SCRIPT = textwrap.dedent('''
     import sys
     sys.path.insert(0, {repo!r})
