@@ -11,10 +11,11 @@ batch at once (caffeplus.io.batch_transform), again split over the workers.
 The order is fixed by the seed, not by thread timing: every random decision
 comes from generators that belong to the layer, seeded from caffeplus.rng at
 setup, and only the coordinator draws from them, batch after batch; the
-workers draw nothing, so any number of workers gives the same batches. `get_state()` gives the position after the last batch a
-forward returned (database cursor or list position, generator states) as
-plain Python values (JSON-serialisable); `set_state()` restores it, so a
-resumed run reads on exactly where the snapshot was taken. `set_shard(rank,
+workers draw nothing, so any number of workers gives the same batches.
+`get_state()` gives the position after the last batch a forward returned
+(database cursor or list position, generator states) as plain Python values
+(JSON-serialisable); `set_state()` restores it, so a resumed run reads on
+exactly where the snapshot was taken. `set_shard(rank,
 world)` (Data, ImageData, HDF5Data) makes a layer read one rank's share of the
 records for data-parallel training (caffeplus.parallel).
 

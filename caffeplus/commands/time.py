@@ -16,14 +16,14 @@ Caffe's lines:
     *** Benchmark ends ***
 
 The net's inputs are whatever its data layers produce (as Caffe, the
-benchmark assumes no externally fed input blobs). A prefetching data
+benchmark assumes no externally fed input blobs). On the GPU each reading
+waits for the device, so the times are the layers' own. A prefetching data
 layer's forward time is what it waited for a batch; two more lines give its
-prefetch thread's mean time per batch apart:
+prefetch thread's mean times per batch apart (`data` is the layer's name):
 
           data	prefetch wait: 0.05 ms.
-          data	read and decode: 12.1 ms, transform: 3.2 ms (a batch, in the prefetch thread, 2 data workers).
- On the GPU each reading
-waits for the device, so the times are the layers' own.
+          data	read and decode: 12.1 ms, transform: 3.2 ms (a batch, in the
+              prefetch thread, 2 data workers).
 
 --memory PLAN applies a memory plan (caffeplus.memory.apply) before the
 first pass: `stock` reproduces BVLC Caffe 1.0's device memory (per-layer
