@@ -7,8 +7,10 @@ setup(
     python_requires='>=3.10',
     packages=['caffeplus', 'caffeplus.proto', 'caffeplus.io', 'caffeplus.backend',
               'caffeplus.solver', 'caffeplus.memory', 'caffeplus.cudnn', 'caffeplus.commands', 'caffeplus.layers',
-              'caffeplus.tools', 'caffeplus.parallel'],
-    package_dir={'caffeplus.layers': 'layers', 'caffeplus.tools': 'tools'},
+              'caffeplus.parallel'],
+    # tools/ (Caffe's companion tools as scripts), benchmarks/ and dev/ are run
+    # from a source checkout and not installed: `caffeplus NAME` runs the tools.
+    package_dir={'caffeplus.layers': 'layers'},
     install_requires=['numpy>=1.23', 'protobuf>=5.26,<8', 'lmdb', 'h5py', 'Pillow',
                       'simplejpeg>=1.7'],
     extras_require={

@@ -273,7 +273,7 @@ class Blob:
         # are contiguous): a device copy of them first (xp.asarray) would be
         # freed at once and its chunk of CuPy's pool split for later blobs,
         # leaving bytes no array uses that the pool cannot give back (fc6's
-        # filled weights: 32 MiB of a 144 MiB chunk, tools/pool_census.py).
+        # filled weights: 32 MiB of a 144 MiB chunk, dev/pool_census.py).
         host_to_device = xp is not numpy and backend.get_array_module(value) is numpy
         if xp is numpy:
             value = numpy.asarray(backend.to_numpy(value), dtype=numpy.float32)

@@ -28,7 +28,7 @@ Pointers reach the kernels as CuPy arrays (each storage's flat array, no
 views are made per call); sizes as unsigned 32-bit ints: the layers use
 these kernels only for blobs of fewer than 2**31 values.
 
-The same source compiles on the host for tests (tools/kernel_emu.py runs
+The same source compiles on the host for tests (dev/kernel_emu.py runs
 it with one thread per CUDA thread), so the layers' GPU code paths can be
 checked against the CPU layers on a machine without a GPU.
 """
@@ -1030,7 +1030,7 @@ def note_failure(what, exc):
 
 
 def set_emulator(emu):
-    """Tests: run the kernels on the host (tools/kernel_emu.py) with NumPy
+    """Tests: run the kernels on the host (dev/kernel_emu.py) with NumPy
     arrays standing in for device arrays. None: back to CuPy."""
     previous = _state['emulator']
     _state['emulator'] = emu

@@ -1072,7 +1072,7 @@ class LRNLayer(Layer):
     backward_reads = frozenset(('bottom_data',))
     inplace_ok = False
     # Both backwards read dy elementwise before writing dx at the same
-    # index; cuDNN's gives the same bits with dx == dy (tools/lrn_slices_probe.py).
+    # index; cuDNN's gives the same bits with dx == dy (dev/lrn_slices_probe.py).
     diff_over_top_diff = True
 
     def layer_setup(self, bottom, top):

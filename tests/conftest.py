@@ -78,13 +78,13 @@ def need(path):
     return path
 
 
-# -- the fused GPU kernels emulated on the host (tools/kernel_emu.py) ----------------
+# -- the fused GPU kernels emulated on the host (dev/kernel_emu.py) ----------------
 def build_emulator(source=None):
-    """tools.kernel_emu.Emulator of the kernels' source (or `source`); the
+    """dev.kernel_emu.Emulator of the kernels' source (or `source`); the
     test fails on a compile error and is skipped without g++ 20."""
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    from tools.kernel_emu import Emulator
+    from dev.kernel_emu import Emulator
     try:
         emu = Emulator.build(source=source)
     except RuntimeError as exc:          # a compile error in the kernels' source

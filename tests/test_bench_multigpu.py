@@ -1,4 +1,4 @@
-"""tools/bench_multigpu.py without GPUs: `caffeplus train` replaced by
+"""benchmarks/bench_multigpu.py without GPUs: `caffeplus train` replaced by
 canned Caffe-format logs, to check what it counts, prints and writes."""
 import importlib.util
 import json
@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT
 
 _spec = importlib.util.spec_from_file_location(
-    'bench_multigpu', os.path.join(ROOT, 'tools', 'bench_multigpu.py'))
+    'bench_multigpu', os.path.join(ROOT, 'benchmarks', 'bench_multigpu.py'))
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 

@@ -2,7 +2,7 @@
 import os
 
 import caffeplus
-from tools import bench_gpu
+from benchmarks import bench_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

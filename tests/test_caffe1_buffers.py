@@ -1,6 +1,6 @@
 """The `stock` plan's Caffe 1.0 layer buffers (caffeplus.memory.caffe1), the
 estimate that counts them, `caffeplus time --memory` and
-tools/bench_stock_memory.py.
+benchmarks/bench_stock_memory.py.
 
 The expected buffers are worked out here from Caffe 1.0's layer classes
 (batch_norm_layer.cu, scale_layer.cu, pooling_layer.cpp with
@@ -488,7 +488,7 @@ def test_time_memory_unknown_plan(tmp_path, capsys):
     assert "unknown memory plan 'bogus'" in capsys.readouterr().err
 
 
-# -- tools/bench_stock_memory.py (with stand-ins for nvidia-smi and caffeplus) -------------
+# -- benchmarks/bench_stock_memory.py (with stand-ins for nvidia-smi and caffeplus) -------------
 def _script(path, text):
     path.write_text('#!%s\n%s' % (sys.executable, text))
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
@@ -521,7 +521,7 @@ print('I1122 time.py] Average Forward-Backward: 12.5 ms.')
 def test_bench_stock_memory_script(tmp_path, monkeypatch, capsys):
     if not os.path.exists(os.path.join(BENCH, 'README.md')):
         pytest.fail('test data missing')
-    sys.path.insert(0, os.path.join(ROOT, 'tools'))
+    sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
     import bench_stock_memory as bench
     fake = tmp_path / 'bin'
     fake.mkdir()
@@ -552,7 +552,7 @@ def test_bench_stock_memory_script(tmp_path, monkeypatch, capsys):
 def test_bench_stock_memory_peak_phases():
     """The peak is split at the timed iterations' start and placed after the
     last output line that arrived before its sample."""
-    sys.path.insert(0, os.path.join(ROOT, 'tools'))
+    sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
     import bench_stock_memory as bench
     lines = [(1.0, 'Performing Forward'), (2.0, 'Initial loss: 6.9'),
              (3.0, '*** Benchmark begins ***'), (4.0, 'Iteration: 1 forward-backward time')]
@@ -567,7 +567,7 @@ def test_bench_stock_memory_peak_phases():
 
 
 def test_bench_readme_table():
-    sys.path.insert(0, os.path.join(ROOT, 'tools'))
+    sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
     import bench_stock_memory as bench
     path = os.path.join(BENCH, 'README.md')
     if not os.path.exists(path):

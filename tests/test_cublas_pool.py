@@ -14,7 +14,7 @@ from caffeplus.memory import cublas_pool, shapes, thread_stack, workspace_model 
 from conftest import ROOT, SHARED
 
 ALEXNET = os.path.join(SHARED, 'bench', 'alexnet_b128.prototxt')
-PROBE = os.path.join(ROOT, 'tools', 'cublas_workspace_probe.py')
+PROBE = os.path.join(ROOT, 'dev', 'cublas_workspace_probe.py')
 
 
 @pytest.fixture(autouse=True)

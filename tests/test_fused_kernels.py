@@ -3,7 +3,7 @@ layers/fused_*.py) against the
 generic CPU layers.
 
 Each case runs twice: with the kernels emulated on the host
-(tools/kernel_emu.py: the CUDA source compiled with g++, one thread per CUDA
+(dev/kernel_emu.py: the CUDA source compiled with g++, one thread per CUDA
 thread, NumPy arrays standing in for device arrays), which needs no GPU, and
 on the GPU itself (marker gpu). Layer cases compare tops, bottom diffs,
 parameter diffs and BatchNorm's statistics blobs; net cases train a small

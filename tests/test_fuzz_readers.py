@@ -2,7 +2,7 @@
 
 Three parts:
   * a fixed, small budget of property-based and mutation fuzzing per target
-    (tools/fuzz_readers.py is the engine; each example runs in a worker
+    (dev/fuzz_readers.py is the engine; each example runs in a worker
     process, so a crash or a hang is caught, under an address-space limit,
     so an allocation sized by an untrusted field shows up as MemoryError);
     hypothesis drives the draws with derandomize=True, so CI is repeatable;
@@ -11,7 +11,7 @@ Three parts:
   * the untrusted-file guards: no pickle anywhere, Python layers refused on
     request.
 
-The long run is `python tools/fuzz_readers.py --seconds 600`.
+The long run is `python dev/fuzz_readers.py --seconds 600`.
 """
 import io
 import os
@@ -28,7 +28,7 @@ import pytest
 from conftest import REFERENCE, ROOT, need
 
 sys.path.insert(0, ROOT)
-from tools import fuzz_readers as fr  # noqa: E402
+from dev import fuzz_readers as fr  # noqa: E402
 
 import caffeplus  # noqa: E402
 from caffeplus.errors import CaffeplusError, FormatError, NetError  # noqa: E402
@@ -98,7 +98,7 @@ def test_fuzz_engine_sees_crashes_hangs_and_memory():
 
 def test_fuzz_tool_command_line(tmp_path):
     need(REFERENCE)
-    out = subprocess.run([sys.executable, os.path.join(ROOT, 'tools', 'fuzz_readers.py'),
+    out = subprocess.run([sys.executable, os.path.join(ROOT, 'dev', 'fuzz_readers.py'),
                           '--seconds', '3', '--targets', 'datum,binaryproto', '--out',
                           str(tmp_path / 'findings')],
                          capture_output=True, text=True, timeout=120)
@@ -703,9 +703,9 @@ _PICKLE = re.compile(r'\b(c?pickle|dill|shelve|joblib\.load|torch\.load|marshal\
 
 
 def _pickle_uses():
-    """{relative path: [lines]} of pickle uses in caffeplus/, layers/, tools/."""
+    """{relative path: [lines]} of pickle uses in caffeplus/, layers/, tools/, dev/, benchmarks/."""
     found = {}
-    for top in ('caffeplus', 'layers', 'tools'):
+    for top in ('caffeplus', 'layers', 'tools', 'dev', 'benchmarks'):
         for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, top)):
             dirnames[:] = [d for d in dirnames if d != '__pycache__']
             for name in filenames:

@@ -7,7 +7,7 @@
     every iteration) never leaves a truncated or mixed snapshot as the
     newest: every file parses, the newest .solverstate names an existing
     .caffemodel of its iteration, and training resumes from it
-    (tools/kill_test.py runs many more trials).
+    (dev/kill_test.py runs many more trials).
   * Resuming is exact: N iterations straight and N/2 + resume + N/2 give
     bit-identical weights and solver history on the CPU, with Dropout masks,
     mirror/crop draws, the data cursor and ImageData shuffles all in play.
@@ -16,7 +16,7 @@
     (caffeplus.solver.nan_check).
 
 The training runs use a small LeNet-like net over copies of the reference
-LMDBs (tools/kill_test.py builds the folders).
+LMDBs (dev/kill_test.py builds the folders).
 """
 import filecmp
 import os
@@ -31,7 +31,7 @@ import pytest
 from conftest import REFERENCE, ROOT, need
 
 sys.path.insert(0, ROOT)
-from tools import kill_test as kt  # noqa: E402
+from dev import kill_test as kt  # noqa: E402
 
 import caffeplus  # noqa: E402
 from caffeplus.errors import CaffeplusError  # noqa: E402

@@ -21,7 +21,7 @@ from plan_helpers import param_of, sgd_run
 from conftest import ROOT, SHARED, build_emulator, emulating
 
 sys.path.insert(0, ROOT)
-from tools import check_plans_equal as cpe  # noqa: E402
+from dev import check_plans_equal as cpe  # noqa: E402
 
 # relu1_1's map is conv1_2's input (its filter gradient reads it): never
 # masked. relu1_2's and relu2_1's maps are read only by max poolings.

@@ -3,7 +3,7 @@ numbers never change, released blobs say so, kept blobs stay readable.
 
 CPU tests train LeNet, CIFAR10-full (BatchNorm), GoogLeNet and ResNet-50 for
 a few iterations under stock, shared and offload (simulated copies) and
-compare losses and weights bit for bit; tools/check_plans_equal.py runs the
+compare losses and weights bit for bit; dev/check_plans_equal.py runs the
 50-iteration versions. GPU tests (marked gpu) do the same on the device with
 deterministic math, and check offload with a copy stream artificially
 delayed.
@@ -24,7 +24,7 @@ from plan_helpers import param_of, sgd_run
 from conftest import ROOT
 
 sys.path.insert(0, ROOT)
-from tools import check_plans_equal as cpe  # noqa: E402
+from dev import check_plans_equal as cpe  # noqa: E402
 
 NET = '''
 name: "small"
@@ -488,7 +488,7 @@ def test_placed_rows_describe_the_arena_the_plan_holds():
 
 
 def test_check_plans_equal_names_differing_algorithms_and_plans_that_fail(monkeypatch, capsys):
-    """tools/check_plans_equal.py --algorithms: each convolution call whose
+    """dev/check_plans_equal.py --algorithms: each convolution call whose
     chosen algorithm differs from the first plan's, by layer and kind; a
     plan that raises is reported and the others still run (exit status 1)."""
     class Conv:

@@ -730,11 +730,11 @@ def test_free_offload_estimate_moves_only_what_hides(capsys):
 
 
 def test_estimate_with_the_runs_workspace_reproduces_its_own_sizes(capsys, tmp_path):
-    """tools/estimate_with_run_workspace.py puts a run's workspace sizes into
+    """dev/estimate_with_run_workspace.py puts a run's workspace sizes into
     the estimate: given the estimate's own sizes it gives the estimate back;
     given larger ones, a larger peak."""
     sys.path.insert(0, ROOT)
-    from tools import estimate_with_run_workspace as tool
+    from dev import estimate_with_run_workspace as tool
     doc = memory_json(capsys, '-model', LENET, '--plans', 'shared,offload')
     for entry in doc['plans'].values():
         entry['steady_peak_bytes'] = entry['peak_bytes']
@@ -759,10 +759,10 @@ def test_estimate_with_the_runs_workspace_reproduces_its_own_sizes(capsys, tmp_p
 
 
 def test_time_plans_interleaves_the_plans_and_reports_ratios(capsys, monkeypatch):
-    """tools/time_plans.py: every plan timed once per round, the ratio to
+    """benchmarks/time_plans.py: every plan timed once per round, the ratio to
     the first plan printed (the GPU benchmark for `shared` against `arena`)."""
     sys.path.insert(0, ROOT)
-    from tools import time_plans
+    from benchmarks import time_plans
     monkeypatch.setenv('CAFFEPLUS_CUDNN_SEARCH', 'auto')     # (the tool's default, restored after)
     monkeypatch.delenv('CAFFEPLUS_UPDATE_IN_BACKWARD', raising=False)
     built = []
@@ -791,7 +791,7 @@ def test_time_plans_interleaves_the_plans_and_reports_ratios(capsys, monkeypatch
 
 
 # -- the layer-time model against measured steps ----------------------------------------
-# The step times offload 'free' measured on the H100 (tools/free_offload_probe.py
+# The step times offload 'free' measured on the H100 (dev/free_offload_probe.py
 # --json): each layer's forward and backward seconds.
 STEPS = os.path.join(_MEMORY, '2026-11-28-s13', 'steps_%s.json')
 

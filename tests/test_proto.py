@@ -11,7 +11,7 @@ from caffeplus.proto import caffe_pb2
 
 def test_generated_module_is_up_to_date():
     pytest.importorskip('grpc_tools')
-    subprocess.check_call([sys.executable, os.path.join(ROOT, 'tools', 'gen_proto.py'), '--check'])
+    subprocess.check_call([sys.executable, os.path.join(ROOT, 'dev', 'gen_proto.py'), '--check'])
 
 
 def _field(message, name):

@@ -16,7 +16,7 @@ from plan_helpers import param_of, sgd_run
 from conftest import ROOT, SHARED
 
 sys.path.insert(0, ROOT)
-from tools import check_plans_equal as cpe  # noqa: E402
+from dev import check_plans_equal as cpe  # noqa: E402
 
 # conv1 -> ReLU -> LRN -> conv2: conv2's backward reads the LRN's output,
 # the LRN's backward its input (conv1), so norm1 can be made again from

@@ -11,7 +11,7 @@ from conftest import ROOT, SHARED
 from test_masks import vgg_like
 
 sys.path.insert(0, ROOT)
-from tools import check_plans_equal as cpe  # noqa: E402
+from dev import check_plans_equal as cpe  # noqa: E402
 
 ALEXNET = os.path.join(SHARED, 'bench', 'alexnet_b128.prototxt')
 
@@ -60,7 +60,7 @@ def test_the_placing_plans_settle_lower_after_their_search(monkeypatch):
 
 def test_the_estimate_counts_what_the_limit_saves(monkeypatch):
     """(1024 - 208) bytes for each of the H100's 132 x 2048 threads (at 256
-    the 198 MiB that tools/context_probe.py measured); the placing plans
+    the 198 MiB that dev/context_probe.py measured); the placing plans
     (1024 - 160) once settled."""
     assert thread_stack.saved_bytes('arena') == 816 * 270336
     assert thread_stack.saved_bytes('shared') == 864 * 270336

@@ -441,7 +441,7 @@ def test_convert_imageset_progress_bar_only_on_a_terminal():
 
 
 def test_max_batch_search_finds_the_largest_fitting_multiple():
-    from tools import max_batch
+    from benchmarks import max_batch
     assert max_batch.largest(lambda b: b <= 100, 16, 1000) == 96
     assert max_batch.largest(lambda b: True, 16, 1000) == 992
     assert max_batch.largest(lambda b: False, 16, 1000) == 0
@@ -455,12 +455,12 @@ def test_max_batch_search_finds_the_largest_fitting_multiple():
 
 
 def test_estimate_timeline_lists_the_steps_and_what_holds_the_peak(capsys):
-    """tools/estimate_timeline.py: one line a step (2L + the end), the peak
+    """dev/estimate_timeline.py: one line a step (2L + the end), the peak
     marked where the plan's live curve is highest, and at a step asked for
     the buffers live there, whose bytes add up to that step's line (a
     step's filter call half a step early counts once: none in LeNet's conv1
     forward)."""
-    from tools import estimate_timeline
+    from dev import estimate_timeline
     path = os.path.join(ROOT, 'examples', 'mnist', 'lenet_train_test.prototxt')
     plan = estimate_timeline.main([path, '--plan', 'shared', '--steps', '1', '--min-mib', '0'])
     out = capsys.readouterr().out.splitlines()

@@ -17,7 +17,7 @@ from plan_helpers import param_of
 from conftest import ROOT, SHARED
 
 sys.path.insert(0, ROOT)
-from tools import check_plans_equal as cpe  # noqa: E402
+from dev import check_plans_equal as cpe  # noqa: E402
 
 # Two convolutions sharing their weights (conv_b owns nothing), a frozen one
 # (lr_mult 0: no gradient written), inner products; the loss at the end.
@@ -477,7 +477,7 @@ def test_gpu_a_relayout_frees_the_old_arena():
     assert seen['grew'] < seen['arena'] // 2, seen
 
 
-# -- the GPU solver kernels, emulated on the host (tools/kernel_emu.py) ---------------------
+# -- the GPU solver kernels, emulated on the host (dev/kernel_emu.py) ---------------------
 @pytest.fixture(scope='module')
 def solver_kernels():
     from conftest import build_emulator

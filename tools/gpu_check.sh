@@ -73,10 +73,10 @@ if has others; then
 fi
 
 if has profile; then
-  # per-layer-type host and device time (tools/profile_gpu.py), fused and generic
+  # per-layer-type host and device time (dev/profile_gpu.py), fused and generic
   for n in ${PROFILE_NETS:-resnet50_b64}; do
     stamp "profile $n"
-    timeout "${PROFILE_S:-120}" python3 tools/profile_gpu.py --net .gpu_carry/bench/$n.prototxt \
+    timeout "${PROFILE_S:-120}" python3 dev/profile_gpu.py --net .gpu_carry/bench/$n.prototxt \
       --plan arena --search timed --iters 10 ${PROFILE_ARGS:-} >> "$OUT/profile.log" 2>&1
     echo "rc=$?" >> "$OUT/profile.log"
   done
@@ -85,7 +85,7 @@ fi
 
 if has bench; then
   stamp "benchmark (${BENCH_S}s)"
-  timeout "$BENCH_S" python3 tools/bench_gpu.py --bench-dir .gpu_carry/bench \
+  timeout "$BENCH_S" python3 benchmarks/bench_gpu.py --bench-dir .gpu_carry/bench \
     --nets "${BENCH_NETS:-alexnet_b128,resnet50_b32}" \
     --plans "${BENCH_PLANS:-stock,arena,arena:timed}" --torch \
     --tf32 "${BENCH_TF32:-both}" --iters "${BENCH_ITERS:-20}" --warmup 3 --timeout 120 \

@@ -2,10 +2,10 @@
 # The release check on the GPU machine, in one device call:
 #   1. every gpu-marked test of the suite,
 #   2. `caffeplus memory -gpu 0` (measured plans beside the planner's estimate) on the bench nets,
-#   3. tools/bench_gpu.py on the nets not yet benchmarked (caffeplus vs PyTorch in the same run),
-#   4. (STEPS=stock) tools/bench_stock_memory.py: the `stock` plan against stock Caffe's peaks,
-#   5. (STEPS=time) tools/time_plans.py: `shared` against `offload --offload free`, interleaved.
-#   6. (STEPS=stockbits) tools/check_plans_equal.py: `stock` against `shared` and `arena` under
+#   3. benchmarks/bench_gpu.py on the nets not yet benchmarked (caffeplus vs PyTorch in the same run),
+#   4. (STEPS=stock) benchmarks/bench_stock_memory.py: the `stock` plan against stock Caffe's peaks,
+#   5. (STEPS=time) benchmarks/time_plans.py: `shared` against `offload --offload free`, interleaved.
+#   6. (STEPS=stockbits) dev/check_plans_equal.py: `stock` against `shared` and `arena` under
 #      deterministic math with Caffe's 8 MiB per call (as tests/test_memory_apply.py's GoogLeNet
 #      and ResNet-50 cases), naming the calls whose algorithms differ.
 # Prefer running it through tools/gpu_snapshot.sh (the committed tree only).
@@ -53,21 +53,21 @@ if has memory; then
       -gpu 0 --plans ${MEMORY_PLANS:-stock,arena,shared,offload} --offload ${MEMORY_OFFLOAD:-conv} \
       --iterations ${MEMORY_ITERS:-3} --json > "$OUT/memory_$n.json" 2> "$OUT/memory_$n.err"
     echo "rc=$?" >> "$OUT/memory_$n.err"
-    python3 tools/memory_summary.py "$OUT/memory_$n.json"
+    python3 dev/memory_summary.py "$OUT/memory_$n.json"
     tail -n 3 "$OUT/memory_$n.err"
   done
 fi
 
 if has probe; then
   stamp "determinism probe"
-  GLOG_minloglevel=2 timeout "${PROBE_S:-150}" python3 tools/gpu_determinism_probe.py > "$OUT/probe.log" 2>&1
+  GLOG_minloglevel=2 timeout "${PROBE_S:-150}" python3 dev/gpu_determinism_probe.py > "$OUT/probe.log" 2>&1
   echo "rc=$?" >> "$OUT/probe.log"
   cat "$OUT/probe.log"
 fi
 
 if has bench; then
   stamp "benchmark"
-  GLOG_minloglevel=2 timeout "${BENCH_S:-200}" python3 tools/bench_gpu.py --bench-dir .gpu_carry/bench \
+  GLOG_minloglevel=2 timeout "${BENCH_S:-200}" python3 benchmarks/bench_gpu.py --bench-dir .gpu_carry/bench \
     --nets "${BENCH_NETS:-vgg16_b64,googlenet_b64}" --plans stock,arena:timed --torch \
     --tf32 off --iters 20 --warmup 3 --timeout 120 \
     --json "$OUT/bench.json" --md "$OUT/gpu_results.md" > "$OUT/bench.log" 2>&1
@@ -76,13 +76,13 @@ if has bench; then
 fi
 if has stock; then
   stamp "stock plan against stock Caffe"
-  timeout "${STOCK_S:-300}" python3 tools/bench_stock_memory.py ${STOCK_NETS:-alexnet_b128 googlenet_b64 vgg16_b64 resnet50_b64} \
+  timeout "${STOCK_S:-300}" python3 benchmarks/bench_stock_memory.py ${STOCK_NETS:-alexnet_b128 googlenet_b64 vgg16_b64 resnet50_b64} \
     --bench-dir .gpu_carry/bench --timeout 100 --json "$OUT/stock.json" --md "$OUT/stock.md" 2>&1 | tail -n 8
 fi
 if has time; then
   for n in ${TIME_NETS:-alexnet_b128 googlenet_b64 resnet50_b64}; do
     stamp "time_plans $n"
-    GLOG_minloglevel=2 timeout "${TIME_S:-120}" python3 tools/time_plans.py --net .gpu_carry/bench/$n.prototxt \
+    GLOG_minloglevel=2 timeout "${TIME_S:-120}" python3 benchmarks/time_plans.py --net .gpu_carry/bench/$n.prototxt \
       --gpu 0 --plans shared,offload --offload free --rounds ${TIME_ROUNDS:-12} --iters 10 --warmup 10 \
       > "$OUT/time_plans_$n.txt" 2>&1
     tail -n 3 "$OUT/time_plans_$n.txt"
@@ -90,7 +90,7 @@ if has time; then
 fi
 if has stockbits; then
   stamp "stock against shared, deterministic"
-  GLOG_minloglevel=2 timeout "${STOCKBITS_S:-240}" python3 tools/check_plans_equal.py --gpu 0 \
+  GLOG_minloglevel=2 timeout "${STOCKBITS_S:-240}" python3 dev/check_plans_equal.py --gpu 0 \
     --math deterministic --workspace_limit 8388608 --nets googlenet,resnet50 --batch 4 \
     --iters 10 --plans stock,shared,arena --algorithms > "$OUT/stockbits.log" 2>&1
   echo "rc=$?" >> "$OUT/stockbits.log"

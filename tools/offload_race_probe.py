@@ -3,7 +3,7 @@
 
     python3 tools/offload_race_probe.py resnet50 --batch 4 --iters 6
 
-Trains the model (tools/check_plans_equal.py's nets) under `shared`, then
+Trains the model (dev/check_plans_equal.py's nets) under `shared`, then
 under `offload` (policy all, look-ahead 1) in variants, and prints, for
 each, the first iteration whose loss differs and the parameter blobs that
 differ: plain; nographs (cuDNN calls made directly, not replayed as CUDA
@@ -35,7 +35,7 @@ def main(argv=None):
     from caffeplus import kernels
     from caffeplus.cudnn import api
     from caffeplus.memory import offload_runtime
-    from tools import check_plans_equal as cpe
+    from dev import check_plans_equal as cpe
     work = tempfile.mkdtemp()
     param, test_nets = cpe.net_param(args.model, work, args.batch)
 

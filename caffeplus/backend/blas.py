@@ -21,7 +21,7 @@ cuBLAS reads CUBLAS_WORKSPACE_CONFIG once, for the first handle of the
 process, so a CuPy handle made after ours has no pool either; such calls
 then run on caffeplus's handle over a FALLBACK_BYTES buffer of CuPy's
 pool, and every GEMM here still sees the workspace size, hence the bits,
-it would have on CuPy's handle with its one buffer (tools/cublas_handles_probe.py).
+it would have on CuPy's handle with its one buffer (dev/cublas_handles_probe.py).
 """
 import ctypes
 import os

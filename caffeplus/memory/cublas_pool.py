@@ -3,7 +3,7 @@
 cuBLAS takes each call's workspace from a pool it allocates with its
 handle, outside CuPy's pool; CUBLAS_WORKSPACE_CONFIG=:KiB:COUNT sizes the
 pool and is read when the handle is made. On Hopper the default is two
-32 MiB buffers (the handle adds 66 MiB, tools/cublas_workspace_probe.py on
+32 MiB buffers (the handle adds 66 MiB, dev/cublas_workspace_probe.py on
 the H100); the second lets GEMMs on two streams run at once, and caffeplus
 issues all of them on one. One 32 MiB buffer (the handle then adds 34 MiB)
 gives every GEMM the probe runs (the bench nets' InnerProducts forward and
@@ -25,7 +25,7 @@ placed at that layer's forward step and at its backward step
 below the peak; CuPy's handle, with its one buffer, is then made only if
 something else calls cuBLAS (a 1x1 convolution timed as a GEMM, the
 generic layers). Each call still sees 32 MiB, so the bits stay
-(tools/cublas_workspace_probe.py --own). CAFFEPLUS_CUBLAS_IN_ARENA=0
+(dev/cublas_workspace_probe.py --own). CAFFEPLUS_CUBLAS_IN_ARENA=0
 keeps every GEMM on CuPy's handle.
 """
 import os

@@ -33,9 +33,9 @@ MARGIN = 1.25
 # Copies hide behind this share of the step times (the runtime's measured
 # ones, the estimate's modelled ones; CAFFEPLUS_FREE_STEP_SHARE sets
 # another, in (0, 1]). Behind the whole steps the copies are not hidden:
-# interleaved with `shared` (tools/time_plans.py) GoogLeNet runs x1.30 and
+# interleaved with `shared` (benchmarks/time_plans.py) GoogLeNet runs x1.30 and
 # ResNet-50 x1.04-1.08, the layers' stream waiting about 1.5 ms an iteration
-# in forward for copies out still running (tools/trace_plans.py --offload
+# in forward for copies out still running (dev/trace_plans.py --offload
 # free); at 0.9 x1.12 and x1.02, at 0.8 x1.02 and x1.01, for 7% (GoogLeNet)
 # and 2.5% (ResNet-50) more memory.
 STEP_SHARE = 0.8

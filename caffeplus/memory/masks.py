@@ -16,7 +16,7 @@ layers. `auto` masks every layer it can. `shared` and `offload` mask only
 where the results stay bit for bit those of `stock`: the masked pooling
 routes each gradient to the first maximum of its window and sums a value's
 gradients in window order, as Caffe's own pooling; cuDNN's gives the same
-bits where windows do not overlap (tools/compare_pooling.py, on the H100),
+bits where windows do not overlap (dev/compare_pooling.py, on the H100),
 not where they do; where cuDNN does not run (Caffe's ceil rule) the kernels'
 int32 argmax computes what the masked one does. CAFFEPLUS_MASKS=1 masks
 every layer in `shared` and `offload` too; CAFFEPLUS_MASKS=0 masks nothing.

@@ -2,7 +2,7 @@
 
 The driver reserves cudaLimitStackSize bytes of local memory for every
 thread the GPU can hold at once. At CUDA's default of 1 KiB that is 264 MiB
-on an H100 (132 SMs x 2048 threads), measured by tools/context_probe.py:
+on an H100 (132 SMs x 2048 threads), measured by dev/context_probe.py:
 the context alone falls from 529 to 331 MiB at 256 bytes (318 at 208). The driver raises
 the limit by itself when a kernel needs more, and keeps it raised, so a
 smaller limit is safe; it only reserves up front what the kernels caffeplus
@@ -22,7 +22,7 @@ CUDA_DEFAULT_BYTES = 1024
 # 208 bytes for AlexNet b128, 160 for VGG-16 b64, 144 for ResNet-50 b64 and
 # 128 for GoogLeNet b64: 208 covers them, so no launch of theirs waits for a
 # raise, and each 48 bytes more would cost about 12 MiB on every net. The
-# kernels the plans choose need less (tools/stack_probe.py, from 0 after the
+# kernels the plans choose need less (dev/stack_probe.py, from 0 after the
 # search: AlexNet and ResNet-50 144 bytes, GoogLeNet 128, VGG-16 160); the
 # timed search's candidates raise it to 208 on AlexNet.
 THREAD_STACK_BYTES = 208

@@ -688,7 +688,7 @@ PLAN_SLOWDOWN = {'shared': 0.0}
 # timing noise. At 4% the timings still leave conv3's or
 # conv4's filter call whole in 2 of 6 runs (1,399 and 1,427 MiB against
 # 1,383-1,389); interleaved, `free` ran x1.031 of `shared` without trades
-# and x1.034 with them (tools/time_plans.py). `shared` trades nothing.
+# and x1.034 with them (benchmarks/time_plans.py). `shared` trades nothing.
 TRADE_TIME_SHARE = 0.06
 TRADE_SHARE_ENV = 'CAFFEPLUS_HEADROOM_TIME_SHARE'
 PLAN_TRADE_SHARE = {'shared': 0.0}

@@ -120,7 +120,7 @@ CONV_FLOPS = 22e12                          # effective FP32 convolution FLOP/s
 LAYER_OVERHEAD = 0.3e-3                     # seconds per conv/IP call (launches, sync)
 MEMORY_BANDWIDTH = 1.5e12                   # effective bytes/s of the solver's update
 # What VGG-16 b256's ReLUs and poolings move per second on the H100
-# (tools/profile_gpu.py: 15 ReLUs forward 27.8 GB in 10.35 ms,
+# (dev/profile_gpu.py: 15 ReLUs forward 27.8 GB in 10.35 ms,
 # backward 41.6 GB in 15.5 ms; 5 poolings forward 7.8 GB in 3.0 ms), and
 # most of the bench nets' own layers: own_layer_seconds' rate.
 MEASURED_BANDWIDTH = 2.7e12
@@ -484,7 +484,7 @@ def layer_seconds(net, i, conv_factor=1.0):
 
 # caffeplus's own elementwise, pooling and data layers on the H100, in
 # absolute seconds (not through CAFFEPLUS_SPEEDUP). Fitted to the step times
-# offload 'free' measured on the four bench nets (tools/free_offload_probe.py
+# offload 'free' measured on the four bench nets (dev/free_offload_probe.py
 # --json, benchmarks/memory/2026-11-28-s13/steps_*.json): most
 # such layers move their maps at MEASURED_BANDWIDTH (forward: bottoms and
 # tops once; backward: twice) plus about OWN_CALL_SECONDS a call; the GPU's

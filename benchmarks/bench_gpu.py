@@ -1,0 +1,430 @@
+#!/usr/bin/env python3
+"""GPU training benchmark: caffeplus (memory plans stock and arena) against
+PyTorch on the same nets, batch and optimiser.
+
+    python benchmarks/bench_gpu.py --bench-dir ../shared/bench \\
+        --nets alexnet_b128,resnet50_b32 --plans stock,arena --torch \\
+        --iters 20 --warmup 3 --md benchmarks/gpu_results.md --json out.json
+
+Every measurement runs in its own process (so each peak is that
+configuration's alone). One iteration is forward + backward + an SGD
+momentum update (lr 0.01, momentum 0.9, no weight decay) on every learnable
+parameter: what caffeplus's SGDSolver runs on the GPU (Net.clear_param_diffs,
+one kernel for every parameter's update). Plan names: stock, arena, with
+':timed' for cuDNN FindEx search and '/generic' for the fused kernels off
+(caffeplus.kernels; the generic CuPy layers and a per-parameter update),
+'/nographs' for cuDNN calls made directly instead of replayed as CUDA graphs,
+'/nogroups' for grouped convolutions without the one-call-per-group
+candidates (variants combine with '+': 'arena:timed/nographs+nogroups').
+caffeplus's data layers (DummyData, refilled on the host each forward as
+stock Caffe does) run once before timing and are left out of
+the timed iterations, as the stock-Caffe column of the bench README leaves
+out its `data` layer. Time: median of --iters iterations after --warmup,
+each bracketed by CUDA events. Peak memory: the device's used memory
+(total - free, the whole process with its CUDA context, as nvidia-smi
+reports) sampled every 5 ms from a thread, plus the framework's own peak
+(CuPy pool / torch max_memory_reserved).
+
+PyTorch: torchvision's model of the same architecture, cudnn.benchmark =
+True, channels-first float32, constant labels, TF32 off for both frameworks
+and then on for both (--tf32 both).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCH_MODELS = {'alexnet': 'alexnet', 'vgg16': 'vgg16', 'resnet50': 'resnet50',
+                'googlenet': 'googlenet', 'alexnettv': 'alexnet'}
+# Input side per architecture (default 224). 'alexnettv' is torchvision's
+# AlexNet written as a Caffe net (benchmarks/nets/): the same work in both
+# frameworks, where BVLC's AlexNet (96 conv1 filters, LRN, groups) does more.
+INPUT_SIZE = {'alexnet': 227}
+NETS_DIR = os.path.join(ROOT, 'benchmarks', 'nets')
+
+
+def net_path(bench_dir, net):
+    """The bench net's prototxt: the shared bench folder's, else benchmarks/nets'."""
+    for folder in (bench_dir, NETS_DIR):
+        path = os.path.join(folder, net + '.prototxt')
+        if os.path.exists(path):
+            return path
+    raise SystemExit('no prototxt for bench net %r in %s or %s' % (net, bench_dir, NETS_DIR))
+DATA_TYPES = ('DummyData', 'Input', 'Data', 'ImageData', 'HDF5Data', 'MemoryData')
+MiB = 1024 * 1024
+
+
+class Sampler(threading.Thread):
+    """Polls the device's used memory (and an optional extra probe)."""
+
+    def __init__(self, used, extra=None, period=0.005):
+        super().__init__(daemon=True)
+        self.used, self.extra, self.period = used, extra, period
+        self.peak = self.peak_extra = 0
+        self.stop = threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            self.sample()
+            time.sleep(self.period)
+
+    def sample(self):
+        self.peak = max(self.peak, self.used())
+        if self.extra is not None:
+            self.peak_extra = max(self.peak_extra, self.extra())
+
+    def finish(self):
+        self.stop.set()
+        self.join()
+        self.sample()
+
+
+def parse_net(name):
+    arch, _, b = name.partition('_b')
+    return arch, int(b)
+
+
+# -- workers ------------------------------------------------------------------
+def worker_caffeplus(args):
+    sys.path.insert(0, ROOT)
+    import cupy
+    import caffeplus
+    from caffeplus.backend import mathmode
+    from caffeplus.memory import workspace
+    from caffeplus import kernels
+    caffeplus.set_mode_gpu(0)
+    mathmode.set_math_mode('tf32' if args.tf32 else 'strict')
+    # 'arena:timed/generic': plan arena, FindEx search, fused kernels off
+    # (the generic CuPy layers and a per-parameter update, as before them);
+    # '/nographs': cuDNN calls made directly (no CUDA-graph replays);
+    # '/nogroups': grouped convolutions never timed one call per group
+    spec, _, variant = args.plan.partition('/')
+    plan, _, search = spec.partition(':')
+    variants = set(variant.split('+')) if variant else set()
+    generic = 'generic' in variants
+    kernels.set_enabled(not generic)
+    from caffeplus.cudnn import api
+    api.set_graphs('nographs' not in variants)
+    if 'nogroups' in variants:
+        os.environ['CAFFEPLUS_CUDNN_PER_GROUP'] = '0'
+    if (search or args.search) == 'timed':
+        workspace.set_search('timed')
+    os.environ.setdefault('GLOG_minloglevel', '2')
+    pool = cupy.get_default_memory_pool()
+
+    def used():
+        free, total = cupy.cuda.runtime.memGetInfo()
+        return total - free
+    cupy.zeros(1)
+    baseline = used()
+    sampler = Sampler(used, pool.total_bytes)
+    sampler.start()
+    t0 = time.time()
+    net = caffeplus.Net(net_path(args.bench_dir, args.net), caffeplus.TRAIN)
+    workspace.apply_workspace_plan(net, plan, args.workspace_limit)
+    params = net.learnable_params
+    start = 0
+    while start < len(net.layers) and net.layers[start].layer_param.type in DATA_TYPES:
+        start += 1
+    last = len(net.layers) - 1
+    if generic:
+        hist = [cupy.zeros(p.shape, dtype=cupy.float32) for p in params]
+        update = cupy.ElementwiseKernel('float32 g, float32 lr, float32 mom',
+                                        'float32 w, float32 h',
+                                        'h = mom * h + lr * g; w -= h', 'sgd_momentum')
+
+        def step():
+            for p in params:
+                p.diff[...] = 0
+            net.forward_from_to(start, last)
+            net.backward_from_to(last, start)
+            for p, h in zip(params, hist):
+                update(p.diff, 0.01, 0.9, p.data, h)
+    else:
+        # What caffeplus's SGDSolver runs on the GPU: memset param diffs, one
+        # kernel for every parameter's momentum update (no weight decay here).
+        from caffeplus.blob import Blob
+        from caffeplus.solver import gpu_kernels
+        hist = [Blob(p.shape) for p in params]
+        for h in hist:
+            h.data[...] = 0
+        multi = gpu_kernels.MultiTensorUpdate()
+        ones, zeros = [1.0] * len(params), [0.0] * len(params)
+
+        def step():
+            net.clear_param_diffs()
+            net.forward_from_to(start, last)
+            net.backward_from_to(last, start)
+            multi.prepare(params, hist, None, ones, zeros)
+            multi.run('SGD', 0.01, 1.0, 0.0, False, 0.9)
+
+    net.forward_prefilled()         # the data layers fill their tops once
+    setup_s = time.time() - t0
+    times = _time_steps(step, args, cupy_events=True)
+    sampler.finish()
+    ws = net.workspace.nbytes if net.workspace is not None else sum(
+        l._ws.nbytes for l in workspace.workspace_layers(net) if l._ws is not None)
+    loss = float(sum(float(cupy.asarray(net._blob_dict[n].data).sum())
+                     for n in net.outputs if net._blob_dict[n].count == 1))
+    chains = net.__dict__.get('_fused_chains') or []
+    algorithms = {}
+    for layer in workspace.workspace_layers(net):
+        try:
+            algorithms[layer.layer_param.name] = {k: repr(c) for k, c in
+                                                  layer.algorithms().items()}
+        except Exception as exc:    # noqa: BLE001 -- a record, not a measurement
+            algorithms[layer.layer_param.name] = str(exc)
+    return dict(framework='caffeplus', plan=args.plan, net=args.net, tf32=args.tf32,
+                graphs=api.graph_stats(), algorithms=algorithms,
+                fused_chains=sum(1 for c in chains if c.fwd_done and c.bwd_done),
+                kernel_failures=kernels.failures(),
+                search=search or args.search, median_ms=statistics.median(times), times_ms=times,
+                peak_used_mib=sampler.peak / MiB, baseline_used_mib=baseline / MiB,
+                peak_pool_mib=sampler.peak_extra / MiB, workspace_mib=ws / MiB,
+                setup_s=setup_s, loss=loss)
+
+
+def _time_steps(step, args, cupy_events):
+    if cupy_events:
+        import cupy
+        ev = lambda: cupy.cuda.Event()   # noqa: E731
+        sync = cupy.cuda.get_current_stream().synchronize
+    else:
+        import torch
+        ev = lambda: torch.cuda.Event(enable_timing=True)   # noqa: E731
+        sync = torch.cuda.synchronize
+    for _ in range(args.warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(args.iters):
+        a, b = ev(), ev()
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        if cupy_events:
+            import cupy
+            times.append(cupy.cuda.get_elapsed_time(a, b))
+        else:
+            times.append(a.elapsed_time(b))
+    return times
+
+
+def bvlc_torch_model(torch, arch):
+    """BVLC's own AlexNet in PyTorch (96 conv1 filters, LRN, two groups in
+    conv2/4/5), the same work as the bench prototxt: torchvision's AlexNet
+    (64 filters, no LRN, no groups) does less. Only AlexNet is offered."""
+    if arch != 'alexnet':
+        raise SystemExit('--torch-models bvlc: only alexnet has a BVLC model here')
+    nn = torch.nn
+
+    def lrn():
+        return nn.LocalResponseNorm(5, alpha=1e-4, beta=0.75, k=1.0)
+    return nn.Sequential(
+        nn.Conv2d(3, 96, 11, stride=4), nn.ReLU(inplace=True), lrn(), nn.MaxPool2d(3, 2),
+        nn.Conv2d(96, 256, 5, padding=2, groups=2), nn.ReLU(inplace=True), lrn(),
+        nn.MaxPool2d(3, 2),
+        nn.Conv2d(256, 384, 3, padding=1), nn.ReLU(inplace=True),
+        nn.Conv2d(384, 384, 3, padding=1, groups=2), nn.ReLU(inplace=True),
+        nn.Conv2d(384, 256, 3, padding=1, groups=2), nn.ReLU(inplace=True),
+        nn.MaxPool2d(3, 2), nn.Flatten(),
+        nn.Linear(256 * 6 * 6, 4096), nn.ReLU(inplace=True), nn.Dropout(0.5),
+        nn.Linear(4096, 4096), nn.ReLU(inplace=True), nn.Dropout(0.5),
+        nn.Linear(4096, 1000))
+
+
+def worker_torch(args):
+    import torch
+    import torchvision
+    arch, batch = parse_net(args.net)
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
+    torch.backends.cudnn.allow_tf32 = bool(args.tf32)
+    dev = torch.device('cuda')
+
+    def used():
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+    torch.zeros(1, device=dev)
+    baseline = used()
+    sampler = Sampler(used, torch.cuda.memory_reserved)
+    sampler.start()
+    kw = {'weights': None}
+    if arch == 'googlenet':
+        kw.update(aux_logits=True, init_weights=True)
+    if args.plan == 'bvlc':
+        model = bvlc_torch_model(torch, arch).to(dev).train()
+    else:
+        model = getattr(torchvision.models, TORCH_MODELS[arch])(**kw).to(dev).train()
+    size = INPUT_SIZE.get(arch, 224)
+    x = torch.randn(batch, 3, size, size, device=dev)
+    y = torch.zeros(batch, dtype=torch.long, device=dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    lossf = torch.nn.CrossEntropyLoss()
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        out = model(x)
+        if isinstance(out, tuple):         # GoogLeNet: logits, aux2, aux1 (weights 1, .3, .3)
+            loss = lossf(out[0], y) + 0.3 * lossf(out[1], y) + 0.3 * lossf(out[2], y)
+        else:
+            loss = lossf(out, y)
+        loss.backward()
+        opt.step()
+    times = _time_steps(step, args, cupy_events=False)
+    sampler.finish()
+    return dict(framework='pytorch', plan=args.plan if args.plan == 'bvlc' else '-',
+                net=args.net, tf32=args.tf32, search='benchmark',
+                median_ms=statistics.median(times), times_ms=times,
+                peak_used_mib=sampler.peak / MiB, baseline_used_mib=baseline / MiB,
+                peak_pool_mib=torch.cuda.max_memory_reserved() / MiB,
+                peak_allocated_mib=torch.cuda.max_memory_allocated() / MiB)
+
+
+# -- driver -------------------------------------------------------------------
+def run_worker(kind, net, args, plan='-', tf32=0):
+    cmd = [sys.executable, os.path.abspath(__file__), '--worker', kind, '--net', net,
+           '--plan', plan, '--tf32', 'on' if tf32 else 'off', '--iters', str(args.iters),
+           '--warmup', str(args.warmup), '--bench-dir', args.bench_dir,
+           '--search', args.search, '--workspace-limit', str(args.workspace_limit)]
+    env = dict(os.environ, GLOG_minloglevel='2', PYTHONUNBUFFERED='1')
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return dict(framework=kind, net=net, plan=plan, tf32=tf32, error='timeout after %ds'
+                    % args.timeout)
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith('{'):
+            r = json.loads(line)
+            r['wall_s'] = time.time() - t0
+            return r
+    return dict(framework=kind, net=net, plan=plan, tf32=tf32,
+                error=(p.stderr or p.stdout)[-1500:])
+
+
+def _commit():
+    """The snapshot's commit (tools/gpu_snapshot.sh writes COMMIT), else git's."""
+    try:
+        with open(os.path.join(ROOT, 'COMMIT')) as f:
+            return f.read().strip()
+    except OSError:
+        pass
+    try:
+        return subprocess.run(['git', '-C', ROOT, 'rev-parse', '--short', 'HEAD'],
+                              capture_output=True, text=True, timeout=10).stdout.strip() or \
+            'unknown'
+    except (OSError, subprocess.SubprocessError):
+        return 'unknown'
+
+
+def gpu_name():
+    try:
+        return subprocess.run(['nvidia-smi', '--query-gpu=name,driver_version',
+                               '--format=csv,noheader'], capture_output=True, text=True,
+                              timeout=20).stdout.strip()
+    except Exception:
+        return 'unknown'
+
+
+def markdown(results, args):
+    lines = ['## %s, %s, commit %s' % (time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
+                                       gpu_name(), os.environ.get('CAFFEPLUS_COMMIT') or _commit()),
+             '',
+             'One iteration = forward + backward + SGD momentum; median of %d after %d warm-up; '
+             'caffeplus without its data layers; algorithm search: %s. Peak = device memory used '
+             '(whole process, incl. CUDA context), sampled every 5 ms.' % (args.iters, args.warmup,
+                                                                         args.search),
+             '',
+             '| net | framework | plan | TF32 | ms/iter | images/s | peak used MiB | '
+             'pool/reserved MiB | workspace MiB | vs PyTorch time | vs PyTorch memory |',
+             '|---|---|---|---|---|---|---|---|---|---|---|']
+    torch_ref = {(r['net'], r['tf32']): r for r in results
+                 if r.get('framework') == 'pytorch' and r.get('plan', '-') == '-' and
+                 'error' not in r}
+    for r in results:
+        if 'error' in r:
+            lines.append('| %s | %s | %s | %s | error: %s | | | | | | |' % (
+                r['net'], r['framework'], r.get('plan', '-'), 'on' if r.get('tf32') else 'off',
+                r['error'].strip().splitlines()[-1][:160] if r['error'].strip() else '?'))
+            continue
+        batch = parse_net(r['net'])[1]
+        t = torch_ref.get((r['net'], r['tf32']))
+        rt = '%.2fx' % (r['median_ms'] / t['median_ms']) if t and r['framework'] != 'pytorch' else ''
+        rm = '%.2fx' % (r['peak_used_mib'] / t['peak_used_mib']) \
+            if t and r['framework'] != 'pytorch' else ''
+        lines.append('| %s | %s | %s | %s | %.1f | %.0f | %.0f | %.0f | %s | %s | %s |' % (
+            r['net'], r['framework'], r['plan'], 'on' if r['tf32'] else 'off', r['median_ms'],
+            batch * 1000.0 / r['median_ms'], r['peak_used_mib'], r['peak_pool_mib'],
+            '%.1f' % r['workspace_mib'] if 'workspace_mib' in r else '-', rt, rm))
+    return '\n'.join(lines) + '\n'
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    ap.add_argument('--bench-dir', default=os.path.join(os.path.dirname(ROOT), 'shared', 'bench'))
+    ap.add_argument('--nets', default='alexnet_b128,resnet50_b32')
+    ap.add_argument('--plans', default='stock,arena')
+    ap.add_argument('--torch', action='store_true', help='measure PyTorch in the same run')
+    ap.add_argument('--torch-models', default='torchvision',
+                    help="PyTorch peers: torchvision (the issue's peer), bvlc (AlexNet as BVLC "
+                         "defines it: same work as the prototxt), or both, separated by ','")
+    ap.add_argument('--tf32', default='off', choices=('off', 'on', 'both'))
+    ap.add_argument('--iters', type=int, default=20)
+    ap.add_argument('--warmup', type=int, default=3)
+    ap.add_argument('--search', default='heuristic', choices=('heuristic', 'timed'))
+    ap.add_argument('--workspace-limit', type=int, default=0)
+    ap.add_argument('--timeout', type=int, default=300)
+    ap.add_argument('--json', default=None)
+    ap.add_argument('--md', default=None, help='append the table to this markdown file')
+    # worker mode
+    ap.add_argument('--worker', default=None, choices=('caffeplus', 'pytorch'))
+    ap.add_argument('--net', default=None)
+    ap.add_argument('--plan', default='arena')
+    args = ap.parse_args(argv)
+    if args.worker:
+        args.tf32 = 1 if args.tf32 == 'on' else 0
+        r = worker_caffeplus(args) if args.worker == 'caffeplus' else worker_torch(args)
+        print(json.dumps(r))
+        return 0
+    tf32s = {'off': [0], 'on': [1], 'both': [0, 1]}[args.tf32]
+    results = []
+    for tf32 in tf32s:
+        for net in args.nets.split(','):
+            runs = [('caffeplus', p) for p in args.plans.split(',')]
+            if args.torch:
+                for variant in args.torch_models.split(','):
+                    runs.append(('pytorch', '-' if variant == 'torchvision' else variant))
+            for kind, plan in runs:
+                r = run_worker(kind, net, args, plan, tf32)
+                results.append(r)
+                if 'error' in r:
+                    print('%-14s %-9s %-6s tf32=%d ERROR %s' % (net, kind, plan, tf32,
+                                                                 r['error'][-600:]), flush=True)
+                else:
+                    print('%-14s %-9s %-6s tf32=%d %8.1f ms  peak %7.0f MiB  ws %s%s' % (
+                        net, kind, plan, tf32, r['median_ms'], r['peak_used_mib'],
+                        '%.1f MiB' % r['workspace_mib'] if 'workspace_mib' in r else '-',
+                        '  chains %d' % r['fused_chains'] if 'fused_chains' in r else ''),
+                        flush=True)
+                    if r.get('kernel_failures'):
+                        print('  kernel failures:', r['kernel_failures'][:3], flush=True)
+    table = markdown(results, args)
+    print(table)
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump(results, f, indent=1)
+    if args.md:
+        with open(args.md, 'a') as f:
+            f.write('\n' + table)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
