@@ -274,6 +274,80 @@ class Layer:
         """Workspace stock Caffe 1.0 allocates for this layer (cuDNN convolutions)."""
         return 0
 
+    # -- the memory planner's contract ---------------------------------------
+    # caffeplus.memory plans a net's memory from what its layers declare here
+    # (besides their configuration: layer_param, blobs, a convolution's
+    # geometry) and reads no private attribute of theirs: what each backward
+    # reads (backward_reads, diff_over_top_diff above), the buffers a layer
+    # keeps from forward to backward, the calls that take workspace, and
+    # whether it can keep a mask instead of its maps. A layer overrides what
+    # applies to it.
+    masked = False          # a mask replaces the maps its backward reads (set_masked)
+    refill = None           # DummyData: per top, whether each forward fills it again
+    # Calls that take workspace from a manager (cuDNN convolutions); such a
+    # layer also has set_workspace_manager(manager, plan_name) and
+    # time_calls(ws_ptr, ws_bytes).
+    workspace_calls = False
+
+    def gpu_backward_reads(self):
+        """backward_reads of the layer's GPU path (a cuDNN backward may read
+        more than the generic code): the estimate, built on the CPU, plans
+        with these (caffeplus.memory.shapes.build_net)."""
+        return self.backward_reads
+
+    def unmasked_backward_reads(self):
+        """What backward reads when the layer is not masked."""
+        return self.backward_reads
+
+    def internal_buffers(self):
+        """{name: (count, numpy dtype)} the layer keeps from forward to
+        backward, which a plan may place (caffeplus.memory.scratch)."""
+        return {}
+
+    def forget_kept_buffers(self):
+        """Drop every cached view of the kept buffers: the plan's views are dead."""
+
+    def internal_bytes(self):
+        """Bytes the layer keeps between its passes, where it knows them
+        better than the planner's model; None: the model's estimate."""
+        return None
+
+    def gpu_internal_bytes(self):
+        """What internal_buffers keeps on a GPU with cuDNN, for the estimate
+        made on a CPU net; None: the model's estimate."""
+        return None
+
+    def can_mask(self):
+        """Whether the layer can keep a mask instead of its maps (caffeplus.memory.masks)."""
+        return False
+
+    def set_masked(self, on):
+        """Mask (or stop masking) the layer; returns whether it is masked."""
+        return False
+
+    def workspace_manager(self):
+        """The workspace manager the layer's calls take workspace from, if it holds one."""
+        return None
+
+    def chosen_workspace_bytes(self):
+        """workspace_bytes() of the algorithms chosen so far, without choosing."""
+        return self.workspace_bytes()
+
+    def can_time_calls(self):
+        """Whether time_calls(ws_ptr, ws_bytes) can time the layer's calls now
+        (plan auto's search: caffeplus.memory.calibration.measure_net)."""
+        return False
+
+    def auto_timed_search(self):
+        """Whether the layer's calls ask for a timed algorithm search under
+        its workspace manager although the search mode is not 'timed'."""
+        return False
+
+    def gemm_rows(self):
+        """Rows of the layer's matrix product (InnerProduct's M), for the
+        time model; None: not known."""
+        return None
+
     def to_proto(self, write_diff=False):
         param = caffe_pb2.LayerParameter()
         param.CopyFrom(self.layer_param)

@@ -200,6 +200,9 @@ class InnerProductLayer(Layer):
         self.M = bottom[0].count_axes(0, axis)
         top[0].reshape(bottom[0].shape[:axis] + (self.num_output,))
 
+    def gemm_rows(self):
+        return getattr(self, 'M', None)
+
     def _weight_t(self):
         """W as a K x N matrix (a view, no copy)."""
         w = self.blobs[0].data

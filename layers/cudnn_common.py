@@ -155,6 +155,9 @@ class _MaskableMixin:
             self.forget_kept_buffers()      # kept by the other kind of pass
         return on
 
+    def unmasked_backward_reads(self):
+        return self._reads_unmasked if self.masked else self.backward_reads
+
 
 def _fused(what, fn, *args):
     """Run a fused path; False (the caller runs the generic code) when it

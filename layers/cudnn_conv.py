@@ -118,6 +118,16 @@ def _workspace():
 
 
 class _CudnnConvolutionMixin(_CudnnMixin):
+    workspace_calls = True
+
+    def workspace_manager(self):
+        return self._ws
+
+    def can_time_calls(self):
+        return self._cd is not None
+
+    def auto_timed_search(self):
+        return getattr(self, '_auto_timed', False)
 
     def layer_setup(self, bottom, top):
         super().layer_setup(bottom, top)

@@ -61,6 +61,14 @@ def _import_module(module, layer_name):
                        % (layer_name, module, type(exc).__name__, exc))
 
 
+# The memory planner's hooks (caffeplus.layer.Layer) a user's class may
+# define: where it does, its own answers for the layer.
+PLANNER_HOOKS = ('gpu_backward_reads', 'unmasked_backward_reads', 'internal_buffers',
+                 'forget_kept_buffers', 'internal_bytes', 'gpu_internal_bytes', 'can_mask',
+                 'set_masked', 'workspace_manager', 'chosen_workspace_bytes', 'can_time_calls',
+                 'auto_timed_search', 'gemm_rows')
+
+
 @register
 class PythonLayer(Layer):
     """Caffe's PythonLayer: the wrapper between a net and a user's class."""
@@ -105,6 +113,10 @@ class PythonLayer(Layer):
                 raise NetError("Python layer '%s': class %s.%s has no %s() method (subclass "
                                "caffeplus.Layer)" % (name, p.module, p.layer, method))
         self.py = py
+        for hook in PLANNER_HOOKS:
+            own = getattr(type(py), hook, None)
+            if own is not None and own is not getattr(Layer, hook):
+                object.__setattr__(self, hook, getattr(py, hook))
         self._prepare()
 
     def _prepare(self):

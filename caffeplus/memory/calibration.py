@@ -232,7 +232,7 @@ def measure_net(net, limit=None):
     timed = 0
     pool = cupy.get_default_memory_pool()
     for layer in net.layers:
-        if not hasattr(layer, 'time_calls') or getattr(layer, '_cd', None) is None:
+        if not layer.can_time_calls():
             continue
         key = geometry_key(layer)
         if key in _table and all(k in _table[key] for k in KINDS):

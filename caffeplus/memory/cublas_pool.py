@@ -101,7 +101,7 @@ def cupy_gemm_layers(net):
         kind = layer.layer_param.type
         if kind in CUPY_GEMM_TYPES or \
                 (kind in ('Convolution', 'Deconvolution') and
-                 not hasattr(layer, 'set_workspace_manager')) or \
+                 not layer.workspace_calls) or \
                 (kind == 'InnerProduct' and not hasattr(type(layer), 'gemm_views')):
             out.append(name)
     return out

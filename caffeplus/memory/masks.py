@@ -61,9 +61,7 @@ def _writer(net, i, blob_id):
 def _reads(layer):
     """What the layer's backward reads unmasked (choose may run on a net
     already masked)."""
-    if getattr(layer, 'masked', False):
-        return layer._reads_unmasked
-    return layer.backward_reads
+    return layer.unmasked_backward_reads()
 
 
 def _backward_readers(net, blob_id, but):

@@ -213,7 +213,7 @@ def workspace_bytes(net):
     """Device bytes of the workspace managers the net and its layers hold."""
     seen, total = set(), 0
     for manager in [getattr(net, 'workspace', None)] + \
-            [getattr(layer, '_ws', None) for layer in net.layers]:
+            [layer.workspace_manager() for layer in net.layers]:
         if manager is None or id(manager) in seen:
             continue
         seen.add(id(manager))

@@ -538,8 +538,7 @@ class PlacedWorkspace(WorkspaceArena):
     def _timing_wanted(self, pairs):
         # Planned from the applied plan, not from a layer's first call: the
         # layers' auto search (timed under a net's own workspace) asks here.
-        return search_mode() == 'timed' or any(getattr(l, '_auto_timed', False)
-                                               for l, _ in pairs)
+        return search_mode() == 'timed' or any(l.auto_timed_search() for l, _ in pairs)
 
     def _time_sites(self, pairs, budget):
         previous = set_search('timed')
@@ -898,7 +897,7 @@ def pending_blob_bytes(net):
 
 def workspace_layers(net):
     """The net's layers that take part in a workspace plan (cuDNN convolutions)."""
-    return [l for l in net.layers if hasattr(l, 'set_workspace_manager')]
+    return [l for l in net.layers if l.workspace_calls]
 
 
 def apply_workspace_plan(net, plan_name='arena', limit=0):

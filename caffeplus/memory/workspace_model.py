@@ -378,18 +378,18 @@ def internal_bytes(net, i, plan_name=None):
     """Bytes layer i keeps for itself from forward to backward (see above);
     under `stock`, Caffe 1.0's buffers (caffeplus.memory.caffe1)."""
     layer = net.layers[i]
-    own = getattr(layer, 'internal_bytes', None)
-    if callable(own):
-        return int(own())
+    own = layer.internal_bytes()
+    if own is not None:
+        return int(own)
     if plan_name == 'stock':
         return caffe1.layer_bytes(net, i)
     t = layer.layer_param.type
     bottom, top = net.bottom_vecs[i], net.top_vecs[i]
     from caffeplus.proto import caffe_pb2
     training = layer.phase == caffe_pb2.TRAIN
-    gpu_own = getattr(layer, 'gpu_internal_bytes', None)
-    if callable(gpu_own):
-        return int(gpu_own())       # cuDNN's pooling keeps no argmax
+    gpu_own = layer.gpu_internal_bytes()
+    if gpu_own is not None:
+        return int(gpu_own)         # cuDNN's pooling keeps no argmax
     if t == 'Pooling' and layer.layer_param.pooling_param.pool in (
             caffe_pb2.PoolingParameter.MAX, caffe_pb2.PoolingParameter.STOCHASTIC):
         return 4 * top[0].count
@@ -426,8 +426,8 @@ def internals(net, plan_name=None):
     if plan_name == 'stock':
         # What the stock plan holds: Caffe's buffers our layers keep themselves,
         # those caffe1.attach adds, and what layers declare (internal_bytes()).
-        declared = sum(int(l.internal_bytes()) for l in net.layers
-                       if callable(getattr(l, 'internal_bytes', None)))
+        declared = sum(int(b) for b in (l.internal_bytes() for l in net.layers)
+                       if b is not None)
         return caffe1.own_bytes(net) + caffe1.extra_bytes(net) + declared
     return sum(internal_bytes(net, i) for i in range(len(net.layers)))
 
@@ -475,7 +475,7 @@ def layer_seconds(net, i, conv_factor=1.0):
     if is_conv(layer):
         f = ConvShape(layer).flops / CONV_FLOPS * conv_factor
     else:
-        m = getattr(layer, 'M', None) or \
+        m = layer.gemm_rows() or \
             net.bottom_vecs[i][0].count // max(layer.blobs[0].count // layer.blobs[0].shape[0], 1)
         f = 2.0 * layer.blobs[0].count * m / CONV_FLOPS
     b = 2 * f
