@@ -11,6 +11,8 @@ on each input in turn, in this one run:
   constant  DummyData with constant fillers (filled once: compute-bound)
   raw       Data over raw uint8 Datums
   jpeg      Data over JPEG-encoded Datums
+  raw_host, jpeg_host   the same with CAFFEPLUS_DATA_ON_HOST=1: transformed
+            on the host, the float32 batch copied (not run by default)
 
 and prints ms per iteration (from the log's timestamps, iterations
 --first to --last) and each input's throughput as a fraction of constant's.
@@ -128,7 +130,7 @@ def ms_per_iter(log, first, last):
     return 1000.0 * (times[last] - times[first]) / (last - first)
 
 
-def run_train(folder, name, net_text, args):
+def run_train(folder, name, net_text, args, on_host=False):
     net_path = os.path.join(folder, name + '.prototxt')
     with open(net_path, 'w') as f:
         f.write(net_text)
@@ -139,7 +141,8 @@ def run_train(folder, name, net_text, args):
     if args.workers:
         cmd += ['--data_workers', str(args.workers)]
     t = time.time()
-    p = subprocess.run(cmd, cwd=folder, capture_output=True, text=True)
+    env = dict(os.environ, CAFFEPLUS_DATA_ON_HOST='1' if on_host else '0')
+    p = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, env=env)
     log = p.stdout + p.stderr
     if p.returncode != 0:
         print(log[-3000:], file=sys.stderr)
@@ -173,9 +176,11 @@ def main(argv=None):
             batch, crop = batch_of(text), CROP.get(net, 224)
             base = None
             for inp in args.inputs.split(','):
+                db = inp[:-len('_host')] if inp.endswith('_host') else inp
                 body = (constant_input(text) if inp == 'constant'
-                        else swap_input(text, data_layer(lmdbs[inp], batch, crop)))
-                ms, wall, log = run_train(folder, '%s_%s' % (net, inp), body, args)
+                        else swap_input(text, data_layer(lmdbs[db], batch, crop)))
+                ms, wall, log = run_train(folder, '%s_%s' % (net, inp), body, args,
+                                          on_host=inp.endswith('_host'))
                 if args.logs:
                     os.makedirs(args.logs, exist_ok=True)
                     with open(os.path.join(args.logs, '%s_%s.log' % (net, inp)), 'w') as f:

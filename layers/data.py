@@ -237,6 +237,10 @@ class _Prefetcher:
         self._failure = None
 
 
+# Set to 1: Data and ImageData transform on the host in GPU mode too (the
+# float32 batch is then copied to the device), for comparison.
+DATA_ON_HOST_ENV = 'CAFFEPLUS_DATA_ON_HOST'
+
 # The net waiting for its data longer than this share of the time between
 # two forward passes (an iteration, with iter_size 1) is worth a warning: the
 # data layer, not the net, then sets the pace.
@@ -358,6 +362,7 @@ class BasePrefetchingDataLayer(Layer):
             self.workers.close()
             raise
         self._consumed_state = self.source.state()
+        self.stager = self._device_stager()
         self._prefetcher = _Prefetcher(self.source, self.layer_param.data_param.prefetch,
                                        self.name, self.workers)
         self.timing = DataTiming(self)
@@ -370,6 +375,20 @@ class BasePrefetchingDataLayer(Layer):
     def make_source(self, top):
         raise NotImplementedError
 
+    def _device_stager(self):
+        """In GPU mode, the stager that sends the source's uint8 batches to
+        the device (None on the CPU, or for a source without fixed-shape
+        batches). Each process (a data-parallel rank) stages for its own
+        device."""
+        buffers = getattr(self.source, 'buffers', None)
+        if backend.mode() != backend.GPU or buffers is None:
+            return None
+        if os.environ.get(DATA_ON_HOST_ENV, '') not in ('', '0'):
+            return None
+        from caffeplus.io.device_transform import DeviceStager
+        buffers.stager = DeviceStager(backend.device(), buffers.raw.shape)
+        return buffers.stager
+
     def reshape(self, bottom, top):
         pass
 
@@ -378,7 +397,12 @@ class BasePrefetchingDataLayer(Layer):
         batch = self._prefetcher.next()
         self.timing.record(started, time.perf_counter() - started, batch)
         top[0].reshape(batch.data.shape)
-        top[0].data = batch.data
+        if isinstance(batch.data, numpy.ndarray):
+            top[0].data = batch.data
+        elif backend.mode() == backend.GPU:
+            self.stager.transform(batch.data, top[0].data)
+        else:
+            top[0].data = self.stager.to_host(batch.data)
         if self.output_labels:
             top[1].reshape(batch.label.shape)
             top[1].data = batch.label
@@ -404,10 +428,17 @@ class BasePrefetchingDataLayer(Layer):
         if state.get('type', self.type) != self.type:
             raise CaffeplusError('layer %s: cannot restore a %s layer state into a %s layer'
                                  % (self.name, state.get('type'), self.type))
-        self._prefetcher.stop()
+        self._stop_prefetching()
         self.source.restore(state)
         self._consumed_state = copy.deepcopy(self.source.state())
         self._prefetcher.start()
+
+    def _stop_prefetching(self):
+        """Stop the prefetch thread; the device slots of the batches it
+        loaded ahead (dropped) are free again."""
+        self._prefetcher.stop()
+        if self.stager is not None:
+            self.stager.reclaim()
 
     # The solver's snapshot sidecar calls these.
     snapshot_state = get_state
@@ -422,7 +453,7 @@ class BasePrefetchingDataLayer(Layer):
         the ranks' positions (get_state) agree after each batch. Prefetching
         restarts from the position the last forward left."""
         rank, world = _check_shard(self, rank, world)
-        self._prefetcher.stop()
+        self._stop_prefetching()
         self.source.restore(self._consumed_state)
         self.source.shard = (rank, world)
         self._prefetcher.start()
@@ -441,6 +472,12 @@ def _close_source(prefetcher, source, pool=None):
     source.close()
 
 
+def _close_stager(buffers):
+    stager = getattr(buffers, 'stager', None)
+    if stager is not None:
+        stager.close()
+
+
 def _check_shard(layer, rank, world):
     rank, world = int(rank), int(world)
     if world < 1 or not 0 <= rank < world:
@@ -455,11 +492,22 @@ class _BatchBuffers:
     workers decode into (the coordinator builds one batch at a time), and
     float32 output arrays handed back once the layer has copied them into
     its top (Blob assignment copies, as Caffe's forward copies the prefetched
-    batch). Reuse spares the page faults of fresh 40 MB arrays per batch."""
+    batch). Reuse spares the page faults of fresh 40 MB arrays per batch.
+
+    On the GPU a DeviceStager (caffeplus.io.device_transform) owns the
+    uint8 buffers instead: pinned host memory, two in turn, so that a
+    batch's copy to the device can run while the next one is decoded."""
 
     def __init__(self, batch_size, shape):
         self.raw = numpy.empty((batch_size,) + tuple(shape), dtype=numpy.uint8)
+        self.stager = None
         self._free = queue.SimpleQueue()
+
+    def begin(self):
+        """The uint8 buffer the next batch is decoded into."""
+        if self.stager is not None:
+            self.raw = self.stager.host_buffer()
+        return self.raw
 
     def output(self, shape):
         while True:
@@ -478,7 +526,7 @@ def _decode_batch(pool, decode, items, buffers):
     """Decode `items` on the workers, each image straight into its slot of
     buffers.raw when it has the batch's shape and is uint8. Returns (arrays,
     labels, whats) with arrays None when every image went into raw."""
-    raw = buffers.raw
+    raw = buffers.begin()
 
     def into_slot(indexed):
         i, item = indexed
@@ -495,12 +543,15 @@ def _decode_batch(pool, decode, items, buffers):
 
 
 def _transform_decoded(transformer, arrays, whats, buffers, pool, top_shape):
-    """The float32 batch on the host. A device path would instead take
-    transformer.plan_stacked(buffers.raw.shape) and a copy of buffers.raw
-    (the coordinator refills it for the next batch) and apply the plan on
-    the device (caffeplus.io.batch_transform); images of differing shapes
-    (arrays not None) keep this per-image host path."""
+    """The float32 batch on the host; or, with a device stager, the batch's
+    plan (drawn as the host path draws it) and the uint8 batch on their way
+    to the device, where the layer's forward transforms them. Float pixels
+    and images of differing shapes (arrays not None) keep the per-image
+    host path."""
     if arrays is None:
+        if buffers.stager is not None:
+            plan = transformer.plan_stacked(buffers.raw.shape, whats[0])
+            return buffers.stager.send(buffers.raw, plan)
         return transformer.transform_stacked(buffers.raw, buffers.output(top_shape), whats[0],
                                              pool)
     return transformer.transform_batch(arrays, whats=whats, pool=pool)
@@ -564,7 +615,8 @@ class _DatabaseSource:
         self.top_shape = top_shape
 
     def recycle(self, data):
-        self.buffers.recycle(data)
+        if isinstance(data, numpy.ndarray):
+            self.buffers.recycle(data)
 
     def load_batch(self):
         started = time.perf_counter()
@@ -584,6 +636,7 @@ class _DatabaseSource:
         self.transformer.set_state(state.get('transformer'))
 
     def close(self):
+        _close_stager(getattr(self, 'buffers', None))
         self.reader.close()
 
 
@@ -742,7 +795,8 @@ class _ImageListSource:
         self.top_shape = top_shape
 
     def recycle(self, data):
-        self.buffers.recycle(data)
+        if isinstance(data, numpy.ndarray):
+            self.buffers.recycle(data)
 
     def load_batch(self):
         started = time.perf_counter()
@@ -771,7 +825,7 @@ class _ImageListSource:
         self.transformer.set_state(state.get('transformer'))
 
     def close(self):
-        pass
+        _close_stager(getattr(self, 'buffers', None))
 
 
 @register

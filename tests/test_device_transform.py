@@ -113,3 +113,184 @@ def test_gpu_feeder_overlaps_copies_and_keeps_batches_apart():
     cupy.cuda.get_current_stream().synchronize()
     for out, want in zip(outs, wants):
         assert cupy.asnumpy(out).tobytes() == want.tobytes()
+
+
+# -- DeviceStager's ordering, with streams that run late --------------------------
+class _FakeStream:
+    """A stream whose work runs when something waits for it (lazy) or at
+    once (eager): a copy or a kernel then reads its inputs when it runs,
+    as on a device, so a buffer reused too early gives wrong batches."""
+
+    def __init__(self, eager=False):
+        self.ops = []
+        self.eager = eager
+
+    def enqueue(self, op):
+        self.ops.append(op)
+        if self.eager:
+            self.synchronize()
+
+    def run_one(self):
+        self.ops.pop(0)()
+
+    def synchronize(self):
+        while self.ops:
+            self.run_one()
+
+    def wait_event(self, event):
+        self.enqueue(event.synchronize)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _FakeEvent:
+    def __init__(self, block=False, disable_timing=True):
+        self.stream, self.done = None, True
+
+    def record(self, stream):
+        self.stream, self.done = stream, False
+        stream.enqueue(self._mark)
+
+    def _mark(self):
+        self.done = True
+
+    def synchronize(self):
+        while not self.done:
+            self.stream.run_one()
+
+
+class _FakeDeviceArray(numpy.ndarray):
+    def set(self, host, stream):
+        stream.enqueue(lambda: numpy.copyto(self, host))
+
+
+class _FakeCupy:
+    """What DeviceStager asks of CuPy, over NumPy, with a copy stream and a
+    compute stream that run late (or the copy stream at once)."""
+
+    def __init__(self, eager_copies):
+        self.compute = _FakeStream()
+        self.copies = _FakeStream(eager_copies)
+        self.pinned_allocations = 0
+        fake = self
+
+        class cuda:
+            Event = _FakeEvent
+
+            @staticmethod
+            def Stream(non_blocking=True):
+                return fake.copies
+
+            @staticmethod
+            def Device(device):
+                return type('D', (), {'use': lambda self: None})()
+
+            @staticmethod
+            def get_current_stream():
+                return fake.compute
+
+            @staticmethod
+            def alloc_pinned_memory(nbytes):
+                fake.pinned_allocations += 1
+                return bytearray(nbytes)
+        self.cuda = cuda
+
+    @staticmethod
+    def empty(n, dtype):
+        return numpy.zeros(n, dtype).view(_FakeDeviceArray)
+
+    @staticmethod
+    def asarray(a):
+        return numpy.array(a).view(_FakeDeviceArray)
+
+    @staticmethod
+    def asnumpy(a):
+        return numpy.array(a).view(numpy.ndarray)
+
+
+def _late_kernel(raw, plan, out, stream):
+    stream.enqueue(lambda: batch_transform.apply_plan(numpy, raw, plan, out))
+
+
+def _stage_batches(stager, fake, rng, count, ahead, shape=(4, 3, 10, 12)):
+    """`count` batches through the stager with `ahead` sent before the
+    first is transformed (a prefetch queue); returns (outputs, expected)."""
+    n, c, h, w = shape
+    mean_values = numpy.array([104, 117, 123], numpy.float32)
+    pending, outs, wants = [], [], []
+    for k in range(count + ahead):
+        if k < count:
+            raw = stager.host_buffer()
+            raw[...] = _raw(rng, 'uint8', shape)
+            plan = _plan(rng, n, c, h, w, 7, 'values', 0.5)
+            plan.mean_values = mean_values
+            wants.append(batch_transform.apply_plan(numpy, raw.copy(), plan))
+            pending.append(stager.send(raw, plan))
+        if len(pending) > ahead or (k >= count and pending):
+            out = numpy.full(wants[len(outs)].shape, numpy.nan, numpy.float32)
+            stager.transform(pending.pop(0), out)
+            outs.append(out)
+    fake.compute.synchronize()
+    fake.copies.synchronize()
+    return outs, wants
+
+
+@pytest.mark.parametrize('eager_copies', [False, True])
+@pytest.mark.parametrize('ahead', [0, 1, 3])
+def test_stager_waits_for_copies_and_kernels_before_reusing_buffers(eager_copies, ahead):
+    """Lazy copies: the workers would overwrite a pinned buffer whose copy
+    has not run yet. Eager copies with lazy kernels: a copy would overwrite
+    a device slot whose kernel has not run yet. Both must give every batch
+    exactly, with slots bounded by the batches in flight."""
+    fake = _FakeCupy(eager_copies)
+    stager = device_transform.DeviceStager(0, (4, 3, 10, 12), cuda_module=fake,
+                                           launch_kernel=_late_kernel)
+    outs, wants = _stage_batches(stager, fake, numpy.random.default_rng(ahead), 9, ahead)
+    for k, (out, want) in enumerate(zip(outs, wants)):
+        assert out.tobytes() == want.tobytes(), 'batch %d' % k
+    assert len(stager.slots) <= ahead + 1
+    assert fake.pinned_allocations == stager.pinned_buffers == 2
+
+
+@pytest.mark.parametrize('eager_copies,breakage', [(False, 'pinned'), (True, 'slot')])
+def test_the_ordering_test_catches_a_stager_that_does_not_wait(monkeypatch, eager_copies,
+                                                                breakage):
+    """Without either wait the fake streams give wrong batches: the test
+    above can fail."""
+    fake = _FakeCupy(eager_copies)
+    stager = device_transform.DeviceStager(0, (4, 3, 10, 12), cuda_module=fake,
+                                           launch_kernel=_late_kernel)
+    if breakage == 'pinned':
+        def host_buffer_without_waiting(self):
+            buf = self._pinned[self._next_pinned]
+            self._next_pinned = (self._next_pinned + 1) % len(self._pinned)
+            self._current = buf
+            return buf.raw
+        monkeypatch.setattr(device_transform.DeviceStager, 'host_buffer',
+                            host_buffer_without_waiting)
+    else:
+        monkeypatch.setattr(fake.copies, 'wait_event', lambda event: None)
+    outs, wants = _stage_batches(stager, fake, numpy.random.default_rng(0), 6, 2)
+    assert any(o.tobytes() != w.tobytes() for o, w in zip(outs, wants))
+
+
+def test_stager_reclaims_the_slots_of_dropped_batches():
+    fake = _FakeCupy(False)
+    stager = device_transform.DeviceStager(0, (2, 3, 10, 12), cuda_module=fake,
+                                           launch_kernel=_late_kernel)
+    rng = numpy.random.default_rng(1)
+    for _ in range(3):       # sent ahead, then dropped (a restore)
+        raw = stager.host_buffer()
+        stager.send(raw, _plan(rng, 2, 3, 10, 12, 7, None, 1.0))
+    assert len(stager.slots) == 3
+    stager.reclaim()
+    outs, wants = _stage_batches(stager, fake, rng, 6, 2, shape=(2, 3, 10, 12))
+    assert all(o.tobytes() == w.tobytes() for o, w in zip(outs, wants))
+    assert len(stager.slots) == 3
+    with pytest.raises(ValueError, match='host_buffer'):
+        stager.send(numpy.zeros((2, 3, 10, 12), numpy.uint8),
+                    _plan(rng, 2, 3, 10, 12, 7, None, 1.0))

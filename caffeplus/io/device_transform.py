@@ -16,7 +16,7 @@ the compute stream waits for the copy's event before the kernel reads it.
 """
 import numpy
 
-from caffeplus.io.batch_transform import check_plan
+from caffeplus.io.batch_transform import TransformPlan, check_plan
 
 _SOURCE = r'''
 extern "C" __global__ void transform_batch(
@@ -172,3 +172,220 @@ class DeviceFeeder:
         done.record(stream)
         ticket['slot']['done'] = done
         return out
+
+
+# -- a data layer's batches on the device ------------------------------------------
+def _aligned(nbytes, to=8):
+    return (nbytes + to - 1) // to * to
+
+
+class _Layout:
+    """Where a staged batch's parts lie in one flat buffer (pinned on the
+    host, and the same on the device), so that one copy carries them all:
+    the raw N x C x H x W pixels, then int64 h_off and w_off, then the
+    uint8 mirror flags."""
+
+    def __init__(self, shape, dtype):
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = numpy.dtype(dtype)
+        n = self.shape[0]
+        self.raw_bytes = int(numpy.prod(self.shape)) * self.dtype.itemsize
+        self.h_off = _aligned(self.raw_bytes)
+        self.w_off = self.h_off + 8 * n
+        self.mirror = self.w_off + 8 * n
+        self.nbytes = self.mirror + n
+
+    def views(self, flat):
+        """(raw, h_off, w_off, mirror) views of a flat uint8 buffer (NumPy or CuPy)."""
+        n = self.shape[0]
+        raw = flat[:self.raw_bytes].view(self.dtype).reshape(self.shape)
+        return (raw, flat[self.h_off:self.w_off].view(numpy.int64),
+                flat[self.w_off:self.mirror].view(numpy.int64),
+                flat[self.mirror:self.mirror + n])
+
+
+class _PinnedBuffer:
+    __slots__ = ('memory', 'flat', 'raw', 'h_off', 'w_off', 'mirror', 'copied')
+
+
+class _DeviceSlot:
+    __slots__ = ('flat', 'raw', 'h_off', 'w_off', 'mirror', 'done')
+
+
+class StagedBatch:
+    """A batch on its way to the device: its slot, the copy's event, and the
+    plan whose arrays lie in the slot. `shape` is the float32 output's."""
+    __slots__ = ('slot', 'copied', 'plan', 'shape')
+
+    def __init__(self, slot, copied, plan, shape):
+        self.slot, self.copied, self.plan, self.shape = slot, copied, plan, shape
+
+
+class DeviceStager:
+    """A data layer's device path: uint8 batches decoded into pinned host
+    memory, copied to the device on a stream of their own, transformed
+    there by the kernel.
+
+    The prefetch thread calls host_buffer() for the pinned N x C x H x W
+    array the workers decode into, then send(raw, plan), which starts one
+    copy (pixels and the plan's per-image decisions) into a free device slot
+    and returns a StagedBatch; the layer's forward calls transform(staged,
+    out), which makes the compute stream wait for that copy and runs the
+    kernel into `out`.
+
+    Reuse is ordered by events, never by timing: a pinned buffer is handed
+    to the workers again only once the copy that read it has finished (the
+    host waits for its event; with two buffers it rarely must), and a
+    device slot is written again only after the kernel that read it (the
+    copy stream waits for that event, the host never does). reclaim()
+    frees the slots of batches dropped unread (a prefetcher stopped for a
+    restore). `cuda_module` and `launch_kernel` stand in for CuPy and the
+    kernel in tests.
+    """
+
+    def __init__(self, device, shape, dtype=numpy.uint8, pinned=2, cuda_module=None,
+                 launch_kernel=None):
+        if cuda_module is None:
+            import cupy as cuda_module
+        self._cp = cuda_module
+        self.device = int(device)
+        self.layout = _Layout(shape, dtype)
+        self._launch = launch_kernel or apply_plan_device
+        self._use_device()
+        self.stream = self._cp.cuda.Stream(non_blocking=True)
+        self._pinned = [self._pinned_buffer() for _ in range(max(1, int(pinned)))]
+        self._next_pinned = 0
+        self._current = None
+        self.slots = []             # every device slot made (for counts and reclaim)
+        self._free = []
+        self._constants = {}        # id(host array) -> (host array, device copy)
+        import threading
+        self._lock = threading.Lock()
+
+    def _use_device(self):
+        # The device is current per thread: the prefetch thread must choose it too.
+        self._cp.cuda.Device(self.device).use()
+
+    def _pinned_buffer(self):
+        b = _PinnedBuffer()
+        b.memory = self._cp.cuda.alloc_pinned_memory(self.layout.nbytes)
+        b.flat = numpy.frombuffer(b.memory, dtype=numpy.uint8, count=self.layout.nbytes)
+        b.raw, b.h_off, b.w_off, b.mirror = self.layout.views(b.flat)
+        b.copied = None
+        return b
+
+    @property
+    def pinned_buffers(self):
+        return len(self._pinned)
+
+    def host_buffer(self):
+        """The pinned raw array the next batch is decoded into (waits until
+        the copy that last read it has finished)."""
+        buf = self._pinned[self._next_pinned]
+        self._next_pinned = (self._next_pinned + 1) % len(self._pinned)
+        if buf.copied is not None:
+            buf.copied.synchronize()
+            buf.copied = None
+        self._current = buf
+        return buf.raw
+
+    def _slot(self):
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        slot = _DeviceSlot()
+        slot.flat = self._cp.empty(self.layout.nbytes, dtype=numpy.uint8)
+        slot.raw, slot.h_off, slot.w_off, slot.mirror = self.layout.views(slot.flat)
+        slot.done = None
+        with self._lock:
+            self.slots.append(slot)
+        return slot
+
+    def _constant(self, array):
+        """The device copy of a constant host array (mean image, mean
+        values), uploaded once on the copy stream."""
+        if array is None:
+            return None
+        key = id(array)
+        if key not in self._constants or self._constants[key][0] is not array:
+            with self.stream:
+                self._constants[key] = (array, self._cp.asarray(
+                    numpy.ascontiguousarray(array, dtype=numpy.float32)))
+        return self._constants[key][1]
+
+    def send(self, raw, plan):
+        """Start the copy of `raw` (the array host_buffer() gave) and of
+        `plan`'s decisions to the device; returns the StagedBatch."""
+        buf = self._current
+        if buf is None or raw is not buf.raw:
+            raise ValueError('send() takes the array host_buffer() gave last')
+        check_plan(raw, plan)
+        self._current = None
+        self._use_device()
+        buf.h_off[...] = plan.h_off
+        buf.w_off[...] = plan.w_off
+        buf.mirror[...] = plan.mirror
+        slot = self._slot()
+        if slot.done is not None:
+            self.stream.wait_event(slot.done)   # the kernel that read the slot
+            slot.done = None
+        mean, mean_values = self._constant(plan.mean), self._constant(plan.mean_values)
+        slot.flat.set(buf.flat, stream=self.stream)
+        copied = self._cp.cuda.Event(block=False, disable_timing=True)
+        copied.record(self.stream)
+        buf.copied = copied
+        device_plan = TransformPlan(plan.h_off, plan.w_off, plan.mirror, plan.crop_h,
+                                    plan.crop_w, None, None, plan.scale)
+        device_plan.h_off, device_plan.w_off, device_plan.mirror = \
+            slot.h_off, slot.w_off, slot.mirror
+        device_plan.mean, device_plan.mean_values = mean, mean_values
+        return StagedBatch(slot, copied, device_plan,
+                           device_plan.output_shape(self.layout.shape[1]))
+
+    def transform(self, staged, out):
+        """The float32 batch into device array `out`, on the current stream,
+        once the batch's copy has finished; the slot is free again after."""
+        stream = self._cp.cuda.get_current_stream()
+        stream.wait_event(staged.copied)
+        self._launch(staged.slot.raw, staged.plan, out, stream)
+        done = self._cp.cuda.Event(block=False, disable_timing=True)
+        done.record(stream)
+        self._release(staged.slot, done)
+        return out
+
+    def to_host(self, staged):
+        """The float32 batch on the host (the backend went back to the CPU
+        after the layer was set up): the raw batch and plan come back and
+        the host transform runs."""
+        from caffeplus.io.batch_transform import apply_plan
+        staged.copied.synchronize()
+        raw = self._cp.asnumpy(staged.slot.raw)
+        plan = TransformPlan(self._cp.asnumpy(staged.plan.h_off),
+                             self._cp.asnumpy(staged.plan.w_off),
+                             self._cp.asnumpy(staged.plan.mirror).astype(bool),
+                             staged.plan.crop_h, staged.plan.crop_w,
+                             _host(self._cp, staged.plan.mean),
+                             _host(self._cp, staged.plan.mean_values), staged.plan.scale)
+        self._release(staged.slot, None)
+        return apply_plan(numpy, raw, plan)
+
+    def _release(self, slot, done):
+        slot.done = done
+        with self._lock:
+            self._free.append(slot)
+
+    def reclaim(self):
+        """Every slot free again: call it once the batches sent so far are
+        consumed or dropped (the prefetch thread stopped)."""
+        with self._lock:
+            self._free = list(self.slots)
+
+    def close(self):
+        """Wait for the copies in flight, so that the pinned memory can go."""
+        self.stream.synchronize()
+        for buf in self._pinned:
+            buf.copied = None
+
+
+def _host(cuda_module, array):
+    return None if array is None else cuda_module.asnumpy(array)
