@@ -46,7 +46,7 @@ def layer_class(type_name):
 
 
 # -- engines -----------------------------------------------------------------
-# GPU_ENGINES: layer type -> the cuDNN class (layers/cudnn.py) that create_layer
+# GPU_ENGINES: layer type -> the cuDNN class (layers/cudnn_*.py) that create_layer
 # picks when the layer's engine is DEFAULT or CUDNN; engine: CAFFE keeps the
 # generic class. The cuDNN classes fall back to the generic code on NumPy
 # arrays, so picking them costs CPU runs nothing. CAFFEPLUS_ENGINE=CAFFE in
@@ -101,9 +101,9 @@ def create_layer(layer_param):
 def _reraise_out_of_memory(layer, stage, exc):
     """Turn CuPy's OutOfMemoryError into a CaffeplusError naming the layer."""
     if type(exc).__name__ in ('OutOfMemoryError', 'CUDARuntimeError', 'CudnnError'):
-        from caffeplus.memory import workspace
-        if workspace.is_out_of_memory(exc):
-            raise workspace.out_of_memory_error(layer, stage, exc) from exc
+        from caffeplus.memory import oom
+        if oom.is_out_of_memory(exc):
+            raise oom.out_of_memory_error(layer, stage, exc) from exc
 
 
 def _load_layers():

@@ -25,6 +25,7 @@ from caffeplus.blob import Blob
 from caffeplus.errors import CaffeplusError
 from caffeplus.net import Net, unique_names
 from caffeplus.proto import caffe_pb2
+from caffeplus.pycaffe_solvers import pycaffe_solver_class  # noqa: F401
 
 # -- Python layers: the trust switch -------------------------------------------
 NO_PYTHON_LAYERS_ENV = 'CAFFEPLUS_NO_PYTHON_LAYERS'
@@ -334,25 +335,6 @@ def attach_solver_helpers(cls):
         cls.share_weights = _solver_share_weights
 
 
-_PYCAFFE_SOLVERS = {}
-
-
-def pycaffe_solver_class(base):
-    """pycaffe's face of solver class `base` (caffeplus.SGDSolver, ...): the
-    same solver, except that without caffeplus_param.memory_plan in the
-    solver file its nets use the 'stock' memory plan, so that a script can
-    read every solver.net.blobs[...] after solver.step() as with Caffe
-    (`caffeplus train` and caffeplus.solver.get_solver default to 'shared',
-    which releases intermediate blobs after their last use)."""
-    cls = _PYCAFFE_SOLVERS.get(base)
-    if cls is None:
-        cls = type(base.__name__, (base,), {
-            'default_memory_plan': 'stock', 'pycaffe_base': base, '__module__': 'caffeplus',
-            '__qualname__': base.__name__, '__doc__': base.__doc__})
-        _PYCAFFE_SOLVERS[base] = cls
-    return cls
-
-
 def get_solver(path_or_param, **kwargs):
     """pycaffe's caffe.get_solver(path): the solver the file describes, with
     the 'stock' memory plan unless the file names another
@@ -369,10 +351,15 @@ CAFFE_SUBMODULES = ('io', 'proto', 'proto.caffe_pb2', 'draw', 'net_spec', 'class
                     'detector', 'pycaffe')
 
 
+def _package():
+    """The caffeplus package: this module's parent, imported before it."""
+    return sys.modules[__name__.rpartition('.')[0]]
+
+
 def _alias_modules():
     """{'caffe': caffeplus, 'caffe.io': caffeplus.io, ...}."""
     import importlib
-    import caffeplus
+    caffeplus = _package()
     modules = {'caffe': caffeplus}
     for sub in CAFFE_SUBMODULES:
         modules['caffe.' + sub] = importlib.import_module('caffeplus.' + sub)
@@ -380,7 +367,7 @@ def _alias_modules():
 
 
 def _other_caffe_imported():
-    import caffeplus
+    caffeplus = _package()
     existing = sys.modules.get('caffe')
     return existing is not None and existing is not caffeplus
 
@@ -393,7 +380,7 @@ def install_caffe_alias():
     themselves: caffe_alias_for_python_layer). Refuses to replace a real
     `caffe` that is already imported.
     """
-    import caffeplus
+    caffeplus = _package()
     if _other_caffe_imported():
         existing = sys.modules['caffe']
         raise CaffeplusError('a module named caffe is already imported (%s); not replacing it'

@@ -19,7 +19,8 @@ import caffeplus
 from caffeplus import log
 from caffeplus.errors import CaffeplusError
 from caffeplus.memory import offload_runtime
-from caffeplus.memory.apply import apply_named_plan, apply_solver_plans, remove_plan
+from caffeplus.memory.apply import apply_named_plan, remove_plan
+from caffeplus.solver.memory_plans import apply_solver_plans
 from plan_helpers import param_of, sgd_run
 from conftest import ROOT
 

@@ -67,3 +67,24 @@ def to_numpy(a):
     if type(a).__module__.startswith('cupy'):
         return a.get()
     return numpy.asarray(a)
+
+
+def gpu_name(device):
+    try:
+        import cupy
+        name = cupy.cuda.runtime.getDeviceProperties(device)['name']
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:
+        return 'unknown'
+
+
+def release_cached(xp):
+    """Hand the device memory that CuPy's pool caches but no array holds back
+    to the device: arrays a plan replaced (a net's first blobs, its default
+    workspace, an old arena) would else stay in the process's footprint."""
+    if xp is numpy:
+        return
+    try:
+        xp.get_default_memory_pool().free_all_blocks()
+    except AttributeError:
+        pass

@@ -196,7 +196,7 @@ class AlgoChoice:
     that type when the algorithm runs) and the variant: 0 for one call over
     all groups, 1 for one call per group (a grouped convolution), 2 for
     caffeplus's cuBLAS GEMM (after im2col but for 1x1) instead of cuDNN, 3 and 4 for one call
-    per half and per quarter of the batch (layers/cudnn.py)."""
+    per half and per quarter of the batch (algo_search.py)."""
     __slots__ = ('kind', 'algo', 'memory', 'time', 'deterministic', 'math', 'variant')
 
     def __init__(self, kind, algo, memory, time, deterministic, math, variant=0):
@@ -206,7 +206,7 @@ class AlgoChoice:
     @property
     def name(self):
         if self.variant == 2:
-            return 'CUBLAS_GEMM'        # im2col + GEMM, or GEMM alone for 1x1 (layers/cudnn.py)
+            return 'CUBLAS_GEMM'        # im2col + GEMM, or GEMM alone for 1x1 (layers/conv_gemm.py)
         return _KIND[self.kind][4][self.algo]
 
     def __repr__(self):

@@ -55,160 +55,26 @@ import numpy
 
 from caffeplus import backend, log
 from caffeplus import blob as blob_mod
+from caffeplus.backend import release_cached
 from caffeplus.blob import HEAD_DEVICE, HEAD_HOST
 from caffeplus.errors import CaffeplusError
 from caffeplus.memory import (cublas_pool, liveness, masks, placement, recompute, scratch,
                               thread_stack)
 from caffeplus.memory.plan import PLACING, PLANS, check_plan_name, make_plan
+from caffeplus.memory.plan_options import (_net_keep, _offload_policy,  # noqa: F401
+                                          _training_default, check_keep)
+from caffeplus.memory.storage_lives import ANY, _Entry, _Life, _OverLimit, storage_uses
 
 FLOAT_BYTES = liveness.FLOAT_BYTES
 KEEP_HINT = ('add it to `keep` (caffe.Net(..., keep=[...]) / caffeplus_param { keep: ... }) '
              'to read it')
 
-__all__ = ['apply_plan', 'apply_named_plan', 'apply_solver_plans', 'remove_plan', 'check_keep',
-           'AppliedPlan', 'PLANS']
-
-
-def release_cached(xp):
-    """Hand the device memory that CuPy's pool caches but no array holds back
-    to the device: arrays a plan replaced (a net's first blobs, its default
-    workspace, an old arena) would else stay in the process's footprint."""
-    if xp is numpy:
-        return
-    try:
-        xp.get_default_memory_pool().free_all_blocks()
-    except AttributeError:
-        pass
-
-
-# -- names and options ---------------------------------------------------------------
-def check_keep(net, keep, what='keep'):
-    """The `keep` names as a list; CaffeplusError for a name that is no blob of `net`."""
-    if isinstance(keep, str):
-        keep = [k for k in keep.split(',')]
-    keep = [k.strip() for k in (keep or ()) if k and k.strip()]
-    known = set(net._blob_names)
-    missing = [k for k in keep if k not in known]
-    if missing:
-        raise CaffeplusError(
-            "%s: net %s has no blob named %s (its blobs: %s)"
-            % (what, net.name or '(unnamed)', ', '.join("'%s'" % m for m in missing),
-               ', '.join(net._blob_names)))
-    return keep
-
-
-def _net_keep(net):
-    """The keep list written in the net's own prototxt (caffeplus_param { keep })."""
-    param = getattr(net, 'net_param', None)
-    if param is None or not param.HasField('caffeplus_param'):
-        return []
-    return list(param.caffeplus_param.keep)
-
-
-def _offload_policy(values):
-    """caffeplus_param.offload (repeated string) -> 'conv' | 'all' | 'free' | [names]."""
-    values = [v.strip() for v in values if v and v.strip()]
-    if not values:
-        return 'conv'
-    if len(values) == 1 and values[0] in ('conv', 'all', 'free'):
-        return values[0]
-    names = []
-    for v in values:
-        names.extend(n.strip() for n in v.split(',') if n.strip())
-    return names
-
-
-def _training_default(net):
-    from caffeplus.proto import caffe_pb2
-    return net.phase == caffe_pb2.TRAIN or bool(getattr(net.net_param, 'force_backward', False))
+__all__ = ['apply_plan', 'apply_named_plan', 'remove_plan', 'check_keep', 'AppliedPlan',
+           'PLANS']
 
 
 # -- the applied plan -----------------------------------------------------------------
-ANY = 'any'
 SPARE_SLACK = 16        # an old arena serves a new layout if at most 1/16 larger
-
-
-class _OverLimit(Exception):
-    """A layout larger than the arena may be (AppliedPlan.adopt_lookahead),
-    found before the arena is taken."""
-
-
-def storage_uses(net, training=True):
-    """{id(storage): set of steps} at which a pass reads or writes it (the
-    touches caffeplus.memory.liveness derives intervals from)."""
-    L = len(net.layers)
-    uses = {}
-
-    def touch(storage, step):
-        uses.setdefault(id(storage), set()).add(step)
-
-    for i, layer in enumerate(net.layers):
-        reads = layer.backward_reads
-        back = training and net.layer_need_backward[i]
-        b = 2 * L - 1 - i
-        for blob in net.bottom_vecs[i]:
-            touch(blob.data_storage, i)
-            if back and 'bottom_data' in reads:
-                touch(blob.data_storage, b)
-        for blob in net.top_vecs[i]:
-            touch(blob.data_storage, i)
-            if back and 'top_data' in reads:
-                touch(blob.data_storage, b)
-        if back:
-            for blob in net.top_vecs[i]:
-                touch(blob.diff_storage, b)
-            for blob, prop in zip(net.bottom_vecs[i], net.bottom_need_backward[i]):
-                if prop:
-                    touch(blob.diff_storage, b)
-    return uses
-
-
-class _Life:
-    """One device life of a planned Storage: steps start..end, a view at offset."""
-    __slots__ = ('buf', 'start', 'end', 'offset', 'view')
-
-    def __init__(self, buf):
-        self.buf, self.start, self.end = buf, buf.start, buf.end
-        self.offset = None
-        self.view = None
-
-
-class _Entry:
-    """A planned Storage: its blobs, its lives, whether it stays outside the arena."""
-    __slots__ = ('storage', 'kind', 'names', 'blobs', 'lives', 'persistent', 'offloaded',
-                 'reasons', 'uses', 'valid', 'stale', 'producer', 'overwritten_at')
-
-    def __init__(self, storage, kind, names, blobs):
-        self.storage, self.kind, self.names, self.blobs = storage, kind, names, blobs
-        self.lives = []
-        self.persistent = False
-        self.offloaded = False
-        self.producer = None        # a map made again in backward: its layers (recompute)
-        # A top diff that shares its life with its layer's bottom diff
-        # (liveness.diff_overlays): the backward step that writes over it.
-        self.overwritten_at = None
-        self.reasons = {}
-        self.uses = ()
-        # The life whose values the storage holds now: ANY right after the
-        # plan is applied (nothing computed yet, as stock), None: released.
-        self.valid = ANY
-        self.stale = None
-
-    def live_at(self, t):
-        for life in self.lives:
-            if life.start <= t <= life.end:
-                return life
-        return None
-
-    def capacity(self):
-        return min(life.view.size for life in self.lives if life.view is not None)
-
-    def needed(self):
-        return max(b.count for b in self.blobs)
-
-    @property
-    def name(self):
-        return self.names[0]
 
 
 class AppliedPlan:
@@ -684,7 +550,7 @@ class AppliedPlan:
         net = self.net
         if backend.mode() == backend.GPU:
             # Which layers run as fused chains decides what they keep
-            # (layers/cudnn.py: a chained Scale keeps nothing of its own).
+            # (layers/fused_chain.py: a chained Scale keeps nothing of its own).
             # Offload with fused_chains=False unfuses them
             # (offload_runtime._hook): a hook that is not chain-safe stands
             # in for its hooks while deciding.
@@ -1203,7 +1069,7 @@ def _apply_workspace(net, plan, limit):
 def _bias_relu_pair(net, chain):
     """Whether a chain run again starts with a cuDNN convolution and a ReLU
     (negative slope 0) in place on its top: one pass for the bias and the
-    ReLU (layers/cudnn.py forward_then_relu)."""
+    ReLU (layers/cudnn_conv.py forward_then_relu)."""
     if len(chain) < 2 or not hasattr(net.layers[chain[0]], 'forward_then_relu'):
         return False
     relu = net.layers[chain[1]]
@@ -1300,38 +1166,3 @@ def apply_named_plan(net, name, keep=(), offload_policy='conv', workspace_limit=
     plan = make(net)
     return apply_plan(net, plan, keep=keep, training=training, workspace_limit=workspace_limit,
                       lookahead=lookahead, make=make, runtime_options=runtime_options)
-
-
-def apply_solver_plans(solver, default='shared'):
-    """The solver's caffeplus_param: memory_plan (else `default`, 'shared'
-    unless the solver says otherwise) for the train net, keep, offload,
-    memory_budget, workspace_limit; each test net gets the same plan made for
-    forward only (offload/auto: shared), its outputs kept."""
-    p = solver.param
-    cp = p.caffeplus_param
-    name = cp.memory_plan or default or 'shared'
-    check_plan_name(name)
-    keep = [k.strip() for k in cp.keep if k.strip()]
-    nets = [solver.net] + list(solver.test_nets)
-    known = set()
-    for n in nets:
-        known.update(n._blob_names)
-    missing = [k for k in keep if k not in known]
-    if missing:
-        raise CaffeplusError('caffeplus_param.keep: no net of the solver has a blob named %s '
-                             '(train net blobs: %s)'
-                             % (', '.join("'%s'" % m for m in missing),
-                                ', '.join(solver.net._blob_names)))
-    limit = int(cp.workspace_limit) or None
-    budget = int(cp.memory_budget) or None
-    from caffeplus.solver import solver_type_name
-    from caffeplus.solver import update_in_backward
-    apply_named_plan(solver.net, name, keep=[k for k in keep if k in solver.net._blob_names],
-                     offload_policy=_offload_policy(cp.offload), workspace_limit=limit,
-                     training=True, solver_type=solver_type_name(p), budget=budget,
-                     param_diffs=getattr(solver, 'in_backward', None) is not None and
-                     update_in_backward.places_gradients(name, solver))
-    test_name = name if name in ('stock', 'arena') else 'shared'
-    for n in solver.test_nets:
-        apply_named_plan(n, test_name, keep=[k for k in keep if k in n._blob_names],
-                         workspace_limit=limit, training=False)

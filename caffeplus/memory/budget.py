@@ -51,9 +51,8 @@ from caffeplus.errors import CaffeplusError
 from caffeplus.memory import calibration, cublas_pool, liveness, masks, placement, offload, \
     offload_timing, recompute, workspace_model as wm
 from caffeplus.memory.plan import HISTORY_COPIES, make_plan, persistent_bytes
+from caffeplus.memory.offload_timing import PCIE_BANDWIDTH
 from caffeplus.solver import update_in_backward
-
-PCIE_BANDWIDTH = 50e9
 
 _UNITS = {'': 1, 'k': 2 ** 10, 'm': 2 ** 20, 'g': 2 ** 30, 't': 2 ** 40}
 

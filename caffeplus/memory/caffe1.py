@@ -322,10 +322,10 @@ def _create_handles(net):
         try:
             layer.__dict__[HANDLE] = api.Handle()
         except Exception as exc:
-            from caffeplus.memory import workspace
-            if workspace.is_out_of_memory(exc):
-                raise workspace.out_of_memory_error(layer, 'cuDNN handle creation', exc,
-                                                    'stock') from exc
+            from caffeplus.memory import oom
+            if oom.is_out_of_memory(exc):
+                raise oom.out_of_memory_error(layer, 'cuDNN handle creation', exc,
+                                              'stock') from exc
             # No cuDNN here: the handles only mimic Caffe's memory; go on without.
             log.warning('Stock plan: no cuDNN handles for the layers other than '
                         'convolution (%s)', exc)
@@ -338,9 +338,9 @@ def _zeros(xp, layer, b):
     try:
         return xp.zeros(_count(b.shape), dtype=b.dtype)
     except Exception as exc:
-        from caffeplus.memory import workspace
-        if workspace.is_out_of_memory(exc):
-            raise workspace.out_of_memory_error(
+        from caffeplus.memory import oom
+        if oom.is_out_of_memory(exc):
+            raise oom.out_of_memory_error(
                 layer, "allocation of Caffe 1.0's %s" % b.name, exc, 'stock',
                 b.nbytes) from exc
         raise

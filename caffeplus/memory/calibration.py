@@ -80,7 +80,7 @@ def record(layer, kind, choices):
     cuDNN's; the table keeps the call's part in the layer (its forward,
     backward-data or backward-filter call), as the workspace model names
     them: a Deconvolution's forward runs cuDNN's backward-data."""
-    from caffeplus.memory.workspace import view_part
+    from caffeplus.memory.call_sites import view_part
     add(geometry_key(layer), KINDS[view_part(layer, kind)],
         [(c.memory, None if c.time is None else c.time / 1e3) for c in choices])
 
@@ -181,7 +181,7 @@ def measuring():
 
 def trial_array_bytes(layer):
     """Device bytes of the arrays a timed search of `layer` makes beside its
-    workspace (layers/cudnn.py _ConvDescs.timer: input, output and filter,
+    workspace (cudnn/algo_search.py _ConvDescs.timer: input, output and filter,
     and for the cuBLAS variant a filter gradient)."""
     maps = layer.num * (layer.channels * math.prod(layer.in_spatial) +
                         layer.num_output * math.prod(layer.out_spatial))
@@ -194,10 +194,10 @@ def process_device_bytes(pool):
     runtime's modelled fixed cost (CUDA context, cuDNN and cuBLAS; what
     is used beyond it belongs to other processes on the card)."""
     import cupy
-    from caffeplus.memory import workspace_model
+    from caffeplus.memory import fixed_cost
     free, total = cupy.cuda.runtime.memGetInfo()
     held = pool.total_bytes()
-    return held + min(max(total - free - held, 0), workspace_model.RUNTIME_BYTES)
+    return held + min(max(total - free - held, 0), fixed_cost.RUNTIME_BYTES)
 
 
 def trial_workspace_bytes(arrays, budget=None):

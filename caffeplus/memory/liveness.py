@@ -78,7 +78,7 @@ def buffers(net, keep=(), training=True, overlay=True):
     # not activations.
     param_storages = {id(p.data_storage) for p in net.param_blobs} | \
         {id(p.diff_storage) for p in net.param_blobs}
-    # A fused chain's backward (layers/cudnn.py) runs at its last member's
+    # A fused chain's backward (layers/fused_chain.py) runs at its last member's
     # step: its members read and write there too (e.g. an Eltwise->ReLU
     # chain writes the Eltwise's bottom diffs a step before the Eltwise's).
     from caffeplus import kernels
@@ -249,7 +249,7 @@ def param_diff_buffers(net):
 
 
 # A layer's backward runs its filter-gradient call before the call that
-# writes its bottom's diff (layers/cudnn.py); for a one-bottom layer the
+# writes its bottom's diff (layers/cudnn_conv.py); for a one-bottom layer the
 # filter call's workspace lives half a step early, where that diff is not
 # live yet and may share its bytes.
 FILTER_FIRST = 0.5

@@ -300,7 +300,7 @@ def run_iteration(net, solver, after_step=None):
         def after_backward(i):
             after_step(2 * L - 1 - i)
         # At step boundaries, on whole buffers: the fused layer chains stay
-        # fused (layers/cudnn.py), as in a run without the hook.
+        # fused (layers/fused_chain.py), as in a run without the hook.
         after_forward.chain_safe = after_backward.chain_safe = True
         hooks = [(net.after_layer_forward, after_forward),
                  (net.on_layer_backward_done, after_backward)]

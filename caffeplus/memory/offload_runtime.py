@@ -104,7 +104,7 @@ def choose_lookahead(step_seconds, last_fwd, first_back, nbytes, bandwidth, marg
 
 def _hook(method, chain_safe):
     """The runtime's per-layer hook. Marked chain_safe (option fused_chains,
-    the default) it lets the fused layer chains (layers/cudnn.py) stay
+    the default) it lets the fused layer chains (layers/fused_chain.py) stay
     fused, as they are under the plans without offload, so offload runs
     `shared`'s arithmetic. (fused_chains=False runs them layer by layer.
     A chain's backward writes at its last member's step, which the planner
@@ -184,7 +184,7 @@ class CupyDevice:
         del dev, host
         # The probe's block would stay in CuPy's pool, in the process's
         # footprint, where no re-layout follows (AlexNet's `free`: 64 MiB).
-        from caffeplus.memory.apply import release_cached
+        from caffeplus.backend import release_cached
         release_cached(cupy)
         return nbytes / worst if worst > 0 else None
 
@@ -587,7 +587,7 @@ class OffloadRuntime:
         if bandwidth is None and hasattr(dev, 'measure_bandwidth'):
             bandwidth = dev.measure_bandwidth()
         if bandwidth is None:
-            from caffeplus.memory.budget import PCIE_BANDWIDTH
+            from caffeplus.memory.offload_timing import PCIE_BANDWIDTH
             bandwidth = PCIE_BANDWIDTH
         if self.choosing:
             self._free_samples.append((seconds, bandwidth))

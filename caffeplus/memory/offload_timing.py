@@ -25,6 +25,7 @@ held: it leaves after its last forward use and the compute waits.
 """
 from caffeplus.memory import free_offload, offload
 
+PCIE_BANDWIDTH = 50e9
 MARGIN = free_offload.MARGIN
 
 
@@ -82,7 +83,6 @@ def schedule(net, bufs, offloaded, step_seconds, bandwidth=None, margin=MARGIN, 
     """(holds, seconds the compute waits for the copies). Given `holds`,
     only the wait of those holds under `step_seconds`."""
     if bandwidth is None:
-        from caffeplus.memory.budget import PCIE_BANDWIDTH
         bandwidth = PCIE_BANDWIDTH
     step_seconds = list(step_seconds)
     items = _items(net, bufs, offloaded)

@@ -41,11 +41,13 @@ streams, as Caffe does, so that the process's other memory matches stock.
 """
 import contextlib
 import os
-import re
 import weakref
 
 from caffeplus import backend, log
 from caffeplus.errors import CaffeplusError
+from caffeplus.memory.call_sites import VIEW_NAMES, forward_kinds, view_part  # noqa: F401
+from caffeplus.memory.oom import (is_out_of_memory, out_of_memory_error,  # noqa: F401
+                                 requested_bytes)
 
 STOCK_WORKSPACE_LIMIT = 8 * 1024 * 1024     # Caffe 1.0's workspace_limit_bytes
 CUDNN_STREAMS_PER_GROUP = 3
@@ -246,46 +248,6 @@ def plan_sites(sites, budget, deterministic=False, names=None):
 def _cupy():
     import cupy
     return cupy
-
-
-def is_out_of_memory(exc):
-    name = type(exc).__name__
-    if name == 'OutOfMemoryError':
-        return True
-    if name == 'CUDARuntimeError' and 'cudaErrorMemoryAllocation' in str(exc):
-        return True
-    return name == 'CudnnError' and 'ALLOC' in str(exc).upper()      # STATUS_ALLOC_FAILED
-
-
-def requested_bytes(exc):
-    """The byte count in CuPy's 'Out of memory allocating 1,234 bytes' message."""
-    m = re.search(r'allocating ([\d,]+) bytes', str(exc))
-    return int(m.group(1).replace(',', '')) if m else None
-
-
-def out_of_memory_error(layer, stage, exc, plan=None, nbytes=None):
-    """A CaffeplusError naming the layer, what it was doing, the plan and the bytes."""
-    if nbytes is None:
-        nbytes = requested_bytes(exc)
-    if plan is None:
-        plan = getattr(layer, 'memory_plan', None) or 'arena'
-    name = getattr(getattr(layer, 'layer_param', None), 'name', None) or str(layer)
-    ltype = getattr(getattr(layer, 'layer_param', None), 'type', '')
-    free = total = None
-    try:
-        free, total = _cupy().cuda.runtime.memGetInfo()
-    except Exception:
-        pass
-    msg = ('out of GPU memory in layer %s (%s) during %s under memory plan \'%s\': '
-           'asked for %s bytes' % (name, ltype, stage, plan,
-                                   '{:,}'.format(nbytes) if nbytes is not None else 'an unknown number of'))
-    if free is not None:
-        msg += ' with {:,} of {:,} bytes free on the device'.format(free, total)
-    msg += ('. Try a smaller batch, a memory plan that reuses buffers (shared, offload, auto) '
-            'or a lower --workspace_limit. (%s)' % exc)
-    err = CaffeplusError(msg)
-    err.layer, err.stage, err.plan, err.nbytes = name, stage, plan, nbytes
-    return err
 
 
 class _Buffer:
@@ -783,23 +745,6 @@ def within_headroom(candidates, best, room, deterministic=False, slowdown=HEADRO
         pick = next((c for c in candidates if c.memory <= room and
                      (c.deterministic or not deterministic)), pick)
     return pick
-
-
-VIEW_NAMES = ('forward', 'backward', 'backward_filter')
-
-
-def view_part(layer, kind):
-    """Which of a layer's workspace views a call site uses: 0 its forward,
-    1 its backward's data call, 2 its backward's filter call."""
-    if kind in forward_kinds(layer):
-        return 0
-    return 2 if kind == 'bwd_filter' else 1
-
-
-def forward_kinds(layer):
-    """The call sites a layer's forward uses (a Deconvolution's forward is
-    the convolution's backward-data); the others run in its backward."""
-    return ('bwd_data',) if getattr(layer, 'reverse', False) else ('fwd',)
 
 
 class StockWorkspace:

@@ -104,6 +104,7 @@ internal-buffer table until the estimates are within 5%.
 import collections
 
 from caffeplus.memory import caffe1, calibration, cublas_pool, thread_stack
+from caffeplus.memory.fixed_cost import RUNTIME_BYTES  # measured (see "Fixed cost" above)
 from caffeplus.memory.liveness import FLOAT_BYTES
 
 MiB = 2 ** 20
@@ -111,7 +112,6 @@ MiB = 2 ** 20
 MODEL_GPU = 'NVIDIA H100 80GB HBM3'
 STOCK_WORKSPACE_LIMIT = 8 * 1024 * 1024     # Caffe's workspace_limit_bytes
 STREAMS_PER_GROUP = 3                       # Caffe's CUDNN_STREAMS_PER_GROUP
-RUNTIME_BYTES = 660 * MiB                   # measured (see "Fixed cost" above)
 HANDLE_BYTES = 5 * MiB                      # a fit (see "Fixed cost" above)
 # (The offload runtime holds no device memory of its own: the 60-64 MiB once
 # measured as `offload` less `shared` on AlexNet b128, where nothing moves,
@@ -205,7 +205,7 @@ SMALL_TRANSFORM_FACTOR = 4.0
 TILING_FACTOR = 0.15
 TILING_TIME = 1.04
 # Timed search also runs each call over halves, quarters and eighths of the
-# batch (layers/cudnn.py CHUNK_VARIANTS): the transforms' workspace scales
+# batch (cudnn/algo_search.py CHUNK_VARIANTS): the transforms' workspace scales
 # with the slice, the time grows a little per slicing (measured on VGG-16's
 # conv1_2 at b64: +1-4% over halves, +6-10% over quarters, +7%
 # over eighths for the filter gradient).
@@ -414,7 +414,7 @@ def internal_bytes(net, i, plan_name=None):
 
 def _after_in_place_batch_norm(net, i):
     """Layer i directly follows a BatchNorm in place on the same blob (the
-    GPU runs the two as one chain, layers/cudnn.py)."""
+    GPU runs the two as one chain, layers/fused_chain.py)."""
     if i == 0 or net.layers[i - 1].layer_param.type != 'BatchNorm':
         return False
     blob = net.bottom_vecs[i][0]
@@ -488,7 +488,7 @@ def layer_seconds(net, i, conv_factor=1.0):
 # --json, benchmarks/memory/2026-11-28-s13/steps_*.json): most
 # such layers move their maps at MEASURED_BANDWIDTH (forward: bottoms and
 # tops once; backward: twice) plus about OWN_CALL_SECONDS a call; the GPU's
-# fused chains (layers/cudnn.py: BatchNorm, Scale and a ReLU after them, or
+# fused chains (layers/fused_chain.py: BatchNorm, Scale and a ReLU after them, or
 # Eltwise and a ReLU, as one pass each way) run at their head and leave their
 # members next to nothing; Split's forward shares its bottom.
 OWN_CALL_SECONDS = 20e-6
@@ -536,7 +536,7 @@ def own_layer_seconds(net, i):
     return f, b
 
 
-# Layers the GPU runs as fused chains (layers/cudnn.py: BatchNorm, Scale,
+# Layers the GPU runs as fused chains (layers/fused_chain.py: BatchNorm, Scale,
 # Eltwise and a ReLU after them, one pass for the chain).
 FUSED_TYPES = ('BatchNorm', 'Scale', 'Eltwise')
 

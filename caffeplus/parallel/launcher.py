@@ -111,7 +111,7 @@ def mpi_world_size():
 
 
 def gpu_name(device):
-    from caffeplus.commands.train import gpu_name as name
+    from caffeplus.backend import gpu_name as name
     return name(device)
 
 
@@ -474,7 +474,7 @@ def child_main(rundir, rank):
         # The supervisor makes this file before it stops the ranks itself.
         abort_file = os.path.join(rundir, 'abort')
         if rank == 0:
-            from caffeplus.commands.train import SignalHandler
+            from caffeplus.signal_handler import SignalHandler
             with SignalHandler(args.sigint_effect, args.sighup_effect,
                                on_sigterm=unwind_if_aborting(abort_file)) as handler:
                 code = RankTrainer(args, param, comm, device, handler).run()
@@ -556,7 +556,7 @@ def run_mpi(args, param, gpus):
             comm = comm_mod.NCCLComm(host, device)
         # mpirun stops a failed job with SIGKILL; a SIGTERM is a stop request.
         if rank == 0:
-            from caffeplus.commands.train import SignalHandler
+            from caffeplus.signal_handler import SignalHandler
             with SignalHandler(args.sigint_effect, args.sighup_effect,
                                on_sigterm=unwind_if_aborting(None)) as handler:
                 return RankTrainer(args, param, comm, device, handler).run()

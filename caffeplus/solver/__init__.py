@@ -14,6 +14,7 @@ from caffeplus.errors import CaffeplusError
 from caffeplus.proto import caffe_pb2
 from caffeplus.solver.solver import (ACTIONS, NONE, SNAPSHOT, STOP, Solver,  # noqa: F401
                                      read_solver_file, upgrade_snapshot_prefix)
+from caffeplus.solver.types import solver_type_name  # noqa: F401
 from caffeplus.solver.sgd import (SOLVERS, AdaDeltaSolver, AdaGradSolver,  # noqa: F401
                                   AdamSolver, NesterovSolver, RMSPropSolver, SGDSolver)
 
@@ -21,16 +22,6 @@ __all__ = ['get_solver', 'create_solver', 'solver_class', 'solver_type_name', 'r
            'upgrade_snapshot_prefix', 'Solver', 'SGDSolver', 'NesterovSolver', 'AdaGradSolver',
            'RMSPropSolver', 'AdaDeltaSolver', 'AdamSolver', 'SOLVERS', 'ACTIONS', 'NONE', 'STOP',
            'SNAPSHOT']
-
-# The old SolverParameter.solver_type enum, by value.
-_LEGACY_TYPES = {0: 'SGD', 1: 'Nesterov', 2: 'AdaGrad', 3: 'RMSProp', 4: 'AdaDelta', 5: 'Adam'}
-
-
-def solver_type_name(param):
-    if not param.HasField('type') and param.HasField('solver_type'):
-        return _LEGACY_TYPES.get(param.solver_type, str(param.solver_type))
-    return param.type
-
 
 def solver_class(type_name):
     try:
@@ -52,7 +43,7 @@ def get_solver(path_or_param, pycaffe=False, **kwargs):
     type_name = solver_type_name(param)
     cls = solver_class(type_name)
     if pycaffe:
-        from caffeplus.pycaffe import pycaffe_solver_class
+        from caffeplus.pycaffe_solvers import pycaffe_solver_class
         cls = pycaffe_solver_class(cls)
     if param.type != type_name:
         copy = caffe_pb2.SolverParameter()

@@ -89,6 +89,9 @@ class SGDSolver(Solver):
         update in backward needs it before apply_update computes it)."""
         return lr_policy.learning_rate(self.param, self.iter, self.current_step, announce=False)[0]
 
+    def applies_own_update(self):
+        return type(self).apply_update is not SGDSolver.apply_update
+
     def apply_update(self):
         p = self.param
         rate = self.get_learning_rate()

@@ -149,14 +149,14 @@ class Solver:
 
     def _apply_memory_plans(self):
         """caffeplus_param's memory plan for the train and test nets
-        (caffeplus.memory.apply.apply_solver_plans): memory_plan, keep,
+        (caffeplus.solver.memory_plans.apply_solver_plans): memory_plan, keep,
         offload, memory_budget, workspace_limit. Without memory_plan the
         class's default_memory_plan applies: 'shared' (what `caffeplus train`
         and caffeplus.solver.get_solver build), 'stock' for the solvers
         pycaffe scripts create (caffeplus.SGDSolver, caffeplus.get_solver)."""
         if not getattr(self, '_memory_plans', True):
             return
-        from caffeplus.memory.apply import apply_solver_plans
+        from caffeplus.solver.memory_plans import apply_solver_plans
         apply_solver_plans(self, default=self.default_memory_plan)
 
     def _install_nan_check(self):
@@ -594,6 +594,11 @@ class Solver:
     # -- update (subclasses) -------------------------------------------------
     def apply_update(self):
         raise NotImplementedError
+
+    def applies_own_update(self):
+        """Whether the update is the solver's own rather than SGDSolver.apply_update
+        (caffeplus.solver.update_in_backward: then it cannot update in backward)."""
+        return True
 
     # -- snapshots -----------------------------------------------------------
     def snapshot_filename(self, extension):

@@ -87,8 +87,7 @@ def blockers(solver):
     if others:
         out.append('a solver callback (%s) reads the gradients before the update'
                    % type(others[0]).__name__)
-    from caffeplus.solver.sgd import SGDSolver
-    if not isinstance(solver, SGDSolver) or type(solver).apply_update is not SGDSolver.apply_update:
+    if solver.applies_own_update():
         # (A rule of its own, compute_update_value, is fine: update_params calls it.)
         out.append('the solver has its own apply_update')
     return out

@@ -1,0 +1,943 @@
+"""The CUDA C source of the fused kernels, which caffeplus.kernels compiles
+as two modules (one failing to build leaves the other): COMMON, the helpers
+both include; CORE, BatchNorm, Scale, ReLU, Eltwise SUM, Split and zeroing;
+EXTRA, pooling, masks, SoftmaxWithLoss, BatchNorm over several blocks a
+channel, im2col and the convolution bias's channel sums."""
+
+COMMON = r'''
+#define CP_FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ double cp_warp_sum(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(CP_FULL_MASK, v, o);
+    return v;
+}
+
+/* Block-wide sums of a and b; every thread gets both totals.
+   blockDim.x must be a multiple of 32 (at most 1024). */
+__device__ void cp_block_sum2(double* a, double* b, double* sh) {
+    const int lane = threadIdx.x & 31;
+    const int wid = threadIdx.x >> 5;
+    const int nw = blockDim.x >> 5;
+    double x = cp_warp_sum(*a);
+    double y = cp_warp_sum(*b);
+    if (lane == 0) { sh[wid] = x; sh[32 + wid] = y; }
+    __syncthreads();
+    if (wid == 0) {
+        x = lane < nw ? sh[lane] : 0.0;
+        y = lane < nw ? sh[32 + lane] : 0.0;
+        x = cp_warp_sum(x);
+        y = cp_warp_sum(y);
+        if (lane == 0) { sh[64] = x; sh[65] = y; }
+    }
+    __syncthreads();
+    *a = sh[64];
+    *b = sh[65];
+    __syncthreads();
+}
+
+/* numpy.maximum(v, 0): NaN and -0.0 pass through. */
+__device__ __forceinline__ float cp_relu0(float v) {
+    return (v >= 0.0f || v != v) ? v : 0.0f;
+}
+
+/* The chain's top from the normalized value: relu(v * s + b). */
+__device__ __forceinline__ float cp_chain(float v, float s, float b, int flags) {
+    if (flags & 4) v = __fmul_rn(v, s);
+    if (flags & 8) v = __fadd_rn(v, b);
+    if (flags & 16) v = cp_relu0(v);
+    return v;
+}
+
+/* Loops over a channel's M values of a (N, C, S)-like layout, U values per
+   thread per step, their loads issued before any use (memory-level
+   parallelism; in place the loads of a step precede its stores). */
+#define CP_U 4
+#define CP_CHANNEL_LOOP(M, S, base, step, BODY_LOAD, BODY_USE)                    \
+    for (unsigned i0 = threadIdx.x; i0 < (M); i0 += CP_U * blockDim.x) {          \
+        unsigned o[CP_U];                                                        \
+        bool in[CP_U];                                                           \
+        for (int u = 0; u < CP_U; ++u) {                                         \
+            const unsigned i = i0 + u * blockDim.x;                              \
+            in[u] = i < (M);                                                     \
+            const unsigned n = in[u] ? i / (S) : 0;                              \
+            o[u] = (base) + n * (step) + (in[u] ? i - n * (S) : 0);              \
+        }                                                                        \
+        for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_LOAD }                  \
+        for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_USE }                   \
+    }
+
+/* The same over values [lo, hi) of the channel (a block's share of it). */
+#define CP_RANGE_LOOP(lo, hi, S, base, step, BODY_LOAD, BODY_USE)                \
+    for (unsigned i0 = (lo) + threadIdx.x; i0 < (hi); i0 += CP_U * blockDim.x) { \
+        unsigned o[CP_U];                                                        \
+        bool in[CP_U];                                                           \
+        for (int u = 0; u < CP_U; ++u) {                                         \
+            const unsigned i = i0 + u * blockDim.x;                              \
+            in[u] = i < (hi);                                                    \
+            const unsigned n = in[u] ? i / (S) : 0;                              \
+            o[u] = (base) + n * (step) + (in[u] ? i - n * (S) : 0);              \
+        }                                                                        \
+        for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_LOAD }                  \
+        for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_USE }                   \
+    }
+
+/* The same over n elements of a flat array, grid-stride. */
+#define CP_FLAT_LOOP(n, BODY_LOAD, BODY_USE)                                     \
+    for (unsigned i0 = blockIdx.x * blockDim.x + threadIdx.x; i0 < (n);          \
+         i0 += CP_U * gridDim.x * blockDim.x) {                                  \
+        unsigned o[CP_U];                                                        \
+        bool in[CP_U];                                                           \
+        for (int u = 0; u < CP_U; ++u) {                                         \
+            o[u] = i0 + u * gridDim.x * blockDim.x;                              \
+            in[u] = o[u] < (n);                                                  \
+        }                                                                        \
+        for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_LOAD }                  \
+        for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_USE }                   \
+    }
+
+'''
+
+CORE = r'''
+/* BatchNorm forward, one block per channel over x viewed as (N, C, S).
+   flags: 1 batch statistics (else the stored ones), 2 keep the normalized
+   copy in xn, 4 multiply by sc[c], 8 add bi[c], 16 ReLU (the chain). */
+extern "C" __global__ void cp_bn_fwd(
+    const float* x, float* y, float* xn, float* b0, float* b1, float* b2, float* stdv,
+    const float* sc, const float* bi,
+    const unsigned N, const unsigned C, const unsigned S, const int flags,
+    const float maf, const float eps, const float corr)
+{
+    __shared__ double sh[66];
+    __shared__ float stat[2];
+    const unsigned c = blockIdx.x;
+    const unsigned M = N * S;
+    const unsigned base = c * S;
+    const unsigned step = C * S;
+    float v[CP_U];
+    if (flags & 1) {
+        const double K = (double)x[base];
+        double a = 0.0, b = 0.0;
+        CP_CHANNEL_LOOP(M, S, base, step,
+            v[u] = x[o[u]];,
+            const double d = (double)v[u] - K; a += d; b += d * d;)
+        cp_block_sum2(&a, &b, sh);
+        if (threadIdx.x == 0) {
+            const double m = (double)M;
+            const double dm = a / m;
+            double var = b / m - dm * dm;
+            if (var < 0.0) var = 0.0;
+            const float meanf = (float)(K + dm);
+            const float varf = (float)var;
+            stat[0] = meanf;
+            stat[1] = varf;
+            b0[c] = __fadd_rn(__fmul_rn(b0[c], maf), meanf);
+            b1[c] = __fadd_rn(__fmul_rn(b1[c], maf), __fmul_rn(varf, corr));
+            if (c == 0) b2[0] = __fadd_rn(__fmul_rn(b2[0], maf), 1.0f);
+        }
+    } else if (threadIdx.x == 0) {
+        const float f = b2[0];
+        const float scale = f == 0.0f ? 0.0f : 1.0f / f;
+        stat[0] = __fmul_rn(b0[c], scale);
+        stat[1] = __fmul_rn(b1[c], scale);
+    }
+    __syncthreads();
+    const float mean = stat[0];
+    const float sd = sqrtf(__fadd_rn(stat[1], eps));
+    if (threadIdx.x == 0) stdv[c] = sd;
+    const float s = (flags & 4) ? sc[c] : 1.0f;
+    const float bb = (flags & 8) ? bi[c] : 0.0f;
+    CP_CHANNEL_LOOP(M, S, base, step,
+        v[u] = x[o[u]];,
+        const float t = __fdiv_rn(__fsub_rn(v[u], mean), sd);
+        if (flags & 2) xn[o[u]] = t;
+        y[o[u]] = cp_chain(t, s, bb, flags);)
+}
+
+/* BatchNorm backward, one block per channel. xn: the normalized forward
+   output; stdv: the std the forward used.
+   flags: 1 batch statistics (else dx = dy / std), 4/8/16 the chain's Scale,
+   bias and ReLU (dy is then the ReLU's top diff), 32 accumulate the scale
+   gradient into dsc, 64 the bias gradient into dbi, 128 write dx. */
+extern "C" __global__ void cp_bn_bwd(
+    const float* dy, const float* xn, const float* stdv, float* dx,
+    const float* sc, const float* bi, float* dsc, float* dbi,
+    const unsigned N, const unsigned C, const unsigned S, const int flags)
+{
+    __shared__ double sh[66];
+    const unsigned c = blockIdx.x;
+    const unsigned M = N * S;
+    const unsigned base = c * S;
+    const unsigned step = C * S;
+    const float s = (flags & 4) ? sc[c] : 1.0f;
+    const float bb = (flags & 8) ? bi[c] : 0.0f;
+    const int relu = flags & 16;
+    const float sd = stdv[c];
+    float mdyy = 0.0f, mdy = 0.0f;
+    float v[CP_U], g[CP_U];
+    if (flags & (1 | 32 | 64)) {
+        double a = 0.0, b = 0.0;
+        CP_CHANNEL_LOOP(M, S, base, step,
+            v[u] = xn[o[u]]; g[u] = dy[o[u]];,
+            float gg = g[u];
+            if (relu) gg = __fmul_rn(gg, cp_chain(v[u], s, bb, flags & 12) > 0.0f ? 1.0f : 0.0f);
+            a += (double)gg * (double)v[u];
+            b += (double)gg;)
+        cp_block_sum2(&a, &b, sh);
+        if (threadIdx.x == 0) {
+            if (flags & 32) dsc[c] = __fadd_rn(dsc[c], (float)a);
+            if (flags & 64) dbi[c] = __fadd_rn(dbi[c], (float)b);
+        }
+        /* BatchNorm's own top diff is Scale's bottom diff, g * s. */
+        mdyy = (float)((double)s * a / (double)M);
+        mdy = (float)((double)s * b / (double)M);
+    }
+    if (!(flags & 128)) return;
+    CP_CHANNEL_LOOP(M, S, base, step,
+        v[u] = xn[o[u]]; g[u] = dy[o[u]];,
+        float gg = g[u];
+        if (relu) gg = __fmul_rn(gg, cp_chain(v[u], s, bb, flags & 12) > 0.0f ? 1.0f : 0.0f);
+        if (flags & 4) gg = __fmul_rn(gg, s);
+        if (flags & 1) {
+            const float t = __fadd_rn(__fmul_rn(v[u], mdyy), mdy);
+            dx[o[u]] = __fdiv_rn(__fsub_rn(gg, t), sd);
+        } else {
+            dx[o[u]] = __fdiv_rn(gg, sd);
+        })
+}
+
+/* Scale forward: y = x * s[c] (+ b[c]) over (outer, dim, inner).
+   flags: 1 keep a copy of x, 2 add the bias. */
+extern "C" __global__ void cp_scale_fwd(
+    const float* x, float* y, float* keep, const float* sc, const float* bi,
+    const unsigned outer, const unsigned dim, const unsigned inner, const int flags)
+{
+    const unsigned total = outer * dim * inner;
+    float v[CP_U];
+    CP_FLAT_LOOP(total,
+        v[u] = x[o[u]];,
+        const unsigned c = (o[u] / inner) % dim;
+        if (flags & 1) keep[o[u]] = v[u];
+        float r = __fmul_rn(v[u], sc[c]);
+        if (flags & 2) r = __fadd_rn(r, bi[c]);
+        y[o[u]] = r;)
+}
+
+/* Scale backward, one block per channel c of (outer, dim, inner).
+   flags: 1 scale gradient sum(dy * x) (2: added to dsc, else written),
+   4 bias gradient sum(dy) added to dbi, 8 dx = dy * s. */
+extern "C" __global__ void cp_scale_bwd(
+    const float* dy, const float* x, const float* sc, float* dx, float* dsc, float* dbi,
+    const unsigned outer, const unsigned dim, const unsigned inner, const int flags)
+{
+    __shared__ double sh[66];
+    const unsigned c = blockIdx.x;
+    const unsigned M = outer * inner;
+    const unsigned base = c * inner;
+    const unsigned step = dim * inner;
+    float g[CP_U], v[CP_U];
+    if (flags & (1 | 4)) {
+        double a = 0.0, b = 0.0;
+        CP_CHANNEL_LOOP(M, inner, base, step,
+            g[u] = dy[o[u]]; v[u] = (flags & 1) ? x[o[u]] : 0.0f;,
+            a += (double)g[u] * (double)v[u];
+            b += (double)g[u];)
+        cp_block_sum2(&a, &b, sh);
+        if (threadIdx.x == 0) {
+            if (flags & 4) dbi[c] = __fadd_rn(dbi[c], (float)b);
+            if (flags & 1) dsc[c] = (flags & 2) ? __fadd_rn(dsc[c], (float)a) : (float)a;
+        }
+    }
+    if (!(flags & 8)) return;
+    const float s = sc[c];
+    CP_CHANNEL_LOOP(M, inner, base, step,
+        g[u] = dy[o[u]];,
+        dx[o[u]] = __fmul_rn(g[u], s);)
+}
+
+/* ReLU: y = max(x, 0), or x * slope where x <= 0. */
+extern "C" __global__ void cp_relu_fwd(const float* x, float* y, const unsigned n,
+                                       const float slope)
+{
+    float v[CP_U];
+    CP_FLAT_LOOP(n,
+        v[u] = x[o[u]];,
+        y[o[u]] = slope == 0.0f ? cp_relu0(v[u]) : (v[u] > 0.0f ? v[u] : __fmul_rn(v[u], slope));)
+}
+
+/* ReLU backward: dx = dy where ref > 0, else dy * slope (0: Caffe's dy * (ref > 0)). */
+extern "C" __global__ void cp_relu_bwd(const float* dy, const float* ref, float* dx,
+                                       const unsigned n, const float slope)
+{
+    float g[CP_U], r[CP_U];
+    CP_FLAT_LOOP(n,
+        g[u] = dy[o[u]]; r[u] = ref[o[u]];,
+        if (slope == 0.0f) dx[o[u]] = __fmul_rn(g[u], r[u] > 0.0f ? 1.0f : 0.0f);
+        else dx[o[u]] = r[u] > 0.0f ? g[u] : __fmul_rn(g[u], slope);)
+}
+
+/* y = ca * a + cb * b (each product rounded, then the sum); with relu,
+   y = max(that, 0) (Eltwise SUM followed by an in-place ReLU). */
+extern "C" __global__ void cp_axpby(const float* a, const float* b, float* y, const unsigned n,
+                                    const float ca, const float cb, const int relu)
+{
+    float va[CP_U], vb[CP_U];
+    CP_FLAT_LOOP(n,
+        va[u] = a[o[u]]; vb[u] = b[o[u]];,
+        const float t = __fadd_rn(__fmul_rn(ca, va[u]), __fmul_rn(cb, vb[u]));
+        y[o[u]] = relu ? cp_relu0(t) : t;)
+}
+
+/* d0 = c0 * g (flags & 1), d1 = c1 * g (flags & 2); with flags & 4, g is
+   first masked by an in-place ReLU's top (g *= (ref > 0), written back). */
+extern "C" __global__ void cp_scale2(float* g, float* d0, float* d1, const float* ref,
+                                     const unsigned n, const float c0, const float c1,
+                                     const int flags)
+{
+    float v[CP_U], r[CP_U];
+    CP_FLAT_LOOP(n,
+        v[u] = g[o[u]]; r[u] = (flags & 4) ? ref[o[u]] : 0.0f;,
+        float t = v[u];
+        if (flags & 4) { t = __fmul_rn(t, r[u] > 0.0f ? 1.0f : 0.0f); g[o[u]] = t; }
+        if (flags & 1) d0[o[u]] = __fmul_rn(c0, t);
+        if (flags & 2) d1[o[u]] = __fmul_rn(c1, t);)
+}
+/* Zero n arrays in one launch: word w of the concatenation lies in array
+   k where offsets[k] <= w < offsets[k + 1] (32-bit words: float32 values,
+   int32 flags, a float64 guard as two). A launch per array costs the host
+   5-20 us each; ResNet-50 clears 161 gradients every iteration. */
+extern "C" __global__ void cp_zero_many(const unsigned long long* ptrs,
+    const long long* offsets, const int n, const long long total)
+{
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x; w < total;
+         w += stride) {
+        int lo = 0, hi = n - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (offsets[mid] <= w) lo = mid; else hi = mid - 1;
+        }
+        reinterpret_cast<unsigned*>(ptrs[lo])[w - offsets[lo]] = 0u;
+    }
+}
+'''
+
+EXTRA = r'''
+#define CP_FLT_MAX 3.402823466e+38f
+#define CP_FLT_MIN 1.175494351e-38f
+
+__device__ __forceinline__ float cp_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_down_sync(CP_FULL_MASK, v, o));
+    return v;
+}
+
+/* Block-wide max (every thread gets it). */
+__device__ float cp_block_max(float v, float* sh) {
+    const int lane = threadIdx.x & 31;
+    const int wid = threadIdx.x >> 5;
+    const int nw = blockDim.x >> 5;
+    v = cp_warp_max(v);
+    if (lane == 0) sh[wid] = v;
+    __syncthreads();
+    if (wid == 0) {
+        v = lane < nw ? sh[lane] : -CP_FLT_MAX;
+        v = cp_warp_max(v);
+        if (lane == 0) sh[32] = v;
+    }
+    __syncthreads();
+    v = sh[32];
+    __syncthreads();
+    return v;
+}
+
+/* Index i of a (planes, H, W) layout: its row *h, its column *w, and
+   (returned) its plane. */
+template <class I>
+__device__ __forceinline__ I cp_plane_of(const I i, const int H, const int W, int* h, int* w)
+{
+    *w = (int)(i % (I)W);
+    const I t = i / (I)W;
+    *h = (int)(t % (I)H);
+    return t / (I)H;
+}
+
+/* The first maximum of the window rows hs.., columns ws.. (clipped to the
+   H x W plane xp) in scan order: strict >, from -FLT_MAX, so NaN never
+   wins; *arg = its offset kh*KW+kw in the window, `none` if nothing beat
+   -FLT_MAX. */
+__device__ __forceinline__ float cp_window_max(const float* xp, const int H, const int W,
+    const int hs, const int ws, const int KH, const int KW, const int none, int* arg)
+{
+    float m = -CP_FLT_MAX;
+    int a = none;
+    for (int kh = 0; kh < KH; ++kh) {
+        const int h = hs + kh;
+        if (h < 0 || h >= H) continue;
+        for (int kw = 0; kw < KW; ++kw) {
+            const int w = ws + kw;
+            if (w < 0 || w >= W) continue;
+            const float v = xp[h * W + w];
+            if (v > m) { m = v; a = kh * KW + kw; }
+        }
+    }
+    *arg = a;
+    return m;
+}
+
+/* Pooling with Caffe's windows (rows oh*SH-PH .. +KH, clipped to the image),
+   one thread per output value. MAX: the first maximum in scan order (strict
+   >, so NaN never wins) starting from -FLT_MAX; arg = its offset kh*KW+kw in
+   the window, -1 if nothing beat -FLT_MAX. AVE: the clipped window's sum
+   over the window clipped to H+PH (Caffe's divisor). */
+extern "C" __global__ void cp_pool_fwd(const float* x, float* y, int* arg,
+    const unsigned NC, const int H, const int W, const int OH, const int OW,
+    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW,
+    const int ave)
+{
+    const unsigned total = NC * (unsigned)(OH * OW);
+    const unsigned stride = gridDim.x * blockDim.x;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        int oh, ow;
+        const unsigned nc = cp_plane_of(i, OH, OW, &oh, &ow);
+        const int hs = oh * SH - PH, ws = ow * SW - PW;
+        const float* xp = x + nc * (unsigned)(H * W);
+        if (ave) {
+            const int he = min(hs + KH, H + PH), we = min(ws + KW, W + PW);
+            const float size = (float)((he - hs) * (we - ws));
+            float sum = 0.0f;
+            for (int kh = 0; kh < KH; ++kh) {
+                const int h = hs + kh;
+                if (h < 0 || h >= H) continue;
+                for (int kw = 0; kw < KW; ++kw) {
+                    const int w = ws + kw;
+                    if (w < 0 || w >= W) continue;
+                    sum = __fadd_rn(sum, xp[h * W + w]);
+                }
+            }
+            y[i] = __fdiv_rn(sum, size);
+        } else {
+            int a;
+            y[i] = cp_window_max(xp, H, W, hs, ws, KH, KW, -1, &a);
+            arg[i] = a;
+        }
+    }
+}
+
+/* Pooling backward, one thread per input value: the sum over the windows
+   that hold it of dy routed by arg (MAX) or dy / divisor (AVE). */
+extern "C" __global__ void cp_pool_bwd(const float* dy, const int* arg, float* dx,
+    const unsigned NC, const int H, const int W, const int OH, const int OW,
+    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW,
+    const int ave)
+{
+    const unsigned total = NC * (unsigned)(H * W);
+    const unsigned stride = gridDim.x * blockDim.x;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        int h, w;
+        const unsigned nc = cp_plane_of(i, H, W, &h, &w);
+        const int hp = h + PH, wp = w + PW;
+        const int ph0 = hp < KH ? 0 : (hp - KH) / SH + 1;
+        const int ph1 = min(hp / SH + 1, OH);
+        const int pw0 = wp < KW ? 0 : (wp - KW) / SW + 1;
+        const int pw1 = min(wp / SW + 1, OW);
+        const unsigned ob = nc * (unsigned)(OH * OW);
+        float acc = 0.0f;
+        for (int ph = ph0; ph < ph1; ++ph) {
+            const int hs = ph * SH - PH;
+            for (int pw = pw0; pw < pw1; ++pw) {
+                const int ws = pw * SW - PW;
+                const unsigned o = ob + (unsigned)(ph * OW + pw);
+                if (ave) {
+                    const int he = min(hs + KH, H + PH), we = min(ws + KW, W + PW);
+                    const float size = (float)((he - hs) * (we - ws));
+                    acc = __fadd_rn(acc, __fdiv_rn(dy[o], size));
+                } else if (arg[o] == (h - hs) * KW + (w - ws)) {
+                    acc = __fadd_rn(acc, dy[o]);
+                }
+            }
+        }
+        dx[i] = acc;
+    }
+}
+
+/* Masks instead of maps (caffeplus.memory.masks): max pooling and ReLU
+   whose backward reads a few bits kept by their forward, not x or y, so a
+   memory plan can drop the maps after forward. 64-bit indices: VGG-16's
+   first maps pass 2**32 values past batch 1300.
+
+   MAX pooling as cp_pool_fwd (Caffe's windows, the first maximum in scan
+   order), keeping the argmax as one byte: the window offset kh*KW+kw (the
+   layer masks windows of at most 255 values), 255 where nothing beat
+   -FLT_MAX. total = N*C*OH*OW. */
+template <class I>
+__device__ __forceinline__ void cp_mpool_fwd_run(const I total, const float* x, float* y,
+    unsigned char* arg, const int H, const int W, const int OH, const int OW,
+    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
+{
+    const I stride = (I)gridDim.x * blockDim.x;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        int oh, ow;
+        const unsigned long long nc = cp_plane_of(i, OH, OW, &oh, &ow);
+        const int hs = oh * SH - PH, ws = ow * SW - PW;
+        const float* xp = x + nc * (unsigned long long)(H * W);
+        int a;
+        y[i] = cp_window_max(xp, H, W, hs, ws, KH, KW, 255, &a);
+        arg[i] = (unsigned char)a;
+    }
+}
+
+/* 64-bit division is slow on the device: 32-bit indices up to 2**31 values.
+   CP_BY_INDEX(run, total, args...) calls run<unsigned> or run<unsigned long long>. */
+#define CP_INDEX_32 2147483648ULL
+#define CP_BY_INDEX(run, total, ...)                                             \
+    if ((total) <= CP_INDEX_32) run<unsigned>((unsigned)(total), __VA_ARGS__);   \
+    else run<unsigned long long>((total), __VA_ARGS__)
+
+extern "C" __global__ void cp_mpool_fwd(const float* x, float* y, unsigned char* arg,
+    const unsigned long long total, const int H, const int W, const int OH, const int OW,
+    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
+{
+    CP_BY_INDEX(cp_mpool_fwd_run, total, x, y, arg, H, W, OH, OW, KH, KW, SH, SW, PH, PW);
+}
+
+/* Its backward, one thread per input value (total = N*C*H*W): the sum, in
+   window order, of dy over the windows whose argmax is this value. */
+template <class I>
+__device__ __forceinline__ void cp_mpool_bwd_run(const I total, const float* dy,
+    const unsigned char* arg, float* dx, const int H, const int W, const int OH, const int OW,
+    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
+{
+    const I stride = (I)gridDim.x * blockDim.x;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        int h, w;
+        const unsigned long long nc = cp_plane_of(i, H, W, &h, &w);
+        const int hp = h + PH, wp = w + PW;
+        const int ph0 = hp < KH ? 0 : (hp - KH) / SH + 1;
+        const int ph1 = min(hp / SH + 1, OH);
+        const int pw0 = wp < KW ? 0 : (wp - KW) / SW + 1;
+        const int pw1 = min(wp / SW + 1, OW);
+        const unsigned long long ob = nc * (unsigned long long)(OH * OW);
+        float acc = 0.0f;
+        for (int ph = ph0; ph < ph1; ++ph) {
+            const int hs = ph * SH - PH;
+            for (int pw = pw0; pw < pw1; ++pw) {
+                const int ws = pw * SW - PW;
+                const unsigned long long o = ob + (unsigned long long)(ph * OW + pw);
+                if ((int)arg[o] == (h - hs) * KW + (w - ws)) acc = __fadd_rn(acc, dy[o]);
+            }
+        }
+        dx[i] = acc;
+    }
+}
+
+extern "C" __global__ void cp_mpool_bwd(const float* dy, const unsigned char* arg, float* dx,
+    const unsigned long long total, const int H, const int W, const int OH, const int OW,
+    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
+{
+    CP_BY_INDEX(cp_mpool_bwd_run, total, dy, arg, dx, H, W, OH, OW, KH, KW, SH, SW, PH, PW);
+}
+
+/* The same where the windows tile the input exactly (stride = kernel, no
+   pad, H = OH * KH, W = OW * KW: VGG-16's 2x2), one thread per output value
+   (total = N*C*OH*OW) writing its window: 0 + dy at the argmax (as the sum
+   above, so -0.0 becomes 0.0), 0 elsewhere. */
+template <class I>
+__device__ __forceinline__ void cp_mpool_bwd_tiled_run(const I total, const float* dy,
+    const unsigned char* arg, float* dx, const int OH, const int OW, const int KH, const int KW)
+{
+    const int W = OW * KW;
+    const I stride = (I)gridDim.x * blockDim.x;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        int oh, ow;
+        const unsigned long long nc = cp_plane_of(i, OH, OW, &oh, &ow);
+        const int a = (int)arg[i];
+        const float g = __fadd_rn(0.0f, dy[i]);
+        float* dp = dx + nc * (unsigned long long)(OH * KH) * (unsigned long long)W +
+            (unsigned long long)(oh * KH) * W + (unsigned long long)(ow * KW);
+        for (int kh = 0; kh < KH; ++kh)
+            for (int kw = 0; kw < KW; ++kw)
+                dp[kh * W + kw] = (kh * KW + kw == a) ? g : 0.0f;
+    }
+}
+
+extern "C" __global__ void cp_mpool_bwd_tiled(const float* dy, const unsigned char* arg,
+    float* dx, const unsigned long long total, const int OH, const int OW, const int KH,
+    const int KW)
+{
+    CP_BY_INDEX(cp_mpool_bwd_tiled_run, total, dy, arg, dx, OH, OW, KH, KW);
+}
+
+/* ReLU (negative slope 0) that also keeps bit i%32 of bits[i/32] = (y[i] > 0),
+   the mask its backward reads instead of y. A warp's 32 lanes handle 32
+   consecutive values each step (__ballot_sync), so the loop runs to n
+   rounded up to 32 and blockDim.x is a multiple of 32. */
+extern "C" __global__ void cp_relu_bits_fwd(const float* x, float* y, unsigned* bits,
+                                            const unsigned long long n)
+{
+    const unsigned long long n32 = (n + 31ULL) & ~31ULL;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n32; i += stride) {
+        float r = 0.0f;
+        if (i < n) {
+            r = cp_relu0(x[i]);
+            y[i] = r;
+        }
+        const unsigned word = __ballot_sync(CP_FULL_MASK, r > 0.0f);
+        if ((threadIdx.x & 31) == 0) bits[i >> 5] = word;
+    }
+}
+
+/* Its backward: dx = dy * (bit ? 1 : 0), Caffe's dy * (y > 0). */
+extern "C" __global__ void cp_relu_bits_bwd(const float* dy, const unsigned* bits, float* dx,
+                                            const unsigned long long n)
+{
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n; i += stride)
+        dx[i] = __fmul_rn(dy[i], ((bits[i >> 5] >> (unsigned)(i & 31ULL)) & 1u) ? 1.0f : 0.0f);
+}
+
+/* SoftmaxWithLoss, one block per (outer, inner) row of x viewed as
+   (outer, classes, inner): rowloss[r] = -log(max(p[label], FLT_MIN)) (0 when
+   the label is ignored), rowvalid[r] = 1 or 0. A label outside [0, classes)
+   that is not ignored sets err[0] = 1, err[1] = the label. */
+extern "C" __global__ void cp_softmax_loss_rows(const float* x, const float* label,
+    float* rowloss, float* rowvalid, float* err,
+    const unsigned outer, const unsigned classes, const unsigned inner,
+    const int has_ignore, const int ignore)
+{
+    __shared__ float shf[33];
+    __shared__ double sh[66];
+    const unsigned r = blockIdx.x;
+    const unsigned o = r / inner, in = r - o * inner;
+    const float* xr = x + o * classes * inner + in;
+    float m = -CP_FLT_MAX;
+    for (unsigned c = threadIdx.x; c < classes; c += blockDim.x) m = fmaxf(m, xr[c * inner]);
+    m = cp_block_max(m, shf);
+    double a = 0.0, b = 0.0;
+    for (unsigned c = threadIdx.x; c < classes; c += blockDim.x)
+        a += (double)expf(__fsub_rn(xr[c * inner], m));
+    cp_block_sum2(&a, &b, sh);
+    if (threadIdx.x == 0) {
+        const float lf = label[r];
+        const int l = (int)lf;
+        const int valid = !(has_ignore && l == ignore);
+        if (valid && (l < 0 || l >= (int)classes)) {
+            err[0] = 1.0f;
+            err[1] = lf;
+            rowloss[r] = 0.0f;
+            rowvalid[r] = 0.0f;
+        } else if (valid) {
+            const float p = __fdiv_rn(expf(__fsub_rn(xr[(unsigned)l * inner], m)), (float)a);
+            rowloss[r] = -logf(fmaxf(p, CP_FLT_MIN));
+            rowvalid[r] = 1.0f;
+        } else {
+            rowloss[r] = 0.0f;
+            rowvalid[r] = 0.0f;
+        }
+    }
+}
+
+/* SoftmaxWithLoss total, one block: top[0] = sum(rowloss) / normalizer (NaN
+   after a label error, so that a check guarding the update skips it before
+   the host reads the error); info = [normalizer, err[0], err[1]], and err is
+   cleared for the next call.
+   mode: Caffe's LossParameter.NormalizationMode (FULL, VALID, BATCH_SIZE, NONE). */
+extern "C" __global__ void cp_softmax_loss_total(const float* rowloss, const float* rowvalid,
+    float* err, float* top, float* info, const unsigned rows, const int mode,
+    const unsigned outer, const unsigned inner)
+{
+    __shared__ double sh[66];
+    double a = 0.0, b = 0.0;
+    for (unsigned r = threadIdx.x; r < rows; r += blockDim.x) {
+        a += (double)rowloss[r];
+        b += (double)rowvalid[r];
+    }
+    cp_block_sum2(&a, &b, sh);
+    if (threadIdx.x == 0) {
+        double n;
+        if (mode == 0) n = (double)outer * (double)inner;
+        else if (mode == 1) n = b;
+        else if (mode == 2) n = (double)outer;
+        else n = 1.0;
+        const float norm = (float)(n > 1.0 ? n : 1.0);
+        top[0] = err[0] != 0.0f ? (float)__longlong_as_double(0x7ff8000000000000LL)
+                                : (float)(a / (double)norm);
+        info[0] = norm;
+        info[1] = err[0];
+        info[2] = err[1];
+        err[0] = 0.0f;
+        err[1] = 0.0f;
+    }
+}
+
+/* SoftmaxWithLoss backward, one block per row: dx = (p - onehot(label)) *
+   valid * (top_diff[0] / normalizer); NaN after a label error (info[1]), so
+   that no update in backward applies what it leads to. */
+extern "C" __global__ void cp_softmax_loss_bwd(const float* x, const float* label,
+    const float* top_diff, const float* info, float* dx,
+    const unsigned outer, const unsigned classes, const unsigned inner,
+    const int has_ignore, const int ignore)
+{
+    __shared__ float shf[33];
+    __shared__ double sh[66];
+    const unsigned r = blockIdx.x;
+    const unsigned o = r / inner, in = r - o * inner;
+    const unsigned off = o * classes * inner + in;
+    const float* xr = x + off;
+    float m = -CP_FLT_MAX;
+    for (unsigned c = threadIdx.x; c < classes; c += blockDim.x) m = fmaxf(m, xr[c * inner]);
+    m = cp_block_max(m, shf);
+    double a = 0.0, b = 0.0;
+    for (unsigned c = threadIdx.x; c < classes; c += blockDim.x)
+        a += (double)expf(__fsub_rn(xr[c * inner], m));
+    cp_block_sum2(&a, &b, sh);
+    const float s = (float)a;
+    const int l = (int)label[r];
+    const float valid = (has_ignore && l == ignore) ? 0.0f : 1.0f;
+    const float scale = info[1] != 0.0f ? (float)__longlong_as_double(0x7ff8000000000000LL)
+                                        : __fdiv_rn(top_diff[0], info[0]);
+    for (unsigned c = threadIdx.x; c < classes; c += blockDim.x) {
+        float d = __fdiv_rn(expf(__fsub_rn(xr[c * inner], m)), s);
+        d = __fsub_rn(d, (int)c == l ? 1.0f : 0.0f);
+        d = __fmul_rn(d, valid);
+        dx[off + c * inner] = __fmul_rn(d, scale);
+    }
+}
+
+/* BatchNorm for few channels: P blocks per channel (grid C * P, block
+   c * P + p takes values [M p / P, M (p + 1) / P) of channel c), in two
+   launches each way: partial sums, then every block sums the P partials
+   in the same order (so all agree) and does its share. */
+__device__ __forceinline__ void cp_share(unsigned M, unsigned p, unsigned P,
+                                         unsigned* lo, unsigned* hi) {
+    *lo = (unsigned)(((unsigned long long)M * p) / P);
+    *hi = (unsigned)(((unsigned long long)M * (p + 1)) / P);
+}
+
+/* part[2 (c P + p)] = sum(x - K), part[2 (c P + p) + 1] = sum((x - K)^2),
+   K = kv[c] = x[c S] (the channel's first value, kept for the second launch:
+   in place it is overwritten there). */
+extern "C" __global__ void cp_bn_stats_part(const float* x, double* part, float* kv,
+    const unsigned N, const unsigned C, const unsigned S, const unsigned P)
+{
+    __shared__ double sh[66];
+    const unsigned c = blockIdx.x / P, p = blockIdx.x - c * P;
+    const unsigned M = N * S, base = c * S, step = C * S;
+    unsigned lo, hi;
+    cp_share(M, p, P, &lo, &hi);
+    const double K = (double)x[base];
+    double a = 0.0, b = 0.0;
+    float v[CP_U];
+    CP_RANGE_LOOP(lo, hi, S, base, step,
+        v[u] = x[o[u]];,
+        const double d = (double)v[u] - K; a += d; b += d * d;)
+    cp_block_sum2(&a, &b, sh);
+    if (threadIdx.x == 0) {
+        part[2 * blockIdx.x] = a;
+        part[2 * blockIdx.x + 1] = b;
+        if (p == 0) kv[c] = x[base];
+    }
+}
+
+/* cp_bn_fwd's second half for block (c, p); flags as cp_bn_fwd's. */
+extern "C" __global__ void cp_bn_fwd_apply(
+    const float* x, float* y, float* xn, float* b0, float* b1, float* b2, float* stdv,
+    const float* sc, const float* bi, const double* part, const float* kv,
+    const unsigned N, const unsigned C, const unsigned S, const unsigned P, const int flags,
+    const float maf, const float eps, const float corr)
+{
+    __shared__ float stat[2];
+    const unsigned c = blockIdx.x / P, p = blockIdx.x - c * P;
+    const unsigned M = N * S, base = c * S, step = C * S;
+    if (threadIdx.x == 0) {
+        if (flags & 1) {
+            double a = 0.0, b = 0.0;
+            for (unsigned q = 0; q < P; ++q) {
+                a += part[2 * (c * P + q)];
+                b += part[2 * (c * P + q) + 1];
+            }
+            const double m = (double)M;
+            const double dm = a / m;
+            double var = b / m - dm * dm;
+            if (var < 0.0) var = 0.0;
+            const float meanf = (float)((double)kv[c] + dm);
+            const float varf = (float)var;
+            stat[0] = meanf;
+            stat[1] = varf;
+            if (p == 0) {
+                b0[c] = __fadd_rn(__fmul_rn(b0[c], maf), meanf);
+                b1[c] = __fadd_rn(__fmul_rn(b1[c], maf), __fmul_rn(varf, corr));
+                if (c == 0) b2[0] = __fadd_rn(__fmul_rn(b2[0], maf), 1.0f);
+            }
+        } else {
+            const float f = b2[0];
+            const float scale = f == 0.0f ? 0.0f : 1.0f / f;
+            stat[0] = __fmul_rn(b0[c], scale);
+            stat[1] = __fmul_rn(b1[c], scale);
+        }
+    }
+    __syncthreads();
+    const float mean = stat[0];
+    const float sd = sqrtf(__fadd_rn(stat[1], eps));
+    if (threadIdx.x == 0 && p == 0) stdv[c] = sd;
+    const float s = (flags & 4) ? sc[c] : 1.0f;
+    const float bb = (flags & 8) ? bi[c] : 0.0f;
+    unsigned lo, hi;
+    cp_share(M, p, P, &lo, &hi);
+    float v[CP_U];
+    CP_RANGE_LOOP(lo, hi, S, base, step,
+        v[u] = x[o[u]];,
+        const float t = __fdiv_rn(__fsub_rn(v[u], mean), sd);
+        if (flags & 2) xn[o[u]] = t;
+        y[o[u]] = cp_chain(t, s, bb, flags);)
+}
+
+/* part[2 (c P + p)] = sum(g * xn), [.. + 1] = sum(g) over block (c, p)'s
+   share, g = dy masked by the chain's ReLU (flags as cp_bn_bwd's). */
+extern "C" __global__ void cp_bn_bwd_part(const float* dy, const float* xn,
+    const float* sc, const float* bi, double* part,
+    const unsigned N, const unsigned C, const unsigned S, const unsigned P, const int flags)
+{
+    __shared__ double sh[66];
+    const unsigned c = blockIdx.x / P, p = blockIdx.x - c * P;
+    const unsigned M = N * S, base = c * S, step = C * S;
+    const float s = (flags & 4) ? sc[c] : 1.0f;
+    const float bb = (flags & 8) ? bi[c] : 0.0f;
+    const int relu = flags & 16;
+    unsigned lo, hi;
+    cp_share(M, p, P, &lo, &hi);
+    double a = 0.0, b = 0.0;
+    float v[CP_U], g[CP_U];
+    CP_RANGE_LOOP(lo, hi, S, base, step,
+        v[u] = xn[o[u]]; g[u] = dy[o[u]];,
+        float gg = g[u];
+        if (relu) gg = __fmul_rn(gg, cp_chain(v[u], s, bb, flags & 12) > 0.0f ? 1.0f : 0.0f);
+        a += (double)gg * (double)v[u];
+        b += (double)gg;)
+    cp_block_sum2(&a, &b, sh);
+    if (threadIdx.x == 0) {
+        part[2 * blockIdx.x] = a;
+        part[2 * blockIdx.x + 1] = b;
+    }
+}
+
+/* cp_bn_bwd's second half for block (c, p). */
+extern "C" __global__ void cp_bn_bwd_apply(
+    const float* dy, const float* xn, const float* stdv, float* dx,
+    const float* sc, const float* bi, float* dsc, float* dbi, const double* part,
+    const unsigned N, const unsigned C, const unsigned S, const unsigned P, const int flags)
+{
+    __shared__ float stat[2];
+    const unsigned c = blockIdx.x / P, p = blockIdx.x - c * P;
+    const unsigned M = N * S, base = c * S, step = C * S;
+    const float s = (flags & 4) ? sc[c] : 1.0f;
+    const float bb = (flags & 8) ? bi[c] : 0.0f;
+    const int relu = flags & 16;
+    const float sd = stdv[c];
+    if (threadIdx.x == 0) {
+        double a = 0.0, b = 0.0;
+        for (unsigned q = 0; q < P; ++q) {
+            a += part[2 * (c * P + q)];
+            b += part[2 * (c * P + q) + 1];
+        }
+        if (p == 0) {
+            if (flags & 32) dsc[c] = __fadd_rn(dsc[c], (float)a);
+            if (flags & 64) dbi[c] = __fadd_rn(dbi[c], (float)b);
+        }
+        stat[0] = (float)((double)s * a / (double)M);
+        stat[1] = (float)((double)s * b / (double)M);
+    }
+    __syncthreads();
+    if (!(flags & 128)) return;
+    const float mdyy = stat[0], mdy = stat[1];
+    unsigned lo, hi;
+    cp_share(M, p, P, &lo, &hi);
+    float v[CP_U], g[CP_U];
+    CP_RANGE_LOOP(lo, hi, S, base, step,
+        v[u] = xn[o[u]]; g[u] = dy[o[u]];,
+        float gg = g[u];
+        if (relu) gg = __fmul_rn(gg, cp_chain(v[u], s, bb, flags & 12) > 0.0f ? 1.0f : 0.0f);
+        if (flags & 4) gg = __fmul_rn(gg, s);
+        if (flags & 1) {
+            const float t = __fadd_rn(__fmul_rn(v[u], mdyy), mdy);
+            dx[o[u]] = __fdiv_rn(__fsub_rn(gg, t), sd);
+        } else {
+            dx[o[u]] = __fdiv_rn(gg, sd);
+        })
+}
+
+/* im2col of images n0 .. n0+B-1 of x (N, C, H, W) into col (K, B, P), K = C*KH*KW
+   in Caffe's (c, i, j) order, P = OH*OW: row k of image b is col[(k*B + b)*P ...],
+   so one image's columns are a (K x P) matrix of leading dimension B*P (a
+   strided-batched GEMM's operand). Zero where the window leaves the image. */
+extern "C" __global__ void cp_im2col(const float* x, float* col, const unsigned long long total,
+    const int n0, const int B, const int C, const int H, const int W, const int KH, const int KW,
+    const int OH, const int OW, const int SH, const int SW, const int PH, const int PW,
+    const int DH, const int DW)
+{
+    const unsigned long long P = (unsigned long long)OH * (unsigned long long)OW;
+    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long t = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         t < total; t += step) {
+        const unsigned long long r = t / P;
+        const unsigned long long p = t - r * P;
+        const int b = (int)(r % (unsigned long long)B);
+        const int k = (int)(r / (unsigned long long)B);
+        const int j = k % KW, i = (k / KW) % KH, c = k / (KW * KH);
+        const int oy = (int)(p / (unsigned long long)OW), ox = (int)(p % (unsigned long long)OW);
+        const int yy = oy * SH - PH + i * DH, xx = ox * SW - PW + j * DW;
+        float v = 0.0f;
+        if (yy >= 0 && yy < H && xx >= 0 && xx < W)
+            v = x[(((unsigned long long)(n0 + b) * C + c) * H + yy) * W + xx];
+        col[t] = v;
+    }
+}
+
+/* The loss layer's report to the host, out[0..4] = normalizer, label error
+   flag and value, loss, loss weight (top diff; 0 without one). `out` is
+   pinned host memory the kernel writes directly: a read-back through a copy
+   would queue behind the offload copies on the copy engine. */
+extern "C" __global__ void cp_loss_report(const float* info, const float* top,
+    const float* dtop, float* out, const int has_dtop)
+{
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        out[0] = info[0];
+        out[1] = info[1];
+        out[2] = info[2];
+        out[3] = top[0];
+        out[4] = has_dtop ? dtop[0] : 0.0f;
+    }
+}
+
+/* A convolution's bias gradient, db[c] += sum over n, s of dy (N, C, S), in
+   two launches: part[c P + p] = the sum over block (c, p)'s share of channel
+   c (grid C * P), then one thread per channel adds its P partials in order
+   (deterministic: fixed shares, fixed order). */
+extern "C" __global__ void cp_channel_sum_part(const float* dy, double* part,
+    const unsigned N, const unsigned C, const unsigned S, const unsigned P)
+{
+    __shared__ double sh[66];
+    const unsigned c = blockIdx.x / P, p = blockIdx.x - c * P;
+    const unsigned M = N * S, base = c * S, step = C * S;
+    unsigned lo, hi;
+    cp_share(M, p, P, &lo, &hi);
+    double a = 0.0, b = 0.0;
+    float v[CP_U];
+    CP_RANGE_LOOP(lo, hi, S, base, step,
+        v[u] = dy[o[u]];,
+        a += (double)v[u];)
+    cp_block_sum2(&a, &b, sh);
+    if (threadIdx.x == 0) part[blockIdx.x] = a;
+}
+
+extern "C" __global__ void cp_channel_sum_apply(const double* part, float* db,
+    const unsigned C, const unsigned P)
+{
+    const unsigned c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    double s = 0.0;
+    for (unsigned p = 0; p < P; ++p) s += part[c * P + p];
+    db[c] = __fadd_rn(db[c], (float)s);
+}
+'''
