@@ -570,7 +570,7 @@ class _DatabaseSource:
         self.path = dparam.source
         self.shard = (0, 1)     # (rank, world): see set_shard
         kind = db_io.backend_name(dparam.backend)
-        self.reader = db_io.RecordReader(self.path, kind)
+        self.reader = db_io.RecordReader(self.path, kind, in_place=True)
         if dparam.rand_skip:
             skip = _seed_from_global() % dparam.rand_skip
             log.info('Skipping first %d data points.', skip)

@@ -333,6 +333,23 @@ def test_image_data_resume_with_shuffle(tmp_path):
         assert all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
 
 
+def test_in_place_lmdb_records_are_the_stored_bytes(tmp_path):
+    """The Data layer's reader sees LMDB values in place (no copy of each
+    image's bytes); keys, values, wrap-around and positions are as copied."""
+    source = _write_lmdb(tmp_path / 'db', _images(3), None)
+    copied = db_io.RecordReader(source, 'lmdb')
+    in_place = db_io.RecordReader(source, 'lmdb', in_place=True)
+    try:
+        for _ in range(5):
+            (k1, v1), (k2, v2) = copied.next(), in_place.next()
+            assert isinstance(k2, bytes) and k1 == k2
+            assert isinstance(v2, memoryview) and v2.readonly and bytes(v2) == v1
+        assert in_place.state() == copied.state()
+    finally:
+        copied.close()
+        in_place.close()
+
+
 def test_sharding_by_rank_reads_interleaved_records(tmp_path):
     imgs = _images(12)
     source = _write_lmdb(tmp_path / 'db', imgs, 'PNG', labels=list(range(12)))

@@ -10,7 +10,7 @@ from conftest import build_emulator
 
 
 def _plan(rng, n, c, h, w, crop, mean_kind, scale, mirror=None):
-    crop_h = crop_w = crop or h
+    crop_h, crop_w = crop or h, crop or w
     plan = batch_transform.TransformPlan(
         rng.integers(0, h - crop_h + 1, n), rng.integers(0, w - crop_w + 1, n),
         rng.random(n) < 0.5 if mirror is None else numpy.full(n, mirror), crop_h, crop_w,
@@ -227,7 +227,7 @@ def _stage_batches(stager, fake, rng, count, ahead, shape=(4, 3, 10, 12)):
             raw = stager.host_buffer()
             raw[...] = _raw(rng, 'uint8', shape)
             plan = _plan(rng, n, c, h, w, 7, 'values', 0.5)
-            plan.mean_values = mean_values
+            plan.mean_values = mean_values.copy()      # as transformer.plan gives
             wants.append(batch_transform.apply_plan(numpy, raw.copy(), plan))
             pending.append(stager.send(raw, plan))
         if len(pending) > ahead or (k >= count and pending):
@@ -254,6 +254,8 @@ def test_stager_waits_for_copies_and_kernels_before_reusing_buffers(eager_copies
         assert out.tobytes() == want.tobytes(), 'batch %d' % k
     assert len(stager.slots) <= ahead + 1
     assert fake.pinned_allocations == stager.pinned_buffers == 2
+    # Each plan brings its own mean-values array: one device copy for all.
+    assert len(stager._constants) == 1
 
 
 @pytest.mark.parametrize('eager_copies,breakage', [(False, 'pinned'), (True, 'slot')])

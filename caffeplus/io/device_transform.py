@@ -175,6 +175,9 @@ class DeviceFeeder:
 
 
 # -- a data layer's batches on the device ------------------------------------------
+# Constants of at most this many values are cached by value.
+SMALL_CONSTANT = 4096
+
 def _aligned(nbytes, to=8):
     return (nbytes + to - 1) // to * to
 
@@ -303,15 +306,20 @@ class DeviceStager:
 
     def _constant(self, array):
         """The device copy of a constant host array (mean image, mean
-        values), uploaded once on the copy stream."""
+        values), uploaded once on the copy stream. Small arrays are known
+        by their values (a plan's mean values are a fresh array each
+        batch), large ones by identity (the transformer's one mean image)."""
         if array is None:
             return None
-        key = id(array)
-        if key not in self._constants or self._constants[key][0] is not array:
+        array = numpy.asarray(array, dtype=numpy.float32)
+        key = (array.shape, array.tobytes()) if array.size <= SMALL_CONSTANT \
+            else ('id', id(array))
+        known = self._constants.get(key)
+        if known is None or (key[0] == 'id' and known[0] is not array):
             with self.stream:
-                self._constants[key] = (array, self._cp.asarray(
-                    numpy.ascontiguousarray(array, dtype=numpy.float32)))
-        return self._constants[key][1]
+                known = self._constants[key] = (array, self._cp.asarray(
+                    numpy.ascontiguousarray(array)))
+        return known[1]
 
     def send(self, raw, plan):
         """Start the copy of `raw` (the array host_buffer() gave) and of
