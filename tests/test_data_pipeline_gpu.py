@@ -117,7 +117,7 @@ def test_staging_memory_stays_bounded(tmp_path, gpu):
     try:
         _batches(layer, tops, 10, close=False)
         cupy.cuda.Device().synchronize()
-        pool, pinned = cupy.get_default_memory_pool(), cupy.get_pinned_memory_pool()
+        pool, pinned = cupy.get_default_memory_pool(), cupy.get_default_pinned_memory_pool()
         used, pinned_free = pool.used_bytes(), pinned.n_free_blocks()
         slots = len(layer.stager.slots)
         for k in range(8):
