@@ -535,7 +535,7 @@ def _decode_batch(pool, decode, items, buffers):
             raw[i] = pixels
             return None, label, what
         return pixels, label, what
-    decoded = pool.map(into_slot, enumerate(items))
+    decoded = pool.map_chunked(into_slot, enumerate(items))
     pixels, labels, whats = zip(*decoded)
     if all(p is None for p in pixels):
         return None, labels, whats

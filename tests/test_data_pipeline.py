@@ -743,3 +743,47 @@ def test_hdf5_data_batches_across_files_match_row_by_row(tmp_path):
             k, r = order[(5 * b + i) % len(order)]
             assert label[i] == 10 * k + r
             assert data[i].tobytes() == rows[k][r].tobytes()
+
+
+@pytest.mark.parametrize('crop,mirror,phase', [(5, True, 'TRAIN'), (5, False, 'TRAIN'),
+                                               (0, True, 'TRAIN'), (5, True, 'TEST'),
+                                               (0, False, 'TRAIN')])
+def test_one_call_draws_what_draw_after_draw_gives(crop, mirror, phase):
+    """plan_stacked draws a batch's decisions in one generator call; they
+    must be those of drawing image by image (and leave the generator where
+    image-by-image drawing leaves it)."""
+    import caffeplus
+    from caffeplus.io.transformer import DataTransformer
+    from caffeplus.proto import caffe_pb2
+    tp = caffe_pb2.TransformationParameter(crop_size=crop, mirror=mirror)
+    ph = caffeplus.TRAIN if phase == 'TRAIN' else caffeplus.TEST
+    one, many = DataTransformer(tp, ph), DataTransformer(tp, ph)
+    one.init_rand()
+    many._rng = numpy.random.Generator(numpy.random.PCG64(0))
+    one._rng = numpy.random.Generator(numpy.random.PCG64(0))
+    shape = (3, 9, 11)
+    for n in (1, 7, 16):
+        want = [one.draw(shape) for _ in range(n)]
+        got = many.draw_many(n, shape)
+        assert [tuple(map(int, d)) for d in got] == [tuple(map(int, d)) for d in want]
+        plan = many.plan(got, shape)
+        assert plan.mirror.tolist() == [bool(d[0]) for d in want]
+    assert one.rand(1000) == many.rand(1000)
+
+
+@pytest.mark.parametrize('count', [1, 2, 3, 8])
+def test_map_chunked_keeps_order_and_raises_the_first_failure(count):
+    from caffeplus.io.workers import WorkerPool
+    pool = WorkerPool(count)
+    try:
+        assert pool.map_chunked(lambda x: x * x, range(23)) == [x * x for x in range(23)]
+
+        def fails_at(x):
+            if x in (17, 9, 21):
+                raise ValueError('item %d' % x)
+            return x
+        with pytest.raises(ValueError, match='item 9'):
+            pool.map_chunked(fails_at, range(23))
+        assert pool.map_chunked(str, []) == []
+    finally:
+        pool.close()

@@ -100,12 +100,15 @@ class DataTransformer:
         else:
             self._rng = None
 
-    def rand(self, n):
-        """Caffe's Rand(n): a draw from the generator modulo n."""
+    def _generator(self):
         if self._rng is None:  # init_rand() was not called: seed now
             self._rng = numpy.random.Generator(numpy.random.PCG64(
                 int(rng.get().integers(0, 2 ** 32, dtype=numpy.uint64))))
-        return int(self._rng.integers(0, 2 ** 32, dtype=numpy.uint64)) % int(n)
+        return self._rng
+
+    def rand(self, n):
+        """Caffe's Rand(n): a draw from the generator modulo n."""
+        return int(self._generator().integers(0, 2 ** 32, dtype=numpy.uint64)) % int(n)
 
     def get_state(self):
         return None if self._rng is None else self._rng.bit_generator.state
@@ -243,8 +246,34 @@ class DataTransformer:
         input checked once, the decisions drawn image by image, in order.
         A device path transfers the uint8 batch and applies this plan there."""
         self.check_input(shape[1:], what)
-        draws = [self.draw(shape[1:]) for _ in range(shape[0])]
-        return self.plan(draws, shape[1:])
+        return self.plan(self.draw_many(shape[0], shape[1:]), shape[1:])
+
+    def draw_many(self, n, shape):
+        """draw(shape) for n inputs of one shape, from one call to the
+        generator: every input takes the same number of draws, and the
+        generator gives a vector the values it gives one scalar call after
+        another, so the decisions equal n draw() calls'. (The prefetch
+        thread holds the GIL while it draws; one call a batch leaves it
+        to the thread that launches the GPU's work.)"""
+        _, h, w = shape
+        random_crop = bool(self.crop_size) and self.phase == TRAIN
+        per_input = int(bool(self.mirror)) + 2 * int(random_crop)
+        if per_input == 0 or n == 0:
+            return [self.draw(shape) for _ in range(n)]
+        values = self._generator().integers(0, 2 ** 32, size=n * per_input,
+                                    dtype=numpy.uint64).reshape(n, per_input)
+        column = 0
+        mirror = numpy.zeros(n, dtype=bool)
+        if self.mirror:
+            mirror = values[:, 0] % 2 == 1
+            column = 1
+        if random_crop:
+            h_off = values[:, column] % (h - self.crop_size + 1)
+            w_off = values[:, column + 1] % (w - self.crop_size + 1)
+        else:
+            h_off = numpy.full(n, (h - self.crop_size) // 2 if self.crop_size else 0)
+            w_off = numpy.full(n, (w - self.crop_size) // 2 if self.crop_size else 0)
+        return list(zip(mirror.tolist(), h_off.tolist(), w_off.tolist()))
 
     def transform_stacked(self, raw, out=None, what='the data', pool=None):
         """transform_batch of inputs already stacked in one N x C x H x W array
