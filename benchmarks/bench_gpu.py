@@ -310,7 +310,7 @@ def run_worker(kind, net, args, plan='-', tf32=0):
 
 
 def _commit():
-    """The snapshot's commit (tools/gpu_snapshot.sh writes COMMIT), else git's."""
+    """The snapshot's commit (dev/gpu_snapshot.sh writes COMMIT), else git's."""
     try:
         with open(os.path.join(ROOT, 'COMMIT')) as f:
             return f.read().strip()

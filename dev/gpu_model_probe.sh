@@ -1,6 +1,6 @@
 #!/bin/bash
 # Probes for the memory model, in one device call (run through
-# tools/gpu_snapshot.sh; outputs under $OUT):
+# dev/gpu_snapshot.sh; outputs under $OUT):
 #   STEPS="net net"     dev/free_offload_probe.py --json: the step times offload
 #                       'free' measures, to fit workspace_model's layer times
 #   CENSUS="net:plan"   dev/pool_census.py: what holds the device at the steady peak

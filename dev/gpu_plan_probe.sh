@@ -1,6 +1,6 @@
 #!/bin/bash
 # Side-by-side probes of memory plans on the GPU, in one device call (run
-# through tools/gpu_snapshot.sh; outputs under $OUT):
+# through dev/gpu_snapshot.sh; outputs under $OUT):
 #   PROFILE="net:plan,plan net:plan"  dev/profile_gpu.py per plan (device ms by layer)
 #   ALGOS="net:plan,plan"             tools/dump_algorithms.py JSON per plan
 #   MEMORY="net:plans:budget:iters"   caffeplus memory -gpu 0 (budget '-' for none)

@@ -47,7 +47,7 @@ class _GemmConv:
     bottlenecks) needs no im2col: each image's input is its own K x P
     column matrix. Its forward and data gradient are one strided-batched
     GEMM each, faster than cuDNN's best FP32 algorithm on most of
-    ResNet-50's shapes on the H100 (tools/gemm_1x1_probe.py: forward
+    ResNet-50's shapes on the H100 (dev/gemm_1x1_probe.py: forward
     1.3-2.1x, data gradient 1.0-1.9x); timed search weighs it for all three
     calls of every such layer.
 

@@ -49,7 +49,7 @@ def _bias_gradient(cd, dtop, db):
     (beta 1), with caffeplus.kernels.channel_sums over the whole top: every
     group and batch slice at once. cudnnConvolutionBackwardBias's kernel
     (calc_bias_diff) took 2.1 of AlexNet's 9.2 ms a TF32 iteration on the
-    H100 (tools/kernel_profile.py); it stays as the fallback."""
+    H100 (dev/kernel_profile.py); it stays as the fallback."""
     if _channel_sums_ok[0]:
         # A top too large for one call is summed slice by slice (the kernel
         # indexes with 32-bit ints); each slice adds to db.

@@ -148,7 +148,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
     def masked_bits_unchanged(self):
         """Whether masking leaves the layer's results bit for bit: cuDNN's
         max pooling gives the masked kernels' bits where the windows do not
-        overlap (tools/compare_pooling.py), and where cuDNN does not run the
+        overlap (dev/compare_pooling.py), and where cuDNN does not run the
         kernels' int32 argmax computes what the masked one does."""
         pool = self.pool
         (kh, kw), (sh, sw), _ = pool.geom

@@ -71,7 +71,7 @@ from caffeplus.memory.plan import CATEGORIES, workspace_calls
 
 FLOAT_BYTES = 4
 # CAFFEPLUS_MEMORY_LAYOUT=1: each plan's entry also lists the buffers its
-# arena placed (as tools/arena_layout.py --json writes them).
+# arena placed (as dev/arena_layout.py --json writes them).
 LAYOUT_ENV = 'CAFFEPLUS_MEMORY_LAYOUT'
 LAYOUT_FIELDS = ('name', 'kind', 'nbytes', 'start', 'end', 'offset')
 
@@ -407,7 +407,7 @@ def settle(net, solver):
 def settled_net(path, plan_name, offload_policy='free', max_iter=20):
     """(net, solver) of the TRAIN net at `path`, built as `caffeplus memory`
     builds it (SGD solver, the estimated plan applied) in the current mode,
-    after settle(): what the probes in tools/ look at."""
+    after settle(): what the probes in dev/ look at."""
     from caffeplus.memory import budget, shapes
     from caffeplus.proto import caffe_pb2
     param = shapes.load_net_param(path, phase=caffe_pb2.TRAIN)

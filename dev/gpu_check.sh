@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call: environment, the GPU tests, optionally the GPU benchmark.
 #
-#   tools/gpu_check.sh [tests,profile,bench,others|all] [seconds for the bench]
+#   dev/gpu_check.sh [tests,profile,bench,others|all] [seconds for the bench]
 #
 # (a comma-separated list; env: TEST_FILES, PROFILE_NETS, PROFILE_ARGS,
 #  BENCH_NETS, BENCH_PLANS, BENCH_TF32, BENCH_ITERS)

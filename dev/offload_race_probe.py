@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Localise an offload-vs-shared difference on the GPU (deterministic math).
 
-    python3 tools/offload_race_probe.py resnet50 --batch 4 --iters 6
+    python3 dev/offload_race_probe.py resnet50 --batch 4 --iters 6
 
 Trains the model (dev/check_plans_equal.py's nets) under `shared`, then
 under `offload` (policy all, look-ahead 1) in variants, and prints, for

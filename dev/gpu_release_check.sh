@@ -8,7 +8,7 @@
 #   6. (STEPS=stockbits) dev/check_plans_equal.py: `stock` against `shared` and `arena` under
 #      deterministic math with Caffe's 8 MiB per call (as tests/test_memory_apply.py's GoogLeNet
 #      and ResNet-50 cases), naming the calls whose algorithms differ.
-# Prefer running it through tools/gpu_snapshot.sh (the committed tree only).
+# Prefer running it through dev/gpu_snapshot.sh (the committed tree only).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
 # (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
 # env: STEPS (tests,memory,probe,bench,stock,time,stockbits), TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
@@ -33,7 +33,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}:/tmp/site
 # the machine cannot build an editable install, so link it.
 [ -e caffeplus/layers ] || ln -s ../layers caffeplus/layers
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/env.log"
-# A snapshot (tools/gpu_snapshot.sh) names its commit in COMMIT; git would
+# A snapshot (dev/gpu_snapshot.sh) names its commit in COMMIT; git would
 # report the enclosing checkout's.
 if [ -f COMMIT ]; then echo "commit $(cat COMMIT)"; else git log -1 --format='commit %h %s' 2>/dev/null; fi \
   | tee -a "$OUT/env.log"

@@ -2,8 +2,8 @@
 # Run GPU checks on the committed tree only, so that uncommitted edits in the
 # working tree (a helper's, say) never reach the device machine.
 #
-#   here:       bash tools/gpu_snapshot.sh prepare          # git archive HEAD -> .gpu_carry/src
-#   on device:  bash tools/gpu_snapshot.sh run 'STEPS=tests,memory bash tools/gpu_release_check.sh'
+#   here:       bash dev/gpu_snapshot.sh prepare          # git archive HEAD -> .gpu_carry/src
+#   on device:  bash dev/gpu_snapshot.sh run 'STEPS=tests,memory bash dev/gpu_release_check.sh'
 #               (the device tool's run, with carry [".gpu_carry"])
 #
 # .gpu_carry (git-ignored) also holds whl/ (the lmdb wheel) and copies of
