@@ -2,7 +2,7 @@
 """GPU training benchmark: caffeplus (memory plans stock and arena) against
 PyTorch on the same nets, batch and optimiser.
 
-    python benchmarks/bench_gpu.py --bench-dir ../shared/bench \\
+    python benchmarks/bench_gpu.py --bench-dir tests/data/bench \\
         --nets alexnet_b128,resnet50_b32 --plans stock,arena --torch \\
         --iters 20 --warmup 3 --md benchmarks/gpu_results.md --json out.json
 
@@ -368,7 +368,7 @@ def markdown(results, args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    ap.add_argument('--bench-dir', default=os.path.join(os.path.dirname(ROOT), 'shared', 'bench'))
+    ap.add_argument('--bench-dir', default=os.path.join(ROOT, 'tests', 'data', 'bench'))
     ap.add_argument('--nets', default='alexnet_b128,resnet50_b32')
     ap.add_argument('--plans', default='stock,arena')
     ap.add_argument('--torch', action='store_true', help='measure PyTorch in the same run')

@@ -365,7 +365,7 @@ def parse_args(argv=None):
     p.add_argument('nets', nargs='*', help='bench net names (alexnet_b128, ...) or prototxt '
                    'paths; default: every net of the README\'s stock Caffe table')
     p.add_argument('--bench-dir', default=None, help='folder of the bench prototxts and '
-                   'README.md (default: .gpu_carry/bench, else ../shared/bench)')
+                   'README.md (default: tests/data/bench)')
     p.add_argument('--readme', default=None, help='bench README.md with stock Caffe\'s '
                    'peaks (default: BENCH_DIR/README.md)')
     p.add_argument('--plan', default='stock', help='caffeplus memory plan (default stock; '

@@ -17,7 +17,7 @@ BLAS runs single-threaded by default, as in the stock-Caffe measurement;
 threads can make several threads far slower than one).
 
 --reference points at the reference set (default: $CAFFEPLUS_SHARED/reference
-or ../shared/reference beside the repository).
+or tests/data/reference beside the repository).
 """
 import argparse
 import os

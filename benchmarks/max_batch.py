@@ -3,7 +3,7 @@
 `auto` plan against PyTorch's default allocator (the memory issue's
 "largest VGG-16 batch on the 80 GB card" comparison).
 
-    python3 benchmarks/max_batch.py --model ../shared/bench/vgg16_b64.prototxt --budget 78G
+    python3 benchmarks/max_batch.py --model tests/data/bench/vgg16_b64.prototxt --budget 78G
     python3 benchmarks/max_batch.py --model .gpu_carry/bench/vgg16_b64.prototxt --gpu 0 --torch vgg16
 
 Without --gpu: the planner's estimate only (binary search on the batch for

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Iteration time of memory plans side by side, interleaved in one process.
 
-    python benchmarks/time_plans.py --net ../shared/bench/alexnet_b128.prototxt \\
+    python benchmarks/time_plans.py --net tests/data/bench/alexnet_b128.prototxt \\
         --plans arena,shared [--gpu 0] [--rounds 8] [--iters 10] [--offload free]
 
 `caffeplus memory` times each plan once, one after the other; on the H100

@@ -3,7 +3,7 @@
 its arena holds at each of the 2L steps (forward, then backward) and, at
 the steps asked for, the buffers live there, largest first.
 
-    python3 dev/estimate_timeline.py ../shared/bench/alexnet_b128.prototxt \\
+    python3 dev/estimate_timeline.py tests/data/bench/alexnet_b128.prototxt \\
         --plan offload --offload free [--steps 9,13,34,44] [--min-mib 1]
 
 What it answers: which steps set a plan's peak and what holds them there

@@ -4,7 +4,7 @@ layer type: host (Python) time of each layer's reshape, forward and backward,
 and device time between CUDA events recorded around each call (when the host
 is the bottleneck the device time includes the gaps it leaves).
 
-    python dev/profile_gpu.py --net ../shared/bench/resnet50_b64.prototxt \\
+    python dev/profile_gpu.py --net tests/data/bench/resnet50_b64.prototxt \\
         --plan arena --search timed --iters 10 [--tf32] [--generic]
 
 (--plan shared/offload/auto applies the whole memory plan, not only its

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time solver.step under a memory plan and show where the host spends it.
 
-    python dev/profile_step.py --net ../shared/bench/googlenet_b64.prototxt --plan shared \\
+    python dev/profile_step.py --net tests/data/bench/googlenet_b64.prototxt --plan shared \\
         [--gpu 0] [--iters 10] [--top 25]
 
 Builds an SGD solver (momentum 0.9, weight decay, the NaN check as

@@ -3,7 +3,7 @@
 timeline of every kernel, copy and memset in the process (PyTorch's
 profiler, which records CuPy's and cuDNN's work as well), summarised.
 
-    python dev/trace_plans.py --net ../shared/bench/alexnet_b128.prototxt \\
+    python dev/trace_plans.py --net tests/data/bench/alexnet_b128.prototxt \\
         --plans arena,shared --gpu 0 [--iters 5] [--gaps 12] [--trace-dir DIR] [--offload free]
 
 For each plan (its own solver, built as benchmarks/time_plans.py builds them,
