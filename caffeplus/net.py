@@ -11,7 +11,7 @@ import os
 
 import numpy
 
-from caffeplus import backend, kernels, log
+from caffeplus import backend, kernels, log, precision
 from caffeplus.blob import Blob, HostBlob
 from caffeplus.deferred_loss import DeferredLoss
 from caffeplus.errors import CaffeplusError, FormatError, NetError
@@ -260,6 +260,8 @@ class Net:
         # (caffeplus.memory.workspace; apply_workspace_plan picks another plan).
         from caffeplus.memory import workspace
         workspace.attach_default(self)
+        # 16-bit storage, where the types ask for it (caffeplus.precision).
+        precision.attach(self)
         log.info('Network initialization done.')
 
     @property

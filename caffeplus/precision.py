@@ -1,0 +1,367 @@
+"""Mixed precision: NVCaffe's storage types, the `precision` switch, loss scaling.
+
+A net's precision comes from NVCaffe's fields (docs/precision.md):
+default_forward_type / default_backward_type on the net, forward_type /
+backward_type on a layer (the layer's win). forward_type is the type a
+layer's tops are stored in, backward_type the type of the gradients it
+writes. The `precision` switch (`caffeplus train --precision`,
+caffeplus_param.precision) overrides every one of them.
+
+On the CPU the 16-bit types are emulated exactly where it matters for the
+numbers: every layer computes in float32, and after it runs its results are
+rounded to the storage type (round to nearest even; FLOAT16 overflows to
+inf and loses small values to subnormals and zero, as FP16 memory would).
+The arrays stay float32, so no memory is saved; what the 16-bit storage does
+to training (and what loss scaling must undo) is reproduced bit for bit.
+Kept in FP32, as mixed-precision training needs: the parameters (master
+weights) and the solver's history, the losses (a loss layer's output is not
+rounded), and the net's outputs (accuracy).
+
+FP32 nets (every type FLOAT or DOUBLE) get nothing installed: they run as
+before, bit for bit. On the GPU 16-bit storage is not built yet: a 16-bit
+net runs in FP32 there, with a warning.
+
+Loss scaling (FLOAT16 gradients underflow without it): the loss layers'
+top gradients are multiplied by the scale for backward and every weight
+gradient is divided by it before the update (LossScaler). Adaptive scaling
+(global_grad_scale_adaptive) follows AMP's dynamic scaling: a step whose
+gradients hold an inf or a NaN is skipped and the scale halved; after
+`loss_scale_window` good steps in a row it doubles.
+"""
+import contextlib
+
+import numpy
+
+from caffeplus import backend, log
+from caffeplus.errors import CaffeplusError, NetError
+from caffeplus.proto import caffe_pb2
+
+PRECISIONS = ('fp32', 'tf32', 'fp16', 'bf16')
+SIXTEEN_BIT = (caffe_pb2.FLOAT16, caffe_pb2.BFLOAT16)
+# Adaptive scaling starts here when the net gives no global_grad_scale:
+# AMP's initial scale, large enough that small FP16 gradients survive.
+ADAPTIVE_INITIAL_SCALE = 2.0 ** 16
+# Below this the scale stops falling: an overflow at scale 1 is not one that
+# scaling causes, and the NaN check then stops training and says where.
+MIN_SCALE = 1.0
+SCALE_FACTOR = 2.0
+
+
+def type_name(value):
+    return caffe_pb2.Type.Name(value)
+
+
+# -- rounding to the 16-bit types -------------------------------------------------
+def round_to_float16(a):
+    """Round a float32 array in place to the nearest FLOAT16 values (ties to
+    even; beyond FLOAT16's range: inf)."""
+    with numpy.errstate(over='ignore'):
+        a[...] = a.astype(numpy.float16)
+    return a
+
+
+def float32_to_bfloat16_bits(a):
+    """The BFLOAT16 nearest each float32 value (ties to even), as uint16 bits."""
+    bits = numpy.ascontiguousarray(a, dtype=numpy.float32).view(numpy.uint32)
+    # Adding 0x7FFF plus the lowest kept bit carries into the kept half
+    # exactly when the dropped half is above a tie, or a tie with an odd
+    # kept half; finite values too large round up to the infinity pattern.
+    rounded = (bits + (numpy.uint32(0x7FFF) + ((bits >> 16) & numpy.uint32(1)))) >> 16
+    nan = numpy.isnan(a)
+    # A NaN stays a NaN (its sign kept, quiet): the carry could turn it into inf.
+    rounded = numpy.where(nan, (bits >> 16) | numpy.uint32(0x0040), rounded)
+    return rounded.astype(numpy.uint16)
+
+
+def bfloat16_bits_to_float32(bits):
+    """float32 values of BFLOAT16 uint16 bits (exact)."""
+    return (numpy.asarray(bits, dtype=numpy.uint16).astype(numpy.uint32) << 16).view(numpy.float32)
+
+
+def round_to_bfloat16(a):
+    """Round a float32 array in place to the nearest BFLOAT16 values."""
+    a[...] = bfloat16_bits_to_float32(float32_to_bfloat16_bits(a)).reshape(a.shape)
+    return a
+
+
+ROUNDING = {caffe_pb2.FLOAT16: round_to_float16, caffe_pb2.BFLOAT16: round_to_bfloat16}
+
+
+def raw_blob_values(blob_proto, diff=False):
+    """The float32 values of a BlobProto's NVCaffe raw_data (raw_diff), or
+    None where it has none. NVCaffe writes FLOAT16 weights this way."""
+    raw = blob_proto.raw_diff if diff else blob_proto.raw_data
+    kind = blob_proto.raw_diff_type if diff else blob_proto.raw_data_type
+    if not raw:
+        return None
+    if kind == caffe_pb2.BFLOAT16:
+        return bfloat16_bits_to_float32(numpy.frombuffer(raw, dtype='<u2'))
+    dtypes = {caffe_pb2.FLOAT16: '<f2', caffe_pb2.FLOAT: '<f4', caffe_pb2.DOUBLE: '<f8'}
+    if kind not in dtypes:
+        raise CaffeplusError('BlobProto raw_%s_type %s holds no floating-point values'
+                             % ('diff' if diff else 'data', type_name(kind)))
+    width = numpy.dtype(dtypes[kind]).itemsize
+    if len(raw) % width:
+        raise CaffeplusError('BlobProto raw_%s: %d bytes is not a whole number of %s values'
+                             % ('diff' if diff else 'data', len(raw), type_name(kind)))
+    return numpy.frombuffer(raw, dtype=dtypes[kind]).astype(numpy.float32)
+
+
+# -- the precision switch ----------------------------------------------------------
+_SWITCH = {'precision': None}
+
+
+def check_precision(name, where='--precision'):
+    if name not in PRECISIONS:
+        raise CaffeplusError("%s must be one of %s, not '%s'" % (where, ', '.join(PRECISIONS), name))
+    return name
+
+
+@contextlib.contextmanager
+def setting(name):
+    """Nets built inside take precision `name` (None or '': their files' own)."""
+    if name:
+        check_precision(name)
+    previous = _SWITCH['precision']
+    _SWITCH['precision'] = name or None
+    try:
+        yield
+    finally:
+        _SWITCH['precision'] = previous
+
+
+def prepare_solver_param(param):
+    """Check caffeplus_param.precision; tf32 asks for TF32 math on the GPU
+    (caffeplus_param.math) unless the file sets the math itself."""
+    cp = param.caffeplus_param
+    if not cp.HasField('precision') or not cp.precision:
+        return
+    check_precision(cp.precision, 'caffeplus_param.precision')
+    if cp.precision == 'tf32' and not cp.HasField('math'):
+        cp.math = 'tf32'
+
+
+def override(net_param, name):
+    """Rewrite `net_param`'s types (in place) as precision `name` says."""
+    storage = {'fp16': caffe_pb2.FLOAT16, 'bf16': caffe_pb2.BFLOAT16}.get(name, caffe_pb2.FLOAT)
+    for field in ('default_forward_type', 'default_backward_type', 'default_forward_math',
+                  'default_backward_math'):
+        net_param.ClearField(field)
+    if storage != caffe_pb2.FLOAT:
+        net_param.default_forward_type = storage
+        net_param.default_backward_type = storage
+    for lp in net_param.layer:
+        for field in ('forward_type', 'backward_type', 'forward_math', 'backward_math'):
+            lp.ClearField(field)
+    if storage != caffe_pb2.FLOAT16:
+        # Only FLOAT16's narrow range needs the loss scaled.
+        net_param.ClearField('global_grad_scale')
+        net_param.ClearField('global_grad_scale_adaptive')
+    elif not net_param.HasField('global_grad_scale') and \
+            not net_param.HasField('global_grad_scale_adaptive'):
+        net_param.global_grad_scale_adaptive = True
+
+
+# -- a net's types -------------------------------------------------------------------
+def layer_storage_types(net_param, lp):
+    """(forward type, backward type) of layer `lp`, as NVCaffe resolves them:
+    the layer's own, else the net's default; a data layer's gradients stay
+    FLOAT (nothing reads them). DOUBLE runs as FLOAT (caffeplus computes in
+    float32); INT and UINT have no math and are an error."""
+    fwd = lp.forward_type if lp.HasField('forward_type') else net_param.default_forward_type
+    if lp.HasField('backward_type'):
+        bwd = lp.backward_type
+    elif lp.HasField('transform_param'):
+        bwd = caffe_pb2.FLOAT
+    else:
+        bwd = net_param.default_backward_type
+    for what, value in (('forward_type', fwd), ('backward_type', bwd)):
+        if value in (caffe_pb2.INT, caffe_pb2.UINT):
+            raise NetError('layer %s (%s): %s %s has no math (NVCaffe stores it only); use '
+                           'FLOAT, FLOAT16 or BFLOAT16' % (lp.name, lp.type, what, type_name(value)))
+    return tuple(caffe_pb2.FLOAT if v == caffe_pb2.DOUBLE else v for v in (fwd, bwd))
+
+
+class NetPrecision:
+    """The 16-bit storage of one net (its hooks on the net) and the loss scale
+    its backward applies."""
+
+    def __init__(self, net, types):
+        self.net = net
+        self.types = types              # per layer: (forward type, backward type)
+        self.scale = 1.0
+        self._saved_loss_diffs = {}
+        consumed = {blob_id for ids in net.bottom_id_vecs for blob_id in ids}
+        # Tops a later layer reads are stored rounded; the net's outputs
+        # (losses, accuracies) keep the float32 values computed.
+        self.rounded_tops = {i: [j for j, blob_id in enumerate(net.top_id_vecs[i])
+                                 if blob_id in consumed]
+                             for i, (fwd, _) in enumerate(types) if fwd in SIXTEEN_BIT}
+        self.rounded_grads = {i for i, (_, bwd) in enumerate(types) if bwd in SIXTEEN_BIT}
+        self.loss_layers = {i for i, layer in enumerate(net.layers)
+                            if any(layer.loss_weights)}
+        self._hook()
+
+    def _hook(self):
+        net = self.net
+
+        def round_tops(i):
+            rounding = ROUNDING[self.types[i][0]]
+            for j in self.rounded_tops[i]:
+                rounding(net.top_vecs[i][j].data)
+        round_tops.at = frozenset(self.rounded_tops)
+
+        def scale_loss(i):
+            if self.scale != 1.0:
+                self._scale_loss_diffs(i)
+        scale_loss.at = frozenset(self.loss_layers)
+
+        def after_backward(i):
+            self._restore_loss_diffs(i)
+            if i in self.rounded_grads and net.layer_need_backward[i]:
+                self._round_gradients(i)
+        after_backward.at = frozenset(self.loss_layers | self.rounded_grads)
+
+        net.after_layer_forward.append(round_tops)
+        net.before_layer_backward.append(scale_loss)
+        net.on_layer_backward_done.append(after_backward)
+
+    def _scale_loss_diffs(self, i):
+        layer, tops = self.net.layers[i], self.net.top_vecs[i]
+        saved = []
+        for j, weight in enumerate(layer.loss_weights):
+            if weight:
+                diff = tops[j].diff
+                saved.append((j, diff.copy()))
+                diff *= numpy.float32(self.scale)
+        self._saved_loss_diffs[i] = saved
+
+    def _restore_loss_diffs(self, i):
+        # The loss weights live in the loss tops' diffs: put them back exactly.
+        for j, values in self._saved_loss_diffs.pop(i, ()):
+            self.net.top_vecs[i][j].diff[...] = values
+
+    def _round_gradients(self, i):
+        rounding = ROUNDING[self.types[i][1]]
+        net = self.net
+        for blob, needed in zip(net.bottom_vecs[i], net.bottom_need_backward[i]):
+            if needed:
+                rounding(blob.diff)
+        for j, blob in enumerate(net.layers[i].blobs):
+            if net.layers[i].param_needs_backward(j):
+                rounding(blob.diff)
+
+
+def attach(net):
+    """Give `net` the precision its NetParameter (and the switch) asks for:
+    net.precision, a NetPrecision, or None for FP32."""
+    param = net.net_param
+    if _SWITCH['precision']:
+        override(param, _SWITCH['precision'])
+        for layer in net.layers:
+            for field in ('forward_type', 'backward_type', 'forward_math', 'backward_math'):
+                layer.layer_param.ClearField(field)
+    net.precision = None
+    types = [layer_storage_types(param, lp) for lp in param.layer]
+    sixteen = sorted({type_name(t) for pair in types for t in pair if t in SIXTEEN_BIT})
+    if not sixteen:
+        return None
+    if backend.mode() == backend.GPU:
+        log.warning('Net %s asks for %s storage, which the GPU backend does not have yet: '
+                    'it runs in FLOAT (FP32)', net.name, ' and '.join(sixteen))
+        return None
+    log.info('Net %s stores %s activations and gradients (float32 math, FP32 weights)',
+             net.name, ' and '.join(sixteen))
+    net.precision = NetPrecision(net, types)
+    return net.precision
+
+
+# -- loss scaling --------------------------------------------------------------------
+class LossScaler:
+    """A solver callback: divides the weight gradients by the loss scale
+    before the update and, when adaptive, skips overflowed steps and moves
+    the scale. Runs before the NaN check (which runs last)."""
+
+    def __init__(self, solver, net_precision, scale, adaptive, window):
+        self.solver = solver
+        self.net_precision = net_precision
+        self.adaptive = adaptive
+        self.window = max(int(window), 1)
+        self.good_steps = 0
+        self.skipped_steps = 0
+        self._skip = False
+        net_precision.scale = float(scale)
+
+    @property
+    def scale(self):
+        return self.net_precision.scale
+
+    def on_start(self):
+        self._skip = False
+
+    def on_gradients_ready(self):
+        params = self.solver.net.learnable_params
+        scale = numpy.float32(self.scale)
+        if scale != 1:
+            for p in params:
+                p.diff /= scale
+        if not self.adaptive:
+            return
+        if all(bool(numpy.isfinite(p.diff).all()) for p in params):
+            self.good_steps += 1
+            if self.good_steps >= self.window:
+                self.good_steps = 0
+                self.net_precision.scale = self.scale * SCALE_FACTOR
+                log.info('Iteration %d, global_grad_scale raised to %g after %d steps '
+                         'without overflow', self.solver.iter, self.scale, self.window)
+            return
+        if self.scale <= MIN_SCALE:
+            return          # not scaling's doing: the NaN check reports it
+        self.good_steps = 0
+        self.skipped_steps += 1
+        self._skip = True
+        for p in params:
+            p.diff[...] = 0         # nothing of the step reaches the weights
+        self.net_precision.scale = max(self.scale / SCALE_FACTOR, MIN_SCALE)
+        log.info('Iteration %d, gradient overflow in FLOAT16: step skipped, '
+                 'global_grad_scale lowered to %g', self.solver.iter, self.scale)
+
+    def skips_update(self):
+        """Whether this iteration's update is skipped (its gradients overflowed)."""
+        skip, self._skip = self._skip, False
+        return skip
+
+
+def install_loss_scaling(solver):
+    """Add a LossScaler to `solver` when its train net stores FLOAT16
+    gradients and asks for a scale; returns it (None otherwise)."""
+    net = solver.net
+    np_ = getattr(net, 'precision', None)
+    if np_ is None or not any(bwd == caffe_pb2.FLOAT16 for _, bwd in np_.types):
+        return None
+    param = net.net_param
+    adaptive = param.global_grad_scale_adaptive
+    if param.HasField('global_grad_scale'):
+        scale = param.global_grad_scale
+    else:
+        scale = ADAPTIVE_INITIAL_SCALE if adaptive else 1.0
+    if scale <= 0:
+        raise NetError('net %s: global_grad_scale must be positive (got %g)' % (net.name, scale))
+    if scale == 1.0 and not adaptive:
+        return None
+    window = solver.param.caffeplus_param.loss_scale_window
+    scaler = LossScaler(solver, np_, scale, adaptive, window)
+    log.info('Loss scaling: global_grad_scale %g%s', scale,
+             ', adaptive (doubled after %d good steps, halved on overflow)' % scaler.window
+             if adaptive else '')
+    solver.loss_scaler = scaler
+    solver.add_callback(scaler)
+    return scaler
+
+
+def add_argument(parser):
+    """--precision for train, test and time."""
+    parser.add_argument('--precision', default=None, choices=PRECISIONS,
+                        help="override the net files' types: fp32, tf32 (TF32 math on the "
+                             "GPU), fp16 (adaptive loss scaling unless the net sets a scale), "
+                             "bf16")
