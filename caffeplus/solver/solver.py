@@ -20,7 +20,7 @@ import time
 
 import numpy
 
-from caffeplus import backend, log, rng
+from caffeplus import backend, log, precision, rng
 from caffeplus.errors import CaffeplusError, FormatError
 from caffeplus.proto import caffe_pb2
 from caffeplus.solver import state as state_io
@@ -129,13 +129,15 @@ class Solver:
         if param.iter_size < 1:
             raise CaffeplusError('iter_size must be at least 1 (got %d)' % param.iter_size)
         self.check_param(param)
+        precision.prepare_solver_param(param)
         self._apply_math_mode(param)
         self._check_snapshot_write_permissions()
         self._remove_stale_snapshot_temps()
         if param.random_seed >= 0:
             rng.set_random_seed(param.random_seed + self.rank)
         from caffeplus.io import workers
-        with workers.setting(workers.proto_value(param), 'caffeplus_param.data_workers'):
+        with workers.setting(workers.proto_value(param), 'caffeplus_param.data_workers'), \
+                precision.setting(param.caffeplus_param.precision):
             self._init_train_net()
             self._init_test_nets()
         log.info('Solver scaffolding done.')
@@ -144,6 +146,8 @@ class Solver:
         self.pre_solve()
         from caffeplus.solver.update_in_backward import UpdateInBackward
         self.in_backward = UpdateInBackward(self) if hasattr(self, 'update_params') else None
+        # (Before the plans: a loss scaler reads every gradient before the update.)
+        self.loss_scaler = precision.install_loss_scaling(self)
         self._apply_memory_plans()
         self._install_nan_check()
 
@@ -398,7 +402,11 @@ class Solver:
             # (caffeplus.solver.nan_check).
             for cb in self.callbacks:
                 cb.on_gradients_ready()
-            self.apply_update()
+            scaler = getattr(self, 'loss_scaler', None)     # caffeplus.precision
+            if scaler is not None and scaler.skips_update():
+                self.iter += 1      # its 16-bit gradients overflowed: the weights stay
+            else:
+                self.apply_update()
             self.update_guard = None
             if self.guarded_update:
                 loss = self._read_guarded_iteration(losses, iteration)
