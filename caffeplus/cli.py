@@ -40,7 +40,7 @@ LONG_FLAGS = {'solver', 'model', 'weights', 'snapshot', 'gpu', 'iterations', 'ph
               'workspace_limit', 'memory_budget', 'plans', 'batch', 'budget', 'plot',
               'json', 'estimate', 'keep', 'offload', 'math', 'backend', 'resize_height',
               'resize_width', 'gray', 'shuffle', 'encoded', 'encode_type', 'check_size',
-              'encoded_color', 'help', 'shape', 'solver_type'}
+              'encoded_color', 'help', 'shape', 'solver_type', 'precision'}
 
 
 # Caffe 1.0's `caffe` tool flags (tools/caffe.cpp). gflags are global: every

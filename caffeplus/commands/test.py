@@ -13,7 +13,7 @@ output's mean, in Caffe's lines:
 """
 import numpy
 
-from caffeplus import backend, log
+from caffeplus import backend, log, precision
 from caffeplus.commands.train import add_device_arguments, parse_gpus, parse_phase, \
     parse_stages, use_device
 from caffeplus.errors import CaffeplusError
@@ -34,6 +34,7 @@ def add_arguments(parser):
                         'TEST)')
     add_device_arguments(parser)
     workers.add_argument(parser)
+    precision.add_argument(parser)
 
 
 def run(args):
@@ -45,7 +46,7 @@ def run(args):
     phase = parse_phase(args.phase, caffe_pb2.TEST)
     stages = parse_stages(args.stage)
     use_device(parse_gpus(args.gpu), 'test')
-    with workers.cli_setting(args):
+    with workers.cli_setting(args), precision.setting(args.precision):
         net = Net(args.model, phase, level=args.level, stages=stages)
     for name in args.weights.split(','):
         net.copy_from([name.strip()])

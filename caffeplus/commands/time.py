@@ -40,7 +40,7 @@ convolutions time their algorithms as `caffeplus train` does
 import os
 import time
 
-from caffeplus import backend, kernels, log
+from caffeplus import backend, kernels, log, precision
 from caffeplus.commands.train import add_device_arguments, parse_gpus, parse_phase, \
     parse_stages, restored_search_setting, use_device
 from caffeplus.errors import CaffeplusError
@@ -62,6 +62,7 @@ def add_arguments(parser):
                         'applied: every blob kept, one cuDNN workspace arena on the GPU)')
     add_device_arguments(parser)
     workers.add_argument(parser)
+    precision.add_argument(parser)
 
 
 def _sync():
@@ -169,7 +170,8 @@ def _run(args):
     if gpus and plan in TRAINING_SEARCH_PLANS:
         os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
     use_device(gpus, 'time')
-    net = Net(args.model, phase, level=args.level, stages=stages, memory=plan)
+    with precision.setting(args.precision):
+        net = Net(args.model, phase, level=args.level, stages=stages, memory=plan)
     if plan:
         log.info('Memory plan: %s', plan)
     log.info('Performing Forward')

@@ -24,7 +24,7 @@ import contextlib
 import os
 import re
 
-from caffeplus import backend, log
+from caffeplus import backend, log, precision
 from caffeplus.backend import gpu_name
 from caffeplus.errors import CaffeplusError
 from caffeplus.io import workers
@@ -143,6 +143,7 @@ def add_arguments(parser):
     workers.add_argument(parser)
     parser.add_argument('--math', default=None,
                         help='GPU math: strict (default), tf32, deterministic')
+    precision.add_argument(parser)
 
 
 def build_solver_param(args):
@@ -174,6 +175,8 @@ def build_solver_param(args):
             field.extend(v.strip() for v in value.split(',') if v.strip())
     if getattr(args, 'math', None) is not None:
         param.caffeplus_param.math = args.math
+    if getattr(args, 'precision', None):
+        param.caffeplus_param.precision = args.precision
     if getattr(args, 'data_workers', None):
         # Carried by the solver to data-parallel ranks in other processes.
         param.caffeplus_param.data_workers = args.data_workers
