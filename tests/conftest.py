@@ -39,11 +39,16 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _cpu_mode_and_seed():
     import caffeplus
+    from caffeplus import config
     from caffeplus.backend import mathmode
     caffeplus.set_mode_cpu()
     caffeplus.set_random_seed(1701)
     mode = mathmode.math_mode()
+    # caffeplus.config reads the environment once: each test reads its own,
+    # and what a test set there (config.set) ends with it.
+    config.reset()
     yield
+    config.reset()
     # GPU tests train with deterministic math (a global setting): it must
     # not reach the tests after them (a workspace test once found it set).
     if mathmode.math_mode() != mode:
@@ -79,6 +84,18 @@ def need(path):
 
 
 # -- the fused GPU kernels emulated on the host (dev/kernel_emu.py) ----------------
+# The emulator's compiled kernels go to this session's own temporary folder
+# (pytest's, under its retention rules), not a cache left in the system's.
+_EMULATOR_CACHE = []
+
+
+@pytest.fixture(scope='session', autouse=True)
+def _emulator_cache(tmp_path_factory):
+    _EMULATOR_CACHE.append(str(tmp_path_factory.mktemp('kernel_emu')))
+    yield
+    _EMULATOR_CACHE.pop()
+
+
 def build_emulator(source=None):
     """dev.kernel_emu.Emulator of the kernels' source (or `source`); the
     test fails on a compile error and is skipped without g++ 20."""
@@ -86,7 +103,8 @@ def build_emulator(source=None):
         sys.path.insert(0, ROOT)
     from dev.kernel_emu import Emulator
     try:
-        emu = Emulator.build(source=source)
+        emu = Emulator.build(source=source,
+                             cache_dir=_EMULATOR_CACHE[-1] if _EMULATOR_CACHE else None)
     except RuntimeError as exc:          # a compile error in the kernels' source
         pytest.fail(str(exc))
     if emu is None:
