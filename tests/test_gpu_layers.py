@@ -413,9 +413,10 @@ def test_concat_gpu_matches_cpu(axis, shapes):
 @pytest.mark.parametrize('math', ['strict', 'tf32'])
 def test_convolution_im2col_gemm_variant(math, monkeypatch):
     """Timed search weighs im2col + cuBLAS against cuDNN for few input
-    channels (CAFFEPLUS_CUDNN_GEMM=1); that variant gives the convolution's
+    channels (algo_search.GEMM_SEARCH); that variant gives the convolution's
     values and gradients, the same bits every pass."""
-    monkeypatch.setenv('CAFFEPLUS_CUDNN_GEMM', '1')
+    from caffeplus.cudnn import algo_search
+    monkeypatch.setattr(algo_search, 'GEMM_SEARCH', True)
     from caffeplus.backend import mathmode
     from caffeplus.memory import workspace
     lp = _param('type: "Convolution" convolution_param { num_output: 8 kernel_size: 5 '

@@ -11,6 +11,7 @@ import numpy
 import pytest
 
 import caffeplus
+from caffeplus import config
 from caffeplus import backend, kernels, log
 from caffeplus.blob import Blob
 from caffeplus.errors import CaffeplusError
@@ -61,7 +62,7 @@ def vgg_like(k2=3, hw=16):
 
 @pytest.fixture(autouse=True)
 def _quiet(monkeypatch):
-    monkeypatch.delenv(masks.ENV, raising=False)
+    monkeypatch.delenv('CAFFEPLUS_MASKS', raising=False)
     level = log.logger.level
     log.logger.setLevel(30)
     yield
@@ -149,7 +150,7 @@ def test_vgg16_masks_every_pool_and_the_relu_before_it():
     ('offload', '1', MASKED), ('stock', '1', ()), ('arena', '1', ())])
 def test_which_plans_mask(monkeypatch, plan, env, want):
     if env is not None:
-        monkeypatch.setenv(masks.ENV, env)
+        config.set('masks', env)
     # 18x18: pool2's overlapping windows are cuDNN's too, where the masked
     # pooling sums in another order; shared and offload keep cuDNN's there.
     net = shapes.build_net(vgg_like(hw=18))
@@ -182,11 +183,11 @@ def test_masks_lower_the_vgg16_b256_peak_and_auto_runs_less_again(monkeypatch):
     if not os.path.exists(path):
         pytest.fail('test data missing: %s' % path)
     net = shapes.build_net(shapes.load_net_param(path))
-    monkeypatch.setenv(masks.ENV, '0')
+    config.set('masks', '0')
     plain = budget.estimate_plan(net, 'shared')
-    monkeypatch.delenv(masks.ENV)
+    config.set('masks', None)
     assert budget.estimate_plan(net, 'shared').masked      # VGG-16's: the same bits
-    monkeypatch.setenv(masks.ENV, '1')
+    config.set('masks', '1')
     masked = budget.estimate_plan(net, 'shared')    # the net stays masked (sizes below)
     # conv1_2's 3.3 GB map and the other four before the poolings leave;
     # the masks take 1/16 and 1/32 of them.
@@ -195,7 +196,7 @@ def test_masks_lower_the_vgg16_b256_peak_and_auto_runs_less_again(monkeypatch):
                    for n in masked.masked)
     conv1_2 = 256 * 64 * 224 * 224 * 4
     assert conv1_2 // 32 + conv1_2 // 16 < internal < (plain.peak_bytes - masked.peak_bytes) / 5
-    monkeypatch.delenv(masks.ENV)
+    config.set('masks', None)
     # Under 12 GiB auto had to run four convolutions again; masked, one.
     auto = budget.estimate_plan(net, 'auto', budget=budget.parse_bytes('12G'))
     assert auto.masked and auto.peak_bytes <= budget.planned_budget(budget.parse_bytes('12G'))
@@ -336,7 +337,7 @@ def test_masked_training_emulated_is_bit_identical(emulated, monkeypatch):
     """The masked kernels (emulated) in a net: shared with masks against
     shared without, every other layer the same."""
     plain = sgd_run(build(vgg_like(), 'shared'), 2)
-    monkeypatch.setenv(masks.ENV, '1')
+    config.set('masks', '1')
     net = build(vgg_like(), 'shared')
     assert masks.applied(net) == MASKED
     assert _same(sgd_run(net, 2), plain)
@@ -350,9 +351,9 @@ def test_gpu_masked_training_is_bit_identical_to_shared(monkeypatch, k2):
     Caffe's ceil rule the kernels' int32 argmax), 10 iterations, bit for
     bit."""
     param = vgg_like(k2)
-    monkeypatch.setenv(masks.ENV, '0')
+    config.set('masks', '0')
     plain = cpe.train(param, 'shared', 10, 0, gpu=0, math='deterministic')
-    monkeypatch.setenv(masks.ENV, '1')
+    config.set('masks', '1')
     masked = cpe.train(param, 'shared', 10, 0, gpu=0, math='deterministic')
     assert not cpe.differences(plain, masked), cpe.differences(plain, masked)
 

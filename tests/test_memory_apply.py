@@ -16,6 +16,7 @@ import numpy
 import pytest
 
 import caffeplus
+from caffeplus import config
 from caffeplus import log
 from caffeplus.errors import CaffeplusError
 from caffeplus.memory import offload_runtime
@@ -462,7 +463,7 @@ def test_offloaded_blob_between_forward_and_backward_is_released():
 
 
 def test_placed_rows_describe_the_arena_the_plan_holds():
-    """The rows `caffeplus memory` lists under CAFFEPLUS_MEMORY_LAYOUT: every
+    """The rows `caffeplus memory` lists under measure.LIST_ARENA_LAYOUT: every
     placed buffer once, none sharing bytes with one live at the same time,
     the highest ending at the arena's size; the info's bound is the most
     bytes live at one step, and the arena held is at least the layout."""
@@ -537,7 +538,7 @@ def test_lazy_copies_catch_a_missing_wait(monkeypatch):
         orig(self)
         self.wait_copied_at = [[] for _ in self.wait_copied_at]
     monkeypatch.setattr(offload_runtime.OffloadRuntime, '_schedule', no_waits)
-    monkeypatch.setenv('CAFFEPLUS_MASKS', '0')     # masked maps leave unoffloaded
+    config.set('masks', '0')     # masked maps leave unoffloaded
     net = small_net()
     apply_named_plan(net, 'offload', offload_policy='all', runtime_options={'simulate': 'lazy'})
     assert sgd_run(net)[0] != shared[0]

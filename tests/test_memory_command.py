@@ -11,6 +11,7 @@ import numpy
 import pytest
 
 import caffeplus
+from caffeplus import config
 from caffeplus import cli
 from caffeplus.blob import Blob
 from caffeplus.errors import CaffeplusError
@@ -286,7 +287,7 @@ def test_auto_under_a_budget_moves_no_more_than_it_needs(monkeypatch):
     fewer stay away, the placed plan still fits, and each refinement is
     faster than the plan before it."""
     monkeypatch.setattr(budget.recompute, 'CONV_TYPES', ())
-    monkeypatch.setenv('CAFFEPLUS_MASKS', '0')     # the search below sees the layers unmasked
+    config.set('masks', '0')     # the search below sees the layers unmasked
     net = shapes.build_net(shapes.load_net_param(bench('vgg16_b256')))
     asked = budget.parse_bytes('12G')
     limit = int(asked * (1 - budget.BUDGET_MARGIN))
@@ -469,7 +470,7 @@ def test_shared_plan_in_a_real_arena_trains_identically(model, batch, applier, m
     (GoogLeNet's norm1 and norm2, read again by the 3x3 convolutions)."""
     path = model if os.path.isabs(model) else bench(model)
     # `shared` makes nothing again by default; 1 asks it to (the runtime).
-    monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', '0' if applier == 'static' else '1')
+    config.set('recompute', '0' if applier == 'static' else '1')
 
     def train(plan_name):
         caffeplus.set_random_seed(5)
@@ -681,8 +682,8 @@ def test_in_own_process_returns_the_result_and_the_error():
 
 def test_auto_offloads_no_more_than_the_host_budget(monkeypatch):
     # Without maps made again or masks: either fits 14 GiB unaided.
-    monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', '0')
-    monkeypatch.setenv('CAFFEPLUS_MASKS', '0')
+    config.set('recompute', '0')
+    config.set('masks', '0')
     net = shapes.build_net(shapes.load_net_param(bench('vgg16_b64'), batch=256))
     free = budget.plan_for_budget(net, budget.parse_bytes('14G'))
     host = budget.offload.host_bytes(liveness.buffers(net), free.offloaded)
@@ -763,26 +764,28 @@ def test_time_plans_interleaves_the_plans_and_reports_ratios(capsys, monkeypatch
     the first plan printed (the GPU benchmark for `shared` against `arena`)."""
     sys.path.insert(0, ROOT)
     from benchmarks import time_plans
-    monkeypatch.setenv('CAFFEPLUS_CUDNN_SEARCH', 'auto')     # (the tool's default, restored after)
+    from caffeplus import config
+    monkeypatch.setenv('CAFFEPLUS_CUDNN_SEARCH', 'auto')     # (the tool's default)
     monkeypatch.delenv('CAFFEPLUS_UPDATE_IN_BACKWARD', raising=False)
     built = []
-    real = time_plans.environment
+    real = time_plans.plan_settings
 
     @contextlib.contextmanager
     def watch(settings):
         with real(settings):
-            built.append(os.environ.get('CAFFEPLUS_UPDATE_IN_BACKWARD'))
+            built.append(config.get('update_in_backward'))
             yield
-    monkeypatch.setattr(time_plans, 'environment', watch)
-    times = time_plans.main(['--net', LENET, '--plans',
-                             'arena,shared@CAFFEPLUS_UPDATE_IN_BACKWARD=0', '--rounds', '3',
-                             '--iters', '1', '--warmup', '1'])
+    monkeypatch.setattr(time_plans, 'plan_settings', watch)
+    with config.command_defaults():
+        times = time_plans.main(['--net', LENET, '--plans',
+                                 'arena,shared@update_in_backward=0', '--rounds', '3',
+                                 '--iters', '1', '--warmup', '1'])
     # The setting holds while its solver is built, and not after.
-    assert built == [None, '0'] and 'CAFFEPLUS_UPDATE_IN_BACKWARD' not in os.environ
+    assert built == [True, False] and config.get('update_in_backward') is True
     assert time_plans.parse_plan('shared@A=1@B=x') == ('shared', {'A': '1', 'B': 'x'})
-    with pytest.raises(SystemExit, match='not VAR=VALUE'):
+    with pytest.raises(SystemExit, match='not SETTING=VALUE'):
         time_plans.parse_plan('shared@oops')
-    times['shared'] = times.pop('shared@CAFFEPLUS_UPDATE_IN_BACKWARD=0')
+    times['shared'] = times.pop('shared@update_in_backward=0')
     assert set(times) == {'arena', 'shared'}
     assert all(len(ms) == 3 and all(t > 0 for t in ms) for ms in times.values())
     out = capsys.readouterr().out
@@ -883,7 +886,7 @@ def test_measuring_auto_plans_the_gradients_as_its_estimate(monkeypatch):
             'budget': None, 'host_budget': None, 'iterations': 1}
     command._measure_child(param.SerializeToString(), 'auto', 0, opts)
     assert seen == {'estimate': True, 'applied': True}
-    monkeypatch.setenv(update_in_backward.ENV, '0')
+    config.set('update_in_backward', '0')
     command._measure_child(param.SerializeToString(), 'auto', 0, opts)
     assert seen == {'estimate': False, 'applied': False}
 

@@ -100,7 +100,7 @@ class Boom(caffeplus.Layer):
 
     def forward(self, bottom, top):
         self.calls += 1
-        if os.environ.get('CAFFEPLUS_RANK') == '1' and self.calls == 3:
+        if os.environ.get('_CAFFEPLUS_RANK') == '1' and self.calls == 3:
             raise RuntimeError('boom on purpose')
 
     def backward(self, top, propagate_down, bottom):
@@ -682,24 +682,41 @@ def test_rank_environment_keeps_pythonpath_and_sets_gpu_defaults(tmp_path):
     from caffeplus.parallel import launcher
     carried = tmp_path / 'site'
     carried.mkdir()
-    base = {'PYTHONPATH': str(carried), 'OMPI_COMM_WORLD_SIZE': '2', 'CAFFEPLUS_MPI': '1',
+    base = {'PYTHONPATH': str(carried), 'OMPI_COMM_WORLD_SIZE': '2', '_CAFFEPLUS_MPI': '1',
             'HOME': '/somewhere'}
     env = launcher.rank_environ(base, 1, 2, 0)
     path = env['PYTHONPATH'].split(os.pathsep)
     assert path[0] == str(carried)                      # the parent's own entries first
     assert ROOT in path                                 # the caffeplus the parent runs
     assert env['HOME'] == '/somewhere'
-    assert env['CAFFEPLUS_RANK'] == '1' and env['CAFFEPLUS_WORLD'] == '2'
-    assert 'OMPI_COMM_WORLD_SIZE' not in env and 'CAFFEPLUS_MPI' not in env
+    assert env['_CAFFEPLUS_RANK'] == '1' and env['_CAFFEPLUS_WORLD'] == '2'
+    assert 'OMPI_COMM_WORLD_SIZE' not in env and '_CAFFEPLUS_MPI' not in env
     assert env['NCCL_NVLS_ENABLE'] == '0'               # never NVLink multicast
-    assert env['CAFFEPLUS_CUDNN_SEARCH'] == 'auto'      # as `caffeplus train -gpu 0`
-    assert base['PYTHONPATH'] == str(carried) and 'CAFFEPLUS_RANK' not in base
+    assert base['PYTHONPATH'] == str(carried) and '_CAFFEPLUS_RANK' not in base
     # What the user set stays.
-    env = launcher.rank_environ(dict(base, NCCL_NVLS_ENABLE='0', CAFFEPLUS_CUDNN_SEARCH='heuristic'),
+    env = launcher.rank_environ(dict(base, NCCL_NVLS_ENABLE='1', CAFFEPLUS_CUDNN_SEARCH='heuristic'),
                                 0, 2, 1)
-    assert env['CAFFEPLUS_CUDNN_SEARCH'] == 'heuristic'
+    assert env['NCCL_NVLS_ENABLE'] == '1' and env['CAFFEPLUS_CUDNN_SEARCH'] == 'heuristic'
     cpu = launcher.rank_environ({}, 0, 2, None)
-    assert 'CAFFEPLUS_CUDNN_SEARCH' not in cpu and ROOT in cpu['PYTHONPATH'].split(os.pathsep)
+    assert 'NCCL_NVLS_ENABLE' not in cpu and ROOT in cpu['PYTHONPATH'].split(os.pathsep)
+
+
+def test_a_gpu_rank_searches_as_train_does_unless_the_user_chose(monkeypatch):
+    """A GPU rank times its algorithms as `caffeplus train -gpu 0` (the
+    command's default), below the user's CAFFEPLUS_CUDNN_SEARCH."""
+    from caffeplus import config
+    from caffeplus.parallel import launcher
+    monkeypatch.delenv('CAFFEPLUS_CUDNN_SEARCH', raising=False)
+    with config.command_defaults():
+        assert config.get('cudnn_search') == 'heuristic'
+        launcher.gpu_rank_settings()
+        assert config.get('cudnn_search') == 'auto'
+        monkeypatch.setenv('CAFFEPLUS_CUDNN_SEARCH', 'heuristic')
+        config.reload_environment()
+        assert config.get('cudnn_search') == 'heuristic'
+    monkeypatch.delenv('CAFFEPLUS_CUDNN_SEARCH')
+    config.reload_environment()
+    assert config.get('cudnn_search') == 'heuristic'
 
 
 def test_rank_pythonpath_adds_the_parents_extra_folders(tmp_path):
@@ -748,8 +765,8 @@ def test_mpi_two_cpu_ranks_match_one_rank_on_the_full_batch(tmp_path, iter_size,
     assert run_cli(tmp_path, 'train', '-solver', full) == 0
     checks = tmp_path / 'checks'
     checks.mkdir()
-    env = {} if bucket_mb is None else {'CAFFEPLUS_BUCKET_MB': bucket_mb}
-    proc = mpirun(tmp_path, 2, 'train', '-solver', half, CAFFEPLUS_PARALLEL_CHECK=checks, **env)
+    env = {} if bucket_mb is None else {'_CAFFEPLUS_BUCKET_MB': bucket_mb}
+    proc = mpirun(tmp_path, 2, 'train', '-solver', half, _CAFFEPLUS_PARALLEL_CHECK=checks, **env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     if bucket_mb is not None:
         assert 'in 3 buckets' in proc.stderr, proc.stderr[-3000:]
@@ -1119,7 +1136,7 @@ def test_two_gpus_match_one_gpu(tmp_path):
     full = write_job(tmp_path, 'full', batch=16, mode='GPU')
     half = write_job(tmp_path, 'half', batch=8, mode='GPU')
     # 1 KB buckets: three NCCL all-reduces in flight during backward.
-    env = sub_env(CAFFEPLUS_PARALLEL_CHECK=str(tmp_path), CAFFEPLUS_BUCKET_MB='0.001')
+    env = sub_env(_CAFFEPLUS_PARALLEL_CHECK=str(tmp_path), _CAFFEPLUS_BUCKET_MB='0.001')
     p1 = subprocess.run([sys.executable, '-m', 'caffeplus', 'train', '-solver', full, '-gpu',
                          '0'], cwd=str(tmp_path), env=env, capture_output=True, text=True,
                         timeout=300)

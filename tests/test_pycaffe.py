@@ -694,10 +694,13 @@ def test_python_layers_can_be_refused(pymodule, tmp_path, monkeypatch):
         assert "layer 'scale'" in str(info.value) and 'refused' in str(info.value)
     finally:
         caffe.set_python_layers_allowed(True)
+    from caffeplus import config
     monkeypatch.setenv('CAFFEPLUS_NO_PYTHON_LAYERS', '1')
+    config.reload_environment()         # (read once a process otherwise)
     with pytest.raises(caffe.CaffeplusError, match='CAFFEPLUS_NO_PYTHON_LAYERS'):
         caffe.Net(proto, caffe.TEST)
     monkeypatch.delenv('CAFFEPLUS_NO_PYTHON_LAYERS')
+    config.reload_environment()
     caffe.Net(proto, caffe.TEST)
 
 

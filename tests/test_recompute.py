@@ -8,6 +8,7 @@ import numpy
 import pytest
 
 import caffeplus
+from caffeplus import config
 from caffeplus import log
 from caffeplus.errors import CaffeplusError
 from caffeplus.memory import budget, liveness, recompute, shapes
@@ -47,7 +48,7 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 @pytest.fixture(autouse=True)
 def _quiet(monkeypatch):
     # Most cases here plan `shared`, which makes maps again only when asked.
-    monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', '1')
+    config.set('recompute', '1')
     level = log.logger.level
     log.logger.setLevel(30)
     yield
@@ -86,7 +87,7 @@ def test_an_lrn_output_read_again_by_a_convolution_is_made_again(monkeypatch):
     # Not when kept, not under the plans that keep everything, not when off.
     assert chosen_names(net, keep=('norm1',)) == set()
     assert not make_plan(net, 'stock').recomputed and not make_plan(net, 'arena').recomputed
-    monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', '0')
+    config.set('recompute', '0')
     assert chosen_names(net) == set() and not make_plan(net, 'shared').recomputed
 
 
@@ -149,7 +150,7 @@ def test_a_map_or_its_producers_input_not_both(monkeypatch):
     net = shapes.build_net(shapes.load_net_param(bench_path('alexnet_b128')))
     assert chosen_names(net) == {'norm1', 'norm2'}
     with_ = budget.estimate_plan(net, 'shared')
-    monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', '0')
+    config.set('recompute', '0')
     without = budget.estimate_plan(net, 'shared')
     norm_bytes = sum(net.blobs[n].count * 4 for n in ('norm1', 'norm2'))
     assert with_.peak_bytes <= without.peak_bytes - norm_bytes // 2
@@ -314,7 +315,7 @@ def test_a_convolution_and_its_relu_run_again_only_when_asked(monkeypatch):
                                               ('conv1',): ('conv1', 'relu1')}
     assert 'conv1' not in make_plan(net, 'shared').recomputed_names()
     assert 'conv1' in make_plan(net, 'shared', recompute='convs').recomputed_names()
-    monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', 'convs')
+    config.set('recompute', 'convs')
     assert 'conv1' in make_plan(net, 'shared').recomputed_names()
     # In place after the convolution, only layers whose forward depends on
     # the map alone: TanH is not on the list, BatchNorm would move its
@@ -370,7 +371,7 @@ def test_training_with_convolutions_run_again_is_bit_identical_to_stock(monkeypa
         from caffeplus import im2col
         monkeypatch.setitem(im2col.CPU_CHUNK_BYTES, 'col', 1)
     stock = sgd_run(build(CONV_NET))
-    monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', 'split')
+    config.set('recompute', 'split')
     net = build(CONV_NET, memory='shared')
     assert net.applied_plan.plan.recomputed_names() == ['conv1', 'pool']
     shared = sgd_run(net)
@@ -434,7 +435,7 @@ def test_gpu_convolutions_run_again_are_bit_identical(tmp_path, monkeypatch, mod
     param = param_of(CONV_NET.replace('dim: 4 dim: 3 dim: 14 dim: 14',
                                       'dim: 16 dim: 3 dim: 64 dim: 64').replace(
                                           'shape { dim: 4 }', 'shape { dim: 16 }'))
-    monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', mode)
+    config.set('recompute', mode)
     arena, shared = [cpe.train(param, plan, 10, 0, gpu=0, math='deterministic')
                      for plan in ('arena', 'shared')]
     assert not cpe.differences(arena, shared), cpe.differences(arena, shared)
@@ -525,7 +526,7 @@ def test_shared_makes_maps_again_only_when_asked(monkeypatch, setting, shared, o
     """`shared` keeps `arena`'s iteration time: no forward runs twice
     unless CAFFEPLUS_RECOMPUTE=1; `offload` makes AlexNet's LRN maps again."""
     path = bench_path('alexnet_b128')
-    monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', setting)
+    config.set('recompute', setting)
     net = shapes.build_net(shapes.load_net_param(path))
     assert bool(make_plan(net, 'shared').recomputed) == shared
     assert bool(make_plan(net, 'offload', offload_policy='conv').recomputed) == offload

@@ -8,6 +8,7 @@ import sys
 import numpy
 import pytest
 
+from caffeplus import config
 from caffeplus import log
 from caffeplus.errors import CaffeplusError
 from caffeplus.memory import budget, liveness, shapes
@@ -118,7 +119,7 @@ def test_the_reusing_plans_update_in_backward(plan, placed):
 
 
 def test_the_environment_turns_it_off(monkeypatch):
-    monkeypatch.setenv(update_in_backward.ENV, '0')
+    config.set('update_in_backward', '0')
     assert not in_backward(train('shared', iters=1))
 
 
@@ -215,7 +216,7 @@ def test_vgg16_peaks_lower_by_the_fc_gradients(monkeypatch):
         pytest.fail('test data missing')
     net = shapes.build_net(shapes.load_net_param(path))
     placed = budget.estimate_plan(net, 'shared')
-    monkeypatch.setenv(update_in_backward.ENV, '0')
+    config.set('update_in_backward', '0')
     whole = budget.estimate_plan(net, 'shared')
     assert placed.param_diffs and not whole.param_diffs
     assert whole.peak_bytes - placed.peak_bytes > 300 * 2 ** 20
@@ -237,7 +238,7 @@ def test_auto_fits_budgets_that_need_the_fc_gradients_gone(monkeypatch):
     plan = budget.estimate_plan(net, 'auto', budget=limit)
     assert plan.param_diffs and plan.peak_bytes <= limit
     assert plan.breakdown['parameter_diffs'] < 64 * 2 ** 20
-    monkeypatch.setenv(update_in_backward.ENV, '0')
+    config.set('update_in_backward', '0')
     with pytest.raises(CaffeplusError, match=r'smallest budget that fits is 1\.[5-9]\dG'):
         budget.estimate_plan(net, 'auto', budget=limit)
 
@@ -283,7 +284,7 @@ def test_after_a_nan_gradient_no_later_update_runs():
 
 def test_warn_mode_keeps_the_gradients_whole(monkeypatch):
     """'warn' looks for the NaN's origin before the update, as without."""
-    monkeypatch.setenv('CAFFEPLUS_NAN_CHECK', 'warn')
+    config.set('nan_check', 'warn')
     assert not in_backward(train('shared', iters=1))
 
 

@@ -59,6 +59,7 @@ import json
 import os
 import sys
 
+from caffeplus import config
 from caffeplus.errors import CaffeplusError
 from caffeplus.proto import caffe_pb2
 
@@ -101,6 +102,7 @@ def add_arguments(parser):
                              "data top) when it cannot be told from the net; repeatable")
     parser.add_argument('--level', type=int, default=0, help='network level')
     parser.add_argument('--stage', default='', help="network stages, separated by ','")
+    config.add_arguments(parser, 'memory', skip=('calibration',))
 
 
 def parse_plans(spec):
@@ -223,6 +225,13 @@ def estimate_curve(plan):
 
 
 def run(args):
+    if args.calibration:
+        args.calibration = os.path.abspath(args.calibration)    # the measuring processes'
+    with config.cli_scope(args):
+        return _run(args)
+
+
+def _run(args):
     from caffeplus.memory import budget as budget_mod, report, shapes
     from caffeplus.memory.plan import HISTORY_COPIES
     if not args.model:
@@ -239,7 +248,6 @@ def run(args):
     if args.calibration:
         from caffeplus.memory import calibration
         calibration.load(args.calibration)
-        os.environ[calibration.ENV] = os.path.abspath(args.calibration)   # the measuring processes'
     gpu = parse_gpu(args.gpu)
     measuring = gpu is not None and not args.estimate
     if args.host_budget is not None:
@@ -324,6 +332,7 @@ def _measure(param, plan, gpu, args, estimate_entry, budget_for_auto=None, host_
                                    'training': training,
                                    'host_budget': host_budget,
                                    'iterations': args.iterations, 'level': args.level,
+                                   'settings': config.flag_values(),
                                    'stages': [st for st in (args.stage or '').split(',') if st]
                                    or None})
     except CaffeplusError as exc:
@@ -362,9 +371,14 @@ def check_keep_names(spec):
 def _measure_child(param_bytes, name, gpu, opts):
     """In the child: rebuild the net, plan `name` as the parent did, measure.
     Algorithms are chosen as `caffeplus train -gpu` chooses them (timed for
-    the net's own workspace) unless CAFFEPLUS_CUDNN_SEARCH says otherwise."""
-    import os
-    os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
+    the net's own workspace) unless the cudnn_search setting says otherwise;
+    the parent's flags hold here too (caffeplus.config)."""
+    config.set_command_default('cudnn_search', 'auto')
+    with config.flags_scope(opts.get('settings', {})):
+        return _measure_in_child(param_bytes, name, gpu, opts)
+
+
+def _measure_in_child(param_bytes, name, gpu, opts):
     from caffeplus.memory import budget as budget_mod, shapes
     from caffeplus.memory.measure import measure_plan
     param = caffe_pb2.NetParameter()

@@ -13,7 +13,7 @@ output's mean, in Caffe's lines:
 """
 import numpy
 
-from caffeplus import backend, log, precision
+from caffeplus import backend, config, log, precision
 from caffeplus.commands.train import add_device_arguments, parse_gpus, parse_phase, \
     parse_stages, use_device
 from caffeplus.errors import CaffeplusError
@@ -35,9 +35,15 @@ def add_arguments(parser):
     add_device_arguments(parser)
     workers.add_argument(parser)
     precision.add_argument(parser)
+    config.add_arguments(parser, 'test', skip=('data_workers',))
 
 
 def run(args):
+    with config.cli_scope(args):
+        return _run(args)
+
+
+def _run(args):
     from caffeplus.net import Net
     if not args.model:
         raise CaffeplusError('Need a model definition to score (--model).')

@@ -35,12 +35,11 @@ for the cuDNN calls, as plan `arena`). Each timed pass runs the way
 Net.forward/backward run it (the plan's and the fused chains' per-pass
 hooks), layer by layer. With a plan other than stock on the GPU, the
 convolutions time their algorithms as `caffeplus train` does
-(CAFFEPLUS_CUDNN_SEARCH=auto unless set), so `time` measures what training runs.
+(cudnn_search auto unless set: docs/configuration.md), so `time` measures what training runs.
 """
-import os
 import time
 
-from caffeplus import backend, kernels, log, precision
+from caffeplus import backend, config, kernels, log, precision
 from caffeplus.commands.train import add_device_arguments, parse_gpus, parse_phase, \
     parse_stages, restored_search_setting, use_device
 from caffeplus.errors import CaffeplusError
@@ -63,6 +62,7 @@ def add_arguments(parser):
     add_device_arguments(parser)
     workers.add_argument(parser)
     precision.add_argument(parser)
+    config.add_arguments(parser, 'time', skip=('data_workers',))
 
 
 def _sync():
@@ -153,7 +153,7 @@ TRAINING_SEARCH_PLANS = ('arena', 'shared', 'offload', 'auto')
 
 
 def run(args):
-    with restored_search_setting(), workers.cli_setting(args):
+    with restored_search_setting(), workers.cli_setting(args), config.cli_scope(args):
         return _run(args)
 
 
@@ -168,7 +168,7 @@ def _run(args):
     plan = parse_memory(args.memory)
     gpus = parse_gpus(args.gpu)
     if gpus and plan in TRAINING_SEARCH_PLANS:
-        os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
+        config.set_command_default('cudnn_search', 'auto')
     use_device(gpus, 'time')
     with precision.setting(args.precision):
         net = Net(args.model, phase, level=args.level, stages=stages, memory=plan)

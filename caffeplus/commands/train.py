@@ -20,11 +20,10 @@ a second SIGTERM before the first was acted on exits at once (status 143).
 
 The helpers here (GPU list, stages, phase) serve `test` and `time` too.
 """
-import contextlib
 import os
 import re
 
-from caffeplus import backend, log, precision
+from caffeplus import backend, config, log, precision
 from caffeplus.backend import gpu_name
 from caffeplus.errors import CaffeplusError
 from caffeplus.io import workers
@@ -97,8 +96,8 @@ def use_device(gpus, style):
         log.info('GPU device name: %s', gpu_name(gpus[0]))
     if style == 'train':
         # Training times its convolution algorithms (FindEx in the arena), as
-        # cudnn.benchmark does; CAFFEPLUS_CUDNN_SEARCH=heuristic opts out.
-        os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
+        # cudnn.benchmark does; cudnn_search heuristic opts out.
+        config.set_command_default('cudnn_search', 'auto')
     backend.set_mode_gpu(gpus[0])
 
 
@@ -144,6 +143,7 @@ def add_arguments(parser):
     parser.add_argument('--math', default=None,
                         help='GPU math: strict (default), tf32, deterministic')
     precision.add_argument(parser)
+    config.add_arguments(parser, 'train', skip=('data_workers',))
 
 
 def build_solver_param(args):
@@ -180,6 +180,7 @@ def build_solver_param(args):
     if getattr(args, 'data_workers', None):
         # Carried by the solver to data-parallel ranks in other processes.
         param.caffeplus_param.data_workers = args.data_workers
+    copy_setting_flags(args, param)
     args.workspace_limit_bytes = param.caffeplus_param.workspace_limit \
         if param.HasField('caffeplus_param') else 0
     return param
@@ -212,22 +213,28 @@ def _parallel():
     return parallel
 
 
-@contextlib.contextmanager
+def copy_setting_flags(args, param):
+    """The settings flags that have a solver field go into the solver's
+    caffeplus_param too: data-parallel ranks in other processes get them."""
+    for s in config.SETTINGS.values():
+        value = getattr(args, s.name, None)
+        if s.solver_field and s.name != 'data_workers' and value is not None:
+            value = s.check(value, s.flag)
+            if value is None:
+                continue
+            if s.name == 'calibration':
+                value = os.path.abspath(value)
+            setattr(param.caffeplus_param, s.solver_field, value)
+
+
 def restored_search_setting():
-    """A command may set CAFFEPLUS_CUDNN_SEARCH for its own run only; restore
-    it so an in-process caller (pycaffe scripts, tests) keeps its setting."""
-    saved = os.environ.get('CAFFEPLUS_CUDNN_SEARCH')
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop('CAFFEPLUS_CUDNN_SEARCH', None)
-        else:
-            os.environ['CAFFEPLUS_CUDNN_SEARCH'] = saved
+    """A command's own defaults (cudnn_search auto on a GPU) hold for its
+    run only, so an in-process caller (pycaffe scripts, tests) keeps its own."""
+    return config.command_defaults()
 
 
 def run(args):
-    with restored_search_setting(), workers.cli_setting(args):
+    with restored_search_setting(), workers.cli_setting(args), config.cli_scope(args):
         return _run(args)
 
 

@@ -3,7 +3,6 @@ heuristics or FindEx timings (shared by every layer of one geometry, as
 cudnn.benchmark does), the variants timed beside cuDNN's own calls (per
 group, batch slices, im2col + cuBLAS) and the switches that enable them.
 """
-import os
 
 import numpy
 
@@ -183,21 +182,26 @@ class _ConvDescs:
 GEMM_ALGO = 100                 # AlgoChoice.algo of the im2col + GEMM variant
 
 
+# Timed search weighs cuBLAS for 1x1 stride-1 convolutions (_GemmConv.direct).
+GEMM_1X1_SEARCH = True
+# Timed search also times im2col + GEMM for convolutions over few input
+# channels. Checked correct on an H100 (tests/test_gpu_layers.py), but
+# AlexNet's time did not move with it in the one benchmark run so far, and a
+# chosen variant's column buffer (up to GEMM_CHUNK_BYTES) enlarges the arena.
+GEMM_SEARCH = False
+# Timed search also times each call over halves, quarters and eighths of the
+# batch (CHUNK_VARIANTS).
+CHUNK_SEARCH = True
+# Timed search also times grouped convolutions one call per group.
+PER_GROUP_SEARCH = True
+
+
 def _gemm_1x1_search():
-    """Whether timed search weighs cuBLAS for 1x1 stride-1 convolutions
-    (_GemmConv.direct): on unless CAFFEPLUS_CUDNN_GEMM_1X1=0."""
-    return os.environ.get('CAFFEPLUS_CUDNN_GEMM_1X1', '1').strip().lower() \
-        not in ('0', 'off', 'false', 'no')
+    return GEMM_1X1_SEARCH
 
 
 def _gemm_search():
-    """Whether timed search also times im2col + GEMM for convolutions over
-    few input channels: opt-in (CAFFEPLUS_CUDNN_GEMM=1). Checked correct on
-    an H100 (tests/test_gpu_layers.py), but AlexNet's time did not move with
-    it in the one benchmark run so far, and a chosen variant's column buffer
-    (up to GEMM_CHUNK_BYTES) enlarges the arena."""
-    return os.environ.get('CAFFEPLUS_CUDNN_GEMM', '0').strip().lower() \
-        in ('1', 'on', 'true', 'yes')
+    return GEMM_SEARCH
 
 
 # FindEx results by geometry (see _ConvDescs.timer).
@@ -231,28 +235,21 @@ def _timed_within(key, at):
 CHUNK_VARIANTS = {3: 2, 4: 4, 5: 8}
 
 
-def _switched_on(variable):
-    """An on-by-default switch: off when the variable says 0/off/false/no."""
-    return os.environ.get(variable, '1').strip().lower() not in ('0', 'off', 'false', 'no')
-
-
 def _chunk_search():
-    """Whether timed search also times each call over halves, quarters and eighths
-    of the batch (CAFFEPLUS_CUDNN_CHUNKS=0 turns it off)."""
-    return _switched_on('CAFFEPLUS_CUDNN_CHUNKS')
+    return CHUNK_SEARCH
 
 
 def _per_group_search():
-    """Whether timed search also times grouped convolutions one call per
-    group (CAFFEPLUS_CUDNN_PER_GROUP=0 turns it off)."""
-    return _switched_on('CAFFEPLUS_CUDNN_PER_GROUP')
+    return PER_GROUP_SEARCH
 
 
 def search_default():
     """The algorithm search a convolution uses when workspace.set_search was
-    left at 'heuristic': CAFFEPLUS_CUDNN_SEARCH = heuristic (the default),
+    left at 'heuristic': heuristic (the default),
     timed, or auto (timed with FindEx for TRAIN nets under their own arena,
     as PyTorch's cudnn.benchmark; heuristic otherwise). Timed search may pick
     FFT or Winograd algorithms, which round differently from a direct sum
-    (~1e-3 of the largest value), hence not the default for every net."""
-    return os.environ.get('CAFFEPLUS_CUDNN_SEARCH', 'heuristic').lower()
+    (~1e-3 of the largest value), hence not the default for every net.
+    The cudnn_search setting (caffeplus.config) chooses."""
+    from caffeplus import config
+    return config.get('cudnn_search')

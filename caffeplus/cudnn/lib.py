@@ -1,6 +1,6 @@
 """Finding and loading libcudnn.so.9, and turning statuses into exceptions.
 
-Search order: $CAFFEPLUS_CUDNN_LIBRARY (a file), the NVIDIA cuDNN wheel's
+Search order: the cudnn_library setting (a file; caffeplus.config), the NVIDIA cuDNN wheel's
 folder (site-packages/nvidia/cudnn/lib), then the system's library paths.
 """
 import ctypes
@@ -45,8 +45,9 @@ def _candidate_dirs():
 
 def _load():
     searched = []
-    env = os.environ.get('CAFFEPLUS_CUDNN_LIBRARY')
-    candidates = [env] if env else []
+    from caffeplus import config
+    chosen = config.get('cudnn_library')
+    candidates = [chosen] if chosen else []
     for d in _candidate_dirs():
         candidates.append(os.path.join(d, LIBNAME))
     candidates.append(LIBNAME)  # the dynamic linker's own search (LD_LIBRARY_PATH, ldconfig)
@@ -80,7 +81,7 @@ def library():
         raise CaffeplusError(
             'cuDNN (%s) was not found. Searched: %s. Install it with '
             '`pip install nvidia-cudnn-cu12` (or caffeplus[gpu]) or set '
-            'CAFFEPLUS_CUDNN_LIBRARY to the library file.' % (LIBNAME, ', '.join(_state['searched'])))
+            'CAFFEPLUS_CUDNN_LIBRARY (or --cudnn_library) to the library file.' % (LIBNAME, ', '.join(_state['searched'])))
     return _state['lib']
 
 

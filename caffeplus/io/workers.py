@@ -19,16 +19,15 @@ How many workers a data layer uses (data_workers), the first that is given:
   3. the solver's caffeplus_param { data_workers: N },
   4. the environment variable CAFFEPLUS_DATA_WORKERS,
   5. the cores this process may run on.
+caffeplus.config holds the setting and resolves it as it does every other.
 """
 import contextlib
 import os
 import queue
 import threading
 
-ENV_VAR = 'CAFFEPLUS_DATA_WORKERS'
+ENV_VAR = 'CAFFEPLUS_DATA_WORKERS'     # (named in messages; caffeplus.config reads it)
 
-# Settings in force while nets are built: (value, from the CLI) pairs.
-_settings = threading.local()
 
 
 def host_cores():
@@ -37,12 +36,6 @@ def host_cores():
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
-
-
-def _stack():
-    if not hasattr(_settings, 'stack'):
-        _settings.stack = []
-    return _settings.stack
 
 
 def check_count(value, where):
@@ -65,13 +58,10 @@ def setting(value, where='data_workers', cli=False):
 
     A CLI setting wins over every setting inside it; otherwise the innermost
     wins (a net's own over its solver's)."""
+    from caffeplus import config
     value = check_count(value, where) if value else None
-    stack = _stack()
-    stack.append((value, cli))
-    try:
+    with config.given('data_workers', value, where, cli=cli):
         yield
-    finally:
-        stack.pop()
 
 
 def proto_value(caffeplus_param_owner):
@@ -86,19 +76,8 @@ def proto_value(caffeplus_param_owner):
 
 def resolve():
     """The number of data workers for a layer set up now (see the module doc)."""
-    stack = _stack()
-    for value, cli in stack:
-        if cli and value:
-            return value
-    for value, _ in reversed(stack):
-        if value:
-            return value
-    env = os.environ.get(ENV_VAR, '').strip()
-    if env:
-        value = check_count(env, 'the environment variable %s' % ENV_VAR)
-        if value:
-            return value
-    return host_cores()
+    from caffeplus import config
+    return config.get('data_workers') or host_cores()
 
 
 # -- the pool --------------------------------------------------------------------

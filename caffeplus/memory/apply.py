@@ -658,8 +658,9 @@ class AppliedPlan:
         for e in self.entries:
             first, last = e.lives[0], e.lives[-1]
             if e.kind == 'param_diff':
-                hint = 'CAFFEPLUS_UPDATE_IN_BACKWARD=0 keeps every parameter gradient after the ' \
-                    'iteration'
+                hint = 'update_in_backward: false in the solver\'s caffeplus_param (or ' \
+                    'CAFFEPLUS_UPDATE_IN_BACKWARD=0) keeps every parameter gradient after ' \
+                    'the iteration'
                 e.reasons['after'] = (
                     "parameter gradient applied by the solver's update in backward (after layer "
                     "%s), then its memory lent to other blobs by memory plan '%s'; %s"

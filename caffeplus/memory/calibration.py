@@ -9,13 +9,13 @@ where the bytes should go, so `auto` plans with measured candidates where
 it has them:
 
 * on the GPU, plan auto times every convolution the table lacks before it
-  plans (measure_net; CAFFEPLUS_CALIBRATE=0 turns that off), and every
+  plans (measure_net; MEASURE_BEFORE_PLANNING = False turns that off), and every
   call site the runtime times (FindEx, caffeplus.memory.workspace) is
   recorded for the rest of the process;
 * a table saved with `save` (tools/dump_algorithms.py --calibration, or
   `caffeplus memory -gpu --calibration FILE`) can be loaded anywhere,
-  including the CPU-only machine (`--calibration FILE` or
-  CAFFEPLUS_CALIBRATION).
+  including the CPU-only machine (the calibration setting, caffeplus.config:
+  `--calibration FILE`, caffeplus_param.calibration or CAFFEPLUS_CALIBRATION).
 
 A table is keyed by the call's geometry (batch, channels, map, filter,
 stride, pad, dilation, groups) and kind (fwd, bwd_data, bwd_filter); each
@@ -34,10 +34,12 @@ KINDS = ('fwd', 'bwd_data', 'bwd_filter')
 FORMAT = 'caffeplus-cudnn-calibration-1'
 # A bigger workspace must buy at least this share of time to be weighed.
 PRUNE_TOLERANCE = 0.02
-ENV = 'CAFFEPLUS_CALIBRATION'
+# Plan auto times the convolutions the table lacks on the GPU before it
+# plans; False plans with the model's candidates, or a loaded table's, alone.
+MEASURE_BEFORE_PLANNING = True
 
 _table = {}             # geometry key -> {kind: [(bytes, seconds), ...]}
-_env_loaded = [None]    # the CAFFEPLUS_CALIBRATION path already read
+_env_loaded = [None]    # the calibration setting's file already read
 _in_use = [0]           # > 0 while the model consults the table (applied())
 
 
@@ -173,10 +175,8 @@ MEASURE_MARGIN = 256 * 2 ** 20
 
 def measuring():
     """Whether plan auto times the convolutions on the GPU before planning
-    (CAFFEPLUS_CALIBRATE=0 turns it off: the model's candidates, or a
-    loaded table's, alone)."""
-    return os.environ.get('CAFFEPLUS_CALIBRATE', '1').strip().lower() not in \
-        ('0', 'off', 'false', 'no')
+    (MEASURE_BEFORE_PLANNING)."""
+    return MEASURE_BEFORE_PLANNING
 
 
 def trial_array_bytes(layer):
@@ -253,7 +253,9 @@ def measure_net(net, limit=None):
 
 
 def _load_env():
-    path = os.environ.get(ENV)
+    """Load the calibration setting's file (once per file)."""
+    from caffeplus import config
+    path = config.get('calibration')
     if path and _env_loaded[0] != path:
         load(path)
         _env_loaded[0] = path

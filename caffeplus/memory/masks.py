@@ -18,16 +18,15 @@ routes each gradient to the first maximum of its window and sums a value's
 gradients in window order, as Caffe's own pooling; cuDNN's gives the same
 bits where windows do not overlap (dev/compare_pooling.py, on the H100),
 not where they do; where cuDNN does not run (Caffe's ceil rule) the kernels'
-int32 argmax computes what the masked one does. CAFFEPLUS_MASKS=1 masks
-every layer in `shared` and `offload` too; CAFFEPLUS_MASKS=0 masks nothing.
+int32 argmax computes what the masked one does. The masks setting
+(caffeplus.config: --masks, caffeplus_param.masks, CAFFEPLUS_MASKS) 'on'
+masks every layer in `shared` and `offload` too; 'off' masks nothing.
 """
-import os
-
-ENV = 'CAFFEPLUS_MASKS'
 
 
 def _setting():
-    return os.environ.get(ENV, '').strip().lower()
+    from caffeplus import config
+    return config.get('masks')
 
 
 ALL, SAME_BITS = 'all', 'same bits'
@@ -37,12 +36,12 @@ def wanted(plan_name):
     """What plan `plan_name` masks: ALL it can, SAME_BITS (only where the
     results stay those of stock), or None."""
     s = _setting()
-    if s in ('0', 'off', 'no', 'false'):
+    if s == 'off':
         return None
     if plan_name == 'auto':
         return ALL
     if plan_name in ('shared', 'offload'):
-        return ALL if s in ('1', 'on', 'yes', 'true') else SAME_BITS
+        return ALL if s == 'on' else SAME_BITS
     return None
 
 

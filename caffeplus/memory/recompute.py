@@ -32,16 +32,16 @@ are neither made again nor inputs to what is.
 
 Which plans: `offload` and `auto`. Not `shared`: it promises `arena`'s
 iteration time, and a forward run again is time (AlexNet's norm1 and norm2:
-2.6%). CAFFEPLUS_RECOMPUTE=1 makes maps again in `shared` too, =0 in no
-plan; =convs runs convolutions again in every reusing plan, not only where
-`auto`'s search finds it pays.
+2.6%). The recompute setting (caffeplus.config: --recompute,
+caffeplus_param.recompute, CAFFEPLUS_RECOMPUTE) 'on' makes maps again in
+`shared` too, 'off' in no plan; 'convs' runs convolutions again in every
+reusing plan, not only where `auto`'s search finds it pays.
 
 A convolution run again needs its forward workspace at that backward step:
 workspace_buffers gives it a buffer of its own there ('again'), which the
 placed workspace (caffeplus.memory.workspace) lends to that call, so the
 same algorithm runs and gives the same bits.
 """
-import os
 
 from caffeplus.memory.liveness import FILTER_FIRST, Buffer, live_bytes_by_step
 from caffeplus.memory.offload import _uses
@@ -58,20 +58,21 @@ _POOL_METHODS = (0, 1)          # PoolingParameter.MAX, AVE
 
 
 def _setting():
-    return os.environ.get('CAFFEPLUS_RECOMPUTE', '').strip().lower()
+    from caffeplus import config
+    return config.get('recompute')
 
 
 def enabled(plan_name=None):
     """Whether plan `plan_name` makes maps again (None: any plan may)."""
     setting = _setting()
-    if setting in ('0', 'false', 'off', 'no'):
+    if setting == 'off':
         return False
-    return plan_name != 'shared' or setting != ''
+    return plan_name != 'shared' or setting != 'plan'
 
 
 def convs_always():
-    """CAFFEPLUS_RECOMPUTE=convs: convolutions run again in every reusing
-    plan (=split: and their maps leave between backward uses, again_lives)."""
+    """recompute 'convs': convolutions run again in every reusing plan
+    ('split': and their maps leave between backward uses, again_lives)."""
     return _setting() in ('convs', 'split')
 
 

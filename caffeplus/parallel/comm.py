@@ -61,7 +61,7 @@ _MPI_SIZE_VARS = ('OMPI_COMM_WORLD_SIZE', 'PMI_SIZE', 'PMIX_SIZE', 'MV2_COMM_WOR
 
 def mpi_env_world_size(environ=None):
     """The MPI world size the launcher announced in the environment (1 when
-    not started by mpirun/mpiexec). CAFFEPLUS_MPI=1 forces MPI mode with the
+    not started by mpirun/mpiexec). _CAFFEPLUS_MPI=1 forces MPI mode with the
     size mpi4py reports (returned here as 2, meaning 'ask MPI')."""
     env = os.environ if environ is None else environ
     for name in _MPI_SIZE_VARS:
@@ -71,7 +71,7 @@ def mpi_env_world_size(environ=None):
                 return int(value)
             except ValueError:
                 continue
-    if env.get('CAFFEPLUS_MPI', '') not in ('', '0'):
+    if env.get('_CAFFEPLUS_MPI', '') not in ('', '0'):
         return 2
     return 1
 

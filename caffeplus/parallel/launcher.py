@@ -46,7 +46,7 @@ import threading
 import time
 import traceback
 
-from caffeplus import log
+from caffeplus import config, log
 from caffeplus.errors import CaffeplusError
 from caffeplus.parallel import comm as comm_mod
 
@@ -165,14 +165,17 @@ def rank_pythonpath(pythonpath, sys_path=None):
 
 
 def gpu_rank_defaults(env):
-    """What a GPU rank runs with unless the environment says otherwise:
-    no NVLink multicast in NCCL (NVLS; the GPU machines' rule), and timed
-    convolution algorithm search as `caffeplus train -gpu N` uses (ranks do
-    not go through its use_device; without it they ran cuDNN's heuristic
-    choices, slower than the one-GPU run they are compared with)."""
+    """What a GPU rank's environment holds unless it says otherwise: no
+    NVLink multicast in NCCL (NVLS; the GPU machines' rule)."""
     env.setdefault('NCCL_NVLS_ENABLE', '0')
-    env.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
     return env
+
+
+def gpu_rank_settings():
+    """A GPU rank searches convolution algorithms as `caffeplus train -gpu N`
+    does (ranks do not go through its use_device; without it they ran cuDNN's
+    heuristic choices, slower than the one-GPU run they are compared with)."""
+    config.set_command_default('cudnn_search', 'auto')
 
 
 def rank_environ(base, rank, world, device):
@@ -180,9 +183,9 @@ def rank_environ(base, rank, world, device):
     completed (rank_pythonpath), the rank variables, no MPI variables (a
     spawned rank must not mistake itself for an MPI rank), GPU defaults."""
     env = dict(base)
-    env.update(CAFFEPLUS_RANK=str(rank), CAFFEPLUS_WORLD=str(world),
-               CAFFEPLUS_LOCAL_RANK=str(rank))
-    for name in comm_mod._MPI_SIZE_VARS + ('CAFFEPLUS_MPI',):
+    env.update(_CAFFEPLUS_RANK=str(rank), _CAFFEPLUS_WORLD=str(world),
+               _CAFFEPLUS_LOCAL_RANK=str(rank))
+    for name in comm_mod._MPI_SIZE_VARS + ('_CAFFEPLUS_MPI',):
         env.pop(name, None)
     path = rank_pythonpath(env.get('PYTHONPATH', ''))
     if path:
@@ -439,8 +442,8 @@ def _error_text(exc):
 
 def configure_rank_logging(rank):
     """Rank 0 logs as a single-process run would; the others warnings only
-    (CAFFEPLUS_LOG_ALL_RANKS=1 keeps their INFO lines)."""
-    if rank != 0 and os.environ.get('CAFFEPLUS_LOG_ALL_RANKS', '') in ('', '0'):
+    (_CAFFEPLUS_LOG_ALL_RANKS=1, a debugging aid, keeps their INFO lines)."""
+    if rank != 0 and os.environ.get('_CAFFEPLUS_LOG_ALL_RANKS', '') in ('', '0'):
         log.set_level(1)
 
 
@@ -466,6 +469,8 @@ def child_main(rundir, rank):
     try:
         if job.get('cwd'):
             os.chdir(job['cwd'])
+        if device is not None:
+            gpu_rank_settings()
         param = caffe_pb2.SolverParameter()
         param.ParseFromString(param_bytes)
         comm = comm_mod.TCPComm(rank, world, rundir)
@@ -476,12 +481,14 @@ def child_main(rundir, rank):
         if rank == 0:
             from caffeplus.signal_handler import SignalHandler
             with SignalHandler(args.sigint_effect, args.sighup_effect,
-                               on_sigterm=unwind_if_aborting(abort_file)) as handler:
+                               on_sigterm=unwind_if_aborting(abort_file)) as handler, \
+                    config.cli_scope(args):
                 code = RankTrainer(args, param, comm, device, handler).run()
         else:
             ignore_control_signals()
             defer_sigterm(abort_file)
-            code = RankTrainer(args, param, comm, device).run()
+            with config.cli_scope(args):
+                code = RankTrainer(args, param, comm, device).run()
         comm.close()
         return code
     except KeyboardInterrupt:
@@ -530,8 +537,8 @@ def run_mpi(args, param, gpus):
     host = comm_mod.MPIComm()
     rank, world = host.rank, host.world
     configure_rank_logging(rank)
-    os.environ.update(CAFFEPLUS_RANK=str(rank), CAFFEPLUS_WORLD=str(world),
-                      CAFFEPLUS_LOCAL_RANK=str(host.local_rank))
+    os.environ.update(_CAFFEPLUS_RANK=str(rank), _CAFFEPLUS_WORLD=str(world),
+                      _CAFFEPLUS_LOCAL_RANK=str(host.local_rank))
     from caffeplus.parallel.trainer import (RankTrainer, Terminated, defer_sigterm,
                                             exit_on_sigterm, ignore_control_signals,
                                             unwind_if_aborting)
@@ -542,7 +549,8 @@ def run_mpi(args, param, gpus):
         if gpus:
             device = mpi_devices(gpus, getattr(args, 'gpu', ''), host.local_rank,
                                  host.local_size, device_count())
-            gpu_rank_defaults(os.environ)   # before NCCL starts (train.run restores the search)
+            gpu_rank_defaults(os.environ)   # before NCCL starts
+            gpu_rank_settings()             # (train.run restores the command's defaults)
             comm_mod.import_nccl()
         where = host.gather_obj((socket.gethostname(), device))
         if rank == 0:

@@ -46,9 +46,14 @@ DEFAULT_BUCKET_MB = 25
 AFTER_BACKWARD = -1     # the launch layer of a bucket that on_gradients_ready starts
 
 
+# The launcher's test hook (tests/test_parallel.py): another bucket size for
+# every rank, in MiB, carried to ranks in other processes by the environment.
+BUCKET_MB_ENV = '_CAFFEPLUS_BUCKET_MB'
+
+
 def bucket_bytes_from_env(default_mb=DEFAULT_BUCKET_MB):
     try:
-        return int(float(os.environ.get('CAFFEPLUS_BUCKET_MB', default_mb)) * 2 ** 20)
+        return int(float(os.environ.get(BUCKET_MB_ENV, default_mb)) * 2 ** 20)
     except ValueError:
         return int(default_mb * 2 ** 20)
 
@@ -267,7 +272,7 @@ def params_checksum(net):
     equal on every rank when the ranks hold identical weights. Statistics
     that layers update in forward (BatchNorm's, lr_mult 0) follow each rank's
     own data, as in Caffe, and are left out. (A device-to-host copy of every
-    parameter: only for CAFFEPLUS_PARALLEL_CHECK and tests.)"""
+    parameter: only for _CAFFEPLUS_PARALLEL_CHECK and tests.)"""
     h = hashlib.sha256()
     for p, lr in zip(net.learnable_params, net.params_lr):
         if not lr:

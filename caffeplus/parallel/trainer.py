@@ -19,7 +19,8 @@ solver state as <state>.ranks.json; `-snapshot` with the same number of
 ranks gives every rank its own state back, so a resumed run continues as
 the uninterrupted one would have.
 
-CAFFEPLUS_PARALLEL_CHECK=1 (or a folder) makes the ranks compare SHA-256
+_CAFFEPLUS_PARALLEL_CHECK=1 (or a folder; a check of the launcher's own, not a
+user setting) makes the ranks compare SHA-256
 checksums of their weights after every update (rank 0 raises if they differ;
 with a folder each rank also appends "iter checksum" lines to
 rank<r>.checksums there).
@@ -97,7 +98,7 @@ class RankTrainer:
         self.sync = None
         self._armed = False
         self._stash = None
-        check = os.environ.get('CAFFEPLUS_PARALLEL_CHECK', '')
+        check = os.environ.get('_CAFFEPLUS_PARALLEL_CHECK', '')
         self.check = check not in ('', '0')
         self.check_dir = check if self.check and os.path.isdir(check) else None
 

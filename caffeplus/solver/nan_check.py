@@ -20,9 +20,9 @@ parameter gradient does. Then, as `mode` says:
           (as stock Caffe, which does not check);
   'off'   no check at all.
 
-The mode comes from the argument, else CAFFEPLUS_NAN_CHECK (stop, warn,
-off), else the solver's caffeplus_param.nan_check when the schema has it,
-else 'stop'.
+The mode comes from the argument, else the nan_check setting (stop, warn,
+off; caffeplus.config: --nan_check, the solver's caffeplus_param.nan_check,
+CAFFEPLUS_NAN_CHECK), else 'stop'.
 
 The check is a solver callback; every solver installs it when it is built
 (Solver._init calls nan_check.install(self)); install(solver, mode) changes
@@ -43,7 +43,6 @@ is not finite, so the weights stay as they were, and the GPU is not left
 idle while the host reads the verdict and then launches the update
 (NanCheck.after_update; the iteration count goes back to the stopped one).
 """
-import os
 
 import numpy
 
@@ -52,7 +51,7 @@ from caffeplus.errors import CaffeplusError
 
 MODES = ('stop', 'warn', 'off')
 STOPPED = 'Training stopped before the update, so the weights are still finite'
-ENV = 'CAFFEPLUS_NAN_CHECK'
+ENV = 'CAFFEPLUS_NAN_CHECK'     # (named in messages; caffeplus.config reads it)
 
 
 class NumericalError(CaffeplusError):
@@ -423,17 +422,13 @@ def installed_mode(solver):
 
 
 def configured_mode(solver=None, mode=None):
-    if mode is None:
-        mode = os.environ.get(ENV, '').strip().lower() or None
-    if mode is None and solver is not None:
-        cp = getattr(solver.param, 'caffeplus_param', None)
-        if cp is not None and 'nan_check' in cp.DESCRIPTOR.fields_by_name and \
-                cp.HasField('nan_check'):
-            mode = cp.nan_check
-    mode = mode or 'stop'
-    if mode not in MODES:
-        raise CaffeplusError("%s must be one of %s, not '%s'" % (ENV, ', '.join(MODES), mode))
-    return mode
+    """`mode` if given (checked), else the nan_check setting (caffeplus.config:
+    --nan_check, the solver's caffeplus_param.nan_check, CAFFEPLUS_NAN_CHECK)."""
+    from caffeplus import config
+    if mode is not None:
+        checked = config.setting('nan_check').check(mode, 'the NaN check mode')
+        return checked or 'stop'
+    return config.get('nan_check', solver=getattr(solver, 'param', None))
 
 
 def install(solver, mode=None):

@@ -135,21 +135,25 @@ class Solver:
         self._remove_stale_snapshot_temps()
         if param.random_seed >= 0:
             rng.set_random_seed(param.random_seed + self.rank)
+        from caffeplus import config
         from caffeplus.io import workers
-        with workers.setting(workers.proto_value(param), 'caffeplus_param.data_workers'), \
-                precision.setting(param.caffeplus_param.precision):
-            self._init_train_net()
-            self._init_test_nets()
-        log.info('Solver scaffolding done.')
-        self.iter = 0
-        self.current_step = 0
-        self.pre_solve()
-        from caffeplus.solver.update_in_backward import UpdateInBackward
-        self.in_backward = UpdateInBackward(self) if hasattr(self, 'update_params') else None
-        # (Before the plans: a loss scaler reads every gradient before the update.)
-        self.loss_scaler = precision.install_loss_scaling(self)
-        self._apply_memory_plans()
-        self._install_nan_check()
+        # The solver's caffeplus_param settings hold while its nets are
+        # built and planned (caffeplus.config).
+        with config.scope(param, 'solver'):
+            with workers.setting(workers.proto_value(param), 'caffeplus_param.data_workers'), \
+                    precision.setting(param.caffeplus_param.precision):
+                self._init_train_net()
+                self._init_test_nets()
+            log.info('Solver scaffolding done.')
+            self.iter = 0
+            self.current_step = 0
+            self.pre_solve()
+            from caffeplus.solver.update_in_backward import UpdateInBackward
+            self.in_backward = UpdateInBackward(self) if hasattr(self, 'update_params') else None
+            # (Before the plans: a loss scaler reads every gradient before the update.)
+            self.loss_scaler = precision.install_loss_scaling(self)
+            self._apply_memory_plans()
+            self._install_nan_check()
 
     def _apply_memory_plans(self):
         """caffeplus_param's memory plan for the train and test nets
@@ -165,7 +169,7 @@ class Solver:
 
     def _install_nan_check(self):
         """Stop on a NaN/Inf loss or gradient (caffeplus.solver.nan_check;
-        CAFFEPLUS_NAN_CHECK=warn|off changes it)."""
+        the nan_check setting, warn or off, changes it: caffeplus.config)."""
         from caffeplus.solver import nan_check
         nan_check.install(self)
 

@@ -21,7 +21,8 @@ updated in backward costs kernel launches; small ones are updated together
 at the end, as before).
 
 When: the train net's plan placed the gradients (plan.param_diffs: plans
-`shared`, `offload` and `auto` under a solver, unless CAFFEPLUS_UPDATE_IN_BACKWARD=0)
+`shared`, `offload` and `auto` under a solver, unless the update_in_backward
+setting is off: caffeplus.config)
 and nothing needs all of them at once: iter_size 1 (accumulation over
 passes), no clip_gradients (a global norm), no debug_info (it logs every
 gradient after backward), no snapshot_diff (a snapshot holds the gradients,
@@ -41,7 +42,6 @@ as before, any of the gradients kept whole). Its 'warn' mode keeps the gradients
 and looks for the NaN's origin by running the iteration again before the
 update, when the weights are still those that made it.
 """
-import os
 
 import numpy
 
@@ -50,12 +50,14 @@ from caffeplus.memory import liveness
 from caffeplus.memory.plan import PLACING
 from caffeplus.solver.nan_check import installed_mode
 
-ENV = 'CAFFEPLUS_UPDATE_IN_BACKWARD'
+ENV = 'CAFFEPLUS_UPDATE_IN_BACKWARD'     # (named in messages; caffeplus.config reads it)
 
 
-def enabled():
-    """Whether the plans place the gradients for a solver (the environment)."""
-    return os.environ.get(ENV, '1').strip().lower() not in ('0', 'false', 'off', 'no')
+def enabled(solver=None):
+    """Whether the plans place the gradients for a solver (the
+    update_in_backward setting, caffeplus.config; `solver`'s own field counts)."""
+    from caffeplus import config
+    return config.get('update_in_backward', solver=getattr(solver, 'param', None))
 
 
 def places_gradients(plan_name, solver=None):
@@ -70,8 +72,10 @@ def blockers(solver):
     """Why `solver` cannot update in backward now (empty: it can)."""
     p = solver.param
     out = []
-    if not enabled():
-        out.append('%s=0' % ENV)
+    if not enabled(solver):
+        from caffeplus import config
+        out.append('update_in_backward is off (%s)'
+                   % config.lookup('update_in_backward', solver=p)[1])
     if p.iter_size > 1:
         out.append('iter_size %d accumulates gradients over passes' % p.iter_size)
     if p.clip_gradients >= 0:
