@@ -11,7 +11,7 @@ on each input in turn, in this one run:
   constant  DummyData with constant fillers (filled once: compute-bound)
   raw       Data over raw uint8 Datums
   jpeg      Data over JPEG-encoded Datums
-  raw_host, jpeg_host   the same with CAFFEPLUS_DATA_ON_HOST=1: transformed
+  raw_host, jpeg_host   the same with TRANSFORM_ON_HOST (layers/data.py): transformed
             on the host, the float32 batch copied (not run by default)
 
 and prints ms per iteration (from the log's timestamps, iterations
@@ -130,6 +130,12 @@ def ms_per_iter(log, first, last):
     return 1000.0 * (times[last] - times[first]) / (last - first)
 
 
+# `caffeplus train` with Data transforming on the host (layers/data.py's
+# TRANSFORM_ON_HOST, a comparison switch and no user setting).
+ON_HOST_MAIN = ('import sys; from caffeplus.layers import data; data.TRANSFORM_ON_HOST = True; '
+                'from caffeplus.cli import main; sys.exit(main(sys.argv[1:]))')
+
+
 def run_train(folder, name, net_text, args, on_host=False):
     net_path = os.path.join(folder, name + '.prototxt')
     with open(net_path, 'w') as f:
@@ -137,12 +143,12 @@ def run_train(folder, name, net_text, args, on_host=False):
     solver = os.path.join(folder, name + '_solver.prototxt')
     with open(solver, 'w') as f:
         f.write(solver_text(net_path, args.last + 10, os.path.join(folder, name)))
-    cmd = [sys.executable, '-m', 'caffeplus', 'train', '-solver', solver, '-gpu', str(args.gpu)]
+    start = [sys.executable, '-c', ON_HOST_MAIN] if on_host else [sys.executable, '-m', 'caffeplus']
+    cmd = start + ['train', '-solver', solver, '-gpu', str(args.gpu)]
     if args.workers:
         cmd += ['--data_workers', str(args.workers)]
     t = time.time()
-    env = dict(os.environ, CAFFEPLUS_DATA_ON_HOST='1' if on_host else '0')
-    p = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, env=env)
+    p = subprocess.run(cmd, cwd=folder, capture_output=True, text=True)
     log = p.stdout + p.stderr
     if p.returncode != 0:
         print(log[-3000:], file=sys.stderr)

@@ -111,7 +111,8 @@ def worker_caffeplus(args):
     from caffeplus.cudnn import api
     api.set_graphs('nographs' not in variants)
     if 'nogroups' in variants:
-        os.environ['CAFFEPLUS_CUDNN_PER_GROUP'] = '0'
+        from caffeplus.cudnn import algo_search
+        algo_search.PER_GROUP_SEARCH = False
     if (search or args.search) == 'timed':
         workspace.set_search('timed')
     os.environ.setdefault('GLOG_minloglevel', '2')

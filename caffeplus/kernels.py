@@ -33,7 +33,6 @@ it with one thread per CUDA thread), so the layers' GPU code paths can be
 checked against the CPU layers on a machine without a GPU.
 """
 import collections
-import os
 import re
 
 import numpy
@@ -63,13 +62,15 @@ u32 = numpy.uint32
 i32 = numpy.int32
 f32 = numpy.float32
 
-_state = {'module': None, 'kernels': {}, 'enabled': os.environ.get('CAFFEPLUS_FUSED', '1') != '0',
+# Whether the GPU layers use these kernels at first (set_enabled changes it).
+ENABLED = True
+_state = {'module': None, 'kernels': {}, 'enabled': ENABLED,
           'emulator': None, 'failures': [], 'ndarray': None, 'planner': None, 'broken': None}
 
 
 # -- switches -------------------------------------------------------------------
 def enabled():
-    """Whether the GPU layers use these kernels (CAFFEPLUS_FUSED=0 turns them off)."""
+    """Whether the GPU layers use these kernels (set_enabled(False) turns them off)."""
     return _state['enabled']
 
 

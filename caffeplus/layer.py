@@ -15,7 +15,6 @@ Each layer class also declares, for the memory planner:
                   its bottom's gradient over its top's (a reusing plan may
                   then place both in the same bytes: liveness.diff_overlays)
 """
-import os
 
 import numpy
 
@@ -49,9 +48,10 @@ def layer_class(type_name):
 # GPU_ENGINES: layer type -> the cuDNN class (layers/cudnn_*.py) that create_layer
 # picks when the layer's engine is DEFAULT or CUDNN; engine: CAFFE keeps the
 # generic class. The cuDNN classes fall back to the generic code on NumPy
-# arrays, so picking them costs CPU runs nothing. CAFFEPLUS_ENGINE=CAFFE in
-# the environment keeps the generic classes everywhere.
+# arrays, so picking them costs CPU runs nothing. CUDNN_ENGINES = False keeps
+# the generic classes everywhere.
 GPU_ENGINES = {}
+CUDNN_ENGINES = True
 ENGINE_DEFAULT, ENGINE_CAFFE, ENGINE_CUDNN = 0, 1, 2
 ENGINE_FIELDS = {'Convolution': 'convolution_param', 'Deconvolution': 'convolution_param',
                  'Pooling': 'pooling_param', 'LRN': 'lrn_param', 'ReLU': 'relu_param',
@@ -92,8 +92,7 @@ def create_layer(layer_param):
             "Unknown layer type: '%s' (layer '%s')%s Known types: %s"
             % (layer_param.type, layer_param.name, hint, ', '.join(layer_types())))
     gpu_cls = GPU_ENGINES.get(layer_param.type)
-    if gpu_cls is not None and layer_engine(layer_param) != ENGINE_CAFFE and \
-            os.environ.get('CAFFEPLUS_ENGINE', '').upper() != 'CAFFE':
+    if gpu_cls is not None and layer_engine(layer_param) != ENGINE_CAFFE and CUDNN_ENGINES:
         cls = gpu_cls
     return cls(layer_param)
 

@@ -24,7 +24,8 @@ def main(argv=None):
     ap.add_argument('--plan', default='shared')
     ap.add_argument('--offload', default='free')
     args = ap.parse_args(argv)
-    os.environ['CAFFEPLUS_THREAD_STACK'] = '0'
+    from caffeplus.memory import thread_stack
+    thread_stack.LIMIT_FOR_PLACING_PLANS = 0
     os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
     import cupy
     from caffeplus import backend

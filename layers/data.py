@@ -67,6 +67,11 @@ class InputLayer(Layer):
         pass
 
 
+# True: DummyData draws on the host in GPU mode too, as stock Caffe does (a
+# GPU run then sees a CPU run's numbers; slower).
+DUMMYDATA_ON_HOST = False
+
+
 @register
 class DummyDataLayer(Layer):
     """Tops filled by fillers; constant fillers are filled once (as Caffe).
@@ -115,10 +120,7 @@ class DummyDataLayer(Layer):
         pass
 
     def _forward(self, bottom, top):
-        # CAFFEPLUS_DUMMYDATA_ON_HOST=1: draw on the host as stock Caffe does
-        # (a GPU run then sees a CPU run's numbers; slower).
-        on_device = backend.mode() == backend.GPU and \
-            os.environ.get('CAFFEPLUS_DUMMYDATA_ON_HOST', '') in ('', '0')
+        on_device = backend.mode() == backend.GPU and not DUMMYDATA_ON_HOST
         for t, f, refill in zip(top, self.fillers, self.refill):
             if not refill:
                 continue
@@ -237,9 +239,9 @@ class _Prefetcher:
         self._failure = None
 
 
-# Set to 1: Data and ImageData transform on the host in GPU mode too (the
+# True: Data and ImageData transform on the host in GPU mode too (the
 # float32 batch is then copied to the device), for comparison.
-DATA_ON_HOST_ENV = 'CAFFEPLUS_DATA_ON_HOST'
+TRANSFORM_ON_HOST = False
 
 # The net waiting for its data longer than this share of the time between
 # two forward passes (an iteration, with iter_size 1) is worth a warning: the
@@ -383,7 +385,7 @@ class BasePrefetchingDataLayer(Layer):
         buffers = getattr(self.source, 'buffers', None)
         if backend.mode() != backend.GPU or buffers is None:
             return None
-        if os.environ.get(DATA_ON_HOST_ENV, '') not in ('', '0'):
+        if TRANSFORM_ON_HOST:
             return None
         from caffeplus.io.device_transform import DeviceStager
         buffers.stager = DeviceStager(backend.device(), buffers.raw.shape)

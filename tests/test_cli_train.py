@@ -533,7 +533,8 @@ def test_train_test_time_on_gpu(tiny, monkeypatch):
     import caffeplus
     # DummyData drawn on the host in GPU mode too: the GPU run sees the CPU
     # run's numbers (by default the GPU draws its own, on the device).
-    monkeypatch.setenv('CAFFEPLUS_DUMMYDATA_ON_HOST', '1')
+    from caffeplus.layers import data as data_layers
+    monkeypatch.setattr(data_layers, 'DUMMYDATA_ON_HOST', True)
     try:
         rc, cpu = run_cli(tiny, 'train', '-solver', 'solver.prototxt')
         assert rc == 0

@@ -20,7 +20,6 @@ PROBE = os.path.join(ROOT, 'dev', 'cublas_workspace_probe.py')
 @pytest.fixture(autouse=True)
 def _no_env(monkeypatch):
     monkeypatch.delenv(cublas_pool.ENV, raising=False)
-    monkeypatch.delenv(cublas_pool.ARENA_ENV, raising=False)
 
 
 def test_plans_but_stock_ask_for_one_buffer_on_hopper_only(monkeypatch):
@@ -79,7 +78,7 @@ def test_placing_plans_put_the_gemms_workspace_in_the_arena_on_hopper_only(monke
     monkeypatch.setenv(cublas_pool.ENV, ':4096:8')            # the user's own cuBLAS
     assert cublas_pool.arena_bytes('shared', '90') == 0
     monkeypatch.delenv(cublas_pool.ENV)
-    monkeypatch.setenv(cublas_pool.ARENA_ENV, '0')
+    monkeypatch.setattr(cublas_pool, 'IN_ARENA', False)
     assert cublas_pool.arena_bytes('shared', '90') == 0
 
 
@@ -208,7 +207,7 @@ def _result_of_fresh_process(script, *args):
     setting for the process's first handle), without the user's cuBLAS
     settings."""
     env = {k: v for k, v in os.environ.items()
-           if k not in (cublas_pool.ENV, cublas_pool.ARENA_ENV)}
+           if k != cublas_pool.ENV}
     env['PYTHONPATH'] = os.pathsep.join([ROOT, os.path.join(ROOT, 'tests')] +
                                         env.get('PYTHONPATH', '').split(os.pathsep))
     run = subprocess.run([sys.executable, '-c', script] + list(args), cwd=ROOT,

@@ -134,7 +134,8 @@ def test_staging_memory_stays_bounded(tmp_path, gpu):
 
 
 def test_data_on_host_setting_keeps_the_host_transform(tmp_path, gpu, monkeypatch):
-    monkeypatch.setenv('CAFFEPLUS_DATA_ON_HOST', '1')
+    from caffeplus.layers import data as data_layers
+    monkeypatch.setattr(data_layers, 'TRANSFORM_ON_HOST', True)
     source = _write_lmdb(tmp_path / 'db', _images(6), None)
     layer, tops = _data_layer(source, TRANSFORM, batch=3)
     assert layer.stager is None

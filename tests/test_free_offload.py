@@ -12,6 +12,7 @@ import pytest
 
 import caffeplus
 
+from caffeplus import config
 from caffeplus.memory import free_offload, liveness, offload
 from caffeplus.memory.apply import apply_named_plan
 from caffeplus.memory.budget import estimate_plan
@@ -186,7 +187,7 @@ def test_free_estimate_adds_no_time_and_no_memory(monkeypatch):
     # A map offloaded is not made again (caffeplus.memory.recompute): that
     # forward's time is saved.
     assert free.est_iter_ms <= shared.est_iter_ms
-    monkeypatch.setenv('CAFFEPLUS_RECOMPUTE', '0')
+    config.set('recompute', '0')
     assert estimate_plan(net, 'offload', offload_policy='free').est_iter_ms == \
         pytest.approx(estimate_plan(net, 'shared').est_iter_ms)
     # The offload runtime holds no device memory of its own.
@@ -271,21 +272,20 @@ def test_the_choice_takes_the_median_of_several_timed_iterations(monkeypatch):
 
 def test_step_share_defaults_and_setting(monkeypatch):
     from caffeplus.errors import CaffeplusError
-    monkeypatch.delenv(free_offload.STEP_SHARE_ENV, raising=False)
     assert free_offload.step_share() == free_offload.STEP_SHARE == 0.8
-    monkeypatch.setenv(free_offload.STEP_SHARE_ENV, '1')
+    monkeypatch.setattr(free_offload, 'STEP_SHARE', 1)
     assert free_offload.step_share() == 1.0
-    for bad in ('0', '1.5', '-0.2', 'most'):
-        monkeypatch.setenv(free_offload.STEP_SHARE_ENV, bad)
-        with pytest.raises(CaffeplusError, match='CAFFEPLUS_FREE_STEP_SHARE must be a share'):
+    for bad in (0, 1.5, -0.2, 'most'):
+        monkeypatch.setattr(free_offload, 'STEP_SHARE', bad)
+        with pytest.raises(CaffeplusError, match='STEP_SHARE must be a share'):
             free_offload.step_share()
 
 
-@pytest.mark.parametrize('share', ['1', '0.5'])
+@pytest.mark.parametrize('share', [1, 0.5])
 def test_runtime_and_estimate_hide_copies_behind_the_share_of_the_steps(monkeypatch, share):
     """The runtime chooses on its measured step times and the estimate on
     its modelled ones, both times the share: the times choose_hidden sees."""
-    monkeypatch.setenv(free_offload.STEP_SHARE_ENV, share)
+    monkeypatch.setattr(free_offload, 'STEP_SHARE', share)
     real, seen = free_offload.choose_hidden, []
 
     def spy(net, bufs, candidates, step_seconds, *args, **kw):
@@ -321,7 +321,7 @@ def test_on_the_gpu_a_step_hides_copies_behind_at_most_its_modelled_time(monkeyp
     the simulated CPU device keeps its measured steps; the setting lifts it."""
     from caffeplus.memory import workspace_model as wm
     from caffeplus.memory.offload_runtime import OffloadRuntime
-    monkeypatch.setenv(free_offload.STEP_SHARE_ENV, '0.5')
+    monkeypatch.setattr(free_offload, 'STEP_SHARE', 0.5)
     assert free_offload.hiding_seconds([2.0, 1.0, 4.0], 0.5) == [1.0, 0.5, 2.0]
     assert free_offload.hiding_seconds([2.0, 1.0, 4.0], 0.5, [1.0, 3.0, 0.0]) == [0.5, 0.5, 0.0]
     net = small_net(text=CHAIN)
@@ -338,11 +338,11 @@ def test_on_the_gpu_a_step_hides_copies_behind_at_most_its_modelled_time(monkeyp
                      runtime_options={'simulate': 'eager', 'bandwidth': 1e15})
     rt = net.applied_plan.runtime
     measured = [m * 1e3 + 1.0 for m in modelled]       # a host far slower than the model
-    for kind, bound, want in (('sim', '', [t * 0.5 for t in measured]),
-                              ('cuda', '', [t * 0.5 for t in modelled]),
-                              ('cuda', '0', [t * 0.5 for t in measured])):
+    for kind, bound, want in (('sim', True, [t * 0.5 for t in measured]),
+                              ('cuda', True, [t * 0.5 for t in modelled]),
+                              ('cuda', False, [t * 0.5 for t in measured])):
         monkeypatch.setattr(rt.device, 'kind', kind)
-        monkeypatch.setenv(free_offload.MODEL_BOUND_ENV, bound)
+        monkeypatch.setattr(free_offload, 'MODEL_BOUND', bound)
         OffloadRuntime._choose_free(rt, measured, 1e9)
         assert seen[-1] == pytest.approx(want), kind
 

@@ -432,8 +432,9 @@ def test_trades_past_each_calls_share_spend_one_allowance_for_the_net(monkeypatc
     share of the calls' summed best times, largest overflow first; when the
     time left cannot pay for the next one, none after it is made either
     (the peak would stay where that one puts it)."""
-    from caffeplus.memory.workspace import (PLAN_TRADE_SHARE, TRADE_SHARE_ENV,
-                                            trade_for_room, trade_time_share, within_headroom)
+    from caffeplus.memory import workspace
+    from caffeplus.memory.workspace import (PLAN_TRADE_SHARE, trade_for_room,
+                                            trade_time_share, within_headroom)
 
     class Timed(Cand):
         def __init__(self, algo, memory, time):
@@ -468,13 +469,12 @@ def test_trades_past_each_calls_share_spend_one_allowance_for_the_net(monkeypatc
     untimed = [Timed(1, 900, -1), Timed(2, 0, -1)]
     assert trade_for_room([('h', untimed, untimed[0], 10)], 1.0)['h'] is untimed[0]
     # per plan, and the setting
-    monkeypatch.delenv(TRADE_SHARE_ENV, raising=False)
     assert trade_time_share('shared') == PLAN_TRADE_SHARE['shared'] == 0.0
     assert trade_time_share('offload') == trade_time_share('auto') > 0
-    monkeypatch.setenv(TRADE_SHARE_ENV, '0.05')
+    monkeypatch.setattr(workspace, 'TRADE_SHARE_FOR_EVERY_PLAN', 0.05)
     assert trade_time_share('shared') == 0.05
-    monkeypatch.setenv(TRADE_SHARE_ENV, 'lots')
-    with pytest.raises(CaffeplusError, match=TRADE_SHARE_ENV):
+    monkeypatch.setattr(workspace, 'TRADE_SHARE_FOR_EVERY_PLAN', -0.5)
+    with pytest.raises(CaffeplusError, match='TRADE_SHARE_FOR_EVERY_PLAN'):
         trade_time_share('offload')
 
 
@@ -580,17 +580,16 @@ def test_shared_keeps_each_calls_fastest_algorithm(monkeypatch):
     """Plan `shared` promises `arena`'s time: its calls never trade their
     fastest algorithm for a slower one that fits (the trade saved no memory
     on the H100's bench nets); `offload` and `auto` trade up to 10%;
-    CAFFEPLUS_HEADROOM_SLOWDOWN sets another share, and a bad one is named."""
+    SLOWDOWN_FOR_EVERY_PLAN sets another share, and a bad one is named."""
     from caffeplus.errors import CaffeplusError
     from caffeplus.memory import workspace
-    monkeypatch.delenv(workspace.SLOWDOWN_ENV, raising=False)
     assert workspace.headroom_slowdown('shared') == 0.0
     assert workspace.headroom_slowdown('offload') == workspace.headroom_slowdown('auto') == 0.10
-    monkeypatch.setenv(workspace.SLOWDOWN_ENV, '0.05')
+    monkeypatch.setattr(workspace, 'SLOWDOWN_FOR_EVERY_PLAN', 0.05)
     assert workspace.headroom_slowdown('shared') == workspace.headroom_slowdown('offload') == 0.05
-    for bad in ('ten', '-1'):
-        monkeypatch.setenv(workspace.SLOWDOWN_ENV, bad)
-        with pytest.raises(CaffeplusError, match=workspace.SLOWDOWN_ENV):
+    for bad in (-1, float('nan')):
+        monkeypatch.setattr(workspace, 'SLOWDOWN_FOR_EVERY_PLAN', bad)
+        with pytest.raises(CaffeplusError, match='SLOWDOWN_FOR_EVERY_PLAN'):
             workspace.headroom_slowdown('shared')
     # What within_headroom does with either share: a 5% slower candidate
     # that fits is taken at 10%, not at 0.

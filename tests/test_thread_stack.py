@@ -17,27 +17,27 @@ ALEXNET = os.path.join(SHARED, 'bench', 'alexnet_b128.prototxt')
 
 
 @pytest.fixture(autouse=True)
-def _no_env(monkeypatch):
-    monkeypatch.delenv(thread_stack.ENV, raising=False)
-    monkeypatch.delenv(thread_stack.SETTLE_ENV, raising=False)
+def _no_setting(monkeypatch):
+    monkeypatch.setattr(thread_stack, 'LIMIT_FOR_PLACING_PLANS', None)
+    monkeypatch.setattr(thread_stack, 'SETTLE', True)
 
 
 def test_stock_keeps_cuda_default_and_the_other_plans_lower_it(monkeypatch):
     assert thread_stack.wanted_bytes('stock') == 1024
     for plan in ('arena', 'shared', 'offload', 'auto'):
         assert thread_stack.wanted_bytes(plan) == thread_stack.THREAD_STACK_BYTES < 1024
-    monkeypatch.setenv(thread_stack.ENV, '0')
+    monkeypatch.setattr(thread_stack, 'LIMIT_FOR_PLACING_PLANS', 0)
     assert thread_stack.wanted_bytes('shared') == 0
     assert thread_stack.wanted_bytes('stock') == 1024
-    monkeypatch.setenv(thread_stack.ENV, 'default')
+    monkeypatch.setattr(thread_stack, 'LIMIT_FOR_PLACING_PLANS', 'default')
     assert thread_stack.wanted_bytes('shared') == 1024
     assert thread_stack.saved_bytes('shared') == 0
 
 
-@pytest.mark.parametrize('value', ['-1', 'lots', '1.5'])
+@pytest.mark.parametrize('value', [-1, 'lots', 1.5])
 def test_a_bad_setting_is_a_clear_error(monkeypatch, value):
-    monkeypatch.setenv(thread_stack.ENV, value)
-    with pytest.raises(CaffeplusError, match="CAFFEPLUS_THREAD_STACK must be a number of bytes"):
+    monkeypatch.setattr(thread_stack, 'LIMIT_FOR_PLACING_PLANS', value)
+    with pytest.raises(CaffeplusError, match="LIMIT_FOR_PLACING_PLANS must be a number of bytes"):
         thread_stack.wanted_bytes('shared')
 
 
@@ -49,10 +49,10 @@ def test_the_placing_plans_settle_lower_after_their_search(monkeypatch):
         assert not thread_stack.settles(plan)
         assert thread_stack.modelled_bytes(plan) == thread_stack.wanted_bytes(plan)
     # a limit the user set is kept; so is the fixed one when settling is off
-    monkeypatch.setenv(thread_stack.ENV, '512')
+    monkeypatch.setattr(thread_stack, 'LIMIT_FOR_PLACING_PLANS', 512)
     assert not thread_stack.settles('shared') and thread_stack.modelled_bytes('shared') == 512
-    monkeypatch.delenv(thread_stack.ENV)
-    monkeypatch.setenv(thread_stack.SETTLE_ENV, '0')
+    monkeypatch.setattr(thread_stack, 'LIMIT_FOR_PLACING_PLANS', None)
+    monkeypatch.setattr(thread_stack, 'SETTLE', False)
     assert not thread_stack.settles('offload')
     assert thread_stack.modelled_bytes('offload') == thread_stack.THREAD_STACK_BYTES
     assert not thread_stack.settle('offload')       # nothing to do, and no GPU touched
@@ -69,7 +69,7 @@ def test_the_estimate_counts_what_the_limit_saves(monkeypatch):
         pytest.fail('test data missing')
     net = shapes.build_net(shapes.load_net_param(ALEXNET))
     lower = wm.other_bytes(net, 'arena')
-    monkeypatch.setenv(thread_stack.ENV, 'default')
+    monkeypatch.setattr(thread_stack, 'LIMIT_FOR_PLACING_PLANS', 'default')
     assert wm.other_bytes(net, 'arena') - lower == 816 * 270336
 
 
@@ -104,9 +104,9 @@ def test_gpu_training_is_the_same_at_any_limit(monkeypatch):
     """A kernel that needs more stack than the limit gets it from the
     driver: training from stack 0 is bit-identical to CUDA's default."""
     param = vgg_like()
-    monkeypatch.setenv(thread_stack.ENV, 'default')
+    monkeypatch.setattr(thread_stack, 'LIMIT_FOR_PLACING_PLANS', 'default')
     default = cpe.train(param, 'shared', 5, 0, gpu=0, math='deterministic')
-    monkeypatch.setenv(thread_stack.ENV, '0')
+    monkeypatch.setattr(thread_stack, 'LIMIT_FOR_PLACING_PLANS', 0)
     lowest = cpe.train(param, 'shared', 5, 0, gpu=0, math='deterministic')
     assert not cpe.differences(default, lowest), cpe.differences(default, lowest)
 

@@ -14,7 +14,6 @@ graph, which from then on is launched instead (a few microseconds), the
 same kernels with the same arguments.
 """
 import ctypes
-import os
 import weakref
 
 from caffeplus.cudnn.lib import BwdDataPerf, BwdFilterPerf, FwdPerf, call, library
@@ -348,20 +347,21 @@ def lrn_backward(lrn, x, ya, dya, xa, dxa):
 
 
 # -- CUDA-graph replays of cuDNN calls --------------------------------------------
+# Whether cuDNN calls replay as CUDA graphs unless set_graphs says otherwise.
+GRAPHS = True
 _graphs = {'on': None, 'streams': {}, 'captured': 0, 'failed': 0, 'launched': 0}
 
 
 def graphs_enabled():
-    """Replays on (the default) unless CAFFEPLUS_CUDNN_GRAPHS=0 or set_graphs(False)."""
+    """Replays on (GRAPHS, the default) unless set_graphs(False)."""
     on = _graphs['on']
     if on is None:
-        on = _graphs['on'] = os.environ.get('CAFFEPLUS_CUDNN_GRAPHS', '1').strip().lower() \
-            not in ('0', 'off', 'false', 'no')
+        on = _graphs['on'] = bool(GRAPHS)
     return on
 
 
 def set_graphs(on):
-    """Turn replays on or off (None: back to the environment); returns the previous state."""
+    """Turn replays on or off (None: back to GRAPHS); returns the previous state."""
     previous = graphs_enabled()
     _graphs['on'] = None if on is None else bool(on)
     return previous

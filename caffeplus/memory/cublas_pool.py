@@ -25,8 +25,8 @@ placed at that layer's forward step and at its backward step
 below the peak; CuPy's handle, with its one buffer, is then made only if
 something else calls cuBLAS (a 1x1 convolution timed as a GEMM, the
 generic layers). Each call still sees 32 MiB, so the bits stay
-(dev/cublas_workspace_probe.py --own). CAFFEPLUS_CUBLAS_IN_ARENA=0
-keeps every GEMM on CuPy's handle.
+(dev/cublas_workspace_probe.py --own). IN_ARENA = False keeps every GEMM
+on CuPy's handle.
 """
 import os
 
@@ -40,7 +40,8 @@ SAVED_BYTES = 32 * 1024 * 1024
 # The workspace each GEMM sees on Hopper, and what a placing plan places
 # for an InnerProduct's calls (the estimate's, for the H100).
 ARENA_BYTES = 32 * 1024 * 1024
-ARENA_ENV = 'CAFFEPLUS_CUBLAS_IN_ARENA'
+# The placing plans run the InnerProduct GEMMs on their own handle in the arena.
+IN_ARENA = True
 
 
 def wanted(plan_name, compute_capability):
@@ -67,7 +68,7 @@ def apply(plan_name):
 
 
 def _in_arena_wanted():
-    return os.environ.get(ARENA_ENV, '1').strip().lower() not in ('0', 'off', 'false', 'no')
+    return IN_ARENA
 
 
 def arena_bytes(plan_name, compute_capability):
@@ -75,7 +76,7 @@ def arena_bytes(plan_name, compute_capability):
     call on a GPU of `compute_capability` (0: its GEMMs stay on CuPy's
     handle): a placing plan's on Hopper, unless the user set
     CUBLAS_WORKSPACE_CONFIG (their cuBLAS, their bits) or
-    CAFFEPLUS_CUBLAS_IN_ARENA=0."""
+    IN_ARENA is False."""
     if plan_name not in PLACING or not _in_arena_wanted():
         return 0
     if os.environ.get(ENV) not in (None, POOL):        # (POOL: apply() set it)

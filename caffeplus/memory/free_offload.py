@@ -24,36 +24,27 @@ map's copies still end in time and it leaves the device for at least one
 step (release < prefetch).
 """
 import collections
-import os
 
 from caffeplus.errors import CaffeplusError
 from caffeplus.memory import offload
 
 MARGIN = 1.25
 # Copies hide behind this share of the step times (the runtime's measured
-# ones, the estimate's modelled ones; CAFFEPLUS_FREE_STEP_SHARE sets
-# another, in (0, 1]). Behind the whole steps the copies are not hidden:
+# ones, the estimate's modelled ones; in (0, 1]). Behind the whole steps the copies are not hidden:
 # interleaved with `shared` (benchmarks/time_plans.py) GoogLeNet runs x1.30 and
 # ResNet-50 x1.04-1.08, the layers' stream waiting about 1.5 ms an iteration
 # in forward for copies out still running (dev/trace_plans.py --offload
 # free); at 0.9 x1.12 and x1.02, at 0.8 x1.02 and x1.01, for 7% (GoogLeNet)
 # and 2.5% (ResNet-50) more memory.
 STEP_SHARE = 0.8
-STEP_SHARE_ENV = 'CAFFEPLUS_FREE_STEP_SHARE'
 
 
 def step_share():
-    """The share of the step times copies hide behind (STEP_SHARE, or the setting)."""
-    value = os.environ.get(STEP_SHARE_ENV, '').strip()
-    if not value:
-        return STEP_SHARE
-    try:
-        share = float(value)
-    except ValueError:
-        share = -1.0
-    if not 0.0 < share <= 1.0:
-        raise CaffeplusError('%s must be a share of the step times in (0, 1], not %r'
-                             % (STEP_SHARE_ENV, value))
+    """The share of the step times copies hide behind (STEP_SHARE, checked)."""
+    share = STEP_SHARE
+    if not isinstance(share, (int, float)) or not 0.0 < share <= 1.0:
+        raise CaffeplusError('STEP_SHARE must be a share of the step times in (0, 1], not %r'
+                             % (share,))
     return share
 
 
@@ -67,12 +58,12 @@ Hidden = collections.namedtuple('Hidden', 'release prefetch')
 # device time (caffeplus.memory.workspace_model, what the estimate hides
 # behind). Behind its measured steps GoogLeNet's runtime moves about 900 MB
 # each way an iteration and runs x1.07-1.14 of `shared`; the model hides
-# none of them. CAFFEPLUS_FREE_MODEL_BOUND=0 lifts the bound.
-MODEL_BOUND_ENV = 'CAFFEPLUS_FREE_MODEL_BOUND'
+# none of them. False lifts the bound.
+MODEL_BOUND = True
 
 
 def model_bound():
-    return os.environ.get(MODEL_BOUND_ENV, '').strip().lower() not in ('0', 'off', 'false', 'no')
+    return MODEL_BOUND
 
 
 def modelled_step_seconds(net):

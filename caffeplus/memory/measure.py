@@ -61,7 +61,6 @@ group cuDNN handles per layer; the other plans: one arena, capped for
 `auto` at the cap its search chose).
 """
 import gc
-import os
 import time
 
 from caffeplus import backend
@@ -70,9 +69,9 @@ from caffeplus.memory import liveness, thread_stack
 from caffeplus.memory.plan import CATEGORIES, workspace_calls
 
 FLOAT_BYTES = 4
-# CAFFEPLUS_MEMORY_LAYOUT=1: each plan's entry also lists the buffers its
-# arena placed (as dev/arena_layout.py --json writes them).
-LAYOUT_ENV = 'CAFFEPLUS_MEMORY_LAYOUT'
+# True: each plan's entry also lists the buffers its arena placed (as
+# dev/arena_layout.py --json writes them), to place again without a GPU.
+LIST_ARENA_LAYOUT = False
 LAYOUT_FIELDS = ('name', 'kind', 'nbytes', 'start', 'end', 'offset')
 
 
@@ -529,7 +528,7 @@ def measure_plan(net_param, plan, gpu, solver_type='SGD', iterations=1, apply=No
                 'workspace_calls': dict(getattr(applied, 'workspace_calls', None) or
                                         (workspace_calls(ran) if ran is not None else {})),
             }
-            if os.environ.get(LAYOUT_ENV, '').strip() not in ('', '0') and \
+            if LIST_ARENA_LAYOUT and \
                     hasattr(applied, 'placed_rows'):
                 # Every placed buffer, to place again on a machine without a GPU.
                 result['arena_layout'] = [dict(zip(LAYOUT_FIELDS, row))

@@ -12,7 +12,6 @@ runs were seen to need (THREAD_STACK_BYTES).
 not touch the limit. CAFFEPLUS_THREAD_STACK=BYTES sets another limit for
 the other plans ('default' leaves CUDA's).
 """
-import os
 
 from caffeplus.errors import CaffeplusError
 from caffeplus.memory.plan import PLACING
@@ -36,10 +35,13 @@ THREAD_STACK_BYTES = 208
 # again. For the estimate: the most the four benchmark nets' chosen kernels
 # needed.
 SETTLED_MODEL_BYTES = 160
-SETTLE_ENV = 'CAFFEPLUS_STACK_SETTLE'
+# False: the limit stays where the timed search left it.
+SETTLE = True
 # Threads an H100 holds at once: what the estimate (made without a GPU) scales by.
 H100_THREADS = 132 * 2048
-ENV = 'CAFFEPLUS_THREAD_STACK'
+# Another limit for the placing plans, in bytes, or 'default' (CUDA's);
+# None: THREAD_STACK_BYTES. A limit given here is never settled.
+LIMIT_FOR_PLACING_PLANS = None
 _STACK_LIMIT = 0                        # cudaLimitStackSize
 
 
@@ -47,26 +49,23 @@ def wanted_bytes(plan_name):
     """The per-thread stack limit a plan runs with."""
     if plan_name == 'stock':
         return CUDA_DEFAULT_BYTES
-    value = os.environ.get(ENV, '').strip().lower()
-    if not value:
+    value = LIMIT_FOR_PLACING_PLANS
+    if value is None:
         return THREAD_STACK_BYTES
     if value == 'default':
         return CUDA_DEFAULT_BYTES
-    try:
-        n = int(value)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise CaffeplusError("%s must be a number of bytes or 'default', not '%s'" % (ENV, value))
-    return n
+    if not isinstance(value, int) or value < 0:
+        raise CaffeplusError("LIMIT_FOR_PLACING_PLANS must be a number of bytes or 'default', "
+                             "not %r" % (value,))
+    return value
 
 
 def settles(plan_name):
     """Whether `plan_name` lowers the limit after its timed search (not
-    where the user set a limit, nor with CAFFEPLUS_STACK_SETTLE=0)."""
-    if plan_name not in PLACING or os.environ.get(ENV, '').strip():
+    where a limit is given, nor without SETTLE)."""
+    if plan_name not in PLACING or LIMIT_FOR_PLACING_PLANS is not None:
         return False
-    return os.environ.get(SETTLE_ENV, '1').strip().lower() not in ('0', 'off', 'false', 'no')
+    return SETTLE
 
 
 def modelled_bytes(plan_name):

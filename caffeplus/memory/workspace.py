@@ -40,7 +40,6 @@ the same algorithms. The layer also creates 3 * group cuDNN handles and CUDA
 streams, as Caffe does, so that the process's other memory matches stock.
 """
 import contextlib
-import os
 import weakref
 
 from caffeplus import backend, log
@@ -63,6 +62,9 @@ MARGIN_FRACTION = 0.05
 # plan peaks 4% under `stock` (at 3% it ties: 891 MiB is about what stock
 # Caffe's per-layer handles and buffers take beside the same blobs).
 KNEE_TOLERANCE = 0.07
+# A timed search's scratch and candidates stay within the bytes the placed
+# maps will hold (search_limit); False lets a candidate take any size.
+SEARCH_WITHIN_ROOM = True
 KINDS = ('fwd', 'bwd_data', 'bwd_filter')
 WORKSPACE_PLANS = ('stock', 'arena')
 
@@ -218,18 +220,9 @@ def least_within(sites, tolerance, limit=None):
 
 
 def knee_tolerance():
-    """KNEE_TOLERANCE, or CAFFEPLUS_WORKSPACE_TOLERANCE (a fraction; a
-    negative one turns the knee off: the fastest that fits, whatever it
-    takes)."""
-    import os
-    value = os.environ.get('CAFFEPLUS_WORKSPACE_TOLERANCE')
-    if value is None:
-        return KNEE_TOLERANCE
-    try:
-        return float(value)
-    except ValueError:
-        raise CaffeplusError('CAFFEPLUS_WORKSPACE_TOLERANCE must be a fraction such as 0.03, '
-                             'not %r' % value)
+    """KNEE_TOLERANCE (a fraction; a negative one turns the knee off: the
+    fastest that fits, whatever it takes)."""
+    return KNEE_TOLERANCE
 
 
 def plan_sites(sites, budget, deterministic=False, names=None):
@@ -526,7 +519,7 @@ class PlacedWorkspace(WorkspaceArena):
         maps' arena just to be timed; the ones chosen fit far within it
         (VGG-16 b64: 3.4 GB candidates for conv1_2, none chosen above 477 MB)."""
         room = self.search_room
-        if room is None or os.environ.get('CAFFEPLUS_SEARCH_ROOM', '').strip() == '0':
+        if room is None or not SEARCH_WITHIN_ROOM:
             return float('inf')
         return max(room - getattr(site.timer, 'scratch_bytes', 0), 0)
 
@@ -634,7 +627,9 @@ class PlacedWorkspace(WorkspaceArena):
 # of 1% of the net's convolution time on top slows AlexNet's `shared`
 # iterations from 14.6 to 17-19 ms on an H100 for no memory saved.)
 HEADROOM_SLOWDOWN = 0.10
-SLOWDOWN_ENV = 'CAFFEPLUS_HEADROOM_SLOWDOWN'
+# A share that replaces every plan's own (PLAN_SLOWDOWN, HEADROOM_SLOWDOWN)
+# when set (0: every call keeps its fastest); None: each plan's.
+SLOWDOWN_FOR_EVERY_PLAN = None
 # Plan `shared` promises `arena`'s iteration time: its calls keep their
 # fastest algorithms. The trade saves nothing there: with none of it,
 # shared's peaks are the same to the MiB on AlexNet, GoogLeNet, VGG-16 and
@@ -651,38 +646,35 @@ PLAN_SLOWDOWN = {'shared': 0.0}
 # 1,383-1,389); interleaved, `free` ran x1.031 of `shared` without trades
 # and x1.034 with them (benchmarks/time_plans.py). `shared` trades nothing.
 TRADE_TIME_SHARE = 0.06
-TRADE_SHARE_ENV = 'CAFFEPLUS_HEADROOM_TIME_SHARE'
 PLAN_TRADE_SHARE = {'shared': 0.0}
+# A share that replaces every plan's own (PLAN_TRADE_SHARE, TRADE_TIME_SHARE)
+# when set; None: each plan's.
+TRADE_SHARE_FOR_EVERY_PLAN = None
 
 
-def _share_setting(variable, hint):
-    """A share (0 or more) from the environment, or None where unset."""
-    value = os.environ.get(variable, '').strip()
-    if not value:
+def _share_setting(name, value):
+    """`value` (a share, 0 or more) checked, or None where unset."""
+    if value is None:
         return None
-    try:
-        share = float(value)
-    except ValueError:
-        share = -1.0
-    if not share >= 0:
-        raise CaffeplusError('%s=%r: give %s, 0 or more' % (variable, value, hint))
-    return share
+    if not value >= 0:
+        raise CaffeplusError('%s=%r: give a share, 0 or more' % (name, value))
+    return value
 
 
 def headroom_slowdown(plan_name=None):
     """How much slower than its fastest a call's algorithm may be where it
-    fits its step's room: CAFFEPLUS_HEADROOM_SLOWDOWN if set (0: every call
+    fits its step's room: SLOWDOWN_FOR_EVERY_PLAN if set (0: every call
     keeps its fastest), else the plan's (PLAN_SLOWDOWN), else
     HEADROOM_SLOWDOWN."""
-    share = _share_setting(SLOWDOWN_ENV, 'a share such as 0.1 (10% slower at most)')
+    share = _share_setting('SLOWDOWN_FOR_EVERY_PLAN', SLOWDOWN_FOR_EVERY_PLAN)
     return PLAN_SLOWDOWN.get(plan_name, HEADROOM_SLOWDOWN) if share is None else share
 
 
 def trade_time_share(plan_name=None):
     """The share of the net's convolution time a plan's trades may add
-    beyond each call's own slowdown: CAFFEPLUS_HEADROOM_TIME_SHARE if set,
+    beyond each call's own slowdown: TRADE_SHARE_FOR_EVERY_PLAN if set,
     else the plan's (PLAN_TRADE_SHARE), else TRADE_TIME_SHARE."""
-    share = _share_setting(TRADE_SHARE_ENV, 'a share of the convolution time such as 0.06')
+    share = _share_setting('TRADE_SHARE_FOR_EVERY_PLAN', TRADE_SHARE_FOR_EVERY_PLAN)
     return PLAN_TRADE_SHARE.get(plan_name, TRADE_TIME_SHARE) if share is None else share
 
 
