@@ -525,9 +525,11 @@ def test_data_workers_field_in_the_schema():
 
 
 def test_worker_count_precedence(monkeypatch):
+    from caffeplus import config
     monkeypatch.delenv(workers.ENV_VAR, raising=False)
     assert workers.resolve() == workers.host_cores()
     monkeypatch.setenv(workers.ENV_VAR, '7')
+    config.reload_environment()             # (read once a process otherwise)
     assert workers.resolve() == 7
     with workers.setting(3):                # the solver's
         assert workers.resolve() == 3
@@ -539,6 +541,7 @@ def test_worker_count_precedence(monkeypatch):
         with workers.setting(3), workers.setting(5):
             assert workers.resolve() == 2
     monkeypatch.setenv(workers.ENV_VAR, 'many')
+    config.reload_environment()
     with pytest.raises(CaffeplusError, match=workers.ENV_VAR):
         workers.resolve()
 
