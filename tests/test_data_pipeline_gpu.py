@@ -2,6 +2,7 @@
 transformed there (caffeplus.io.device_transform.DeviceStager); the batches
 must be the CPU path's bit for bit, for any worker count, across a resume,
 and the staging memory must stay bounded however many batches pass."""
+import gc
 import numpy
 import pytest
 
@@ -116,6 +117,9 @@ def test_staging_memory_stays_bounded(tmp_path, gpu):
     layer, tops = _data_layer(source, TRANSFORM, batch=4, count=2)
     try:
         _batches(layer, tops, 10, close=False)
+        # What earlier tests left for the collector is freed now, not
+        # while this test counts the pools.
+        gc.collect()
         cupy.cuda.Device().synchronize()
         pool, pinned = cupy.get_default_memory_pool(), cupy.get_default_pinned_memory_pool()
         used, pinned_free = pool.used_bytes(), pinned.n_free_blocks()
