@@ -234,7 +234,10 @@ class _Prefetcher:
             return
         self._stop.set()
         self._free.release()
-        thread.join()
+        # The layer's finalizer can run in any thread the collector runs in,
+        # the prefetch thread itself included: that one ends on its own.
+        if thread is not threading.current_thread():
+            thread.join()
         self._thread = None
         self._failure = None
 

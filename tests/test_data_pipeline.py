@@ -790,3 +790,31 @@ def test_map_chunked_keeps_order_and_raises_the_first_failure(count):
         assert pool.map_chunked(str, []) == []
     finally:
         pool.close()
+
+
+def test_stopping_the_prefetcher_from_its_own_thread_does_not_raise():
+    """A data layer collected by a garbage collection that the prefetch
+    thread triggered is finalized in that thread: stopping must not try to
+    join the thread it runs in."""
+    import threading
+    from caffeplus.layers import data as data_layers
+
+    class Source:
+        def load_batch(self):
+            return object()
+    pre = data_layers._Prefetcher(Source(), 1, 'test')
+    pre.start()
+    errors = []
+    pre._thread.join(timeout=0)           # started
+    done = threading.Event()
+
+    def stop_here():
+        try:
+            pre.stop()
+        except BaseException as exc:
+            errors.append(exc)
+        done.set()
+    pre._thread = threading.Thread(target=stop_here)
+    pre._thread.start()
+    assert done.wait(30)
+    assert errors == []
