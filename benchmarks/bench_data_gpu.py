@@ -147,6 +147,8 @@ def run_train(folder, name, net_text, args, on_host=False):
     cmd = start + ['train', '-solver', solver, '-gpu', str(args.gpu)]
     if args.workers:
         cmd += ['--data_workers', str(args.workers)]
+    if args.math:
+        cmd += ['--math', args.math]
     t = time.time()
     p = subprocess.run(cmd, cwd=folder, capture_output=True, text=True)
     log = p.stdout + p.stderr
@@ -165,15 +167,18 @@ def main(argv=None):
     ap.add_argument('--gpu', type=int, default=0)
     ap.add_argument('--first', type=int, default=20)
     ap.add_argument('--last', type=int, default=50)
+    ap.add_argument('--math', help='--math of caffeplus train (strict, the default; tf32)')
     ap.add_argument('--json')
     ap.add_argument('--logs', help='folder for the training logs')
     args = ap.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory(prefix='caffeplus-bench-data-') as folder:
-        t = time.time()
-        lmdbs, jpeg_size = make_lmdbs(folder, args.images)
-        print('made %d images (raw and JPEG, %.1f KB a JPEG) in %.1f s'
-              % (args.images, jpeg_size / 1024, time.time() - t), flush=True)
+        lmdbs, jpeg_size = {}, 0
+        if set(args.inputs.split(',')) - {'constant'}:
+            t = time.time()
+            lmdbs, jpeg_size = make_lmdbs(folder, args.images)
+            print('made %d images (raw and JPEG, %.1f KB a JPEG) in %.1f s'
+                  % (args.images, jpeg_size / 1024, time.time() - t), flush=True)
         print('| net | input | ms / iteration | images / s | of constant |')
         print('|---|---|---|---|---|')
         for net in args.nets.split(','):
@@ -202,7 +207,8 @@ def main(argv=None):
                     '%.0f%%' % (100 * frac) if frac else ''), flush=True)
     if args.json:
         with open(args.json, 'w') as f:
-            json.dump({'images': args.images, 'jpeg_kb': jpeg_size / 1024, 'results': results}, f, indent=1)
+            json.dump({'images': args.images, 'jpeg_kb': jpeg_size / 1024, 'math': args.math or 'strict',
+                       'results': results}, f, indent=1)
     return 0
 
 

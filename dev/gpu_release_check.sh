@@ -5,13 +5,15 @@
 #   3. benchmarks/bench_gpu.py on the nets not yet benchmarked (caffeplus vs PyTorch in the same run),
 #   4. (STEPS=stock) benchmarks/bench_stock_memory.py: the `stock` plan against stock Caffe's peaks,
 #   5. (STEPS=time) benchmarks/time_plans.py: `shared` against `offload --offload free`, interleaved.
-#   6. (STEPS=stockbits) dev/check_plans_equal.py: `stock` against `shared` and `arena` under
+#   6. (STEPS=speed) benchmarks/bench_data_gpu.py --inputs constant, strict and TF32 math,
+#   7. (STEPS=bits) dev/check_plans_equal.py: every plan bit-identical to `stock`, all nets,
+#   8. (STEPS=stockbits) dev/check_plans_equal.py: `stock` against `shared` and `arena` under
 #      deterministic math with Caffe's 8 MiB per call (as tests/test_memory_apply.py's GoogLeNet
 #      and ResNet-50 cases), naming the calls whose algorithms differ.
 # Prefer running it through dev/gpu_snapshot.sh (the committed tree only).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
 # (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
-# env: STEPS (tests,memory,probe,bench,stock,time,stockbits), TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
+# env: STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits), TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
 #      MEMORY_ITERS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S
 set -u
 OUT=${OUT:-/tmp/gpu_out}
@@ -95,5 +97,23 @@ if has stockbits; then
     --iters 10 --plans stock,shared,arena --algorithms > "$OUT/stockbits.log" 2>&1
   echo "rc=$?" >> "$OUT/stockbits.log"
   tail -n 40 "$OUT/stockbits.log"
+fi
+if has speed; then
+  for m in ${SPEED_MATH:-strict tf32}; do
+    stamp "caffeplus train, constant DummyData, math $m"
+    GLOG_minloglevel=2 timeout "${SPEED_S:-300}" python3 benchmarks/bench_data_gpu.py --inputs constant \
+      --nets ${SPEED_NETS:-alexnet_b128,googlenet_b64,vgg16_b64,resnet50_b64} --math $m \
+      --json "$OUT/speed_$m.json" > "$OUT/speed_$m.log" 2>&1
+    echo "rc=$?" >> "$OUT/speed_$m.log"
+    cat "$OUT/speed_$m.log"
+  done
+fi
+if has bits; then
+  stamp "plans bit-identical, deterministic math, ${BITS_ITERS:-50} iterations"
+  GLOG_minloglevel=2 timeout "${BITS_S:-300}" python3 dev/check_plans_equal.py --gpu 0 \
+    --math deterministic --workspace_limit 8388608 --iters ${BITS_ITERS:-50} \
+    --plans stock,shared,offload,arena > "$OUT/bits.log" 2>&1
+  echo "rc=$?" >> "$OUT/bits.log"
+  cat "$OUT/bits.log"
 fi
 stamp done
