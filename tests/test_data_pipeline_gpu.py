@@ -131,7 +131,12 @@ def test_staging_memory_stays_bounded(tmp_path, gpu):
         prefetch = layer.layer_param.data_param.prefetch
         assert slots <= len(layer.stager.slots) <= prefetch + 2
         assert layer.stager.pinned_buffers == 2
-        assert pool.used_bytes() <= used + 1024
+        # A restore may leave slots in flight, so that a few more are made
+        # (bounded above); beyond their bytes (CuPy rounds to 512) the pool
+        # holds nothing new.
+        slot_bytes = -(-layer.stager.layout.nbytes // 512) * 512
+        grown = len(layer.stager.slots) - slots
+        assert pool.used_bytes() <= used + grown * slot_bytes + 1024
         assert pinned.n_free_blocks() == pinned_free
     finally:
         layer.close()
