@@ -101,7 +101,7 @@ fi
 if has speed; then
   for m in ${SPEED_MATH:-strict tf32}; do
     stamp "caffeplus train, constant DummyData, math $m"
-    GLOG_minloglevel=2 timeout "${SPEED_S:-300}" python3 benchmarks/bench_data_gpu.py --inputs constant \
+    timeout "${SPEED_S:-300}" python3 benchmarks/bench_data_gpu.py --inputs constant \
       --nets ${SPEED_NETS:-alexnet_b128,googlenet_b64,vgg16_b64,resnet50_b64} --math $m \
       --json "$OUT/speed_$m.json" > "$OUT/speed_$m.log" 2>&1
     echo "rc=$?" >> "$OUT/speed_$m.log"
