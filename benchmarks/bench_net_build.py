@@ -192,16 +192,21 @@ class _Stamps(logging.Handler):
 
 def caffeplus_window_seconds(source, phase):
     """caffeplus's build timed over the window stock Caffe's log shows
-    (logging at INFO, as Caffe's did, into a handler that only notes times)."""
+    (logging at INFO, as Caffe's did: every line formatted and written, to
+    os.devnull, beside a handler that notes the two lines' times)."""
     handler = _Stamps()
+    devnull = open(os.devnull, 'w')
+    lines = logging.StreamHandler(devnull)          # formatted and written, as glog's
+    lines.setFormatter(log.GlogFormatter())
     handlers, level = log.logger.handlers[:], log.logger.level
-    log.logger.handlers = [handler]
+    log.logger.handlers = [lines, handler]
     log.logger.setLevel(logging.INFO)
     try:
         net = caffeplus.Net(source, phase)
     finally:
         log.logger.handlers = handlers
         log.logger.setLevel(level)
+        devnull.close()
     del net
     t = handler.times
     return t['Network initialization done'] - t['Initializing net from parameters']

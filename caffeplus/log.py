@@ -15,12 +15,18 @@ _LEVEL_CHAR = {logging.DEBUG: 'I', logging.INFO: 'I', logging.WARNING: 'W',
 
 
 class GlogFormatter(logging.Formatter):
+    # A net's build logs a few lines per layer; strftime for each line was a
+    # quarter of the cost of logging it, and the stamp changes once a second.
+    _second, _stamp = None, ''
+
     def format(self, record):
         t = record.created
-        stamp = time.strftime('%Y%m%d %H:%M:%S', time.localtime(t))
-        micros = int((t - int(t)) * 1e6)
+        second = int(t)
+        if second != self._second:
+            self._stamp = time.strftime('%Y%m%d %H:%M:%S', time.localtime(second))
+            self._second = second
         head = '%s%s.%06d %5d %s:%d] ' % (
-            _LEVEL_CHAR.get(record.levelno, 'I'), stamp, micros,
+            _LEVEL_CHAR.get(record.levelno, 'I'), self._stamp, int((t - second) * 1e6),
             record.process, record.filename, record.lineno)
         return head + record.getMessage()
 
