@@ -195,7 +195,8 @@ def _find_chains(net):
         return len(net.bottom_vecs[j]) == 1 and len(net.top_vecs[j]) == 1 and \
             net.bottom_vecs[j][0] is blob and net.top_vecs[j][0] is blob
     for i, layer in enumerate(layers):
-        if not isinstance(layer, GPUBatchNormLayer) or i + 1 >= L or not net.bottom_vecs[i]:
+        if not isinstance(layer, GPUBatchNormLayer) or layer.scale_bias or i + 1 >= L or \
+                not net.bottom_vecs[i]:
             continue
         blob = net.bottom_vecs[i][0]
         if not in_place_on(i, blob):
@@ -318,11 +319,12 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
     def _launch_forward(self, x, y, chain_flags=0, sc=None, bi=None):
         K = _kernels
         n, c, s = self._cfg
-        b0, b1, b2 = (K.flat(b) for b in self.blobs)
+        b0, b1, b2 = (K.flat(b) for b in self.blobs[:3])
         if b0 is None or b1 is None or b2 is None:
             return False
         batch = not self.use_global_stats
-        keep = batch or bool(chain_flags)
+        # A chain's Scale gradient reads the normalized copy too.
+        keep = self.keeps_normalized or bool(chain_flags and self._chain is not None)
         xn = self._buffers(keep)
         m = n * s
         corr = F32(m) / F32(m - 1) if m > 1 else F32(1)
@@ -392,6 +394,11 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         ch = self._chain
         if ch is not None and ch.fwd_active and ch.geometry_ok() and ch.forward(x, y):
             return True
+        if self.scale_bias:
+            s, b = K.flat(self.blobs[3]), K.flat(self.blobs[4])
+            if s is None or b is None:
+                return False
+            return self._launch_forward(x, y, K.BN_SCALE | K.BN_BIAS, s, b)
         return self._launch_forward(x, y)
 
     def _forward(self, bottom, top):
@@ -406,13 +413,27 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
             return False
         batch = not self.use_global_stats
         xn = self._x_norm
-        if batch and (xn is None or xn.size != count):
+        if (batch or self.scale_bias) and (xn is None or xn.size != count):
             return False
         dy, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
         if dy is None or dx is None or not K.is_device(self._std) or \
                 (xn is not None and not K.is_device(xn)):
             return False
         flags = K.BN_DX | (K.BN_BATCH if batch else 0)
+        if self.scale_bias:
+            # The kernel always writes dx; without it the generic code runs.
+            if not propagate_down[0]:
+                return False
+            s, b = K.flat(self.blobs[3]), K.flat(self.blobs[4])
+            want_ds, want_db = self.param_needs_backward(3), self.param_needs_backward(4)
+            ds = K.flat(self.blobs[3], diff=True) if want_ds else dx
+            db = K.flat(self.blobs[4], diff=True) if want_db else dx
+            if s is None or b is None or ds is None or db is None:
+                return False
+            flags |= K.BN_SCALE | K.BN_BIAS | (K.BN_DSCALE if want_ds else 0) | \
+                (K.BN_DBIAS if want_db else 0)
+            self._launch_backward(dy, xn, self._std, dx, s, b, ds, db, flags)
+            return True
         self._launch_backward(dy, xn if xn is not None else dy, self._std, dx, dy, dy, dx, dx,
                               flags)
         return True
@@ -421,7 +442,7 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         ch = self._chain
         if ch is not None and ch.bwd_done:
             return
-        if not propagate_down[0]:
+        if not propagate_down[0] and not self.scale_bias:
             return
         if not (_kernels.active() and _fused('BatchNorm backward', self._fast_backward, top,
                                             propagate_down, bottom)):

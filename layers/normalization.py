@@ -66,7 +66,9 @@ def _new_blob(layer, index, shape, filler):
 
 @register
 class BatchNormLayer(Layer):
-    """Normalize each channel (axis 1) by batch statistics (TRAIN) or stored ones."""
+    """Normalize each channel (axis 1) by batch statistics (TRAIN) or stored
+    ones; with NVCaffe's scale_bias, then scale and shift each channel by
+    learnable blobs 3 and 4 (a Scale layer with a bias, inside)."""
     type = 'BatchNorm'
     exact_num_bottom = 1
     exact_num_top = 1
@@ -84,8 +86,19 @@ class BatchNormLayer(Layer):
             self.use_global_stats = self.phase == caffe_pb2.TEST
         self.maf = F32(p.moving_average_fraction)
         self.eps = F32(p.eps)
+        self.scale_bias = bool(p.scale_bias)
         self._x_norm = None
         self._std = None
+
+    @property
+    def keeps_normalized(self):
+        """Whether forward keeps a copy of the normalized data for backward:
+        the batch-statistics gradient reads it, and so do scale_bias's
+        scale gradients."""
+        if not self.use_global_stats:
+            return True
+        return self.scale_bias and len(self.blobs) == 5 and (
+            self.param_needs_backward(3) or self.param_needs_backward(4))
 
     def _channels(self, bottom):
         if bottom.num_axes < 1:
@@ -94,24 +107,34 @@ class BatchNormLayer(Layer):
 
     def layer_setup(self, bottom, top):
         channels = self._channels(bottom[0])
+        expected = [channels, channels, 1] + ([channels, channels] if self.scale_bias else [])
         if self.blobs:
             counts = [b.count for b in self.blobs]
-            if counts != [channels, channels, 1]:
-                _fail(self, 'expected 3 statistics blobs of %d, %d and 1 values, found %s'
-                      % (channels, channels, [b.shape_string() for b in self.blobs]))
+            if counts != expected:
+                _fail(self, 'expected %d blobs of %s values (statistics%s), found %s'
+                      % (len(expected), expected, ', scale and bias' if self.scale_bias else '',
+                         [b.shape_string() for b in self.blobs]))
         else:
             for i, shape in enumerate([(channels,), (channels,), (1,)]):
                 self.blobs.append(_new_blob(self, i, shape, None))
-        # The blobs are statistics, not parameters: keep the solver off them.
+            if self.scale_bias:
+                p = self.layer_param.batch_norm_param
+                one = caffe_pb2.FillerParameter(type='constant', value=1)
+                self.blobs.append(_new_blob(self, 3, (channels,),
+                                            p.scale_filler if p.HasField('scale_filler') else one))
+                self.blobs.append(_new_blob(self, 4, (channels,),
+                                            p.bias_filler if p.HasField('bias_filler') else None))
+        # The first three blobs are statistics, not parameters: keep the
+        # solver off them (scale_bias's scale and bias learn as any parameter).
         params = self.layer_param.param
-        for i in range(len(self.blobs)):
+        for i in range(3):
             if i == len(params):
                 params.add().lr_mult = 0
             elif params[i].lr_mult != 0:
                 _fail(self, 'param[%d].lr_mult is %g: batch normalization statistics cannot '
                       'be configured as learnable parameters (lr_mult must be 0)'
                       % (i, params[i].lr_mult))
-        for i in range(len(self.blobs)):
+        for i in range(3):
             self.set_param_propagate_down(i, False)
 
     def reshape(self, bottom, top):
@@ -119,7 +142,7 @@ class BatchNormLayer(Layer):
             _fail(self, 'bottom has %d channels but the statistics have %d'
                   % (self._channels(bottom[0]), self.blobs[0].count))
         top[0].reshape(bottom[0].shape)
-        self._kept = {} if self.use_global_stats else {'x_norm': (top[0].count, F32)}
+        self._kept = {'x_norm': (top[0].count, F32)} if self.keeps_normalized else {}
 
     def internal_buffers(self):
         """The normalized output, kept for backward (in place, later layers
@@ -163,20 +186,30 @@ class BatchNormLayer(Layer):
         std = xp.sqrt(var + self.eps)
         y /= std.reshape(1, c, 1)
         self._std = std
-        self._x_norm = None if self.use_global_stats else keep_in(self, 'x_norm', y)
+        self._x_norm = keep_in(self, 'x_norm', y) if self.keeps_normalized else None
+        if self.scale_bias:
+            y *= self.blobs[3].data.reshape(1, c, 1)
+            y += self.blobs[4].data.reshape(1, c, 1)
 
     def _backward(self, top, propagate_down, bottom):
-        if not propagate_down[0]:
-            return
         n, c, s = self._dims(top[0])
         dy = top[0].diff.reshape(n, c, s)
+        y = self._x_norm
+        if self.keeps_normalized and (y is None or y.shape != dy.shape):
+            _fail(self, 'backward without a forward of the same shape')
+        if self.scale_bias:
+            if self.param_needs_backward(3):
+                self.blobs[3].diff += (dy * y).sum(axis=(0, 2), dtype=numpy.float32)
+            if self.param_needs_backward(4):
+                self.blobs[4].diff += dy.sum(axis=(0, 2), dtype=numpy.float32)
+            # The gradient reaching the normalized data.
+            dy = dy * self.blobs[3].data.reshape(1, c, 1)
+        if not propagate_down[0]:
+            return
         std = self._std.reshape(1, c, 1)
         if self.use_global_stats:
             dx = dy / std
         else:
-            y = self._x_norm
-            if y is None or y.shape != dy.shape:
-                _fail(self, 'backward without a forward of the same shape')
             if dy.size == 0:
                 return
             # (dy - mean(dy) - y * mean(dy * y)) / std, means over N and spatial axes.

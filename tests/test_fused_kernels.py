@@ -38,6 +38,13 @@ LAYER_CASES = [
      [(4, 3, 5, 6)], False),
     ('bn_maf_eps', 'type: "BatchNorm" batch_norm_param { moving_average_fraction: 0.9 '
      'eps: 0.001 }', [(2, 4, 3, 3)], True),
+    # NVCaffe's BatchNorm with its own scale and bias
+    ('bn_scale_bias', 'type: "BatchNorm" batch_norm_param { scale_bias: true }',
+     [(4, 3, 5, 6)], False),
+    ('bn_scale_bias_inplace', 'type: "BatchNorm" batch_norm_param { scale_bias: true }',
+     [(3, 2, 40, 50)], True),
+    ('bn_scale_bias_global', 'type: "BatchNorm" batch_norm_param { use_global_stats: true '
+     'scale_bias: true }', [(4, 3, 5, 6)], False),
     ('scale_learned_bias', 'type: "Scale" scale_param { bias_term: true }', [(4, 3, 5, 6)],
      False),
     ('scale_learned_bias_inplace', 'type: "Scale" scale_param { bias_term: true }',

@@ -211,6 +211,132 @@ def test_batchnorm_loaded_blobs_checked():
     ok.setup([blob(rand((2, 4), 0))], [Blob()])
 
 
+# -- NVCaffe's scale_bias: BatchNorm with its own scale and bias ----------------------------
+SCALE_BIAS = 'batch_norm_param { scale_bias: true }'
+
+
+def test_batchnorm_scale_bias_blobs_fillers_and_param_specs():
+    layer = make_layer('BatchNorm', SCALE_BIAS)
+    layer.setup([blob(rand((2, 3, 4), 0))], [Blob()])
+    assert [b.shape for b in layer.blobs] == [(3,), (3,), (1,), (3,), (3,)]
+    numpy.testing.assert_array_equal(layer.blobs[3].data, 1)    # NVCaffe's default fillers
+    numpy.testing.assert_array_equal(layer.blobs[4].data, 0)
+    # Only the statistics are kept off the solver.
+    assert [p.lr_mult for p in layer.layer_param.param] == [0, 0, 0]
+    filled = make_layer('BatchNorm', 'batch_norm_param { scale_bias: true scale_filler { '
+                        'type: "constant" value: 0.5 } bias_filler { type: "constant" value: -2 } }')
+    filled.setup([blob(rand((2, 3), 0))], [Blob()])
+    numpy.testing.assert_array_equal(filled.blobs[3].data, 0.5)
+    numpy.testing.assert_array_equal(filled.blobs[4].data, -2)
+
+
+@pytest.mark.parametrize('phase', [TRAIN, TEST])
+def test_batchnorm_scale_bias_forward_against_float64(phase):
+    shape = (3, 4, 2, 5)
+    x = rand(shape, 11, -2, 3)
+    gamma, beta = rand(4, 12, 0.5, 2), rand(4, 13)
+    stats = [rand(4, 14), rand(4, 15, 0.5, 2), numpy.array([1.5], F32)]
+    layer = make_layer('BatchNorm', SCALE_BIAS, phase=phase)
+    y, _, _ = run(layer, [x], params=stats + [gamma, beta])
+    x64 = x.astype(numpy.float64)
+    if phase == TRAIN:
+        mean, var = x64.mean(axis=(0, 2, 3)), x64.var(axis=(0, 2, 3))
+    else:
+        mean, var = stats[0] / 1.5, stats[1] / 1.5
+    want = bn_reference(x64, mean, var, 1e-5) * gamma.reshape(1, 4, 1, 1) + \
+        beta.reshape(1, 4, 1, 1)
+    numpy.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize('phase', [TRAIN, TEST])
+def test_batchnorm_scale_bias_gradient(phase):
+    layer = make_layer('BatchNorm', SCALE_BIAS, phase=phase)
+    x = blob(rand((3, 2, 3, 2), 16))
+    top = [Blob()]
+    layer.setup([x], top)
+    layer.blobs[1].data = numpy.abs(layer.blobs[1].data) + 1
+    layer.blobs[2].data = [1.0]
+    layer.blobs[3].data = rand(2, 17, 0.5, 2)
+    layer.blobs[4].data = rand(2, 18)
+    # Numerical gradients of the bottom, the scale and the bias (the
+    # statistics are not parameters: their diffs stay zero).
+    check_gradient(layer, [x], top, check_params=False, rtol=2e-2, atol=2e-3)
+    stats = [b.data.copy() for b in layer.blobs[:3]]
+    for i in (3, 4):
+        param = layer.blobs[i]
+        rng = numpy.random.default_rng(i)
+        w = rng.standard_normal(top[0].shape)
+
+        def objective():
+            for b, v in zip(layer.blobs[:3], stats):
+                b.data = v          # TRAIN forwards move the moving sums
+            layer.forward([x], top)
+            return float((top[0].data.astype(numpy.float64) * w).sum())
+        objective()
+        top[0].diff = w.astype(F32)
+        for b in layer.blobs:
+            b.diff[...] = 0
+        layer.backward(top, [False], [x])
+        analytic = param.diff.astype(numpy.float64).copy()
+        for j in range(param.count):
+            keep = param.data[j]
+            param.data[j] = keep + F32(1e-2)
+            plus = objective()
+            param.data[j] = keep - F32(1e-2)
+            minus = objective()
+            param.data[j] = keep
+            numpy.testing.assert_allclose(analytic[j], (plus - minus) / 2e-2, rtol=2e-2,
+                                          atol=2e-3, err_msg='blob %d[%d]' % (i, j))
+        for b in layer.blobs[:3]:
+            numpy.testing.assert_array_equal(b.diff, 0)
+
+
+@pytest.mark.parametrize('phase', [TRAIN, TEST])
+def test_batchnorm_scale_bias_equals_batchnorm_then_scale(phase):
+    """BatchNorm { scale_bias } is BatchNorm followed by Scale { bias_term }."""
+    def net(fused):
+        text = '''
+        force_backward: true
+        layer { name: "data" type: "Input" top: "x" input_param { shape { dim: 4 dim: 3 dim: 5 } } }
+        %s
+        ''' % ('layer { name: "bn" type: "BatchNorm" bottom: "x" top: "y" %s }' % SCALE_BIAS
+                 if fused else
+                 'layer { name: "bn" type: "BatchNorm" bottom: "x" top: "y" } '
+                 'layer { name: "sc" type: "Scale" bottom: "y" top: "y" '
+                 'scale_param { bias_term: true } }')
+        n = caffeplus.Net(parse_text(text, caffe_pb2.NetParameter()), phase)
+        stats = [rand(3, 21), rand(3, 22, 0.5, 2), numpy.array([2.0], F32)]
+        for b, v in zip(n.layers[1].blobs, stats):
+            b.data = v
+        affine = [rand(3, 23, 0.5, 2), rand(3, 24)]
+        for b, v in zip(n.layers[1].blobs[3:] if fused else n.layers[2].blobs, affine):
+            b.data = v
+        return n
+
+    a, b = net(True), net(False)
+    x, dy = rand((4, 3, 5), 25), rand((4, 3, 5), 26)
+    ya = a.forward(x=x)['y'].copy()
+    yb = b.forward(x=x)['y'].copy()
+    numpy.testing.assert_allclose(ya, yb, rtol=1e-6, atol=1e-6)
+    a.backward(y=dy)
+    b.backward(y=dy)
+    numpy.testing.assert_allclose(a.blobs['x'].diff, b.blobs['x'].diff, rtol=1e-5, atol=1e-6)
+    for pa, pb in zip(a.layers[1].blobs[3:], b.layers[2].blobs):
+        numpy.testing.assert_allclose(pa.diff, pb.diff, rtol=1e-5, atol=1e-5)
+    # The solver learns the scale and the bias, never the statistics.
+    assert a.params_lr == [0, 0, 0, 1, 1]
+
+
+def test_batchnorm_scale_bias_loaded_blobs_checked():
+    lp = caffe_pb2.LayerParameter(name='bn_sb', type='BatchNorm')
+    lp.batch_norm_param.scale_bias = True
+    for n in (3, 3, 1):
+        lp.blobs.add().shape.dim.append(n)
+        lp.blobs[-1].data.extend([1.0] * n)
+    with pytest.raises(NetError, match='bn_sb.*5 blobs.*scale and bias'):
+        create_layer(lp).setup([blob(rand((2, 3), 0))], [Blob()])
+
+
 # -- ResNet-style in-place chain: BatchNorm -> Scale -> ReLU ------------------------------------
 
 CHAIN = '''

@@ -383,6 +383,82 @@ def test_cli_train_precision_flag(tmp_path):
     assert bad.returncode != 0 and 'fp8' in bad.stderr and 'Traceback' not in bad.stderr
 
 
+# -- NVCaffe's FP16 ResNet form: BatchNorm scale_bias, two Data layers ------------------------
+NVCAFFE_RESNET_FP16 = """
+name: "Resnet_fp16"
+
+default_forward_type:  FLOAT16
+default_backward_type: FLOAT16
+default_forward_math:  FLOAT
+default_backward_math: FLOAT
+
+layer { name: "data" type: "Data" top: "data" top: "label"
+  data_param { source: "examples/imagenet/ilsvrc12_train_lmdb" backend: LMDB batch_size: 4 }
+  transform_param { crop_size: 16 mirror: true }
+  include: { phase: TRAIN } }
+layer { name: "data" type: "Data" top: "data" top: "label"
+  data_param { source: "examples/imagenet/ilsvrc12_val_lmdb" backend: LMDB batch_size: 2 }
+  transform_param { crop_size: 16 mirror: false }
+  include: { phase: TEST } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 8 kernel_size: 3 pad: 1 stride: 2
+    weight_filler { type: "msra" } bias_term: false } }
+layer { name: "conv1/bn" type: "BatchNorm" bottom: "conv1" top: "conv1/bn"
+  batch_norm_param { moving_average_fraction: 0.9 eps: 0.0001 scale_bias: true } }
+layer { name: "conv1/relu" type: "ReLU" bottom: "conv1/bn" top: "conv1/bn" }
+layer { name: "res2.1.conv1" type: "Convolution" bottom: "conv1/bn" top: "res2.1.conv1"
+  convolution_param { num_output: 8 kernel_size: 3 pad: 1
+    weight_filler { type: "msra" } bias_term: false } }
+layer { name: "res2.1.conv1/bn" type: "BatchNorm" bottom: "res2.1.conv1" top: "res2.1.conv1/bn"
+  batch_norm_param { moving_average_fraction: 0.9 eps: 0.0001 scale_bias: true } }
+layer { name: "res2.1.sum" type: "Eltwise" bottom: "res2.1.conv1/bn" bottom: "conv1/bn"
+  top: "res2.1.sum" eltwise_param { operation: SUM } }
+layer { name: "res2.1.relu" type: "ReLU" bottom: "res2.1.sum" top: "res2.1.sum" }
+layer { name: "pool2" type: "Pooling" bottom: "res2.1.sum" top: "pool2"
+  pooling_param { pool: AVE kernel_size: 8 } }
+layer { name: "fc" type: "InnerProduct" bottom: "pool2" top: "fc"
+  inner_product_param { num_output: 10 weight_filler { type: "msra" }
+    bias_filler { type: "constant" value: 0 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+layer { name: "accuracy/top-1" type: "Accuracy" bottom: "fc" bottom: "label"
+  top: "accuracy/top-1" accuracy_param { top_k: 1 } }
+layer { name: "accuracy/top-5" type: "Accuracy" bottom: "fc" bottom: "label"
+  top: "accuracy/top-5" accuracy_param { top_k: 5 } }
+"""
+
+
+def test_nvcaffe_fp16_resnet_form_trains_with_its_data_layers_swapped(tmp_path):
+    """NVCaffe's FP16 ResNet train_val form (per-file types, BatchNorm with
+    scale_bias, Data layers per phase) loads as written and trains: the
+    BatchNorm scales and biases learn, the statistics move, the tops are
+    FLOAT16 values, and the solver's update keeps FP32 master weights."""
+    import caffeplus
+    from caffeplus.io import dummy
+    path = tmp_path / 'train_val_fp16.prototxt'
+    path.write_text(NVCAFFE_RESNET_FP16)
+    param = dummy.swap_data_layers(str(path), shapes={'data': (4, 3, 16, 16), 'label': (4,)})
+    caffeplus.set_random_seed(7)
+    solver_param = text_format.Parse(
+        'base_lr: 0.05 lr_policy: "poly" power: 2.0 momentum: 0.9 weight_decay: 1e-4 '
+        'max_iter: 3 display: 1 snapshot_after_train: false random_seed: 1',
+        caffe_pb2.SolverParameter())
+    solver_param.net_param.CopyFrom(param)
+    solver = get_solver(solver_param)
+    net = solver.net
+    bn = net.layer_dict['conv1/bn']
+    assert len(bn.blobs) == 5
+    assert net.params_lr[1:6] == [0, 0, 0, 1, 1]          # after conv1's weights
+    scale0, bias0 = bn.blobs[3].data.copy(), bn.blobs[4].data.copy()
+    solver.solve()
+    assert numpy.isfinite(float(net.blobs['loss'].data))
+    assert not numpy.array_equal(bn.blobs[3].data, scale0)       # scale_bias learns
+    assert not numpy.array_equal(bn.blobs[4].data, bias0)
+    assert float(bn.blobs[2].data[0]) > 0                         # statistics accumulated
+    assert _is_float16(net.blobs['conv1/bn'].data)               # FLOAT16 storage
+    assert not _is_float16(bn.blobs[3].data)                      # FP32 master weights
+    assert set(net.outputs) == {'loss', 'accuracy/top-1', 'accuracy/top-5'}
+
+
 # -- LeNet on the bundled digits ------------------------------------------------------------
 @pytest.fixture(scope='module')
 def digits(tmp_path_factory):

@@ -399,7 +399,7 @@ def internal_bytes(net, i, plan_name=None):
         return 0 if across else FLOAT_BYTES * bottom[0].count
     if t == 'Dropout' and training:
         return bottom[0].count
-    if t == 'BatchNorm' and not getattr(layer, 'use_global_stats', not training):
+    if t == 'BatchNorm' and getattr(layer, 'keeps_normalized', training):
         return FLOAT_BYTES * top[0].count
     if t == 'Scale' and bottom and top and bottom[0].data_storage is top[0].data_storage:
         if _after_in_place_batch_norm(net, i):
