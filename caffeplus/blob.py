@@ -433,11 +433,19 @@ def proto_shape(proto):
 
 
 def proto_array(proto, which, count, required=True):
-    """The float32 values of a BlobProto's data or diff (float or double)."""
+    """The float32 values of a BlobProto's data or diff: float, double, or
+    the raw FLOAT16 / BFLOAT16 / FLOAT bytes NVCaffe can write."""
     single = getattr(proto, which)
     double = getattr(proto, 'double_' + which)
+    raw = getattr(proto, 'raw_' + which)
     if len(double) > 0:
         values = numpy.asarray(double, dtype=numpy.float64).astype(numpy.float32)
+    elif len(single) == 0 and raw:
+        from caffeplus.precision import raw_blob_values
+        try:
+            values = raw_blob_values(proto, diff=(which == 'diff'))
+        except CaffeplusError as exc:
+            raise FormatError(str(exc))
     elif len(single) > 0 or count == 0:
         values = numpy.asarray(single, dtype=numpy.float32)
     elif required:

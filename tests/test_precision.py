@@ -197,6 +197,33 @@ def test_raw_blob_data_of_a_truncated_file_is_an_error():
         precision.raw_blob_values(blob)
 
 
+def test_a_caffemodel_with_nvcaffe_fp16_weights_loads(tmp_path):
+    """NVCaffe writes 16-bit nets' weights as raw FLOAT16 bytes; a BVLC net
+    of the same layers loads them (into FP32 blobs)."""
+    net = Net(_net_param(), caffe_pb2.TRAIN)
+    model = caffe_pb2.NetParameter(name='LeNet')
+    written = {}
+    rng = numpy.random.default_rng(3)
+    for name in ('conv1', 'ip1', 'ip2'):
+        lp = model.layer.add(name=name, type=net.layer_dict[name].layer_param.type)
+        for j, b in enumerate(net.layer_dict[name].blobs):
+            v = rng.standard_normal(b.shape).astype(numpy.float16)
+            bp = lp.blobs.add(raw_data_type=caffe_pb2.FLOAT16, raw_data=v.astype('<f2').tobytes())
+            bp.shape.dim.extend(b.shape)
+            written[name, j] = v.astype(numpy.float32)
+    path = tmp_path / 'nvcaffe_fp16.caffemodel'
+    path.write_bytes(model.SerializeToString())
+    net.copy_from(str(path))
+    for (name, j), v in written.items():
+        numpy.testing.assert_array_equal(net.layer_dict[name].blobs[j].data, v)
+    short = caffe_pb2.BlobProto(raw_data_type=caffe_pb2.FLOAT16, raw_data=b'\0' * 6)
+    short.shape.dim.append(4)
+    model.layer[0].blobs[0].CopyFrom(short)
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(CaffeplusError, match='conv1'):
+        net.copy_from(str(path))
+
+
 # -- storage in a net ------------------------------------------------------------------
 def test_nvcaffe_fp16_net_stores_float16_tops_and_gradients():
     net = Net(_net_param(), caffe_pb2.TRAIN)
