@@ -27,7 +27,10 @@ reports) sampled every 5 ms from a thread, plus the framework's own peak
 
 PyTorch: torchvision's model of the same architecture, cudnn.benchmark =
 True, channels-first float32, constant labels, TF32 off for both frameworks
-and then on for both (--tf32 both).
+and then on for both (--tf32 both). With --torch-amp fp16,bf16 also PyTorch's
+mixed precision as its users run it: autocast to that type, channels_last
+model and input, and for FP16 a GradScaler (dynamic loss scaling); those
+rows' plan reads '-/amp-fp16' ('bvlc/amp-bf16' for the BVLC model).
 """
 import argparse
 import json
@@ -244,6 +247,8 @@ def worker_torch(args):
     import torch
     import torchvision
     arch, batch = parse_net(args.net)
+    variant, _, amp = args.plan.partition('/amp-')
+    amp_dtype = {'': None, 'fp16': torch.float16, 'bf16': torch.bfloat16}[amp]
     torch.backends.cudnn.benchmark = True
     torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
     torch.backends.cudnn.allow_tf32 = bool(args.tf32)
@@ -259,28 +264,44 @@ def worker_torch(args):
     kw = {'weights': None}
     if arch == 'googlenet':
         kw.update(aux_logits=True, init_weights=True)
-    if args.plan == 'bvlc':
+    if variant == 'bvlc':
         model = bvlc_torch_model(torch, arch).to(dev).train()
     else:
         model = getattr(torchvision.models, TORCH_MODELS[arch])(**kw).to(dev).train()
     size = INPUT_SIZE.get(arch, 224)
     x = torch.randn(batch, 3, size, size, device=dev)
     y = torch.zeros(batch, dtype=torch.long, device=dev)
+    if amp_dtype is not None:
+        model = model.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     lossf = torch.nn.CrossEntropyLoss()
+    scaler = torch.amp.GradScaler('cuda') if amp_dtype is torch.float16 else None
+
+    def forward_loss():
+        out = model(x)
+        if isinstance(out, tuple):         # GoogLeNet: logits, aux2, aux1 (weights 1, .3, .3)
+            return lossf(out[0], y) + 0.3 * lossf(out[1], y) + 0.3 * lossf(out[2], y)
+        return lossf(out, y)
 
     def step():
         opt.zero_grad(set_to_none=False)
-        out = model(x)
-        if isinstance(out, tuple):         # GoogLeNet: logits, aux2, aux1 (weights 1, .3, .3)
-            loss = lossf(out[0], y) + 0.3 * lossf(out[1], y) + 0.3 * lossf(out[2], y)
+        if amp_dtype is None:
+            forward_loss().backward()
+            opt.step()
+            return
+        with torch.autocast('cuda', dtype=amp_dtype):
+            loss = forward_loss()
+        if scaler is None:
+            loss.backward()
+            opt.step()
         else:
-            loss = lossf(out, y)
-        loss.backward()
-        opt.step()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
     times = _time_steps(step, args, cupy_events=False)
     sampler.finish()
-    return dict(framework='pytorch', plan=args.plan if args.plan == 'bvlc' else '-',
+    return dict(framework='pytorch', plan=args.plan,
                 net=args.net, tf32=args.tf32, search='benchmark',
                 median_ms=statistics.median(times), times_ms=times,
                 peak_used_mib=sampler.peak / MiB, baseline_used_mib=baseline / MiB,
@@ -376,6 +397,8 @@ def main(argv=None):
     ap.add_argument('--torch-models', default='torchvision',
                     help="PyTorch peers: torchvision (the issue's peer), bvlc (AlexNet as BVLC "
                          "defines it: same work as the prototxt), or both, separated by ','")
+    ap.add_argument('--torch-amp', default='',
+                    help="also PyTorch AMP runs: fp16, bf16 or both, separated by ','")
     ap.add_argument('--tf32', default='off', choices=('off', 'on', 'both'))
     ap.add_argument('--iters', type=int, default=20)
     ap.add_argument('--warmup', type=int, default=3)
@@ -401,7 +424,10 @@ def main(argv=None):
             runs = [('caffeplus', p) for p in args.plans.split(',')]
             if args.torch:
                 for variant in args.torch_models.split(','):
-                    runs.append(('pytorch', '-' if variant == 'torchvision' else variant))
+                    base = '-' if variant == 'torchvision' else variant
+                    runs.append(('pytorch', base))
+                    runs += [('pytorch', '%s/amp-%s' % (base, amp))
+                             for amp in filter(None, args.torch_amp.split(','))]
             for kind, plan in runs:
                 r = run_worker(kind, net, args, plan, tf32)
                 results.append(r)
