@@ -296,6 +296,20 @@ class LossScaler:
     def scale(self):
         return self.net_precision.scale
 
+    def state(self):
+        """What a snapshot's sidecar keeps: the scale and the run of good steps."""
+        return {'scale': self.scale, 'good_steps': self.good_steps,
+                'skipped_steps': self.skipped_steps}
+
+    def set_state(self, state):
+        scale = float(state['scale'])
+        if not scale > 0:
+            raise CaffeplusError('the snapshot sidecar holds loss scale %r; it must be positive'
+                                 % (state['scale'],))
+        self.net_precision.scale = scale
+        self.good_steps = int(state.get('good_steps', 0))
+        self.skipped_steps = int(state.get('skipped_steps', 0))
+
     def on_start(self):
         self._skip = False
 

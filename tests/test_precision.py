@@ -381,6 +381,35 @@ def test_an_overflowing_fp16_run_lowers_its_scale_and_recovers(caplog_caffeplus)
                     r'global_grad_scale lowered to 5.49756e\+11', lowered[0])
 
 
+@pytest.mark.filterwarnings('ignore:invalid value:RuntimeWarning')
+def test_a_resumed_fp16_run_keeps_its_adaptive_loss_scale(tmp_path, monkeypatch):
+    """The scale an adaptive run has found is saved with its snapshot and
+    restored with it: the resumed run continues as the uninterrupted one."""
+    import caffeplus
+    monkeypatch.chdir(tmp_path)
+    net = NVCAFFE_LENET.replace('global_grad_scale_adaptive: true',
+                                'global_grad_scale_adaptive: true global_grad_scale: %d' % 2 ** 40)
+    caffeplus.set_random_seed(9)
+    whole = _solver(net, loss_scale_window=3)
+    whole.step(12)
+    at_12 = (whole.loss_scaler.scale, whole.loss_scaler.good_steps,
+             whole.loss_scaler.skipped_steps)
+    assert at_12[0] < 2 ** 40                       # it has moved
+    whole.param.snapshot_prefix = str(tmp_path / 'fp16')
+    whole.snapshot()
+    whole.step(6)
+    caffeplus.set_random_seed(123)                  # the sidecar's stream wins
+    resumed = _solver(net, loss_scale_window=3)
+    assert resumed.loss_scaler.scale == 2 ** 40
+    resumed.restore(str(tmp_path / 'fp16_iter_12.solverstate'))
+    assert (resumed.loss_scaler.scale, resumed.loss_scaler.good_steps,
+            resumed.loss_scaler.skipped_steps) == at_12
+    resumed.step(6)
+    assert resumed.loss_scaler.scale == whole.loss_scaler.scale
+    for a, b in zip(resumed.net.learnable_params, whole.net.learnable_params):
+        numpy.testing.assert_array_equal(a.data, b.data)
+
+
 def test_bad_precision_in_the_solver_file_is_a_clear_error():
     with pytest.raises(CaffeplusError, match="caffeplus_param.precision must be one of "
                                              "fp32, tf32, fp16, bf16, not 'half'"):

@@ -673,7 +673,7 @@ class Solver:
                         states[name] = value
             if states:
                 layers[key] = states
-        return {
+        payload = {
             'iter': self.iter,
             'solver_type': self.type,
             'learned_net': model_filename,
@@ -681,6 +681,12 @@ class Solver:
             'rng': rng.get_state(),
             'layers': layers,
         }
+        scaler = getattr(self, 'loss_scaler', None)
+        if scaler is not None:
+            # An adaptive scale took the run's overflows to find: a resumed
+            # run goes on from it instead of starting again at 2^16.
+            payload['loss_scale'] = scaler.state()
+        return payload
 
     def restore(self, state_file):
         """Resume from a .solverstate or .solverstate.h5 file."""
@@ -753,6 +759,10 @@ class Solver:
                         '%s, the state for %d', payload.get('iter'), self.iter)
             return
         rng.set_state(payload['rng'])
+        scaler = getattr(self, 'loss_scaler', None)
+        if scaler is not None and payload.get('loss_scale'):
+            scaler.set_state(payload['loss_scale'])
+            log.info('Restored global_grad_scale %g', scaler.scale)
         for key, net in self._all_nets():
             states = payload.get('layers', {}).get(key, {})
             layer_dict = net.layer_dict
