@@ -10,10 +10,12 @@
 #   8. (STEPS=stockbits) dev/check_plans_equal.py: `stock` against `shared` and `arena` under
 #      deterministic math with Caffe's 8 MiB per call (as tests/test_memory_apply.py's GoogLeNet
 #      and ResNet-50 cases), naming the calls whose algorithms differ.
+#   9. (STEPS=amp) benchmarks/bench_gpu.py with TF32 on, PyTorch's AMP FP16/BF16 runs beside
+#      caffeplus and PyTorch TF32 (the 16-bit work's peers).
 # Prefer running it through dev/gpu_snapshot.sh (the committed tree only).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
 # (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
-# env: STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits), TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
+# env: STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp), TEST_PATHS, AMP_NETS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
 #      MEMORY_ITERS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S
 set -u
 OUT=${OUT:-/tmp/gpu_out}
@@ -42,7 +44,7 @@ if [ -f COMMIT ]; then echo "commit $(cat COMMIT)"; else git log -1 --format='co
 
 if has tests; then
   stamp "gpu-marked tests"
-  timeout "${TEST_S:-260}" python3 -m pytest -q -p no:cacheprovider -rfExX --tb=short -m gpu tests \
+  timeout "${TEST_S:-260}" python3 -m pytest -q -p no:cacheprovider -rfExX --tb=short -m gpu ${TEST_PATHS:-tests} \
     > "$OUT/pytest_gpu.log" 2>&1
   echo "rc=$?" >> "$OUT/pytest_gpu.log"
   tail -n 30 "$OUT/pytest_gpu.log"
@@ -115,5 +117,14 @@ if has bits; then
     --plans stock,shared,offload,arena > "$OUT/bits.log" 2>&1
   echo "rc=$?" >> "$OUT/bits.log"
   cat "$OUT/bits.log"
+fi
+if has amp; then
+  stamp "PyTorch AMP peers, TF32 on"
+  GLOG_minloglevel=2 timeout "${AMP_S:-400}" python3 benchmarks/bench_gpu.py --bench-dir .gpu_carry/bench \
+    --nets "${AMP_NETS:-resnet50_b64,vgg16_b64}" --plans arena --torch --torch-amp fp16,bf16 \
+    --tf32 on --iters 20 --warmup 5 --timeout 150 \
+    --json "$OUT/amp.json" --md "$OUT/amp.md" > "$OUT/amp.log" 2>&1
+  echo "rc=$?" >> "$OUT/amp.log"
+  tail -n 20 "$OUT/amp.log"
 fi
 stamp done
