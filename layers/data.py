@@ -576,6 +576,11 @@ class _DatabaseSource:
         self.shard = (0, 1)     # (rank, world): see set_shard
         kind = db_io.backend_name(dparam.backend)
         self.reader = db_io.RecordReader(self.path, kind, in_place=True)
+        if dparam.cache or dparam.shuffle:
+            # NVCaffe's cache / shuffle; shuffling reads from the cache, so it
+            # implies it.
+            rng = _generator(_seed_from_global()) if dparam.shuffle else None
+            self.reader = db_io.CachedRecordReader(self.reader, dparam.shuffle, rng)
         if dparam.rand_skip:
             skip = _seed_from_global() % dparam.rand_skip
             log.info('Skipping first %d data points.', skip)

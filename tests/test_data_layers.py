@@ -217,6 +217,46 @@ def test_data_layer_state_resumes_identically():
         numpy.testing.assert_array_equal(a[1], b[1])
 
 
+def test_data_layer_nvcaffe_cache_and_shuffle():
+    """NVCaffe's data_param { cache: true shuffle: true }: the first pass in
+    key order, then every pass a new permutation of all the records (served
+    from memory); a resumed run continues the same order."""
+    data, label = mnist()
+    caffeplus.set_random_seed(4)
+    layer, tops = data_layer('cache: true shuffle: true')
+    try:
+        seen = [b[0] for b in batches(layer, tops, 12)]          # 3 passes of 256
+        state = layer.get_state()
+        json.loads(json.dumps(state))
+        expect = batches(layer, tops, 5)
+    finally:
+        layer.close()
+    images = data.astype(numpy.float32) * SCALE
+    numpy.testing.assert_array_equal(numpy.concatenate(seen[:4]), images)    # key order
+    index = {images[i].tobytes(): i for i in range(len(images))}
+    orders = [[index[x.tobytes()] for x in numpy.concatenate(seen[4 * k:4 * k + 4])]
+              for k in (1, 2)]
+    assert all(sorted(o) == list(range(256)) for o in orders)
+    assert orders[0] != orders[1] and orders[0] != list(range(256))
+    caffeplus.set_random_seed(77)
+    other, tops2 = data_layer('cache: true shuffle: true')
+    try:
+        other.set_state(json.loads(json.dumps(state)))
+        got = batches(other, tops2, 5)
+    finally:
+        other.close()
+    for a, b in zip(expect, got):
+        numpy.testing.assert_array_equal(a[0], b[0])
+        numpy.testing.assert_array_equal(a[1], b[1])
+    # cache alone: every pass in key order.
+    cached, tops3 = data_layer('cache: true')
+    try:
+        again = [b[1] for b in batches(cached, tops3, 8)]
+    finally:
+        cached.close()
+    numpy.testing.assert_array_equal(numpy.concatenate(again), numpy.concatenate([label] * 2))
+
+
 def test_data_layer_legacy_transform_fields():
     data, _ = mnist()
     layer, tops = data_layer(extra='scale: 0.5', transform='')

@@ -273,6 +273,51 @@ def test_record_reader_wraps_and_restores(caplog_caffeplus):
     r2.close()
 
 
+def _small_lmdb(tmp_path, n=7):
+    path = str(tmp_path / 'small_lmdb')
+    with db_io.open_db(path, 'lmdb', 'new') as db:
+        for i in range(n):
+            db.put('%08d' % i, datum_io.array_to_datum(
+                numpy.full((1, 2, 2), i, numpy.uint8), i).SerializeToString())
+    return path, [b'%08d' % i for i in range(n)]
+
+
+def test_cached_reader_serves_later_passes_from_memory(tmp_path):
+    path, keys = _small_lmdb(tmp_path)
+    r = db_io.CachedRecordReader(db_io.RecordReader(path, 'lmdb', in_place=True))
+    # Copied at once: in place, the first pass's values are views of the
+    # mapped database, valid while it is open.
+    first = [tuple(bytes(b) for b in r.next()) for _ in range(7)]
+    assert [k for k, _ in first] == keys and r.complete
+    r.reader.close()                    # the database is no longer read
+    again = [r.next() for _ in range(10)]
+    assert again == first + first[:3]
+    assert r.position == 3 and r.offset == 17
+
+
+def test_shuffled_cache_draws_a_new_order_every_pass_and_restores(tmp_path):
+    path, keys = _small_lmdb(tmp_path)
+
+    def reader(seed):
+        return db_io.CachedRecordReader(db_io.RecordReader(path, 'lmdb'), shuffle=True,
+                                        rng=numpy.random.default_rng(seed))
+    r = reader(5)
+    passes = [[r.next()[0] for _ in range(7)] for _ in range(4)]
+    assert passes[0] == keys                                   # the first pass: key order
+    assert all(sorted(p) == keys for p in passes[1:])          # then permutations of all
+    assert len({tuple(p) for p in passes[1:]}) == 3            # a new one every pass
+    # Resumed mid-pass (fresh reader, another seed): the same continuation.
+    for read in (3, 7 * 4 + 2):
+        r = reader(5)
+        for _ in range(read):
+            r.next()
+        state = r.state()
+        want = [r.next()[0] for _ in range(12)]
+        other = reader(99)
+        other.restore(state)
+        assert [other.next()[0] for _ in range(12)] == want, read
+
+
 def test_write_mean_round_trip(tmp_path):
     arr = numpy.arange(12, dtype=numpy.float32).reshape(1, 3, 2, 2)
     path = str(tmp_path / 'm.binaryproto')

@@ -848,3 +848,24 @@ def test_debug_info_logs_forward_backward(logs):
     # only on display iterations (0), as Caffe
     assert fwd and bwd
     assert len([l for l in logs if l.startswith('    [Backward] All net params')]) == 1
+
+
+@pytest.mark.parametrize('policy', ['poly', 'step', 'fixed'])
+def test_nvcaffe_min_lr_is_a_floor_under_the_rate(policy):
+    from caffeplus.solver.lr_policy import check_policy, learning_rate
+    p = parse_text('base_lr: 0.02 lr_policy: "%s" power: 2 max_iter: 100 gamma: 0.1 '
+                   'stepsize: 10 min_lr: 0.000005' % policy, caffe_pb2.SolverParameter())
+    check_policy(p)
+    for it in (0, 10, 50, 95, 99, 100):
+        plain = caffe_pb2.SolverParameter()
+        plain.CopyFrom(p)
+        plain.ClearField('min_lr')
+        want = max(float(learning_rate(plain, it, 0, announce=False)[0]),
+                   float(numpy.float32(0.000005)))
+        assert float(learning_rate(p, it, 0, announce=False)[0]) == want
+    if policy == 'poly':            # the rate its schedule ends at
+        assert float(learning_rate(p, 100, 0, announce=False)[0]) == float(numpy.float32(5e-6))
+    p.min_lr = -1
+    with pytest.raises(CaffeplusError, match='min_lr'):
+        check_policy(p)
+

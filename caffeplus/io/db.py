@@ -16,6 +16,7 @@ MDB_NOTLS, and safe while another process writes elsewhere). LevelDB needs the
 end with Caffe's log line "Restarting data prefetching from start.", and can
 report and restore its position so a resumed run reads on where it stopped.
 """
+import copy
 import os
 import threading
 
@@ -421,6 +422,111 @@ class RecordReader:
 
     def close(self):
         self.db.close()
+
+
+class CachedRecordReader:
+    """NVCaffe's `cache` and `shuffle` (data_param) over a RecordReader: the
+    first pass reads the database in key order and keeps each record's bytes;
+    later passes are served from memory, each in a new random order when
+    `shuffle`. The same interface as RecordReader; state() and restore()
+    give and take the position (a restore after the first pass reads the
+    database once again to refill the cache, and redraws the pass's order
+    from the generator state kept before it was drawn).
+    """
+
+    def __init__(self, reader, shuffle=False, rng=None):
+        self.reader = reader
+        self.source = reader.source
+        self.shuffle = bool(shuffle)
+        self.rng = rng
+        self.records = []
+        self.complete = False       # every record cached
+        self.order = None
+        self.index = 0              # position in this pass's order
+        self.offset = 0
+        self._order_state = None
+
+    @property
+    def position(self):
+        return self.index if self.complete else self.reader.position
+
+    def current(self):
+        if self.complete:
+            return self.records[self.order[self.index]]
+        return self.reader.current()
+
+    def advance(self):
+        self.offset += 1
+        if not self.complete:
+            key, value = self.reader.current()
+            self.records.append((bytes(key), bytes(value)))
+            self.reader.advance()
+            if self.reader.position == 0:       # the database read through once
+                self._begin_pass(from_memory=True)
+            return
+        self.index += 1
+        if self.index == len(self.records):
+            log.info('Restarting data prefetching from start.')
+            self._begin_pass()
+
+    def _begin_pass(self, from_memory=False):
+        if from_memory:
+            self.complete = True
+            log.info('Cached %d records of %s in memory%s', len(self.records), self.source,
+                     '; shuffling them every pass' if self.shuffle else '')
+        self.index = 0
+        if self.shuffle:
+            self._order_state = copy.deepcopy(self.rng.bit_generator.state)
+            self.order = self.rng.permutation(len(self.records))
+        else:
+            self.order = range(len(self.records))
+
+    def next(self):
+        record = self.current()
+        self.advance()
+        return record
+
+    def state(self):
+        if not self.complete:
+            # The generator as it is now will draw the second pass's order.
+            rng = copy.deepcopy(self.rng.bit_generator.state) if self.shuffle else None
+            return {'reader': self.reader.state(), 'cached': False, 'offset': self.offset,
+                    'order_rng': rng}
+        return {'cached': True, 'index': self.index, 'offset': self.offset,
+                'order_rng': self._order_state}
+
+    def restore(self, state):
+        if not state.get('cached'):
+            # The first pass: the records before the position are read again
+            # into the cache.
+            self.records, self.complete = [], False
+            target = int(state['reader'].get('position', 0))
+            self.reader.restore({'position': 0, 'offset': 0})
+            for _ in range(target):
+                self.records.append(tuple(bytes(b) for b in self.reader.current()))
+                self.reader.advance()
+            if self.shuffle:
+                self.rng.bit_generator.state = copy.deepcopy(state['order_rng'])
+            self.offset = int(state.get('offset', 0))
+            return
+        if not self.complete:
+            self.reader.restore({'position': 0, 'offset': 0})
+            self.records = []
+            while True:
+                self.records.append(tuple(bytes(b) for b in self.reader.current()))
+                self.reader.advance()
+                if self.reader.position == 0:
+                    break
+            self.complete = True
+        if self.shuffle:
+            self.rng.bit_generator.state = copy.deepcopy(state['order_rng'])
+        self._begin_pass()
+        self.index = int(state['index'])
+        self.offset = int(state.get('offset', 0))
+
+    def close(self):
+        self.reader.close()
+        self.records = []
 
 
 def read_datums(path, backend=LMDB):

@@ -13,6 +13,9 @@ arithmetic stays in float32.
                each stepvalue (one step per call, as Caffe)
     poly       base_lr * (1 - iter / max_iter) ^ power
     sigmoid    base_lr * 1 / (1 + exp(-gamma * (iter - stepsize)))
+
+NVCaffe's `min_lr` (default 0) is a floor under every policy's rate: its
+FP16 solvers give it as the rate a `poly` schedule ends at.
 """
 import math
 
@@ -36,6 +39,8 @@ def check_policy(param):
                              % (policy, param.stepsize))
     if policy in ('step', 'exp', 'inv', 'sigmoid') and param.gamma < 0:
         raise CaffeplusError("lr_policy '%s' needs gamma >= 0 (got %g)" % (policy, param.gamma))
+    if param.min_lr < 0:
+        raise CaffeplusError('min_lr must be >= 0 (got %g)' % param.min_lr)
 
 
 def learning_rate(param, it, current_step, announce=True):
@@ -71,4 +76,6 @@ def learning_rate(param, it, current_step, announce=True):
     else:
         check_policy(param)
         raise AssertionError(policy)
+    if param.min_lr > 0 and rate < F32(param.min_lr):
+        rate = F32(param.min_lr)
     return F32(rate), current_step
