@@ -5,6 +5,7 @@
 # shards the load average stays above 10 on 2 cores.
 #   bash dev/suite_under_load.sh [LOOPS=6] [SHARDS=4] [OUTDIR=/tmp/suite_under_load]
 # Prints each shard's summary line; exits non-zero if any shard failed.
+# PYTHON: the interpreter (default python3).
 set -u
 loops=${1:-6}; shards=${2:-4}; out=${3:-/tmp/suite_under_load}
 cd "$(dirname "$0")/.."
@@ -23,7 +24,7 @@ for _ in $(seq "$loops"); do (while :; do :; done) & pids+=($!); done
 trap 'kill "${pids[@]}" 2>/dev/null' EXIT
 runs=()
 for ((k = 0; k < shards; k++)); do
-  python3 -m pytest -q -p no:cacheprovider --basetemp="$out/tmp_$k" $(cat "$out/files_$k") \
+  "${PYTHON:-python3}" -m pytest -q -p no:cacheprovider --basetemp="$out/tmp_$k" $(cat "$out/files_$k") \
     > "$out/shard_$k.log" 2>&1 &
   runs+=($!)
 done
