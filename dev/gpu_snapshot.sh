@@ -23,7 +23,7 @@ case "${1:-}" in
       --target /tmp/site "$ROOT"/.gpu_carry/whl/*.whl >/dev/null 2>&1
     cd "$ROOT/.gpu_carry/src" || exit 1
     mkdir -p .gpu_carry
-    for d in bench reference zoo whl mpi; do ln -sfn "$ROOT/.gpu_carry/$d" ".gpu_carry/$d"; done
+    for d in bench reference zoo whl mpi nvcaffe; do ln -sfn "$ROOT/.gpu_carry/$d" ".gpu_carry/$d"; done
     [ -e caffeplus/layers ] || ln -s ../layers caffeplus/layers
     export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 CAFFEPLUS_SHARED=$PWD/.gpu_carry
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
