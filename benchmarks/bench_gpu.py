@@ -312,7 +312,7 @@ def worker_torch(args):
 # -- driver -------------------------------------------------------------------
 def run_worker(kind, net, args, plan='-', tf32=0):
     cmd = [sys.executable, os.path.abspath(__file__), '--worker', kind, '--net', net,
-           '--plan', plan, '--tf32', 'on' if tf32 else 'off', '--iters', str(args.iters),
+           '--plan=' + plan, '--tf32', 'on' if tf32 else 'off', '--iters', str(args.iters),
            '--warmup', str(args.warmup), '--bench-dir', args.bench_dir,
            '--search', args.search, '--workspace-limit', str(args.workspace_limit)]
     env = dict(os.environ, GLOG_minloglevel='2', PYTHONUNBUFFERED='1')
