@@ -15,7 +15,10 @@ The arrays stay float32, so no memory is saved; what the 16-bit storage does
 to training (and what loss scaling must undo) is reproduced bit for bit.
 Kept in FP32, as mixed-precision training needs: the parameters (master
 weights) and the solver's history, the losses (a loss layer's output is not
-rounded), and the net's outputs (accuracy).
+rounded), and the net's outputs (accuracy). The layers that multiply by
+their weights (Convolution, Deconvolution, InnerProduct) use a copy rounded
+to their forward type, in forward and backward, as NVCaffe's 16-bit layers
+and AMP's casts do; the master weights are put back after each pass.
 
 FP32 nets (every type FLOAT or DOUBLE) get nothing installed: they run as
 before, bit for bit. On the GPU 16-bit storage is not built yet: a 16-bit
@@ -45,6 +48,10 @@ ADAPTIVE_INITIAL_SCALE = 2.0 ** 16
 # scaling causes, and the NaN check then stops training and says where.
 MIN_SCALE = 1.0
 SCALE_FACTOR = 2.0
+# Layers whose weights enter the math in the layer's storage type (a 16-bit
+# copy of the FP32 master weights): what AMP casts, what NVCaffe stores in
+# 16 bits. Normalization layers keep theirs in FP32.
+ROUNDED_WEIGHT_TYPES = frozenset(('Convolution', 'Deconvolution', 'InnerProduct'))
 
 
 def type_name(value):
@@ -200,6 +207,10 @@ class NetPrecision:
         self.rounded_grads = {i for i, (_, bwd) in enumerate(types) if bwd in SIXTEEN_BIT}
         self.loss_layers = {i for i, layer in enumerate(net.layers)
                             if any(layer.loss_weights)}
+        self.rounded_weights = {i for i, (fwd, _) in enumerate(types)
+                                if fwd in SIXTEEN_BIT and net.layers[i].blobs and
+                                net.layers[i].layer_param.type in ROUNDED_WEIGHT_TYPES}
+        self._masters = {}
         self._hook()
 
     def _hook(self):
@@ -222,9 +233,34 @@ class NetPrecision:
                 self._round_gradients(i)
         after_backward.at = frozenset(self.loss_layers | self.rounded_grads)
 
+        def use_rounded_weights(i):
+            self._swap_in_rounded_weights(i)
+        use_rounded_weights.at = frozenset(self.rounded_weights)
+
+        def put_back_master_weights(i):
+            self._restore_master_weights(i)
+        put_back_master_weights.at = frozenset(self.rounded_weights)
+
+        net.before_layer_forward.append(use_rounded_weights)
+        net.after_layer_forward.append(put_back_master_weights)
         net.after_layer_forward.append(round_tops)
         net.before_layer_backward.append(scale_loss)
+        net.before_layer_backward.append(use_rounded_weights)
+        net.on_layer_backward_done.append(put_back_master_weights)
         net.on_layer_backward_done.append(after_backward)
+
+    def _swap_in_rounded_weights(self, i):
+        if i in self._masters:
+            return
+        rounding = ROUNDING[self.types[i][0]]
+        blobs = self.net.layers[i].blobs
+        self._masters[i] = [b.data.copy() for b in blobs]
+        for b in blobs:
+            rounding(b.data)
+
+    def _restore_master_weights(self, i):
+        for b, master in zip(self.net.layers[i].blobs, self._masters.pop(i, ())):
+            b.data[...] = master
 
     def _scale_loss_diffs(self, i):
         layer, tops = self.net.layers[i], self.net.top_vecs[i]

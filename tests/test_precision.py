@@ -258,14 +258,52 @@ def test_fp16_storage_matches_a_float64_reference_of_rounded_layers():
 
     def r16(a):
         return a.astype(numpy.float16).astype(numpy.float64)
-    # The Input layer's top is stored in FLOAT16 too.
-    y = r16(r16(x) @ W.T + b)
+    # The Input layer's top is stored in FLOAT16 too, and the InnerProduct
+    # multiplies by FLOAT16 copies of its weights.
+    y = r16(r16(x) @ r16(W).T + r16(b))
     z = r16(1 / (1 + numpy.exp(-y)))
     numpy.testing.assert_allclose(net.blobs['y'].data, y, rtol=1e-3, atol=0)
     numpy.testing.assert_allclose(net.blobs['z'].data, z, rtol=1e-3, atol=0)
     assert _is_float16(net.blobs['z'].data)
     # The net's output is not rounded (nothing reads it).
     numpy.testing.assert_allclose(net.blobs['w'].data, 3 * z, rtol=1e-6)
+
+
+def test_16_bit_layers_multiply_by_rounded_weights_and_keep_fp32_masters():
+    """A FLOAT16 InnerProduct computes with a FLOAT16 copy of its weights (as
+    NVCaffe's and AMP's do); the master weights stay FP32 through forward,
+    backward and the update."""
+    text = """
+      default_forward_type: FLOAT16 default_backward_type: FLOAT16
+      force_backward: true
+      layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 4 dim: 6 } } }
+      layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 1 }
+          bias_filler { type: "gaussian" std: 1 } } }"""
+    net = Net(_net_param(text), caffe_pb2.TRAIN)
+    rng = numpy.random.RandomState(2)
+    x = rng.randn(4, 6).astype(numpy.float32)
+    net.blobs['x'].data[...] = x
+    masters = [p.data.copy() for p in net.params['ip']]
+    assert not all(_is_float16(m) for m in masters)
+    net.forward_prefilled()
+
+    def r16(a):
+        return numpy.asarray(a).astype(numpy.float16).astype(numpy.float64)
+    W, b = masters
+    want = r16(x) @ r16(W).T + r16(b)           # y is the net's output: not rounded
+    numpy.testing.assert_allclose(net.blobs['y'].data, want, rtol=1e-6, atol=1e-6)
+    unrounded = r16(x) @ W.astype(numpy.float64).T + b
+    assert numpy.abs(unrounded - want).max() > 1e-4        # the test can tell them apart
+    dy = rng.randn(4, 3).astype(numpy.float32)
+    net.blobs['y'].diff[...] = dy
+    net.backward()
+    # dx = dy W with the rounded weights (and stored in FLOAT16).
+    numpy.testing.assert_allclose(net.blobs['x'].diff, r16(dy @ r16(W)), rtol=2e-3, atol=1e-6)
+    for p, m in zip(net.params['ip'], masters):
+        numpy.testing.assert_array_equal(p.data, m)         # the masters are back
+    numpy.testing.assert_allclose(net.params['ip'][0].diff, r16(dy.T @ r16(x)), rtol=2e-3,
+                                  atol=1e-6)
 
 
 def test_fp32_nets_are_untouched():
