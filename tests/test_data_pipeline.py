@@ -419,6 +419,9 @@ def _corrupt_lmdb(tmp_path, how):
 @pytest.mark.parametrize('how', ['truncated', 'garbage'])
 def test_corrupt_record_names_database_key_and_reason(tmp_path, how):
     source = _corrupt_lmdb(tmp_path, how)
+    # Other tests' nets may still hold idle worker threads: only this test's
+    # must be gone at the end.
+    before = set(threading.enumerate())
     for count in (1, 3):
         layer, tops = _data_layer(source, 'scale: 1', batch=2, count=count)
         try:
@@ -436,7 +439,8 @@ def test_corrupt_record_names_database_key_and_reason(tmp_path, how):
             assert not layer.workers.running
         finally:
             layer.close()
-    assert not [t for t in threading.enumerate() if t.name.startswith('caffeplus-data-')]
+    assert not [t for t in set(threading.enumerate()) - before
+                if t.name.startswith('caffeplus-data-')]
 
 
 def test_corrupt_image_file_names_list_line_and_reason(tmp_path):
