@@ -499,18 +499,25 @@ def test_corrupt_record_stops_a_process_with_the_error_not_a_hang(tmp_path):
 @pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_a_process_with_busy_workers(tmp_path, sig):
     source = _write_lmdb(tmp_path / 'db', _images(16), 'JPEG')
-    proc = subprocess.Popen([sys.executable, '-c', _script(source)], cwd=str(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == 'READY'
-        proc.send_signal(sig)
-        proc.wait(timeout=STOP_DEADLINE_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+    # The log goes to a file: a pipe nobody reads fills up (a line every
+    # pass over the 16 records) and the child then blocks writing, signal or
+    # not, when the machine is slow to deliver it.
+    with open(tmp_path / 'stderr.log', 'w') as log_file:
+        proc = subprocess.Popen([sys.executable, '-c', _script(source)], cwd=str(tmp_path),
+                                stdout=subprocess.PIPE, stderr=log_file, text=True)
+        try:
+            assert proc.stdout.readline().strip() == 'READY'
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout=STOP_DEADLINE_S)
+            except subprocess.TimeoutExpired:
+                raise AssertionError('no exit %d s after signal %d; its log ends:\n%s' % (
+                    STOP_DEADLINE_S, sig, (tmp_path / 'stderr.log').read_text()[-3000:]))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
     assert proc.returncode != 0
 
 
