@@ -192,6 +192,10 @@ class BatchNormLayer(Layer):
             y += self.blobs[4].data.reshape(1, c, 1)
 
     def _backward(self, top, propagate_down, bottom):
+        learn = self.scale_bias and (self.param_needs_backward(3) or
+                                     self.param_needs_backward(4))
+        if not propagate_down[0] and not learn:
+            return
         n, c, s = self._dims(top[0])
         dy = top[0].diff.reshape(n, c, s)
         y = self._x_norm
