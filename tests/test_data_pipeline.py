@@ -496,6 +496,10 @@ def test_corrupt_record_stops_a_process_with_the_error_not_a_hang(tmp_path):
     assert 'cannot' in proc.stderr
 
 
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_a_process_with_busy_workers(tmp_path, sig):
     source = _write_lmdb(tmp_path / 'db', _images(16), 'JPEG')
@@ -503,8 +507,12 @@ def test_signal_stops_a_process_with_busy_workers(tmp_path, sig):
     # pass over the 16 records) and the child then blocks writing, signal or
     # not, when the machine is slow to deliver it.
     with open(tmp_path / 'stderr.log', 'w') as log_file:
+        # SIGINT as an interactive shell leaves it: a test run started in
+        # the background by a non-interactive shell inherits it ignored, and
+        # so would the child.
         proc = subprocess.Popen([sys.executable, '-c', _script(source)], cwd=str(tmp_path),
-                                stdout=subprocess.PIPE, stderr=log_file, text=True)
+                                stdout=subprocess.PIPE, stderr=log_file, text=True,
+                                preexec_fn=_default_sigint)
         try:
             assert proc.stdout.readline().strip() == 'READY'
             proc.send_signal(sig)
