@@ -91,14 +91,17 @@ class BatchNormLayer(Layer):
         self._std = None
 
     @property
+    def learns_scale_bias(self):
+        """Whether scale_bias's scale or bias takes a gradient."""
+        return self.scale_bias and len(self.blobs) == 5 and (
+            self.param_needs_backward(3) or self.param_needs_backward(4))
+
+    @property
     def keeps_normalized(self):
         """Whether forward keeps a copy of the normalized data for backward:
         the batch-statistics gradient reads it, and so do scale_bias's
         scale gradients."""
-        if not self.use_global_stats:
-            return True
-        return self.scale_bias and len(self.blobs) == 5 and (
-            self.param_needs_backward(3) or self.param_needs_backward(4))
+        return not self.use_global_stats or self.learns_scale_bias
 
     def _channels(self, bottom):
         if bottom.num_axes < 1:
@@ -192,9 +195,7 @@ class BatchNormLayer(Layer):
             y += self.blobs[4].data.reshape(1, c, 1)
 
     def _backward(self, top, propagate_down, bottom):
-        learn = self.scale_bias and (self.param_needs_backward(3) or
-                                     self.param_needs_backward(4))
-        if not propagate_down[0] and not learn:
+        if not propagate_down[0] and not self.learns_scale_bias:
             return
         n, c, s = self._dims(top[0])
         dy = top[0].diff.reshape(n, c, s)

@@ -455,13 +455,17 @@ class CachedRecordReader:
             return self.records[self.order[self.index]]
         return self.reader.current()
 
+    def _cache_current(self):
+        """Keep a copy of the database's current record and move on; whether
+        that read the database through (the reader is back at its start)."""
+        self.records.append(tuple(bytes(b) for b in self.reader.current()))
+        self.reader.advance()
+        return self.reader.position == 0
+
     def advance(self):
         self.offset += 1
         if not self.complete:
-            key, value = self.reader.current()
-            self.records.append((bytes(key), bytes(value)))
-            self.reader.advance()
-            if self.reader.position == 0:       # the database read through once
+            if self._cache_current():
                 self._begin_pass(from_memory=True)
             return
         self.index += 1
@@ -503,8 +507,7 @@ class CachedRecordReader:
             target = int(state['reader'].get('position', 0))
             self.reader.restore({'position': 0, 'offset': 0})
             for _ in range(target):
-                self.records.append(tuple(bytes(b) for b in self.reader.current()))
-                self.reader.advance()
+                self._cache_current()
             if self.shuffle:
                 self.rng.bit_generator.state = copy.deepcopy(state['order_rng'])
             self.offset = int(state.get('offset', 0))
@@ -512,11 +515,8 @@ class CachedRecordReader:
         if not self.complete:
             self.reader.restore({'position': 0, 'offset': 0})
             self.records = []
-            while True:
-                self.records.append(tuple(bytes(b) for b in self.reader.current()))
-                self.reader.advance()
-                if self.reader.position == 0:
-                    break
+            while not self._cache_current():
+                pass
             self.complete = True
         if self.shuffle:
             self.rng.bit_generator.state = copy.deepcopy(state['order_rng'])
