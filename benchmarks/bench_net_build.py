@@ -13,14 +13,16 @@ and msra, Generator.random(out=) for uniform, xavier and positive_unitball,
 .fill() for constants and bilinear, numpy.zeros for the constant 0 of an
 absent filler. Medians are printed, with build / NumPy (target <= 2.0).
 
-Stock Caffe cannot run here. Its one build time on record is LeNet's, in
-the stock-Caffe reference log reference/cli/time_lenet_dummy_b64.log (the
-time from "Initializing net from parameters" to "Network initialization
-done"): for LeNet the same window of caffeplus's log is timed and compared
-with it (target <= 1.5).
+Stock Caffe cannot run here. Its build times on record are LeNet's, in the
+stock-Caffe reference logs (the time from "Initializing net from parameters"
+to "Network initialization done"): reference/cli/time_lenet_dummy_b64.log
+(DummyData) and the four reference/training/*/train.log runs (LMDB data, a
+TRAIN and a TEST net each). The same window of caffeplus's log is timed for
+the same nets and compared with them (target <= 1.5).
 """
 import argparse
 import collections
+import gc
 import logging
 import os
 import re
@@ -156,26 +158,49 @@ def build_seconds(source, phase):
     return seconds
 
 
-# -- the one stock-Caffe build time on record ------------------------------------------
+# -- the stock-Caffe build times on record --------------------------------------------
 _STAMP = re.compile(r'^I\d{8} (\d\d):(\d\d):(\d\d\.\d+) ')
 
+# (label, the stock log(s) relative to the reference set, which window in each
+# log (0: the first net built, 1: the second), the net relative to the
+# reference set, phase). The reference set's root is the working directory
+# when the nets are built, as it was for stock Caffe (the LMDB paths in
+# lenet_train_test.prototxt are relative to it).
+STOCK_WINDOWS = [
+    ('LeNet, DummyData b64, TRAIN', ['cli/time_lenet_dummy_b64.log'], 0,
+     'cli/lenet_dummy_b64.prototxt', caffe_pb2.TRAIN),
+    ('LeNet, LMDB b64, TRAIN', ['training/%s/train.log' % s for s in
+                                ('sgd', 'nesterov', 'adagrad', 'adam')], 0,
+     'training/lenet_train_test.prototxt', caffe_pb2.TRAIN),
+    ('LeNet, LMDB b32, TEST', ['training/%s/train.log' % s for s in
+                               ('sgd', 'nesterov', 'adagrad', 'adam')], 1,
+     'training/lenet_train_test.prototxt', caffe_pb2.TEST),
+]
 
-def _window(lines):
-    """Seconds from 'Initializing net from parameters' to 'Network
-    initialization done' in glog-format lines."""
+
+def _windows(lines):
+    """Seconds from each 'Initializing net from parameters' to the next
+    'Network initialization done' in glog-format lines."""
     def seconds(line):
         h, m, s = _STAMP.match(line).groups()
         return int(h) * 3600 + int(m) * 60 + float(s)
-    start = next(seconds(l) for l in lines if 'Initializing net from parameters' in l)
-    end = next(seconds(l) for l in lines if 'Network initialization done' in l)
-    return end - start
+    found, start = [], None
+    for line in lines:
+        if 'Initializing net from parameters' in line:
+            start = seconds(line)
+        elif 'Network initialization done' in line and start is not None:
+            found.append(seconds(line) - start)
+            start = None
+    return found
 
 
-def stock_caffe_lenet_seconds():
-    path = os.path.join(REFERENCE, 'cli', 'time_lenet_dummy_b64.log')
-    if not os.path.exists(path):
-        return None, path
-    return _window(open(path).read().splitlines()), path
+def stock_caffe_seconds(logs, which):
+    """The median of stock Caffe's window over `logs` (None when missing)."""
+    paths = [os.path.join(REFERENCE, log_path) for log_path in logs]
+    if not all(os.path.exists(path) for path in paths):
+        return None
+    return statistics.median(_windows(open(path).read().splitlines())[which]
+                             for path in paths)
 
 
 class _Stamps(logging.Handler):
@@ -201,6 +226,9 @@ def caffeplus_window_seconds(source, phase):
     handlers, level = log.logger.handlers[:], log.logger.level
     log.logger.handlers = [lines, handler]
     log.logger.setLevel(logging.INFO)
+    # A net left from the last round would otherwise be collected inside
+    # this window, joining its prefetch threads: a cost stock's window lacks.
+    gc.collect()
     try:
         net = caffeplus.Net(source, phase)
     finally:
@@ -217,6 +245,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--repeat', type=int, default=3)
     parser.add_argument('--nets', default=','.join(NETS))
+    parser.add_argument('--no-stock', dest='stock', action='store_false',
+                        help='skip the windows compared with stock Caffe\'s logs')
     args = parser.parse_args(argv)
     caffeplus.set_mode_cpu()
     caffeplus.set_random_seed(1701)
@@ -243,17 +273,26 @@ def main(argv=None):
         sys.stdout.flush()
     print('worst build / NumPy: %.2f (target <= 2.0)' % worst)
 
-    if 'lenet_dummy_b64' in args.nets.split(','):
-        stock, path = stock_caffe_lenet_seconds()
-        make, phase = NETS['lenet_dummy_b64']
-        ours = statistics.median(caffeplus_window_seconds(make(), phase)
-                                 for _ in range(max(args.repeat, 5)))
-        if stock is None:
-            print('no stock-Caffe build time found (%s missing)' % path)
-        else:
-            print('LeNet (lenet_dummy_b64, TRAIN), "Initializing net" to "Network initialization '
-                  'done": caffeplus %.2f ms, stock Caffe %.2f ms (from %s), ratio %.2f '
-                  '(target <= 1.5)' % (ours * 1e3, stock * 1e3, path, ours / stock))
+    if args.stock:
+        print()
+        print('From "Initializing net from parameters" to "Network initialization done", '
+              'against stock Caffe 1.0\'s reference logs (target <= 1.5):')
+        print('| net | caffeplus ms | stock Caffe ms | ratio |')
+        print('|---|---|---|---|')
+        here = os.getcwd()
+        os.chdir(REFERENCE)
+        try:
+            for label, logs, which, net_path, phase in STOCK_WINDOWS:
+                stock = stock_caffe_seconds(logs, which)
+                if stock is None:
+                    print('| %s | - | (%s missing) | - |' % (label, ', '.join(logs)))
+                    continue
+                ours = statistics.median(caffeplus_window_seconds(net_path, phase)
+                                         for _ in range(max(args.repeat, 5)))
+                print('| %s | %.2f | %.2f | %.2f |' % (label, ours * 1e3, stock * 1e3,
+                                                       ours / stock))
+        finally:
+            os.chdir(here)
     return 0
 
 
