@@ -105,7 +105,8 @@ def worker_caffeplus(args):
     # 'arena:timed/generic': plan arena, FindEx search, fused kernels off
     # (the generic CuPy layers and a per-parameter update, as before them);
     # '/nographs': cuDNN calls made directly (no CUDA-graph replays);
-    # '/nogroups': grouped convolutions never timed one call per group
+    # '/nogroups': grouped convolutions never timed one call per group;
+    # '/fp16': see below
     spec, _, variant = args.plan.partition('/')
     plan, _, search = spec.partition(':')
     variants = set(variant.split('+')) if variant else set()
@@ -129,7 +130,11 @@ def worker_caffeplus(args):
     sampler = Sampler(used, pool.total_bytes)
     sampler.start()
     t0 = time.time()
-    net = caffeplus.Net(net_path(args.bench_dir, args.net), caffeplus.TRAIN)
+    # '/fp16': the net built with `--precision fp16` (FLOAT16 maps and
+    # gradients, FP32 master weights; no loss scaling here, as no solver)
+    from caffeplus import precision
+    with precision.setting('fp16' if 'fp16' in variants else None):
+        net = caffeplus.Net(net_path(args.bench_dir, args.net), caffeplus.TRAIN)
     workspace.apply_workspace_plan(net, plan, args.workspace_limit)
     params = net.learnable_params
     start = 0

@@ -16,6 +16,8 @@ MAX_BLOB_AXES = 32
 # allocate terabytes: 2**34 floats is 64 GiB.
 MAX_BLOB_COUNT = 2 ** 34
 
+FLOAT32 = numpy.dtype(numpy.float32)
+
 # -- virtual allocation (shape-only builds) -----------------------------------
 # The memory planner builds big nets on the CPU only to read their shapes
 # (caffeplus.memory.shapes.shape_only()). While this switch is on, a CPU
@@ -65,14 +67,16 @@ def _on_device(array):
 
 
 class Storage:
-    """A flat float32 buffer that one or more blobs view."""
-    __slots__ = ('array', 'released_reason', 'host', 'head')
+    """A flat buffer that one or more blobs view: float32, or on the GPU the
+    16-bit type a net's precision gives its activations (`dtype`)."""
+    __slots__ = ('array', 'released_reason', 'host', 'head', 'dtype')
 
     def __init__(self):
         self.array = None
         self.released_reason = None
         self.host = None            # NumPy mirror of a device array (pycaffe)
         self.head = HEAD_SYNCED
+        self.dtype = FLOAT32
 
     def ensure(self, count, xp):
         if _VIRTUAL['on'] and xp is numpy:      # see "virtual allocation" above
@@ -81,10 +85,12 @@ class Storage:
             return self.array
         if self.head is HEAD_HOST:               # pycaffe wrote the host mirror
             self._push_host()
+        # (16-bit storage is the GPU's: the CPU emulates it in float32.)
+        dtype = self.dtype if xp is not numpy else FLOAT32
         if self.array is None or self.array.size < count or \
-                backend.get_array_module(self.array) is not xp:
+                backend.get_array_module(self.array) is not xp or self.array.dtype != dtype:
             old = self.array
-            self.array = xp.zeros(max(count, 1), dtype=numpy.float32)
+            self.array = xp.zeros(max(count, 1), dtype=dtype)
             if old is not None and old.size:
                 n = min(old.size, count)
                 if backend.get_array_module(old) is xp:
@@ -92,7 +98,7 @@ class Storage:
                 elif xp is numpy:
                     self.array[:n] = backend.to_numpy(old[:n])
                 else:
-                    self.array[:n] = xp.asarray(old[:n])
+                    self.array[:n] = xp.asarray(old[:n]).astype(dtype, copy=False)
         if xp is not numpy:
             self.head = HEAD_DEVICE
         return self.array
@@ -102,7 +108,11 @@ class Storage:
         self.head = HEAD_SYNCED
         if self.host is not None and self.array is not None and _on_device(self.array):
             n = min(self.host.size, self.array.size)
-            self.array[:n].set(self.host[:n])
+            if self.array.dtype == FLOAT32:
+                self.array[:n].set(self.host[:n])
+            else:           # a 16-bit device array: its values, rounded on the device
+                import cupy
+                self.array[:n] = cupy.asarray(self.host[:n])
 
     def host_view(self, count):
         """The NumPy array pycaffe reads and writes: in CPU mode the array
@@ -119,7 +129,10 @@ class Storage:
             self.host = numpy.empty(arr.size, dtype=numpy.float32)
             stale = True
         if stale:
-            arr.get(out=self.host)
+            if arr.dtype == FLOAT32:
+                arr.get(out=self.host)
+            else:           # a 16-bit device array: pycaffe reads float32 values
+                self.host[...] = arr.get()
         self.head = HEAD_HOST
         _host_views[0] += 1
         return self.host
@@ -278,9 +291,10 @@ class Blob:
         if xp is numpy:
             value = numpy.asarray(backend.to_numpy(value), dtype=numpy.float32)
         elif host_to_device:
-            value = numpy.ascontiguousarray(value, dtype=numpy.float32)
+            # (A 16-bit view takes its own type: CuPy copies only like to like.)
+            value = numpy.ascontiguousarray(value, dtype=view.dtype)
         else:
-            value = xp.asarray(value, dtype=numpy.float32)
+            value = xp.asarray(value, dtype=view.dtype)
         if value.shape != view.shape and value.size != view.size:
             raise CaffeplusError('cannot assign an array of shape %s to the %s of blob %s '
                                  'with shape %s' % (value.shape, which, self.name, view.shape))
@@ -288,6 +302,13 @@ class Blob:
             view.set(value.reshape(view.shape))
         else:
             view[...] = value.reshape(view.shape)
+
+    def set_storage_dtype(self, data_dtype, diff_dtype=None):
+        """Store this blob's data (and diff) as `data_dtype` (`diff_dtype`) on
+        the GPU: before anything is allocated (a net sets its 16-bit
+        activations up so, caffeplus.precision)."""
+        self._data.dtype = numpy.dtype(data_dtype)
+        self._diff.dtype = numpy.dtype(diff_dtype if diff_dtype is not None else data_dtype)
 
     def share_data(self, other):
         if self._count != other._count:

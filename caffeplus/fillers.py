@@ -268,8 +268,18 @@ def fill_device(recipe, out):
     False when this cannot be done on the device (no recipe, an array that
     is not contiguous, no cuRAND): the caller then fills on the host."""
     if recipe is None or not type(out).__module__.startswith('cupy') or \
-            out.dtype != numpy.float32 or not out.flags.c_contiguous or out.data.ptr % 16:
+            not out.flags.c_contiguous or out.data.ptr % 16:
         return False
+    if out.dtype != numpy.float32:
+        # A 16-bit top: the same float32 values, drawn into a scratch array
+        # of its own and rounded into the top.
+        if out.dtype.kind != 'f':
+            return False
+        staged = _device_staging(out.size)
+        if not fill_device(recipe, staged):
+            return False
+        out.ravel()[...] = staged
+        return True
     if recipe[0] == 'constant':
         draw_into(recipe, out, None)
         return True
@@ -281,6 +291,21 @@ def fill_device(recipe, out):
     gen.reseed(_DEVICE_RANDOM.seed_for(rng.get()))
     draw_into(recipe, out, gen)
     return True
+
+
+_STAGING = {}
+
+
+def _device_staging(count):
+    """A float32 device array of `count` values (one per device, grown as
+    needed) that 16-bit fills draw into."""
+    import cupy
+    key = cupy.cuda.runtime.getDevice()
+    buf = _STAGING.get(key)
+    if buf is None or buf.size < count:
+        # 16-aligned and contiguous, as fill_device asks.
+        buf = _STAGING[key] = cupy.empty(count, numpy.float32)
+    return buf[:count]
 
 
 class DeviceRandom:

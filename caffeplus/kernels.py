@@ -141,20 +141,26 @@ def is_device(array):
     return type(array) is _ndarray_type()
 
 
-def flat(blob, diff=False):
+_F32 = numpy.dtype(numpy.float32)
+
+
+def flat(blob, diff=False, any_dtype=False):
     """The blob's storage array (flat, at least blob.count values) on the
     device, without making views; through the Blob's own accessor (which
     allocates, copies a newer host mirror over, refuses released memory)
-    when it is not plainly there. None if the storage is not a device array."""
+    when it is not plainly there. None if the storage is not a device array,
+    or (unless `any_dtype`: cuDNN's calls, whose descriptors carry the type)
+    not float32: the kernels here read float32, so a 16-bit blob takes its
+    layer's other path."""
     st = blob._diff if diff else blob._data
     a = st.array
     nd = _ndarray_type()
     if type(a) is nd and st.head is _HEAD_DEVICE and st.released_reason is None and \
             a.size >= blob._count:
-        return a
+        return a if any_dtype or a.dtype == _F32 else None
     blob.diff if diff else blob.data        # noqa: B018 -- Storage.ensure()
     a = st.array
-    return a if type(a) is nd else None
+    return a if type(a) is nd and (any_dtype or a.dtype == _F32) else None
 
 
 def array_module():

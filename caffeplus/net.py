@@ -12,7 +12,7 @@ import os
 import numpy
 
 from caffeplus import backend, kernels, log, precision
-from caffeplus.blob import Blob, HostBlob
+from caffeplus.blob import Blob, HostBlob, virtual_allocation
 from caffeplus.deferred_loss import DeferredLoss
 from caffeplus.errors import CaffeplusError, FormatError, NetError
 from caffeplus.layer import create_layer
@@ -137,6 +137,11 @@ class Net:
         self.name = param.name
         self.net_param = param
         self.debug_info = param.debug_info
+        # The storage types (NVCaffe's fields, or the precision switch), known
+        # before any layer allocates: 16-bit tops are stored so from the start.
+        self.layer_types = precision.resolve(param)
+        top_dtypes = precision.top_storage_dtypes(param, self.layer_types) \
+            if backend.mode() == backend.GPU or virtual_allocation() else {}
 
         self.layers, self._layer_names = [], []
         self._blobs, self._blob_names = [], []
@@ -205,6 +210,9 @@ class Net:
                     log.info('%s -> %s', lp.name, name)
                     blob_id = len(self._blobs)
                     self._blobs.append(Blob(name=name))
+                    dtype = top_dtypes.get(layer_id, {}).get(top_id)
+                    if dtype is not None:
+                        self._blobs[-1].set_storage_dtype(dtype)
                     self._blob_names.append(name)
                     self.blob_need_backward.append(False)
                     if top_id < num_top:

@@ -193,9 +193,12 @@ class NetPrecision:
     """The 16-bit storage of one net (its hooks on the net) and the loss scale
     its backward applies."""
 
-    def __init__(self, net, types):
+    def __init__(self, net, types, emulate=True):
         self.net = net
         self.types = types              # per layer: (forward type, backward type)
+        # False on the GPU: the storage itself rounds, and the layers that
+        # multiply by weights keep 16-bit copies of their own.
+        self.emulate = emulate
         self.scale = 1.0
         self._saved_loss_diffs = {}
         consumed = {blob_id for ids in net.bottom_id_vecs for blob_id in ids}
@@ -226,6 +229,16 @@ class NetPrecision:
             if self.scale != 1.0:
                 self._scale_loss_diffs(i)
         scale_loss.at = frozenset(self.loss_layers)
+        scale_loss.chain_safe = True        # loss tops only: fused chains stay fused
+
+        if not self.emulate:
+            def restore_loss_diffs(i):
+                self._restore_loss_diffs(i)
+            restore_loss_diffs.at = frozenset(self.loss_layers)
+            restore_loss_diffs.chain_safe = True
+            net.before_layer_backward.append(scale_loss)
+            net.on_layer_backward_done.append(restore_loss_diffs)
+            return
 
         def after_backward(i):
             self._restore_loss_diffs(i)
@@ -288,24 +301,66 @@ class NetPrecision:
                 rounding(blob.diff)
 
 
+def resolve(net_param):
+    """The per-layer (forward type, backward type) of `net_param`, after the
+    precision switch (if set) has rewritten its types in place. Called
+    before the layers are made: the GPU stores 16-bit tops from the start."""
+    if _SWITCH['precision']:
+        override(net_param, _SWITCH['precision'])
+    return [layer_storage_types(net_param, lp) for lp in net_param.layer]
+
+
+# The storage the GPU gives each 16-bit type. BFLOAT16 has none yet (CuPy's
+# bfloat16 is experimental): a BFLOAT16 net runs in FP32 there.
+DEVICE_DTYPES = {caffe_pb2.FLOAT16: numpy.dtype(numpy.float16)}
+
+
+def is_loss_layer(lp):
+    """Caffe's rule: a "Loss" type weighs its first top 1 unless told."""
+    return 'Loss' in lp.type or any(w != 0 for w in lp.loss_weight)
+
+
+def top_storage_dtypes(net_param, types):
+    """{layer index: {top index: dtype}} of the tops stored in 16 bits: the
+    tops a later layer reads, of layers whose forward type has a device
+    storage. A data layer's labels (its tops after the first), the losses
+    and the net's outputs stay float32, as does an in-place top (the
+    producer's storage decides). Each gradient is stored as its value."""
+    consumed = {name for lp in net_param.layer for name in lp.bottom}
+    out = {}
+    for i, (lp, (fwd, _)) in enumerate(zip(net_param.layer, types)):
+        dtype = DEVICE_DTYPES.get(fwd)
+        if dtype is None or is_loss_layer(lp):
+            continue
+        tops = {j: dtype for j, name in enumerate(lp.top)
+                if name in consumed and (lp.bottom or j == 0) and
+                not (j < len(lp.bottom) and lp.bottom[j] == name)}
+        if tops:
+            out[i] = tops
+    return out
+
+
 def attach(net):
     """Give `net` the precision its NetParameter (and the switch) asks for:
-    net.precision, a NetPrecision, or None for FP32."""
+    net.precision, a NetPrecision, or None for FP32. On the GPU the 16-bit
+    tops are already stored so (top_storage_dtypes); on the CPU they are
+    emulated."""
     param = net.net_param
-    if _SWITCH['precision']:
-        override(param, _SWITCH['precision'])
-        for layer in net.layers:
-            for field in ('forward_type', 'backward_type', 'forward_math', 'backward_math'):
-                layer.layer_param.ClearField(field)
     net.precision = None
-    types = [layer_storage_types(param, lp) for lp in param.layer]
+    types = getattr(net, 'layer_types', None) or resolve(param)
     sixteen = sorted({type_name(t) for pair in types for t in pair if t in SIXTEEN_BIT})
     if not sixteen:
         return None
     if backend.mode() == backend.GPU:
-        log.warning('Net %s asks for %s storage, which the GPU backend does not have yet: '
-                    'it runs in FLOAT (FP32)', net.name, ' and '.join(sixteen))
-        return None
+        stored = sorted({type_name(t) for pair in types for t in pair if t in DEVICE_DTYPES})
+        if not stored:
+            log.warning('Net %s asks for %s storage, which the GPU backend does not have yet: '
+                        'it runs in FLOAT (FP32)', net.name, ' and '.join(sixteen))
+            return None
+        log.info('Net %s stores %s activations and gradients on the GPU (float32 math, '
+                 'FP32 master weights)', net.name, ' and '.join(stored))
+        net.precision = NetPrecision(net, types, emulate=False)
+        return net.precision
     log.info('Net %s stores %s activations and gradients (float32 math, FP32 weights)',
              net.name, ' and '.join(sixteen))
     net.precision = NetPrecision(net, types)

@@ -231,7 +231,7 @@ class InnerProductLayer(Layer):
                 xp.matmul(dy.T, x, out=grad)
             w_diff += grad
         if self.bias_term and self.param_needs_backward(1):
-            self.blobs[1].diff[...] += dy.sum(axis=0)
+            self.blobs[1].diff[...] += dy.sum(axis=0, dtype=self.blobs[1].diff.dtype)
         if propagate_down[0]:
             dx = bottom[0].diff.reshape(self.M, self.K)
             xp.matmul(dy, self._weight_t().T, out=dx)
@@ -920,7 +920,7 @@ class EmbedLayer(Layer):
         if self.param_needs_backward(0):
             _scatter_add(_xp(dy), self.blobs[0].diff, self.indices, dy)
         if self.bias_term and self.param_needs_backward(1):
-            self.blobs[1].diff[...] += dy.sum(axis=0)
+            self.blobs[1].diff[...] += dy.sum(axis=0, dtype=self.blobs[1].diff.dtype)
 
 
 # -- Parameter ----------------------------------------------------------------------

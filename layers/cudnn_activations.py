@@ -11,7 +11,8 @@ from caffeplus.cudnn import api
 from caffeplus.errors import CaffeplusError
 from caffeplus.layer import register_engine
 from caffeplus.layers.cudnn_common import (READS_BOTH, _as4d, _CudnnMixin, _MaskableMixin, _dptr,
-                                           _fits, cudnn_available)
+                                           _fits, _same_storage_dtype, cudnn_available,
+                                           storage_dtype)
 from caffeplus.layers.neuron import ELULayer, ReLULayer, SigmoidLayer, TanHLayer
 from caffeplus.memory import scratch
 
@@ -33,23 +34,24 @@ class _CudnnActivationMixin(_CudnnMixin):
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         if self._gpu_mode() and cudnn_available() and self._act_ok(bottom, top) and \
-                _fits(bottom[0].shape):
-            self._build(bottom[0].shape)
+                _fits(bottom[0].shape) and _same_storage_dtype(bottom, top):
+            self._build(bottom[0].shape, storage_dtype(bottom[0]))
 
-    def _build(self, shape):
+    def _build(self, shape, dtype=None):
         from caffeplus.cudnn import api
-        key = (tuple(shape), backend.device())
+        key = (tuple(shape), backend.device(), dtype)
         if key == getattr(self, '_act_key', None):
             return
         self._act = (api.ActivationDesc(self.act_mode, self._act_coef()),
-                     api.TensorDesc(_as4d(shape)))
+                     api.TensorDesc(_as4d(shape), dtype=dtype))
         self._act_replays = api.Replays()
         self._act_key = key
 
     def _ready(self, bottom, top, x):
-        if not self._act_ok(bottom, top) or not _fits(x.shape) or not self._cudnn_usable(x):
+        if not self._act_ok(bottom, top) or not _fits(x.shape) or not self._cudnn_usable(x) or \
+                not _same_storage_dtype(bottom, top):
             return False
-        self._build(x.shape)
+        self._build(x.shape, x.dtype)
         return True
 
     def _forward(self, bottom, top):

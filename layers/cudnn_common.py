@@ -135,8 +135,22 @@ def _missing_cudnn_hint():
 
 
 def _dptr(blob, diff=False):
-    """Device address of a blob's data (diff): its storage array, no views."""
-    return int(_kernels.flat(blob, diff).data.ptr)
+    """Device address of a blob's data (diff): its storage array, no views
+    (float32 or 16-bit: the caller's descriptors carry the type)."""
+    return int(_kernels.flat(blob, diff, any_dtype=True).data.ptr)
+
+
+def storage_dtype(blob, diff=False):
+    """The type a blob's data (diff) is stored in on the device."""
+    return (blob.diff_storage if diff else blob.data_storage).dtype
+
+
+def _same_storage_dtype(bottom, top):
+    """Whether one cuDNN descriptor describes the layer's bottom and top
+    data and diffs: all stored in one type (float32, or a 16-bit net's)."""
+    d = bottom[0].data_storage.dtype
+    return all(b.data_storage.dtype == d and b.diff_storage.dtype == d
+               for b in (bottom[0], top[0]))
 
 
 class _MaskableMixin:

@@ -16,7 +16,8 @@ from caffeplus.errors import CaffeplusError
 from caffeplus.layer import register_engine
 from caffeplus.layers import cudnn_common as _common
 from caffeplus.layers.conv_gemm import _GemmConv
-from caffeplus.layers.cudnn_common import _CudnnMixin, _dptr, _prod, batch_slices, cudnn_available
+from caffeplus.layers.cudnn_common import (_CudnnMixin, _dptr, _prod, batch_slices, cudnn_available,
+                                           storage_dtype)
 from caffeplus.layers.vision import ConvolutionLayer, DeconvolutionLayer
 from caffeplus.proto import caffe_pb2
 
@@ -142,9 +143,17 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             self.memory_plan = None
 
     # -- which configurations go to cuDNN ------------------------------------
+    # The type the layer's maps are stored in: float32, or a 16-bit net's
+    # (then cuDNN reads 16-bit copies of the weights, _sixteen_bit_params).
+    activation_dtype = numpy.dtype(numpy.float32)
+    _dtypes_agree = True
+    _w16 = _b16 = None
+
     def _cudnn_geometry_ok(self):
         if not (self.channel_axis == 1 and 1 <= self.num_spatial <= 3 and self.num > 0):
             return False
+        if not self._dtypes_agree:
+            return False            # mixed types: the generic code casts
         k = self._batch_slices()
         # Caffe's per-group calls (plan stock) over batch slices too: not built.
         return k is not None and (k == 1 or not self._split_groups())
@@ -191,7 +200,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
     def _key(self):
         return (self.num, tuple(self.in_spatial), tuple(self.out_spatial), self._split_groups(),
                 self._batch_slices(), mathmode.generation(), _workspace().search_mode(),
-                backend.device())
+                backend.device(), self.activation_dtype)
 
     def _build_cudnn(self):
         """Descriptors and call sites for the current shapes (cached)."""
@@ -229,7 +238,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         if cd.loops != 1:
             return None, {}
         # Few input channels (an image net's first layer): im2col + GEMM too.
-        gemm = _GemmConv(self) if _GemmConv.eligible(self) else None
+        gemm = _GemmConv(self) if _GemmConv.eligible(self) and not self._sixteen_bit() else None
         # The batch in halves, quarters and eighths: less workspace at about the speed.
         chunked = {v: _ConvDescs(self, False, k) for v, k in CHUNK_VARIANTS.items()
                    if slices == 1 and self.num % k == 0 and self.num >= 2 * k and
@@ -271,7 +280,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         return (self.reverse, self.num, self.channels, self.num_output, tuple(self.in_spatial),
                 tuple(self.out_spatial), tuple(self.blobs[0].shape), tuple(g.kernel),
                 tuple(g.pad), tuple(g.stride), tuple(g.dilation), self.group,
-                mathmode.generation(), mathmode.deterministic(), backend.device())
+                mathmode.generation(), mathmode.deterministic(), backend.device(),
+                self.activation_dtype)
 
     def forward_then_relu(self, bottom, top):
         """Forward, then a ReLU (negative slope 0) in place on the top, with
@@ -319,8 +329,34 @@ class _CudnnConvolutionMixin(_CudnnMixin):
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
+        self.activation_dtype = storage_dtype(bottom[0])
+        self._dtypes_agree = all(storage_dtype(b) == self.activation_dtype and
+                                 storage_dtype(b, True) == self.activation_dtype
+                                 for b in list(bottom) + list(top))
         if self._gpu_mode() and self._cudnn_geometry_ok() and cudnn_available():
             self._build_cudnn()
+
+    def _sixteen_bit(self):
+        return self.activation_dtype.itemsize != 4
+
+    def _sixteen_bit_params(self):
+        """Device addresses of the 16-bit copies of the weights and bias (0
+        without one) that cuDNN reads, refreshed from the FP32 masters.
+        Each copy keeps its address (the replays key on it)."""
+        import cupy
+        dtype = self.activation_dtype
+        w = self.blobs[0].data
+        if self._w16 is None or self._w16.shape != w.shape or self._w16.dtype != dtype:
+            self._w16 = cupy.empty(w.shape, dtype)
+        cupy.copyto(self._w16, w, casting='same_kind')
+        b = 0
+        if self.bias_term:
+            bias = self.blobs[1].data
+            if self._b16 is None or self._b16.shape != bias.shape or self._b16.dtype != dtype:
+                self._b16 = cupy.empty(bias.shape, dtype)
+            cupy.copyto(self._b16, bias, casting='same_kind')
+            b = int(self._b16.data.ptr)
+        return int(self._w16.data.ptr), b
 
     def _ready(self, *arrays):
         # (`arrays`: the blobs' storage, kernels.flat: a view of each, made
@@ -371,7 +407,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
     # by every value the calls read: replayed as a CUDA graph from the
     # second iteration on (caffeplus.cudnn.api).
     def _forward(self, bottom, top):
-        if not self._ready(_kernels.flat(bottom[0]), _kernels.flat(self.blobs[0])):
+        if not self._ready(_kernels.flat(bottom[0], any_dtype=True), _kernels.flat(self.blobs[0])):
             return super()._forward(bottom, top)
         self._forward_calls(bottom, top)
 
@@ -384,8 +420,12 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         c = self._sites[kind].choice
         cd = self._descs_for(c)
         conv = cd.conv_for(c.math)
-        w = _dptr(self.blobs[0])
-        b = _dptr(self.blobs[1]) if self.bias_term and bias else 0
+        if self._sixteen_bit():
+            w, b = self._sixteen_bit_params()
+            b = b if bias else 0
+        else:
+            w = _dptr(self.blobs[0])
+            b = _dptr(self.blobs[1]) if self.bias_term and bias else 0
         gemm = self._gemm if c.variant == 2 else None
         for bb, tt in zip(bottom, top):
             x, y = _dptr(bb), _dptr(tt)
@@ -403,7 +443,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                                                  self.reverse, x, w, y, b, ws, nbytes))
 
     def _backward(self, top, propagate_down, bottom):
-        if not self._ready(_kernels.flat(top[0], True), _kernels.flat(self.blobs[0])):
+        if not self._ready(_kernels.flat(top[0], True, any_dtype=True), _kernels.flat(self.blobs[0])):
             return super()._backward(top, propagate_down, bottom)
         mgr = self._manager()
         self._ensure_planned(mgr)
@@ -411,6 +451,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         w = _dptr(wblob)
         dw = _dptr(wblob, True) if self.param_needs_backward(0) else 0
         db = _dptr(self.blobs[1], True) if self.bias_term and self.param_needs_backward(1) else 0
+        if self._sixteen_bit():
+            return self._sixteen_bit_backward(top, propagate_down, bottom, bool(dw), bool(db))
         fc = self._sites['bwd_filter'].choice
         fcd = self._descs_for(fc)
         dkind = 'fwd' if self.reverse else 'bwd_data'
@@ -447,6 +489,63 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                                     functools.partial(_conv_data_calls, dcd,
                                                       dcd.conv_for(dc.math), dc.algo,
                                                       self.reverse, dtop, w, dx, ws, nbytes))
+
+    def _sixteen_bit_backward(self, top, propagate_down, bottom, want_dw, want_db):
+        """Backward of a 16-bit layer: cuDNN's filter gradient (16-bit, as
+        its maps) into a scratch copy, then added to the FP32 master's
+        gradient; the bias gradient summed in float32 from the 16-bit top
+        gradient; the bottom gradient from the 16-bit weights."""
+        mgr = self._manager()
+        w, _ = self._sixteen_bit_params()
+        fc = self._sites['bwd_filter'].choice
+        fcd = self._descs_for(fc)
+        dkind = 'fwd' if self.reverse else 'bwd_data'
+        dc = self._sites[dkind].choice
+        dcd = self._descs_for(dc)
+        dw16 = _filter_gradient_scratch(self.blobs[0].count, self.activation_dtype) \
+            if want_dw else None
+        for i, (bb, tt) in enumerate(zip(bottom, top)):
+            dtop = _dptr(tt, True)
+            if want_dw:
+                dw16.fill(0)
+                dw = int(dw16.data.ptr)
+                x = _dptr(bb)
+                with mgr.checkout(self, 'bwd_filter') as (ws, nbytes):
+                    fcd.replays.run(('bwd_filter', x, dtop, dw, 0, ws, nbytes, fc.algo, fc.math,
+                                     fc.variant),
+                                    functools.partial(_conv_params_calls, fcd,
+                                                      fcd.conv_for(fc.math), fc.algo,
+                                                      self.reverse, x, dtop, dw, 0, ws, nbytes))
+                gw = self.blobs[0].diff
+                gw += dw16[:gw.size].reshape(gw.shape)
+            if want_db:
+                g = tt.diff
+                gb = self.blobs[1].diff
+                gb += g.reshape(g.shape[0], g.shape[1], -1).sum(
+                    axis=2, dtype=numpy.float32).sum(axis=0)
+            if propagate_down[i]:
+                dx = _dptr(bb, True)
+                with mgr.checkout(self, dkind) as (ws, nbytes):
+                    dcd.replays.run((dkind, dtop, w, dx, ws, nbytes, dc.algo, dc.math,
+                                     dc.variant),
+                                    functools.partial(_conv_data_calls, dcd,
+                                                      dcd.conv_for(dc.math), dc.algo,
+                                                      self.reverse, dtop, w, dx, ws, nbytes))
+
+
+_FILTER_SCRATCH = {}
+
+
+def _filter_gradient_scratch(count, dtype):
+    """A device buffer of at least `count` values of `dtype` that 16-bit
+    convolutions take their filter gradient in, one after the other (one per
+    device and type, grown to the largest filter)."""
+    import cupy
+    key = (backend.device(), numpy.dtype(dtype))
+    buf = _FILTER_SCRATCH.get(key)
+    if buf is None or buf.size < count:
+        buf = _FILTER_SCRATCH[key] = cupy.empty(count, dtype)
+    return buf[:count]
 
 
 @register_engine('CUDNN')

@@ -6,7 +6,7 @@ from caffeplus import backend
 from caffeplus.cudnn import api
 from caffeplus.layer import register_engine
 from caffeplus.layers.cudnn_common import (READS_BOTH, _as4d, _CudnnMixin, _dptr, _fits,
-                                           cudnn_available)
+                                           _same_storage_dtype, cudnn_available, storage_dtype)
 from caffeplus.layers.vision import LRNLayer
 from caffeplus.proto import caffe_pb2
 
@@ -36,23 +36,26 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
+        self._dtypes_agree = _same_storage_dtype(bottom, top)
         if self._gpu_mode() and cudnn_available() and self._cudnn_ok(bottom[0].shape):
-            self._build(bottom[0].shape)
+            self._build(bottom[0].shape, storage_dtype(bottom[0]))
 
-    def _build(self, shape):
+    _dtypes_agree = True
+
+    def _build(self, shape, dtype=None):
         from caffeplus.cudnn import api
-        key = (tuple(shape), backend.device())
+        key = (tuple(shape), backend.device(), dtype)
         if key == self._desc_key:
             return
         self._desc = (api.LRNDesc(self.size, self.alpha, self.beta, self.k),
-                      api.TensorDesc(_as4d(shape)))
+                      api.TensorDesc(_as4d(shape), dtype=dtype))
         self._replays = api.Replays()
         self._desc_key = key
 
     def _ready(self, x):
-        if not self._cudnn_ok(x.shape) or not self._cudnn_usable(x):
+        if not self._cudnn_ok(x.shape) or not self._dtypes_agree or not self._cudnn_usable(x):
             return False
-        self._build(x.shape)
+        self._build(x.shape, x.dtype)
         return True
 
     def _forward(self, bottom, top):

@@ -10,8 +10,9 @@ from caffeplus import kernels as _kernels
 from caffeplus.cudnn import api
 from caffeplus.errors import CaffeplusError
 from caffeplus.layer import register_engine
-from caffeplus.layers.cudnn_common import (FLOAT_BYTES, READS_BOTH, _CudnnMixin, _MaskableMixin,
-                                           _dptr, _fused, _prod, batch_slices, cudnn_available)
+from caffeplus.layers.cudnn_common import (READS_BOTH, _CudnnMixin, _MaskableMixin, _dptr,
+                                           _fused, _prod, _same_storage_dtype, batch_slices,
+                                           cudnn_available, storage_dtype)
 from caffeplus.layers.vision import AVE, MAX, PoolingLayer
 from caffeplus.memory import scratch
 
@@ -68,9 +69,14 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         oh, ow = pool.out_shape[2:]
         return cudnn_pool_size(h, kh, sh, ph) == oh and cudnn_pool_size(w, kw, sw, pw) == ow
 
+    _storage_dtype = numpy.dtype(numpy.float32)
+    _dtypes_agree = True
+
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         self._ntop = len(top)
+        self._storage_dtype = storage_dtype(bottom[0])
+        self._dtypes_agree = _same_storage_dtype(bottom, top)
         if self._gpu_mode() and cudnn_available() and self.cudnn_agrees():
             self._build()
 
@@ -79,8 +85,9 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         from caffeplus.cudnn import api
         pool = self.pool
         k = self._batch_slices()
+        dtype = self._storage_dtype
         key = (pool.x_shape, pool.out_shape, tuple(pool.geom), pool.method, k,
-               mathmode.generation(), backend.device())
+               mathmode.generation(), backend.device(), dtype)
         if key == self._pd_key:
             return
         if pool.method == MAX:
@@ -90,9 +97,9 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         n = pool.x_shape[0] // k
         x_slice, y_slice = (n,) + tuple(pool.x_shape[1:]), (n,) + tuple(pool.out_shape[1:])
         self._pd = (api.PoolDesc(mode, pool.geom.kernel, pool.geom.pad, pool.geom.stride),
-                    api.TensorDesc(x_slice), api.TensorDesc(y_slice))
+                    api.TensorDesc(x_slice, dtype=dtype), api.TensorDesc(y_slice, dtype=dtype))
         # One call per batch slice (a blob over cuDNN's 32-bit count): byte steps.
-        self._pool_loops = (k, _prod(x_slice) * FLOAT_BYTES, _prod(y_slice) * FLOAT_BYTES)
+        self._pool_loops = (k, _prod(x_slice) * dtype.itemsize, _prod(y_slice) * dtype.itemsize)
         self._replays = api.Replays()
         self._pd_key = key
 
@@ -101,7 +108,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         return batch_slices(pool.x_shape[0], pool.x_shape[1:], pool.out_shape[1:])
 
     def _ready(self, *arrays):
-        if not self.cudnn_agrees() or not self._cudnn_usable(*arrays):
+        if not self.cudnn_agrees() or not self._dtypes_agree or not self._cudnn_usable(*arrays):
             return False
         self._build()
         return True
@@ -110,7 +117,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         self._fused_arg = False
         if self.masked and _kernels.active():
             return self._masked_forward(bottom, top)
-        if not self._ready(_kernels.flat(bottom[0])):
+        if not self._ready(_kernels.flat(bottom[0], any_dtype=True)):
             if _kernels.active() and _fused('Pooling forward', self._fast_forward, bottom, top):
                 return
             return super()._forward(bottom, top)
@@ -124,7 +131,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
             return
         if self.masked and _kernels.active():
             return self._masked_backward(top, bottom)
-        if not self._ready(_kernels.flat(top[0], True)):
+        if not self._ready(_kernels.flat(top[0], True, any_dtype=True)):
             if _kernels.active() and _fused('Pooling backward', self._fast_backward, top,
                                            propagate_down, bottom):
                 return

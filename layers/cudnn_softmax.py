@@ -6,7 +6,8 @@ from caffeplus import backend
 from caffeplus.cudnn import api
 from caffeplus.layer import register_engine
 from caffeplus.layers.common import SoftmaxLayer
-from caffeplus.layers.cudnn_common import _CudnnMixin, _dptr, _fits, _prod, cudnn_available
+from caffeplus.layers.cudnn_common import (_CudnnMixin, _dptr, _fits, _prod, _same_storage_dtype,
+                                           cudnn_available, storage_dtype)
 
 
 @register_engine('CUDNN')
@@ -20,24 +21,29 @@ class CuDNNSoftmaxLayer(_CudnnMixin, SoftmaxLayer):
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
-        if self._gpu_mode() and cudnn_available() and _fits(bottom[0].shape):
-            self._build(bottom[0].shape)
+        # (A 16-bit bottom under a float32 output runs the generic code.)
+        self._dtypes_agree = _same_storage_dtype(bottom, top)
+        if self._gpu_mode() and cudnn_available() and _fits(bottom[0].shape) and \
+                self._dtypes_agree:
+            self._build(bottom[0].shape, storage_dtype(bottom[0]))
 
-    def _build(self, shape):
+    _dtypes_agree = True
+
+    def _build(self, shape, dtype=None):
         from caffeplus.cudnn import api
-        key = (tuple(shape), self.axis, backend.device())
+        key = (tuple(shape), self.axis, backend.device(), dtype)
         if key == self._desc_key:
             return
         outer = _prod(shape[:self.axis])
         inner = _prod(shape[self.axis + 1:])
-        self._desc = api.TensorDesc((outer, int(shape[self.axis]), inner, 1))
+        self._desc = api.TensorDesc((outer, int(shape[self.axis]), inner, 1), dtype=dtype)
         self._replays = api.Replays()
         self._desc_key = key
 
     def _ready(self, x):
-        if not _fits(x.shape) or not self._cudnn_usable(x):
+        if not _fits(x.shape) or not self._dtypes_agree or not self._cudnn_usable(x):
             return False
-        self._build(x.shape)
+        self._build(x.shape, x.dtype)
         return True
 
     def _forward(self, bottom, top):

@@ -158,6 +158,8 @@ class _SoftmaxLoss(_Loss):
 
     def _prob_labels(self, bottom):
         x = bottom[0].data
+        if x.dtype != numpy.float32:
+            x = x.astype(numpy.float32)     # 16-bit scores: the softmax's sums in float32
         prob = softmax(x, self.axis).reshape(self.outer_num, self.num_classes, self.inner_num)
         label = bottom[1].data.reshape(self.outer_num, self.inner_num)
         lab, valid = self._int_labels(label, self.num_classes, self.ignore_label)
@@ -207,13 +209,18 @@ class SoftmaxWithLossLayer(_SoftmaxLoss):
             return
         xp = backend.get_array_module(bottom[0].data)
         prob, lab, valid = self._prob_labels(bottom)
-        diff = bottom[0].diff.reshape(prob.shape)
-        diff[...] = prob
+        stored = bottom[0].diff.reshape(prob.shape)
+        # A 16-bit gradient is computed in float32 and rounded once.
+        diff = stored if stored.dtype == numpy.float32 else prob
+        if diff is not prob:
+            diff[...] = prob
         classes = xp.arange(self.num_classes).reshape(1, -1, 1)
         diff -= (classes == lab[:, None, :])
         if valid is not None:
             diff *= valid[:, None, :]
         diff *= _top_weight(top) / self._normalizer(valid)
+        if diff is not stored:
+            stored[...] = diff
 
 
 @register

@@ -1,6 +1,7 @@
 """Mixed precision: NVCaffe's FP16 schema, 16-bit storage on the CPU, loss scaling,
 the --precision switch. References: IEEE rounding computed in float64 from the
 formats' own bit patterns, FP32 training, stock Caffe's binary files."""
+import json
 import os
 import re
 import shutil
@@ -339,12 +340,72 @@ def test_int_storage_is_an_error_naming_the_layer():
         Net(p, caffe_pb2.TRAIN)
 
 
-def test_a_gpu_run_of_a_16_bit_net_runs_fp32_and_says_so(monkeypatch, caplog_caffeplus):
+def test_a_gpu_run_of_a_bfloat16_net_runs_fp32_and_says_so(monkeypatch, caplog_caffeplus):
+    from caffeplus import backend
+    monkeypatch.setattr(precision.backend, 'mode', lambda: backend.GPU)
+    net = Net(_net_param(default_forward_type=caffe_pb2.BFLOAT16,
+                         default_backward_type=caffe_pb2.BFLOAT16), caffe_pb2.TRAIN)
+    assert net.precision is None
+    assert any('GPU backend does not have yet' in m for m in caplog_caffeplus)
+
+
+def test_a_gpu_run_of_a_float16_net_stores_its_maps_in_16_bits(monkeypatch, caplog_caffeplus):
     from caffeplus import backend
     monkeypatch.setattr(precision.backend, 'mode', lambda: backend.GPU)
     net = Net(_net_param(), caffe_pb2.TRAIN)
-    assert net.precision is None
-    assert any('GPU backend does not have yet' in m for m in caplog_caffeplus)
+    assert net.precision is not None and not net.precision.emulate
+    assert any('stores FLOAT16 activations and gradients on the GPU' in m
+               for m in caplog_caffeplus)
+
+
+HALF, SINGLE = numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)
+
+
+def _planned(text=NVCAFFE_LENET):
+    """The net as the memory planner builds it for the GPU (shape only)."""
+    from caffeplus.memory import shapes
+    return shapes.build_net(_net_param(text))
+
+
+def test_which_tops_a_float16_net_stores_in_16_bits():
+    # The maps later layers read, in the producing layer's forward type; the
+    # labels, an FP32 layer's top, the loss stay float32. The types are set
+    # before any layer allocates.
+    net = _planned()
+    want = {'data': HALF, 'label': SINGLE, 'conv1': HALF, 'pool1': HALF, 'ip1': SINGLE,
+            'relu1': HALF, 'ip2': HALF, 'loss': SINGLE}
+    got = {name: net._blob_dict[name].data_storage.dtype for name in want}
+    assert got == want
+    assert all(net._blob_dict[n].diff_storage.dtype == want[n] for n in want)
+
+
+def test_the_cpu_emulates_16_bit_storage_in_float32_arrays():
+    net = Net(_net_param(), caffe_pb2.TRAIN)
+    assert all(b.data_storage.dtype == SINGLE and b.data.dtype == SINGLE
+               for b in net._blobs)
+
+
+def test_an_in_place_top_keeps_its_producers_storage_type():
+    text = NVCAFFE_LENET.replace('top: "relu1" }', 'top: "ip1" }').replace(
+        'bottom: "relu1" top: "ip2"', 'bottom: "ip1" top: "ip2"')
+    assert _planned(text)._blob_dict['ip1'].data_storage.dtype == SINGLE
+
+
+def test_the_memory_estimate_counts_16_bit_maps_at_two_bytes(capsys):
+    from caffeplus import cli
+    model = os.path.join(os.path.dirname(__file__), 'data', 'bench', 'vgg16_b64.prototxt')
+    sizes = {}
+    for name in ('fp32', 'fp16'):
+        assert cli.main(['memory', '--model', model, '--estimate', '--plans', 'arena',
+                         '--precision', name, '--json']) == 0
+        sizes[name] = json.loads(capsys.readouterr().out)['plans']['arena']['breakdown']
+    # Every map and its gradient but the labels', the loss's and the
+    # accuracies': half the bytes. Parameters, their gradients and the
+    # solver's history stay FP32.
+    for key in ('activations', 'activation_diffs'):
+        assert sizes['fp16'][key] == pytest.approx(sizes['fp32'][key] / 2, rel=0.01), key
+    for key in ('parameters', 'parameter_diffs', 'solver_history'):
+        assert sizes['fp16'][key] == sizes['fp32'][key], key
 
 
 # -- loss scaling -------------------------------------------------------------------------

@@ -59,7 +59,7 @@ import json
 import os
 import sys
 
-from caffeplus import config
+from caffeplus import config, precision
 from caffeplus.errors import CaffeplusError
 from caffeplus.proto import caffe_pb2
 
@@ -102,6 +102,7 @@ def add_arguments(parser):
                              "data top) when it cannot be told from the net; repeatable")
     parser.add_argument('--level', type=int, default=0, help='network level')
     parser.add_argument('--stage', default='', help="network stages, separated by ','")
+    precision.add_argument(parser)
     config.add_arguments(parser, 'memory', skip=('calibration',))
 
 
@@ -265,6 +266,9 @@ def _run(args):
             raise
         raise CaffeplusError('%s (on the command line: --shape TOP=N,C,H,W)'
                              % str(exc).split('; pass shapes=')[0])
+    if args.precision:
+        # In the parameters themselves: the measuring processes build from them.
+        precision.override(param, args.precision)
     stages = [st for st in (args.stage or '').split(',') if st] or None
     net = shapes.build_net(param, level=args.level, stages=stages)
     keep = check_keep(net, args.keep)

@@ -59,13 +59,19 @@ class _ConvDescs:
         x_full = (n, cx) + tuple(xsp)
         y_full = (n, cy) + tuple(ysp)
         self.x_full, self.y_full = x_full, y_full
-        self.x = api.TensorDesc((nc, cx // G) + tuple(xsp), _contiguous_strides(x_full))
-        self.y = api.TensorDesc((nc, cy // G) + tuple(ysp), _contiguous_strides(y_full))
+        # A 16-bit net's maps, and the 16-bit copies of the weights its layer
+        # keeps, are described as such; cuDNN accumulates in float32.
+        dtype = self.dtype = numpy.dtype(getattr(layer, 'activation_dtype', numpy.float32))
+        size = dtype.itemsize
+        self.x = api.TensorDesc((nc, cx // G) + tuple(xsp), _contiguous_strides(x_full), dtype)
+        self.y = api.TensorDesc((nc, cy // G) + tuple(ysp), _contiguous_strides(y_full), dtype)
         w_shape = tuple(layer.blobs[0].shape)
         self.w_shape = w_shape
-        self.w = api.FilterDesc((w_shape[0] // G,) + tuple(w_shape[1:]))
+        self.w = api.FilterDesc((w_shape[0] // G,) + tuple(w_shape[1:]), dtype)
         geom = layer.geom
-        self.math = mathmode.cudnn_math_type()
+        # 16-bit: tensor cores whatever the FP32 math mode (FMA math offers
+        # cuDNN's CUDA-core kernels only).
+        self.math = mathmode.cudnn_math_type() if size == FLOAT_BYTES else api.TENSOR_OP_MATH
         self._conv_args = (tuple(geom.pad), tuple(geom.stride), tuple(geom.dilation), group // G)
         self.conv = api.ConvDesc(*self._conv_args, math=self.math)
         self._convs = {self.math: self.conv}
@@ -76,16 +82,16 @@ class _ConvDescs:
         self.batch_chunks = chunks
         if chunks > 1:
             self.loops = chunks
-            self.x_off = nc * cx * _prod(xsp) * FLOAT_BYTES
-            self.y_off = nc * cy * _prod(ysp) * FLOAT_BYTES
+            self.x_off = nc * cx * _prod(xsp) * size
+            self.y_off = nc * cy * _prod(ysp) * size
             self.w_off = self.b_off = 0
         else:
             self.loops = G
-            self.x_off = (cx // G) * _prod(xsp) * FLOAT_BYTES
-            self.y_off = (cy // G) * _prod(ysp) * FLOAT_BYTES
-            self.w_off = (_prod(w_shape) // G) * FLOAT_BYTES
-            self.b_off = (m // G) * FLOAT_BYTES
-        self.bias = api.TensorDesc((1, m // G) + (1,) * len(geom.kernel)) \
+            self.x_off = (cx // G) * _prod(xsp) * size
+            self.y_off = (cy // G) * _prod(ysp) * size
+            self.w_off = (_prod(w_shape) // G) * size
+            self.b_off = (m // G) * size
+        self.bias = api.TensorDesc((1, m // G) + (1,) * len(geom.kernel), dtype=dtype) \
             if layer.bias_term else None
         self.top = self.x if layer.reverse else self.y
         self.top_off = self.x_off if layer.reverse else self.y_off
@@ -136,8 +142,8 @@ class _ConvDescs:
                 if found is not None:
                     return found
             import cupy
-            xa, ya, wa = (cupy.random.standard_normal(shape, dtype=numpy.float32)
-                          for shape in scratch)
+            xa, ya, wa = (cupy.random.standard_normal(shape, dtype=numpy.float32).astype(
+                self.dtype, copy=False) for shape in scratch)
             try:
                 found = api.timed_algorithms(kind, self.x, self.w, self.conv, self.y, xa, wa, ya,
                                              ws_ptr or None, ws_bytes)
@@ -171,7 +177,7 @@ class _ConvDescs:
             return found
         # What run() allocates besides the workspace (the workspace manager
         # keeps the search within the room a plan leaves: _time_sites).
-        run.scratch_bytes = FLOAT_BYTES * sum(_prod(shape) for shape in scratch)
+        run.scratch_bytes = self.dtype.itemsize * sum(_prod(shape) for shape in scratch)
         if gemm is not None and kind == 'bwd_filter':
             run.scratch_bytes += FLOAT_BYTES * _prod(self.w_shape)     # its filter gradient
         # The workspace the cuBLAS variant is timed in (within the search's).

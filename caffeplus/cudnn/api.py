@@ -16,9 +16,20 @@ same kernels with the same arguments.
 import ctypes
 import weakref
 
-from caffeplus.cudnn.lib import BwdDataPerf, BwdFilterPerf, FwdPerf, call, library
+from caffeplus.cudnn.lib import BwdDataPerf, BwdFilterPerf, CudnnError, FwdPerf, call, library
 
 FLOAT = 0                  # CUDNN_DATA_FLOAT
+HALF = 2                   # CUDNN_DATA_HALF
+_DATA_TYPES = {'float32': FLOAT, 'float16': HALF}
+
+
+def data_type(dtype):
+    """cuDNN's data type for a NumPy dtype (float32 or float16)."""
+    name = 'float32' if dtype is None else getattr(dtype, 'name', None) or str(dtype)
+    try:
+        return _DATA_TYPES[name]
+    except KeyError:
+        raise CudnnError('cuDNN descriptors here take float32 or float16, not %s' % name)
 NCHW = 0                   # CUDNN_TENSOR_NCHW
 CROSS_CORRELATION = 1      # Caffe's convolution is a cross-correlation
 DEFAULT_MATH, TENSOR_OP_MATH, TENSOR_OP_MATH_ALLOW_CONVERSION, FMA_MATH = 0, 1, 2, 3
@@ -106,8 +117,9 @@ def handle():
 class TensorDesc(_Owned):
     _create, _destroy = 'cudnnCreateTensorDescriptor', 'cudnnDestroyTensorDescriptor'
 
-    def __init__(self, shape, strides=None):
+    def __init__(self, shape, strides=None, dtype=None):
         super().__init__()
+        self.dtype = data_type(dtype)
         shape = [int(d) for d in shape]
         strides = None if strides is None else [int(s) for s in strides]
         while len(shape) < 4:           # cuDNN wants at least 4 dims
@@ -120,19 +132,21 @@ class TensorDesc(_Owned):
                 strides.insert(0, acc)
                 acc *= d
         self.shape = tuple(shape)
-        call('cudnnSetTensorNdDescriptor', self.value, FLOAT, len(shape), _ints(shape), _ints(strides))
+        call('cudnnSetTensorNdDescriptor', self.value, self.dtype, len(shape), _ints(shape),
+             _ints(strides))
 
 
 class FilterDesc(_Owned):
     _create, _destroy = 'cudnnCreateFilterDescriptor', 'cudnnDestroyFilterDescriptor'
 
-    def __init__(self, shape):
+    def __init__(self, shape, dtype=None):
         super().__init__()
         shape = [int(d) for d in shape]
         while len(shape) < 4:
             shape.append(1)
         self.shape = tuple(shape)
-        call('cudnnSetFilterNdDescriptor', self.value, FLOAT, NCHW, len(shape), _ints(shape))
+        call('cudnnSetFilterNdDescriptor', self.value, data_type(dtype), NCHW, len(shape),
+             _ints(shape))
 
 
 class ConvDesc(_Owned):

@@ -66,6 +66,7 @@ from caffeplus.memory.plan_options import (_net_keep, _offload_policy,  # noqa: 
 from caffeplus.memory.storage_lives import ANY, _Entry, _Life, _OverLimit, storage_uses
 
 FLOAT_BYTES = liveness.FLOAT_BYTES
+FLOAT32 = numpy.dtype(numpy.float32)
 KEEP_HINT = ('add it to `keep` (caffe.Net(..., keep=[...]) / caffeplus_param { keep: ... }) '
              'to read it')
 
@@ -333,10 +334,14 @@ class AppliedPlan:
                 del old                 # the last reference: back to the device first
                 release_cached(xp)
             self.arena = xp.zeros(count, dtype=numpy.float32)
+        dtypes = {id(life): e.storage.dtype if xp is not numpy else FLOAT32
+                  for e in entries if not e.persistent for life in e.lives}
         for b, life in zip(bufs, placed):
             life.offset = offsets[b.key]
-            lo = life.offset // FLOAT_BYTES
-            life.view = self.arena[lo:lo + life.buf.nbytes // FLOAT_BYTES]
+            # Each life in its storage's type (16-bit activations on the GPU).
+            dtype = dtypes.get(id(life), FLOAT32)
+            life.view = scratch.view_of(self.arena, life.offset,
+                                        life.buf.nbytes // dtype.itemsize, dtype)
         self._place_workspace(ws_bufs, offsets)
         self._place_internals(kept_bufs, offsets)
         # Bytes the workspace views and kept buffers take from their first

@@ -15,6 +15,12 @@ Buffer = collections.namedtuple('Buffer', 'key kind blobs nbytes start end')
 FLOAT_BYTES = 4
 
 
+def storage_itemsize(storage):
+    """Bytes per value of `storage`: 2 for a 16-bit net's maps on the GPU
+    (and in the shape-only builds that plan for it), else 4."""
+    return storage.dtype.itemsize
+
+
 def _steps(net):
     L = len(net.layers)
     return L, (lambda i: i), (lambda i: 2 * L - 1 - i)
@@ -58,7 +64,7 @@ def buffers(net, keep=(), training=True, overlay=True):
     def touch(kind, blob, name, step, read=False):
         storage = blob.data_storage if kind == 'data' else blob.diff_storage
         key = (kind, id(storage))
-        nbytes = blob.count * FLOAT_BYTES
+        nbytes = blob.count * storage_itemsize(storage)
         entry = intervals.get(key)
         if entry is None:
             intervals[key] = [step, step, {name}, nbytes]
@@ -181,7 +187,8 @@ def diff_overlays(net, bufs):
     for step, top, bottom in overlay_steps(net):
         t, u = by_name.get(top), by_name.get(bottom)
         if t is None or u is None or t is u or t.nbytes != u.nbytes or \
-                t.end != step or u.start != step:
+                t.end != step or u.start != step or \
+                net._blob_dict[top].diff_storage.dtype != net._blob_dict[bottom].diff_storage.dtype:
             continue
         merged = Buffer(('diff', tuple(sorted(t.blobs + u.blobs))), 'diff',
                         tuple(sorted(t.blobs + u.blobs)), t.nbytes, t.start, u.end)

@@ -86,10 +86,13 @@ def choose(net, same_bits=False):
     pooling whose input a convolution or an LRN reads again would keep a
     mask for nothing). `same_bits`: only poolings whose results masking
     leaves bit for bit. Empty when the fused kernels are off
-    (CAFFEPLUS_FUSED=0): the masked layers run on them."""
+    (CAFFEPLUS_FUSED=0), the masked layers' kernels: and for nets with 16-bit
+    activations, which those kernels do not read."""
     from caffeplus import kernels
     if not kernels.enabled():
         return ()
+    if any(b.data_storage.dtype.itemsize != 4 for b in net._blobs):
+        return ()           # the mask kernels read float32: a 16-bit net keeps its maps
     maskable = {i for i, l in enumerate(net.layers)
                 if l.layer_param.type == 'Pooling' and _maskable(l) and
                 (not same_bits or l.masked_bits_unchanged())}

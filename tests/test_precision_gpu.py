@@ -1,0 +1,191 @@
+"""FLOAT16 storage on the GPU: a 16-bit net's maps and gradients are float16
+device arrays, its layers read and write them (cuDNN with 16-bit
+descriptors and 16-bit copies of the FP32 master weights, the generic code
+elsewhere), and its results stay within FP16's rounding of the FP32 net's.
+The references are the same net in FP32 on the same GPU, and float64 NumPy
+for the loss."""
+import numpy
+import pytest
+from google.protobuf import text_format
+
+import caffeplus
+from caffeplus import precision
+from caffeplus.memory import apply
+from caffeplus.proto import caffe_pb2
+
+pytestmark = pytest.mark.gpu
+
+# Convolutions (grouped, with and without bias), in-place ReLUs, max and
+# average pooling, LRN, dropout off (TEST-free), InnerProducts and the loss:
+# the layers of the bench's AlexNet and VGG-16.
+NET = """
+name: "small"
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 8 dim: 3 dim: 20 dim: 20 } shape { dim: 8 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 8 kernel_size: 3 pad: 1
+    weight_filler { type: "gaussian" std: 0.2 } bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "norm1" type: "LRN" bottom: "conv1" top: "norm1"
+  lrn_param { local_size: 5 alpha: 0.0001 beta: 0.75 } }
+layer { name: "pool1" type: "Pooling" bottom: "norm1" top: "pool1"
+  pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
+  convolution_param { num_output: 8 kernel_size: 3 group: 2 bias_term: false
+    weight_filler { type: "gaussian" std: 0.2 } } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
+layer { name: "pool2" type: "Pooling" bottom: "conv2" top: "pool2"
+  pooling_param { pool: AVE kernel_size: 2 stride: 2 } }
+layer { name: "ip1" type: "InnerProduct" bottom: "pool2" top: "ip1"
+  inner_product_param { num_output: 16 weight_filler { type: "gaussian" std: 0.2 }
+    bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu3" type: "ReLU" bottom: "ip1" top: "ip1" }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.2 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.fixture
+def gpu():
+    import cupy
+    caffeplus.set_mode_gpu()
+    yield cupy
+    cupy.cuda.Device().synchronize()
+    caffeplus.set_mode_cpu()
+
+
+def _net(precision_name, plan=None, weights=None):
+    param = text_format.Parse(NET, caffe_pb2.NetParameter())
+    with precision.setting(precision_name):
+        net = caffeplus.Net(param, caffe_pb2.TRAIN)
+    if plan is not None:
+        apply.apply_named_plan(net, plan, keep=('ip2',))
+    if weights is not None:
+        for p, w in zip(net.learnable_params, weights):
+            p.data[...] = w
+    return net
+
+
+def _inputs(seed=3):
+    r = numpy.random.RandomState(seed)
+    return r.standard_normal((8, 3, 20, 20)).astype(numpy.float32), \
+        r.randint(0, 5, size=8).astype(numpy.float32)
+
+
+def _run(net, x, label):
+    net.blobs['data'].data[...] = x
+    net.blobs['label'].data[...] = label
+    net.clear_param_diffs()
+    net.forward_prefilled()
+    net.backward_all()
+    return float(net.blobs['loss'].data), [p.diff.get().copy() for p in net.learnable_params]
+
+
+def _relative(a, b):
+    return float(numpy.linalg.norm(a - b) / max(numpy.linalg.norm(b), 1e-30))
+
+
+def test_float16_maps_are_float16_arrays_on_the_device(gpu):
+    net = _net('fp16')
+    x, label = _inputs()
+    _run(net, x, label)
+    blobs = net._blob_dict
+    for name in ('data', 'conv1', 'norm1', 'pool1', 'conv2', 'pool2', 'ip1', 'ip2'):
+        assert blobs[name].data.dtype == numpy.float16, name
+        assert blobs[name].diff.dtype == numpy.float16, name
+    for name in ('label', 'loss'):
+        assert blobs[name].data.dtype == numpy.float32, name
+    assert all(p.data.dtype == numpy.float32 and p.diff.dtype == numpy.float32
+               for p in net.learnable_params)
+    # pycaffe still reads float32 host values.
+    assert net.blobs['conv1'].data.dtype == numpy.float32
+
+
+@pytest.mark.parametrize('plan', [None, 'shared'])
+def test_float16_loss_and_gradients_follow_fp32_within_fp16_rounding(gpu, plan):
+    ref = _net('fp32', plan)
+    weights = [p.data.get().copy() for p in ref.learnable_params]
+    half = _net('fp16', plan, weights)
+    x, label = _inputs()
+    loss32, grads32 = _run(ref, x, label)
+    loss16, grads16 = _run(half, x, label)
+    # The FP32 net against float64 NumPy's loss of its own scores.
+    scores = ref.blobs['ip2'].data.astype(numpy.float64)
+    p = numpy.exp(scores - scores.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    want = -numpy.mean(numpy.log(p[numpy.arange(8), label.astype(int)]))
+    assert loss32 == pytest.approx(want, rel=1e-5)
+    # FP16 keeps 11 significant bits: each stored map and gradient is off by
+    # up to 2^-11 relative, a few layers deep.
+    assert loss16 == pytest.approx(loss32, rel=1e-2)
+    for p, g16, g32 in zip(half.learnable_params, grads16, grads32):
+        assert _relative(g16, g32) < 2e-2, p.name
+    if plan is None:    # (a plan need not keep the data's gradient)
+        assert _relative(half.blobs['data'].diff, ref.blobs['data'].diff) < 2e-2
+
+
+def test_a_shared_plan_gives_16_bit_maps_16_bit_views_of_its_arena(gpu):
+    net = _net('fp16', 'shared')
+    x, label = _inputs()
+    _run(net, x, label)
+    plan = net.applied_plan
+    assert plan is not None and plan.arena_bytes > 0
+    conv1 = net._blob_dict['conv1'].data_storage.array
+    assert conv1.dtype == numpy.float16
+    # The map lies inside the arena, not in memory of its own.
+    lo, hi = int(plan.arena.data.ptr), int(plan.arena.data.ptr) + plan.arena.nbytes
+    assert lo <= int(conv1.data.ptr) < hi
+    # Its bytes are counted at two per value: the placed maps and gradients
+    # (all but the labels and the loss 16-bit) take about half FP32's.
+    single = _net('fp32', 'shared')
+    _run(single, x, label)
+    assert 0.45 < _map_bytes(net) / _map_bytes(single) < 0.55
+
+
+def _map_bytes(net):
+    bufs, placed, _ = net.applied_plan.layout
+    return sum(b.nbytes for b in bufs[:len(placed)])
+
+
+SOLVER = """
+base_lr: 0.05 momentum: 0.9 lr_policy: "fixed" max_iter: 100 display: 0
+snapshot_after_train: false solver_mode: GPU random_seed: 7
+"""
+
+
+def _solver(net_text, **caffeplus_param):
+    from caffeplus.solver import get_solver
+    p = text_format.Parse(SOLVER, caffe_pb2.SolverParameter())
+    p.net_param.CopyFrom(text_format.Parse(net_text, caffe_pb2.NetParameter()))
+    for k, v in caffeplus_param.items():
+        setattr(p.caffeplus_param, k, v)
+    return get_solver(p)
+
+
+TRAIN_NET = NET.replace(
+    'layer { name: "data" type: "Input" top: "data" top: "label"\n'
+    '  input_param { shape { dim: 8 dim: 3 dim: 20 dim: 20 } shape { dim: 8 } } }',
+    'layer { name: "data" type: "DummyData" top: "data" top: "label"\n'
+    '  dummy_data_param { shape { dim: 8 dim: 3 dim: 20 dim: 20 } shape { dim: 8 }\n'
+    '    data_filler { type: "gaussian" std: 1 } data_filler { type: "constant" value: 2 } } }')
+
+
+@pytest.mark.filterwarnings('ignore:invalid value:RuntimeWarning')
+def test_float16_training_on_the_gpu_recovers_from_an_overflowing_scale(gpu, caplog_caffeplus):
+    net = TRAIN_NET.replace('name: "small"', 'name: "small"\nglobal_grad_scale_adaptive: true\n'
+                            'global_grad_scale: %d' % 2 ** 40)
+    solver = _solver(net, precision='fp16', loss_scale_window=5)
+    assert solver.net._blob_dict['conv1'].data.dtype == numpy.float16
+    first = [p.data.get().copy() for p in solver.net.learnable_params]
+    solver.step(1)
+    scaler = solver.loss_scaler
+    assert scaler.scale == 2 ** 39 and scaler.skipped_steps == 1
+    for p, before in zip(solver.net.learnable_params, first):
+        numpy.testing.assert_array_equal(p.data.get(), before)      # the step was skipped
+    solver.step(60)
+    assert scaler.scale < 2 ** 30
+    assert any('global_grad_scale raised to' in m for m in caplog_caffeplus)
+    # Constant labels: the net learns to say 2.
+    assert float(solver.net.blobs['loss'].data) < 0.1
+    assert all(numpy.isfinite(p.data.get()).all() for p in solver.net.learnable_params)
