@@ -21,8 +21,11 @@ to their forward type, in forward and backward, as NVCaffe's 16-bit layers
 and AMP's casts do; the master weights are put back after each pass.
 
 FP32 nets (every type FLOAT or DOUBLE) get nothing installed: they run as
-before, bit for bit. On the GPU 16-bit storage is not built yet: a 16-bit
-net runs in FP32 there, with a warning.
+before, bit for bit. On the GPU a FLOAT16 net's maps are float16 arrays
+(top_storage_dtypes, decided before the layers allocate) and the layers
+that multiply by weights keep 16-bit copies of their own: nothing is
+emulated there. BFLOAT16 has no GPU storage yet: such a net runs in FP32
+there, with a warning.
 
 Loss scaling (FLOAT16 gradients underflow without it): the loss layers'
 top gradients are multiplied by the scale for backward and every weight

@@ -8,6 +8,8 @@ from caffeplus.layer import register_engine
 from caffeplus.layers.common import InnerProductLayer
 from caffeplus.layers.cudnn_common import _fused
 
+_TYPES = (numpy.dtype(numpy.float32), numpy.dtype(numpy.float16))
+
 
 @register_engine('CUDNN')
 class GPUInnerProductLayer(InnerProductLayer):
@@ -23,15 +25,18 @@ class GPUInnerProductLayer(InnerProductLayer):
     handle with workspace the plan placed for this layer's forward and
     backward steps (`gemm_views`; caffeplus.memory.cublas_pool)."""
     engine = 'FUSED'
-    _ones = None
+    _ones = None            # {dtype: a device vector of ones}
+    _copies = None          # 16-bit copies of the weights and bias
     gemm_views = {}         # 'forward' | 'backward' -> (pointer, bytes), set by the plan
 
-    def _ones_ptr(self, n):
+    def _ones_ptr(self, n, dtype=numpy.float32):
         K = _kernels
-        if self._ones is None or self._ones.size < n or not K.is_device(self._ones):
+        ones = self._ones.get(numpy.dtype(dtype)) if self._ones is not None else None
+        if ones is None or ones.size < n or not K.is_device(ones):
             import cupy
-            self._ones = cupy.ones(max(int(n), 1), dtype=numpy.float32)
-        return int(self._ones.data.ptr)
+            ones = cupy.ones(max(int(n), 1), dtype=dtype)
+            self._ones = dict(self._ones or {}, **{numpy.dtype(dtype): ones})
+        return int(ones.data.ptr)
 
     def _usable(self):
         K = _kernels
@@ -40,24 +45,65 @@ class GPUInnerProductLayer(InnerProductLayer):
         limit = 2 ** 31 - 1       # cuBLAS's int dimensions
         return 0 < self.M <= limit and 0 < self.K <= limit and 0 < self.num_output <= limit
 
-    def _fast_forward(self, bottom, top):
+    def _maps(self, *blobs_diffs):
+        """The device arrays of (blob, diff) pairs, all of one type (float32
+        or float16), and that type; (None, None) otherwise."""
+        arrays = [_kernels.flat(b, d, any_dtype=True) for b, d in blobs_diffs]
+        if any(a is None for a in arrays):
+            return None, None
+        dtype = arrays[0].dtype
+        if dtype not in _TYPES or any(a.dtype != dtype for a in arrays):
+            return None, None
+        return arrays, dtype
+
+    def _params_in(self, dtype):
+        """Pointers to the weights and bias (0 without) in `dtype`: the FP32
+        masters, or 16-bit copies of them refreshed now (a 16-bit layer
+        multiplies in 16 bits, as its maps are)."""
         K = _kernels
+        w = K.flat(self.blobs[0])
+        b = K.flat(self.blobs[1]) if self.bias_term else None
+        if w is None or (self.bias_term and b is None):
+            return None
+        if dtype == numpy.float32:
+            return int(w.data.ptr), int(b.data.ptr) if b is not None else 0
+        import cupy
+        copies = self._copies = self._copies or {}
+        out = []
+        for name, master in (('w', w), ('b', b)):
+            if master is None:
+                out.append(0)
+                continue
+            c = copies.get(name)
+            if c is None or c.size != master.size or c.dtype != dtype:
+                c = copies[name] = cupy.empty(master.size, dtype)
+            cupy.copyto(c, master[:c.size], casting='same_kind')
+            out.append(int(c.data.ptr))
+        return tuple(out)
+
+    def _fast_forward(self, bottom, top):
         if not self._usable():
             return False
-        x, w, y = K.flat(bottom[0]), K.flat(self.blobs[0]), K.flat(top[0])
-        bias = K.flat(self.blobs[1]) if self.bias_term else None
-        if x is None or w is None or y is None or (self.bias_term and bias is None):
+        (x, y), dtype = self._maps((bottom[0], False), (top[0], False))
+        if x is None:
             return False
+        params = self._params_in(dtype)
+        if params is None:
+            return False
+        wp, bp = params
+        t = dtype.name
         M, N, Kd = self.M, self.num_output, self.K
-        xp, wp, yp = int(x.data.ptr), int(w.data.ptr), int(y.data.ptr)
+        xp, yp = int(x.data.ptr), int(y.data.ptr)
         ws = self.gemm_views.get('forward')
         if self.transpose:          # W is K x N: y = x W
-            blas.gemm(blas.N, blas.N, N, M, Kd, wp, N, xp, Kd, yp, N, workspace=ws)
+            blas.gemm(blas.N, blas.N, N, M, Kd, wp, N, xp, Kd, yp, N, workspace=ws,
+                      ab_type=t, c_type=t)
         else:                       # W is N x K: y = x W^T
-            blas.gemm(blas.T, blas.N, N, M, Kd, wp, Kd, xp, Kd, yp, N, workspace=ws)
-        if bias is not None:        # y += 1 b^T
-            blas.gemm(blas.N, blas.N, N, M, 1, int(bias.data.ptr), N, self._ones_ptr(M), 1, yp, N,
-                      beta=1.0, tf32=False, workspace=ws)
+            blas.gemm(blas.T, blas.N, N, M, Kd, wp, Kd, xp, Kd, yp, N, workspace=ws,
+                      ab_type=t, c_type=t)
+        if bp:                      # y += 1 b^T
+            blas.gemm(blas.N, blas.N, N, M, 1, bp, N, self._ones_ptr(M, dtype), 1, yp, N,
+                      beta=1.0, tf32=False, workspace=ws, ab_type=t, c_type=t)
         return True
 
     def _forward(self, bottom, top):
@@ -72,33 +118,45 @@ class GPUInnerProductLayer(InnerProductLayer):
         M, N, Kd = self.M, self.num_output, self.K
         want_w = self.param_needs_backward(0)
         want_b = self.bias_term and self.param_needs_backward(1)
-        dy, x = K.flat(top[0], diff=True), K.flat(bottom[0])
+        pairs = [(top[0], True), (bottom[0], False)] + \
+            ([(bottom[0], True)] if propagate_down[0] else [])
+        arrays, dtype = self._maps(*pairs)
+        if arrays is None:
+            return False
+        dy, x = arrays[0], arrays[1]
+        dx = arrays[2] if propagate_down[0] else None
+        # The parameters' gradients stay FP32: the 16-bit products are summed
+        # into them in float32 (beta 1).
         dw = K.flat(self.blobs[0], diff=True) if want_w else None
         db = K.flat(self.blobs[1], diff=True) if want_b else None
-        dx = K.flat(bottom[0], diff=True) if propagate_down[0] else None
-        w = K.flat(self.blobs[0]) if propagate_down[0] else None
-        if dy is None or x is None or (want_w and dw is None) or (want_b and db is None) or \
-                (propagate_down[0] and (dx is None or w is None)):
+        if (want_w and dw is None) or (want_b and db is None):
             return False
+        w = None
+        if propagate_down[0]:
+            params = self._params_in(dtype)
+            if params is None:
+                return False
+            w = params[0]
+        t = dtype.name
         dyp, xp = int(dy.data.ptr), int(x.data.ptr)
         ws = self.gemm_views.get('backward')
         if want_w:
             if self.transpose:      # W is K x N: dW += x^T dy
                 blas.gemm(blas.N, blas.T, N, Kd, M, dyp, N, xp, Kd, int(dw.data.ptr), N, beta=1.0,
-                          workspace=ws)
+                          workspace=ws, ab_type=t)
             else:                   # W is N x K: dW += dy^T x
                 blas.gemm(blas.N, blas.T, Kd, N, M, xp, Kd, dyp, N, int(dw.data.ptr), Kd, beta=1.0,
-                          workspace=ws)
+                          workspace=ws, ab_type=t)
         if want_b:                  # db += dy^T 1
-            blas.gemm(blas.N, blas.N, N, 1, M, dyp, N, self._ones_ptr(M), M, int(db.data.ptr), N,
-                      beta=1.0, tf32=False, workspace=ws)
+            blas.gemm(blas.N, blas.N, N, 1, M, dyp, N, self._ones_ptr(M, dtype), M,
+                      int(db.data.ptr), N, beta=1.0, tf32=False, workspace=ws, ab_type=t)
         if propagate_down[0]:
             if self.transpose:      # dx = dy W^T
-                blas.gemm(blas.T, blas.N, Kd, M, N, int(w.data.ptr), N, dyp, N, int(dx.data.ptr),
-                          Kd, workspace=ws)
+                blas.gemm(blas.T, blas.N, Kd, M, N, w, N, dyp, N, int(dx.data.ptr),
+                          Kd, workspace=ws, ab_type=t, c_type=t)
             else:                   # dx = dy W
-                blas.gemm(blas.N, blas.N, Kd, M, N, int(w.data.ptr), Kd, dyp, N, int(dx.data.ptr),
-                          Kd, workspace=ws)
+                blas.gemm(blas.N, blas.N, Kd, M, N, w, Kd, dyp, N, int(dx.data.ptr),
+                          Kd, workspace=ws, ab_type=t, c_type=t)
         return True
 
     def _backward(self, top, propagate_down, bottom):

@@ -31,6 +31,8 @@ from caffeplus.backend import mathmode
 
 N, T = 0, 1                         # cublasOperation_t
 _R_32F = 0                          # cudaDataType CUDA_R_32F
+_R_16F = 2                          # CUDA_R_16F
+_DATA_TYPES = {'float32': _R_32F, 'float16': _R_16F}
 _COMPUTE_32F = 68                   # cublasComputeType_t
 _COMPUTE_32F_FAST_TF32 = 77
 _GEMM_DEFAULT = -1
@@ -177,22 +179,28 @@ def _on_workspace(workspace, function, *args):
     _check(function, getattr(lib, function)(handle, *args))
 
 
-def gemm(transa, transb, m, n, k, a, lda, b, ldb, c, ldc, beta=0.0, tf32=None, workspace=None):
+def gemm(transa, transb, m, n, k, a, lda, b, ldb, c, ldc, beta=0.0, tf32=None, workspace=None,
+         ab_type='float32', c_type='float32'):
     """C (m x n) = op(A) op(B) + beta C on device pointers (ints), column-major,
     on CuPy's current stream. beta is 0 or 1; tf32 None follows the math
-    mode; `workspace` (pointer, bytes): on caffeplus's handle, there."""
+    mode; `workspace` (pointer, bytes): on caffeplus's handle, there.
+    `ab_type`, `c_type`: 'float32' or 'float16' (A and B 16-bit run on the
+    tensor cores; the sums are float32 always)."""
     if tf32 is None:
         tf32 = mathmode.tf32()
     compute = _COMPUTE_32F_FAST_TF32 if tf32 else _COMPUTE_32F
+    ta, tc = _DATA_TYPES[str(ab_type)], _DATA_TYPES[str(c_type)]
+    if ta != _R_32F:
+        compute = _COMPUTE_32F
     workspace = _workspace(workspace)
     if workspace is not None:
         _on_workspace(workspace, 'cublasGemmEx', transa, transb, int(m), int(n), int(k),
-                      _SCALARS[1.0], a, _R_32F, int(lda), b, _R_32F, int(ldb),
-                      _SCALARS[float(beta)], c, _R_32F, int(ldc), compute, _GEMM_DEFAULT)
+                      _SCALARS[1.0], a, ta, int(lda), b, ta, int(ldb),
+                      _SCALARS[float(beta)], c, tc, int(ldc), compute, _GEMM_DEFAULT)
         return
     lib = _lib()
-    lib.gemmEx(_handle(), transa, transb, int(m), int(n), int(k), _SCALARS[1.0], a, _R_32F,
-               int(lda), b, _R_32F, int(ldb), _SCALARS[float(beta)], c, _R_32F, int(ldc),
+    lib.gemmEx(_handle(), transa, transb, int(m), int(n), int(k), _SCALARS[1.0], a, ta,
+               int(lda), b, ta, int(ldb), _SCALARS[float(beta)], c, tc, int(ldc),
                compute, _GEMM_DEFAULT)
 
 
