@@ -11,11 +11,11 @@
 #      deterministic math with Caffe's 8 MiB per call (as tests/test_memory_apply.py's GoogLeNet
 #      and ResNet-50 cases), naming the calls whose algorithms differ.
 #   9. (STEPS=amp) benchmarks/bench_gpu.py with TF32 on, PyTorch's AMP FP16/BF16 runs beside
-#      caffeplus and PyTorch TF32 (the 16-bit work's peers).
+#      caffeplus TF32 and FP16 (AMP_PLANS) and PyTorch TF32 (the 16-bit work's peers).
 # Prefer running it through dev/gpu_snapshot.sh (the committed tree only).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
 # (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
-# env: STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp), TEST_PATHS, AMP_NETS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
+# env: STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp), TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
 #      MEMORY_ITERS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S
 set -u
 OUT=${OUT:-/tmp/gpu_out}
@@ -121,7 +121,8 @@ fi
 if has amp; then
   stamp "PyTorch AMP peers, TF32 on"
   GLOG_minloglevel=2 timeout "${AMP_S:-400}" python3 benchmarks/bench_gpu.py --bench-dir .gpu_carry/bench \
-    --nets "${AMP_NETS:-resnet50_b64,vgg16_b64}" --plans arena --torch --torch-amp fp16,bf16 \
+    --nets "${AMP_NETS:-resnet50_b64,vgg16_b64}" --plans "${AMP_PLANS:-arena,arena/fp16}" \
+    --torch --torch-amp fp16,bf16 \
     --tf32 on --iters 20 --warmup 5 --timeout 150 \
     --json "$OUT/amp.json" --md "$OUT/amp.md" > "$OUT/amp.log" 2>&1
   echo "rc=$?" >> "$OUT/amp.log"

@@ -35,7 +35,8 @@ class GPUInnerProductLayer(InnerProductLayer):
         if ones is None or ones.size < n or not K.is_device(ones):
             import cupy
             ones = cupy.ones(max(int(n), 1), dtype=dtype)
-            self._ones = dict(self._ones or {}, **{numpy.dtype(dtype): ones})
+            self._ones = dict(self._ones or {})
+            self._ones[numpy.dtype(dtype)] = ones
         return int(ones.data.ptr)
 
     def _usable(self):
