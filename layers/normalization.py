@@ -31,8 +31,9 @@ def _xp(a):
 
 def keep_in(layer, name, x):
     """A copy of x in the layer's kept buffer `name` (its own, or the memory
-    plan's view: caffeplus.memory.scratch)."""
-    buf = scratch.get(layer, name, x.size, x.dtype, backend.get_array_module(x))
+    plan's view: caffeplus.memory.scratch), in float32 as the layers declare
+    it (a 16-bit map's values exactly)."""
+    buf = scratch.get(layer, name, x.size, F32, backend.get_array_module(x))
     buf = buf.reshape(x.shape)
     buf[...] = x
     return buf
@@ -165,6 +166,16 @@ class BatchNormLayer(Layer):
         n, c, s = self._dims(bottom[0])
         x = bottom[0].data.reshape(n, c, s)
         y = top[0].data.reshape(n, c, s)
+        if x.dtype != F32 or y.dtype != F32:
+            # 16-bit maps (a FLOAT16 net on the GPU): the statistics and the
+            # normalized values in float32, rounded once into the top.
+            y32 = _xp(x).empty(y.shape, F32)
+            self._forward_arrays(x.astype(F32), y32, n, c, s)
+            y[...] = y32
+            return
+        self._forward_arrays(x, y, n, c, s)
+
+    def _forward_arrays(self, x, y, n, c, s):
         xp = _xp(x)
         if self.use_global_stats:
             factor = self.blobs[2].data.reshape(())
@@ -199,6 +210,8 @@ class BatchNormLayer(Layer):
             return
         n, c, s = self._dims(top[0])
         dy = top[0].diff.reshape(n, c, s)
+        if dy.dtype != F32:
+            dy = dy.astype(F32)         # a 16-bit gradient: the sums in float32
         y = self._x_norm
         if self.keeps_normalized and (y is None or y.shape != dy.shape):
             _fail(self, 'backward without a forward of the same shape')
@@ -476,7 +489,8 @@ class ScaleLayer(Layer):
                 x = self._bottom_copy
             else:
                 x = bottom[0].data.reshape(outer, dim, inner)
-            g = (dy3 * x).sum(axis=(0, 2), dtype=numpy.float32)
+            # (A 16-bit product could overflow: the products in float32.)
+            g = (dy3.astype(F32, copy=False) * x).sum(axis=(0, 2), dtype=numpy.float32)
             if learned:
                 self.blobs[0].diff[...] += g.reshape(self.blobs[0].shape)
             else:

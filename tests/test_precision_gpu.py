@@ -192,3 +192,59 @@ def test_float16_training_on_the_gpu_recovers_from_an_overflowing_scale(gpu, cap
     # Constant labels: the net learns to say 2.
     assert float(solver.net.blobs['loss'].data) < 0.1
     assert all(numpy.isfinite(p.data.get()).all() for p in solver.net.learnable_params)
+
+
+# A residual block as ResNet-50's: convolution, BatchNorm, Scale, ReLU, a
+# shortcut through a Split and Eltwise SUM. The input is large (|x| in the
+# thousands): a variance summed from float16 squares would overflow.
+RESIDUAL = """
+name: "residual"
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 4 dim: 4 dim: 8 dim: 8 } shape { dim: 4 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 4 kernel_size: 3 pad: 1 bias_term: false
+    weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "bn1" type: "BatchNorm" bottom: "conv1" top: "conv1" }
+layer { name: "scale1" type: "Scale" bottom: "conv1" top: "conv1"
+  scale_param { bias_term: true filler { type: "constant" value: 1.5 }
+    bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "sum" type: "Eltwise" bottom: "conv1" bottom: "data" top: "sum" }
+layer { name: "relu2" type: "ReLU" bottom: "sum" top: "sum" }
+layer { name: "ip" type: "InnerProduct" bottom: "sum" top: "ip"
+  inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.0005 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+def test_a_float16_residual_block_follows_fp32(gpu):
+    nets = {}
+    for name in ('fp32', 'fp16'):
+        param = text_format.Parse(RESIDUAL, caffe_pb2.NetParameter())
+        with precision.setting(name):
+            nets[name] = caffeplus.Net(param, caffe_pb2.TRAIN)
+    weights = [p.data.get().copy() for p in nets['fp32'].learnable_params]
+    for p, w in zip(nets['fp16'].learnable_params, weights):
+        p.data = w
+    r = numpy.random.RandomState(5)
+    x = (1000 * r.standard_normal((4, 4, 8, 8))).astype(numpy.float32)
+    label = r.randint(0, 3, size=4).astype(numpy.float32)
+    got = {}
+    for name, net in nets.items():
+        net.blobs['data'].data[...] = x
+        net.blobs['label'].data[...] = label
+        net.clear_param_diffs()
+        net.forward_prefilled()
+        net.backward_all()
+        got[name] = (float(net.blobs['loss'].data),
+                     [p.diff.get().copy() for p in net.learnable_params],
+                     net.blobs['conv1'].data.copy())
+    assert nets['fp16']._blob_dict['conv1'].data.dtype == numpy.float16
+    assert numpy.isfinite(got['fp16'][2]).all()
+    # Normalized, scaled by 1.5 and shifted: values of a few units, to FP16's
+    # 2^-11 relative rounding of a map a few layers deep.
+    numpy.testing.assert_allclose(got['fp16'][2], got['fp32'][2], rtol=2e-2, atol=2e-2)
+    assert got['fp16'][0] == pytest.approx(got['fp32'][0], rel=1e-2)
+    for g16, g32 in zip(got['fp16'][1], got['fp32'][1]):
+        assert numpy.isfinite(g16).all()
+        assert _relative(g16, g32) < 5e-2
