@@ -6,6 +6,12 @@ channel, im2col and the convolution bias's channel sums."""
 
 COMMON = r'''
 #define CP_FULL_MASK 0xffffffffu
+/* The type of the maps (tops and their gradients) the CORE kernels marked
+   CP_A read and write: float, or __half for the 16-bit build (float math,
+   values rounded to nearest on store). */
+#ifndef CP_A
+#define CP_A float
+#endif
 
 __device__ __forceinline__ double cp_warp_sum(double v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(CP_FULL_MASK, v, o);
@@ -102,7 +108,7 @@ CORE = r'''
    flags: 1 batch statistics (else the stored ones), 2 keep the normalized
    copy in xn, 4 multiply by sc[c], 8 add bi[c], 16 ReLU (the chain). */
 extern "C" __global__ void cp_bn_fwd(
-    const float* x, float* y, float* xn, float* b0, float* b1, float* b2, float* stdv,
+    const CP_A* x, CP_A* y, float* xn, float* b0, float* b1, float* b2, float* stdv,
     const float* sc, const float* bi,
     const unsigned N, const unsigned C, const unsigned S, const int flags,
     const float maf, const float eps, const float corr)
@@ -115,7 +121,7 @@ extern "C" __global__ void cp_bn_fwd(
     const unsigned step = C * S;
     float v[CP_U];
     if (flags & 1) {
-        const double K = (double)x[base];
+        const double K = (double)(float)x[base];
         double a = 0.0, b = 0.0;
         CP_CHANNEL_LOOP(M, S, base, step,
             v[u] = x[o[u]];,
@@ -159,7 +165,7 @@ extern "C" __global__ void cp_bn_fwd(
    bias and ReLU (dy is then the ReLU's top diff), 32 accumulate the scale
    gradient into dsc, 64 the bias gradient into dbi, 128 write dx. */
 extern "C" __global__ void cp_bn_bwd(
-    const float* dy, const float* xn, const float* stdv, float* dx,
+    const CP_A* dy, const float* xn, const float* stdv, CP_A* dx,
     const float* sc, const float* bi, float* dsc, float* dbi,
     const unsigned N, const unsigned C, const unsigned S, const int flags)
 {
@@ -255,7 +261,7 @@ extern "C" __global__ void cp_scale_bwd(
 }
 
 /* ReLU: y = max(x, 0), or x * slope where x <= 0. */
-extern "C" __global__ void cp_relu_fwd(const float* x, float* y, const unsigned n,
+extern "C" __global__ void cp_relu_fwd(const CP_A* x, CP_A* y, const unsigned n,
                                        const float slope)
 {
     float v[CP_U];
@@ -265,7 +271,7 @@ extern "C" __global__ void cp_relu_fwd(const float* x, float* y, const unsigned 
 }
 
 /* ReLU backward: dx = dy where ref > 0, else dy * slope (0: Caffe's dy * (ref > 0)). */
-extern "C" __global__ void cp_relu_bwd(const float* dy, const float* ref, float* dx,
+extern "C" __global__ void cp_relu_bwd(const CP_A* dy, const CP_A* ref, CP_A* dx,
                                        const unsigned n, const float slope)
 {
     float g[CP_U], r[CP_U];
@@ -277,7 +283,7 @@ extern "C" __global__ void cp_relu_bwd(const float* dy, const float* ref, float*
 
 /* y = ca * a + cb * b (each product rounded, then the sum); with relu,
    y = max(that, 0) (Eltwise SUM followed by an in-place ReLU). */
-extern "C" __global__ void cp_axpby(const float* a, const float* b, float* y, const unsigned n,
+extern "C" __global__ void cp_axpby(const CP_A* a, const CP_A* b, CP_A* y, const unsigned n,
                                     const float ca, const float cb, const int relu)
 {
     float va[CP_U], vb[CP_U];
@@ -289,13 +295,13 @@ extern "C" __global__ void cp_axpby(const float* a, const float* b, float* y, co
 
 /* d0 = c0 * g (flags & 1), d1 = c1 * g (flags & 2); with flags & 4, g is
    first masked by an in-place ReLU's top (g *= (ref > 0), written back). */
-extern "C" __global__ void cp_scale2(float* g, float* d0, float* d1, const float* ref,
+extern "C" __global__ void cp_scale2(CP_A* g, CP_A* d0, CP_A* d1, const CP_A* ref,
                                      const unsigned n, const float c0, const float c1,
                                      const int flags)
 {
     float v[CP_U], r[CP_U];
     CP_FLAT_LOOP(n,
-        v[u] = g[o[u]]; r[u] = (flags & 4) ? ref[o[u]] : 0.0f;,
+        v[u] = g[o[u]]; r[u] = (flags & 4) ? (float)ref[o[u]] : 0.0f;,
         float t = v[u];
         if (flags & 4) { t = __fmul_rn(t, r[u] > 0.0f ? 1.0f : 0.0f); g[o[u]] = t; }
         if (flags & 1) d0[o[u]] = __fmul_rn(c0, t);

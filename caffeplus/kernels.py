@@ -43,7 +43,13 @@ from caffeplus.kernel_sources import COMMON, CORE, EXTRA
 
 # The modules compiled on the device (one failing to build leaves the other);
 # the emulator builds them together.
-SOURCES = {'core': COMMON + CORE, 'extra': COMMON + EXTRA}
+# 'core16': the CORE kernels again with __half maps (CP_A), for the maps of
+# FLOAT16 nets; MAP_KERNELS take them (their other pointers stay float32).
+_HALF = '#include <cuda_fp16.h>\n#define CP_A __half\n'
+SOURCES = {'core': COMMON + CORE, 'extra': COMMON + EXTRA, 'core16': _HALF + COMMON + CORE}
+MAP_KERNELS = frozenset(('cp_bn_fwd', 'cp_bn_bwd', 'cp_relu_fwd', 'cp_relu_bwd', 'cp_axpby',
+                         'cp_scale2'))
+_F16 = numpy.dtype(numpy.float16)
 SOURCE = COMMON + CORE + EXTRA
 
 # Flags of cp_bn_fwd / cp_bn_bwd.
@@ -190,13 +196,13 @@ def _module(group):
         source = SOURCES[group]
         try:
             m = cupy.RawModule(code=source, options=('--std=c++14',))
-            m.get_function(_SIG.search(source[len(COMMON):]).group(1))     # compile now
+            m.get_function(_SIG.search(source, source.index(COMMON) + len(COMMON)).group(1))
         except Exception as exc:
             # A module that does not build: its fused paths fall back for good
             # (all of them if it is the core one).
             _state['broken'] = dict(_state['broken'] or {}, **{group: exc})
             if group == 'core':
-                _state['enabled'] = False
+                _state['enabled'] = False       # (core16: the 16-bit maps' generic code runs)
             raise
         _state['module'] = dict(_state['module'] or {}, **{group: m})
     return m
@@ -206,15 +212,37 @@ def _group(name):
     return 'core' if ('void %s(' % name) in CORE else 'extra'
 
 
-def kernel(name):
+def kernel(name, dtype=None):
     """The compiled kernel `name` (each module is compiled once per process;
-    CuPy caches the binary on disk)."""
-    k = _state['kernels'].get(name)
+    CuPy caches the binary on disk); with `dtype` float16, its build for
+    16-bit maps (MAP_KERNELS only)."""
+    half = dtype is not None and numpy.dtype(dtype) == _F16
+    key = (name, 'f16') if half else name
+    k = _state['kernels'].get(key)
     if k is None:
         emu = _state['emulator']
-        k = emu.kernel(name) if emu is not None else _module(_group(name)).get_function(name)
-        _state['kernels'][name] = k
+        if half:
+            if emu is not None or name not in MAP_KERNELS:
+                raise TypeError('no 16-bit build of kernel %s here' % name)
+            k = _module('core16').get_function(name)
+        else:
+            k = emu.kernel(name) if emu is not None else _module(_group(name)).get_function(name)
+        _state['kernels'][key] = k
     return k
+
+
+def maps(*blob_diffs):
+    """The device arrays of (blob, diff) pairs for a MAP_KERNELS launch and
+    their type: all float32, or all float16 on the device; (None, None)
+    otherwise (the caller runs its other code)."""
+    arrays = [flat(b, d, any_dtype=True) for b, d in blob_diffs]
+    if any(a is None for a in arrays):
+        return None, None
+    dtype = arrays[0].dtype
+    if any(a.dtype != dtype for a in arrays) or (dtype != _F32 and (dtype != _F16 or
+                                                                     emulating())):
+        return None, None
+    return arrays, dtype
 
 
 def reset_kernels():

@@ -112,7 +112,8 @@ class _Chain:
         if not 0 < count <= K.MAX_COUNT or bn._x_norm.size != count:
             return False
         blob = bn._chain_blob
-        dy = K.flat(blob, diff=True)
+        arrays, _ = K.maps((blob, True))
+        dy = arrays[0] if arrays is not None else None
         s = K.flat(sc.blobs[0])
         bid = sc.bias_param_id
         b = K.flat(sc.blobs[bid]) if bid is not None else None
@@ -134,13 +135,13 @@ class _Chain:
         return True
 
 
-def _scale_diffs(g, ref, outs, n, mask):
+def _scale_diffs(g, ref, outs, n, mask, dtype=None):
     """cp_scale2 over (diff array, coefficient) pairs, two per launch; with
     `mask`, g is first multiplied by (ref > 0) and written back (an in-place
-    ReLU's backward)."""
+    ReLU's backward). `dtype`: the arrays' (float32 or float16)."""
     K = _kernels
     grid, block = K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,)
-    k = K.kernel('cp_scale2')
+    k = K.kernel('cp_scale2', dtype)
     if not outs:
         if mask:
             k(grid, block, (g, g, g, ref, K.u32(n), F32(1), F32(1), K.i32(4)))
@@ -176,12 +177,14 @@ class _SumChain:
         n = self.top._count
         if not 0 < n <= K.MAX_COUNT:
             return False
-        g, ref = K.flat(self.top, diff=True), K.flat(self.top)
-        outs = [(K.flat(b, diff=True), self.eltwise.coeffs[j])
-                for j, b in enumerate(self.bottoms) if self.propagate[j]]
-        if g is None or ref is None or any(a is None for a, _ in outs):
+        wanted = [j for j, _ in enumerate(self.bottoms) if self.propagate[j]]
+        arrays, dtype = K.maps((self.top, True), (self.top, False),
+                               *[(self.bottoms[j], True) for j in wanted])
+        if arrays is None:
             return False
-        _scale_diffs(g, ref, outs, n, 1)
+        g, ref = arrays[0], arrays[1]
+        outs = [(a, self.eltwise.coeffs[j]) for a, j in zip(arrays[2:], wanted)]
+        _scale_diffs(g, ref, outs, n, 1, dtype)
         self.bwd_done = True
         return True
 
@@ -319,6 +322,8 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
     def _launch_forward(self, x, y, chain_flags=0, sc=None, bi=None):
         K = _kernels
         n, c, s = self._cfg
+        dtype = x.dtype
+        half = dtype != numpy.float32       # 16-bit maps: the one-block kernel's 16-bit build
         b0, b1, b2 = (K.flat(b) for b in self.blobs[:3])
         if b0 is None or b1 is None or b2 is None:
             return False
@@ -329,10 +334,11 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         m = n * s
         corr = F32(m) / F32(m - 1) if m > 1 else F32(1)
         flags = (K.BN_BATCH if batch else 0) | (K.BN_KEEP if keep else 0) | chain_flags
-        xn = xn if xn is not None else y
+        # (Placeholders the flags leave unread: float32, as the kernel declares them.)
+        xn = xn if xn is not None else (self._std_buf if half else y)
         sc = sc if sc is not None else b0
         bi = bi if bi is not None else b0
-        split = self._split_kernels(('cp_bn_stats_part', 'cp_bn_fwd_apply'))
+        split = None if half else self._split_kernels(('cp_bn_stats_part', 'cp_bn_fwd_apply'))
         if split is not None:
             kp, ka, P, part, kv, block = split
             if batch:
@@ -342,7 +348,7 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
                 K.u32(n), K.u32(c), K.u32(s), K.u32(P), K.i32(flags), self.maf, self.eps,
                 F32(corr)))
             return True
-        K.kernel('cp_bn_fwd')((c,), (K.channel_block(m),), (
+        K.kernel('cp_bn_fwd', dtype)((c,), (K.channel_block(m),), (
             x, y, xn, b0, b1, b2, self._std_buf, sc, bi,
             K.u32(n), K.u32(c), K.u32(s), K.i32(flags), self.maf, self.eps, F32(corr)))
         return True
@@ -372,6 +378,16 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
     def _launch_backward(self, dy, xn, std, dx, sc, bi, dsc, dbi, flags):
         K = _kernels
         n, c, s = self._cfg
+        dtype = dy.dtype
+        if dtype != numpy.float32:
+            # The 16-bit build's float32 pointers: placeholders the flags leave
+            # unused (the maps' own arrays stand in for them in float32) become
+            # the std buffer.
+            xn, sc, bi, dsc, dbi = (a if a.dtype == numpy.float32 else std
+                                    for a in (xn, sc, bi, dsc, dbi))
+            K.kernel('cp_bn_bwd', dtype)((c,), (K.channel_block(n * s),), (
+                dy, xn, std, dx, sc, bi, dsc, dbi, K.u32(n), K.u32(c), K.u32(s), K.i32(flags)))
+            return
         split = self._split_kernels(('cp_bn_bwd_part', 'cp_bn_bwd_apply'))
         if split is not None:
             kp, ka, P, part, _, block = split
@@ -388,9 +404,10 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         n, c, s = self._cfg
         if not 0 < n * c * s <= K.MAX_COUNT:
             return False
-        x, y = K.flat(bottom[0]), K.flat(top[0])
-        if x is None or y is None:
+        arrays, _ = K.maps((bottom[0], False), (top[0], False))
+        if arrays is None:
             return False
+        x, y = arrays
         ch = self._chain
         if ch is not None and ch.fwd_active and ch.geometry_ok() and ch.forward(x, y):
             return True
@@ -415,7 +432,8 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         xn = self._x_norm
         if (batch or self.scale_bias) and (xn is None or xn.size != count):
             return False
-        dy, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
+        arrays, _ = K.maps((top[0], True), (bottom[0], True))
+        dy, dx = arrays if arrays is not None else (None, None)
         if dy is None or dx is None or not K.is_device(self._std) or \
                 (xn is not None and not K.is_device(xn)):
             return False
@@ -578,12 +596,12 @@ class _FusedReLUMixin:
         n = bottom[0]._count
         if n <= 0:
             return False
-        x, y = K.flat(bottom[0]), K.flat(top[0])
-        if x is None or y is None:
+        arrays, dtype = K.maps((bottom[0], False), (top[0], False))
+        if arrays is None:
             return False
-        for m, (xs, ys) in _pieces(n, K.MAX_COUNT, x, y):
-            K.kernel('cp_relu_fwd')(K.elementwise_grid(m), (K.ELEMENTWISE_THREADS,),
-                                    (xs, ys, K.u32(m), F32(self.slope)))
+        k = K.kernel('cp_relu_fwd', dtype)
+        for m, (xs, ys) in _pieces(n, K.MAX_COUNT, *arrays):
+            k(K.elementwise_grid(m), (K.ELEMENTWISE_THREADS,), (xs, ys, K.u32(m), F32(self.slope)))
         return True
 
     def _fast_backward(self, top, propagate_down, bottom):
@@ -591,13 +609,14 @@ class _FusedReLUMixin:
         n = top[0]._count
         if n <= 0:
             return False
-        ref = K.flat(top[0]) if self.slope >= 0 else K.flat(bottom[0])
-        dy, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
-        if ref is None or dy is None or dx is None:
+        arrays, dtype = K.maps((top[0], True), (top[0] if self.slope >= 0 else bottom[0], False),
+                               (bottom[0], True))
+        if arrays is None:
             return False
-        for m, (dys, refs, dxs) in _pieces(n, K.MAX_COUNT, dy, ref, dx):
-            K.kernel('cp_relu_bwd')(K.elementwise_grid(m), (K.ELEMENTWISE_THREADS,),
-                                    (dys, refs, dxs, K.u32(m), F32(self.slope)))
+        k = K.kernel('cp_relu_bwd', dtype)
+        for m, (dys, refs, dxs) in _pieces(n, K.MAX_COUNT, *arrays):
+            k(K.elementwise_grid(m), (K.ELEMENTWISE_THREADS,),
+              (dys, refs, dxs, K.u32(m), F32(self.slope)))
         return True
 
 
@@ -654,14 +673,14 @@ class GPUEltwiseLayer(_FusedMixin, EltwiseLayer):
         n = top[0]._count
         if not 0 < n <= K.MAX_COUNT:
             return False
-        xs = [K.flat(b) for b in bottom]
-        y = K.flat(top[0])
-        if y is None or any(a is None for a in xs):
+        arrays, dtype = K.maps(*[(b, False) for b in bottom], (top[0], False))
+        if arrays is None:
             return False
+        xs, y = arrays[:-1], arrays[-1]
         grid, block, c = K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,), self.coeffs
         ch = self._chain
         relu = ch is not None and ch.fwd_active and len(xs) == 2
-        k = K.kernel('cp_axpby')
+        k = K.kernel('cp_axpby', dtype)
         k(grid, block, (xs[0], xs[1], y, K.u32(n), F32(c[0]), F32(c[1]), K.i32(relu)))
         for a, ci in zip(xs[2:], c[2:]):
             k(grid, block, (y, a, y, K.u32(n), F32(1), F32(ci), K.i32(0)))
@@ -674,12 +693,13 @@ class GPUEltwiseLayer(_FusedMixin, EltwiseLayer):
         n = top[0]._count
         if not 0 < n <= K.MAX_COUNT:
             return False
-        dy = K.flat(top[0], diff=True)
-        outs = [(K.flat(b, diff=True), self.coeffs[i])
-                for i, b in enumerate(bottom) if propagate_down[i]]
-        if dy is None or any(a is None for a, _ in outs):
+        wanted = [i for i, b in enumerate(bottom) if propagate_down[i]]
+        arrays, dtype = K.maps((top[0], True), *[(bottom[i], True) for i in wanted])
+        if arrays is None:
             return False
-        _scale_diffs(dy, dy, outs, n, 0)
+        dy = arrays[0]
+        outs = [(a, self.coeffs[i]) for a, i in zip(arrays[1:], wanted)]
+        _scale_diffs(dy, dy, outs, n, 0, dtype)
         return True
 
     def _forward(self, bottom, top):
@@ -706,12 +726,12 @@ class GPUSplitLayer(SplitLayer):
         n = bottom[0]._count
         if len(top) < 2 or not 0 < n <= K.MAX_COUNT:
             return False
-        ds = [K.flat(t, diff=True) for t in top]
-        dx = K.flat(bottom[0], diff=True)
-        if dx is None or any(a is None for a in ds):
+        arrays, dtype = K.maps(*[(t, True) for t in top], (bottom[0], True))
+        if arrays is None:
             return False
+        ds, dx = arrays[:-1], arrays[-1]
         grid, block = K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,)
-        k = K.kernel('cp_axpby')
+        k = K.kernel('cp_axpby', dtype)
         one, no = F32(1), K.i32(0)
         k(grid, block, (ds[0], ds[1], dx, K.u32(n), one, one, no))
         for a in ds[2:]:

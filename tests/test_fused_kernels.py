@@ -395,9 +395,9 @@ def test_loss_and_pool_take_the_kernels_emulated(emulated, monkeypatch):
     calls = []
     real = kernels.kernel
 
-    def spy(name):
+    def spy(name, dtype=None):
         calls.append(name)
-        return real(name)
+        return real(name, dtype)
     monkeypatch.setattr(kernels, 'kernel', spy)
     for name in ('softmax_loss_spatial', 'pool_ave_pad_ceil', 'pool_max_rect'):
         case = [c for c in LAYER_CASES if c[0] == name][0]
@@ -415,7 +415,7 @@ def test_batchnorm_split_over_blocks_emulated(name, emulated, monkeypatch):
     monkeypatch.setattr(kernels, 'SPLIT_MIN_VALUES', 7)
     calls = []
     real = kernels.kernel
-    monkeypatch.setattr(kernels, 'kernel', lambda k: calls.append(k) or real(k))
+    monkeypatch.setattr(kernels, 'kernel', lambda k, dtype=None: calls.append(k) or real(k, dtype))
     case = [c for c in LAYER_CASES if c[0] == name][0]
     _check_layer_case(case, gpu=False)
     assert 'cp_bn_fwd_apply' in calls and 'cp_bn_bwd_apply' in calls
@@ -776,8 +776,8 @@ def test_relu_over_the_kernels_count_runs_in_pieces(name, emulated, monkeypatch)
     launches = []
     real_kernel = kernels.kernel
 
-    def counting(kernel_name):
-        k = real_kernel(kernel_name)
+    def counting(kernel_name, dtype=None):
+        k = real_kernel(kernel_name, dtype)
         if not kernel_name.startswith('cp_relu'):
             return k
 

@@ -240,6 +240,12 @@ def test_a_float16_residual_block_follows_fp32(gpu):
                      [p.diff.get().copy() for p in net.learnable_params],
                      net.blobs['conv1'].data.copy())
     assert nets['fp16']._blob_dict['conv1'].data.dtype == numpy.float16
+    # BatchNorm, Scale and ReLU ran as one fused chain on the 16-bit map, the
+    # Eltwise SUM and Split backward on their kernels' 16-bit builds.
+    from caffeplus import kernels
+    assert not kernels.failures()
+    chains = nets['fp16'].__dict__.get('_fused_chains') or []
+    assert any(c.fwd_done and c.bwd_done for c in chains)
     assert numpy.isfinite(got['fp16'][2]).all()
     # Normalized, scaled by 1.5 and shifted: values of a few units, to FP16's
     # 2^-11 relative rounding of a map a few layers deep.
