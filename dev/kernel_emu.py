@@ -102,8 +102,8 @@ _SANITIZE = ['-fsanitize=address', '-fno-omit-frame-pointer'] \
     if os.environ.get('CAFFEPLUS_EMU_ASAN') else []
 
 _SIG = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\)', re.S)
-_POINTER_DTYPES = (numpy.float32, numpy.float64, numpy.int32, numpy.uint32, numpy.uint8,
-                   numpy.int64, numpy.uint64)
+_POINTER_DTYPES = (numpy.float32, numpy.float16, numpy.float64, numpy.int32, numpy.uint32,
+                   numpy.uint8, numpy.int64, numpy.uint64)
 
 
 def _params(text):
@@ -139,8 +139,9 @@ class _Kernel:
                     continue
                 if not isinstance(a, numpy.ndarray) or a.dtype not in _POINTER_DTYPES \
                         or not a.flags.c_contiguous:
-                    raise TypeError('%s: pointer arguments must be contiguous float32, float64, '
-                                    'int32, uint32, uint8, int64 or uint64 arrays (got %r)'
+                    raise TypeError('%s: pointer arguments must be contiguous float32, float16, '
+                                    'float64, int32, uint32, uint8, int64 or uint64 arrays '
+                                    '(got %r)'
                                     % (self.name, type(a)))
                 conv.append(ctypes.c_void_p(a.ctypes.data))
             else:
