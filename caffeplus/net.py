@@ -21,7 +21,6 @@ from caffeplus.proto import caffe_pb2
 from caffeplus.splits import insert_splits
 
 TRAIN, TEST = caffe_pb2.TRAIN, caffe_pb2.TEST
-FLOAT_BYTES = 4
 
 
 def _phase_value(phase):
@@ -237,8 +236,8 @@ class Net:
                 log.info('Top shape: %s', top.shape_string())
                 if layer.loss(top_id):
                     log.info('    with loss weight %g', layer.loss_weights[top_id])
-                memory_used += top.count
-            log.info('Memory required for data: %d', memory_used * FLOAT_BYTES)
+                memory_used += top.count * top.data_storage.dtype.itemsize    # bytes
+            log.info('Memory required for data: %d', memory_used)
 
             num_param_blobs = len(layer.blobs)
             if len(lp.param) > num_param_blobs:
@@ -256,7 +255,7 @@ class Net:
             if need_backward:
                 for blob_id in top_ids:
                     self.blob_need_backward[blob_id] = True
-        self.memory_used_bytes = memory_used * FLOAT_BYTES
+        self.memory_used_bytes = memory_used
 
         self._decide_backward(param.force_backward)
         for name in output_order(available):
