@@ -303,12 +303,11 @@ class Blob:
         else:
             view[...] = value.reshape(view.shape)
 
-    def set_storage_dtype(self, data_dtype, diff_dtype=None):
-        """Store this blob's data (and diff) as `data_dtype` (`diff_dtype`) on
-        the GPU: before anything is allocated (a net sets its 16-bit
-        activations up so, caffeplus.precision)."""
-        self._data.dtype = numpy.dtype(data_dtype)
-        self._diff.dtype = numpy.dtype(diff_dtype if diff_dtype is not None else data_dtype)
+    def set_storage_dtype(self, dtype):
+        """Store this blob's data and diff as `dtype` on the GPU: set before
+        anything is allocated (a net sets its 16-bit activations up so,
+        caffeplus.precision)."""
+        self._data.dtype = self._diff.dtype = numpy.dtype(dtype)
 
     def share_data(self, other):
         if self._count != other._count:

@@ -19,7 +19,7 @@ import math
 
 import numpy
 
-from caffeplus import rng
+from caffeplus import backend, rng
 from caffeplus.blob import is_virtual, virtual_allocation, virtual_array
 from caffeplus.errors import NetError
 
@@ -275,7 +275,7 @@ def fill_device(recipe, out):
         # of its own and rounded into the top.
         if out.dtype.kind != 'f':
             return False
-        staged = _device_staging(out.size)
+        staged = backend.device_scratch('fill staging', out.size, numpy.float32)
         if not fill_device(recipe, staged):
             return False
         out.ravel()[...] = staged
@@ -291,21 +291,6 @@ def fill_device(recipe, out):
     gen.reseed(_DEVICE_RANDOM.seed_for(rng.get()))
     draw_into(recipe, out, gen)
     return True
-
-
-_STAGING = {}
-
-
-def _device_staging(count):
-    """A float32 device array of `count` values (one per device, grown as
-    needed) that 16-bit fills draw into."""
-    import cupy
-    key = cupy.cuda.runtime.getDevice()
-    buf = _STAGING.get(key)
-    if buf is None or buf.size < count:
-        # 16-aligned and contiguous, as fill_device asks.
-        buf = _STAGING[key] = cupy.empty(count, numpy.float32)
-    return buf[:count]
 
 
 class DeviceRandom:

@@ -146,11 +146,23 @@ def storage_dtype(blob, diff=False):
 
 
 def _same_storage_dtype(bottom, top):
-    """Whether one cuDNN descriptor describes the layer's bottom and top
-    data and diffs: all stored in one type (float32, or a 16-bit net's)."""
+    """Whether one type describes the layer's bottoms' and tops' data and
+    diffs (float32, or a 16-bit net's), as one cuDNN descriptor does."""
     d = bottom[0].data_storage.dtype
     return all(b.data_storage.dtype == d and b.diff_storage.dtype == d
-               for b in (bottom[0], top[0]))
+               for b in list(bottom) + list(top))
+
+
+def sixteen_bit_copy(copies, name, master, dtype):
+    """The values of the FP32 device array `master` in `dtype`, written now
+    into `copies[name]`, an array kept from call to call: its address stays
+    (the CUDA-graph replays and cuBLAS calls key on it)."""
+    import cupy
+    c = copies.get(name)
+    if c is None or c.shape != master.shape or c.dtype != dtype:
+        c = copies[name] = cupy.empty(master.shape, dtype)
+    cupy.copyto(c, master, casting='same_kind')
+    return c
 
 
 class _MaskableMixin:

@@ -16,7 +16,8 @@ from caffeplus.errors import CaffeplusError
 from caffeplus.layer import register_engine
 from caffeplus.layers import cudnn_common as _common
 from caffeplus.layers.conv_gemm import _GemmConv
-from caffeplus.layers.cudnn_common import (_CudnnMixin, _dptr, _prod, batch_slices, cudnn_available,
+from caffeplus.layers.cudnn_common import (_CudnnMixin, _dptr, _prod, _same_storage_dtype,
+                                           batch_slices, cudnn_available, sixteen_bit_copy,
                                            storage_dtype)
 from caffeplus.layers.vision import ConvolutionLayer, DeconvolutionLayer
 from caffeplus.proto import caffe_pb2
@@ -147,7 +148,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
     # (then cuDNN reads 16-bit copies of the weights, _sixteen_bit_params).
     activation_dtype = numpy.dtype(numpy.float32)
     _dtypes_agree = True
-    _w16 = _b16 = None
+    _copies = None          # the 16-bit weights and bias, sixteen_bit_copy
 
     def _cudnn_geometry_ok(self):
         if not (self.channel_axis == 1 and 1 <= self.num_spatial <= 3 and self.num > 0):
@@ -330,9 +331,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         self.activation_dtype = storage_dtype(bottom[0])
-        self._dtypes_agree = all(storage_dtype(b) == self.activation_dtype and
-                                 storage_dtype(b, True) == self.activation_dtype
-                                 for b in list(bottom) + list(top))
+        self._dtypes_agree = _same_storage_dtype(bottom, top)
         if self._gpu_mode() and self._cudnn_geometry_ok() and cudnn_available():
             self._build_cudnn()
 
@@ -341,22 +340,13 @@ class _CudnnConvolutionMixin(_CudnnMixin):
 
     def _sixteen_bit_params(self):
         """Device addresses of the 16-bit copies of the weights and bias (0
-        without one) that cuDNN reads, refreshed from the FP32 masters.
-        Each copy keeps its address (the replays key on it)."""
-        import cupy
-        dtype = self.activation_dtype
-        w = self.blobs[0].data
-        if self._w16 is None or self._w16.shape != w.shape or self._w16.dtype != dtype:
-            self._w16 = cupy.empty(w.shape, dtype)
-        cupy.copyto(self._w16, w, casting='same_kind')
-        b = 0
-        if self.bias_term:
-            bias = self.blobs[1].data
-            if self._b16 is None or self._b16.shape != bias.shape or self._b16.dtype != dtype:
-                self._b16 = cupy.empty(bias.shape, dtype)
-            cupy.copyto(self._b16, bias, casting='same_kind')
-            b = int(self._b16.data.ptr)
-        return int(self._w16.data.ptr), b
+        without one) that cuDNN reads, refreshed from the FP32 masters."""
+        if self._copies is None:
+            self._copies = {}
+        w = sixteen_bit_copy(self._copies, 'w', self.blobs[0].data, self.activation_dtype)
+        b = sixteen_bit_copy(self._copies, 'b', self.blobs[1].data, self.activation_dtype) \
+            if self.bias_term else None
+        return int(w.data.ptr), int(b.data.ptr) if b is not None else 0
 
     def _ready(self, *arrays):
         # (`arrays`: the blobs' storage, kernels.flat: a view of each, made
@@ -451,8 +441,19 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         w = _dptr(wblob)
         dw = _dptr(wblob, True) if self.param_needs_backward(0) else 0
         db = _dptr(self.blobs[1], True) if self.bias_term and self.param_needs_backward(1) else 0
+        # A 16-bit layer: cuDNN reads the 16-bit weights and takes the filter
+        # gradient 16-bit, as its maps, in a scratch copy added to the FP32
+        # master's (cuDNN has no 16-bit-input, float32-output one); the bias
+        # gradient is summed in float32 apart from cuDNN's calls.
+        dw16 = None
+        bias16 = bool(db) and self._sixteen_bit()
         if self._sixteen_bit():
-            return self._sixteen_bit_backward(top, propagate_down, bottom, bool(dw), bool(db))
+            w, _ = self._sixteen_bit_params()
+            if dw:
+                dw16 = backend.device_scratch('filter gradient', wblob.count,
+                                              self.activation_dtype)
+                dw = int(dw16.data.ptr)
+            db = 0
         fc = self._sites['bwd_filter'].choice
         fcd = self._descs_for(fc)
         dkind = 'fwd' if self.reverse else 'bwd_data'
@@ -460,6 +461,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         dcd = self._descs_for(dc)
         for i, (bb, tt) in enumerate(zip(bottom, top)):
             dtop = _dptr(tt, True)
+            if dw16 is not None:
+                dw16.fill(0)
             if dw and fc.variant == 2 and self._gemm is not None:
                 x = _dptr(bb)
                 if db:
@@ -479,6 +482,13 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             elif db:
                 self._cd.replays.run(('bias', dtop, db), functools.partial(
                     _conv_params_calls, self._cd, None, 0, self.reverse, 0, dtop, 0, db, 0, 0))
+            if dw16 is not None:
+                gw = wblob.diff
+                gw += dw16.reshape(gw.shape)
+            if bias16:
+                g = tt.diff
+                self.blobs[1].diff += g.reshape(g.shape[0], g.shape[1], -1).sum(
+                    axis=2, dtype=numpy.float32).sum(axis=0)
             if propagate_down[i] and dc.variant == 2 and self._gemm is not None:
                 self._gemm.backward_data(dtop, w, _dptr(bb, True))
             elif propagate_down[i]:
@@ -489,64 +499,6 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                                     functools.partial(_conv_data_calls, dcd,
                                                       dcd.conv_for(dc.math), dc.algo,
                                                       self.reverse, dtop, w, dx, ws, nbytes))
-
-    def _sixteen_bit_backward(self, top, propagate_down, bottom, want_dw, want_db):
-        """Backward of a 16-bit layer: cuDNN's filter gradient (16-bit, as
-        its maps) into a scratch copy, then added to the FP32 master's
-        gradient; the bias gradient summed in float32 from the 16-bit top
-        gradient; the bottom gradient from the 16-bit weights."""
-        mgr = self._manager()
-        w, _ = self._sixteen_bit_params()
-        fc = self._sites['bwd_filter'].choice
-        fcd = self._descs_for(fc)
-        dkind = 'fwd' if self.reverse else 'bwd_data'
-        dc = self._sites[dkind].choice
-        dcd = self._descs_for(dc)
-        dw16 = _filter_gradient_scratch(self.blobs[0].count, self.activation_dtype) \
-            if want_dw else None
-        for i, (bb, tt) in enumerate(zip(bottom, top)):
-            dtop = _dptr(tt, True)
-            if want_dw:
-                dw16.fill(0)
-                dw = int(dw16.data.ptr)
-                x = _dptr(bb)
-                with mgr.checkout(self, 'bwd_filter') as (ws, nbytes):
-                    fcd.replays.run(('bwd_filter', x, dtop, dw, 0, ws, nbytes, fc.algo, fc.math,
-                                     fc.variant),
-                                    functools.partial(_conv_params_calls, fcd,
-                                                      fcd.conv_for(fc.math), fc.algo,
-                                                      self.reverse, x, dtop, dw, 0, ws, nbytes))
-                gw = self.blobs[0].diff
-                gw += dw16[:gw.size].reshape(gw.shape)
-            if want_db:
-                g = tt.diff
-                gb = self.blobs[1].diff
-                gb += g.reshape(g.shape[0], g.shape[1], -1).sum(
-                    axis=2, dtype=numpy.float32).sum(axis=0)
-            if propagate_down[i]:
-                dx = _dptr(bb, True)
-                with mgr.checkout(self, dkind) as (ws, nbytes):
-                    dcd.replays.run((dkind, dtop, w, dx, ws, nbytes, dc.algo, dc.math,
-                                     dc.variant),
-                                    functools.partial(_conv_data_calls, dcd,
-                                                      dcd.conv_for(dc.math), dc.algo,
-                                                      self.reverse, dtop, w, dx, ws, nbytes))
-
-
-_FILTER_SCRATCH = {}
-
-
-def _filter_gradient_scratch(count, dtype):
-    """A device buffer of at least `count` values of `dtype` that 16-bit
-    convolutions take their filter gradient in, one after the other (one per
-    device and type, grown to the largest filter)."""
-    import cupy
-    key = (backend.device(), numpy.dtype(dtype))
-    buf = _FILTER_SCRATCH.get(key)
-    if buf is None or buf.size < count:
-        buf = _FILTER_SCRATCH[key] = cupy.empty(count, dtype)
-    return buf[:count]
-
 
 @register_engine('CUDNN')
 class CuDNNConvolutionLayer(_CudnnConvolutionMixin, ConvolutionLayer):

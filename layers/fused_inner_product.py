@@ -6,9 +6,7 @@ from caffeplus import kernels as _kernels
 from caffeplus.backend import blas
 from caffeplus.layer import register_engine
 from caffeplus.layers.common import InnerProductLayer
-from caffeplus.layers.cudnn_common import _fused
-
-_TYPES = (numpy.dtype(numpy.float32), numpy.dtype(numpy.float16))
+from caffeplus.layers.cudnn_common import _fused, sixteen_bit_copy
 
 
 @register_engine('CUDNN')
@@ -46,17 +44,6 @@ class GPUInnerProductLayer(InnerProductLayer):
         limit = 2 ** 31 - 1       # cuBLAS's int dimensions
         return 0 < self.M <= limit and 0 < self.K <= limit and 0 < self.num_output <= limit
 
-    def _maps(self, *blobs_diffs):
-        """The device arrays of (blob, diff) pairs, all of one type (float32
-        or float16), and that type; (None, None) otherwise."""
-        arrays = [_kernels.flat(b, d, any_dtype=True) for b, d in blobs_diffs]
-        if any(a is None for a in arrays):
-            return None, None
-        dtype = arrays[0].dtype
-        if dtype not in _TYPES or any(a.dtype != dtype for a in arrays):
-            return None, None
-        return arrays, dtype
-
     def _params_in(self, dtype):
         """Pointers to the weights and bias (0 without) in `dtype`: the FP32
         masters, or 16-bit copies of them refreshed now (a 16-bit layer
@@ -66,28 +53,21 @@ class GPUInnerProductLayer(InnerProductLayer):
         b = K.flat(self.blobs[1]) if self.bias_term else None
         if w is None or (self.bias_term and b is None):
             return None
-        if dtype == numpy.float32:
-            return int(w.data.ptr), int(b.data.ptr) if b is not None else 0
-        import cupy
-        copies = self._copies = self._copies or {}
-        out = []
-        for name, master in (('w', w), ('b', b)):
-            if master is None:
-                out.append(0)
-                continue
-            c = copies.get(name)
-            if c is None or c.size != master.size or c.dtype != dtype:
-                c = copies[name] = cupy.empty(master.size, dtype)
-            cupy.copyto(c, master[:c.size], casting='same_kind')
-            out.append(int(c.data.ptr))
-        return tuple(out)
+        if dtype != numpy.float32:
+            if self._copies is None:
+                self._copies = {}
+            w = sixteen_bit_copy(self._copies, 'w', self.blobs[0].data, dtype)
+            b = sixteen_bit_copy(self._copies, 'b', self.blobs[1].data, dtype) \
+                if b is not None else None
+        return int(w.data.ptr), int(b.data.ptr) if b is not None else 0
 
     def _fast_forward(self, bottom, top):
         if not self._usable():
             return False
-        (x, y), dtype = self._maps((bottom[0], False), (top[0], False))
-        if x is None:
+        arrays, dtype = _kernels.maps((bottom[0], False), (top[0], False))
+        if arrays is None:
             return False
+        x, y = arrays
         params = self._params_in(dtype)
         if params is None:
             return False
@@ -121,7 +101,7 @@ class GPUInnerProductLayer(InnerProductLayer):
         want_b = self.bias_term and self.param_needs_backward(1)
         pairs = [(top[0], True), (bottom[0], False)] + \
             ([(bottom[0], True)] if propagate_down[0] else [])
-        arrays, dtype = self._maps(*pairs)
+        arrays, dtype = K.maps(*pairs)
         if arrays is None:
             return False
         dy, x = arrays[0], arrays[1]

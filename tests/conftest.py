@@ -137,3 +137,15 @@ def emulator():
 def emulated(emulator):
     with emulating(emulator) as emu:
         yield emu
+
+
+@pytest.fixture
+def gpu():
+    """GPU mode for the test (the CuPy module handed in); CPU mode after,
+    once the device has finished."""
+    import cupy
+    import caffeplus
+    caffeplus.set_mode_gpu()
+    yield cupy
+    cupy.cuda.Device().synchronize()
+    caffeplus.set_mode_cpu()

@@ -14,15 +14,6 @@ from test_data_pipeline import (TRANSFORM, _data_layer, _image_layer, _images, _
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def gpu():
-    import cupy
-    caffeplus.set_mode_gpu()
-    yield cupy
-    cupy.cuda.Device().synchronize()
-    caffeplus.set_mode_cpu()
-
-
 def _host(a):
     return a.get() if hasattr(a, 'get') else numpy.asarray(a)
 

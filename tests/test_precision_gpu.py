@@ -46,15 +46,6 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: 
 """
 
 
-@pytest.fixture
-def gpu():
-    import cupy
-    caffeplus.set_mode_gpu()
-    yield cupy
-    cupy.cuda.Device().synchronize()
-    caffeplus.set_mode_cpu()
-
-
 def _net(precision_name, plan=None, weights=None):
     param = text_format.Parse(NET, caffe_pb2.NetParameter())
     with precision.setting(precision_name):

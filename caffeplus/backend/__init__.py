@@ -88,3 +88,18 @@ def release_cached(xp):
         xp.get_default_memory_pool().free_all_blocks()
     except AttributeError:
         pass
+
+
+_SCRATCH = {}
+
+
+def device_scratch(slot, count, dtype):
+    """`count` values of `dtype` from a device buffer kept per slot, device
+    and type (grown to the largest asked for), for calls that take turns
+    with it; its start stays 256-byte aligned, as CuPy allocates."""
+    import cupy
+    key = (slot, cupy.cuda.runtime.getDevice(), numpy.dtype(dtype))
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.size < count:
+        buf = _SCRATCH[key] = cupy.empty(max(int(count), 1), dtype)
+    return buf[:count]

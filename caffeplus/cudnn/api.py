@@ -21,15 +21,6 @@ from caffeplus.cudnn.lib import BwdDataPerf, BwdFilterPerf, CudnnError, FwdPerf,
 FLOAT = 0                  # CUDNN_DATA_FLOAT
 HALF = 2                   # CUDNN_DATA_HALF
 _DATA_TYPES = {'float32': FLOAT, 'float16': HALF}
-
-
-def data_type(dtype):
-    """cuDNN's data type for a NumPy dtype (float32 or float16)."""
-    name = 'float32' if dtype is None else getattr(dtype, 'name', None) or str(dtype)
-    try:
-        return _DATA_TYPES[name]
-    except KeyError:
-        raise CudnnError('cuDNN descriptors here take float32 or float16, not %s' % name)
 NCHW = 0                   # CUDNN_TENSOR_NCHW
 CROSS_CORRELATION = 1      # Caffe's convolution is a cross-correlation
 DEFAULT_MATH, TENSOR_OP_MATH, TENSOR_OP_MATH_ALLOW_CONVERSION, FMA_MATH = 0, 1, 2, 3
@@ -112,6 +103,15 @@ def handle():
     if h is None:
         h = _handles[dev] = Handle()
     return h.bind(cupy.cuda.get_current_stream().ptr)
+
+
+def data_type(dtype):
+    """cuDNN's data type for a NumPy dtype (float32 or float16; None: float32)."""
+    name = 'float32' if dtype is None else getattr(dtype, 'name', None) or str(dtype)
+    try:
+        return _DATA_TYPES[name]
+    except KeyError:
+        raise CudnnError('cuDNN descriptors here take float32 or float16, not %s' % name)
 
 
 class TensorDesc(_Owned):

@@ -15,12 +15,6 @@ Buffer = collections.namedtuple('Buffer', 'key kind blobs nbytes start end')
 FLOAT_BYTES = 4
 
 
-def storage_itemsize(storage):
-    """Bytes per value of `storage`: 2 for a 16-bit net's maps on the GPU
-    (and in the shape-only builds that plan for it), else 4."""
-    return storage.dtype.itemsize
-
-
 def _steps(net):
     L = len(net.layers)
     return L, (lambda i: i), (lambda i: 2 * L - 1 - i)
@@ -64,7 +58,9 @@ def buffers(net, keep=(), training=True, overlay=True):
     def touch(kind, blob, name, step, read=False):
         storage = blob.data_storage if kind == 'data' else blob.diff_storage
         key = (kind, id(storage))
-        nbytes = blob.count * storage_itemsize(storage)
+        # (2 a value for a 16-bit net's maps: on the GPU, and in the
+        # shape-only builds that plan for it.)
+        nbytes = blob.count * storage.dtype.itemsize
         entry = intervals.get(key)
         if entry is None:
             intervals[key] = [step, step, {name}, nbytes]
