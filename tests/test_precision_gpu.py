@@ -187,7 +187,11 @@ def test_float16_training_on_the_gpu_recovers_from_an_overflowing_scale(gpu, cap
 
 # A residual block as ResNet-50's: convolution, BatchNorm, Scale, ReLU, a
 # shortcut through a Split and Eltwise SUM. The input is large (|x| in the
-# thousands): a variance summed from float16 squares would overflow.
+# thousands): a variance summed from float16 squares would overflow. The loss
+# weight stands in for the loss scale FP16 training uses: at 1, BatchNorm's
+# input gradient here (~1e-8) is below float16's smallest subnormal and the
+# first convolution's weight gradient is off by ~20% in any 16-bit arithmetic
+# (the CPU's emulation agrees).
 RESIDUAL = """
 name: "residual"
 layer { name: "data" type: "Input" top: "data" top: "label"
@@ -204,7 +208,8 @@ layer { name: "sum" type: "Eltwise" bottom: "conv1" bottom: "data" top: "sum" }
 layer { name: "relu2" type: "ReLU" bottom: "sum" top: "sum" }
 layer { name: "ip" type: "InnerProduct" bottom: "sum" top: "ip"
   inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.0005 } } }
-layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss"
+  loss_weight: 64 }
 """
 
 
