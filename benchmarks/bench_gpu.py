@@ -106,7 +106,8 @@ def worker_caffeplus(args):
     # (the generic CuPy layers and a per-parameter update, as before them);
     # '/nographs': cuDNN calls made directly (no CUDA-graph replays);
     # '/nogroups': grouped convolutions never timed one call per group;
-    # '/fp16': see below
+    # '/fp16': see below; '/fp16+scaled': with adaptive loss scaling, as
+    # the solver runs it and as PyTorch's AMP FP16 runs its GradScaler
     spec, _, variant = args.plan.partition('/')
     plan, _, search = spec.partition(':')
     variants = set(variant.split('+')) if variant else set()
@@ -164,11 +165,20 @@ def worker_caffeplus(args):
             h.data[...] = 0
         multi = gpu_kernels.MultiTensorUpdate()
         ones, zeros = [1.0] * len(params), [0.0] * len(params)
+        scaler = None
+        if 'scaled' in variants:
+            import types
+            scaler = precision.LossScaler(types.SimpleNamespace(net=net, iter=0), net.precision,
+                                          precision.ADAPTIVE_INITIAL_SCALE, True, 1000)
 
         def step():
             net.clear_param_diffs()
             net.forward_from_to(start, last)
             net.backward_from_to(last, start)
+            if scaler is not None:
+                scaler.on_gradients_ready()
+                if scaler.skips_update():
+                    return
             multi.prepare(params, hist, None, ones, zeros)
             multi.run('SGD', 0.01, 1.0, 0.0, False, 0.9)
 

@@ -407,15 +407,23 @@ class LossScaler:
     def on_start(self):
         self._skip = False
 
+    _unscale = None
+    _flag = None
+
     def on_gradients_ready(self):
         params = self.solver.net.learnable_params
-        scale = numpy.float32(self.scale)
-        if scale != 1:
-            for p in params:
-                p.diff /= scale
+        diffs = [p.diff for p in params]
+        if backend.on_device_float32(diffs):
+            finite = self._unscale_on_device(diffs)
+        else:
+            scale = numpy.float32(self.scale)
+            if scale != 1:
+                for p in params:
+                    p.diff /= scale
+            finite = not self.adaptive or all(bool(numpy.isfinite(p.diff).all()) for p in params)
         if not self.adaptive:
             return
-        if all(bool(numpy.isfinite(p.diff).all()) for p in params):
+        if finite:
             self.good_steps += 1
             if self.good_steps >= self.window:
                 self.good_steps = 0
@@ -433,6 +441,21 @@ class LossScaler:
         self.net_precision.scale = max(self.scale / SCALE_FACTOR, MIN_SCALE)
         log.info('Iteration %d, gradient overflow in FLOAT16: step skipped, '
                  'global_grad_scale lowered to %g', self.solver.iter, self.scale)
+
+    def _unscale_on_device(self, diffs):
+        """Every gradient divided by the scale in one kernel; whether all
+        stayed finite, read back once (only when adaptive: a static scale
+        reads nothing)."""
+        import cupy
+        from caffeplus.solver import gpu_kernels
+        if self._unscale is None:
+            self._unscale = gpu_kernels.MultiTensorUnscale()
+            self._flag = cupy.zeros(1, dtype=numpy.int32)
+        if self.scale == 1 and not self.adaptive:
+            return True
+        self._flag.fill(0)
+        self._unscale.run(diffs, self.scale, self._flag)
+        return not self.adaptive or not int(self._flag[0])
 
     def skips_update(self):
         """Whether this iteration's update is skipped (its gradients overflowed)."""

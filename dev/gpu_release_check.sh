@@ -12,10 +12,12 @@
 #      and ResNet-50 cases), naming the calls whose algorithms differ.
 #   9. (STEPS=amp) benchmarks/bench_gpu.py with TF32 on, PyTorch's AMP FP16/BF16 runs beside
 #      caffeplus TF32 and FP16 (AMP_PLANS) and PyTorch TF32 (the 16-bit work's peers).
+#  10. (STEPS=accuracy) benchmarks/precision_accuracy.py: digits LeNet in FP32 and 16 bits.
+#  11. (STEPS=nvcaffe) dev/nvcaffe_time.sh: NVCaffe's FP16 model files, `caffeplus time`.
 # Prefer running it through dev/gpu_snapshot.sh (the committed tree only).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
 # (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
-# env: STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp), TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
+# env: STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp,accuracy,nvcaffe), AMP_TORCH, TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
 #      MEMORY_ITERS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S
 set -u
 OUT=${OUT:-/tmp/gpu_out}
@@ -122,10 +124,23 @@ if has amp; then
   stamp "PyTorch AMP peers, TF32 on"
   GLOG_minloglevel=2 timeout "${AMP_S:-400}" python3 benchmarks/bench_gpu.py --bench-dir .gpu_carry/bench \
     --nets "${AMP_NETS:-resnet50_b64,vgg16_b64}" --plans "${AMP_PLANS:-arena,arena/fp16}" \
-    --torch --torch-amp fp16,bf16 \
+    --torch --torch-amp "${AMP_TORCH:-fp16,bf16}" \
     --tf32 on --iters 20 --warmup 5 --timeout 150 \
     --json "$OUT/amp.json" --md "$OUT/amp.md" > "$OUT/amp.log" 2>&1
   echo "rc=$?" >> "$OUT/amp.log"
   tail -n 20 "$OUT/amp.log"
+fi
+if has accuracy; then
+  stamp "digits LeNet trained in each precision, test accuracy against FP32's"
+  timeout "${ACCURACY_S:-300}" python3 benchmarks/precision_accuracy.py --gpu 0 \
+    --precisions "${ACCURACY_PRECISIONS:-fp32,fp16}" --keep "$OUT/accuracy" > "$OUT/accuracy.log" 2>&1
+  echo "rc=$?" >> "$OUT/accuracy.log"
+  cat "$OUT/accuracy.log"
+fi
+if has nvcaffe; then
+  stamp "NVCaffe's FP16 model files, caffeplus time"
+  bash dev/nvcaffe_time.sh .gpu_carry/nvcaffe ${NVCAFFE_MODELS:-resnet50/train_val_fp16.prototxt \
+    bvlc_alexnet/train_val_fp16.prototxt} > "$OUT/nvcaffe.log" 2>&1
+  cat "$OUT/nvcaffe.log"
 fi
 stamp done

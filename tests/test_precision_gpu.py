@@ -174,6 +174,7 @@ def test_float16_training_on_the_gpu_recovers_from_an_overflowing_scale(gpu, cap
     first = [p.data.get().copy() for p in solver.net.learnable_params]
     solver.step(1)
     scaler = solver.loss_scaler
+    assert scaler._unscale is not None     # one kernel for every gradient
     assert scaler.scale == 2 ** 39 and scaler.skipped_steps == 1
     for p, before in zip(solver.net.learnable_params, first):
         numpy.testing.assert_array_equal(p.data.get(), before)      # the step was skipped

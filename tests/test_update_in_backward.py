@@ -394,6 +394,34 @@ def test_emulated_fused_check_sees_a_value_in_any_array(solver_kernels):
     assert run(arrays) == (True, 0)
 
 
+def test_emulated_unscale_divides_every_gradient_and_flags_overflow(solver_kernels):
+    """MultiTensorUnscale (loss scaling's one kernel): every value of every
+    array divided by the scale exactly as NumPy's float32 division; the flag
+    set by an Inf or NaN anywhere and by a division that overflows, the
+    other values divided all the same."""
+    from caffeplus.solver.gpu_kernels import MultiTensorUnscale
+    unscale = MultiTensorUnscale(solver_kernels.kernel('caffeplus_gradient_unscale'))
+    rs = numpy.random.RandomState(4)
+    arrays = [(1e4 * rs.randn(n)).astype(numpy.float32) for n in (1, 700, 33, 4096)]
+
+    def run(arrs, scale):
+        out = [a.copy() for a in arrs]
+        flag = numpy.zeros(1, dtype=numpy.int32)
+        unscale.run(out, scale, flag)
+        return out, int(flag[0])
+    out, flag = run(arrays, 1000.0)
+    assert flag == 0
+    for got, a in zip(out, arrays):
+        numpy.testing.assert_array_equal(got, a / numpy.float32(1000.0))
+    bad = [a.copy() for a in arrays]
+    bad[3][4095] = numpy.inf
+    out, flag = run(bad, 2.0 ** 15)
+    assert flag == 1
+    numpy.testing.assert_array_equal(out[1], arrays[1] / numpy.float32(2.0 ** 15))
+    big = [numpy.full(8, 3e38, dtype=numpy.float32)]
+    assert run(big, 0.5)[1] == 1                    # 6e38 is past float32's range
+
+
 def test_a_filter_call_workspace_never_shares_the_gradient_it_writes():
     """The filter-gradient call's workspace lives half a step before its
     layer's step (liveness.FILTER_FIRST) and that call writes the weight
@@ -483,7 +511,8 @@ def test_gpu_a_relayout_frees_the_old_arena():
 def solver_kernels():
     from conftest import build_emulator
     from caffeplus.solver import gpu_kernels
-    return build_emulator(gpu_kernels._SOURCE + gpu_kernels._CHECK_SOURCE)
+    return build_emulator(gpu_kernels._SOURCE + gpu_kernels._CHECK_SOURCE +
+                          gpu_kernels._UNSCALE_SOURCE)
 
 
 def _tables(arrays):

@@ -63,6 +63,14 @@ def get_array_module(*arrays):
     return numpy
 
 
+def on_device_float32(arrays):
+    """Whether `arrays` are all C-contiguous float32 CuPy arrays, as the
+    solver's one-kernel-for-all-parameters passes need (at least one)."""
+    return bool(arrays) and all(type(a).__module__.startswith('cupy') and
+                                a.dtype == numpy.float32 and a.flags.c_contiguous
+                                for a in arrays)
+
+
 def to_numpy(a):
     if type(a).__module__.startswith('cupy'):
         return a.get()

@@ -127,6 +127,26 @@ extern "C" __global__ void caffeplus_gradient_check(
 }
 '''
 
+# Loss scaling's step (caffeplus.precision.LossScaler): every gradient divided
+# by the loss scale in one pass, `flag` set where a result is not finite (an
+# overflow the adaptive scale answers by skipping the step).
+_UNSCALE_SOURCE = r'''
+extern "C" __global__ void caffeplus_gradient_unscale(
+    const unsigned long long* g_ptr, const long long* offsets, const int n_params,
+    const long long total, const float scale, int* flag)
+{
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+         idx += stride) {
+        const int lo = caffeplus_param_of(offsets, n_params, idx);
+        float* g = reinterpret_cast<float*>(g_ptr[lo]) + (idx - offsets[lo]);
+        const float v = *g / scale;
+        *g = v;
+        if (!isfinite(v)) *flag = 1;
+    }
+}
+'''
+
 _kernel = {}
 
 
@@ -145,6 +165,15 @@ def _get_check_kernel():
         import cupy
         k = _kernel['check'] = cupy.RawKernel(_INDEX_SOURCE + _CHECK_SOURCE,
                                               'caffeplus_gradient_check')
+    return k
+
+
+def _get_unscale_kernel():
+    k = _kernel.get('unscale')
+    if k is None:
+        import cupy
+        k = _kernel['unscale'] = cupy.RawKernel(_INDEX_SOURCE + _UNSCALE_SOURCE,
+                                                'caffeplus_gradient_unscale')
     return k
 
 
@@ -249,10 +278,8 @@ class MultiTensorCheck:
     def _where(a):
         return (a.ctypes.data if isinstance(a, numpy.ndarray) else a.data.ptr), a.size
 
-    def run(self, arrays, guard, flag):
-        """Set `guard` to NaN and `flag` to 1 if a value of `arrays` (float32,
-        C-contiguous) is not finite; both stay as they are otherwise. The
-        tables hold addresses only (rebuilt when an array moves)."""
+    def _prepare(self, arrays):
+        """The pointer and offset tables of `arrays` (rebuilt when one moved)."""
         key = tuple(self._where(a) for a in arrays)
         if key != self.key:
             xp = numpy
@@ -265,4 +292,25 @@ class MultiTensorCheck:
                            xp.asarray(offsets), numpy.int32(len(sizes)),
                            numpy.int64(offsets[-1]))
             self.key = key
-        _launch_check(self.kernel or _get_check_kernel(), *self.tables, guard, flag)
+        return self.tables
+
+    def run(self, arrays, guard, flag):
+        """Set `guard` to NaN and `flag` to 1 if a value of `arrays` (float32,
+        C-contiguous) is not finite; both stay as they are otherwise. The
+        tables hold addresses only (rebuilt when an array moves)."""
+        _launch_check(self.kernel or _get_check_kernel(), *self._prepare(arrays), guard, flag)
+
+
+class MultiTensorUnscale(MultiTensorCheck):
+    """Loss scaling's step over float32 arrays (the weight gradients) in one
+    kernel: each value divided by the scale, `flag` set to 1 where a result
+    is not finite. `kernel`: None for CuPy's, a host emulation in tests."""
+
+    def run(self, arrays, scale, flag):
+        table, offsets, n, total = self._prepare(arrays)
+        if int(total) == 0:
+            return
+        threads = 256
+        blocks = min((int(total) + threads - 1) // threads, 4096)
+        (self.kernel or _get_unscale_kernel())(
+            (blocks,), (threads,), (table, offsets, n, total, numpy.float32(scale), flag))

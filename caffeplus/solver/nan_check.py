@@ -372,11 +372,6 @@ class NanCheck:
         self._guard.fill(0)
         return self._guard
 
-    def _on_device(self, arrays):
-        return bool(arrays) and all(type(a).__module__.split('.')[0] == 'cupy' and
-                                    a.dtype == numpy.float32 and a.flags.c_contiguous
-                                    for a in arrays)
-
     def _run_kernel(self, arrays, guard):
         import cupy
         from caffeplus.solver import gpu_kernels
@@ -391,7 +386,7 @@ class NanCheck:
         the CPU the same verdict, made now. None where neither applies
         (arrays of mixed kinds)."""
         arrays = self._checked_arrays()
-        if self._on_device(arrays):
+        if backend.on_device_float32(arrays):
             guard = self._guard_for(backend.get_array_module(arrays[0]), in_backward)
             self._run_kernel(arrays, guard)
             return guard
@@ -408,7 +403,7 @@ class NanCheck:
         False where that cannot tell (not all CuPy float32 arrays; a value
         not finite): the full check then runs and says what and where."""
         arrays = self._checked_arrays()
-        if not self._on_device(arrays):
+        if not backend.on_device_float32(arrays):
             return False
         guard = self._guard_for(backend.get_array_module(arrays[0]), in_backward)
         self._run_kernel(arrays, guard)
