@@ -167,20 +167,27 @@ def worker_caffeplus(args):
         ones, zeros = [1.0] * len(params), [0.0] * len(params)
         scaler = None
         if 'scaled' in variants:
+            # As the solver runs it: the update skips on the scaler's guard,
+            # read once the update is queued.
             import types
-            scaler = precision.LossScaler(types.SimpleNamespace(net=net, iter=0), net.precision,
+            holder = types.SimpleNamespace(net=net, iter=0, update_guard=None,
+                                           can_guard_update=lambda: True)
+            scaler = precision.LossScaler(holder, net.precision,
                                           precision.ADAPTIVE_INITIAL_SCALE, True, 1000)
 
         def step():
             net.clear_param_diffs()
             net.forward_from_to(start, last)
             net.backward_from_to(last, start)
+            guard = None
             if scaler is not None:
+                holder.update_guard = None
                 scaler.on_gradients_ready()
-                if scaler.skips_update():
-                    return
+                guard = holder.update_guard
             multi.prepare(params, hist, None, ones, zeros)
-            multi.run('SGD', 0.01, 1.0, 0.0, False, 0.9)
+            multi.run('SGD', 0.01, 1.0, 0.0, False, 0.9, guard=guard)
+            if scaler is not None:
+                scaler.settle()
 
     net.forward_prefilled()         # the data layers fill their tops once
     setup_s = time.time() - t0

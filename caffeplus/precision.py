@@ -408,54 +408,76 @@ class LossScaler:
         self._skip = False
 
     _unscale = None
-    _flag = None
+    _guard = None
+    _queued = None      # (guard, iteration): a verdict read once the update is queued
 
     def on_gradients_ready(self):
         params = self.solver.net.learnable_params
         diffs = [p.diff for p in params]
         if backend.on_device_float32(diffs):
-            finite = self._unscale_on_device(diffs)
+            guard = self._unscale_on_device(diffs)
+            if self.adaptive and self.solver.can_guard_update():
+                # The update skips on the guard; settle() reads it after.
+                self.solver.update_guard = guard
+                self._queued = (guard, self.solver.iter)
+                return
+            finite = not self.adaptive or float(guard) != numpy.inf
         else:
             scale = numpy.float32(self.scale)
             if scale != 1:
                 for p in params:
                     p.diff /= scale
             finite = not self.adaptive or all(bool(numpy.isfinite(p.diff).all()) for p in params)
+        if self._adapt(finite, self.solver.iter):
+            self._skip = True
+            for p in params:
+                p.diff[...] = 0         # nothing of the step reaches the weights
+
+    def settle(self):
+        """After the update is queued: read a queued verdict (one read, where
+        the solver reads the loss anyway) and move the scale. An overflow
+        already skipped the update on the device."""
+        queued, self._queued = self._queued, None
+        if queued is not None:
+            guard, iteration = queued
+            self._adapt(float(guard) != numpy.inf, iteration)
+
+    def _adapt(self, finite, iteration):
+        """The adaptive scale's move after a step; True when the step is to
+        be skipped (its gradients overflowed)."""
         if not self.adaptive:
-            return
+            return False
         if finite:
             self.good_steps += 1
             if self.good_steps >= self.window:
                 self.good_steps = 0
                 self.net_precision.scale = self.scale * SCALE_FACTOR
                 log.info('Iteration %d, global_grad_scale raised to %g after %d steps '
-                         'without overflow', self.solver.iter, self.scale, self.window)
-            return
+                         'without overflow', iteration, self.scale, self.window)
+            return False
         if self.scale <= MIN_SCALE:
-            return          # not scaling's doing: the NaN check reports it
+            return False        # not scaling's doing: the NaN check reports it
         self.good_steps = 0
         self.skipped_steps += 1
-        self._skip = True
-        for p in params:
-            p.diff[...] = 0         # nothing of the step reaches the weights
         self.net_precision.scale = max(self.scale / SCALE_FACTOR, MIN_SCALE)
         log.info('Iteration %d, gradient overflow in FLOAT16: step skipped, '
-                 'global_grad_scale lowered to %g', self.solver.iter, self.scale)
+                 'global_grad_scale lowered to %g', iteration, self.scale)
+        return True
 
     def _unscale_on_device(self, diffs):
-        """Every gradient divided by the scale in one kernel; whether all
-        stayed finite, read back once (only when adaptive: a static scale
-        reads nothing)."""
+        """Every gradient divided by the scale in one kernel; returns the
+        device guard, +inf where a result was not finite. Above the lowest
+        scale such values become 0, so the NaN check (after this) sees the
+        overflow as the scale's; at the lowest it sees them and reports."""
         import cupy
         from caffeplus.solver import gpu_kernels
         if self._unscale is None:
             self._unscale = gpu_kernels.MultiTensorUnscale()
-            self._flag = cupy.zeros(1, dtype=numpy.int32)
-        if self.scale == 1 and not self.adaptive:
-            return True
-        self._flag.fill(0)
-        self._unscale.run(diffs, self.scale, self._flag)
-        return not self.adaptive or not int(self._flag[0])
+            self._guard = cupy.zeros((), dtype=numpy.float64)
+        self._guard.fill(0)
+        self._unscale.run(diffs, self.scale, self._guard,
+                          zero_bad=self.adaptive and self.scale > MIN_SCALE)
+        return self._guard
 
     def skips_update(self):
         """Whether this iteration's update is skipped (its gradients overflowed)."""

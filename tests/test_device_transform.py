@@ -70,6 +70,22 @@ def test_emulated_kernel_against_a_float64_formula(emulated_kernels):
                     assert got[b, k, i, j] == pytest.approx(want, rel=1e-6, abs=1e-5)
 
 
+@pytest.mark.parametrize('dtype', ['uint8', 'float32'])
+def test_emulated_float16_output_is_the_float32_value_rounded_once(dtype):
+    """A FLOAT16 net's data top: the kernel's 16-bit build (g++'s _Float16
+    standing in for __half) stores the float32 result rounded to nearest."""
+    kernel = build_emulator(device_transform.kernel_source(
+        dtype, numpy.float16, half='_Float16')).kernel('transform_batch')
+    rng = numpy.random.default_rng(5)
+    n, c, h, w = 3, 3, 9, 11
+    raw = _raw(rng, dtype, (n, c, h, w))
+    plan = _plan(rng, n, c, h, w, 7, 'values', 0.0125, True)
+    want = batch_transform.apply_plan(numpy, raw, plan).astype(numpy.float16)
+    got = numpy.full(want.shape, numpy.nan, numpy.float16)
+    device_transform.launch(kernel, numpy, raw, plan, got)
+    assert got.tobytes() == want.tobytes()
+
+
 def test_launch_refuses_what_does_not_fit():
     rng = numpy.random.default_rng(0)
     raw = _raw(rng, 'uint8', (2, 3, 8, 8))
@@ -90,6 +106,19 @@ def test_gpu_kernel_matches_the_host_transform(dtype, crop, mean_kind, scale, mi
     plan = _plan(rng, n, c, h, w, crop and crop * 4, mean_kind, scale, mirror)
     want = batch_transform.apply_plan(numpy, raw, plan)
     out = cupy.full(want.shape, cupy.nan, dtype=cupy.float32)
+    device_transform.apply_plan_device(cupy.asarray(raw), plan, out)
+    assert cupy.asnumpy(out).tobytes() == want.tobytes()
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_writes_float16_tops():
+    import cupy
+    rng = numpy.random.default_rng(12)
+    n, c, h, w = 8, 3, 20, 18
+    raw = _raw(rng, 'uint8', (n, c, h, w))
+    plan = _plan(rng, n, c, h, w, 16, 'image', 0.00390625, True)
+    want = batch_transform.apply_plan(numpy, raw, plan).astype(numpy.float16)
+    out = cupy.full(want.shape, cupy.nan, dtype=cupy.float16)
     device_transform.apply_plan_device(cupy.asarray(raw), plan, out)
     assert cupy.asnumpy(out).tobytes() == want.tobytes()
 

@@ -396,30 +396,35 @@ def test_emulated_fused_check_sees_a_value_in_any_array(solver_kernels):
 
 def test_emulated_unscale_divides_every_gradient_and_flags_overflow(solver_kernels):
     """MultiTensorUnscale (loss scaling's one kernel): every value of every
-    array divided by the scale exactly as NumPy's float32 division; the flag
-    set by an Inf or NaN anywhere and by a division that overflows, the
-    other values divided all the same."""
+    array divided by the scale exactly as NumPy's float32 division; an Inf or
+    NaN anywhere, or a division that overflows, sets the guard to +inf (not
+    the NaN check's NaN) and, with zero_bad, is stored as 0, the other values
+    divided all the same."""
     from caffeplus.solver.gpu_kernels import MultiTensorUnscale
     unscale = MultiTensorUnscale(solver_kernels.kernel('caffeplus_gradient_unscale'))
     rs = numpy.random.RandomState(4)
     arrays = [(1e4 * rs.randn(n)).astype(numpy.float32) for n in (1, 700, 33, 4096)]
 
-    def run(arrs, scale):
+    def run(arrs, scale, zero_bad=True):
         out = [a.copy() for a in arrs]
-        flag = numpy.zeros(1, dtype=numpy.int32)
-        unscale.run(out, scale, flag)
-        return out, int(flag[0])
-    out, flag = run(arrays, 1000.0)
-    assert flag == 0
+        guard = numpy.zeros(1, dtype=numpy.float64)
+        unscale.run(out, scale, guard, zero_bad)
+        return out, guard[0]
+    out, guard = run(arrays, 1000.0)
+    assert guard == 0
     for got, a in zip(out, arrays):
         numpy.testing.assert_array_equal(got, a / numpy.float32(1000.0))
     bad = [a.copy() for a in arrays]
     bad[3][4095] = numpy.inf
-    out, flag = run(bad, 2.0 ** 15)
-    assert flag == 1
+    bad[0][0] = numpy.nan
+    out, guard = run(bad, 2.0 ** 15)
+    assert guard == numpy.inf
+    assert out[3][4095] == 0 and out[0][0] == 0
     numpy.testing.assert_array_equal(out[1], arrays[1] / numpy.float32(2.0 ** 15))
+    out, guard = run(bad, 2.0 ** 15, zero_bad=False)
+    assert guard == numpy.inf and out[3][4095] == numpy.inf and numpy.isnan(out[0][0])
     big = [numpy.full(8, 3e38, dtype=numpy.float32)]
-    assert run(big, 0.5)[1] == 1                    # 6e38 is past float32's range
+    assert run(big, 0.5)[1] == numpy.inf            # 6e38 is past float32's range
 
 
 def test_a_filter_call_workspace_never_shares_the_gradient_it_writes():

@@ -1,4 +1,5 @@
-"""A data layer's batch transformed on the GPU: raw pixels in, float32 out.
+"""A data layer's batch transformed on the GPU: raw pixels in, float32 out
+(float16 for a FLOAT16 net's data top: the value computed in float32, rounded once).
 
 The host sends the batch as it was stored or decoded (uint8, a quarter of
 the float32 bytes) and the plan's per-image decisions; one kernel then
@@ -22,7 +23,7 @@ _SOURCE = r'''
 extern "C" __global__ void transform_batch(
     const {T}* raw, const long long* h_off, const long long* w_off,
     const unsigned char* mirror, const float* mean, const float* mean_values,
-    float scale, int apply_scale, float* out,
+    float scale, int apply_scale, {O}* out,
     int n, int c, int h, int w, int ch, int cw)
 {{
     long long total = (long long)n * c * ch * cw;
@@ -38,7 +39,7 @@ extern "C" __global__ void transform_batch(
         if (mean) v = v - mean[((long long)k * h + y) * w + x];
         else if (mean_values) v = v - mean_values[k];
         if (apply_scale) v = v * scale;
-        out[idx] = v;
+        out[idx] = ({O})v;
     }}
 }}
 '''
@@ -47,12 +48,22 @@ _TYPES = {numpy.dtype(numpy.uint8): 'unsigned char', numpy.dtype(numpy.float32):
 _kernels = {}
 
 
-def kernel_source(dtype):
-    """The transform kernel's CUDA source for pixels of `dtype`."""
-    dtype = numpy.dtype(dtype)
+_OUT_TYPES = (numpy.dtype(numpy.float32), numpy.dtype(numpy.float16))
+
+
+def kernel_source(dtype, out_dtype=numpy.float32, half='__half'):
+    """The transform kernel's CUDA source for pixels of `dtype`, written as
+    `out_dtype` (float32, or float16 as `half`: CUDA's __half, or a host
+    stand-in for the emulator)."""
+    dtype, out_dtype = numpy.dtype(dtype), numpy.dtype(out_dtype)
     if dtype not in _TYPES:
         raise ValueError('the device transform takes uint8 or float32 pixels, not %s' % dtype)
-    return _SOURCE.format(T=_TYPES[dtype])
+    if out_dtype not in _OUT_TYPES:
+        raise ValueError('the device transform writes float32 or float16, not %s' % out_dtype)
+    if out_dtype == numpy.float32:
+        return _SOURCE.format(T=_TYPES[dtype], O='float')
+    include = '#include <cuda_fp16.h>\n' if half == '__half' else ''
+    return include + _SOURCE.format(T=_TYPES[dtype], O=half)
 
 
 def launch(kernel, xp, raw, plan, out, null=None):
@@ -62,8 +73,8 @@ def launch(kernel, xp, raw, plan, out, null=None):
     check_plan(raw, plan)
     n, c, h, w = (int(s) for s in raw.shape)
     shape = (n, c, plan.crop_h, plan.crop_w)
-    if tuple(out.shape) != shape or out.dtype != numpy.float32:
-        raise ValueError('out is %s %s, the batch transforms to float32 %s'
+    if tuple(out.shape) != shape or out.dtype not in _OUT_TYPES:
+        raise ValueError('out is %s %s, the batch transforms to float32 or float16 %s'
                          % (out.dtype, tuple(out.shape), shape))
     if not raw.flags.c_contiguous or not out.flags.c_contiguous:
         raise ValueError('the device transform needs C-contiguous arrays')
@@ -91,12 +102,12 @@ THREADS = 256
 MAX_BLOCKS = 4096
 
 
-def _kernel(cupy, dtype):
-    dtype = numpy.dtype(dtype)
-    if dtype not in _kernels:
-        module = cupy.RawModule(code=kernel_source(dtype), options=('--fmad=false',))
-        _kernels[dtype] = module.get_function('transform_batch')
-    return _kernels[dtype]
+def _kernel(cupy, dtype, out_dtype=numpy.float32):
+    key = (numpy.dtype(dtype), numpy.dtype(out_dtype))
+    if key not in _kernels:
+        module = cupy.RawModule(code=kernel_source(*key), options=('--fmad=false',))
+        _kernels[key] = module.get_function('transform_batch')
+    return _kernels[key]
 
 
 def _null(cupy):
@@ -111,7 +122,7 @@ def apply_plan_device(raw, plan, out, stream=None):
     import cupy
     stream = stream or cupy.cuda.get_current_stream()
     with stream:
-        return launch(_kernel(cupy, raw.dtype), cupy, raw, plan, out, _null(cupy))
+        return launch(_kernel(cupy, raw.dtype, out.dtype), cupy, raw, plan, out, _null(cupy))
 
 
 class DeviceFeeder:

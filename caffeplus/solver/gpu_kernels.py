@@ -128,21 +128,27 @@ extern "C" __global__ void caffeplus_gradient_check(
 '''
 
 # Loss scaling's step (caffeplus.precision.LossScaler): every gradient divided
-# by the loss scale in one pass, `flag` set where a result is not finite (an
-# overflow the adaptive scale answers by skipping the step).
+# by the loss scale in one pass. A result that is not finite (an overflow the
+# adaptive scale answers by skipping the step) sets the guard to +inf, which
+# the update kernel skips on and the NaN check tells from its own NaN; with
+# `zero_bad` the value is stored as 0, so the NaN check sees only finite
+# gradients (the scale, not the net, is at fault).
 _UNSCALE_SOURCE = r'''
 extern "C" __global__ void caffeplus_gradient_unscale(
     const unsigned long long* g_ptr, const long long* offsets, const int n_params,
-    const long long total, const float scale, int* flag)
+    const long long total, const float scale, const int zero_bad, double* guard)
 {
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += stride) {
         const int lo = caffeplus_param_of(offsets, n_params, idx);
         float* g = reinterpret_cast<float*>(g_ptr[lo]) + (idx - offsets[lo]);
-        const float v = *g / scale;
+        float v = *g / scale;
+        if (!isfinite(v)) {
+            *guard = __longlong_as_double(0x7ff0000000000000LL);
+            if (zero_bad) v = 0.0f;
+        }
         *g = v;
-        if (!isfinite(v)) *flag = 1;
     }
 }
 '''
@@ -303,14 +309,16 @@ class MultiTensorCheck:
 
 class MultiTensorUnscale(MultiTensorCheck):
     """Loss scaling's step over float32 arrays (the weight gradients) in one
-    kernel: each value divided by the scale, `flag` set to 1 where a result
-    is not finite. `kernel`: None for CuPy's, a host emulation in tests."""
+    kernel: each value divided by the scale; where a result is not finite
+    the float64 `guard` becomes +inf (and the value 0 with `zero_bad`).
+    `kernel`: None for CuPy's, a host emulation in tests."""
 
-    def run(self, arrays, scale, flag):
+    def run(self, arrays, scale, guard, zero_bad=True):
         table, offsets, n, total = self._prepare(arrays)
         if int(total) == 0:
             return
         threads = 256
         blocks = min((int(total) + threads - 1) // threads, 4096)
         (self.kernel or _get_unscale_kernel())(
-            (blocks,), (threads,), (table, offsets, n, total, numpy.float32(scale), flag))
+            (blocks,), (threads,), (table, offsets, n, total, numpy.float32(scale),
+                                    numpy.int32(bool(zero_bad)), guard))

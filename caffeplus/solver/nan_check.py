@@ -86,6 +86,13 @@ def _all_finite(arrays):
     return True
 
 
+def _reported(guard_value):
+    """Whether a guard's value is the check's verdict that something is not
+    finite (NaN). +inf is a loss scaler's overflow (caffeplus.precision): the
+    update skipped and the scale lowered, nothing to report."""
+    return numpy.isnan(guard_value)
+
+
 def _kind(arr):
     a = backend.to_numpy(arr)
     if numpy.isnan(a).any():
@@ -331,7 +338,7 @@ class NanCheck:
         """The queued verdict, if it skipped the update (the solver's
         iteration count and learning-rate step put back); else None."""
         queued, self._queued = self._queued, None
-        if queued is None or numpy.isfinite(float(queued[0])):
+        if queued is None or not _reported(float(queued[0])):
             return None
         self.solver.iter = iteration
         if queued[2] is not None:
@@ -367,6 +374,9 @@ class NanCheck:
         (cleared)."""
         if in_backward is not None and in_backward.guard is not None:
             return in_backward.guard
+        shared = self.solver.update_guard
+        if shared is not None and backend.get_array_module(shared) is xp:
+            return shared       # a loss scaler's, set this iteration: +inf on its overflow
         if self._guard is None or backend.get_array_module(self._guard) is not xp:
             self._guard = xp.zeros((), dtype=numpy.float64)
         self._guard.fill(0)
@@ -407,7 +417,7 @@ class NanCheck:
             return False
         guard = self._guard_for(backend.get_array_module(arrays[0]), in_backward)
         self._run_kernel(arrays, guard)
-        return bool(numpy.isfinite(float(guard)))
+        return not _reported(float(guard))
 
 
 def installed_mode(solver):

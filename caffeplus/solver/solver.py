@@ -411,6 +411,8 @@ class Solver:
                 self.iter += 1      # its 16-bit gradients overflowed: the weights stay
             else:
                 self.apply_update()
+            if scaler is not None:
+                scaler.settle()
             self.update_guard = None
             if self.guarded_update:
                 loss = self._read_guarded_iteration(losses, iteration)
