@@ -17,7 +17,7 @@
 # Prefer running it through dev/gpu_snapshot.sh (the committed tree only).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
 # (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
-# env: STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp,accuracy,nvcaffe), AMP_TORCH, TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
+# env: MEMORY_PRECISION, STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp,accuracy,nvcaffe), AMP_TORCH, TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
 #      MEMORY_ITERS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S
 set -u
 OUT=${OUT:-/tmp/gpu_out}
@@ -57,6 +57,7 @@ if has memory; then
     stamp "memory $n"
     GLOG_minloglevel=2 timeout "${MEMORY_S:-280}" python3 -m caffeplus memory -model .gpu_carry/bench/$n.prototxt \
       -gpu 0 --plans ${MEMORY_PLANS:-stock,arena,shared,offload} --offload ${MEMORY_OFFLOAD:-conv} \
+      ${MEMORY_PRECISION:+--precision $MEMORY_PRECISION} \
       --iterations ${MEMORY_ITERS:-3} --json > "$OUT/memory_$n.json" 2> "$OUT/memory_$n.err"
     echo "rc=$?" >> "$OUT/memory_$n.err"
     python3 dev/memory_summary.py "$OUT/memory_$n.json"

@@ -102,6 +102,7 @@ numbers; adjust RUNTIME_BYTES, HANDLE_BYTES, the candidate sizes and the
 internal-buffer table until the estimates are within 5%.
 """
 import collections
+import numpy
 
 from caffeplus.memory import caffe1, calibration, cublas_pool, thread_stack
 from caffeplus.memory.fixed_cost import RUNTIME_BYTES  # measured (see "Fixed cost" above)
@@ -434,8 +435,28 @@ def internals(net, plan_name=None):
 
 def other_bytes(net, plan_name):
     """The estimate's "other": the runtime's fixed cost, stock's per-layer
-    handles, and the layers' internal buffers (for stock, Caffe 1.0's)."""
-    return runtime_bytes(plan_name) + handle_bytes(net, plan_name) + internals(net, plan_name)
+    handles, and the layers' internal buffers (for stock, Caffe 1.0's) with
+    their 16-bit weight copies."""
+    return runtime_bytes(plan_name) + handle_bytes(net, plan_name) + \
+        internals(net, plan_name) + weight_copy_bytes(net)
+
+
+_WEIGHTED = ('Convolution', 'Deconvolution', 'InnerProduct')
+
+
+def weight_copy_bytes(net):
+    """The 16-bit copies of their FP32 weights and bias that Convolution,
+    Deconvolution and InnerProduct layers keep on the GPU, from call to call,
+    where their input map is stored in 16 bits (caffeplus.precision)."""
+    total = 0
+    for i, layer in enumerate(net.layers):
+        bottom = net.bottom_vecs[i]
+        if layer.layer_param.type not in _WEIGHTED or not bottom:
+            continue
+        itemsize = numpy.dtype(bottom[0].data_storage.dtype).itemsize
+        if itemsize < FLOAT_BYTES:
+            total += itemsize * sum(b.count for b in layer.blobs[:2])
+    return total
 
 
 def runtime_bytes(plan_name):
