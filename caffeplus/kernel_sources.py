@@ -7,7 +7,8 @@ channel, im2col and the convolution bias's channel sums."""
 COMMON = r'''
 #define CP_FULL_MASK 0xffffffffu
 /* The type of the maps (tops and their gradients) the CORE kernels marked
-   CP_A read and write: float, or __half for the 16-bit build (float math,
+   CP_A read and write (and the BatchNorm split kernels of EXTRA): float, or
+   __half for the 16-bit build (float math,
    values rounded to nearest on store). */
 #ifndef CP_A
 #define CP_A float
@@ -724,7 +725,7 @@ __device__ __forceinline__ void cp_share(unsigned M, unsigned p, unsigned P,
 /* part[2 (c P + p)] = sum(x - K), part[2 (c P + p) + 1] = sum((x - K)^2),
    K = kv[c] = x[c S] (the channel's first value, kept for the second launch:
    in place it is overwritten there). */
-extern "C" __global__ void cp_bn_stats_part(const float* x, double* part, float* kv,
+extern "C" __global__ void cp_bn_stats_part(const CP_A* x, double* part, float* kv,
     const unsigned N, const unsigned C, const unsigned S, const unsigned P)
 {
     __shared__ double sh[66];
@@ -732,7 +733,7 @@ extern "C" __global__ void cp_bn_stats_part(const float* x, double* part, float*
     const unsigned M = N * S, base = c * S, step = C * S;
     unsigned lo, hi;
     cp_share(M, p, P, &lo, &hi);
-    const double K = (double)x[base];
+    const double K = (double)(float)x[base];
     double a = 0.0, b = 0.0;
     float v[CP_U];
     CP_RANGE_LOOP(lo, hi, S, base, step,
@@ -748,7 +749,7 @@ extern "C" __global__ void cp_bn_stats_part(const float* x, double* part, float*
 
 /* cp_bn_fwd's second half for block (c, p); flags as cp_bn_fwd's. */
 extern "C" __global__ void cp_bn_fwd_apply(
-    const float* x, float* y, float* xn, float* b0, float* b1, float* b2, float* stdv,
+    const CP_A* x, CP_A* y, float* xn, float* b0, float* b1, float* b2, float* stdv,
     const float* sc, const float* bi, const double* part, const float* kv,
     const unsigned N, const unsigned C, const unsigned S, const unsigned P, const int flags,
     const float maf, const float eps, const float corr)
@@ -801,7 +802,7 @@ extern "C" __global__ void cp_bn_fwd_apply(
 
 /* part[2 (c P + p)] = sum(g * xn), [.. + 1] = sum(g) over block (c, p)'s
    share, g = dy masked by the chain's ReLU (flags as cp_bn_bwd's). */
-extern "C" __global__ void cp_bn_bwd_part(const float* dy, const float* xn,
+extern "C" __global__ void cp_bn_bwd_part(const CP_A* dy, const float* xn,
     const float* sc, const float* bi, double* part,
     const unsigned N, const unsigned C, const unsigned S, const unsigned P, const int flags)
 {
@@ -830,7 +831,7 @@ extern "C" __global__ void cp_bn_bwd_part(const float* dy, const float* xn,
 
 /* cp_bn_bwd's second half for block (c, p). */
 extern "C" __global__ void cp_bn_bwd_apply(
-    const float* dy, const float* xn, const float* stdv, float* dx,
+    const CP_A* dy, const float* xn, const float* stdv, CP_A* dx,
     const float* sc, const float* bi, float* dsc, float* dbi, const double* part,
     const unsigned N, const unsigned C, const unsigned S, const unsigned P, const int flags)
 {

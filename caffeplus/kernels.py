@@ -43,12 +43,14 @@ from caffeplus.kernel_sources import COMMON, CORE, EXTRA
 
 # The modules compiled on the device (one failing to build leaves the other);
 # the emulator builds them together.
-# 'core16': the CORE kernels again with __half maps (CP_A), for the maps of
-# FLOAT16 nets; MAP_KERNELS take them (their other pointers stay float32).
+# 'core16' and 'extra16': the kernels again with __half maps (CP_A), for the
+# maps of FLOAT16 nets; MAP_KERNELS take them (their other pointers stay float32).
 _HALF = '#include <cuda_fp16.h>\n#define CP_A __half\n'
-SOURCES = {'core': COMMON + CORE, 'extra': COMMON + EXTRA, 'core16': _HALF + COMMON + CORE}
+SOURCES = {'core': COMMON + CORE, 'extra': COMMON + EXTRA, 'core16': _HALF + COMMON + CORE,
+           'extra16': _HALF + COMMON + EXTRA}
 MAP_KERNELS = frozenset(('cp_bn_fwd', 'cp_bn_bwd', 'cp_relu_fwd', 'cp_relu_bwd', 'cp_axpby',
-                         'cp_scale2'))
+                         'cp_scale2', 'cp_bn_stats_part', 'cp_bn_fwd_apply', 'cp_bn_bwd_part',
+                         'cp_bn_bwd_apply'))
 _F16 = numpy.dtype(numpy.float16)
 SOURCE = COMMON + CORE + EXTRA
 
@@ -224,7 +226,7 @@ def kernel(name, dtype=None):
         if half:
             if emu is not None or name not in MAP_KERNELS:
                 raise TypeError('no 16-bit build of kernel %s here' % name)
-            k = _module('core16').get_function(name)
+            k = _module(_group(name) + '16').get_function(name)
         else:
             k = emu.kernel(name) if emu is not None else _module(_group(name)).get_function(name)
         _state['kernels'][key] = k

@@ -338,7 +338,7 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         xn = xn if xn is not None else (self._std_buf if half else y)
         sc = sc if sc is not None else b0
         bi = bi if bi is not None else b0
-        split = None if half else self._split_kernels(('cp_bn_stats_part', 'cp_bn_fwd_apply'))
+        split = self._split_kernels(('cp_bn_stats_part', 'cp_bn_fwd_apply'), dtype)
         if split is not None:
             kp, ka, P, part, kv, block = split
             if batch:
@@ -353,22 +353,24 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
             K.u32(n), K.u32(c), K.u32(s), K.i32(flags), self.maf, self.eps, F32(corr)))
         return True
 
-    _split_ok = True
+    _split_failed = frozenset()     # map types whose split kernels did not build
     _split_bufs = None
 
-    def _split_kernels(self, names):
+    def _split_kernels(self, names, dtype):
         """(kernel, kernel, P, partial sums, K values, block) to run this layer
-        over P blocks per channel; None for one block per channel."""
+        over P blocks per channel, on maps of `dtype`; None for one block per
+        channel."""
         K = _kernels
         n, c, s = self._cfg
         P = K.blocks_per_channel(c, n * s)
-        if P <= 1 or not GPUBatchNormLayer._split_ok:
+        dtype = numpy.dtype(dtype)
+        if P <= 1 or dtype in GPUBatchNormLayer._split_failed:
             return None
         try:
-            ks = [K.kernel(name) for name in names]
+            ks = [K.kernel(name, dtype) for name in names]
         except Exception as exc:        # the extra module: keep the one-block kernels
-            GPUBatchNormLayer._split_ok = False
-            K.note_failure('BatchNorm split kernels', exc)
+            GPUBatchNormLayer._split_failed |= {dtype}
+            K.note_failure('BatchNorm split kernels (%s maps)' % dtype, exc)
             return None
         b = self._split_bufs
         if b is None or b[0].size < 2 * c * P or not K.is_device(b[0]):
@@ -385,10 +387,7 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
             # the std buffer.
             xn, sc, bi, dsc, dbi = (a if a.dtype == numpy.float32 else std
                                     for a in (xn, sc, bi, dsc, dbi))
-            K.kernel('cp_bn_bwd', dtype)((c,), (K.channel_block(n * s),), (
-                dy, xn, std, dx, sc, bi, dsc, dbi, K.u32(n), K.u32(c), K.u32(s), K.i32(flags)))
-            return
-        split = self._split_kernels(('cp_bn_bwd_part', 'cp_bn_bwd_apply'))
+        split = self._split_kernels(('cp_bn_bwd_part', 'cp_bn_bwd_apply'), dtype)
         if split is not None:
             kp, ka, P, part, _, block = split
             args = (K.u32(n), K.u32(c), K.u32(s), K.u32(P), K.i32(flags))
@@ -396,7 +395,7 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
                 kp((c * P,), block, (dy, xn, sc, bi, part) + args)
             ka((c * P,), block, (dy, xn, std, dx, sc, bi, dsc, dbi, part) + args)
             return
-        K.kernel('cp_bn_bwd')((c,), (K.channel_block(n * s),), (
+        K.kernel('cp_bn_bwd', dtype)((c,), (K.channel_block(n * s),), (
             dy, xn, std, dx, sc, bi, dsc, dbi, K.u32(n), K.u32(c), K.u32(s), K.i32(flags)))
 
     def _fast_forward(self, bottom, top):

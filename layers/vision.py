@@ -23,6 +23,12 @@ from caffeplus.memory import scratch as kept_buffers
 from caffeplus.proto import caffe_pb2
 
 FLT_MAX = float(numpy.finfo(numpy.float32).max)
+
+
+def _no_cell(dtype):
+    """Caffe's -FLT_MAX as an output of `dtype`: in 16 bits it rounds to
+    -inf (written as such, without NumPy's overflow warning)."""
+    return -numpy.inf if numpy.dtype(dtype).itemsize < 4 else -FLT_MAX
 FLT_MIN = float(numpy.finfo(numpy.float32).tiny)
 
 PoolMethod = caffe_pb2.PoolingParameter
@@ -454,12 +460,12 @@ def _max_pool_forward(x, geom, y, arg):
             a = flat.argmax(axis=2)
             v = xp.take_along_axis(flat, a[..., None], axis=2)[..., 0]
             ok = v > -FLT_MAX
-            y[..., 0, 0] = xp.where(ok, v, FLOAT(-FLT_MAX))
+            y[..., 0, 0] = xp.where(ok, v, y.dtype.type(_no_cell(y.dtype)))
             arg[..., 0, 0] = xp.where(ok, a, -1)
             return y, arg
     win = _Windows(x.shape, geom, out_hw)
     src = win.source(x, -numpy.inf)
-    y.fill(-FLT_MAX)
+    y.fill(_no_cell(y.dtype))
     arg.fill(0)
     better = xp.empty(y.shape, dtype=bool)
     mark = xp.empty(y.shape, dtype=arg.dtype)

@@ -8,7 +8,7 @@ import numpy
 import pytest
 
 from caffeplus import kernels
-from caffeplus.kernel_sources import COMMON, CORE
+from caffeplus.kernel_sources import COMMON, CORE, EXTRA
 from conftest import build_emulator
 
 F16, F32 = numpy.float16, numpy.float32
@@ -17,6 +17,12 @@ F16, F32 = numpy.float16, numpy.float32
 @pytest.fixture(scope='module')
 def half():
     return build_emulator('#define CP_A _Float16\n' + COMMON + CORE)
+
+
+@pytest.fixture(scope='module')
+def half_extra():
+    """EXTRA's 16-bit build: its BatchNorm kernels over several blocks a channel."""
+    return build_emulator('#define CP_A _Float16\n' + COMMON + EXTRA)
 
 
 def _maps(r, *shape, scale=1.0):
@@ -115,3 +121,56 @@ def test_batchnorm_chain_forward_and_backward(half):
     numpy.testing.assert_allclose(dx.astype(numpy.float64), want, rtol=2 ** -10,
                                   atol=2e-3 * numpy.abs(want).max())
 
+
+
+def test_batchnorm_split_kernels_on_16_bit_maps(half, half_extra):
+    """The kernels that share a channel among P blocks (a big map, few
+    channels: ResNet's first BatchNorm) read and write 16-bit maps, with the
+    one-block kernel's statistics and its results to FLOAT16's rounding."""
+    r = numpy.random.RandomState(9)
+    n, c, s, P = 3, 2, 70, 3
+    x = _maps(r, n, c, s, scale=1500)
+    sc = numpy.array([1.25, -0.75], F32)
+    bi = numpy.array([0.5, -0.25], F32)
+    flags = kernels.BN_BATCH | kernels.BN_KEEP | kernels.BN_SCALE | kernels.BN_BIAS | \
+        kernels.BN_RELU
+    y1, xn1, std1, stats1 = _bn_forward(half, x, flags, sc, bi)
+    y = numpy.empty_like(x)
+    xn = numpy.empty(x.shape, F32)
+    b0, b1, b2, std = (numpy.zeros(c, F32), numpy.zeros(c, F32), numpy.zeros(1, F32),
+                       numpy.zeros(c, F32))
+    part, kv = numpy.zeros(2 * c * P, numpy.float64), numpy.zeros(c, F32)
+    m = n * s
+    dims = (numpy.uint32(n), numpy.uint32(c), numpy.uint32(s), numpy.uint32(P))
+    half_extra.kernel('cp_bn_stats_part')((c * P,), (64,), (x, part, kv) + dims)
+    half_extra.kernel('cp_bn_fwd_apply')((c * P,), (64,), (
+        x, y, xn, b0, b1, b2, std, sc, bi, part, kv) + dims + (
+        numpy.int32(flags), F32(0.9), F32(1e-5), F32(m / (m - 1))))
+    x64 = x.astype(numpy.float64)
+    mean, var = x64.mean(axis=(0, 2)), x64.var(axis=(0, 2))
+    numpy.testing.assert_allclose(b0, mean, rtol=1e-6)
+    numpy.testing.assert_allclose(std, numpy.sqrt(var + 1e-5), rtol=1e-6)
+    numpy.testing.assert_allclose(xn, xn1, rtol=1e-5, atol=1e-6)
+    assert y.dtype == F16
+    numpy.testing.assert_allclose(y.astype(F32), y1.astype(F32), rtol=2 ** -10, atol=2 ** -14)
+
+    dy = _maps(r, n, c, s)
+    bflags = kernels.BN_BATCH | kernels.BN_SCALE | kernels.BN_BIAS | kernels.BN_RELU | \
+        kernels.BN_DSCALE | kernels.BN_DBIAS | kernels.BN_DX
+    dx1 = numpy.empty_like(dy)
+    d1 = numpy.zeros(c, F32), numpy.zeros(c, F32)
+    half.kernel('cp_bn_bwd')((c,), (64,), (
+        dy, xn, std, dx1, sc, bi, d1[0], d1[1], numpy.uint32(n), numpy.uint32(c),
+        numpy.uint32(s), numpy.int32(bflags)))
+    dx = numpy.empty_like(dy)
+    dsc, dbi = numpy.zeros(c, F32), numpy.zeros(c, F32)
+    part[...] = 0
+    half_extra.kernel('cp_bn_bwd_part')((c * P,), (64,), (dy, xn, sc, bi, part) + dims +
+                                        (numpy.int32(bflags),))
+    half_extra.kernel('cp_bn_bwd_apply')((c * P,), (64,), (
+        dy, xn, std, dx, sc, bi, dsc, dbi, part) + dims + (numpy.int32(bflags),))
+    assert dx.dtype == F16
+    numpy.testing.assert_allclose(dsc, d1[0], rtol=1e-5, atol=1e-5)
+    numpy.testing.assert_allclose(dbi, d1[1], rtol=1e-5, atol=1e-5)
+    numpy.testing.assert_allclose(dx.astype(F32), dx1.astype(F32), rtol=2 ** -10,
+                                  atol=2 ** -14 * numpy.abs(dx1.astype(F32)).max())

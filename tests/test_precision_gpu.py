@@ -214,18 +214,29 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 """
 
 
-def test_a_float16_residual_block_follows_fp32(gpu):
+# (4, 4, 8, 8): BatchNorm's one-block-per-channel kernels; (8, 4, 48, 48):
+# 18,432 values a channel, shared among blocks (its split kernels), whose
+# smaller gradients a value need a larger loss scale.
+@pytest.mark.parametrize('shape,loss_weight', [((4, 4, 8, 8), 64), ((8, 4, 48, 48), 1024)])
+def test_a_float16_residual_block_follows_fp32(gpu, shape, loss_weight):
+    from caffeplus import kernels
+    split = kernels.blocks_per_channel(shape[1], shape[0] * shape[2] * shape[3]) > 1
+    assert split == (shape[2] > 8)
     nets = {}
+    text = RESIDUAL.replace('shape { dim: 4 dim: 4 dim: 8 dim: 8 } shape { dim: 4 }',
+                            'shape { dim: %d dim: %d dim: %d dim: %d } shape { dim: %d }'
+                            % (shape + (shape[0],))).replace('loss_weight: 64',
+                                                             'loss_weight: %d' % loss_weight)
     for name in ('fp32', 'fp16'):
-        param = text_format.Parse(RESIDUAL, caffe_pb2.NetParameter())
+        param = text_format.Parse(text, caffe_pb2.NetParameter())
         with precision.setting(name):
             nets[name] = caffeplus.Net(param, caffe_pb2.TRAIN)
     weights = [p.data.get().copy() for p in nets['fp32'].learnable_params]
     for p, w in zip(nets['fp16'].learnable_params, weights):
         p.data = w
     r = numpy.random.RandomState(5)
-    x = (1000 * r.standard_normal((4, 4, 8, 8))).astype(numpy.float32)
-    label = r.randint(0, 3, size=4).astype(numpy.float32)
+    x = (1000 * r.standard_normal(shape)).astype(numpy.float32)
+    label = r.randint(0, 3, size=shape[0]).astype(numpy.float32)
     got = {}
     for name, net in nets.items():
         net.blobs['data'].data[...] = x
@@ -239,7 +250,6 @@ def test_a_float16_residual_block_follows_fp32(gpu):
     assert nets['fp16']._blob_dict['conv1'].data.dtype == numpy.float16
     # BatchNorm, Scale and ReLU ran as one fused chain on the 16-bit map, the
     # Eltwise SUM and Split backward on their kernels' 16-bit builds.
-    from caffeplus import kernels
     assert not kernels.failures()
     chains = nets['fp16'].__dict__.get('_fused_chains') or []
     assert any(c.fwd_done and c.bwd_done for c in chains)
