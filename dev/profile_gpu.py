@@ -26,6 +26,22 @@ sys.path.insert(0, ROOT)
 DATA_TYPES = ('DummyData', 'Input', 'Data', 'ImageData', 'HDF5Data', 'MemoryData')
 
 
+def _build(caffeplus, workspace, args):
+    if args.plan in ('stock', 'arena'):
+        net = caffeplus.Net(args.net, caffeplus.TRAIN)
+        workspace.apply_workspace_plan(net, args.plan, 0)
+    elif args.budget:
+        from caffeplus.memory.apply import apply_named_plan
+        from caffeplus.memory.budget import parse_bytes
+        net = caffeplus.Net(args.net, caffeplus.TRAIN)
+        apply_named_plan(net, args.plan, training=True, budget=parse_bytes(args.budget))
+    else:
+        # The reusing plans place the workspace with the activations (and
+        # make maps again in backward): the whole memory plan.
+        net = caffeplus.Net(args.net, caffeplus.TRAIN, memory=args.plan)
+    return net
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--net', required=True)
@@ -38,6 +54,7 @@ def main(argv=None):
     ap.add_argument('--no-graphs', action='store_true',
                     help='cuDNN calls made directly, not replayed as CUDA graphs')
     ap.add_argument('--top', type=int, default=12)
+    ap.add_argument('--precision', default=None, help='fp32, tf32, fp16 or bf16 (the switch)')
     ap.add_argument('--budget', default=None, help="plan auto's memory budget (e.g. 12G)")
     args = ap.parse_args(argv)
 
@@ -54,18 +71,9 @@ def main(argv=None):
     from caffeplus.cudnn import api
     api.set_graphs(not args.no_graphs)
     workspace.set_search(args.search)
-    if args.plan in ('stock', 'arena'):
-        net = caffeplus.Net(args.net, caffeplus.TRAIN)
-        workspace.apply_workspace_plan(net, args.plan, 0)
-    elif args.budget:
-        from caffeplus.memory.apply import apply_named_plan
-        from caffeplus.memory.budget import parse_bytes
-        net = caffeplus.Net(args.net, caffeplus.TRAIN)
-        apply_named_plan(net, args.plan, training=True, budget=parse_bytes(args.budget))
-    else:
-        # The reusing plans place the workspace with the activations (and
-        # make maps again in backward): the whole memory plan.
-        net = caffeplus.Net(args.net, caffeplus.TRAIN, memory=args.plan)
+    from caffeplus import precision
+    with precision.setting(args.precision):
+        net = _build(caffeplus, workspace, args)
     params = net.learnable_params
     hist = [Blob(p.shape) for p in params]
     for h in hist:
