@@ -7,7 +7,8 @@ channel, im2col and the convolution bias's channel sums."""
 COMMON = r'''
 #define CP_FULL_MASK 0xffffffffu
 /* The type of the maps (tops and their gradients) the CORE kernels marked
-   CP_A read and write (and the BatchNorm split kernels of EXTRA): float, or
+   CP_A read and write (and EXTRA's pooling, SoftmaxWithLoss and BatchNorm
+   split kernels): float, or
    __half for the 16-bit build (float math,
    values rounded to nearest on store). */
 #ifndef CP_A
@@ -371,7 +372,8 @@ __device__ __forceinline__ I cp_plane_of(const I i, const int H, const int W, in
    H x W plane xp) in scan order: strict >, from -FLT_MAX, so NaN never
    wins; *arg = its offset kh*KW+kw in the window, `none` if nothing beat
    -FLT_MAX. */
-__device__ __forceinline__ float cp_window_max(const float* xp, const int H, const int W,
+template <class T>
+__device__ __forceinline__ float cp_window_max(const T* xp, const int H, const int W,
     const int hs, const int ws, const int KH, const int KW, const int none, int* arg)
 {
     float m = -CP_FLT_MAX;
@@ -382,7 +384,7 @@ __device__ __forceinline__ float cp_window_max(const float* xp, const int H, con
         for (int kw = 0; kw < KW; ++kw) {
             const int w = ws + kw;
             if (w < 0 || w >= W) continue;
-            const float v = xp[h * W + w];
+            const float v = (float)xp[h * W + w];
             if (v > m) { m = v; a = kh * KW + kw; }
         }
     }
@@ -395,7 +397,7 @@ __device__ __forceinline__ float cp_window_max(const float* xp, const int H, con
    >, so NaN never wins) starting from -FLT_MAX; arg = its offset kh*KW+kw in
    the window, -1 if nothing beat -FLT_MAX. AVE: the clipped window's sum
    over the window clipped to H+PH (Caffe's divisor). */
-extern "C" __global__ void cp_pool_fwd(const float* x, float* y, int* arg,
+extern "C" __global__ void cp_pool_fwd(const CP_A* x, CP_A* y, int* arg,
     const unsigned NC, const int H, const int W, const int OH, const int OW,
     const int KH, const int KW, const int SH, const int SW, const int PH, const int PW,
     const int ave)
@@ -406,7 +408,7 @@ extern "C" __global__ void cp_pool_fwd(const float* x, float* y, int* arg,
         int oh, ow;
         const unsigned nc = cp_plane_of(i, OH, OW, &oh, &ow);
         const int hs = oh * SH - PH, ws = ow * SW - PW;
-        const float* xp = x + nc * (unsigned)(H * W);
+        const CP_A* xp = x + nc * (unsigned)(H * W);
         if (ave) {
             const int he = min(hs + KH, H + PH), we = min(ws + KW, W + PW);
             const float size = (float)((he - hs) * (we - ws));
@@ -417,7 +419,7 @@ extern "C" __global__ void cp_pool_fwd(const float* x, float* y, int* arg,
                 for (int kw = 0; kw < KW; ++kw) {
                     const int w = ws + kw;
                     if (w < 0 || w >= W) continue;
-                    sum = __fadd_rn(sum, xp[h * W + w]);
+                    sum = __fadd_rn(sum, (float)xp[h * W + w]);
                 }
             }
             y[i] = __fdiv_rn(sum, size);
@@ -431,7 +433,7 @@ extern "C" __global__ void cp_pool_fwd(const float* x, float* y, int* arg,
 
 /* Pooling backward, one thread per input value: the sum over the windows
    that hold it of dy routed by arg (MAX) or dy / divisor (AVE). */
-extern "C" __global__ void cp_pool_bwd(const float* dy, const int* arg, float* dx,
+extern "C" __global__ void cp_pool_bwd(const CP_A* dy, const int* arg, CP_A* dx,
     const unsigned NC, const int H, const int W, const int OH, const int OW,
     const int KH, const int KW, const int SH, const int SW, const int PH, const int PW,
     const int ave)
@@ -456,9 +458,9 @@ extern "C" __global__ void cp_pool_bwd(const float* dy, const int* arg, float* d
                 if (ave) {
                     const int he = min(hs + KH, H + PH), we = min(ws + KW, W + PW);
                     const float size = (float)((he - hs) * (we - ws));
-                    acc = __fadd_rn(acc, __fdiv_rn(dy[o], size));
+                    acc = __fadd_rn(acc, __fdiv_rn((float)dy[o], size));
                 } else if (arg[o] == (h - hs) * KW + (w - ws)) {
-                    acc = __fadd_rn(acc, dy[o]);
+                    acc = __fadd_rn(acc, (float)dy[o]);
                 }
             }
         }
@@ -608,7 +610,7 @@ extern "C" __global__ void cp_relu_bits_bwd(const float* dy, const unsigned* bit
    (outer, classes, inner): rowloss[r] = -log(max(p[label], FLT_MIN)) (0 when
    the label is ignored), rowvalid[r] = 1 or 0. A label outside [0, classes)
    that is not ignored sets err[0] = 1, err[1] = the label. */
-extern "C" __global__ void cp_softmax_loss_rows(const float* x, const float* label,
+extern "C" __global__ void cp_softmax_loss_rows(const CP_A* x, const float* label,
     float* rowloss, float* rowvalid, float* err,
     const unsigned outer, const unsigned classes, const unsigned inner,
     const int has_ignore, const int ignore)
@@ -617,13 +619,13 @@ extern "C" __global__ void cp_softmax_loss_rows(const float* x, const float* lab
     __shared__ double sh[66];
     const unsigned r = blockIdx.x;
     const unsigned o = r / inner, in = r - o * inner;
-    const float* xr = x + o * classes * inner + in;
+    const CP_A* xr = x + o * classes * inner + in;
     float m = -CP_FLT_MAX;
-    for (unsigned c = threadIdx.x; c < classes; c += blockDim.x) m = fmaxf(m, xr[c * inner]);
+    for (unsigned c = threadIdx.x; c < classes; c += blockDim.x) m = fmaxf(m, (float)xr[c * inner]);
     m = cp_block_max(m, shf);
     double a = 0.0, b = 0.0;
     for (unsigned c = threadIdx.x; c < classes; c += blockDim.x)
-        a += (double)expf(__fsub_rn(xr[c * inner], m));
+        a += (double)expf(__fsub_rn((float)xr[c * inner], m));
     cp_block_sum2(&a, &b, sh);
     if (threadIdx.x == 0) {
         const float lf = label[r];
@@ -635,7 +637,7 @@ extern "C" __global__ void cp_softmax_loss_rows(const float* x, const float* lab
             rowloss[r] = 0.0f;
             rowvalid[r] = 0.0f;
         } else if (valid) {
-            const float p = __fdiv_rn(expf(__fsub_rn(xr[(unsigned)l * inner], m)), (float)a);
+            const float p = __fdiv_rn(expf(__fsub_rn((float)xr[(unsigned)l * inner], m)), (float)a);
             rowloss[r] = -logf(fmaxf(p, CP_FLT_MIN));
             rowvalid[r] = 1.0f;
         } else {
@@ -681,8 +683,8 @@ extern "C" __global__ void cp_softmax_loss_total(const float* rowloss, const flo
 /* SoftmaxWithLoss backward, one block per row: dx = (p - onehot(label)) *
    valid * (top_diff[0] / normalizer); NaN after a label error (info[1]), so
    that no update in backward applies what it leads to. */
-extern "C" __global__ void cp_softmax_loss_bwd(const float* x, const float* label,
-    const float* top_diff, const float* info, float* dx,
+extern "C" __global__ void cp_softmax_loss_bwd(const CP_A* x, const float* label,
+    const float* top_diff, const float* info, CP_A* dx,
     const unsigned outer, const unsigned classes, const unsigned inner,
     const int has_ignore, const int ignore)
 {
@@ -691,13 +693,13 @@ extern "C" __global__ void cp_softmax_loss_bwd(const float* x, const float* labe
     const unsigned r = blockIdx.x;
     const unsigned o = r / inner, in = r - o * inner;
     const unsigned off = o * classes * inner + in;
-    const float* xr = x + off;
+    const CP_A* xr = x + off;
     float m = -CP_FLT_MAX;
-    for (unsigned c = threadIdx.x; c < classes; c += blockDim.x) m = fmaxf(m, xr[c * inner]);
+    for (unsigned c = threadIdx.x; c < classes; c += blockDim.x) m = fmaxf(m, (float)xr[c * inner]);
     m = cp_block_max(m, shf);
     double a = 0.0, b = 0.0;
     for (unsigned c = threadIdx.x; c < classes; c += blockDim.x)
-        a += (double)expf(__fsub_rn(xr[c * inner], m));
+        a += (double)expf(__fsub_rn((float)xr[c * inner], m));
     cp_block_sum2(&a, &b, sh);
     const float s = (float)a;
     const int l = (int)label[r];
@@ -705,7 +707,7 @@ extern "C" __global__ void cp_softmax_loss_bwd(const float* x, const float* labe
     const float scale = info[1] != 0.0f ? (float)__longlong_as_double(0x7ff8000000000000LL)
                                         : __fdiv_rn(top_diff[0], info[0]);
     for (unsigned c = threadIdx.x; c < classes; c += blockDim.x) {
-        float d = __fdiv_rn(expf(__fsub_rn(xr[c * inner], m)), s);
+        float d = __fdiv_rn(expf(__fsub_rn((float)xr[c * inner], m)), s);
         d = __fsub_rn(d, (int)c == l ? 1.0f : 0.0f);
         d = __fmul_rn(d, valid);
         dx[off + c * inner] = __fmul_rn(d, scale);

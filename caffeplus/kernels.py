@@ -50,7 +50,8 @@ SOURCES = {'core': COMMON + CORE, 'extra': COMMON + EXTRA, 'core16': _HALF + COM
            'extra16': _HALF + COMMON + EXTRA}
 MAP_KERNELS = frozenset(('cp_bn_fwd', 'cp_bn_bwd', 'cp_relu_fwd', 'cp_relu_bwd', 'cp_axpby',
                          'cp_scale2', 'cp_bn_stats_part', 'cp_bn_fwd_apply', 'cp_bn_bwd_part',
-                         'cp_bn_bwd_apply'))
+                         'cp_bn_bwd_apply', 'cp_pool_fwd', 'cp_pool_bwd',
+                         'cp_softmax_loss_rows', 'cp_softmax_loss_bwd'))
 _F16 = numpy.dtype(numpy.float16)
 SOURCE = COMMON + CORE + EXTRA
 

@@ -247,17 +247,18 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         if pool is None or pool.method not in (MAX, AVE) or \
                 not 0 < _prod(pool.x_shape) <= K.MAX_COUNT:
             return False
-        x, y = K.flat(bottom[0]), K.flat(top[0])
-        if x is None or y is None:
+        arrays, dtype = K.maps((bottom[0], False), (top[0], False))
+        if arrays is None:
             return False
+        x, y = arrays
         count = _prod(pool.out_shape)
         arg = y
         if pool.method == MAX:
             # The kept argmax: the memory plan's view, else the layer's own.
             self._arg_buf = arg = scratch.get(self, 'argmax', count, numpy.int32,
                                               K.array_module())
-        K.kernel('cp_pool_fwd')(K.elementwise_grid(count * K.UNROLL), (K.ELEMENTWISE_THREADS,),
-                                (x, y, arg) + self._pool_args())
+        K.kernel('cp_pool_fwd', dtype)(K.elementwise_grid(count * K.UNROLL),
+                                       (K.ELEMENTWISE_THREADS,), (x, y, arg) + self._pool_args())
         if pool.method == MAX:
             # the generic code's state: backward and the mask top read it
             pool.arg = arg[:count].reshape(pool.out_shape)
@@ -275,11 +276,12 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         if pool.method == MAX and not (self._fused_arg and pool.arg is not None and
                                        K.is_device(pool.arg)):
             return False
-        dy, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
-        if dy is None or dx is None:
+        arrays, dtype = K.maps((top[0], True), (bottom[0], True))
+        if arrays is None:
             return False
+        dy, dx = arrays
         arg = pool.arg if pool.method == MAX else dy
         count = _prod(pool.x_shape)
-        K.kernel('cp_pool_bwd')(K.elementwise_grid(count * K.UNROLL), (K.ELEMENTWISE_THREADS,),
-                                (dy, arg, dx) + self._pool_args())
+        K.kernel('cp_pool_bwd', dtype)(K.elementwise_grid(count * K.UNROLL),
+                                       (K.ELEMENTWISE_THREADS,), (dy, arg, dx) + self._pool_args())
         return True

@@ -59,9 +59,13 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
         rows = outer * inner
         if not (0 < bottom[0]._count <= K.MAX_COUNT and rows > 0 and classes > 0):
             return False
-        x, lab, y = K.flat(bottom[0]), K.flat(bottom[1]), K.flat(top[0])
-        if x is None or lab is None or y is None:
+        # The scores may be a 16-bit map (the kernel's 16-bit build); the
+        # labels and the loss are float32.
+        scores, dtype = K.maps((bottom[0], False))
+        lab, y = K.flat(bottom[1]), K.flat(top[0])
+        if scores is None or lab is None or y is None:
             return False
+        x = scores[0]
         b = self._bufs
         if b is None or b[0].size < rows or not K.is_device(b[0]):
             b = self._bufs = (K.empty(rows), K.empty(rows), K.empty(2), K.empty(5))
@@ -70,7 +74,7 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
         ign = self.ignore_label
         args = (K.u32(outer), K.u32(classes), K.u32(inner), K.i32(ign is not None),
                 K.i32(ign if ign is not None else 0))
-        K.kernel('cp_softmax_loss_rows')((rows,), (_row_block(classes),),
+        K.kernel('cp_softmax_loss_rows', dtype)((rows,), (_row_block(classes),),
                                          (x, lab, rowloss, rowvalid, err) + args)
         K.kernel('cp_softmax_loss_total')((1,), (256,), (
             rowloss, rowvalid, err, y, info, K.u32(rows), K.i32(self.normalization),
@@ -132,11 +136,12 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
         K = _kernels
         if self._fwd_key != (bottom[0]._shape, bottom[1]._shape) or self._bufs is None:
             return False            # the normalizer comes from a fused forward
-        x, lab = K.flat(bottom[0]), K.flat(bottom[1])
-        dtop, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
-        if x is None or lab is None or dtop is None or dx is None:
+        arrays, dtype = K.maps((bottom[0], False), (bottom[0], True))
+        lab, dtop = K.flat(bottom[1]), K.flat(top[0], diff=True)
+        if arrays is None or lab is None or dtop is None:
             return False
-        K.kernel('cp_softmax_loss_bwd')((self.outer_num * self.inner_num,),
+        x, dx = arrays
+        K.kernel('cp_softmax_loss_bwd', dtype)((self.outer_num * self.inner_num,),
                                         (_row_block(self.num_classes),),
                                         (x, lab, dtop, self._bufs[3], dx) + self._args)
         return True

@@ -25,6 +25,11 @@ def half_extra():
     return build_emulator('#define CP_A _Float16\n' + COMMON + EXTRA)
 
 
+@pytest.fixture(scope='module')
+def float_extra():
+    return build_emulator(COMMON + EXTRA)
+
+
 def _maps(r, *shape, scale=1.0):
     return (scale * r.standard_normal(shape)).astype(F16)
 
@@ -174,3 +179,80 @@ def test_batchnorm_split_kernels_on_16_bit_maps(half, half_extra):
     numpy.testing.assert_allclose(dbi, d1[1], rtol=1e-5, atol=1e-5)
     numpy.testing.assert_allclose(dx.astype(F32), dx1.astype(F32), rtol=2 ** -10,
                                   atol=2 ** -14 * numpy.abs(dx1.astype(F32)).max())
+
+
+@pytest.mark.parametrize('ave', [0, 1])
+def test_pooling_with_caffes_windows_on_16_bit_maps(half_extra, float_extra, ave):
+    """Max and average pooling with Caffe's windows (3 x 3, stride 2, pad 1:
+    GoogLeNet's, where cuDNN's output size differs) on 16-bit maps: each
+    value the float32 build's on the same inputs, rounded once to FLOAT16;
+    the same argmax; backward likewise."""
+    r = numpy.random.RandomState(11)
+    n, c, h, w = 2, 3, 9, 8
+    kh = kw = 3
+    sh = sw = 2
+    ph = pw = 1
+    oh = -(-(h + 2 * ph - kh) // sh) + 1
+    ow = -(-(w + 2 * pw - kw) // sw) + 1
+    x = _maps(r, n * c, h, w, scale=30)
+    geometry = (numpy.uint32(n * c), numpy.int32(h), numpy.int32(w), numpy.int32(oh),
+                numpy.int32(ow), numpy.int32(kh), numpy.int32(kw), numpy.int32(sh),
+                numpy.int32(sw), numpy.int32(ph), numpy.int32(pw), numpy.int32(ave))
+    runs = {}
+    for name, emu, dtype in (('16', half_extra, F16), ('32', float_extra, F32)):
+        xs = x.astype(dtype)
+        y = numpy.full((n * c, oh, ow), numpy.nan, dtype)
+        arg = numpy.full((n * c, oh, ow), -7, numpy.int32)
+        emu.kernel('cp_pool_fwd')((4,), (64,), (xs, y, arg) + geometry)
+        dy = _maps(numpy.random.RandomState(12), n * c, oh, ow).astype(dtype)
+        dx = numpy.full(x.shape, numpy.nan, dtype)
+        emu.kernel('cp_pool_bwd')((4,), (64,), (dy, arg if not ave else dy, dx) + geometry)
+        runs[name] = (y, arg, dx)
+    (y16, arg16, dx16), (y32, arg32, dx32) = runs['16'], runs['32']
+    assert y16.dtype == dx16.dtype == F16
+    assert y16.tobytes() == y32.astype(F16).tobytes()
+    assert dx16.tobytes() == dx32.astype(F16).tobytes()
+    if not ave:
+        numpy.testing.assert_array_equal(arg16, arg32)
+        # Independent of the kernels: every output is its window's maximum.
+        pad = numpy.pad(x.astype(F32), ((0, 0), (ph, ph + sh), (pw, pw + sw)),
+                        constant_values=-numpy.inf)
+        for i in range(oh):
+            for j in range(ow):
+                win = pad[:, i * sh:i * sh + kh, j * sw:j * sw + kw]
+                numpy.testing.assert_array_equal(y16[:, i, j], win.max(axis=(1, 2)))
+
+
+def test_softmax_loss_on_16_bit_scores(half_extra, float_extra):
+    """SoftmaxWithLoss's kernels on 16-bit scores (an InnerProduct's top in a
+    FLOAT16 net): the float32 build's per-row losses on the same values, bit
+    for bit; the score gradient its value rounded once to FLOAT16; the
+    losses against a float64 softmax."""
+    r = numpy.random.RandomState(13)
+    outer, classes, inner = 5, 7, 3
+    x = _maps(r, outer, classes, inner, scale=4)
+    label = r.randint(0, classes, size=(outer, inner)).astype(F32)
+    args = (numpy.uint32(outer), numpy.uint32(classes), numpy.uint32(inner), numpy.int32(0),
+            numpy.int32(0))
+    rows = outer * inner
+    info = numpy.array([rows, 0, 0, 0, 0], F32)        # normalizer, no label error
+    top_diff = numpy.array([2.0], F32)
+    runs = {}
+    for name, emu, dtype in (('16', half_extra, F16), ('32', float_extra, F32)):
+        xs = x.astype(dtype)
+        rowloss, rowvalid, err = (numpy.zeros(rows, F32), numpy.zeros(rows, F32),
+                                  numpy.zeros(2, F32))
+        emu.kernel('cp_softmax_loss_rows')((rows,), (32,), (xs, label, rowloss, rowvalid, err) +
+                                           args)
+        dx = numpy.full(x.shape, numpy.nan, dtype)
+        emu.kernel('cp_softmax_loss_bwd')((rows,), (32,), (xs, label, top_diff, info, dx) + args)
+        runs[name] = rowloss, rowvalid, dx
+    assert runs['16'][0].tobytes() == runs['32'][0].tobytes()
+    assert (runs['16'][1] == 1).all()
+    assert runs['16'][2].dtype == F16
+    assert runs['16'][2].tobytes() == runs['32'][2].astype(F16).tobytes()
+    x64 = x.astype(numpy.float64)
+    p = numpy.exp(x64 - x64.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    want = -numpy.log(numpy.take_along_axis(p, label.astype(int)[:, None, :], axis=1))[:, 0, :]
+    numpy.testing.assert_allclose(runs['16'][0], want.reshape(-1), rtol=1e-5)
