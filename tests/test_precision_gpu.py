@@ -261,3 +261,62 @@ def test_a_float16_residual_block_follows_fp32(gpu, shape, loss_weight):
     for g16, g32 in zip(got['fp16'][1], got['fp32'][1]):
         assert numpy.isfinite(g16).all()
         assert _relative(g16, g32) < 5e-2
+
+
+# Pooling with Caffe's ceil-rule windows (8 x 8, 3 x 3 / 2, pad 1: Caffe's
+# output is 5 x 5, cuDNN's would be 4 x 4) and SoftmaxWithLoss on 16-bit
+# maps run their kernels' 16-bit builds.
+POOL_NET = """
+name: "pools"
+force_backward: true
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 4 dim: 3 dim: 8 dim: 8 } shape { dim: 4 } } }
+layer { name: "pool1" type: "Pooling" bottom: "data" top: "pool1"
+  pooling_param { pool: MAX kernel_size: 3 stride: 2 pad: 1 } }
+layer { name: "pool2" type: "Pooling" bottom: "pool1" top: "pool2"
+  pooling_param { pool: AVE kernel_size: 3 stride: 2 } }
+layer { name: "ip" type: "InnerProduct" bottom: "pool2" top: "ip"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss"
+  loss_weight: 64 }
+"""
+
+
+def test_float16_caffe_window_pooling_and_softmax_loss_follow_fp32(gpu, monkeypatch):
+    from caffeplus import kernels
+    asked = set()
+    real = kernels.kernel
+
+    def spy(name, dtype=None):
+        asked.add((name, None if dtype is None else numpy.dtype(dtype).name))
+        return real(name, dtype)
+    monkeypatch.setattr(kernels, 'kernel', spy)
+    nets = {}
+    for name in ('fp32', 'fp16'):
+        with precision.setting(name):
+            nets[name] = caffeplus.Net(text_format.Parse(POOL_NET, caffe_pb2.NetParameter()),
+                                       caffe_pb2.TRAIN)
+    for p, q in zip(nets['fp16'].learnable_params, nets['fp32'].learnable_params):
+        p.data = q.data.get()
+    r = numpy.random.RandomState(8)
+    x = (3 * r.standard_normal((4, 3, 8, 8))).astype(numpy.float32)
+    label = r.randint(0, 5, size=4).astype(numpy.float32)
+    got = {}
+    for name, net in nets.items():
+        net.blobs['data'].data[...] = x
+        net.blobs['label'].data[...] = label
+        net.clear_param_diffs()
+        net.forward_prefilled()
+        net.backward_all()
+        got[name] = (float(net.blobs['loss'].data), net.blobs['data'].diff.copy(),
+                     net.blobs['pool1'].data.copy())
+    assert nets['fp16']._blob_dict['pool1'].data.dtype == numpy.float16
+    assert nets['fp16'].blobs['pool1'].data.shape == (4, 3, 5, 5)
+    for k in ('cp_pool_fwd', 'cp_pool_bwd', 'cp_softmax_loss_rows', 'cp_softmax_loss_bwd'):
+        assert (k, 'float16') in asked, k
+    assert not kernels.failures()
+    # Max pooling picks stored values: the FP16 map holds the inputs rounded.
+    numpy.testing.assert_array_equal(got['fp16'][2],
+                                     got['fp32'][2].astype(numpy.float16).astype(numpy.float32))
+    assert got['fp16'][0] == pytest.approx(got['fp32'][0], rel=1e-2)
+    assert _relative(got['fp16'][1], got['fp32'][1]) < 2e-2
