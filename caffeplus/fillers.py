@@ -200,13 +200,13 @@ _KINDS = ('constant', 'uniform', 'gaussian', 'positive_unitball', 'xavier', 'msr
 def fill(blob, param):
     """Fill a Blob's data in place (Caffe's Filler::Fill). On the CPU the
     values are drawn straight into the blob's storage; a device blob gets
-    them drawn on the host and copied once. A new blob's storage starts as
-    zeros, so a constant 0 filler (every absent filler) writes nothing."""
-    fresh = blob.data_storage.array is None
+    them drawn on the host and copied once. A new blob's storage is made, as
+    zeros, when it is first used, so a constant 0 filler (every absent
+    filler) neither writes nor allocates."""
     _checked_shape(param, blob.shape)
+    if blob.data_storage.array is None and param.type == 'constant' and param.value == 0:
+        return      # allocated (as zeros) when first read or written
     view = blob.data
-    if fresh and param.type == 'constant' and param.value == 0:
-        return
     if is_virtual(view):
         return              # a shape-only build: its values are never read
     if isinstance(view, numpy.ndarray) and view.flags.c_contiguous:   # a Storage view
