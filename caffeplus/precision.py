@@ -374,7 +374,9 @@ def attach(net):
 class LossScaler:
     """A solver callback: divides the weight gradients by the loss scale
     before the update and, when adaptive, skips overflowed steps and moves
-    the scale. Runs before the NaN check (which runs last)."""
+    the scale. Runs after the other callbacks (a gradient sync across ranks:
+    every rank judges the averaged gradients) and before the NaN check."""
+    runs_after_sync = True
 
     def __init__(self, solver, net_precision, scale, adaptive, window):
         self.solver = solver

@@ -483,6 +483,28 @@ def test_an_overflowing_fp16_run_lowers_its_scale_and_recovers(caplog_caffeplus)
                     r'global_grad_scale lowered to 5.49756e\+11', lowered[0])
 
 
+def test_loss_scaling_sees_the_gradients_a_later_callback_syncs(caplog_caffeplus):
+    """A data-parallel sync is added to the solver after it is built and
+    averages the gradients across ranks: the loss scaler must judge the
+    averaged ones (another rank's overflow reaches this rank there), so every
+    rank skips the same steps. Here the 'sync' brings an inf."""
+    solver = _solver(NVCAFFE_LENET, loss_scale_window=3)
+
+    class Sync:
+        def on_start(self):
+            pass
+
+        def on_gradients_ready(self):
+            solver.net.learnable_params[0].diff[0] = numpy.inf
+    solver.add_callback(Sync())
+    first = [p.data.copy() for p in solver.net.learnable_params]
+    scale = solver.loss_scaler.scale
+    solver.step(1)                  # no NumericalError: the scaler saw the inf
+    assert solver.loss_scaler.skipped_steps == 1 and solver.loss_scaler.scale == scale / 2
+    for p, before in zip(solver.net.learnable_params, first):
+        numpy.testing.assert_array_equal(p.data, before)
+
+
 @pytest.mark.filterwarnings('ignore:invalid value:RuntimeWarning')
 def test_a_resumed_fp16_run_keeps_its_adaptive_loss_scale(tmp_path, monkeypatch):
     """The scale an adaptive run has found is saved with its snapshot and

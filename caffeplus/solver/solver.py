@@ -344,10 +344,13 @@ class Solver:
         if not has_methods or on_gradients_ready is not None:
             callback = _Callback(callback, on_gradients_ready)
         self.callbacks.append(callback)
-        # Checks that look at the final gradients (caffeplus.solver.nan_check,
-        # installed by the solver itself) stay after the callbacks that change
-        # them (a data-parallel gradient sync averages them across ranks).
-        self.callbacks.sort(key=lambda cb: bool(getattr(cb, 'runs_last', False)))
+        # What judges the final gradients stays after the callbacks that change
+        # them (a data-parallel sync averages them across ranks, so every rank
+        # judges the same ones): the loss scaler (caffeplus.precision), then
+        # the NaN check (caffeplus.solver.nan_check), both installed with the
+        # solver.
+        self.callbacks.sort(key=lambda cb: (bool(getattr(cb, 'runs_last', False)),
+                                            bool(getattr(cb, 'runs_after_sync', False))))
 
     def set_action_function(self, func):
         """func() -> 'none' | 'stop' | 'snapshot', polled once per iteration."""
