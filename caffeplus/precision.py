@@ -18,7 +18,10 @@ weights) and the solver's history, the losses (a loss layer's output is not
 rounded), and the net's outputs (accuracy). The layers that multiply by
 their weights (Convolution, Deconvolution, InnerProduct) use a copy rounded
 to their forward type, in forward and backward, as NVCaffe's 16-bit layers
-and AMP's casts do; the master weights are put back after each pass.
+and AMP's casts do; the master weights are put back after each pass. Of
+the parameters' gradients only Convolution's and Deconvolution's weight
+gradients are rounded (each pass's, before it joins the float32 total), as
+the GPU takes them; the others are summed in float32 there and here.
 
 FP32 nets (every type FLOAT or DOUBLE) get nothing installed: they run as
 before, bit for bit. On the GPU a FLOAT16 net's maps are float16 arrays
@@ -55,6 +58,11 @@ SCALE_FACTOR = 2.0
 # copy of the FP32 master weights): what AMP casts, what NVCaffe stores in
 # 16 bits. Normalization layers keep theirs in FP32.
 ROUNDED_WEIGHT_TYPES = frozenset(('Convolution', 'Deconvolution', 'InnerProduct'))
+# Layers whose weight gradient the GPU takes in 16 bits and adds to the FP32
+# master's (cuDNN has no FP16-input, FP32-output filter gradient); every
+# other parameter gradient (InnerProduct's through cuBLAS, biases,
+# BatchNorm's and Scale's) is summed in float32 there.
+ROUNDED_WEIGHT_GRADIENT_TYPES = frozenset(('Convolution', 'Deconvolution'))
 
 
 def type_name(value):
@@ -216,6 +224,10 @@ class NetPrecision:
         self.rounded_weights = {i for i, (fwd, _) in enumerate(types)
                                 if fwd in SIXTEEN_BIT and net.layers[i].blobs and
                                 net.layers[i].layer_param.type in ROUNDED_WEIGHT_TYPES}
+        self.rounded_weight_grads = {i for i in self.rounded_grads if net.layers[i].blobs and
+                                     net.layers[i].layer_param.type in
+                                     ROUNDED_WEIGHT_GRADIENT_TYPES}
+        self._held_weight_diffs = {}
         self._masters = {}
         self._hook()
 
@@ -253,6 +265,10 @@ class NetPrecision:
             self._swap_in_rounded_weights(i)
         use_rounded_weights.at = frozenset(self.rounded_weights)
 
+        def hold_weight_diff(i):
+            self._hold_weight_diff(i)
+        hold_weight_diff.at = frozenset(self.rounded_weight_grads)
+
         def put_back_master_weights(i):
             self._restore_master_weights(i)
         put_back_master_weights.at = frozenset(self.rounded_weights)
@@ -262,6 +278,7 @@ class NetPrecision:
         net.after_layer_forward.append(round_tops)
         net.before_layer_backward.append(scale_loss)
         net.before_layer_backward.append(use_rounded_weights)
+        net.before_layer_backward.append(hold_weight_diff)
         net.on_layer_backward_done.append(put_back_master_weights)
         net.on_layer_backward_done.append(after_backward)
 
@@ -299,9 +316,21 @@ class NetPrecision:
         for blob, needed in zip(net.bottom_vecs[i], net.bottom_need_backward[i]):
             if needed:
                 rounding(blob.diff)
-        for j, blob in enumerate(net.layers[i].blobs):
-            if net.layers[i].param_needs_backward(j):
-                rounding(blob.diff)
+        held = self._held_weight_diffs.pop(i, None)
+        if held is not None:
+            # This pass's weight gradient alone, rounded, then added in float32.
+            diff = net.layers[i].blobs[0].diff
+            rounding(diff)
+            diff += held
+
+    def _hold_weight_diff(self, i):
+        """Before layer i's backward: its weight gradient so far is set aside
+        and the diff zeroed, so the pass writes its own gradient alone."""
+        layer = self.net.layers[i]
+        if layer.param_needs_backward(0) and self.net.layer_need_backward[i]:
+            diff = layer.blobs[0].diff
+            self._held_weight_diffs[i] = diff.copy()
+            diff[...] = 0
 
 
 def resolve(net_param):

@@ -411,6 +411,51 @@ def test_the_memory_estimate_counts_16_bit_maps_at_two_bytes(capsys):
     assert sizes['fp16']['other'] - sizes['fp32']['other'] == 2 * 138357544
 
 
+WEIGHT_GRADIENTS = """
+  default_forward_type: FLOAT16 default_backward_type: FLOAT16
+  layer { name: "data" type: "Input" top: "x" top: "t"
+    input_param { shape { dim: 2 dim: 1 dim: 5 dim: 5 } shape { dim: 2 dim: 3 } } }
+  layer { name: "conv" type: "Convolution" bottom: "x" top: "c"
+    convolution_param { num_output: 2 kernel_size: 3 weight_filler { type: "gaussian" std: 1 } } }
+  layer { name: "ip" type: "InnerProduct" bottom: "c" top: "y"
+    inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 1 } } }
+  layer { name: "loss" type: "EuclideanLoss" bottom: "y" bottom: "t" top: "loss"
+    loss_weight: 20 }
+"""
+
+
+@pytest.mark.filterwarnings('ignore:overflow encountered in cast:RuntimeWarning')
+def test_the_emulation_rounds_the_weight_gradients_the_gpu_rounds():
+    """As on the GPU: a Convolution's weight gradient is taken in FLOAT16
+    (each pass's, then added to the float32 total), an InnerProduct's is
+    summed in float32, so one past FLOAT16's range stays finite."""
+    import caffeplus
+    caffeplus.set_random_seed(3)
+    net = Net(_net_param(WEIGHT_GRADIENTS), caffe_pb2.TRAIN)
+    r = numpy.random.RandomState(2)
+    inputs = [100 * r.standard_normal((2, 1, 5, 5)) for _ in range(2)]
+    net.blobs['t'].data[...] = 0
+
+    def run(x, clear=True):
+        net.blobs['x'].data[...] = x
+        if clear:
+            net.clear_param_diffs()
+        net.forward_prefilled()
+        net.backward_all()
+        return net.layers[1].blobs[0].diff.copy(), net.layers[2].blobs[0].diff.copy()
+    conv_1, ip_w = run(inputs[0])
+    assert numpy.isfinite(ip_w).all() and numpy.abs(ip_w).max() > 65504
+    assert not _is_float16(ip_w)
+    assert _is_float16(conv_1)
+    conv_2, _ = run(inputs[1])
+    # Two passes without clearing between: the sum of two rounded
+    # gradients, in float32, not a rounded total.
+    run(inputs[0])
+    total, _ = run(inputs[1], clear=False)
+    numpy.testing.assert_array_equal(total, conv_1 + conv_2)
+    assert not _is_float16(total)
+
+
 # -- loss scaling -------------------------------------------------------------------------
 def _solver(net_text, solver_text=NVCAFFE_SOLVER, **cp):
     p = text_format.Parse(solver_text, caffe_pb2.SolverParameter())
