@@ -237,16 +237,8 @@ def test_a_float16_residual_block_follows_fp32(gpu, shape, loss_weight):
     r = numpy.random.RandomState(5)
     x = (1000 * r.standard_normal(shape)).astype(numpy.float32)
     label = r.randint(0, 3, size=shape[0]).astype(numpy.float32)
-    got = {}
-    for name, net in nets.items():
-        net.blobs['data'].data[...] = x
-        net.blobs['label'].data[...] = label
-        net.clear_param_diffs()
-        net.forward_prefilled()
-        net.backward_all()
-        got[name] = (float(net.blobs['loss'].data),
-                     [p.diff.get().copy() for p in net.learnable_params],
-                     net.blobs['conv1'].data.copy())
+    got = {name: _run(net, x, label) + (net.blobs['conv1'].data.copy(),)
+           for name, net in nets.items()}
     assert nets['fp16']._blob_dict['conv1'].data.dtype == numpy.float16
     # BatchNorm, Scale and ReLU ran as one fused chain on the 16-bit map, the
     # Eltwise SUM and Split backward on their kernels' 16-bit builds.
@@ -301,15 +293,8 @@ def test_float16_caffe_window_pooling_and_softmax_loss_follow_fp32(gpu, monkeypa
     r = numpy.random.RandomState(8)
     x = (3 * r.standard_normal((4, 3, 8, 8))).astype(numpy.float32)
     label = r.randint(0, 5, size=4).astype(numpy.float32)
-    got = {}
-    for name, net in nets.items():
-        net.blobs['data'].data[...] = x
-        net.blobs['label'].data[...] = label
-        net.clear_param_diffs()
-        net.forward_prefilled()
-        net.backward_all()
-        got[name] = (float(net.blobs['loss'].data), net.blobs['data'].diff.copy(),
-                     net.blobs['pool1'].data.copy())
+    got = {name: (_run(net, x, label)[0], net.blobs['data'].diff.copy(),
+                  net.blobs['pool1'].data.copy()) for name, net in nets.items()}
     assert nets['fp16']._blob_dict['pool1'].data.dtype == numpy.float16
     assert nets['fp16'].blobs['pool1'].data.shape == (4, 3, 5, 5)
     for k in ('cp_pool_fwd', 'cp_pool_bwd', 'cp_softmax_loss_rows', 'cp_softmax_loss_bwd'):

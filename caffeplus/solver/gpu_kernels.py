@@ -156,31 +156,25 @@ extern "C" __global__ void caffeplus_gradient_unscale(
 _kernel = {}
 
 
-def _get_kernel():
-    k = _kernel.get('k')
+def _raw_kernel(source, name):
+    """CUDA kernel `name` of `source`, compiled once per process."""
+    k = _kernel.get(name)
     if k is None:
         import cupy
-        k = cupy.RawKernel(_SOURCE, 'caffeplus_solver_update')
-        _kernel['k'] = k
+        k = _kernel[name] = cupy.RawKernel(source, name)
     return k
+
+
+def _get_kernel():
+    return _raw_kernel(_SOURCE, 'caffeplus_solver_update')
 
 
 def _get_check_kernel():
-    k = _kernel.get('check')
-    if k is None:
-        import cupy
-        k = _kernel['check'] = cupy.RawKernel(_INDEX_SOURCE + _CHECK_SOURCE,
-                                              'caffeplus_gradient_check')
-    return k
+    return _raw_kernel(_INDEX_SOURCE + _CHECK_SOURCE, 'caffeplus_gradient_check')
 
 
 def _get_unscale_kernel():
-    k = _kernel.get('unscale')
-    if k is None:
-        import cupy
-        k = _kernel['unscale'] = cupy.RawKernel(_INDEX_SOURCE + _UNSCALE_SOURCE,
-                                                'caffeplus_gradient_unscale')
-    return k
+    return _raw_kernel(_INDEX_SOURCE + _UNSCALE_SOURCE, 'caffeplus_gradient_unscale')
 
 
 def _finite_guard():
