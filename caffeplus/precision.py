@@ -437,6 +437,7 @@ class LossScaler:
 
     def on_start(self):
         self._skip = False
+        self._queued = None     # (an iteration that stopped before its settle)
 
     _unscale = None
     _guard = None
