@@ -401,3 +401,17 @@ def test_the_chosen_layout_gets_a_fresh_arena_of_its_size(monkeypatch):
     assert applied.options['plan_overrides']['offload_hidden']
     assert applied.arena_bytes // 4 < before <= 9 * (applied.arena_bytes // 4)
     assert applied.arena_base().size == applied.arena_bytes // 4
+
+
+def test_an_offloaded_16_bit_map_gets_a_host_buffer_of_its_bytes():
+    """The pinned host copy of an offloaded map holds its bytes, not a
+    float32 per value: half the values' count for a FLOAT16 map."""
+    import types
+    from caffeplus.memory.offload_runtime import _Item
+
+    def entry(view):
+        live = types.SimpleNamespace(view=view, start=3)
+        return types.SimpleNamespace(lives=(live, live))
+    assert _Item(entry(numpy.zeros(7, numpy.float32)), 1, 3, 1).count == 7
+    assert _Item(entry(numpy.zeros(7, numpy.float16)), 1, 3, 1).count == 4
+    assert _Item(entry(numpy.zeros(8, numpy.float16)), 1, 3, 1).count == 4

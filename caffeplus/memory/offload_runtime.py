@@ -319,7 +319,9 @@ class _Item:
         self.last_fwd = last_fwd
         self.issue = issue
         self.first_back = first_back
-        self.count = self.F.view.size
+        # Host buffers are float32 arrays: enough of them for the view's
+        # bytes (a 16-bit map's half its values); the copies move bytes.
+        self.count = -(-self.F.view.nbytes // 4)
         self.host = None
         self.reset()
 
