@@ -67,9 +67,10 @@ def _other_line(name, other, parts, width):
                               ' + '.join(terms) or '-')
 
 
-def format_notes(results, measured_on=None):
+def format_notes(results, measured_on=None, sixteen_bit=()):
     """The lines under the table: where the times come from, and what
-    "other" holds in each estimate."""
+    "other" holds in each estimate. `sixteen_bit`: the 16-bit storage types
+    the net uses (the time model knows FP32 and TF32 rates only)."""
     lines = []
     measured = any(not r.get('estimated', True) for r in results.values())
     if measured:
@@ -78,6 +79,9 @@ def format_notes(results, measured_on=None):
     else:
         lines.append('iter ms: modelled for an %s (caffeplus.memory.workspace_model), '
                      'not this machine' % model_gpu())
+    if sixteen_bit:
+        lines.append('iter ms estimates use FP32 rates: the %s layers\' own speed is not modelled'
+                     % ' and '.join(sixteen_bit))
     rows = []
     for name, r in results.items():
         source = r if r.get('estimated', True) else r.get('estimate') or {}
