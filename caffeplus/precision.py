@@ -372,6 +372,13 @@ def top_storage_dtypes(net_param, types):
     return out
 
 
+def type_names(types, among=None):
+    """The sorted names of the storage types in `types` (per-layer (forward,
+    backward) pairs) that are in `among` (default: the 16-bit types)."""
+    among = SIXTEEN_BIT if among is None else among
+    return sorted({type_name(t) for pair in types for t in pair if t in among})
+
+
 def attach(net):
     """Give `net` the precision its NetParameter (and the switch) asks for:
     net.precision, a NetPrecision, or None for FP32. On the GPU the 16-bit
@@ -380,11 +387,11 @@ def attach(net):
     param = net.net_param
     net.precision = None
     types = getattr(net, 'layer_types', None) or resolve(param)
-    sixteen = sorted({type_name(t) for pair in types for t in pair if t in SIXTEEN_BIT})
+    sixteen = type_names(types)
     if not sixteen:
         return None
     if backend.mode() == backend.GPU:
-        stored = sorted({type_name(t) for pair in types for t in pair if t in DEVICE_DTYPES})
+        stored = type_names(types, DEVICE_DTYPES)
         if not stored:
             log.warning('Net %s asks for %s storage, which the GPU backend does not have yet: '
                         'it runs in FLOAT (FP32)', net.name, ' and '.join(sixteen))

@@ -323,7 +323,6 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         K = _kernels
         n, c, s = self._cfg
         dtype = x.dtype
-        half = dtype != numpy.float32       # 16-bit maps: the one-block kernel's 16-bit build
         b0, b1, b2 = (K.flat(b) for b in self.blobs[:3])
         if b0 is None or b1 is None or b2 is None:
             return False
@@ -335,7 +334,7 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         corr = F32(m) / F32(m - 1) if m > 1 else F32(1)
         flags = (K.BN_BATCH if batch else 0) | (K.BN_KEEP if keep else 0) | chain_flags
         # (Placeholders the flags leave unread: float32, as the kernel declares them.)
-        xn = xn if xn is not None else (self._std_buf if half else y)
+        xn = xn if xn is not None else self._std_buf
         sc = sc if sc is not None else b0
         bi = bi if bi is not None else b0
         split = self._split_kernels(('cp_bn_stats_part', 'cp_bn_fwd_apply'), dtype)

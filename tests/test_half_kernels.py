@@ -69,12 +69,16 @@ def test_axpby_and_scale2(half):
     numpy.testing.assert_array_equal(d1, (F32(0.25) * want_g.astype(F32)).astype(F16))
 
 
+def _bn_state(c):
+    """Zeroed mean, variance, count and std buffers of a c-channel BatchNorm."""
+    return numpy.zeros(c, F32), numpy.zeros(c, F32), numpy.zeros(1, F32), numpy.zeros(c, F32)
+
+
 def _bn_forward(half, x, flags, sc=None, bi=None):
     n, c, s = x.shape
     y = numpy.empty_like(x)
     xn = numpy.empty(x.shape, F32)
-    b0, b1, b2, std = (numpy.zeros(c, F32), numpy.zeros(c, F32), numpy.zeros(1, F32),
-                       numpy.zeros(c, F32))
+    b0, b1, b2, std = _bn_state(c)
     sc = sc if sc is not None else numpy.ones(c, F32)
     bi = bi if bi is not None else numpy.zeros(c, F32)
     m = n * s
@@ -142,8 +146,7 @@ def test_batchnorm_split_kernels_on_16_bit_maps(half, half_extra):
     y1, xn1, std1, stats1 = _bn_forward(half, x, flags, sc, bi)
     y = numpy.empty_like(x)
     xn = numpy.empty(x.shape, F32)
-    b0, b1, b2, std = (numpy.zeros(c, F32), numpy.zeros(c, F32), numpy.zeros(1, F32),
-                       numpy.zeros(c, F32))
+    b0, b1, b2, std = _bn_state(c)
     part, kv = numpy.zeros(2 * c * P, numpy.float64), numpy.zeros(c, F32)
     m = n * s
     dims = (numpy.uint32(n), numpy.uint32(c), numpy.uint32(s), numpy.uint32(P))

@@ -311,9 +311,8 @@ def _run(args):
     else:
         source = 'measured on GPU %d' % gpu if measuring else 'estimated without a GPU'
         print(report.format_table(results, 'Memory plans for %s (%s)' % (title, source)))
-        sixteen = sorted({precision.type_name(t) for pair in getattr(net, 'layer_types', ())
-                          for t in pair if t in precision.SIXTEEN_BIT})
-        print(report.format_notes(results, measured_on=device_name, sixteen_bit=sixteen))
+        print(report.format_notes(results, measured_on=device_name,
+                                  sixteen_bit=precision.type_names(net.layer_types)))
         if budget is not None:
             print('budget: %s' % budget_mod.format_bytes(budget))
         if args.plot:

@@ -102,11 +102,11 @@ numbers; adjust RUNTIME_BYTES, HANDLE_BYTES, the candidate sizes and the
 internal-buffer table until the estimates are within 5%.
 """
 import collections
-import numpy
 
 from caffeplus.memory import caffe1, calibration, cublas_pool, thread_stack
 from caffeplus.memory.fixed_cost import RUNTIME_BYTES  # measured (see "Fixed cost" above)
 from caffeplus.memory.liveness import FLOAT_BYTES
+from caffeplus.precision import ROUNDED_WEIGHT_TYPES
 
 MiB = 2 ** 20
 # The GPU the times and the runtime's fixed cost were fitted on (reports name it).
@@ -441,9 +441,6 @@ def other_bytes(net, plan_name):
         internals(net, plan_name) + weight_copy_bytes(net)
 
 
-_WEIGHTED = ('Convolution', 'Deconvolution', 'InnerProduct')
-
-
 def weight_copy_bytes(net):
     """The 16-bit copies of their FP32 weights and bias that Convolution,
     Deconvolution and InnerProduct layers keep on the GPU, from call to call,
@@ -451,9 +448,9 @@ def weight_copy_bytes(net):
     total = 0
     for i, layer in enumerate(net.layers):
         bottom = net.bottom_vecs[i]
-        if layer.layer_param.type not in _WEIGHTED or not bottom:
+        if layer.layer_param.type not in ROUNDED_WEIGHT_TYPES or not bottom:
             continue
-        itemsize = numpy.dtype(bottom[0].data_storage.dtype).itemsize
+        itemsize = bottom[0].data_storage.dtype.itemsize
         if itemsize < FLOAT_BYTES:
             total += itemsize * sum(b.count for b in layer.blobs[:2])
     return total
