@@ -3,14 +3,15 @@
 from caffeplus import kernels as _kernels
 from caffeplus.layer import register_engine
 from caffeplus.layers.common import ConcatLayer
-from caffeplus.layers.cudnn_common import FLOAT_BYTES, _fused, _prod
+from caffeplus.layers.cudnn_common import _fused, _prod
 
 
 @register_engine('CUDNN')
 class GPUConcatLayer(ConcatLayer):
     """Concat on the GPU: one cudaMemcpy2DAsync per bottom each way (the
     bottom's rows into their column range of the top), instead of a strided
-    CuPy copy through sliced views."""
+    CuPy copy through sliced views. The copies move bytes, so 16-bit maps
+    take the same path."""
     engine = 'FUSED'
 
     def _copies(self, bottom, top, backward):
@@ -19,19 +20,20 @@ class GPUConcatLayer(ConcatLayer):
             return False
         axis = self.axis
         shape = top[0].shape
-        outer = _prod(shape[:axis])
-        inner = _prod(shape[axis + 1:]) * FLOAT_BYTES
-        pitch = int(shape[axis]) * inner
-        y = K.flat(top[0], diff=backward)
+        y = K.flat(top[0], diff=backward, any_dtype=True)
         if y is None:
             return False
+        outer = _prod(shape[:axis])
+        inner = _prod(shape[axis + 1:]) * y.dtype.itemsize
+        pitch = int(shape[axis]) * inner
         ends = []
         for i, b in enumerate(bottom):
             if backward and not self._propagate[i]:
                 ends.append(None)
                 continue
-            a = K.flat(b, diff=backward)
-            if a is None:
+            a = K.flat(b, diff=backward, any_dtype=True)
+            # A byte copy cannot convert: every bottom must share the top's type.
+            if a is None or a.dtype != y.dtype:
                 return False
             ends.append(int(a.data.ptr))
         import cupy

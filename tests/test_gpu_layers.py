@@ -377,26 +377,35 @@ def test_inner_product_gpu_matches_cpu(text, shape):
         _assert_close(backend.to_numpy(b.diff), 2 * once, 2e-5, 'accumulated %d' % i)
 
 
+@pytest.mark.parametrize('dtype', ['float32', 'float16'])
 @pytest.mark.parametrize('axis,shapes', [(1, [(2, 3, 4, 5), (2, 1, 4, 5), (2, 4, 4, 5)]),
                                          (0, [(1, 3, 2), (2, 3, 2)]),
                                          (2, [(2, 3, 1, 2), (2, 3, 4, 2)])])
-def test_concat_gpu_matches_cpu(axis, shapes):
+def test_concat_gpu_matches_cpu(axis, shapes, dtype):
+    """The GPU's byte copies give the CPU's values, for 16-bit maps too
+    (values exact in float16, so both sides hold the same numbers)."""
     lp = caffe_pb2.LayerParameter()
     text_format.Parse('name: "cat" type: "Concat" concat_param { axis: %d }' % axis, lp)
     rng = numpy.random.default_rng(16)
-    xs = [rng.standard_normal(s).astype(numpy.float32) for s in shapes]
+    xs = [rng.standard_normal(s).astype(numpy.float16).astype(numpy.float32) for s in shapes]
     out = {}
     for gpu in (False, True):
         caffeplus.set_mode_gpu() if gpu else caffeplus.set_mode_cpu()
         layer = create_layer(lp)
         bottom = [Blob(s) for s in shapes]
+        top = [Blob()]
+        for b in bottom + top:
+            b.set_storage_dtype(dtype)
+        taken = []
+        if gpu:
+            copies = layer._copies
+            layer._copies = lambda *a: taken.append(copies(*a)) or taken[-1]
         for b, x in zip(bottom, xs):
             b.data = x
-        top = [Blob()]
         layer.setup(bottom, top)
         layer.forward(bottom, top)
         if not gpu:
-            dy = rng.standard_normal(top[0].shape).astype(numpy.float32)
+            dy = rng.standard_normal(top[0].shape).astype(numpy.float16).astype(numpy.float32)
         top[0].diff = dy
         prop = [True, False] + [True] * (len(bottom) - 2)
         for b in bottom:
@@ -406,6 +415,8 @@ def test_concat_gpu_matches_cpu(axis, shapes):
             [backend.to_numpy(b.diff).copy() for b in bottom]
         if gpu:
             assert type(layer).__name__ == 'GPUConcatLayer'
+            assert top[0].data_storage.array.dtype == numpy.dtype(dtype)
+            assert taken == [True, True]        # both ways took the byte copies
     for a, b in zip(out[True], out[False]):
         numpy.testing.assert_array_equal(a, b)
 
