@@ -2,7 +2,8 @@
 as two modules (one failing to build leaves the other): COMMON, the helpers
 both include; CORE, BatchNorm, Scale, ReLU, Eltwise SUM, Split and zeroing;
 EXTRA, pooling, masks, SoftmaxWithLoss, BatchNorm over several blocks a
-channel, im2col and the convolution bias's channel sums."""
+channel, im2col, the convolution bias's channel sums and the 16-bit filter
+gradient's accumulation."""
 
 COMMON = r'''
 #define CP_FULL_MASK 0xffffffffu
@@ -10,7 +11,8 @@ COMMON = r'''
    CP_A read and write (and EXTRA's pooling, SoftmaxWithLoss and BatchNorm
    split kernels): float, or
    __half for the 16-bit build (float math,
-   values rounded to nearest on store). */
+   values rounded to nearest on store); also the convolution bias's channel
+   sums and cp_accumulate's input. */
 #ifndef CP_A
 #define CP_A float
 #endif
@@ -923,7 +925,7 @@ extern "C" __global__ void cp_loss_report(const float* info, const float* top,
    two launches: part[c P + p] = the sum over block (c, p)'s share of channel
    c (grid C * P), then one thread per channel adds its P partials in order
    (deterministic: fixed shares, fixed order). */
-extern "C" __global__ void cp_channel_sum_part(const float* dy, double* part,
+extern "C" __global__ void cp_channel_sum_part(const CP_A* dy, double* part,
     const unsigned N, const unsigned C, const unsigned S, const unsigned P)
 {
     __shared__ double sh[66];
@@ -948,5 +950,13 @@ extern "C" __global__ void cp_channel_sum_apply(const double* part, float* db,
     double s = 0.0;
     for (unsigned p = 0; p < P; ++p) s += part[c * P + p];
     db[c] = __fadd_rn(db[c], (float)s);
+}
+
+/* acc[i] += g[i]: a 16-bit filter gradient cuDNN wrote (it has no 16-bit
+   input, float32 output call) added to its FP32 master's. */
+extern "C" __global__ void cp_accumulate(const CP_A* g, float* acc, const unsigned n)
+{
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        acc[i] = __fadd_rn(acc[i], (float)g[i]);
 }
 '''

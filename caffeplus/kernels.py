@@ -51,7 +51,8 @@ SOURCES = {'core': COMMON + CORE, 'extra': COMMON + EXTRA, 'core16': _HALF + COM
 MAP_KERNELS = frozenset(('cp_bn_fwd', 'cp_bn_bwd', 'cp_relu_fwd', 'cp_relu_bwd', 'cp_axpby',
                          'cp_scale2', 'cp_bn_stats_part', 'cp_bn_fwd_apply', 'cp_bn_bwd_part',
                          'cp_bn_bwd_apply', 'cp_pool_fwd', 'cp_pool_bwd',
-                         'cp_softmax_loss_rows', 'cp_softmax_loss_bwd'))
+                         'cp_softmax_loss_rows', 'cp_softmax_loss_bwd', 'cp_channel_sum_part',
+                         'cp_accumulate'))
 _F16 = numpy.dtype(numpy.float16)
 SOURCE = COMMON + CORE + EXTRA
 
@@ -74,7 +75,8 @@ f32 = numpy.float32
 # Whether the GPU layers use these kernels at first (set_enabled changes it).
 ENABLED = True
 _state = {'module': None, 'kernels': {}, 'enabled': ENABLED,
-          'emulator': None, 'failures': [], 'ndarray': None, 'planner': None, 'broken': None}
+          'emulator': None, 'failures': [], 'ndarray': None, 'planner': None, 'broken': None,
+          'forward_passes': 0}
 
 
 # -- switches -------------------------------------------------------------------
@@ -281,9 +283,18 @@ def begin_pass(net, start, end, backward=False):
     """Called by Net.forward_from_to / backward_from_to before their layers
     run: lets chains of layers (BatchNorm -> Scale -> ReLU in place) know
     whether this pass runs them whole, so they may run as one kernel."""
+    if not backward:
+        _state['forward_passes'] += 1
     planner = _state['planner']
     if planner is not None:
         planner(net, start, end, backward)
+
+
+def forward_passes():
+    """How many forward passes nets have begun: a backward reuses what its
+    layers made in the forward before it while this stays the same (the
+    16-bit weight copies, layers/cudnn_common.sixteen_bit_copy)."""
+    return _state['forward_passes']
 
 
 UNROLL = 4                  # CP_U: values per thread per loop step
@@ -319,16 +330,26 @@ def sum_blocks_per_channel(c, m):
     return int(max(1, min(-(-SUM_BLOCKS // max(c, 1)), m // SUM_MIN_VALUES)))
 
 
-def channel_sums(dy, part, db, n, c, s, p):
+def _arg(a):
+    return numpy.uint64(a) if isinstance(a, int) else a
+
+
+def channel_sums(dy, part, db, n, c, s, p, dtype=None):
     """db[:c] += dy (n, c, s) summed over n and s (float32; double partials
-    in `part`, at least c * p of them). dy, part, db: device arrays, or
-    device addresses (ints)."""
-    def arg(a):
-        return numpy.uint64(a) if isinstance(a, int) else a
-    kernel('cp_channel_sum_part')((c * p,), (SUM_THREADS,),
-                                  (arg(dy), arg(part), u32(n), u32(c), u32(s), u32(p)))
+    in `part`, at least c * p of them); dy of `dtype` (float32 unless given).
+    dy, part, db: device arrays, or device addresses (ints)."""
+    arg = _arg
+    kernel('cp_channel_sum_part', dtype)((c * p,), (SUM_THREADS,),
+                                         (arg(dy), arg(part), u32(n), u32(c), u32(s), u32(p)))
     kernel('cp_channel_sum_apply')(((c + 127) // 128,), (128,),
                                    (arg(part), arg(db), u32(c), u32(p)))
+
+
+def accumulate(g, acc, n, dtype=None):
+    """acc[:n] += g[:n] in float32, g of `dtype` (float32 unless given);
+    device arrays or addresses."""
+    kernel('cp_accumulate', dtype)(elementwise_grid(n), (ELEMENTWISE_THREADS,),
+                                   (_arg(g), _arg(acc), u32(n)))
 
 
 def channel_block(m):

@@ -29,7 +29,7 @@ import numpy
 
 from caffeplus import backend, log
 from caffeplus import kernels as _kernels
-from caffeplus.cudnn.algo_search import FLOAT_BYTES, _prod  # noqa: F401 (the layers' too)
+from caffeplus.cudnn.algo_search import _prod  # noqa: F401 (the layers' too)
 from caffeplus.errors import CaffeplusError
 
 
@@ -153,15 +153,23 @@ def _same_storage_dtype(bottom, top):
                for b in list(bottom) + list(top))
 
 
-def sixteen_bit_copy(copies, name, master, dtype):
-    """The values of the FP32 device array `master` in `dtype`, written now
-    into `copies[name]`, an array kept from call to call: its address stays
-    (the CUDA-graph replays and cuBLAS calls key on it)."""
+def sixteen_bit_copy(copies, name, blob, dtype, reuse=False):
+    """The values of the FP32 parameter `blob` in `dtype`, written into
+    `copies[name]`, an array kept from call to call: its address stays (the
+    CUDA-graph replays and cuBLAS calls key on it). A forward writes it; a
+    backward (`reuse`) takes what the forward of the same pass wrote, as
+    the weights cannot have changed in between (the update follows the
+    backward), and copies only without one."""
     import cupy
-    c = copies.get(name)
+    c, made = copies.get(name, (None, None))
+    now = _kernels.forward_passes()
+    if reuse and made == now and c is not None and c.dtype == dtype and c.size == blob.count:
+        return c
+    master = blob.data
     if c is None or c.shape != master.shape or c.dtype != dtype:
-        c = copies[name] = cupy.empty(master.shape, dtype)
+        c = cupy.empty(master.shape, dtype)
     cupy.copyto(c, master, casting='same_kind')
+    copies[name] = (c, now)
     return c
 
 

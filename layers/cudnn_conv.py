@@ -46,7 +46,7 @@ def _bias_add_calls(cd, b, y):
 _channel_sums_ok = [True]
 
 
-def _bias_gradient(cd, dtop, db):
+def _bias_gradient(cd, dtop, db, dtype=None):
     """db += the top diff summed over batch and space, per output channel
     (beta 1), with caffeplus.kernels.channel_sums over the whole top: every
     group and batch slice at once. cudnnConvolutionBackwardBias's kernel
@@ -63,7 +63,8 @@ def _bias_gradient(cd, dtop, db):
             cd.bias_part = _kernels.empty(c * p, numpy.float64)
         try:
             for g in range(pieces):
-                _kernels.channel_sums(dtop + g * cd.top_off, cd.bias_part, db, n, c, s, p)
+                _kernels.channel_sums(dtop + g * cd.top_off, cd.bias_part, db,
+                                      n, c, s, p, dtype)
             return
         except Exception as exc:        # the extra module did not build here
             _channel_sums_ok[0] = False
@@ -73,19 +74,22 @@ def _bias_gradient(cd, dtop, db):
                                beta=1.0)
 
 
-def _conv_params_calls(cd, conv, algo, reverse, x, dtop, dw, db, ws, nbytes):
-    """The bias gradient (if db) and the filter gradient (if dw), accumulated (beta 1)."""
+def _conv_params_calls(cd, conv, algo, reverse, x, dtop, dw, db, ws, nbytes, beta=1.0,
+                       dtype=None):
+    """The bias gradient (if db), accumulated, and the filter gradient (if
+    dw), accumulated (beta 1) or written (beta 0: a 16-bit layer's scratch);
+    the maps of `dtype` (float32 unless given)."""
     if db:
-        _bias_gradient(cd, dtop, db)
+        _bias_gradient(cd, dtop, db, dtype)
     if dw:
         ws = ws or None
         for g in range(cd.loops):
             if not reverse:
                 api.conv_backward_filter(cd.x, x + g * cd.x_off, cd.y, dtop + g * cd.y_off, conv,
-                                         algo, ws, nbytes, cd.w, dw + g * cd.w_off, beta=1.0)
+                                         algo, ws, nbytes, cd.w, dw + g * cd.w_off, beta=beta)
             else:       # x is conv-y, the top conv-x
                 api.conv_backward_filter(cd.x, dtop + g * cd.x_off, cd.y, x + g * cd.y_off, conv,
-                                         algo, ws, nbytes, cd.w, dw + g * cd.w_off, beta=1.0)
+                                         algo, ws, nbytes, cd.w, dw + g * cd.w_off, beta=beta)
 
 
 def _conv_data_calls(cd, conv, algo, reverse, dtop, w, dx, ws, nbytes):
@@ -338,15 +342,18 @@ class _CudnnConvolutionMixin(_CudnnMixin):
     def _sixteen_bit(self):
         return self.activation_dtype.itemsize != 4
 
-    def _sixteen_bit_params(self):
+    def _sixteen_bit_params(self, reuse=False):
         """Device addresses of the 16-bit copies of the weights and bias (0
-        without one) that cuDNN reads, refreshed from the FP32 masters."""
+        without one) that cuDNN reads: refreshed from the FP32 masters, or
+        (`reuse`, the backward) the forward's (sixteen_bit_copy)."""
         if self._copies is None:
             self._copies = {}
-        w = sixteen_bit_copy(self._copies, 'w', self.blobs[0].data, self.activation_dtype)
-        b = sixteen_bit_copy(self._copies, 'b', self.blobs[1].data, self.activation_dtype) \
-            if self.bias_term else None
-        return int(w.data.ptr), int(b.data.ptr) if b is not None else 0
+        dtype = self.activation_dtype
+        w = sixteen_bit_copy(self._copies, 'w', self.blobs[0], dtype, reuse)
+        if reuse or not self.bias_term:     # (the backward reads no bias)
+            return int(w.data.ptr), 0
+        b = sixteen_bit_copy(self._copies, 'b', self.blobs[1], dtype)
+        return int(w.data.ptr), int(b.data.ptr)
 
     def _ready(self, *arrays):
         # (`arrays`: the blobs' storage, kernels.flat: a view of each, made
@@ -441,19 +448,20 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         w = _dptr(wblob)
         dw = _dptr(wblob, True) if self.param_needs_backward(0) else 0
         db = _dptr(self.blobs[1], True) if self.bias_term and self.param_needs_backward(1) else 0
-        # A 16-bit layer: cuDNN reads the 16-bit weights and takes the filter
-        # gradient 16-bit, as its maps, in a scratch copy added to the FP32
-        # master's (cuDNN has no 16-bit-input, float32-output one); the bias
-        # gradient is summed in float32 apart from cuDNN's calls.
-        dw16 = None
-        bias16 = bool(db) and self._sixteen_bit()
+        # A 16-bit layer: cuDNN reads the 16-bit weights and writes the filter
+        # gradient 16-bit, as its maps, into a scratch copy (beta 0) that
+        # cp_accumulate adds to the FP32 master's (cuDNN has no 16-bit-input,
+        # float32-output call); the bias gradient's channel sums read the
+        # 16-bit top diff into the FP32 bias gradient.
+        dw16, beta, dtype = None, 1.0, self.activation_dtype
+        bias16 = False          # summed by CuPy, without the channel-sum kernels
         if self._sixteen_bit():
-            w, _ = self._sixteen_bit_params()
+            w, _ = self._sixteen_bit_params(reuse=True)
             if dw:
-                dw16 = backend.device_scratch('filter gradient', wblob.count,
-                                              self.activation_dtype)
-                dw = int(dw16.data.ptr)
-            db = 0
+                dw16 = backend.device_scratch('filter gradient', wblob.count, dtype)
+                dw, beta = int(dw16.data.ptr), 0.0
+            if db and not _channel_sums_ok[0]:
+                bias16, db = True, 0
         fc = self._sites['bwd_filter'].choice
         fcd = self._descs_for(fc)
         dkind = 'fwd' if self.reverse else 'bwd_data'
@@ -461,8 +469,6 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         dcd = self._descs_for(dc)
         for i, (bb, tt) in enumerate(zip(bottom, top)):
             dtop = _dptr(tt, True)
-            if dw16 is not None:
-                dw16.fill(0)
             if dw and fc.variant == 2 and self._gemm is not None:
                 x = _dptr(bb)
                 if db:
@@ -475,16 +481,17 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                 x = _dptr(bb)
                 with mgr.checkout(self, 'bwd_filter') as (ws, nbytes):
                     fcd.replays.run(('bwd_filter', x, dtop, dw, db, ws, nbytes, fc.algo, fc.math,
-                                     fc.variant),
+                                     fc.variant, beta),
                                     functools.partial(_conv_params_calls, fcd,
                                                       fcd.conv_for(fc.math), fc.algo,
-                                                      self.reverse, x, dtop, dw, db, ws, nbytes))
+                                                      self.reverse, x, dtop, dw, db, ws, nbytes,
+                                                      beta, dtype))
             elif db:
                 self._cd.replays.run(('bias', dtop, db), functools.partial(
-                    _conv_params_calls, self._cd, None, 0, self.reverse, 0, dtop, 0, db, 0, 0))
+                    _conv_params_calls, self._cd, None, 0, self.reverse, 0, dtop, 0, db, 0, 0,
+                    beta, dtype))
             if dw16 is not None:
-                gw = wblob.diff
-                gw += dw16.reshape(gw.shape)
+                _kernels.accumulate(dw16, _dptr(wblob, True), wblob.count, dtype)
             if bias16:
                 g = tt.diff
                 self.blobs[1].diff += g.reshape(g.shape[0], g.shape[1], -1).sum(

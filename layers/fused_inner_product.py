@@ -44,10 +44,11 @@ class GPUInnerProductLayer(InnerProductLayer):
         limit = 2 ** 31 - 1       # cuBLAS's int dimensions
         return 0 < self.M <= limit and 0 < self.K <= limit and 0 < self.num_output <= limit
 
-    def _params_in(self, dtype):
+    def _params_in(self, dtype, reuse=False):
         """Pointers to the weights and bias (0 without) in `dtype`: the FP32
-        masters, or 16-bit copies of them refreshed now (a 16-bit layer
-        multiplies in 16 bits, as its maps are)."""
+        masters, or 16-bit copies of them (a 16-bit layer multiplies in 16
+        bits, as its maps are), which the backward takes from its forward
+        (`reuse`, sixteen_bit_copy)."""
         K = _kernels
         w = K.flat(self.blobs[0])
         b = K.flat(self.blobs[1]) if self.bias_term else None
@@ -56,8 +57,8 @@ class GPUInnerProductLayer(InnerProductLayer):
         if dtype != numpy.float32:
             if self._copies is None:
                 self._copies = {}
-            w = sixteen_bit_copy(self._copies, 'w', self.blobs[0].data, dtype)
-            b = sixteen_bit_copy(self._copies, 'b', self.blobs[1].data, dtype) \
+            w = sixteen_bit_copy(self._copies, 'w', self.blobs[0], dtype, reuse)
+            b = sixteen_bit_copy(self._copies, 'b', self.blobs[1], dtype, reuse) \
                 if b is not None else None
         return int(w.data.ptr), int(b.data.ptr) if b is not None else 0
 
@@ -114,7 +115,7 @@ class GPUInnerProductLayer(InnerProductLayer):
             return False
         w = None
         if propagate_down[0]:
-            params = self._params_in(dtype)
+            params = self._params_in(dtype, reuse=True)
             if params is None:
                 return False
             w = params[0]

@@ -259,3 +259,32 @@ def test_softmax_loss_on_16_bit_scores(half_extra, float_extra):
     p /= p.sum(axis=1, keepdims=True)
     want = -numpy.log(numpy.take_along_axis(p, label.astype(int)[:, None, :], axis=1))[:, 0, :]
     numpy.testing.assert_allclose(runs['16'][0], want.reshape(-1), rtol=1e-5)
+
+
+def test_bias_gradient_sums_and_filter_accumulation_read_16_bit_maps(half_extra, float_extra):
+    """A 16-bit convolution's parameter gradients: the bias gradient's
+    channel sums read the 16-bit top diff into FP32, the same bits as the
+    float32 build on the same values and a float64 sum within float32's
+    rounding; cp_accumulate adds a 16-bit filter gradient to FP32's."""
+    r = numpy.random.RandomState(14)
+    n, c, s, p = 3, 5, 37, 4
+    dy = _maps(r, n, c, s, scale=50)
+    db0 = r.standard_normal(c).astype(F32)
+    runs = {}
+    for name, emu, dtype in (('16', half_extra, F16), ('32', float_extra, F32)):
+        db = db0.copy()
+        part = numpy.full(c * p, numpy.nan)
+        emu.kernel('cp_channel_sum_part')((c * p,), (64,), (
+            dy.astype(dtype), part, numpy.uint32(n), numpy.uint32(c), numpy.uint32(s),
+            numpy.uint32(p)))
+        emu.kernel('cp_channel_sum_apply')((1,), (32,), (part, db, numpy.uint32(c),
+                                                         numpy.uint32(p)))
+        runs[name] = db
+    assert runs['16'].tobytes() == runs['32'].tobytes()
+    want = db0.astype(numpy.float64) + dy.astype(numpy.float64).sum(axis=(0, 2))
+    numpy.testing.assert_allclose(runs['16'], want, rtol=1e-6)
+    m = 1000
+    g, acc = _maps(r, m, scale=1000), r.standard_normal(m).astype(F32)
+    out = acc.copy()
+    half_extra.kernel('cp_accumulate')((3,), (64,), (g, out, numpy.uint32(m)))
+    numpy.testing.assert_array_equal(out, acc + g.astype(F32))

@@ -119,6 +119,28 @@ def test_float16_loss_and_gradients_follow_fp32_within_fp16_rounding(gpu, plan):
         assert _relative(half.blobs['data'].diff, ref.blobs['data'].diff) < 2e-2
 
 
+def test_float16_layers_read_the_weights_of_each_iteration(gpu):
+    """The 16-bit weight copies are made once a pass, by the forward, and
+    the backward reads the forward's: after the weights change, the next
+    iteration's loss and gradients are the new weights' (the bottom
+    gradients read the filters, so stale copies would show there)."""
+    ref = _net('fp32')
+    weights = [p.data.get().copy() for p in ref.learnable_params]
+    half = _net('fp16', weights=weights)
+    x, label = _inputs()
+    _run(half, x, label)
+    changed = [-1.5 * w for w in weights]
+    for p, w in zip(half.learnable_params, changed):
+        p.data = w
+    loss16, grads16 = _run(half, x, label)
+    ref2 = _net('fp32', weights=changed)
+    loss32, grads32 = _run(ref2, x, label)
+    assert loss16 == pytest.approx(loss32, rel=1e-2)
+    for p, g16, g32 in zip(half.learnable_params, grads16, grads32):
+        assert _relative(g16, g32) < 2e-2, p.name
+    assert _relative(half.blobs['data'].diff, ref2.blobs['data'].diff) < 2e-2
+
+
 def test_a_shared_plan_gives_16_bit_maps_16_bit_views_of_its_arena(gpu):
     net = _net('fp16', 'shared')
     x, label = _inputs()
