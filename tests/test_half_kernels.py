@@ -34,14 +34,25 @@ def _maps(r, *shape, scale=1.0):
     return (scale * r.standard_normal(shape)).astype(F16)
 
 
-def test_relu_forward_and_backward(half):
+def _offset(a, k):
+    """A copy of `a` that starts k values into a fresh buffer (misaligned
+    for k not a multiple of 8: the kernels' scalar loop)."""
+    buf = numpy.empty(a.size + k, a.dtype)
+    buf[k:] = a
+    return buf[k:]
+
+
+@pytest.mark.parametrize('n,shift', [(1000, 0), (1003, 0), (1003, 1)])
+def test_relu_forward_and_backward(half, n, shift):
+    """Aligned maps take the 16-byte vector loop (its tail the scalar one),
+    misaligned ones the scalar loop; the same values either way."""
     r = numpy.random.RandomState(1)
-    n = 1000
-    x, dy = _maps(r, n), _maps(r, n)
-    y = numpy.empty(n, F16)
+    x, dy = _offset(_maps(r, n), shift), _offset(_maps(r, n), shift)
+    assert (x.ctypes.data % 16 == 0) == (shift == 0)
+    y = _offset(numpy.empty(n, F16), shift)
     half.kernel('cp_relu_fwd')((4,), (64,), (x, y, numpy.uint32(n), F32(0)))
     numpy.testing.assert_array_equal(y, numpy.where(x >= 0, x, F16(0)))
-    dx = numpy.empty(n, F16)
+    dx = _offset(numpy.empty(n, F16), shift)
     half.kernel('cp_relu_bwd')((4,), (64,), (dy, y, dx, numpy.uint32(n), F32(0)))
     numpy.testing.assert_array_equal(dx, numpy.where(y > 0, dy, F16(0)))
     # A leaky slope: the product in float32, rounded once.
@@ -50,11 +61,12 @@ def test_relu_forward_and_backward(half):
     numpy.testing.assert_array_equal(y, want)
 
 
-def test_axpby_and_scale2(half):
+@pytest.mark.parametrize('shift', [0, 3])
+def test_axpby_and_scale2(half, shift):
     r = numpy.random.RandomState(2)
     n = 777
-    a, b = _maps(r, n, scale=100), _maps(r, n, scale=100)
-    y = numpy.empty(n, F16)
+    a, b = _offset(_maps(r, n, scale=100), shift), _offset(_maps(r, n, scale=100), shift)
+    y = _offset(numpy.empty(n, F16), shift)
     half.kernel('cp_axpby')((3,), (64,), (a, b, y, numpy.uint32(n), F32(0.5), F32(-2),
                                           numpy.int32(1)))
     t = (F32(0.5) * a.astype(F32)) + (F32(-2) * b.astype(F32))
