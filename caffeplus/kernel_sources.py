@@ -366,6 +366,25 @@ extern "C" __global__ void cp_zero_many(const unsigned long long* ptrs,
         reinterpret_cast<unsigned*>(ptrs[lo])[w - offsets[lo]] = 0u;
     }
 }
+
+/* The 16-bit copies of a net's FP32 weights, all in one launch at the start
+   of a forward pass: dst[t][i] = src[t][i] rounded to nearest, value w of
+   the concatenation at offsets (as cp_zero_many's) in array t. */
+extern "C" __global__ void cp_cast_many(const unsigned long long* src,
+    const unsigned long long* dst, const long long* offsets, const int n, const long long total)
+{
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x; w < total;
+         w += stride) {
+        int lo = 0, hi = n - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (offsets[mid] <= w) lo = mid; else hi = mid - 1;
+        }
+        const long long i = w - offsets[lo];
+        reinterpret_cast<CP_A*>(dst[lo])[i] = reinterpret_cast<const float*>(src[lo])[i];
+    }
+}
 '''
 
 EXTRA = r'''

@@ -52,7 +52,7 @@ MAP_KERNELS = frozenset(('cp_bn_fwd', 'cp_bn_bwd', 'cp_relu_fwd', 'cp_relu_bwd',
                          'cp_scale2', 'cp_bn_stats_part', 'cp_bn_fwd_apply', 'cp_bn_bwd_part',
                          'cp_bn_bwd_apply', 'cp_pool_fwd', 'cp_pool_bwd',
                          'cp_softmax_loss_rows', 'cp_softmax_loss_bwd', 'cp_channel_sum_part',
-                         'cp_accumulate'))
+                         'cp_accumulate', 'cp_cast_many'))
 _F16 = numpy.dtype(numpy.float16)
 SOURCE = COMMON + CORE + EXTRA
 
@@ -76,7 +76,7 @@ f32 = numpy.float32
 ENABLED = True
 _state = {'module': None, 'kernels': {}, 'enabled': ENABLED,
           'emulator': None, 'failures': [], 'ndarray': None, 'planner': None, 'broken': None,
-          'forward_passes': 0}
+          'forward_passes': 0, 'pass_hooks': []}
 
 
 # -- switches -------------------------------------------------------------------
@@ -279,15 +279,25 @@ def chain_heads(net):
     return fn(net)
 
 
+def add_pass_hook(fn):
+    """fn(net, start, end, backward), called by begin_pass after the chain
+    planner (layers/cudnn_common.py: the 16-bit weight copies)."""
+    if fn not in _state['pass_hooks']:
+        _state['pass_hooks'].append(fn)
+
+
 def begin_pass(net, start, end, backward=False):
     """Called by Net.forward_from_to / backward_from_to before their layers
     run: lets chains of layers (BatchNorm -> Scale -> ReLU in place) know
-    whether this pass runs them whole, so they may run as one kernel."""
+    whether this pass runs them whole, so they may run as one kernel, and
+    the pass hooks prepare what the layers read."""
     if not backward:
         _state['forward_passes'] += 1
     planner = _state['planner']
     if planner is not None:
         planner(net, start, end, backward)
+    for fn in _state['pass_hooks']:
+        fn(net, start, end, backward)
 
 
 def forward_passes():
@@ -386,29 +396,51 @@ def _address(a):
     return a.ctypes.data if isinstance(a, numpy.ndarray) else a.data.ptr
 
 
-_ZERO_TABLES = collections.OrderedDict()     # key -> device tables, the latest few
+_TABLES = collections.OrderedDict()     # key -> device tables, the latest few
+
+
+def _tables(kind, pointer_lists, sizes):
+    """(one device table per list of addresses, offsets, n, total) for the
+    multi-array kernels: kept on the device until an address or size
+    changes (a re-layout, a reshape)."""
+    xp = array_module()
+    key = (kind, xp.__name__, tuple(map(tuple, pointer_lists)), tuple(sizes))
+    tables = _TABLES.get(key)
+    if tables is None:
+        offsets = numpy.zeros(len(sizes) + 1, dtype=numpy.int64)
+        numpy.cumsum(sizes, out=offsets[1:])
+        tables = _TABLES[key] = tuple(
+            xp.asarray(numpy.array(ptrs, dtype=numpy.uint64)) for ptrs in pointer_lists) + (
+            xp.asarray(offsets), i32(len(sizes)), numpy.int64(offsets[-1]))
+        while len(_TABLES) > 16:       # (callers: a net's diffs, a solver's, hooks)
+            _TABLES.popitem(last=False)
+    else:
+        _TABLES.move_to_end(key)
+    return tables
+
+
+def _many_grid(total):
+    return (max(min((int(total) + ELEMENTWISE_THREADS - 1) // ELEMENTWISE_THREADS,
+                    MAX_BLOCKS), 1),)
 
 
 def zero_many(arrays):
     """Zero the 32-bit words of every (device address, words) of `arrays`
-    in one launch of cp_zero_many. The address tables are kept on the
-    device until an address or size changes (a re-layout, a reshape)."""
+    in one launch of cp_zero_many."""
     arrays = [(p, w) for p, w in arrays if w]
     if not arrays:
         return
-    xp = array_module()
-    key = (xp.__name__, tuple(arrays))
-    tables = _ZERO_TABLES.get(key)
-    if tables is None:
-        offsets = numpy.zeros(len(arrays) + 1, dtype=numpy.int64)
-        numpy.cumsum([w for _, w in arrays], out=offsets[1:])
-        tables = _ZERO_TABLES[key] = (
-            xp.asarray(numpy.array([p for p, _ in arrays], dtype=numpy.uint64)),
-            xp.asarray(offsets), i32(len(arrays)), numpy.int64(offsets[-1]))
-        while len(_ZERO_TABLES) > 16:       # (callers: a net's diffs, a solver's, hooks)
-            _ZERO_TABLES.popitem(last=False)
-    else:
-        _ZERO_TABLES.move_to_end(key)
-    total = int(tables[3])
-    blocks = max(min((total + ELEMENTWISE_THREADS - 1) // ELEMENTWISE_THREADS, MAX_BLOCKS), 1)
-    kernel('cp_zero_many')((blocks,), (ELEMENTWISE_THREADS,), tables)
+    tables = _tables('zero', [[p for p, _ in arrays]], [w for _, w in arrays])
+    kernel('cp_zero_many')(_many_grid(tables[-1]), (ELEMENTWISE_THREADS,), tables)
+
+
+def cast_many(arrays, dtype):
+    """dst = src rounded to `dtype` (float16) for every (src address of
+    float32 values, dst address, count) of `arrays`, in one launch of
+    cp_cast_many."""
+    arrays = [a for a in arrays if a[2]]
+    if not arrays:
+        return
+    tables = _tables('cast', [[a[0] for a in arrays], [a[1] for a in arrays]],
+                     [a[2] for a in arrays])
+    kernel('cp_cast_many', dtype)(_many_grid(tables[-1]), (ELEMENTWISE_THREADS,), tables)

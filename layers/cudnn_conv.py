@@ -152,7 +152,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
     # (then cuDNN reads 16-bit copies of the weights, _sixteen_bit_params).
     activation_dtype = numpy.dtype(numpy.float32)
     _dtypes_agree = True
-    _copies = None          # the 16-bit weights and bias, sixteen_bit_copy
+    _weight_copies = None   # the 16-bit weights and bias, sixteen_bit_copy
 
     def _cudnn_geometry_ok(self):
         if not (self.channel_axis == 1 and 1 <= self.num_spatial <= 3 and self.num > 0):
@@ -346,13 +346,13 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         """Device addresses of the 16-bit copies of the weights and bias (0
         without one) that cuDNN reads: refreshed from the FP32 masters, or
         (`reuse`, the backward) the forward's (sixteen_bit_copy)."""
-        if self._copies is None:
-            self._copies = {}
+        if self._weight_copies is None:
+            self._weight_copies = {}
         dtype = self.activation_dtype
-        w = sixteen_bit_copy(self._copies, 'w', self.blobs[0], dtype, reuse)
+        w = sixteen_bit_copy(self._weight_copies, 'w', self.blobs[0], dtype, reuse)
         if reuse or not self.bias_term:     # (the backward reads no bias)
             return int(w.data.ptr), 0
-        b = sixteen_bit_copy(self._copies, 'b', self.blobs[1], dtype)
+        b = sixteen_bit_copy(self._weight_copies, 'b', self.blobs[1], dtype)
         return int(w.data.ptr), int(b.data.ptr)
 
     def _ready(self, *arrays):

@@ -24,7 +24,7 @@ class GPUInnerProductLayer(InnerProductLayer):
     backward steps (`gemm_views`; caffeplus.memory.cublas_pool)."""
     engine = 'FUSED'
     _ones = None            # {dtype: a device vector of ones}
-    _copies = None          # 16-bit copies of the weights and bias
+    _weight_copies = None   # 16-bit copies of the weights and bias, sixteen_bit_copy
     gemm_views = {}         # 'forward' | 'backward' -> (pointer, bytes), set by the plan
 
     def _ones_ptr(self, n, dtype=numpy.float32):
@@ -55,10 +55,10 @@ class GPUInnerProductLayer(InnerProductLayer):
         if w is None or (self.bias_term and b is None):
             return None
         if dtype != numpy.float32:
-            if self._copies is None:
-                self._copies = {}
-            w = sixteen_bit_copy(self._copies, 'w', self.blobs[0], dtype, reuse)
-            b = sixteen_bit_copy(self._copies, 'b', self.blobs[1], dtype, reuse) \
+            if self._weight_copies is None:
+                self._weight_copies = {}
+            w = sixteen_bit_copy(self._weight_copies, 'w', self.blobs[0], dtype, reuse)
+            b = sixteen_bit_copy(self._weight_copies, 'b', self.blobs[1], dtype, reuse) \
                 if b is not None else None
         return int(w.data.ptr), int(b.data.ptr) if b is not None else 0
 

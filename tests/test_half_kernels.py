@@ -300,3 +300,23 @@ def test_bias_gradient_sums_and_filter_accumulation_read_16_bit_maps(half_extra,
     out = acc.copy()
     half_extra.kernel('cp_accumulate')((3,), (64,), (g, out, numpy.uint32(m)))
     numpy.testing.assert_array_equal(out, acc + g.astype(F32))
+
+
+@pytest.mark.filterwarnings('ignore:overflow encountered in cast:RuntimeWarning')
+def test_one_launch_casts_many_weight_arrays_to_16_bits(half):
+    """cp_cast_many: each float32 array rounded to nearest FLOAT16 into its
+    own copy (NumPy's astype, ties to even), arrays of different sizes in
+    one launch; nothing written past a copy's end."""
+    r = numpy.random.RandomState(15)
+    sizes = [5, 1, 300, 64]
+    src = [(r.standard_normal(m) * 10 ** r.uniform(-6, 4.9, m)).astype(F32) for m in sizes]
+    src[0][:2] = [65520.0, 2.0 ** -25]          # overflows to inf; rounds to 0 (a tie)
+    dst = [numpy.full(m + 1, 7, F16) for m in sizes]      # one guard value each
+    ptrs = lambda arrays: numpy.array([a.ctypes.data for a in arrays], numpy.uint64)  # noqa: E731
+    offsets = numpy.concatenate([[0], numpy.cumsum(sizes)]).astype(numpy.int64)
+    half.kernel('cp_cast_many')((3,), (64,), (ptrs(src), ptrs(dst), offsets,
+                                              numpy.int32(len(sizes)), numpy.int64(offsets[-1])))
+    for s, d in zip(src, dst):
+        assert d[:-1].tobytes() == s.astype(F16).tobytes()
+        assert d[-1] == 7
+    assert numpy.isinf(dst[0][0]) and dst[0][1] == 0

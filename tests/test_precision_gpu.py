@@ -139,6 +139,10 @@ def test_float16_layers_read_the_weights_of_each_iteration(gpu):
     for p, g16, g32 in zip(half.learnable_params, grads16, grads32):
         assert _relative(g16, g32) < 2e-2, p.name
     assert _relative(half.blobs['data'].diff, ref2.blobs['data'].diff) < 2e-2
+    # From the second pass on, the pass's one launch wrote the copies.
+    for name in ('conv1', 'conv2', 'ip1', 'ip2'):
+        copies = half.layer_dict[name]._weight_copies
+        assert all(by_pass for _, _, by_pass, _ in copies.values()), name
 
 
 def test_a_shared_plan_gives_16_bit_maps_16_bit_views_of_its_arena(gpu):
