@@ -16,6 +16,10 @@ COMMON = r'''
 #ifndef CP_A
 #define CP_A float
 #endif
+/* v as a map stores it (the identity for float): BatchNorm rounds its
+   normalized values once, so the top, the kept copy and the backward's
+   recomputed ReLU mask agree. */
+#define CP_ROUND(v) ((float)(CP_A)(v))
 
 __device__ __forceinline__ double cp_warp_sum(double v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(CP_FULL_MASK, v, o);
@@ -121,9 +125,10 @@ __device__ __forceinline__ bool cp_aligned16(const void* p) {
 CORE = r'''
 /* BatchNorm forward, one block per channel over x viewed as (N, C, S).
    flags: 1 batch statistics (else the stored ones), 2 keep the normalized
-   copy in xn, 4 multiply by sc[c], 8 add bi[c], 16 ReLU (the chain). */
+   copy in xn (a map: 16-bit in the 16-bit build), 4 multiply by sc[c],
+   8 add bi[c], 16 ReLU (the chain). */
 extern "C" __global__ void cp_bn_fwd(
-    const CP_A* x, CP_A* y, float* xn, float* b0, float* b1, float* b2, float* stdv,
+    const CP_A* x, CP_A* y, CP_A* xn, float* b0, float* b1, float* b2, float* stdv,
     const float* sc, const float* bi,
     const unsigned N, const unsigned C, const unsigned S, const int flags,
     const float maf, const float eps, const float corr)
@@ -169,7 +174,7 @@ extern "C" __global__ void cp_bn_fwd(
     const float bb = (flags & 8) ? bi[c] : 0.0f;
     CP_CHANNEL_LOOP(M, S, base, step,
         v[u] = x[o[u]];,
-        const float t = __fdiv_rn(__fsub_rn(v[u], mean), sd);
+        const float t = CP_ROUND(__fdiv_rn(__fsub_rn(v[u], mean), sd));
         if (flags & 2) xn[o[u]] = t;
         y[o[u]] = cp_chain(t, s, bb, flags);)
 }
@@ -180,7 +185,7 @@ extern "C" __global__ void cp_bn_fwd(
    bias and ReLU (dy is then the ReLU's top diff), 32 accumulate the scale
    gradient into dsc, 64 the bias gradient into dbi, 128 write dx. */
 extern "C" __global__ void cp_bn_bwd(
-    const CP_A* dy, const float* xn, const float* stdv, CP_A* dx,
+    const CP_A* dy, const CP_A* xn, const float* stdv, CP_A* dx,
     const float* sc, const float* bi, float* dsc, float* dbi,
     const unsigned N, const unsigned C, const unsigned S, const int flags)
 {
@@ -809,7 +814,7 @@ extern "C" __global__ void cp_bn_stats_part(const CP_A* x, double* part, float* 
 
 /* cp_bn_fwd's second half for block (c, p); flags as cp_bn_fwd's. */
 extern "C" __global__ void cp_bn_fwd_apply(
-    const CP_A* x, CP_A* y, float* xn, float* b0, float* b1, float* b2, float* stdv,
+    const CP_A* x, CP_A* y, CP_A* xn, float* b0, float* b1, float* b2, float* stdv,
     const float* sc, const float* bi, const double* part, const float* kv,
     const unsigned N, const unsigned C, const unsigned S, const unsigned P, const int flags,
     const float maf, const float eps, const float corr)
@@ -855,14 +860,14 @@ extern "C" __global__ void cp_bn_fwd_apply(
     float v[CP_U];
     CP_RANGE_LOOP(lo, hi, S, base, step,
         v[u] = x[o[u]];,
-        const float t = __fdiv_rn(__fsub_rn(v[u], mean), sd);
+        const float t = CP_ROUND(__fdiv_rn(__fsub_rn(v[u], mean), sd));
         if (flags & 2) xn[o[u]] = t;
         y[o[u]] = cp_chain(t, s, bb, flags);)
 }
 
 /* part[2 (c P + p)] = sum(g * xn), [.. + 1] = sum(g) over block (c, p)'s
    share, g = dy masked by the chain's ReLU (flags as cp_bn_bwd's). */
-extern "C" __global__ void cp_bn_bwd_part(const CP_A* dy, const float* xn,
+extern "C" __global__ void cp_bn_bwd_part(const CP_A* dy, const CP_A* xn,
     const float* sc, const float* bi, double* part,
     const unsigned N, const unsigned C, const unsigned S, const unsigned P, const int flags)
 {
@@ -891,7 +896,7 @@ extern "C" __global__ void cp_bn_bwd_part(const CP_A* dy, const float* xn,
 
 /* cp_bn_bwd's second half for block (c, p). */
 extern "C" __global__ void cp_bn_bwd_apply(
-    const CP_A* dy, const float* xn, const float* stdv, CP_A* dx,
+    const CP_A* dy, const CP_A* xn, const float* stdv, CP_A* dx,
     const float* sc, const float* bi, float* dsc, float* dbi, const double* part,
     const unsigned N, const unsigned C, const unsigned S, const unsigned P, const int flags)
 {

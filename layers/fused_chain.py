@@ -299,9 +299,10 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         super().forget_kept_buffers()
         self._xn_buf = self._buf_key = self._my_xn = None
 
-    def _buffers(self, keep):
-        """The layer's std and normalized copy: views of device buffers reused
-        across calls (the generic code's self._std and self._x_norm)."""
+    def _buffers(self, keep, dtype):
+        """The layer's std and normalized copy (in the maps' type `dtype`):
+        views of device buffers reused across calls (the generic code's
+        self._std and self._x_norm)."""
         K = _kernels
         n, c, s = self._cfg
         count = n * c * s
@@ -309,7 +310,7 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
             self._std_buf = K.empty(c)
         if keep:
             # The kept normalized copy: the memory plan's view, else the layer's own.
-            self._xn_buf = scratch.get(self, 'x_norm', count, numpy.float32, K.array_module())
+            self._xn_buf = scratch.get(self, 'x_norm', count, dtype, K.array_module())
         key = (self._cfg, keep, id(self._std_buf), _base_address(self._xn_buf) if keep else None)
         if key != self._buf_key:
             self._my_std = self._std_buf[:c]
@@ -329,11 +330,11 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         batch = not self.use_global_stats
         # A chain's Scale gradient reads the normalized copy too.
         keep = self.keeps_normalized or bool(chain_flags and self._chain is not None)
-        xn = self._buffers(keep)
+        xn = self._buffers(keep, dtype)
         m = n * s
         corr = F32(m) / F32(m - 1) if m > 1 else F32(1)
         flags = (K.BN_BATCH if batch else 0) | (K.BN_KEEP if keep else 0) | chain_flags
-        # (Placeholders the flags leave unread: float32, as the kernel declares them.)
+        # (A placeholder the flags leave unread.)
         xn = xn if xn is not None else self._std_buf
         sc = sc if sc is not None else b0
         bi = bi if bi is not None else b0
@@ -383,9 +384,9 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         if dtype != numpy.float32:
             # The 16-bit build's float32 pointers: placeholders the flags leave
             # unused (the maps' own arrays stand in for them in float32) become
-            # the std buffer.
-            xn, sc, bi, dsc, dbi = (a if a.dtype == numpy.float32 else std
-                                    for a in (xn, sc, bi, dsc, dbi))
+            # the std buffer. (xn is a map in either build.)
+            sc, bi, dsc, dbi = (a if a.dtype == numpy.float32 else std
+                                for a in (sc, bi, dsc, dbi))
         split = self._split_kernels(('cp_bn_bwd_part', 'cp_bn_bwd_apply'), dtype)
         if split is not None:
             kp, ka, P, part, _, block = split

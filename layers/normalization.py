@@ -31,9 +31,11 @@ def _xp(a):
 
 def keep_in(layer, name, x):
     """A copy of x in the layer's kept buffer `name` (its own, or the memory
-    plan's view: caffeplus.memory.scratch), in float32 as the layers declare
-    it (a 16-bit map's values exactly)."""
-    buf = scratch.get(layer, name, x.size, F32, backend.get_array_module(x))
+    plan's view: caffeplus.memory.scratch), in the type the layer declares
+    it (internal_buffers); float32 on the CPU, which emulates 16 bits."""
+    xp = backend.get_array_module(x)
+    dtype = F32 if xp is numpy else layer.internal_buffers().get(name, (0, F32))[1]
+    buf = scratch.get(layer, name, x.size, dtype, xp)
     buf = buf.reshape(x.shape)
     buf[...] = x
     return buf
@@ -146,7 +148,10 @@ class BatchNormLayer(Layer):
             _fail(self, 'bottom has %d channels but the statistics have %d'
                   % (self._channels(bottom[0]), self.blobs[0].count))
         top[0].reshape(bottom[0].shape)
-        self._kept = {'x_norm': (top[0].count, F32)} if self.keeps_normalized else {}
+        # Kept in the top's storage type: a 16-bit net's copy is 16-bit, as
+        # its maps (on the CPU, which emulates 16 bits, float32 arrays).
+        self._kept = {'x_norm': (top[0].count, top[0].data_storage.dtype)} \
+            if self.keeps_normalized else {}
 
     def internal_buffers(self):
         """The normalized output, kept for backward (in place, later layers

@@ -411,6 +411,25 @@ def test_the_memory_estimate_counts_16_bit_maps_at_two_bytes(capsys):
     assert sizes['fp16']['other'] - sizes['fp32']['other'] == 2 * 138357544
 
 
+def test_batchnorm_keeps_its_normalized_copy_in_the_maps_type(capsys):
+    """ResNet-50 in FLOAT16: BatchNorm's kept normalized copies count at two
+    bytes a value, as the GPU keeps them, beside the 16-bit weight copies."""
+    from caffeplus import cli
+    model = os.path.join(os.path.dirname(__file__), 'data', 'bench', 'resnet50_b64.prototxt')
+    other = {}
+    for name in ('fp32', 'fp16'):
+        assert cli.main(['memory', '--model', model, '--estimate', '--plans', 'arena',
+                         '--precision', name, '--json']) == 0
+        other[name] = json.loads(capsys.readouterr().out)['plans']['arena']['breakdown']['other']
+    net = Net(model, caffe_pb2.TRAIN)       # (on the CPU: the counts)
+    normalized = sum(layer.internal_buffers()['x_norm'][0] for layer in net.layers
+                     if layer.layer_param.type == 'BatchNorm')
+    assert normalized > 0
+    copies = sum(b.count for layer in net.layers
+                 if layer.layer_param.type in ('Convolution', 'InnerProduct') for b in layer.blobs)
+    assert other['fp32'] - other['fp16'] == 2 * normalized - 2 * copies
+
+
 def test_the_memory_table_says_its_times_are_fp32_rates_for_a_16_bit_net(capsys):
     from caffeplus import cli
     model = os.path.join(os.path.dirname(__file__), 'data', 'bench', 'vgg16_b64.prototxt')

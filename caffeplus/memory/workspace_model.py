@@ -53,7 +53,7 @@ overrides it:
   Pooling MAX / STOCHASTIC   int32 argmax, the size of the top
   LRN                        the scale array, the size of the bottom
   Dropout (TRAIN)            a bool mask, 1 byte per bottom element
-  BatchNorm (batch stats)    a copy of the normalized top
+  BatchNorm (batch stats)    a copy of the normalized top, in the top's type
   Scale (in place, learning) a copy of the bottom
   Eltwise MAX                int32 argmax, the size of the top
 
@@ -401,7 +401,7 @@ def internal_bytes(net, i, plan_name=None):
     if t == 'Dropout' and training:
         return bottom[0].count
     if t == 'BatchNorm' and getattr(layer, 'keeps_normalized', training):
-        return FLOAT_BYTES * top[0].count
+        return top[0].data_storage.dtype.itemsize * top[0].count     # (in the maps' type)
     if t == 'Scale' and bottom and top and bottom[0].data_storage is top[0].data_storage:
         if _after_in_place_batch_norm(net, i):
             return 0        # a BatchNorm -> Scale chain: its gradient reads BatchNorm's copy
