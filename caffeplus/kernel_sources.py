@@ -62,6 +62,20 @@ __device__ __forceinline__ float cp_chain(float v, float s, float b, int flags) 
     return v;
 }
 
+/* BatchNorm's backward, per value: the top diff g masked by the chain's
+   ReLU (recomputed from the normalized value v), ... */
+__device__ __forceinline__ float cp_bn_masked(float g, float v, float s, float b, int flags) {
+    return (flags & 16) ? __fmul_rn(g, cp_chain(v, s, b, flags & 12) > 0.0f ? 1.0f : 0.0f) : g;
+}
+
+/* ... and dx from it (flags 1: batch statistics, mdyy and mdy their terms). */
+__device__ __forceinline__ float cp_bn_dx(float gg, float v, float s, float sd, float mdyy,
+                                          float mdy, int flags) {
+    if (flags & 4) gg = __fmul_rn(gg, s);
+    if (flags & 1) return __fdiv_rn(__fsub_rn(gg, __fadd_rn(__fmul_rn(v, mdyy), mdy)), sd);
+    return __fdiv_rn(gg, sd);
+}
+
 /* The elementwise kernels move maps as 16-byte vectors where every pointer
    is 16-byte aligned (CuPy and the memory plans' arenas align blobs to 256
    bytes): one load per 4 floats or 8 16-bit values instead of one per value,
@@ -71,6 +85,45 @@ __device__ __forceinline__ float cp_chain(float v, float s, float b, int flags) 
 struct alignas(16) cp_vec { CP_A v[CP_V]; };
 __device__ __forceinline__ bool cp_aligned16(const void* p) {
     return ((unsigned long long)p & 15ull) == 0;
+}
+
+/* W values of a map from p as floats, and back (one 16-byte access for
+   W == CP_V; p then 16-byte aligned). */
+template <int W> __device__ __forceinline__ void cp_load(const CP_A* p, float* out) {
+    if (W == CP_V) {
+        const cp_vec a = *(const cp_vec*)p;
+        for (int k = 0; k < W; ++k) out[k] = a.v[k];
+    } else {
+        for (int k = 0; k < W; ++k) out[k] = p[k];
+    }
+}
+template <int W> __device__ __forceinline__ void cp_store(CP_A* p, const float* in) {
+    if (W == CP_V) {
+        cp_vec a;
+        for (int k = 0; k < W; ++k) a.v[k] = in[k];
+        *(cp_vec*)p = a;
+    } else {
+        for (int k = 0; k < W; ++k) p[k] = in[k];
+    }
+}
+
+/* The per-channel kernels (BatchNorm) read a channel of (N, C, S) maps as N
+   runs of S values. Where S is a multiple of CP_V and the maps are 16-byte
+   aligned, cp_channel_vec hands f the offset of each CP_V values in turn
+   over [lo, hi) (multiples of CP_V), one 16-byte load a map instead of
+   CP_V; otherwise the kernels take the scalar loops below. */
+__device__ __forceinline__ bool cp_channel_vectors(unsigned S, const void* a, const void* b,
+                                                   const void* c) {
+    return S % CP_V == 0 && cp_aligned16(a) && cp_aligned16(b) && cp_aligned16(c);
+}
+template <class F>
+__device__ __forceinline__ void cp_channel_vec(unsigned lo, unsigned hi, unsigned S,
+                                               unsigned base, unsigned step, F f) {
+    const unsigned SV = S / CP_V;
+    for (unsigned j = lo / CP_V + threadIdx.x; j < hi / CP_V; j += blockDim.x) {
+        const unsigned n = j / SV;
+        f(base + n * step + (j - n * SV) * CP_V);
+    }
 }
 
 /* Loops over a channel's M values of a (N, C, S)-like layout, U values per
@@ -120,6 +173,46 @@ __device__ __forceinline__ bool cp_aligned16(const void* p) {
         for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_USE }                   \
     }
 
+/* BatchNorm forward's second pass over CP_V values at offset o (the vector
+   loop): y and the kept normalized copy, as the scalar loop computes them. */
+__device__ __forceinline__ void cp_bn_apply_run(const CP_A* x, CP_A* y, CP_A* xn, unsigned o,
+    float mean, float sd, float s, float bb, int flags)
+{
+    float w[CP_V], t[CP_V];
+    cp_load<CP_V>(x + o, w);
+    for (int k = 0; k < CP_V; ++k) {
+        t[k] = CP_ROUND(__fdiv_rn(__fsub_rn(w[k], mean), sd));
+        w[k] = cp_chain(t[k], s, bb, flags);
+    }
+    if (flags & 2) cp_store<CP_V>(xn + o, t);
+    cp_store<CP_V>(y + o, w);
+}
+
+/* BatchNorm backward's sums over CP_V values at offset o: a += g v, b += g. */
+__device__ __forceinline__ void cp_bn_sums_run(const CP_A* dy, const CP_A* xn, unsigned o,
+    float s, float bb, int flags, double* a, double* b)
+{
+    float v[CP_V], g[CP_V];
+    cp_load<CP_V>(xn + o, v);
+    cp_load<CP_V>(dy + o, g);
+    for (int k = 0; k < CP_V; ++k) {
+        const float gg = cp_bn_masked(g[k], v[k], s, bb, flags);
+        *a += (double)gg * (double)v[k];
+        *b += (double)gg;
+    }
+}
+
+/* BatchNorm backward's dx over CP_V values at offset o. */
+__device__ __forceinline__ void cp_bn_dx_run(const CP_A* dy, const CP_A* xn, CP_A* dx,
+    unsigned o, float s, float bb, float sd, float mdyy, float mdy, int flags)
+{
+    float v[CP_V], g[CP_V];
+    cp_load<CP_V>(xn + o, v);
+    cp_load<CP_V>(dy + o, g);
+    for (int k = 0; k < CP_V; ++k)
+        g[k] = cp_bn_dx(cp_bn_masked(g[k], v[k], s, bb, flags), v[k], s, sd, mdyy, mdy, flags);
+    cp_store<CP_V>(dx + o, g);
+}
 '''
 
 CORE = r'''
@@ -140,12 +233,21 @@ extern "C" __global__ void cp_bn_fwd(
     const unsigned base = c * S;
     const unsigned step = C * S;
     float v[CP_U];
+    const bool vec = cp_channel_vectors(S, x, y, (flags & 2) ? xn : nullptr);
     if (flags & 1) {
         const double K = (double)(float)x[base];
         double a = 0.0, b = 0.0;
-        CP_CHANNEL_LOOP(M, S, base, step,
-            v[u] = x[o[u]];,
-            const double d = (double)v[u] - K; a += d; b += d * d;)
+        if (vec) {
+            cp_channel_vec(0, M, S, base, step, [&](unsigned o) {
+                float w[CP_V];
+                cp_load<CP_V>(x + o, w);
+                for (int k = 0; k < CP_V; ++k) { const double d = (double)w[k] - K; a += d; b += d * d; }
+            });
+        } else {
+            CP_CHANNEL_LOOP(M, S, base, step,
+                v[u] = x[o[u]];,
+                const double d = (double)v[u] - K; a += d; b += d * d;)
+        }
         cp_block_sum2(&a, &b, sh);
         if (threadIdx.x == 0) {
             const double m = (double)M;
@@ -172,6 +274,12 @@ extern "C" __global__ void cp_bn_fwd(
     if (threadIdx.x == 0) stdv[c] = sd;
     const float s = (flags & 4) ? sc[c] : 1.0f;
     const float bb = (flags & 8) ? bi[c] : 0.0f;
+    if (vec) {
+        cp_channel_vec(0, M, S, base, step, [&](unsigned o) {
+            cp_bn_apply_run(x, y, xn, o, mean, sd, s, bb, flags);
+        });
+        return;
+    }
     CP_CHANNEL_LOOP(M, S, base, step,
         v[u] = x[o[u]];,
         const float t = CP_ROUND(__fdiv_rn(__fsub_rn(v[u], mean), sd));
@@ -196,18 +304,23 @@ extern "C" __global__ void cp_bn_bwd(
     const unsigned step = C * S;
     const float s = (flags & 4) ? sc[c] : 1.0f;
     const float bb = (flags & 8) ? bi[c] : 0.0f;
-    const int relu = flags & 16;
     const float sd = stdv[c];
     float mdyy = 0.0f, mdy = 0.0f;
     float v[CP_U], g[CP_U];
+    const bool vec = cp_channel_vectors(S, dy, xn, (flags & 128) ? dx : nullptr);
     if (flags & (1 | 32 | 64)) {
         double a = 0.0, b = 0.0;
-        CP_CHANNEL_LOOP(M, S, base, step,
-            v[u] = xn[o[u]]; g[u] = dy[o[u]];,
-            float gg = g[u];
-            if (relu) gg = __fmul_rn(gg, cp_chain(v[u], s, bb, flags & 12) > 0.0f ? 1.0f : 0.0f);
-            a += (double)gg * (double)v[u];
-            b += (double)gg;)
+        if (vec) {
+            cp_channel_vec(0, M, S, base, step, [&](unsigned o) {
+                cp_bn_sums_run(dy, xn, o, s, bb, flags, &a, &b);
+            });
+        } else {
+            CP_CHANNEL_LOOP(M, S, base, step,
+                v[u] = xn[o[u]]; g[u] = dy[o[u]];,
+                const float gg = cp_bn_masked(g[u], v[u], s, bb, flags);
+                a += (double)gg * (double)v[u];
+                b += (double)gg;)
+        }
         cp_block_sum2(&a, &b, sh);
         if (threadIdx.x == 0) {
             if (flags & 32) dsc[c] = __fadd_rn(dsc[c], (float)a);
@@ -218,17 +331,16 @@ extern "C" __global__ void cp_bn_bwd(
         mdy = (float)((double)s * b / (double)M);
     }
     if (!(flags & 128)) return;
+    if (vec) {
+        cp_channel_vec(0, M, S, base, step, [&](unsigned o) {
+            cp_bn_dx_run(dy, xn, dx, o, s, bb, sd, mdyy, mdy, flags);
+        });
+        return;
+    }
     CP_CHANNEL_LOOP(M, S, base, step,
         v[u] = xn[o[u]]; g[u] = dy[o[u]];,
-        float gg = g[u];
-        if (relu) gg = __fmul_rn(gg, cp_chain(v[u], s, bb, flags & 12) > 0.0f ? 1.0f : 0.0f);
-        if (flags & 4) gg = __fmul_rn(gg, s);
-        if (flags & 1) {
-            const float t = __fadd_rn(__fmul_rn(v[u], mdyy), mdy);
-            dx[o[u]] = __fdiv_rn(__fsub_rn(gg, t), sd);
-        } else {
-            dx[o[u]] = __fdiv_rn(gg, sd);
-        })
+        dx[o[u]] = cp_bn_dx(cp_bn_masked(g[u], v[u], s, bb, flags), v[u], s, sd, mdyy, mdy,
+                            flags);)
 }
 
 /* Scale forward: y = x * s[c] (+ b[c]) over (outer, dim, inner).
@@ -782,9 +894,11 @@ extern "C" __global__ void cp_softmax_loss_bwd(const CP_A* x, const float* label
    launches each way: partial sums, then every block sums the P partials
    in the same order (so all agree) and does its share. */
 __device__ __forceinline__ void cp_share(unsigned M, unsigned p, unsigned P,
-                                         unsigned* lo, unsigned* hi) {
-    *lo = (unsigned)(((unsigned long long)M * p) / P);
-    *hi = (unsigned)(((unsigned long long)M * (p + 1)) / P);
+                                         unsigned* lo, unsigned* hi, unsigned W = 1) {
+    /* In whole runs of W values (the vector loop's; M a multiple of W). */
+    const unsigned long long m = M / W;
+    *lo = (unsigned)((m * p) / P) * W;
+    *hi = (unsigned)((m * (p + 1)) / P) * W;
 }
 
 /* part[2 (c P + p)] = sum(x - K), part[2 (c P + p) + 1] = sum((x - K)^2),
@@ -796,14 +910,23 @@ extern "C" __global__ void cp_bn_stats_part(const CP_A* x, double* part, float* 
     __shared__ double sh[66];
     const unsigned c = blockIdx.x / P, p = blockIdx.x - c * P;
     const unsigned M = N * S, base = c * S, step = C * S;
+    const bool vec = cp_channel_vectors(S, x, nullptr, nullptr);
     unsigned lo, hi;
-    cp_share(M, p, P, &lo, &hi);
+    cp_share(M, p, P, &lo, &hi, vec ? CP_V : 1);
     const double K = (double)(float)x[base];
     double a = 0.0, b = 0.0;
     float v[CP_U];
-    CP_RANGE_LOOP(lo, hi, S, base, step,
-        v[u] = x[o[u]];,
-        const double d = (double)v[u] - K; a += d; b += d * d;)
+    if (vec) {
+        cp_channel_vec(lo, hi, S, base, step, [&](unsigned o) {
+            float w[CP_V];
+            cp_load<CP_V>(x + o, w);
+            for (int k = 0; k < CP_V; ++k) { const double d = (double)w[k] - K; a += d; b += d * d; }
+        });
+    } else {
+        CP_RANGE_LOOP(lo, hi, S, base, step,
+            v[u] = x[o[u]];,
+            const double d = (double)v[u] - K; a += d; b += d * d;)
+    }
     cp_block_sum2(&a, &b, sh);
     if (threadIdx.x == 0) {
         part[2 * blockIdx.x] = a;
@@ -855,8 +978,15 @@ extern "C" __global__ void cp_bn_fwd_apply(
     if (threadIdx.x == 0 && p == 0) stdv[c] = sd;
     const float s = (flags & 4) ? sc[c] : 1.0f;
     const float bb = (flags & 8) ? bi[c] : 0.0f;
+    const bool vec = cp_channel_vectors(S, x, y, (flags & 2) ? xn : nullptr);
     unsigned lo, hi;
-    cp_share(M, p, P, &lo, &hi);
+    cp_share(M, p, P, &lo, &hi, vec ? CP_V : 1);
+    if (vec) {
+        cp_channel_vec(lo, hi, S, base, step, [&](unsigned o) {
+            cp_bn_apply_run(x, y, xn, o, mean, sd, s, bb, flags);
+        });
+        return;
+    }
     float v[CP_U];
     CP_RANGE_LOOP(lo, hi, S, base, step,
         v[u] = x[o[u]];,
@@ -876,17 +1006,22 @@ extern "C" __global__ void cp_bn_bwd_part(const CP_A* dy, const CP_A* xn,
     const unsigned M = N * S, base = c * S, step = C * S;
     const float s = (flags & 4) ? sc[c] : 1.0f;
     const float bb = (flags & 8) ? bi[c] : 0.0f;
-    const int relu = flags & 16;
+    const bool vec = cp_channel_vectors(S, dy, xn, nullptr);
     unsigned lo, hi;
-    cp_share(M, p, P, &lo, &hi);
+    cp_share(M, p, P, &lo, &hi, vec ? CP_V : 1);
     double a = 0.0, b = 0.0;
     float v[CP_U], g[CP_U];
-    CP_RANGE_LOOP(lo, hi, S, base, step,
-        v[u] = xn[o[u]]; g[u] = dy[o[u]];,
-        float gg = g[u];
-        if (relu) gg = __fmul_rn(gg, cp_chain(v[u], s, bb, flags & 12) > 0.0f ? 1.0f : 0.0f);
-        a += (double)gg * (double)v[u];
-        b += (double)gg;)
+    if (vec) {
+        cp_channel_vec(lo, hi, S, base, step, [&](unsigned o) {
+            cp_bn_sums_run(dy, xn, o, s, bb, flags, &a, &b);
+        });
+    } else {
+        CP_RANGE_LOOP(lo, hi, S, base, step,
+            v[u] = xn[o[u]]; g[u] = dy[o[u]];,
+            const float gg = cp_bn_masked(g[u], v[u], s, bb, flags);
+            a += (double)gg * (double)v[u];
+            b += (double)gg;)
+    }
     cp_block_sum2(&a, &b, sh);
     if (threadIdx.x == 0) {
         part[2 * blockIdx.x] = a;
@@ -905,7 +1040,6 @@ extern "C" __global__ void cp_bn_bwd_apply(
     const unsigned M = N * S, base = c * S, step = C * S;
     const float s = (flags & 4) ? sc[c] : 1.0f;
     const float bb = (flags & 8) ? bi[c] : 0.0f;
-    const int relu = flags & 16;
     const float sd = stdv[c];
     if (threadIdx.x == 0) {
         double a = 0.0, b = 0.0;
@@ -923,20 +1057,20 @@ extern "C" __global__ void cp_bn_bwd_apply(
     __syncthreads();
     if (!(flags & 128)) return;
     const float mdyy = stat[0], mdy = stat[1];
+    const bool vec = cp_channel_vectors(S, dy, xn, dx);
     unsigned lo, hi;
-    cp_share(M, p, P, &lo, &hi);
+    cp_share(M, p, P, &lo, &hi, vec ? CP_V : 1);
+    if (vec) {
+        cp_channel_vec(lo, hi, S, base, step, [&](unsigned o) {
+            cp_bn_dx_run(dy, xn, dx, o, s, bb, sd, mdyy, mdy, flags);
+        });
+        return;
+    }
     float v[CP_U], g[CP_U];
     CP_RANGE_LOOP(lo, hi, S, base, step,
         v[u] = xn[o[u]]; g[u] = dy[o[u]];,
-        float gg = g[u];
-        if (relu) gg = __fmul_rn(gg, cp_chain(v[u], s, bb, flags & 12) > 0.0f ? 1.0f : 0.0f);
-        if (flags & 4) gg = __fmul_rn(gg, s);
-        if (flags & 1) {
-            const float t = __fadd_rn(__fmul_rn(v[u], mdyy), mdy);
-            dx[o[u]] = __fdiv_rn(__fsub_rn(gg, t), sd);
-        } else {
-            dx[o[u]] = __fdiv_rn(gg, sd);
-        })
+        dx[o[u]] = cp_bn_dx(cp_bn_masked(g[u], v[u], s, bb, flags), v[u], s, sd, mdyy, mdy,
+                            flags);)
 }
 
 /* im2col of images n0 .. n0+B-1 of x (N, C, H, W) into col (K, B, P), K = C*KH*KW

@@ -100,9 +100,11 @@ def _bn_forward(half, x, flags, sc=None, bi=None):
     return y, xn, std, (b0, b1, b2)
 
 
-def test_batchnorm_chain_forward_and_backward(half):
+@pytest.mark.parametrize('s', [50, 48])
+def test_batchnorm_chain_forward_and_backward(half, s):
+    """s = 48: runs of 8 values, the 16-byte vector loops; 50: the scalar ones."""
     r = numpy.random.RandomState(3)
-    n, c, s = 4, 3, 50
+    n, c = 4, 3
     # Values in the thousands: their squares are past FLOAT16's range, the
     # kernel's sums are in double.
     x = _maps(r, n, c, s, scale=2000)
@@ -148,12 +150,14 @@ def test_batchnorm_chain_forward_and_backward(half):
 
 
 
-def test_batchnorm_split_kernels_on_16_bit_maps(half, half_extra):
+@pytest.mark.parametrize('s', [70, 64])
+def test_batchnorm_split_kernels_on_16_bit_maps(half, half_extra, s):
     """The kernels that share a channel among P blocks (a big map, few
     channels: ResNet's first BatchNorm) read and write 16-bit maps, with the
-    one-block kernel's statistics and its results to FLOAT16's rounding."""
+    one-block kernel's statistics and its results to FLOAT16's rounding
+    (s = 64: the vector loops, shares in whole runs of 8)."""
     r = numpy.random.RandomState(9)
-    n, c, s, P = 3, 2, 70, 3
+    n, c, P = 3, 2, 3
     x = _maps(r, n, c, s, scale=1500)
     sc = numpy.array([1.25, -0.75], F32)
     bi = numpy.array([0.5, -0.25], F32)
