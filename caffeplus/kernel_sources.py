@@ -651,9 +651,10 @@ extern "C" __global__ void cp_pool_bwd(const CP_A* dy, const int* arg, CP_A* dx,
    MAX pooling as cp_pool_fwd (Caffe's windows, the first maximum in scan
    order), keeping the argmax as one byte: the window offset kh*KW+kw (the
    layer masks windows of at most 255 values), 255 where nothing beat
-   -FLT_MAX. total = N*C*OH*OW. */
+   -FLT_MAX. total = N*C*OH*OW. Maps of CP_A, as the other pooling kernels;
+   a gradient is summed in float and rounded once. */
 template <class I>
-__device__ __forceinline__ void cp_mpool_fwd_run(const I total, const float* x, float* y,
+__device__ __forceinline__ void cp_mpool_fwd_run(const I total, const CP_A* x, CP_A* y,
     unsigned char* arg, const int H, const int W, const int OH, const int OW,
     const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
 {
@@ -662,7 +663,7 @@ __device__ __forceinline__ void cp_mpool_fwd_run(const I total, const float* x, 
         int oh, ow;
         const unsigned long long nc = cp_plane_of(i, OH, OW, &oh, &ow);
         const int hs = oh * SH - PH, ws = ow * SW - PW;
-        const float* xp = x + nc * (unsigned long long)(H * W);
+        const CP_A* xp = x + nc * (unsigned long long)(H * W);
         int a;
         y[i] = cp_window_max(xp, H, W, hs, ws, KH, KW, 255, &a);
         arg[i] = (unsigned char)a;
@@ -676,7 +677,7 @@ __device__ __forceinline__ void cp_mpool_fwd_run(const I total, const float* x, 
     if ((total) <= CP_INDEX_32) run<unsigned>((unsigned)(total), __VA_ARGS__);   \
     else run<unsigned long long>((total), __VA_ARGS__)
 
-extern "C" __global__ void cp_mpool_fwd(const float* x, float* y, unsigned char* arg,
+extern "C" __global__ void cp_mpool_fwd(const CP_A* x, CP_A* y, unsigned char* arg,
     const unsigned long long total, const int H, const int W, const int OH, const int OW,
     const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
 {
@@ -686,8 +687,8 @@ extern "C" __global__ void cp_mpool_fwd(const float* x, float* y, unsigned char*
 /* Its backward, one thread per input value (total = N*C*H*W): the sum, in
    window order, of dy over the windows whose argmax is this value. */
 template <class I>
-__device__ __forceinline__ void cp_mpool_bwd_run(const I total, const float* dy,
-    const unsigned char* arg, float* dx, const int H, const int W, const int OH, const int OW,
+__device__ __forceinline__ void cp_mpool_bwd_run(const I total, const CP_A* dy,
+    const unsigned char* arg, CP_A* dx, const int H, const int W, const int OH, const int OW,
     const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
 {
     const I stride = (I)gridDim.x * blockDim.x;
@@ -713,7 +714,7 @@ __device__ __forceinline__ void cp_mpool_bwd_run(const I total, const float* dy,
     }
 }
 
-extern "C" __global__ void cp_mpool_bwd(const float* dy, const unsigned char* arg, float* dx,
+extern "C" __global__ void cp_mpool_bwd(const CP_A* dy, const unsigned char* arg, CP_A* dx,
     const unsigned long long total, const int H, const int W, const int OH, const int OW,
     const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
 {
@@ -725,8 +726,8 @@ extern "C" __global__ void cp_mpool_bwd(const float* dy, const unsigned char* ar
    (total = N*C*OH*OW) writing its window: 0 + dy at the argmax (as the sum
    above, so -0.0 becomes 0.0), 0 elsewhere. */
 template <class I>
-__device__ __forceinline__ void cp_mpool_bwd_tiled_run(const I total, const float* dy,
-    const unsigned char* arg, float* dx, const int OH, const int OW, const int KH, const int KW)
+__device__ __forceinline__ void cp_mpool_bwd_tiled_run(const I total, const CP_A* dy,
+    const unsigned char* arg, CP_A* dx, const int OH, const int OW, const int KH, const int KW)
 {
     const int W = OW * KW;
     const I stride = (I)gridDim.x * blockDim.x;
@@ -735,7 +736,7 @@ __device__ __forceinline__ void cp_mpool_bwd_tiled_run(const I total, const floa
         const unsigned long long nc = cp_plane_of(i, OH, OW, &oh, &ow);
         const int a = (int)arg[i];
         const float g = __fadd_rn(0.0f, dy[i]);
-        float* dp = dx + nc * (unsigned long long)(OH * KH) * (unsigned long long)W +
+        CP_A* dp = dx + nc * (unsigned long long)(OH * KH) * (unsigned long long)W +
             (unsigned long long)(oh * KH) * W + (unsigned long long)(ow * KW);
         for (int kh = 0; kh < KH; ++kh)
             for (int kw = 0; kw < KW; ++kw)
@@ -743,8 +744,8 @@ __device__ __forceinline__ void cp_mpool_bwd_tiled_run(const I total, const floa
     }
 }
 
-extern "C" __global__ void cp_mpool_bwd_tiled(const float* dy, const unsigned char* arg,
-    float* dx, const unsigned long long total, const int OH, const int OW, const int KH,
+extern "C" __global__ void cp_mpool_bwd_tiled(const CP_A* dy, const unsigned char* arg,
+    CP_A* dx, const unsigned long long total, const int OH, const int OW, const int KH,
     const int KW)
 {
     CP_BY_INDEX(cp_mpool_bwd_tiled_run, total, dy, arg, dx, OH, OW, KH, KW);
@@ -754,7 +755,7 @@ extern "C" __global__ void cp_mpool_bwd_tiled(const float* dy, const unsigned ch
    the mask its backward reads instead of y. A warp's 32 lanes handle 32
    consecutive values each step (__ballot_sync), so the loop runs to n
    rounded up to 32 and blockDim.x is a multiple of 32. */
-extern "C" __global__ void cp_relu_bits_fwd(const float* x, float* y, unsigned* bits,
+extern "C" __global__ void cp_relu_bits_fwd(const CP_A* x, CP_A* y, unsigned* bits,
                                             const unsigned long long n)
 {
     const unsigned long long n32 = (n + 31ULL) & ~31ULL;
@@ -772,7 +773,7 @@ extern "C" __global__ void cp_relu_bits_fwd(const float* x, float* y, unsigned* 
 }
 
 /* Its backward: dx = dy * (bit ? 1 : 0), Caffe's dy * (y > 0). */
-extern "C" __global__ void cp_relu_bits_bwd(const float* dy, const unsigned* bits, float* dx,
+extern "C" __global__ void cp_relu_bits_bwd(const CP_A* dy, const unsigned* bits, CP_A* dx,
                                             const unsigned long long n)
 {
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;

@@ -117,9 +117,9 @@ class CuDNNReLULayer(_MaskableMixin, _CudnnActivationMixin, ReLULayer):
         if _kernels.active():
             K = _kernels
             self._bits = bits = scratch.get(self, 'sign', words, numpy.uint32, K.array_module())
-            x, y = K.flat(bottom[0]), K.flat(top[0])
-            K.kernel('cp_relu_bits_fwd')(K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,),
-                                         (x, y, bits, numpy.uint64(n)))
+            x, y = K.flat(bottom[0], any_dtype=True), K.flat(top[0], any_dtype=True)
+            K.kernel('cp_relu_bits_fwd', x.dtype)(K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,),
+                                                  (x, y, bits, numpy.uint64(n)))
             return
         self._bits = bits = scratch.get(self, 'sign', words, numpy.uint32, numpy)
         y = top[0].data
@@ -136,9 +136,10 @@ class CuDNNReLULayer(_MaskableMixin, _CudnnActivationMixin, ReLULayer):
         n = top[0].count
         if _kernels.active():
             K = _kernels
-            dy, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
-            K.kernel('cp_relu_bits_bwd')(K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,),
-                                         (dy, self._bits, dx, numpy.uint64(n)))
+            dy = K.flat(top[0], diff=True, any_dtype=True)
+            dx = K.flat(bottom[0], diff=True, any_dtype=True)
+            K.kernel('cp_relu_bits_bwd', dy.dtype)(K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,),
+                                                   (dy, self._bits, dx, numpy.uint64(n)))
             return
         dy = top[0].diff
         positive = numpy.unpackbits(self._bits.view(numpy.uint8), count=n, bitorder='little')

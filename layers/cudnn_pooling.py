@@ -181,10 +181,10 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
     def _masked_forward(self, bottom, top):
         K = _kernels
         count = _prod(self.pool.out_shape)
-        x, y = K.flat(bottom[0]), K.flat(top[0])
+        x, y = K.flat(bottom[0], any_dtype=True), K.flat(top[0], any_dtype=True)
         self._arg8 = arg = scratch.get(self, 'argmax8', count, numpy.uint8, K.array_module())
-        K.kernel('cp_mpool_fwd')(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
-                                 (x, y, arg, numpy.uint64(count)) + self._window_args())
+        K.kernel('cp_mpool_fwd', x.dtype)(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
+                                          (x, y, arg, numpy.uint64(count)) + self._window_args())
 
     def _masked_backward(self, top, bottom):
         K = _kernels
@@ -192,20 +192,22 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
             raise CaffeplusError("layer '%s': backward before forward (its argmax mask is not "
                                  "there)" % self.name)
         pool = self.pool
-        dy, dx = K.flat(top[0], diff=True), K.flat(bottom[0], diff=True)
+        dy = K.flat(top[0], diff=True, any_dtype=True)
+        dx = K.flat(bottom[0], diff=True, any_dtype=True)
         (kh, kw), (sh, sw), (ph, pw) = pool.geom
         (h, w), (oh, ow) = pool.x_shape[2:], pool.out_shape[2:]
         if (kh, kw) == (sh, sw) and ph == pw == 0 and (h, w) == (oh * kh, ow * kw):
             # Windows that tile the input (VGG-16's): each output writes its own.
             count = _prod(pool.out_shape)
-            K.kernel('cp_mpool_bwd_tiled')(
+            K.kernel('cp_mpool_bwd_tiled', dy.dtype)(
                 K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
                 (dy, self._arg8, dx, numpy.uint64(count)) +
                 tuple(K.i32(v) for v in (oh, ow, kh, kw)))
             return
         count = _prod(pool.x_shape)
-        K.kernel('cp_mpool_bwd')(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
-                                 (dy, self._arg8, dx, numpy.uint64(count)) + self._window_args())
+        K.kernel('cp_mpool_bwd', dy.dtype)(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
+                                           (dy, self._arg8, dx, numpy.uint64(count)) +
+                                           self._window_args())
 
     def internal_buffers(self):
         """On the GPU, MAX pooling's kernel keeps an int32 argmax for

@@ -330,3 +330,53 @@ def test_one_launch_casts_many_weight_arrays_to_16_bits(half):
         assert d[:-1].tobytes() == s.astype(F16).tobytes()
         assert d[-1] == 7
     assert numpy.isinf(dst[0][0]) and dst[0][1] == 0
+
+
+def test_mask_kernels_on_16_bit_maps(half_extra, float_extra):
+    """The masks' kernels (caffeplus.memory.masks) on FLOAT16 maps: max
+    pooling with a one-byte argmax, overlapping (3x3, stride 2) and tiling
+    (2x2) windows, and ReLU with sign bits: the float32 build's results on
+    the same values, each rounded once to FLOAT16, the same argmax and bits."""
+    r = numpy.random.RandomState(16)
+    n, c, h, w = 2, 3, 8, 8
+    x = _maps(r, n * c, h, w, scale=20)
+    for kh, sh in ((3, 2), (2, 2)):
+        oh = ow = (h - kh) // sh + 1
+        geometry = tuple(numpy.int32(v) for v in (h, w, oh, ow, kh, kh, sh, sh, 0, 0))
+        total_out, total_in = numpy.uint64(n * c * oh * ow), numpy.uint64(x.size)
+        dy = _maps(numpy.random.RandomState(17), n * c, oh, ow)
+        runs = {}
+        for name, emu, dtype in (('16', half_extra, F16), ('32', float_extra, F32)):
+            y = numpy.full((n * c, oh, ow), numpy.nan, dtype)
+            arg = numpy.full((n * c, oh, ow), 7, numpy.uint8)
+            emu.kernel('cp_mpool_fwd')((3,), (64,), (x.astype(dtype), y, arg, total_out) +
+                                       geometry)
+            dx = numpy.full(x.shape, numpy.nan, dtype)
+            emu.kernel('cp_mpool_bwd')((3,), (64,), (dy.astype(dtype), arg, dx, total_in) +
+                                       geometry)
+            outs = [y, arg, dx]
+            if kh == sh:
+                dxt = numpy.full(x.shape, numpy.nan, dtype)
+                emu.kernel('cp_mpool_bwd_tiled')((3,), (64,), (
+                    dy.astype(dtype), arg, dxt, total_out) + geometry[2:6])
+                outs.append(dxt)
+            runs[name] = outs
+        assert runs['16'][0].dtype == runs['16'][2].dtype == F16
+        numpy.testing.assert_array_equal(runs['16'][1], runs['32'][1])
+        for got, want in zip(runs['16'][:1] + runs['16'][2:], runs['32'][:1] + runs['32'][2:]):
+            assert got.tobytes() == want.astype(F16).tobytes()
+    m = 1000
+    v, g = _maps(r, m), _maps(r, m)
+    v[:5] = [0, -0.0, numpy.nan, numpy.inf, -numpy.inf]
+    runs = {}
+    for name, emu, dtype in (('16', half_extra, F16), ('32', float_extra, F32)):
+        y = numpy.empty(m, dtype)
+        bits = numpy.zeros((m + 31) // 32, numpy.uint32)
+        emu.kernel('cp_relu_bits_fwd')((2,), (64,), (v.astype(dtype), y, bits, numpy.uint64(m)))
+        dx = numpy.empty(m, dtype)
+        emu.kernel('cp_relu_bits_bwd')((2,), (64,), (g.astype(dtype), bits, dx, numpy.uint64(m)))
+        runs[name] = y, bits, dx
+    numpy.testing.assert_array_equal(runs['16'][1], runs['32'][1])
+    assert runs['16'][0].tobytes() == runs['32'][0].astype(F16).tobytes()
+    assert runs['16'][2].tobytes() == runs['32'][2].astype(F16).tobytes()
+    numpy.testing.assert_array_equal(runs['16'][2], numpy.where(runs['16'][0] > 0, g, F16(0)))

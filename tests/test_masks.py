@@ -359,6 +359,26 @@ def test_gpu_masked_training_is_bit_identical_to_shared(monkeypatch, k2):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize('k2', [2, 3])
+def test_gpu_float16_masked_training_is_bit_identical_to_shared(k2):
+    """A FLOAT16 net masks as an FP32 one (the mask kernels' 16-bit build):
+    shared with every mask against shared with none, 10 iterations, bit for
+    bit."""
+    from caffeplus import precision
+    param = vgg_like(k2)
+    runs, applied = {}, {}
+    for setting in ('0', '1'):
+        config.set('masks', setting)
+        with precision.setting('fp16'):
+            runs[setting] = cpe.train(
+                param, 'shared', 10, 0, gpu=0, math='deterministic',
+                solver_hook=lambda s, k=setting: applied.__setitem__(k, masks.applied(s.net)))
+    assert applied == {'0': (), '1': MASKED}
+    assert not cpe.differences(runs['0'], runs['1']), cpe.differences(runs['0'], runs['1'])
+    assert not kernels.failures()
+
+
+@pytest.mark.gpu
 def test_gpu_masked_layers_past_two_to_the_32_values():
     """64-bit indices: a ReLU and a 2x2 max pooling over 2**32 + 2**20
     values (VGG-16's conv1_2 map past batch 1300), checked at the start and

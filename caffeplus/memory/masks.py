@@ -49,6 +49,13 @@ def _maskable(layer):
     return callable(getattr(layer, 'set_masked', None)) and layer.can_mask()
 
 
+def _one_type(net, i):
+    """Layer i's bottoms and tops, data and diff, share one storage type (the
+    mask kernels take one map type a launch)."""
+    blobs = [net._blobs[k] for k in list(net.bottom_id_vecs[i]) + list(net.top_id_vecs[i])]
+    return len({s.dtype for b in blobs for s in (b.data_storage, b.diff_storage)}) == 1
+
+
 def _writer(net, i, blob_id):
     """The layer before i that last wrote blob `blob_id`, or None."""
     for j in range(i - 1, -1, -1):
@@ -86,19 +93,17 @@ def choose(net, same_bits=False):
     pooling whose input a convolution or an LRN reads again would keep a
     mask for nothing). `same_bits`: only poolings whose results masking
     leaves bit for bit. Empty when the fused kernels are off
-    (CAFFEPLUS_FUSED=0), the masked layers' kernels: and for nets with 16-bit
-    activations, which those kernels do not read."""
+    (CAFFEPLUS_FUSED=0), the masked layers' kernels (float32 and FLOAT16
+    builds)."""
     from caffeplus import kernels
     if not kernels.enabled():
         return ()
-    if any(b.data_storage.dtype.itemsize != 4 for b in net._blobs):
-        return ()           # the mask kernels read float32: a 16-bit net keeps its maps
     maskable = {i for i, l in enumerate(net.layers)
-                if l.layer_param.type == 'Pooling' and _maskable(l) and
+                if l.layer_param.type == 'Pooling' and _maskable(l) and _one_type(net, i) and
                 (not same_bits or l.masked_bits_unchanged())}
     relus = set()
     for i, layer in enumerate(net.layers):
-        if layer.layer_param.type != 'ReLU' or not _maskable(layer):
+        if layer.layer_param.type != 'ReLU' or not _maskable(layer) or not _one_type(net, i):
             continue
         tops, bottoms = net.top_id_vecs[i], net.bottom_id_vecs[i]
         if len(tops) != 1 or tops != bottoms:
