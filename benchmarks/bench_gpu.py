@@ -15,7 +15,11 @@ one kernel for every parameter's update). Plan names: stock, arena, with
 (caffeplus.kernels; the generic CuPy layers and a per-parameter update),
 '/nographs' for cuDNN calls made directly instead of replayed as CUDA graphs,
 '/nogroups' for grouped convolutions without the one-call-per-group
-candidates (variants combine with '+': 'arena:timed/nographs+nogroups').
+candidates, '/fp16' for the net in FLOAT16 ('+scaled' with adaptive loss
+scaling) and '/strict' for true FP32 math whatever --tf32 says (variants
+combine with '+': 'arena:timed/nographs+nogroups'). With '/fp16' rows the
+table ends with issue 37's ratios: speed against PyTorch AMP FP16 and
+against the same plan's '/strict' row, peak against AMP's.
 caffeplus's data layers (DummyData, refilled on the host each forward as
 stock Caffe does) run once before timing and are left out of
 the timed iterations, as the stock-Caffe column of the bench README leaves
@@ -101,7 +105,6 @@ def worker_caffeplus(args):
     from caffeplus.memory import workspace
     from caffeplus import kernels
     caffeplus.set_mode_gpu(0)
-    mathmode.set_math_mode('tf32' if args.tf32 else 'strict')
     # 'arena:timed/generic': plan arena, FindEx search, fused kernels off
     # (the generic CuPy layers and a per-parameter update, as before them);
     # '/nographs': cuDNN calls made directly (no CUDA-graph replays);
@@ -111,6 +114,10 @@ def worker_caffeplus(args):
     spec, _, variant = args.plan.partition('/')
     plan, _, search = spec.partition(':')
     variants = set(variant.split('+')) if variant else set()
+    # '/strict': true FP32 math whatever --tf32 says (the 16-bit rows' own
+    # FP32 peer, issue 37's "1.8x caffeplus's FP32").
+    strict = 'strict' in variants
+    mathmode.set_math_mode('tf32' if args.tf32 and not strict else 'strict')
     generic = 'generic' in variants
     kernels.set_enabled(not generic)
     from caffeplus.cudnn import api
@@ -205,7 +212,8 @@ def worker_caffeplus(args):
                                                   layer.algorithms().items()}
         except Exception as exc:    # noqa: BLE001 -- a record, not a measurement
             algorithms[layer.layer_param.name] = str(exc)
-    return dict(framework='caffeplus', plan=args.plan, net=args.net, tf32=args.tf32,
+    return dict(framework='caffeplus', plan=args.plan, net=args.net,
+                tf32=0 if strict else args.tf32,
                 graphs=api.graph_stats(), algorithms=algorithms,
                 fused_chains=sum(1 for c in chains if c.fwd_done and c.bwd_done),
                 kernel_failures=kernels.failures(),
@@ -407,7 +415,37 @@ def markdown(results, args):
             r['net'], r['framework'], r['plan'], 'on' if r['tf32'] else 'off', r['median_ms'],
             batch * 1000.0 / r['median_ms'], r['peak_used_mib'], r['peak_pool_mib'],
             '%.1f' % r['workspace_mib'] if 'workspace_mib' in r else '-', rt, rm))
-    return '\n'.join(lines) + '\n'
+    return '\n'.join(lines + sixteen_bit_targets(results)) + '\n'
+
+
+def sixteen_bit_targets(results):
+    """Issue 37's ratios for each caffeplus 16-bit row ('/fp16'): its speed
+    against PyTorch AMP FP16 and against caffeplus's own '/strict' FP32 row
+    of the same plan, its peak against AMP's; all measured in this run."""
+    ok = [r for r in results if 'error' not in r]
+    amp = {r['net']: r for r in ok if r['framework'] == 'pytorch' and
+           r.get('plan', '').endswith('/amp-fp16') and not r['plan'].startswith('bvlc')}
+    rows = []
+    for r in ok:
+        if r['framework'] != 'caffeplus' or 'fp16' not in r['plan'].partition('/')[2].split('+'):
+            continue
+        base = r['plan'].partition('/')[0]
+        fp32 = next((q for q in ok if q['framework'] == 'caffeplus' and q['net'] == r['net'] and
+                     q['plan'] == base + '/strict'), None)
+        a = amp.get(r['net'])
+        rows.append('| %s | %s | %.1f | %s | %s | %s | %s | %s |' % (
+            r['net'], r['plan'], r['median_ms'],
+            '%.1f' % a['median_ms'] if a else '-',
+            '%.2fx' % (a['median_ms'] / r['median_ms']) if a else '-',
+            '%.1f' % fp32['median_ms'] if fp32 else '-',
+            '%.2fx' % (fp32['median_ms'] / r['median_ms']) if fp32 else '-',
+            '%.2fx' % (r['peak_used_mib'] / a['peak_used_mib']) if a else '-'))
+    if not rows:
+        return []
+    return ['', '16-bit targets (issue 37: speed >= 1.1x AMP FP16 and >= 1.8x caffeplus FP32, '
+            'peak <= 0.6x AMP FP16):', '',
+            '| net | plan | ms/iter | AMP FP16 ms | speed vs AMP | caffeplus FP32 ms | '
+            'speed vs FP32 | peak vs AMP |', '|---|---|---|---|---|---|---|---|'] + rows
 
 
 def main(argv=None):

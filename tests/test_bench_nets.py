@@ -1,4 +1,5 @@
-"""The like-for-like bench net for PyTorch's AlexNet (benchmarks/nets/)."""
+"""The like-for-like bench net for PyTorch's AlexNet (benchmarks/nets/), and
+the benchmark's tables."""
 import os
 
 import caffeplus
@@ -36,3 +37,19 @@ def test_torchvision_alexnet_as_caffe_net():
                for l in net.layers if l.type == 'Convolution')
     assert bench_gpu.TORCH_MODELS['alexnettv'] == 'alexnet'
     assert bench_gpu.INPUT_SIZE.get('alexnettv', 224) == 224
+
+
+def test_the_benchmark_prints_issue_37s_ratios_from_rows_of_one_run():
+    """bench_gpu's 16-bit table: speed against AMP FP16 and against the
+    same plan's '/strict' FP32 row, peak against AMP's."""
+    rows = [dict(framework='caffeplus', net='n', plan='arena/fp16', tf32=1, median_ms=10.0,
+                 peak_used_mib=600.0),
+            dict(framework='caffeplus', net='n', plan='arena/strict', tf32=0, median_ms=25.0,
+                 peak_used_mib=900.0),
+            dict(framework='pytorch', net='n', plan='-/amp-fp16', tf32=1, median_ms=12.0,
+                 peak_used_mib=1200.0),
+            dict(framework='caffeplus', net='m', plan='arena/fp16', error='boom')]
+    table = bench_gpu.sixteen_bit_targets(rows)
+    assert table[-1] == '| n | arena/fp16 | 10.0 | 12.0 | 1.20x | 25.0 | 2.50x | 0.50x |'
+    assert sum(line.startswith('| n |') or line.startswith('| m |') for line in table) == 1
+    assert bench_gpu.sixteen_bit_targets(rows[1:3]) == []
