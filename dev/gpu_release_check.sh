@@ -124,7 +124,7 @@ fi
 if has amp; then
   stamp "PyTorch AMP peers, TF32 on"
   GLOG_minloglevel=2 timeout "${AMP_S:-400}" python3 benchmarks/bench_gpu.py --bench-dir .gpu_carry/bench \
-    --nets "${AMP_NETS:-alexnet_b128,googlenet_b64,vgg16_b64,resnet50_b64}" --plans "${AMP_PLANS:-arena,arena/fp16}" \
+    --nets "${AMP_NETS:-alexnet_b128,googlenet_b64,vgg16_b64,resnet50_b64}" --plans "${AMP_PLANS:-arena/strict,arena,arena/fp16}" \
     --torch --torch-amp "${AMP_TORCH:-fp16,bf16}" \
     --tf32 on --iters 20 --warmup 5 --timeout 150 \
     --json "$OUT/amp.json" --md "$OUT/amp.md" > "$OUT/amp.log" 2>&1
