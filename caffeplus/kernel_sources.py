@@ -465,6 +465,19 @@ extern "C" __global__ void cp_scale2(CP_A* g, CP_A* d0, CP_A* d1, const CP_A* re
         if (flags & 1) d0[o[u]] = __fmul_rn(c0, t);
         if (flags & 2) d1[o[u]] = __fmul_rn(c1, t);)
 }
+
+/* Which of n arrays concatenated at offsets (ascending, offsets[0] = 0)
+   holds value w. */
+__device__ __forceinline__ int cp_array_of(const long long* offsets, const int n,
+                                           const long long w) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (offsets[mid] <= w) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
 /* Zero n arrays in one launch: word w of the concatenation lies in array
    k where offsets[k] <= w < offsets[k + 1] (32-bit words: float32 values,
    int32 flags, a float64 guard as two). A launch per array costs the host
@@ -475,11 +488,7 @@ extern "C" __global__ void cp_zero_many(const unsigned long long* ptrs,
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x; w < total;
          w += stride) {
-        int lo = 0, hi = n - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if (offsets[mid] <= w) lo = mid; else hi = mid - 1;
-        }
+        const int lo = cp_array_of(offsets, n, w);
         reinterpret_cast<unsigned*>(ptrs[lo])[w - offsets[lo]] = 0u;
     }
 }
@@ -493,11 +502,7 @@ extern "C" __global__ void cp_cast_many(const unsigned long long* src,
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x; w < total;
          w += stride) {
-        int lo = 0, hi = n - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if (offsets[mid] <= w) lo = mid; else hi = mid - 1;
-        }
+        const int lo = cp_array_of(offsets, n, w);
         const long long i = w - offsets[lo];
         reinterpret_cast<CP_A*>(dst[lo])[i] = reinterpret_cast<const float*>(src[lo])[i];
     }
