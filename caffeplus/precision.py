@@ -524,10 +524,9 @@ class LossScaler:
         return skip
 
 
-def install_loss_scaling(solver):
-    """Add a LossScaler to `solver` when its train net stores FLOAT16
-    gradients and asks for a scale; returns it (None otherwise)."""
-    net = solver.net
+def loss_scaling(net):
+    """(initial scale, adaptive) of the loss scaling a solver gives `net`:
+    a net that stores FLOAT16 gradients and asks for a scale; None otherwise."""
     np_ = getattr(net, 'precision', None)
     if np_ is None or not any(bwd == caffe_pb2.FLOAT16 for _, bwd in np_.types):
         return None
@@ -541,6 +540,18 @@ def install_loss_scaling(solver):
         raise NetError('net %s: global_grad_scale must be positive (got %g)' % (net.name, scale))
     if scale == 1.0 and not adaptive:
         return None
+    return scale, adaptive
+
+
+def install_loss_scaling(solver):
+    """Add a LossScaler to `solver` when its train net asks for loss scaling
+    (loss_scaling); returns it (None otherwise)."""
+    net = solver.net
+    asked = loss_scaling(net)
+    if asked is None:
+        return None
+    scale, adaptive = asked
+    np_ = net.precision
     window = solver.param.caffeplus_param.loss_scale_window
     scaler = LossScaler(solver, np_, scale, adaptive, window)
     log.info('Loss scaling: global_grad_scale %g%s', scale,

@@ -207,7 +207,8 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
     check_plan_name(name)
     if name == 'auto':
         return plan_for_budget(net, budget, solver_type, keep, training, host_budget,
-                               param_diffs=training and update_in_backward.places_gradients(name))
+                               param_diffs=training and
+                               update_in_backward.places_gradients(name, net=net))
     masks.for_plan(net, name)
     convs = wm.conv_layers(net)
     if name == 'stock':
@@ -235,7 +236,7 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
 
     # A solver updates the large parameters in backward under `shared` and `offload`
     # (caffeplus.solver.update_in_backward): their gradients are placed too.
-    grads = training and update_in_backward.places_gradients(name)
+    grads = training and update_in_backward.places_gradients(name, net=net)
 
     def placed(hidden):
         sizes = None

@@ -60,12 +60,20 @@ def enabled(solver=None):
     return config.get('update_in_backward', solver=getattr(solver, 'param', None))
 
 
-def places_gradients(plan_name, solver=None):
+def places_gradients(plan_name, solver=None, net=None):
     """Whether plan `plan_name` places the large gradients: for `solver` when
-    given (nothing blocks it now), else for the estimate's plain SGD solver."""
+    given (nothing blocks it now), else for the estimate's plain SGD solver
+    training `net`, which adds a loss scaler (a blocker) to a FLOAT16 net
+    that asks for loss scaling."""
     if plan_name not in PLACING:
         return False
-    return not blockers(solver) if solver is not None else enabled()
+    if solver is not None:
+        return not blockers(solver)
+    if net is not None:
+        from caffeplus import precision
+        if precision.loss_scaling(net) is not None:
+            return False
+    return enabled()
 
 
 def blockers(solver):
