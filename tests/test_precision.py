@@ -391,14 +391,23 @@ def test_an_in_place_top_keeps_its_producers_storage_type():
     assert _planned(text)._blob_dict['ip1'].data_storage.dtype == SINGLE
 
 
-def test_the_memory_estimate_counts_16_bit_maps_at_two_bytes(capsys):
+def _bench_model(name):
+    return os.path.join(os.path.dirname(__file__), 'data', 'bench', name + '.prototxt')
+
+
+def _estimated_breakdowns(capsys, model, plan):
+    """{'fp32' | 'fp16': `caffeplus memory --estimate`'s breakdown of `plan`}."""
     from caffeplus import cli
-    model = os.path.join(os.path.dirname(__file__), 'data', 'bench', 'vgg16_b64.prototxt')
-    sizes = {}
+    out = {}
     for name in ('fp32', 'fp16'):
-        assert cli.main(['memory', '--model', model, '--estimate', '--plans', 'arena',
+        assert cli.main(['memory', '--model', model, '--estimate', '--plans', plan,
                          '--precision', name, '--json']) == 0
-        sizes[name] = json.loads(capsys.readouterr().out)['plans']['arena']['breakdown']
+        out[name] = json.loads(capsys.readouterr().out)['plans'][plan]['breakdown']
+    return out
+
+
+def test_the_memory_estimate_counts_16_bit_maps_at_two_bytes(capsys):
+    sizes = _estimated_breakdowns(capsys, _bench_model('vgg16_b64'), 'arena')
     # Every map and its gradient but the labels', the loss's and the
     # accuracies': half the bytes. Parameters, their gradients and the
     # solver's history stay FP32.
@@ -414,13 +423,8 @@ def test_the_memory_estimate_counts_16_bit_maps_at_two_bytes(capsys):
 def test_batchnorm_keeps_its_normalized_copy_in_the_maps_type(capsys):
     """ResNet-50 in FLOAT16: BatchNorm's kept normalized copies count at two
     bytes a value, as the GPU keeps them, beside the 16-bit weight copies."""
-    from caffeplus import cli
-    model = os.path.join(os.path.dirname(__file__), 'data', 'bench', 'resnet50_b64.prototxt')
-    other = {}
-    for name in ('fp32', 'fp16'):
-        assert cli.main(['memory', '--model', model, '--estimate', '--plans', 'arena',
-                         '--precision', name, '--json']) == 0
-        other[name] = json.loads(capsys.readouterr().out)['plans']['arena']['breakdown']['other']
+    model = _bench_model('resnet50_b64')
+    other = {k: b['other'] for k, b in _estimated_breakdowns(capsys, model, 'arena').items()}
     net = Net(model, caffe_pb2.TRAIN)       # (on the CPU: the counts)
     normalized = sum(layer.internal_buffers()['x_norm'][0] for layer in net.layers
                      if layer.layer_param.type == 'BatchNorm')
@@ -435,20 +439,14 @@ def test_the_estimate_keeps_every_gradient_of_a_loss_scaled_net(capsys):
     FLOAT16 solver cannot update in backward: under `shared` every parameter
     gradient lives to the update (as measured on the GPU: VGG-16's 553 MB
     at the peak), where an FP32 net's large ones are placed in backward."""
-    from caffeplus import cli
-    model = os.path.join(os.path.dirname(__file__), 'data', 'bench', 'vgg16_b64.prototxt')
-    parts = {}
-    for name in ('fp32', 'fp16'):
-        assert cli.main(['memory', '--model', model, '--estimate', '--plans', 'shared',
-                         '--precision', name, '--json']) == 0
-        parts[name] = json.loads(capsys.readouterr().out)['plans']['shared']['breakdown']
+    parts = _estimated_breakdowns(capsys, _bench_model('vgg16_b64'), 'shared')
     assert parts['fp16']['parameter_diffs'] == parts['fp16']['parameters']
     assert parts['fp32']['parameter_diffs'] < parts['fp32']['parameters'] / 10
 
 
 def test_the_memory_table_says_its_times_are_fp32_rates_for_a_16_bit_net(capsys):
     from caffeplus import cli
-    model = os.path.join(os.path.dirname(__file__), 'data', 'bench', 'vgg16_b64.prototxt')
+    model = _bench_model('vgg16_b64')
     notes = {}
     for name in ('fp32', 'fp16'):
         assert cli.main(['memory', '--model', model, '--estimate', '--plans', 'arena',
