@@ -188,6 +188,20 @@ __device__ __forceinline__ void cp_bn_apply_run(const CP_A* x, CP_A* y, CP_A* xn
     cp_store<CP_V>(y + o, w);
 }
 
+/* BatchNorm forward's shifted sums over CP_V values at offset o:
+   a += x - K, b += (x - K)^2. */
+__device__ __forceinline__ void cp_bn_stats_run(const CP_A* x, unsigned o, double K,
+                                                double* a, double* b)
+{
+    float w[CP_V];
+    cp_load<CP_V>(x + o, w);
+    for (int k = 0; k < CP_V; ++k) {
+        const double d = (double)w[k] - K;
+        *a += d;
+        *b += d * d;
+    }
+}
+
 /* BatchNorm backward's sums over CP_V values at offset o: a += g v, b += g. */
 __device__ __forceinline__ void cp_bn_sums_run(const CP_A* dy, const CP_A* xn, unsigned o,
     float s, float bb, int flags, double* a, double* b)
@@ -239,9 +253,7 @@ extern "C" __global__ void cp_bn_fwd(
         double a = 0.0, b = 0.0;
         if (vec) {
             cp_channel_vec(0, M, S, base, step, [&](unsigned o) {
-                float w[CP_V];
-                cp_load<CP_V>(x + o, w);
-                for (int k = 0; k < CP_V; ++k) { const double d = (double)w[k] - K; a += d; b += d * d; }
+                cp_bn_stats_run(x, o, K, &a, &b);
             });
         } else {
             CP_CHANNEL_LOOP(M, S, base, step,
@@ -924,9 +936,7 @@ extern "C" __global__ void cp_bn_stats_part(const CP_A* x, double* part, float* 
     float v[CP_U];
     if (vec) {
         cp_channel_vec(lo, hi, S, base, step, [&](unsigned o) {
-            float w[CP_V];
-            cp_load<CP_V>(x + o, w);
-            for (int k = 0; k < CP_V; ++k) { const double d = (double)w[k] - K; a += d; b += d * d; }
+            cp_bn_stats_run(x, o, K, &a, &b);
         });
     } else {
         CP_RANGE_LOOP(lo, hi, S, base, step,

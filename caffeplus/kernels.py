@@ -349,11 +349,10 @@ def channel_sums(dy, part, db, n, c, s, p, dtype=None):
     """db[:c] += dy (n, c, s) summed over n and s (float32; double partials
     in `part`, at least c * p of them); dy of `dtype` (float32 unless given).
     dy, part, db: device arrays, or device addresses (ints)."""
-    arg = _arg
     kernel('cp_channel_sum_part', dtype)((c * p,), (SUM_THREADS,),
-                                         (arg(dy), arg(part), u32(n), u32(c), u32(s), u32(p)))
+                                         (_arg(dy), _arg(part), u32(n), u32(c), u32(s), u32(p)))
     kernel('cp_channel_sum_apply')(((c + 127) // 128,), (128,),
-                                   (arg(part), arg(db), u32(c), u32(p)))
+                                   (_arg(part), _arg(db), u32(c), u32(p)))
 
 
 def accumulate(g, acc, n, dtype=None):
