@@ -28,6 +28,10 @@ relative to the fastest (1.0):
   explicit    4 B x the im2col column buffer of the whole    1.0   strided or dilated
               call (GEMM-like)
 
+Over 16-bit maps (FLOAT16, BFLOAT16: tensor-core algorithms) the bytes are
+counted at the maps' two bytes a value, and the transform takes
+HALF_TRANSFORM_FACTOR (1.1) times the call's 16-bit maps instead.
+
 Plans use them as follows:
   stock    Caffe 1.0's CuDNNConvolutionLayer: per kind the fastest algorithm
            within workspace_limit_bytes = 8 MB, modelled as
@@ -171,11 +175,15 @@ class ConvShape:
         self.im_channels = int(layer.num_output if self.reverse else layer.channels)
         self.col_spatial = tuple(layer.in_spatial if self.reverse else layer.out_spatial)
         self.weight_count = int(layer.blobs[0].count) if layer.blobs else 0
+        # Bytes per value of the maps it convolves: cuDNN's buffers hold them
+        # in that type (16-bit nets run tensor-core algorithms).
+        dtype = getattr(layer, 'activation_dtype', None)
+        self.itemsize = FLOAT_BYTES if dtype is None else int(dtype.itemsize)
 
     @property
     def column_bytes(self):
         """The im2col column buffer of the whole call (all groups)."""
-        return FLOAT_BYTES * self.im_channels * self.geom.kernel_count * self.num * \
+        return self.itemsize * self.im_channels * self.geom.kernel_count * self.num * \
             _prod(self.col_spatial)
 
     @property
@@ -203,6 +211,12 @@ TRANSFORM_FACTOR = 2.25
 # power of two: 3.5-6 x the maps (tools/dump_algorithms.py).
 SMALL_MAP = 16
 SMALL_TRANSFORM_FACTOR = 4.0
+# 16-bit maps (FLOAT16, BFLOAT16): cuDNN 9.19's timed choices on the H200
+# need about the bytes of the call's 16-bit input and output maps, 1.0-1.18
+# on 14-56 pixel maps (VGG-16's conv3-5, ResNet-50's 3 x 3 ones), 0.5-1.4
+# on AlexNet's 13 x 13 (caffeplus memory -gpu 0 --precision fp16's
+# workspace_calls, benchmarks/memory).
+HALF_TRANSFORM_FACTOR = 1.1
 TILING_FACTOR = 0.15
 TILING_TIME = 1.04
 # Timed search also runs each call over halves, quarters and eighths of the
@@ -271,11 +285,14 @@ def candidates(layer, kind=None):
     if kind in (None, 'fwd'):
         out.append(Candidate('precomp', 8 * (s.im_channels // s.group) * s.geom.kernel_count,
                              1.15 * slow))
-    maps = FLOAT_BYTES * (s.in_count + s.out_count)
+    maps = s.itemsize * (s.in_count + s.out_count)
     small = max(s.col_spatial) <= SMALL_MAP
     chunk_time = SMALL_CHUNK_TIME if small else CHUNK_TIME
     if s.unit_stride:
-        factor = SMALL_TRANSFORM_FACTOR if small else TRANSFORM_FACTOR
+        if s.itemsize < FLOAT_BYTES:
+            factor = HALF_TRANSFORM_FACTOR
+        else:
+            factor = SMALL_TRANSFORM_FACTOR if small else TRANSFORM_FACTOR
         big = Candidate('transform', int(factor * maps), 1.0)
         out.append(big)
         if kind in ('fwd', 'bwd_data') and not small:
