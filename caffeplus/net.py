@@ -130,7 +130,8 @@ class Net:
         self.before_layer_backward = []
         self.applied_plan = None
         filtered = filter_net(in_param)
-        if log.logger.isEnabledFor(log.logging.INFO):     # printing a big net costs ms
+        logging_info = log.logger.isEnabledFor(log.logging.INFO)
+        if logging_info:                    # printing a big net costs ms
             log.info('Initializing net from parameters: \n%s', _text(filtered).rstrip('\n'))
         param = insert_splits(filtered)
         self.name = param.name
@@ -233,7 +234,8 @@ class Net:
                     self._blob_loss_weights.append(0.0)
                 self._blob_loss_weights[top_ids[top_id]] = layer.loss_weights[top_id] \
                     if top_id < len(layer.loss_weights) else 0.0
-                log.info('Top shape: %s', top.shape_string())
+                if logging_info:           # (a big net's shape strings cost ms)
+                    log.info('Top shape: %s', top.shape_string())
                 if layer.loss(top_id):
                     log.info('    with loss weight %g', layer.loss_weights[top_id])
                 memory_used += top.count * top.data_storage.dtype.itemsize    # bytes

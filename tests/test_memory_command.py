@@ -924,7 +924,6 @@ def test_measuring_auto_plans_the_gradients_as_its_estimate(monkeypatch):
     gradients placed, as its estimate and a training solver have them (it
     planned without them, and refused AlexNet's 1.6 GiB that the estimate fits)."""
     from caffeplus.commands import memory as command
-    from caffeplus.solver import update_in_backward
     monkeypatch.setattr(liveness, 'MIN_APPLIED_GRADIENT_BYTES', 0)
     param = shapes.load_net_param(LENET)
     seen = {}

@@ -396,20 +396,21 @@ def _measure_in_child(param_bytes, name, gpu, opts):
                                         offload_policy=opts['offload'],
                                         budget=opts['budget'], host_budget=opts['host_budget'])
     del net
-    apply = None
+    replan = None
     if name == 'auto':
         # Planned again on the GPU, with the convolutions' measured algorithms.
         from caffeplus.memory.apply import apply_named_plan
 
-        def apply(net):
+        def replan_auto(net):
             # As the estimate (and a solver that updates in backward) plans it.
             return apply_named_plan(net, 'auto', keep=opts['keep'],
                                     training=opts.get('training', True),
                                     solver_type=opts['solver_type'], budget=opts['budget'],
                                     host_budget=opts['host_budget'],
                                     param_diffs=plan.param_diffs)
+        replan = replan_auto
     return measure_plan(param, plan, gpu, solver_type=opts['solver_type'],
-                        iterations=opts['iterations'], apply=apply)
+                        iterations=opts['iterations'], apply=replan)
 
 
 def _device_total_child(gpu):
