@@ -306,6 +306,11 @@ class Layer:
     def forget_kept_buffers(self):
         """Drop every cached view of the kept buffers: the plan's views are dead."""
 
+    def round_kept(self, rounding, top):
+        """Emulated 16-bit storage (caffeplus.precision, CPU): round in place,
+        with `rounding`, what the layer keeps for its backward where the GPU
+        keeps it in the maps' 16-bit type, before its tops are rounded."""
+
     def internal_bytes(self):
         """Bytes the layer keeps between its passes, where it knows them
         better than the planner's model; None: the model's estimate."""

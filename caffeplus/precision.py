@@ -236,6 +236,7 @@ class NetPrecision:
 
         def round_tops(i):
             rounding = ROUNDING[self.types[i][0]]
+            net.layers[i].round_kept(rounding, net.top_vecs[i])
             for j in self.rounded_tops[i]:
                 rounding(net.top_vecs[i][j].data)
         round_tops.at = frozenset(self.rounded_tops)

@@ -45,10 +45,6 @@ def _fail(layer, message):
     raise layer_error(layer, message)
 
 
-
-
-
-
 def _prod(dims):
     n = 1
     for d in dims:
@@ -208,6 +204,18 @@ class BatchNormLayer(Layer):
         self._x_norm = keep_in(self, 'x_norm', y) if self.keeps_normalized else None
         if self.scale_bias:
             y *= self.blobs[3].data.reshape(1, c, 1)
+            y += self.blobs[4].data.reshape(1, c, 1)
+
+    def round_kept(self, rounding, top):
+        # The GPU keeps the normalized copy in the maps' type and computes
+        # the top from the rounded copy (layers/fused_chain.py).
+        if self._x_norm is None:
+            return
+        rounding(self._x_norm)
+        if self.scale_bias:
+            n, c, s = self._dims(top[0])
+            y = top[0].data.reshape(n, c, s)
+            numpy.multiply(self._x_norm, self.blobs[3].data.reshape(1, c, 1), out=y)
             y += self.blobs[4].data.reshape(1, c, 1)
 
     def _backward(self, top, propagate_down, bottom):

@@ -729,6 +729,53 @@ def test_nvcaffe_fp16_resnet_form_trains_with_its_data_layers_swapped(tmp_path):
     assert set(net.outputs) == {'loss', 'accuracy/top-1', 'accuracy/top-5'}
 
 
+BN_NET = """
+name: "bn16" force_backward: true
+default_forward_type: FLOAT16 default_backward_type: FLOAT16
+layer { name: "x" type: "DummyData" top: "x" top: "t"
+  dummy_data_param { shape { dim: 4 dim: 3 dim: 5 dim: 5 } shape { dim: 4 dim: 6 }
+    data_filler { type: "gaussian" std: 3 } data_filler { type: "gaussian" } } }
+layer { name: "bn" type: "BatchNorm" bottom: "x" top: "y" %s }
+layer { name: "ip" type: "InnerProduct" bottom: "y" top: "z"
+  inner_product_param { num_output: 6 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "z" bottom: "t" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize('scale_bias', [False, True])
+def test_emulated_batchnorm_keeps_its_normalized_copy_rounded(scale_bias):
+    """The CPU emulation keeps BatchNorm's normalized copy as the GPU does, in
+    the maps' 16-bit type, and (scale_bias) computes the top from that
+    rounded copy; the backward reads it: its gradient is the float64 formula
+    on the rounded copy."""
+    extra = 'batch_norm_param { scale_bias: true ' \
+        'scale_filler { type: "constant" value: 1.7 } ' \
+        'bias_filler { type: "constant" value: 0.3 } }' if scale_bias else ''
+    net = Net(text_format.Parse(BN_NET % extra, caffe_pb2.NetParameter()), caffe_pb2.TRAIN)
+    net.forward()
+    bn = net.layer_dict['bn']
+    kept = bn._x_norm.astype(numpy.float64).reshape(4, 3, 5, 5)
+    assert _is_float16(bn._x_norm)
+    top = net.blobs['y'].data.astype(numpy.float64)
+    if scale_bias:
+        expected = precision.round_to_float16(
+            (bn._x_norm * numpy.float32(1.7) + numpy.float32(0.3)).astype(numpy.float32))
+        assert numpy.array_equal(net.blobs['y'].data, expected.reshape(4, 3, 5, 5))
+    else:
+        assert numpy.array_equal(top, kept)
+    net.backward()
+    dy = net.blobs['y'].diff.astype(numpy.float64).reshape(4, 3, 25)
+    if scale_bias:
+        dy = dy * 1.7
+    xn = kept.reshape(4, 3, 25)
+    std = bn._std.astype(numpy.float64).reshape(1, 3, 1)
+    dx = (dy - dy.mean(axis=(0, 2), keepdims=True)
+          - xn * (dy * xn).mean(axis=(0, 2), keepdims=True)) / std
+    got = net.blobs['x'].diff.reshape(4, 3, 25)
+    assert _is_float16(got)
+    numpy.testing.assert_allclose(got, dx, rtol=2e-3, atol=2e-3 * numpy.abs(dx).max())
+
+
 # -- LeNet on the bundled digits ------------------------------------------------------------
 @pytest.fixture(scope='module')
 def digits(tmp_path_factory):
