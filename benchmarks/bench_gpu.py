@@ -62,6 +62,28 @@ def net_path(bench_dir, net):
         if os.path.exists(path):
             return path
     raise SystemExit('no prototxt for bench net %r in %s or %s' % (net, bench_dir, NETS_DIR))
+
+
+def net_source(bench_dir, net):
+    """What caffeplus builds for bench net 'ARCH_bN': its own prototxt, or,
+    where none is kept at that batch (issue 37's ResNet-50 b256), another
+    batch's of the same architecture with its data layers' batch set to N."""
+    try:
+        return net_path(bench_dir, net)
+    except SystemExit:
+        arch, batch = parse_net(net)
+        for folder in (bench_dir, NETS_DIR):
+            found = sorted(f for f in (os.listdir(folder) if os.path.isdir(folder) else ())
+                           if f.startswith(arch + '_b') and f.endswith('.prototxt'))
+            if found:
+                sys.path.insert(0, ROOT)
+                from caffeplus.memory.shapes import load_net_param
+                param = load_net_param(os.path.join(folder, found[0]), batch=batch)
+                param.name = '%s (batch %d)' % (param.name, batch)
+                return param
+        raise
+
+
 DATA_TYPES = ('DummyData', 'Input', 'Data', 'ImageData', 'HDF5Data', 'MemoryData')
 MiB = 1024 * 1024
 
@@ -142,7 +164,7 @@ def worker_caffeplus(args):
     # gradients, FP32 master weights; no loss scaling here, as no solver)
     from caffeplus import precision
     with precision.setting('fp16' if 'fp16' in variants else None):
-        net = caffeplus.Net(net_path(args.bench_dir, args.net), caffeplus.TRAIN)
+        net = caffeplus.Net(net_source(args.bench_dir, args.net), caffeplus.TRAIN)
     workspace.apply_workspace_plan(net, plan, args.workspace_limit)
     params = net.learnable_params
     start = 0

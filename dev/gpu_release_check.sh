@@ -12,6 +12,8 @@
 #      and ResNet-50 cases), naming the calls whose algorithms differ.
 #   9. (STEPS=amp) benchmarks/bench_gpu.py with TF32 on, PyTorch's AMP FP16/BF16 runs beside
 #      caffeplus TF32 and FP16 (AMP_PLANS) and PyTorch TF32 (the 16-bit work's peers).
+#      Issue 37's other nets: AMP_NETS=resnet50_b256,alexnettv_b128 (a batch without a
+#      prototxt of its own is built from the architecture's file, bench_gpu.net_source).
 #  10. (STEPS=accuracy) benchmarks/precision_accuracy.py: digits LeNet in FP32 and 16 bits.
 #  11. (STEPS=nvcaffe) dev/nvcaffe_time.sh: NVCaffe's FP16 model files, `caffeplus time`.
 # Prefer running it through dev/gpu_snapshot.sh (the committed tree only).

@@ -2,6 +2,8 @@
 the benchmark's tables."""
 import os
 
+import pytest
+
 import caffeplus
 from benchmarks import bench_gpu
 
@@ -53,3 +55,19 @@ def test_the_benchmark_prints_issue_37s_ratios_from_rows_of_one_run():
     assert table[-1] == '| n | arena/fp16 | 10.0 | 12.0 | 1.20x | 25.0 | 2.50x | 0.50x |'
     assert sum(line.startswith('| n |') or line.startswith('| m |') for line in table) == 1
     assert bench_gpu.sixteen_bit_targets(rows[1:3]) == []
+
+
+def test_a_batch_without_its_own_prototxt_takes_the_architectures_file():
+    """Issue 37's ResNet-50 b256 has no prototxt of its own: the bench
+    builds ResNet-50's at that batch; a kept file is used as it is."""
+    bench = os.path.join(ROOT, 'tests', 'data', 'bench')
+    assert bench_gpu.net_source(bench, 'resnet50_b64') == os.path.join(bench,
+                                                                        'resnet50_b64.prototxt')
+    param = bench_gpu.net_source(bench, 'resnet50_b256')
+    net = caffeplus.Net(param, caffeplus.TRAIN)
+    assert net.blobs['data'].data.shape == (256, 3, 224, 224)
+    assert net.blobs['label'].data.shape == (256,)
+    kept = caffeplus.Net(os.path.join(bench, 'resnet50_b64.prototxt'), caffeplus.TRAIN)
+    assert [l.type for l in net.layers] == [l.type for l in kept.layers]
+    with pytest.raises(SystemExit, match='no prototxt'):
+        bench_gpu.net_source(bench, 'lenet_b64')
