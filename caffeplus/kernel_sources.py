@@ -87,11 +87,23 @@ __device__ __forceinline__ bool cp_aligned16(const void* p) {
     return ((unsigned long long)p & 15ull) == 0;
 }
 
+/* Half a vector, 8 bytes: for the per-channel loops over runs whose length
+   is a multiple of CP_H but not of CP_V (ResNet-50's 14 x 14 maps, 196
+   values a run, in 16 bits). */
+#define CP_H (CP_V / 2)
+struct alignas(8) cp_half_vec { CP_A v[CP_H]; };
+__device__ __forceinline__ bool cp_aligned8(const void* p) {
+    return ((unsigned long long)p & 7ull) == 0;
+}
+
 /* W values of a map from p as floats, and back (one 16-byte access for
-   W == CP_V; p then 16-byte aligned). */
+   W == CP_V, one 8-byte access for W == CP_H; p then aligned to it). */
 template <int W> __device__ __forceinline__ void cp_load(const CP_A* p, float* out) {
     if (W == CP_V) {
         const cp_vec a = *(const cp_vec*)p;
+        for (int k = 0; k < W; ++k) out[k] = a.v[k];
+    } else if (W == CP_H) {
+        const cp_half_vec a = *(const cp_half_vec*)p;
         for (int k = 0; k < W; ++k) out[k] = a.v[k];
     } else {
         for (int k = 0; k < W; ++k) out[k] = p[k];
@@ -102,28 +114,42 @@ template <int W> __device__ __forceinline__ void cp_store(CP_A* p, const float* 
         cp_vec a;
         for (int k = 0; k < W; ++k) a.v[k] = in[k];
         *(cp_vec*)p = a;
+    } else if (W == CP_H) {
+        cp_half_vec a;
+        for (int k = 0; k < W; ++k) a.v[k] = in[k];
+        *(cp_half_vec*)p = a;
     } else {
         for (int k = 0; k < W; ++k) p[k] = in[k];
     }
 }
 
 /* The per-channel kernels (BatchNorm) read a channel of (N, C, S) maps as N
-   runs of S values. Where S is a multiple of CP_V and the maps are 16-byte
-   aligned, cp_channel_vec hands f the offset of each CP_V values in turn
-   over [lo, hi) (multiples of CP_V), one 16-byte load a map instead of
-   CP_V; otherwise the kernels take the scalar loops below. */
-__device__ __forceinline__ bool cp_channel_vectors(unsigned S, const void* a, const void* b,
-                                                   const void* c) {
-    return S % CP_V == 0 && cp_aligned16(a) && cp_aligned16(b) && cp_aligned16(c);
+   runs of S values, W at a time: CP_V (one 16-byte load a map) where S is a
+   multiple of CP_V and the maps are 16-byte aligned, else CP_H (8 bytes)
+   where S is a multiple of CP_H and they are 8-byte aligned, else 1 (the
+   scalar loops below). cp_channel_runs hands f(cp_width<W>(), o) the offset
+   of each W values in turn over [lo, hi) (multiples of W). */
+__device__ __forceinline__ int cp_channel_width(unsigned S, const void* a, const void* b,
+                                                const void* c) {
+    if (S % CP_V == 0 && cp_aligned16(a) && cp_aligned16(b) && cp_aligned16(c)) return CP_V;
+    if (S % CP_H == 0 && cp_aligned8(a) && cp_aligned8(b) && cp_aligned8(c)) return CP_H;
+    return 1;
 }
-template <class F>
+template <int W> struct cp_width { static constexpr int value = W; };
+template <int W, class F>
 __device__ __forceinline__ void cp_channel_vec(unsigned lo, unsigned hi, unsigned S,
                                                unsigned base, unsigned step, F f) {
-    const unsigned SV = S / CP_V;
-    for (unsigned j = lo / CP_V + threadIdx.x; j < hi / CP_V; j += blockDim.x) {
+    const unsigned SV = S / W;
+    for (unsigned j = lo / W + threadIdx.x; j < hi / W; j += blockDim.x) {
         const unsigned n = j / SV;
-        f(base + n * step + (j - n * SV) * CP_V);
+        f(cp_width<W>(), base + n * step + (j - n * SV) * W);
     }
+}
+template <class F>
+__device__ __forceinline__ void cp_channel_runs(int W, unsigned lo, unsigned hi, unsigned S,
+                                                unsigned base, unsigned step, F f) {
+    if (W == CP_V) cp_channel_vec<CP_V>(lo, hi, S, base, step, f);
+    else cp_channel_vec<CP_H>(lo, hi, S, base, step, f);
 }
 
 /* Loops over a channel's M values of a (N, C, S)-like layout, U values per
@@ -173,59 +199,63 @@ __device__ __forceinline__ void cp_channel_vec(unsigned lo, unsigned hi, unsigne
         for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_USE }                   \
     }
 
-/* BatchNorm forward's second pass over CP_V values at offset o (the vector
+/* BatchNorm forward's second pass over W values at offset o (the vector
    loop): y and the kept normalized copy, as the scalar loop computes them. */
+template <int W>
 __device__ __forceinline__ void cp_bn_apply_run(const CP_A* x, CP_A* y, CP_A* xn, unsigned o,
     float mean, float sd, float s, float bb, int flags)
 {
-    float w[CP_V], t[CP_V];
-    cp_load<CP_V>(x + o, w);
-    for (int k = 0; k < CP_V; ++k) {
+    float w[W], t[W];
+    cp_load<W>(x + o, w);
+    for (int k = 0; k < W; ++k) {
         t[k] = CP_ROUND(__fdiv_rn(__fsub_rn(w[k], mean), sd));
         w[k] = cp_chain(t[k], s, bb, flags);
     }
-    if (flags & 2) cp_store<CP_V>(xn + o, t);
-    cp_store<CP_V>(y + o, w);
+    if (flags & 2) cp_store<W>(xn + o, t);
+    cp_store<W>(y + o, w);
 }
 
-/* BatchNorm forward's shifted sums over CP_V values at offset o:
+/* BatchNorm forward's shifted sums over W values at offset o:
    a += x - K, b += (x - K)^2. */
+template <int W>
 __device__ __forceinline__ void cp_bn_stats_run(const CP_A* x, unsigned o, double K,
                                                 double* a, double* b)
 {
-    float w[CP_V];
-    cp_load<CP_V>(x + o, w);
-    for (int k = 0; k < CP_V; ++k) {
+    float w[W];
+    cp_load<W>(x + o, w);
+    for (int k = 0; k < W; ++k) {
         const double d = (double)w[k] - K;
         *a += d;
         *b += d * d;
     }
 }
 
-/* BatchNorm backward's sums over CP_V values at offset o: a += g v, b += g. */
+/* BatchNorm backward's sums over W values at offset o: a += g v, b += g. */
+template <int W>
 __device__ __forceinline__ void cp_bn_sums_run(const CP_A* dy, const CP_A* xn, unsigned o,
     float s, float bb, int flags, double* a, double* b)
 {
-    float v[CP_V], g[CP_V];
-    cp_load<CP_V>(xn + o, v);
-    cp_load<CP_V>(dy + o, g);
-    for (int k = 0; k < CP_V; ++k) {
+    float v[W], g[W];
+    cp_load<W>(xn + o, v);
+    cp_load<W>(dy + o, g);
+    for (int k = 0; k < W; ++k) {
         const float gg = cp_bn_masked(g[k], v[k], s, bb, flags);
         *a += (double)gg * (double)v[k];
         *b += (double)gg;
     }
 }
 
-/* BatchNorm backward's dx over CP_V values at offset o. */
+/* BatchNorm backward's dx over W values at offset o. */
+template <int W>
 __device__ __forceinline__ void cp_bn_dx_run(const CP_A* dy, const CP_A* xn, CP_A* dx,
     unsigned o, float s, float bb, float sd, float mdyy, float mdy, int flags)
 {
-    float v[CP_V], g[CP_V];
-    cp_load<CP_V>(xn + o, v);
-    cp_load<CP_V>(dy + o, g);
-    for (int k = 0; k < CP_V; ++k)
+    float v[W], g[W];
+    cp_load<W>(xn + o, v);
+    cp_load<W>(dy + o, g);
+    for (int k = 0; k < W; ++k)
         g[k] = cp_bn_dx(cp_bn_masked(g[k], v[k], s, bb, flags), v[k], s, sd, mdyy, mdy, flags);
-    cp_store<CP_V>(dx + o, g);
+    cp_store<W>(dx + o, g);
 }
 '''
 
@@ -247,13 +277,13 @@ extern "C" __global__ void cp_bn_fwd(
     const unsigned base = c * S;
     const unsigned step = C * S;
     float v[CP_U];
-    const bool vec = cp_channel_vectors(S, x, y, (flags & 2) ? xn : nullptr);
+    const int vw = cp_channel_width(S, x, y, (flags & 2) ? xn : nullptr);
     if (flags & 1) {
         const double K = (double)(float)x[base];
         double a = 0.0, b = 0.0;
-        if (vec) {
-            cp_channel_vec(0, M, S, base, step, [&](unsigned o) {
-                cp_bn_stats_run(x, o, K, &a, &b);
+        if (vw > 1) {
+            cp_channel_runs(vw, 0, M, S, base, step, [&](auto w, unsigned o) {
+                cp_bn_stats_run<decltype(w)::value>(x, o, K, &a, &b);
             });
         } else {
             CP_CHANNEL_LOOP(M, S, base, step,
@@ -286,9 +316,9 @@ extern "C" __global__ void cp_bn_fwd(
     if (threadIdx.x == 0) stdv[c] = sd;
     const float s = (flags & 4) ? sc[c] : 1.0f;
     const float bb = (flags & 8) ? bi[c] : 0.0f;
-    if (vec) {
-        cp_channel_vec(0, M, S, base, step, [&](unsigned o) {
-            cp_bn_apply_run(x, y, xn, o, mean, sd, s, bb, flags);
+    if (vw > 1) {
+        cp_channel_runs(vw, 0, M, S, base, step, [&](auto w, unsigned o) {
+            cp_bn_apply_run<decltype(w)::value>(x, y, xn, o, mean, sd, s, bb, flags);
         });
         return;
     }
@@ -319,12 +349,12 @@ extern "C" __global__ void cp_bn_bwd(
     const float sd = stdv[c];
     float mdyy = 0.0f, mdy = 0.0f;
     float v[CP_U], g[CP_U];
-    const bool vec = cp_channel_vectors(S, dy, xn, (flags & 128) ? dx : nullptr);
+    const int vw = cp_channel_width(S, dy, xn, (flags & 128) ? dx : nullptr);
     if (flags & (1 | 32 | 64)) {
         double a = 0.0, b = 0.0;
-        if (vec) {
-            cp_channel_vec(0, M, S, base, step, [&](unsigned o) {
-                cp_bn_sums_run(dy, xn, o, s, bb, flags, &a, &b);
+        if (vw > 1) {
+            cp_channel_runs(vw, 0, M, S, base, step, [&](auto w, unsigned o) {
+                cp_bn_sums_run<decltype(w)::value>(dy, xn, o, s, bb, flags, &a, &b);
             });
         } else {
             CP_CHANNEL_LOOP(M, S, base, step,
@@ -343,9 +373,9 @@ extern "C" __global__ void cp_bn_bwd(
         mdy = (float)((double)s * b / (double)M);
     }
     if (!(flags & 128)) return;
-    if (vec) {
-        cp_channel_vec(0, M, S, base, step, [&](unsigned o) {
-            cp_bn_dx_run(dy, xn, dx, o, s, bb, sd, mdyy, mdy, flags);
+    if (vw > 1) {
+        cp_channel_runs(vw, 0, M, S, base, step, [&](auto w, unsigned o) {
+            cp_bn_dx_run<decltype(w)::value>(dy, xn, dx, o, s, bb, sd, mdyy, mdy, flags);
         });
         return;
     }
@@ -928,15 +958,15 @@ extern "C" __global__ void cp_bn_stats_part(const CP_A* x, double* part, float* 
     __shared__ double sh[66];
     const unsigned c = blockIdx.x / P, p = blockIdx.x - c * P;
     const unsigned M = N * S, base = c * S, step = C * S;
-    const bool vec = cp_channel_vectors(S, x, nullptr, nullptr);
+    const int vw = cp_channel_width(S, x, nullptr, nullptr);
     unsigned lo, hi;
-    cp_share(M, p, P, &lo, &hi, vec ? CP_V : 1);
+    cp_share(M, p, P, &lo, &hi, vw);
     const double K = (double)(float)x[base];
     double a = 0.0, b = 0.0;
     float v[CP_U];
-    if (vec) {
-        cp_channel_vec(lo, hi, S, base, step, [&](unsigned o) {
-            cp_bn_stats_run(x, o, K, &a, &b);
+    if (vw > 1) {
+        cp_channel_runs(vw, lo, hi, S, base, step, [&](auto w, unsigned o) {
+            cp_bn_stats_run<decltype(w)::value>(x, o, K, &a, &b);
         });
     } else {
         CP_RANGE_LOOP(lo, hi, S, base, step,
@@ -994,12 +1024,12 @@ extern "C" __global__ void cp_bn_fwd_apply(
     if (threadIdx.x == 0 && p == 0) stdv[c] = sd;
     const float s = (flags & 4) ? sc[c] : 1.0f;
     const float bb = (flags & 8) ? bi[c] : 0.0f;
-    const bool vec = cp_channel_vectors(S, x, y, (flags & 2) ? xn : nullptr);
+    const int vw = cp_channel_width(S, x, y, (flags & 2) ? xn : nullptr);
     unsigned lo, hi;
-    cp_share(M, p, P, &lo, &hi, vec ? CP_V : 1);
-    if (vec) {
-        cp_channel_vec(lo, hi, S, base, step, [&](unsigned o) {
-            cp_bn_apply_run(x, y, xn, o, mean, sd, s, bb, flags);
+    cp_share(M, p, P, &lo, &hi, vw);
+    if (vw > 1) {
+        cp_channel_runs(vw, lo, hi, S, base, step, [&](auto w, unsigned o) {
+            cp_bn_apply_run<decltype(w)::value>(x, y, xn, o, mean, sd, s, bb, flags);
         });
         return;
     }
@@ -1022,14 +1052,14 @@ extern "C" __global__ void cp_bn_bwd_part(const CP_A* dy, const CP_A* xn,
     const unsigned M = N * S, base = c * S, step = C * S;
     const float s = (flags & 4) ? sc[c] : 1.0f;
     const float bb = (flags & 8) ? bi[c] : 0.0f;
-    const bool vec = cp_channel_vectors(S, dy, xn, nullptr);
+    const int vw = cp_channel_width(S, dy, xn, nullptr);
     unsigned lo, hi;
-    cp_share(M, p, P, &lo, &hi, vec ? CP_V : 1);
+    cp_share(M, p, P, &lo, &hi, vw);
     double a = 0.0, b = 0.0;
     float v[CP_U], g[CP_U];
-    if (vec) {
-        cp_channel_vec(lo, hi, S, base, step, [&](unsigned o) {
-            cp_bn_sums_run(dy, xn, o, s, bb, flags, &a, &b);
+    if (vw > 1) {
+        cp_channel_runs(vw, lo, hi, S, base, step, [&](auto w, unsigned o) {
+            cp_bn_sums_run<decltype(w)::value>(dy, xn, o, s, bb, flags, &a, &b);
         });
     } else {
         CP_RANGE_LOOP(lo, hi, S, base, step,
@@ -1073,12 +1103,12 @@ extern "C" __global__ void cp_bn_bwd_apply(
     __syncthreads();
     if (!(flags & 128)) return;
     const float mdyy = stat[0], mdy = stat[1];
-    const bool vec = cp_channel_vectors(S, dy, xn, dx);
+    const int vw = cp_channel_width(S, dy, xn, dx);
     unsigned lo, hi;
-    cp_share(M, p, P, &lo, &hi, vec ? CP_V : 1);
-    if (vec) {
-        cp_channel_vec(lo, hi, S, base, step, [&](unsigned o) {
-            cp_bn_dx_run(dy, xn, dx, o, s, bb, sd, mdyy, mdy, flags);
+    cp_share(M, p, P, &lo, &hi, vw);
+    if (vw > 1) {
+        cp_channel_runs(vw, lo, hi, S, base, step, [&](auto w, unsigned o) {
+            cp_bn_dx_run<decltype(w)::value>(dy, xn, dx, o, s, bb, sd, mdyy, mdy, flags);
         });
         return;
     }

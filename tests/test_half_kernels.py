@@ -100,9 +100,42 @@ def _bn_forward(half, x, flags, sc=None, bi=None):
     return y, xn, std, (b0, b1, b2)
 
 
-@pytest.mark.parametrize('s', [50, 48])
+# What cp_channel_width picks for runs of S values at a pointer k values
+# into an aligned buffer: the loop width (values) each BatchNorm kernel takes.
+WIDTH_PROBE = '''
+extern "C" __global__ void cp_width_probe(const unsigned S, const CP_A* a, int* out) {
+    out[0] = cp_channel_width(S, a, nullptr, nullptr);
+}
+'''
+
+
+@pytest.mark.parametrize('dtype', ['half', 'float'])
+def test_channel_loops_take_the_widest_aligned_vector(dtype):
+    """16-byte vectors where a run is a multiple of them and the maps are
+    16-byte aligned, else 8-byte ones (ResNet-50's 14 x 14 maps, 196 values
+    a run), else one value at a time."""
+    head = '#define CP_A _Float16\n' if dtype == 'half' else ''
+    emu = build_emulator(head + COMMON + CORE + WIDTH_PROBE)
+    t = F16 if dtype == 'half' else F32
+    v = 16 // numpy.dtype(t).itemsize            # values in 16 bytes
+
+    def width(s, k):
+        a = _offset(numpy.zeros(64, t), k)
+        out = numpy.zeros(1, numpy.int32)
+        emu.kernel('cp_width_probe')((1,), (1,), (numpy.uint32(s), a, out))
+        return int(out[0])
+    assert width(196 if dtype == 'half' else 198, 0) == v // 2
+    assert width(4 * v, 0) == v
+    assert width(4 * v, v // 2) == v // 2          # 8-byte aligned only
+    assert width(4 * v + v // 2, 0) == v // 2
+    assert width(49, 0) == 1
+    assert width(4 * v, 1) == 1                    # misaligned
+
+
+@pytest.mark.parametrize('s', [50, 48, 52])
 def test_batchnorm_chain_forward_and_backward(half, s):
-    """s = 48: runs of 8 values, the 16-byte vector loops; 50: the scalar ones."""
+    """s = 48: runs of 8 values, the 16-byte vector loops; 52: runs of 4
+    (8-byte loops); 50: the scalar ones."""
     r = numpy.random.RandomState(3)
     n, c = 4, 3
     # Values in the thousands: their squares are past FLOAT16's range, the
@@ -150,12 +183,13 @@ def test_batchnorm_chain_forward_and_backward(half, s):
 
 
 
-@pytest.mark.parametrize('s', [70, 64])
+@pytest.mark.parametrize('s', [70, 64, 68])
 def test_batchnorm_split_kernels_on_16_bit_maps(half, half_extra, s):
     """The kernels that share a channel among P blocks (a big map, few
     channels: ResNet's first BatchNorm) read and write 16-bit maps, with the
     one-block kernel's statistics and its results to FLOAT16's rounding
-    (s = 64: the vector loops, shares in whole runs of 8)."""
+    (s = 64: the vector loops, shares in whole runs of 8; s = 68: the 8-byte
+    loops, in runs of 4)."""
     r = numpy.random.RandomState(9)
     n, c, P = 3, 2, 3
     x = _maps(r, n, c, s, scale=1500)
