@@ -272,11 +272,15 @@ def _time_steps(step, args, cupy_events):
     return times
 
 
+# Architectures with a PyTorch model of BVLC's own form (bvlc_torch_model).
+BVLC_TORCH_ARCHS = ('alexnet',)
+
+
 def bvlc_torch_model(torch, arch):
     """BVLC's own AlexNet in PyTorch (96 conv1 filters, LRN, two groups in
     conv2/4/5), the same work as the bench prototxt: torchvision's AlexNet
     (64 filters, no LRN, no groups) does less. Only AlexNet is offered."""
-    if arch != 'alexnet':
+    if arch not in BVLC_TORCH_ARCHS:
         raise SystemExit('--torch-models bvlc: only alexnet has a BVLC model here')
     nn = torch.nn
 
@@ -293,6 +297,21 @@ def bvlc_torch_model(torch, arch):
         nn.Linear(256 * 6 * 6, 4096), nn.ReLU(inplace=True), nn.Dropout(0.5),
         nn.Linear(4096, 4096), nn.ReLU(inplace=True), nn.Dropout(0.5),
         nn.Linear(4096, 1000))
+
+
+def torch_plans(net, models, amps):
+    """The PyTorch rows of bench net `net`: for each model variant of
+    `models` ('torchvision', 'bvlc'; comma-separated) its plain row and one
+    AMP row per type of `amps` ('fp16,bf16'). 'bvlc' is skipped where the
+    architecture has no model of BVLC's form (torchvision's is its peer)."""
+    plans = []
+    for variant in models.split(','):
+        if variant == 'bvlc' and parse_net(net)[0] not in BVLC_TORCH_ARCHS:
+            continue
+        base = '-' if variant == 'torchvision' else variant
+        plans.append(base)
+        plans += ['%s/amp-%s' % (base, amp) for amp in filter(None, amps.split(','))]
+    return plans
 
 
 def worker_torch(args):
@@ -442,11 +461,18 @@ def markdown(results, args):
 
 def sixteen_bit_targets(results):
     """Issue 37's ratios for each caffeplus 16-bit row ('/fp16'): its speed
-    against PyTorch AMP FP16 and against caffeplus's own '/strict' FP32 row
-    of the same plan, its peak against AMP's; all measured in this run."""
+    against PyTorch AMP FP16 on the same architecture and against
+    caffeplus's own '/strict' FP32 row of the same plan, its peak against
+    AMP's; all measured in this run."""
     ok = [r for r in results if 'error' not in r]
-    amp = {r['net']: r for r in ok if r['framework'] == 'pytorch' and
-           r.get('plan', '').endswith('/amp-fp16') and not r['plan'].startswith('bvlc')}
+    # The peer of the same architecture: BVLC's AlexNet (LRN, groups) against
+    # the PyTorch model of BVLC's ('bvlc/amp-fp16') where the run has one,
+    # else torchvision's model ('-/amp-fp16').
+    amp = {}
+    for r in ok:
+        if r['framework'] == 'pytorch' and r.get('plan', '').endswith('/amp-fp16'):
+            if r['plan'].startswith('bvlc') or r['net'] not in amp:
+                amp[r['net']] = r
     rows = []
     for r in ok:
         if r['framework'] != 'caffeplus' or 'fp16' not in r['plan'].partition('/')[2].split('+'):
@@ -455,8 +481,8 @@ def sixteen_bit_targets(results):
         fp32 = next((q for q in ok if q['framework'] == 'caffeplus' and q['net'] == r['net'] and
                      q['plan'] == base + '/strict'), None)
         a = amp.get(r['net'])
-        rows.append('| %s | %s | %.1f | %s | %s | %s | %s | %s |' % (
-            r['net'], r['plan'], r['median_ms'],
+        rows.append('| %s | %s | %.1f | %s | %s | %s | %s | %s | %s |' % (
+            r['net'], r['plan'], r['median_ms'], a['plan'] if a else '-',
             '%.1f' % a['median_ms'] if a else '-',
             '%.2fx' % (a['median_ms'] / r['median_ms']) if a else '-',
             '%.1f' % fp32['median_ms'] if fp32 else '-',
@@ -466,8 +492,8 @@ def sixteen_bit_targets(results):
         return []
     return ['', '16-bit targets (issue 37: speed >= 1.1x AMP FP16 and >= 1.8x caffeplus FP32, '
             'peak <= 0.6x AMP FP16):', '',
-            '| net | plan | ms/iter | AMP FP16 ms | speed vs AMP | caffeplus FP32 ms | '
-            'speed vs FP32 | peak vs AMP |', '|---|---|---|---|---|---|---|---|'] + rows
+            '| net | plan | ms/iter | AMP peer | AMP FP16 ms | speed vs AMP | caffeplus FP32 ms | '
+            'speed vs FP32 | peak vs AMP |', '|---|---|---|---|---|---|---|---|---|'] + rows
 
 
 def main(argv=None):
@@ -505,11 +531,8 @@ def main(argv=None):
         for net in args.nets.split(','):
             runs = [('caffeplus', p) for p in args.plans.split(',')]
             if args.torch:
-                for variant in args.torch_models.split(','):
-                    base = '-' if variant == 'torchvision' else variant
-                    runs.append(('pytorch', base))
-                    runs += [('pytorch', '%s/amp-%s' % (base, amp))
-                             for amp in filter(None, args.torch_amp.split(','))]
+                runs += [('pytorch', plan) for plan in
+                         torch_plans(net, args.torch_models, args.torch_amp)]
             for kind, plan in runs:
                 r = run_worker(kind, net, args, plan, tf32)
                 results.append(r)

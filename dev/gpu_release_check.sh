@@ -14,8 +14,10 @@
 #      caffeplus TF32 and FP16 (AMP_PLANS) and PyTorch TF32 (the 16-bit work's peers).
 #      The caffeplus rows search cuDNN's algorithms by timing them (':timed'), as `caffeplus
 #      train` does on a GPU (cudnn_search auto) and PyTorch's cudnn.benchmark does.
-#      Issue 37's other nets: AMP_NETS=resnet50_b256,alexnettv_b128 (a batch without a
-#      prototxt of its own is built from the architecture's file, bench_gpu.net_source).
+#      Each net's AMP peer is PyTorch's model of the same architecture: BVLC's AlexNet
+#      (alexnet_b128) PyTorch's BVLC form, torchvision's (alexnettv_b128) torchvision's.
+#      ResNet-50 b256: AMP_NETS=resnet50_b256 (a batch without a prototxt of its own is
+#      built from the architecture's file, bench_gpu.net_source).
 #  10. (STEPS=accuracy) benchmarks/precision_accuracy.py: digits LeNet in FP32 and 16 bits.
 #  11. (STEPS=nvcaffe) dev/nvcaffe_time.sh: NVCaffe's FP16 model files, `caffeplus time`.
 # Prefer running it through dev/gpu_snapshot.sh (the committed tree only).
@@ -128,8 +130,8 @@ fi
 if has amp; then
   stamp "PyTorch AMP peers, TF32 on"
   GLOG_minloglevel=2 timeout "${AMP_S:-400}" python3 benchmarks/bench_gpu.py --bench-dir .gpu_carry/bench \
-    --nets "${AMP_NETS:-alexnet_b128,googlenet_b64,vgg16_b64,resnet50_b64}" --plans "${AMP_PLANS:-arena:timed/strict,arena:timed,arena:timed/fp16}" \
-    --torch --torch-amp "${AMP_TORCH:-fp16,bf16}" \
+    --nets "${AMP_NETS:-alexnet_b128,alexnettv_b128,googlenet_b64,vgg16_b64,resnet50_b64}" --plans "${AMP_PLANS:-arena:timed/strict,arena:timed,arena:timed/fp16}" \
+    --torch --torch-models torchvision,bvlc --torch-amp "${AMP_TORCH:-fp16,bf16}" \
     --tf32 on --iters 20 --warmup 5 --timeout 150 \
     --json "$OUT/amp.json" --md "$OUT/amp.md" > "$OUT/amp.log" 2>&1
   echo "rc=$?" >> "$OUT/amp.log"

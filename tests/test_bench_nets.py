@@ -52,9 +52,17 @@ def test_the_benchmark_prints_issue_37s_ratios_from_rows_of_one_run():
                  peak_used_mib=1200.0),
             dict(framework='caffeplus', net='m', plan='arena/fp16', error='boom')]
     table = bench_gpu.sixteen_bit_targets(rows)
-    assert table[-1] == '| n | arena/fp16 | 10.0 | 12.0 | 1.20x | 25.0 | 2.50x | 0.50x |'
+    assert table[-1] == \
+        '| n | arena/fp16 | 10.0 | -/amp-fp16 | 12.0 | 1.20x | 25.0 | 2.50x | 0.50x |'
     assert sum(line.startswith('| n |') or line.startswith('| m |') for line in table) == 1
     assert bench_gpu.sixteen_bit_targets(rows[1:3]) == []
+    # BVLC's AlexNet is weighed against PyTorch's model of BVLC's form where
+    # the run has one (in either order), not torchvision's lighter AlexNet.
+    bvlc = dict(framework='pytorch', net='n', plan='bvlc/amp-fp16', tf32=1, median_ms=20.0,
+                peak_used_mib=1500.0)
+    for order in (rows + [bvlc], [bvlc] + rows):
+        assert bench_gpu.sixteen_bit_targets(order)[-1] == \
+            '| n | arena/fp16 | 10.0 | bvlc/amp-fp16 | 20.0 | 2.00x | 25.0 | 2.50x | 0.40x |'
 
 
 def test_a_batch_without_its_own_prototxt_takes_the_architectures_file():
@@ -71,3 +79,11 @@ def test_a_batch_without_its_own_prototxt_takes_the_architectures_file():
     assert [l.type for l in net.layers] == [l.type for l in kept.layers]
     with pytest.raises(SystemExit, match='no prototxt'):
         bench_gpu.net_source(bench, 'lenet_b64')
+
+
+def test_only_alexnet_gets_a_bvlc_form_pytorch_peer():
+    assert bench_gpu.torch_plans('alexnet_b128', 'torchvision,bvlc', 'fp16') == \
+        ['-', '-/amp-fp16', 'bvlc', 'bvlc/amp-fp16']
+    assert bench_gpu.torch_plans('resnet50_b64', 'torchvision,bvlc', 'fp16,bf16') == \
+        ['-', '-/amp-fp16', '-/amp-bf16']
+    assert bench_gpu.torch_plans('alexnettv_b128', 'torchvision,bvlc', '') == ['-']
