@@ -385,10 +385,11 @@ extern "C" __global__ void cp_bn_bwd(
                             flags);)
 }
 
-/* Scale forward: y = x * s[c] (+ b[c]) over (outer, dim, inner).
-   flags: 1 keep a copy of x, 2 add the bias. */
+/* Scale forward: y = x * s[c] (+ b[c]) over (outer, dim, inner), in float32,
+   rounded once where the map is 16-bit. flags: 1 keep a copy of x (in the
+   maps' type), 2 add the bias. */
 extern "C" __global__ void cp_scale_fwd(
-    const float* x, float* y, float* keep, const float* sc, const float* bi,
+    const CP_A* x, CP_A* y, CP_A* keep, const float* sc, const float* bi,
     const unsigned outer, const unsigned dim, const unsigned inner, const int flags)
 {
     const unsigned total = outer * dim * inner;
@@ -396,7 +397,7 @@ extern "C" __global__ void cp_scale_fwd(
     CP_FLAT_LOOP(total,
         v[u] = x[o[u]];,
         const unsigned c = (o[u] / inner) % dim;
-        if (flags & 1) keep[o[u]] = v[u];
+        if (flags & 1) keep[o[u]] = v[u];           /* exact: v came from the map */
         float r = __fmul_rn(v[u], sc[c]);
         if (flags & 2) r = __fadd_rn(r, bi[c]);
         y[o[u]] = r;)
@@ -406,7 +407,7 @@ extern "C" __global__ void cp_scale_fwd(
    flags: 1 scale gradient sum(dy * x) (2: added to dsc, else written),
    4 bias gradient sum(dy) added to dbi, 8 dx = dy * s. */
 extern "C" __global__ void cp_scale_bwd(
-    const float* dy, const float* x, const float* sc, float* dx, float* dsc, float* dbi,
+    const CP_A* dy, const CP_A* x, const float* sc, CP_A* dx, float* dsc, float* dbi,
     const unsigned outer, const unsigned dim, const unsigned inner, const int flags)
 {
     __shared__ double sh[66];

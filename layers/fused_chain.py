@@ -496,16 +496,18 @@ class GPUScaleLayer(_FusedMixin, ScaleLayer):
         bid = self.bias_param_id
         if bid is not None and self.bias_dims != self.dims:
             return False
-        x, y = K.flat(bottom[0]), K.flat(top[0])
+        arrays, dtype = K.maps((bottom[0], False), (top[0], False))
         s = K.flat(self._scale_blob(bottom))
         b = K.flat(self.blobs[bid]) if bid is not None else None
-        if x is None or y is None or s is None or (bid is not None and b is None):
+        if arrays is None or s is None or (bid is not None and b is None):
             return False
+        x, y = arrays
         keep = _same_data(bottom[0], top[0]) and self._scale_grad_needed(bottom)
         flags = (K.SC_BIAS if b is not None else 0)
         kp = y
         if keep:
-            self._keep_buf = kp = scratch.get(self, 'bottom_copy', count, numpy.float32,
+            # In the maps' type (internal_buffers declares it so).
+            self._keep_buf = kp = scratch.get(self, 'bottom_copy', count, dtype,
                                               K.array_module())
             key = (self.dims, _base_address(kp))
             if key != self._keep_key:
@@ -515,7 +517,7 @@ class GPUScaleLayer(_FusedMixin, ScaleLayer):
             flags |= K.SC_KEEP
         else:
             self._bottom_copy = None
-        K.kernel('cp_scale_fwd')(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,), (
+        K.kernel('cp_scale_fwd', dtype)(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,), (
             x, y, kp, s, b if b is not None else s, K.u32(outer), K.u32(dim), K.u32(inner),
             K.i32(flags)))
         return True
@@ -543,21 +545,22 @@ class GPUScaleLayer(_FusedMixin, ScaleLayer):
         want_dx = bool(propagate_down[0])
         if not (want_ds or want_db or want_dx):
             return True
-        dy = K.flat(top[0], diff=True)
+        arrays, dtype = K.maps((top[0], True))
         s = K.flat(self._scale_blob(bottom))
-        if dy is None or s is None:
+        if arrays is None or s is None:
             return False
+        dy, = arrays
         x = ds = db = dx = None
         flags = 0
         if want_ds:
             if _same_data(bottom[0], top[0]):
                 x = self._bottom_copy
-                if x is None or x.size != count or not K.is_device(x):
+                if x is None or x.size != count or not K.is_device(x) or x.dtype != dtype:
                     return False            # the generic code names the problem
             else:
-                x = K.flat(bottom[0])
+                x = K.flat(bottom[0], any_dtype=True)
             ds = K.flat(self.blobs[0], diff=True) if learned else K.flat(bottom[1], diff=True)
-            if x is None or ds is None:
+            if x is None or x.dtype != dtype or ds is None:
                 return False
             flags |= K.SC_DSCALE | (K.SC_DSCALE_ACC if learned else 0)
         if want_db:
@@ -566,11 +569,11 @@ class GPUScaleLayer(_FusedMixin, ScaleLayer):
                 return False
             flags |= K.SC_DBIAS
         if want_dx:
-            dx = K.flat(bottom[0], diff=True)
-            if dx is None:
+            dx = K.flat(bottom[0], diff=True, any_dtype=True)
+            if dx is None or dx.dtype != dtype:
                 return False
             flags |= K.SC_DX
-        K.kernel('cp_scale_bwd')((dim,), (K.channel_block(outer * inner),), (
+        K.kernel('cp_scale_bwd', dtype)((dim,), (K.channel_block(outer * inner),), (
             dy, x if x is not None else dy, s, dx if dx is not None else dy,
             ds if ds is not None else dy, db if db is not None else dy,
             K.u32(outer), K.u32(dim), K.u32(inner), K.i32(flags)))

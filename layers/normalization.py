@@ -455,7 +455,9 @@ class ScaleLayer(Layer):
         top[0].reshape(bottom[0].shape)
         copies = _same_data(bottom[0], top[0]) and (len(bottom) > 1 or
                                                      self.param_needs_backward(0))
-        self._kept = {'bottom_copy': (bottom[0].count, F32)} if copies else {}
+        # Kept in the maps' type: a 16-bit map's values are exact in 16 bits.
+        self._kept = {'bottom_copy': (bottom[0].count, bottom[0].data_storage.dtype)} \
+            if copies else {}
 
     def internal_buffers(self):
         """In place, the bottom the scale gradient needs (caffeplus.memory.scratch)."""

@@ -183,6 +183,40 @@ def test_batchnorm_chain_forward_and_backward(half, s):
 
 
 
+@pytest.mark.parametrize('in_place', [False, True])
+def test_scale_forward_and_backward_on_16_bit_maps(half, in_place):
+    """An unchained Scale (no BatchNorm before it) on 16-bit maps: the
+    product and bias in float32, rounded once; in place, the kept copy of
+    the bottom is the 16-bit map itself; the parameters' gradients summed
+    in double from the 16-bit values, dx rounded once."""
+    r = numpy.random.RandomState(11)
+    outer, dim, inner = 3, 5, 37
+    x = _maps(r, outer, dim, inner, scale=30)
+    sc = r.standard_normal(dim).astype(F32)
+    bi = r.standard_normal(dim).astype(F32)
+    keep = numpy.zeros_like(x)
+    y = x if in_place else numpy.empty_like(x)
+    x0 = x.copy()
+    flags = kernels.SC_BIAS | (kernels.SC_KEEP if in_place else 0)
+    dims = (numpy.uint32(outer), numpy.uint32(dim), numpy.uint32(inner))
+    half.kernel('cp_scale_fwd')((4,), (64,), (x, y, keep, sc, bi) + dims + (numpy.int32(flags),))
+    want = (x0.astype(F32) * sc[None, :, None] + bi[None, :, None]).astype(F16)
+    assert y.dtype == F16 and y.tobytes() == want.tobytes()
+    if in_place:
+        assert keep.tobytes() == x0.tobytes()
+    dy = _maps(r, outer, dim, inner)
+    dx = numpy.empty_like(dy)
+    dsc, dbi = numpy.ones(dim, F32), numpy.zeros(dim, F32)
+    bflags = kernels.SC_DSCALE | kernels.SC_DSCALE_ACC | kernels.SC_DBIAS | kernels.SC_DX
+    half.kernel('cp_scale_bwd')((dim,), (64,), (dy, keep if in_place else x0, sc, dx, dsc, dbi)
+                                + dims + (numpy.int32(bflags),))
+    d64, x64 = dy.astype(numpy.float64), x0.astype(numpy.float64)
+    numpy.testing.assert_allclose(dsc, 1 + (d64 * x64).sum(axis=(0, 2)), rtol=1e-6)
+    numpy.testing.assert_allclose(dbi, d64.sum(axis=(0, 2)), rtol=1e-6, atol=1e-6)
+    assert dx.dtype == F16
+    assert dx.tobytes() == (dy.astype(F32) * sc[None, :, None]).astype(F16).tobytes()
+
+
 @pytest.mark.parametrize('s', [70, 64, 68])
 def test_batchnorm_split_kernels_on_16_bit_maps(half, half_extra, s):
     """The kernels that share a channel among P blocks (a big map, few

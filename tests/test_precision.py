@@ -434,6 +434,27 @@ def test_batchnorm_keeps_its_normalized_copy_in_the_maps_type(capsys):
     assert other['fp32'] - other['fp16'] == 2 * normalized - 2 * copies
 
 
+def test_an_unchained_scale_keeps_its_bottom_copy_in_the_maps_type():
+    """An in-place Scale with no BatchNorm before it keeps a copy of its
+    bottom for the scale gradient: in a FLOAT16 net, two bytes a value, in
+    what it declares (the plans place it so) and in the estimate."""
+    from caffeplus.memory import shapes, workspace_model as wm
+    text = ('name: "s" layer { name: "d" type: "Input" top: "x" input_param { shape { '
+            'dim: 2 dim: 3 dim: 4 dim: 5 } } } layer { name: "c" type: "Convolution" '
+            'bottom: "x" top: "y" convolution_param { num_output: 6 kernel_size: 1 } } '
+            'layer { name: "s" type: "Scale" bottom: "y" top: "y" '
+            'scale_param { bias_term: true } } force_backward: true')
+    kept = {}
+    for name in ('fp32', 'fp16'):
+        param = text_format.Parse(text, caffe_pb2.NetParameter())
+        precision.override(param, name)
+        net = shapes.build_net(param)
+        count, dtype = net.layers[2].internal_buffers()['bottom_copy']
+        assert count == 2 * 6 * 4 * 5
+        kept[name] = (numpy.dtype(dtype).itemsize, wm.internal_bytes(net, 2))
+    assert kept == {'fp32': (4, 4 * 240), 'fp16': (2, 2 * 240)}
+
+
 def test_the_estimate_keeps_every_gradient_of_a_loss_scaled_net(capsys):
     """The loss scaler judges all the gradients before any update, so a
     FLOAT16 solver cannot update in backward: under `shared` every parameter

@@ -331,3 +331,50 @@ def test_float16_caffe_window_pooling_and_softmax_loss_follow_fp32(gpu, monkeypa
                                      got['fp32'][2].astype(numpy.float16).astype(numpy.float32))
     assert got['fp16'][0] == pytest.approx(got['fp32'][0], rel=1e-2)
     assert _relative(got['fp16'][1], got['fp32'][1]) < 2e-2
+
+
+# A Scale with no BatchNorm before it (not chained), in place, learning its
+# scale and bias.
+SCALE_NET = """
+name: "scale"
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 4 dim: 3 dim: 12 dim: 12 } shape { dim: 4 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+  convolution_param { num_output: 6 kernel_size: 3 pad: 1
+    weight_filler { type: "gaussian" std: 0.3 } bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "scale" type: "Scale" bottom: "conv" top: "conv"
+  scale_param { bias_term: true filler { type: "uniform" min: 0.5 max: 1.5 }
+    bias_filler { type: "constant" value: 0.2 } } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss"
+  loss_weight: 64 }
+"""
+
+
+def test_an_unchained_float16_scale_runs_its_kernels_16_bit_build(gpu):
+    """The Scale's kernels take the 16-bit map as it is (its kept bottom copy
+    16-bit too) and follow the FP32 net within FP16's rounding."""
+    from caffeplus import kernels
+    nets = {}
+    for name in ('fp32', 'fp16'):
+        with precision.setting(name):
+            nets[name] = caffeplus.Net(text_format.Parse(SCALE_NET, caffe_pb2.NetParameter()),
+                                       caffe_pb2.TRAIN)
+    weights = [p.data.get().copy() for p in nets['fp32'].learnable_params]
+    for p, w in zip(nets['fp16'].learnable_params, weights):
+        p.data = w
+    r = numpy.random.RandomState(6)
+    x = r.standard_normal((4, 3, 12, 12)).astype(numpy.float32)
+    label = r.randint(0, 5, size=4).astype(numpy.float32)
+    before = len(kernels.failures())
+    got = {name: _run(net, x, label) for name, net in nets.items()}
+    assert kernels.failures()[before:] == []
+    scale = nets['fp16'].layer_dict['scale']
+    assert scale._keep_buf is not None and scale._keep_buf.dtype == numpy.float16
+    assert scale.internal_buffers()['bottom_copy'][1] == numpy.float16
+    assert got['fp16'][0] == pytest.approx(got['fp32'][0], rel=1e-2)
+    for g16, g32 in zip(got['fp16'][1], got['fp32'][1]):
+        assert numpy.isfinite(g16).all()
+        assert _relative(g16, g32) < 3e-2

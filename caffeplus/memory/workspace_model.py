@@ -58,7 +58,7 @@ overrides it:
   LRN                        the scale array, the size of the bottom
   Dropout (TRAIN)            a bool mask, 1 byte per bottom element
   BatchNorm (batch stats)    a copy of the normalized top, in the top's type
-  Scale (in place, learning) a copy of the bottom
+  Scale (in place, learning) a copy of the bottom, in the bottom's type
   Eltwise MAX                int32 argmax, the size of the top
 
 `stock` counts instead what the stock plan holds: Caffe 1.0's own layer
@@ -423,7 +423,8 @@ def internal_bytes(net, i, plan_name=None):
         if _after_in_place_batch_norm(net, i):
             return 0        # a BatchNorm -> Scale chain: its gradient reads BatchNorm's copy
         learns = len(bottom) > 1 or layer.param_needs_backward(0)
-        return FLOAT_BYTES * bottom[0].count if learns and net.layer_need_backward[i] else 0
+        itemsize = bottom[0].data_storage.dtype.itemsize           # (in the maps' type)
+        return itemsize * bottom[0].count if learns and net.layer_need_backward[i] else 0
     if t == 'Eltwise' and layer.layer_param.eltwise_param.operation == \
             caffe_pb2.EltwiseParameter.MAX:
         return 4 * top[0].count
