@@ -240,14 +240,15 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 """
 
 
-# (4, 4, 8, 8): BatchNorm's one-block-per-channel kernels; (8, 4, 48, 48):
-# 18,432 values a channel, shared among blocks (its split kernels), whose
-# smaller gradients a value need a larger loss scale.
-@pytest.mark.parametrize('shape,loss_weight', [((4, 4, 8, 8), 64), ((8, 4, 48, 48), 1024)])
-def test_a_float16_residual_block_follows_fp32(gpu, shape, loss_weight):
+# (shape, loss weight, whether BatchNorm shares a channel among blocks: its
+# split kernels, whose smaller gradients a value need a larger loss scale).
+# Runs of 64 and 2,304 values take 16-byte vectors, 14 x 14's 196 8-byte ones.
+@pytest.mark.parametrize('shape,loss_weight,split', [
+    ((4, 4, 8, 8), 64, False), ((8, 4, 48, 48), 1024, True),
+    ((4, 4, 14, 14), 64, False), ((96, 4, 14, 14), 1024, True)])
+def test_a_float16_residual_block_follows_fp32(gpu, shape, loss_weight, split):
     from caffeplus import kernels
-    split = kernels.blocks_per_channel(shape[1], shape[0] * shape[2] * shape[3]) > 1
-    assert split == (shape[2] > 8)
+    assert split == (kernels.blocks_per_channel(shape[1], shape[0] * shape[2] * shape[3]) > 1)
     nets = {}
     text = RESIDUAL.replace('shape { dim: 4 dim: 4 dim: 8 dim: 8 } shape { dim: 4 }',
                             'shape { dim: %d dim: %d dim: %d dim: %d } shape { dim: %d }'
