@@ -20,10 +20,11 @@
 #      built from the architecture's file, bench_gpu.net_source).
 #  10. (STEPS=accuracy) benchmarks/precision_accuracy.py: digits LeNet in FP32 and 16 bits.
 #  11. (STEPS=nvcaffe) dev/nvcaffe_time.sh: NVCaffe's FP16 model files, `caffeplus time`.
+#  12. (STEPS=profile) dev/profile_gpu.py on PROFILE_NETS in FP16 with timed search.
 # Prefer running it through dev/gpu_snapshot.sh (the committed tree only).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
 # (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
-# env: MEMORY_PRECISION, STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp,accuracy,nvcaffe), AMP_TORCH, TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
+# env: MEMORY_PRECISION, STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp,accuracy,nvcaffe,profile), PROFILE_NETS, AMP_TORCH, TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
 #      MEMORY_ITERS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S
 set -u
 OUT=${OUT:-/tmp/gpu_out}
@@ -136,6 +137,18 @@ if has amp; then
     --json "$OUT/amp.json" --md "$OUT/amp.md" > "$OUT/amp.log" 2>&1
   echo "rc=$?" >> "$OUT/amp.log"
   tail -n 20 "$OUT/amp.log"
+fi
+if has profile; then
+  # Where a 16-bit iteration's time goes, layer by layer (timed algorithms, as
+  # caffeplus train runs them), for the nets still slower than AMP.
+  stamp "per-layer profile, FP16, timed search"
+  for net in ${PROFILE_NETS:-vgg16_b64 alexnet_b128}; do
+    GLOG_minloglevel=2 timeout "${PROFILE_S:-120}" python3 dev/profile_gpu.py \
+      --net .gpu_carry/bench/$net.prototxt --plan arena --search timed --tf32 \
+      --precision fp16 --iters 10 --top 25 > "$OUT/profile_fp16_$net.log" 2>&1
+    echo "rc=$?" >> "$OUT/profile_fp16_$net.log"
+    tail -n 45 "$OUT/profile_fp16_$net.log"
+  done
 fi
 if has accuracy; then
   stamp "digits LeNet trained in each precision, test accuracy against FP32's"
