@@ -299,17 +299,19 @@ def bvlc_torch_model(torch, arch):
         nn.Linear(4096, 1000))
 
 
-def torch_plans(net, models, amps):
+def torch_plans(net, models, amps, plain=True):
     """The PyTorch rows of bench net `net`: for each model variant of
-    `models` ('torchvision', 'bvlc'; comma-separated) its plain row and one
-    AMP row per type of `amps` ('fp16,bf16'). 'bvlc' is skipped where the
-    architecture has no model of BVLC's form (torchvision's is its peer)."""
+    `models` ('torchvision', 'bvlc'; comma-separated) its plain row (unless
+    not `plain`) and one AMP row per type of `amps` ('fp16,bf16'). 'bvlc' is
+    skipped where the architecture has no model of BVLC's form
+    (torchvision's is its peer)."""
     plans = []
     for variant in models.split(','):
         if variant == 'bvlc' and parse_net(net)[0] not in BVLC_TORCH_ARCHS:
             continue
         base = '-' if variant == 'torchvision' else variant
-        plans.append(base)
+        if plain:
+            plans.append(base)
         plans += ['%s/amp-%s' % (base, amp) for amp in filter(None, amps.split(','))]
     return plans
 
@@ -507,6 +509,8 @@ def main(argv=None):
                          "defines it: same work as the prototxt), or both, separated by ','")
     ap.add_argument('--torch-amp', default='',
                     help="also PyTorch AMP runs: fp16, bf16 or both, separated by ','")
+    ap.add_argument('--torch-plain', default='on', choices=('on', 'off'),
+                    help="PyTorch's rows without AMP too (off: only the --torch-amp rows)")
     ap.add_argument('--tf32', default='off', choices=('off', 'on', 'both'))
     ap.add_argument('--iters', type=int, default=20)
     ap.add_argument('--warmup', type=int, default=3)
@@ -532,7 +536,8 @@ def main(argv=None):
             runs = [('caffeplus', p) for p in args.plans.split(',')]
             if args.torch:
                 runs += [('pytorch', plan) for plan in
-                         torch_plans(net, args.torch_models, args.torch_amp)]
+                         torch_plans(net, args.torch_models, args.torch_amp,
+                                     args.torch_plain == 'on')]
             for kind, plan in runs:
                 r = run_worker(kind, net, args, plan, tf32)
                 results.append(r)

@@ -16,6 +16,8 @@
 #      train` does on a GPU (cudnn_search auto) and PyTorch's cudnn.benchmark does.
 #      Each net's AMP peer is PyTorch's model of the same architecture: BVLC's AlexNet
 #      (alexnet_b128) PyTorch's BVLC form, torchvision's (alexnettv_b128) torchvision's.
+#      PyTorch's TF32 rows only with AMP_TORCH_PLAIN=on. All five default nets take about
+#      10 minutes: split AMP_NETS over two device calls.
 #      ResNet-50 b256: AMP_NETS=resnet50_b256 (a batch without a prototxt of its own is
 #      built from the architecture's file, bench_gpu.net_source).
 #  10. (STEPS=accuracy) benchmarks/precision_accuracy.py: digits LeNet in FP32 and 16 bits.
@@ -133,6 +135,7 @@ if has amp; then
   GLOG_minloglevel=2 timeout "${AMP_S:-400}" python3 benchmarks/bench_gpu.py --bench-dir .gpu_carry/bench \
     --nets "${AMP_NETS:-alexnet_b128,alexnettv_b128,googlenet_b64,vgg16_b64,resnet50_b64}" --plans "${AMP_PLANS:-arena:timed/strict,arena:timed,arena:timed/fp16}" \
     --torch --torch-models torchvision,bvlc --torch-amp "${AMP_TORCH:-fp16,bf16}" \
+    --torch-plain "${AMP_TORCH_PLAIN:-off}" \
     --tf32 on --iters 20 --warmup 5 --timeout 150 \
     --json "$OUT/amp.json" --md "$OUT/amp.md" > "$OUT/amp.log" 2>&1
   echo "rc=$?" >> "$OUT/amp.log"

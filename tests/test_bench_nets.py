@@ -87,3 +87,5 @@ def test_only_alexnet_gets_a_bvlc_form_pytorch_peer():
     assert bench_gpu.torch_plans('resnet50_b64', 'torchvision,bvlc', 'fp16,bf16') == \
         ['-', '-/amp-fp16', '-/amp-bf16']
     assert bench_gpu.torch_plans('alexnettv_b128', 'torchvision,bvlc', '') == ['-']
+    assert bench_gpu.torch_plans('alexnet_b128', 'torchvision,bvlc', 'fp16', plain=False) == \
+        ['-/amp-fp16', 'bvlc/amp-fp16']
