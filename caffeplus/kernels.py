@@ -39,7 +39,8 @@ import numpy
 
 from caffeplus import backend as _backend
 from caffeplus.blob import HEAD_DEVICE as _HEAD_DEVICE
-from caffeplus.kernel_sources import COMMON, CORE, EXTRA
+from caffeplus.kernel_sources import COMMON, CORE
+from caffeplus.kernel_sources_extra import EXTRA
 
 # The modules compiled on the device (one failing to build leaves the other);
 # the emulator builds them together.

@@ -8,7 +8,8 @@ import numpy
 import pytest
 
 from caffeplus import kernels
-from caffeplus.kernel_sources import COMMON, CORE, EXTRA
+from caffeplus.kernel_sources import COMMON, CORE
+from caffeplus.kernel_sources_extra import EXTRA
 from conftest import build_emulator
 
 F16, F32 = numpy.float16, numpy.float32

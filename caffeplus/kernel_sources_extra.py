@@ -1,0 +1,656 @@
+"""The CUDA C source of caffeplus.kernels' second module, EXTRA (built after
+caffeplus.kernel_sources' COMMON helpers): pooling with Caffe's windows,
+masks, SoftmaxWithLoss, BatchNorm over several blocks a channel, im2col, the
+convolution bias's channel sums and the 16-bit filter gradient's
+accumulation."""
+
+EXTRA = r'''
+#define CP_FLT_MAX 3.402823466e+38f
+#define CP_FLT_MIN 1.175494351e-38f
+
+__device__ __forceinline__ float cp_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_down_sync(CP_FULL_MASK, v, o));
+    return v;
+}
+
+/* Block-wide max (every thread gets it). */
+__device__ float cp_block_max(float v, float* sh) {
+    const int lane = threadIdx.x & 31;
+    const int wid = threadIdx.x >> 5;
+    const int nw = blockDim.x >> 5;
+    v = cp_warp_max(v);
+    if (lane == 0) sh[wid] = v;
+    __syncthreads();
+    if (wid == 0) {
+        v = lane < nw ? sh[lane] : -CP_FLT_MAX;
+        v = cp_warp_max(v);
+        if (lane == 0) sh[32] = v;
+    }
+    __syncthreads();
+    v = sh[32];
+    __syncthreads();
+    return v;
+}
+
+/* Index i of a (planes, H, W) layout: its row *h, its column *w, and
+   (returned) its plane. */
+template <class I>
+__device__ __forceinline__ I cp_plane_of(const I i, const int H, const int W, int* h, int* w)
+{
+    *w = (int)(i % (I)W);
+    const I t = i / (I)W;
+    *h = (int)(t % (I)H);
+    return t / (I)H;
+}
+
+/* The first maximum of the window rows hs.., columns ws.. (clipped to the
+   H x W plane xp) in scan order: strict >, from -FLT_MAX, so NaN never
+   wins; *arg = its offset kh*KW+kw in the window, `none` if nothing beat
+   -FLT_MAX. */
+template <class T>
+__device__ __forceinline__ float cp_window_max(const T* xp, const int H, const int W,
+    const int hs, const int ws, const int KH, const int KW, const int none, int* arg)
+{
+    float m = -CP_FLT_MAX;
+    int a = none;
+    for (int kh = 0; kh < KH; ++kh) {
+        const int h = hs + kh;
+        if (h < 0 || h >= H) continue;
+        for (int kw = 0; kw < KW; ++kw) {
+            const int w = ws + kw;
+            if (w < 0 || w >= W) continue;
+            const float v = (float)xp[h * W + w];
+            if (v > m) { m = v; a = kh * KW + kw; }
+        }
+    }
+    *arg = a;
+    return m;
+}
+
+/* Pooling with Caffe's windows (rows oh*SH-PH .. +KH, clipped to the image),
+   one thread per output value. MAX: the first maximum in scan order (strict
+   >, so NaN never wins) starting from -FLT_MAX; arg = its offset kh*KW+kw in
+   the window, -1 if nothing beat -FLT_MAX. AVE: the clipped window's sum
+   over the window clipped to H+PH (Caffe's divisor). */
+extern "C" __global__ void cp_pool_fwd(const CP_A* x, CP_A* y, int* arg,
+    const unsigned NC, const int H, const int W, const int OH, const int OW,
+    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW,
+    const int ave)
+{
+    const unsigned total = NC * (unsigned)(OH * OW);
+    const unsigned stride = gridDim.x * blockDim.x;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        int oh, ow;
+        const unsigned nc = cp_plane_of(i, OH, OW, &oh, &ow);
+        const int hs = oh * SH - PH, ws = ow * SW - PW;
+        const CP_A* xp = x + nc * (unsigned)(H * W);
+        if (ave) {
+            const int he = min(hs + KH, H + PH), we = min(ws + KW, W + PW);
+            const float size = (float)((he - hs) * (we - ws));
+            float sum = 0.0f;
+            for (int kh = 0; kh < KH; ++kh) {
+                const int h = hs + kh;
+                if (h < 0 || h >= H) continue;
+                for (int kw = 0; kw < KW; ++kw) {
+                    const int w = ws + kw;
+                    if (w < 0 || w >= W) continue;
+                    sum = __fadd_rn(sum, (float)xp[h * W + w]);
+                }
+            }
+            y[i] = __fdiv_rn(sum, size);
+        } else {
+            int a;
+            y[i] = cp_window_max(xp, H, W, hs, ws, KH, KW, -1, &a);
+            arg[i] = a;
+        }
+    }
+}
+
+/* Pooling backward, one thread per input value: the sum over the windows
+   that hold it of dy routed by arg (MAX) or dy / divisor (AVE). */
+extern "C" __global__ void cp_pool_bwd(const CP_A* dy, const int* arg, CP_A* dx,
+    const unsigned NC, const int H, const int W, const int OH, const int OW,
+    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW,
+    const int ave)
+{
+    const unsigned total = NC * (unsigned)(H * W);
+    const unsigned stride = gridDim.x * blockDim.x;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        int h, w;
+        const unsigned nc = cp_plane_of(i, H, W, &h, &w);
+        const int hp = h + PH, wp = w + PW;
+        const int ph0 = hp < KH ? 0 : (hp - KH) / SH + 1;
+        const int ph1 = min(hp / SH + 1, OH);
+        const int pw0 = wp < KW ? 0 : (wp - KW) / SW + 1;
+        const int pw1 = min(wp / SW + 1, OW);
+        const unsigned ob = nc * (unsigned)(OH * OW);
+        float acc = 0.0f;
+        for (int ph = ph0; ph < ph1; ++ph) {
+            const int hs = ph * SH - PH;
+            for (int pw = pw0; pw < pw1; ++pw) {
+                const int ws = pw * SW - PW;
+                const unsigned o = ob + (unsigned)(ph * OW + pw);
+                if (ave) {
+                    const int he = min(hs + KH, H + PH), we = min(ws + KW, W + PW);
+                    const float size = (float)((he - hs) * (we - ws));
+                    acc = __fadd_rn(acc, __fdiv_rn((float)dy[o], size));
+                } else if (arg[o] == (h - hs) * KW + (w - ws)) {
+                    acc = __fadd_rn(acc, (float)dy[o]);
+                }
+            }
+        }
+        dx[i] = acc;
+    }
+}
+
+/* Masks instead of maps (caffeplus.memory.masks): max pooling and ReLU
+   whose backward reads a few bits kept by their forward, not x or y, so a
+   memory plan can drop the maps after forward. 64-bit indices: VGG-16's
+   first maps pass 2**32 values past batch 1300.
+
+   MAX pooling as cp_pool_fwd (Caffe's windows, the first maximum in scan
+   order), keeping the argmax as one byte: the window offset kh*KW+kw (the
+   layer masks windows of at most 255 values), 255 where nothing beat
+   -FLT_MAX. total = N*C*OH*OW. Maps of CP_A, as the other pooling kernels;
+   a gradient is summed in float and rounded once. */
+template <class I>
+__device__ __forceinline__ void cp_mpool_fwd_run(const I total, const CP_A* x, CP_A* y,
+    unsigned char* arg, const int H, const int W, const int OH, const int OW,
+    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
+{
+    const I stride = (I)gridDim.x * blockDim.x;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        int oh, ow;
+        const unsigned long long nc = cp_plane_of(i, OH, OW, &oh, &ow);
+        const int hs = oh * SH - PH, ws = ow * SW - PW;
+        const CP_A* xp = x + nc * (unsigned long long)(H * W);
+        int a;
+        y[i] = cp_window_max(xp, H, W, hs, ws, KH, KW, 255, &a);
+        arg[i] = (unsigned char)a;
+    }
+}
+
+/* 64-bit division is slow on the device: 32-bit indices up to 2**31 values.
+   CP_BY_INDEX(run, total, args...) calls run<unsigned> or run<unsigned long long>. */
+#define CP_INDEX_32 2147483648ULL
+#define CP_BY_INDEX(run, total, ...)                                             \
+    if ((total) <= CP_INDEX_32) run<unsigned>((unsigned)(total), __VA_ARGS__);   \
+    else run<unsigned long long>((total), __VA_ARGS__)
+
+extern "C" __global__ void cp_mpool_fwd(const CP_A* x, CP_A* y, unsigned char* arg,
+    const unsigned long long total, const int H, const int W, const int OH, const int OW,
+    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
+{
+    CP_BY_INDEX(cp_mpool_fwd_run, total, x, y, arg, H, W, OH, OW, KH, KW, SH, SW, PH, PW);
+}
+
+/* Its backward, one thread per input value (total = N*C*H*W): the sum, in
+   window order, of dy over the windows whose argmax is this value. */
+template <class I>
+__device__ __forceinline__ void cp_mpool_bwd_run(const I total, const CP_A* dy,
+    const unsigned char* arg, CP_A* dx, const int H, const int W, const int OH, const int OW,
+    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
+{
+    const I stride = (I)gridDim.x * blockDim.x;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        int h, w;
+        const unsigned long long nc = cp_plane_of(i, H, W, &h, &w);
+        const int hp = h + PH, wp = w + PW;
+        const int ph0 = hp < KH ? 0 : (hp - KH) / SH + 1;
+        const int ph1 = min(hp / SH + 1, OH);
+        const int pw0 = wp < KW ? 0 : (wp - KW) / SW + 1;
+        const int pw1 = min(wp / SW + 1, OW);
+        const unsigned long long ob = nc * (unsigned long long)(OH * OW);
+        float acc = 0.0f;
+        for (int ph = ph0; ph < ph1; ++ph) {
+            const int hs = ph * SH - PH;
+            for (int pw = pw0; pw < pw1; ++pw) {
+                const int ws = pw * SW - PW;
+                const unsigned long long o = ob + (unsigned long long)(ph * OW + pw);
+                if ((int)arg[o] == (h - hs) * KW + (w - ws)) acc = __fadd_rn(acc, dy[o]);
+            }
+        }
+        dx[i] = acc;
+    }
+}
+
+extern "C" __global__ void cp_mpool_bwd(const CP_A* dy, const unsigned char* arg, CP_A* dx,
+    const unsigned long long total, const int H, const int W, const int OH, const int OW,
+    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
+{
+    CP_BY_INDEX(cp_mpool_bwd_run, total, dy, arg, dx, H, W, OH, OW, KH, KW, SH, SW, PH, PW);
+}
+
+/* The same where the windows tile the input exactly (stride = kernel, no
+   pad, H = OH * KH, W = OW * KW: VGG-16's 2x2), one thread per output value
+   (total = N*C*OH*OW) writing its window: 0 + dy at the argmax (as the sum
+   above, so -0.0 becomes 0.0), 0 elsewhere. */
+template <class I>
+__device__ __forceinline__ void cp_mpool_bwd_tiled_run(const I total, const CP_A* dy,
+    const unsigned char* arg, CP_A* dx, const int OH, const int OW, const int KH, const int KW)
+{
+    const int W = OW * KW;
+    const I stride = (I)gridDim.x * blockDim.x;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        int oh, ow;
+        const unsigned long long nc = cp_plane_of(i, OH, OW, &oh, &ow);
+        const int a = (int)arg[i];
+        const float g = __fadd_rn(0.0f, dy[i]);
+        CP_A* dp = dx + nc * (unsigned long long)(OH * KH) * (unsigned long long)W +
+            (unsigned long long)(oh * KH) * W + (unsigned long long)(ow * KW);
+        for (int kh = 0; kh < KH; ++kh)
+            for (int kw = 0; kw < KW; ++kw)
+                dp[kh * W + kw] = (kh * KW + kw == a) ? g : 0.0f;
+    }
+}
+
+extern "C" __global__ void cp_mpool_bwd_tiled(const CP_A* dy, const unsigned char* arg,
+    CP_A* dx, const unsigned long long total, const int OH, const int OW, const int KH,
+    const int KW)
+{
+    CP_BY_INDEX(cp_mpool_bwd_tiled_run, total, dy, arg, dx, OH, OW, KH, KW);
+}
+
+/* ReLU (negative slope 0) that also keeps bit i%32 of bits[i/32] = (y[i] > 0),
+   the mask its backward reads instead of y. A warp's 32 lanes handle 32
+   consecutive values each step (__ballot_sync), so the loop runs to n
+   rounded up to 32 and blockDim.x is a multiple of 32. */
+extern "C" __global__ void cp_relu_bits_fwd(const CP_A* x, CP_A* y, unsigned* bits,
+                                            const unsigned long long n)
+{
+    const unsigned long long n32 = (n + 31ULL) & ~31ULL;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n32; i += stride) {
+        float r = 0.0f;
+        if (i < n) {
+            r = cp_relu0(x[i]);
+            y[i] = r;
+        }
+        const unsigned word = __ballot_sync(CP_FULL_MASK, r > 0.0f);
+        if ((threadIdx.x & 31) == 0) bits[i >> 5] = word;
+    }
+}
+
+/* Its backward: dx = dy * (bit ? 1 : 0), Caffe's dy * (y > 0). */
+extern "C" __global__ void cp_relu_bits_bwd(const CP_A* dy, const unsigned* bits, CP_A* dx,
+                                            const unsigned long long n)
+{
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n; i += stride)
+        dx[i] = __fmul_rn(dy[i], ((bits[i >> 5] >> (unsigned)(i & 31ULL)) & 1u) ? 1.0f : 0.0f);
+}
+
+/* SoftmaxWithLoss, one block per (outer, inner) row of x viewed as
+   (outer, classes, inner): rowloss[r] = -log(max(p[label], FLT_MIN)) (0 when
+   the label is ignored), rowvalid[r] = 1 or 0. A label outside [0, classes)
+   that is not ignored sets err[0] = 1, err[1] = the label. */
+extern "C" __global__ void cp_softmax_loss_rows(const CP_A* x, const float* label,
+    float* rowloss, float* rowvalid, float* err,
+    const unsigned outer, const unsigned classes, const unsigned inner,
+    const int has_ignore, const int ignore)
+{
+    __shared__ float shf[33];
+    __shared__ double sh[66];
+    const unsigned r = blockIdx.x;
+    const unsigned o = r / inner, in = r - o * inner;
+    const CP_A* xr = x + o * classes * inner + in;
+    float m = -CP_FLT_MAX;
+    for (unsigned c = threadIdx.x; c < classes; c += blockDim.x) m = fmaxf(m, (float)xr[c * inner]);
+    m = cp_block_max(m, shf);
+    double a = 0.0, b = 0.0;
+    for (unsigned c = threadIdx.x; c < classes; c += blockDim.x)
+        a += (double)expf(__fsub_rn((float)xr[c * inner], m));
+    cp_block_sum2(&a, &b, sh);
+    if (threadIdx.x == 0) {
+        const float lf = label[r];
+        const int l = (int)lf;
+        const int valid = !(has_ignore && l == ignore);
+        if (valid && (l < 0 || l >= (int)classes)) {
+            err[0] = 1.0f;
+            err[1] = lf;
+            rowloss[r] = 0.0f;
+            rowvalid[r] = 0.0f;
+        } else if (valid) {
+            const float p = __fdiv_rn(expf(__fsub_rn((float)xr[(unsigned)l * inner], m)), (float)a);
+            rowloss[r] = -logf(fmaxf(p, CP_FLT_MIN));
+            rowvalid[r] = 1.0f;
+        } else {
+            rowloss[r] = 0.0f;
+            rowvalid[r] = 0.0f;
+        }
+    }
+}
+
+/* SoftmaxWithLoss total, one block: top[0] = sum(rowloss) / normalizer (NaN
+   after a label error, so that a check guarding the update skips it before
+   the host reads the error); info = [normalizer, err[0], err[1]], and err is
+   cleared for the next call.
+   mode: Caffe's LossParameter.NormalizationMode (FULL, VALID, BATCH_SIZE, NONE). */
+extern "C" __global__ void cp_softmax_loss_total(const float* rowloss, const float* rowvalid,
+    float* err, float* top, float* info, const unsigned rows, const int mode,
+    const unsigned outer, const unsigned inner)
+{
+    __shared__ double sh[66];
+    double a = 0.0, b = 0.0;
+    for (unsigned r = threadIdx.x; r < rows; r += blockDim.x) {
+        a += (double)rowloss[r];
+        b += (double)rowvalid[r];
+    }
+    cp_block_sum2(&a, &b, sh);
+    if (threadIdx.x == 0) {
+        double n;
+        if (mode == 0) n = (double)outer * (double)inner;
+        else if (mode == 1) n = b;
+        else if (mode == 2) n = (double)outer;
+        else n = 1.0;
+        const float norm = (float)(n > 1.0 ? n : 1.0);
+        top[0] = err[0] != 0.0f ? (float)__longlong_as_double(0x7ff8000000000000LL)
+                                : (float)(a / (double)norm);
+        info[0] = norm;
+        info[1] = err[0];
+        info[2] = err[1];
+        err[0] = 0.0f;
+        err[1] = 0.0f;
+    }
+}
+
+/* SoftmaxWithLoss backward, one block per row: dx = (p - onehot(label)) *
+   valid * (top_diff[0] / normalizer); NaN after a label error (info[1]), so
+   that no update in backward applies what it leads to. */
+extern "C" __global__ void cp_softmax_loss_bwd(const CP_A* x, const float* label,
+    const float* top_diff, const float* info, CP_A* dx,
+    const unsigned outer, const unsigned classes, const unsigned inner,
+    const int has_ignore, const int ignore)
+{
+    __shared__ float shf[33];
+    __shared__ double sh[66];
+    const unsigned r = blockIdx.x;
+    const unsigned o = r / inner, in = r - o * inner;
+    const unsigned off = o * classes * inner + in;
+    const CP_A* xr = x + off;
+    float m = -CP_FLT_MAX;
+    for (unsigned c = threadIdx.x; c < classes; c += blockDim.x) m = fmaxf(m, (float)xr[c * inner]);
+    m = cp_block_max(m, shf);
+    double a = 0.0, b = 0.0;
+    for (unsigned c = threadIdx.x; c < classes; c += blockDim.x)
+        a += (double)expf(__fsub_rn((float)xr[c * inner], m));
+    cp_block_sum2(&a, &b, sh);
+    const float s = (float)a;
+    const int l = (int)label[r];
+    const float valid = (has_ignore && l == ignore) ? 0.0f : 1.0f;
+    const float scale = info[1] != 0.0f ? (float)__longlong_as_double(0x7ff8000000000000LL)
+                                        : __fdiv_rn(top_diff[0], info[0]);
+    for (unsigned c = threadIdx.x; c < classes; c += blockDim.x) {
+        float d = __fdiv_rn(expf(__fsub_rn((float)xr[c * inner], m)), s);
+        d = __fsub_rn(d, (int)c == l ? 1.0f : 0.0f);
+        d = __fmul_rn(d, valid);
+        dx[off + c * inner] = __fmul_rn(d, scale);
+    }
+}
+
+/* BatchNorm for few channels: P blocks per channel (grid C * P, block
+   c * P + p takes values [M p / P, M (p + 1) / P) of channel c), in two
+   launches each way: partial sums, then every block sums the P partials
+   in the same order (so all agree) and does its share. */
+__device__ __forceinline__ void cp_share(unsigned M, unsigned p, unsigned P,
+                                         unsigned* lo, unsigned* hi, unsigned W = 1) {
+    /* In whole runs of W values (the vector loop's; M a multiple of W). */
+    const unsigned long long m = M / W;
+    *lo = (unsigned)((m * p) / P) * W;
+    *hi = (unsigned)((m * (p + 1)) / P) * W;
+}
+
+/* part[2 (c P + p)] = sum(x - K), part[2 (c P + p) + 1] = sum((x - K)^2),
+   K = kv[c] = x[c S] (the channel's first value, kept for the second launch:
+   in place it is overwritten there). */
+extern "C" __global__ void cp_bn_stats_part(const CP_A* x, double* part, float* kv,
+    const unsigned N, const unsigned C, const unsigned S, const unsigned P)
+{
+    __shared__ double sh[66];
+    const unsigned c = blockIdx.x / P, p = blockIdx.x - c * P;
+    const unsigned M = N * S, base = c * S, step = C * S;
+    const int vw = cp_channel_width(S, x, nullptr, nullptr);
+    unsigned lo, hi;
+    cp_share(M, p, P, &lo, &hi, vw);
+    const double K = (double)(float)x[base];
+    double a = 0.0, b = 0.0;
+    float v[CP_U];
+    if (vw > 1) {
+        cp_channel_runs(vw, lo, hi, S, base, step, [&](auto w, unsigned o) {
+            cp_bn_stats_run<decltype(w)::value>(x, o, K, &a, &b);
+        });
+    } else {
+        CP_RANGE_LOOP(lo, hi, S, base, step,
+            v[u] = x[o[u]];,
+            const double d = (double)v[u] - K; a += d; b += d * d;)
+    }
+    cp_block_sum2(&a, &b, sh);
+    if (threadIdx.x == 0) {
+        part[2 * blockIdx.x] = a;
+        part[2 * blockIdx.x + 1] = b;
+        if (p == 0) kv[c] = x[base];
+    }
+}
+
+/* cp_bn_fwd's second half for block (c, p); flags as cp_bn_fwd's. */
+extern "C" __global__ void cp_bn_fwd_apply(
+    const CP_A* x, CP_A* y, CP_A* xn, float* b0, float* b1, float* b2, float* stdv,
+    const float* sc, const float* bi, const double* part, const float* kv,
+    const unsigned N, const unsigned C, const unsigned S, const unsigned P, const int flags,
+    const float maf, const float eps, const float corr)
+{
+    __shared__ float stat[2];
+    const unsigned c = blockIdx.x / P, p = blockIdx.x - c * P;
+    const unsigned M = N * S, base = c * S, step = C * S;
+    if (threadIdx.x == 0) {
+        if (flags & 1) {
+            double a = 0.0, b = 0.0;
+            for (unsigned q = 0; q < P; ++q) {
+                a += part[2 * (c * P + q)];
+                b += part[2 * (c * P + q) + 1];
+            }
+            const double m = (double)M;
+            const double dm = a / m;
+            double var = b / m - dm * dm;
+            if (var < 0.0) var = 0.0;
+            const float meanf = (float)((double)kv[c] + dm);
+            const float varf = (float)var;
+            stat[0] = meanf;
+            stat[1] = varf;
+            if (p == 0) {
+                b0[c] = __fadd_rn(__fmul_rn(b0[c], maf), meanf);
+                b1[c] = __fadd_rn(__fmul_rn(b1[c], maf), __fmul_rn(varf, corr));
+                if (c == 0) b2[0] = __fadd_rn(__fmul_rn(b2[0], maf), 1.0f);
+            }
+        } else {
+            const float f = b2[0];
+            const float scale = f == 0.0f ? 0.0f : 1.0f / f;
+            stat[0] = __fmul_rn(b0[c], scale);
+            stat[1] = __fmul_rn(b1[c], scale);
+        }
+    }
+    __syncthreads();
+    const float mean = stat[0];
+    const float sd = sqrtf(__fadd_rn(stat[1], eps));
+    if (threadIdx.x == 0 && p == 0) stdv[c] = sd;
+    const float s = (flags & 4) ? sc[c] : 1.0f;
+    const float bb = (flags & 8) ? bi[c] : 0.0f;
+    const int vw = cp_channel_width(S, x, y, (flags & 2) ? xn : nullptr);
+    unsigned lo, hi;
+    cp_share(M, p, P, &lo, &hi, vw);
+    if (vw > 1) {
+        cp_channel_runs(vw, lo, hi, S, base, step, [&](auto w, unsigned o) {
+            cp_bn_apply_run<decltype(w)::value>(x, y, xn, o, mean, sd, s, bb, flags);
+        });
+        return;
+    }
+    float v[CP_U];
+    CP_RANGE_LOOP(lo, hi, S, base, step,
+        v[u] = x[o[u]];,
+        const float t = CP_ROUND(__fdiv_rn(__fsub_rn(v[u], mean), sd));
+        if (flags & 2) xn[o[u]] = t;
+        y[o[u]] = cp_chain(t, s, bb, flags);)
+}
+
+/* part[2 (c P + p)] = sum(g * xn), [.. + 1] = sum(g) over block (c, p)'s
+   share, g = dy masked by the chain's ReLU (flags as cp_bn_bwd's). */
+extern "C" __global__ void cp_bn_bwd_part(const CP_A* dy, const CP_A* xn,
+    const float* sc, const float* bi, double* part,
+    const unsigned N, const unsigned C, const unsigned S, const unsigned P, const int flags)
+{
+    __shared__ double sh[66];
+    const unsigned c = blockIdx.x / P, p = blockIdx.x - c * P;
+    const unsigned M = N * S, base = c * S, step = C * S;
+    const float s = (flags & 4) ? sc[c] : 1.0f;
+    const float bb = (flags & 8) ? bi[c] : 0.0f;
+    const int vw = cp_channel_width(S, dy, xn, nullptr);
+    unsigned lo, hi;
+    cp_share(M, p, P, &lo, &hi, vw);
+    double a = 0.0, b = 0.0;
+    float v[CP_U], g[CP_U];
+    if (vw > 1) {
+        cp_channel_runs(vw, lo, hi, S, base, step, [&](auto w, unsigned o) {
+            cp_bn_sums_run<decltype(w)::value>(dy, xn, o, s, bb, flags, &a, &b);
+        });
+    } else {
+        CP_RANGE_LOOP(lo, hi, S, base, step,
+            v[u] = xn[o[u]]; g[u] = dy[o[u]];,
+            const float gg = cp_bn_masked(g[u], v[u], s, bb, flags);
+            a += (double)gg * (double)v[u];
+            b += (double)gg;)
+    }
+    cp_block_sum2(&a, &b, sh);
+    if (threadIdx.x == 0) {
+        part[2 * blockIdx.x] = a;
+        part[2 * blockIdx.x + 1] = b;
+    }
+}
+
+/* cp_bn_bwd's second half for block (c, p). */
+extern "C" __global__ void cp_bn_bwd_apply(
+    const CP_A* dy, const CP_A* xn, const float* stdv, CP_A* dx,
+    const float* sc, const float* bi, float* dsc, float* dbi, const double* part,
+    const unsigned N, const unsigned C, const unsigned S, const unsigned P, const int flags)
+{
+    __shared__ float stat[2];
+    const unsigned c = blockIdx.x / P, p = blockIdx.x - c * P;
+    const unsigned M = N * S, base = c * S, step = C * S;
+    const float s = (flags & 4) ? sc[c] : 1.0f;
+    const float bb = (flags & 8) ? bi[c] : 0.0f;
+    const float sd = stdv[c];
+    if (threadIdx.x == 0) {
+        double a = 0.0, b = 0.0;
+        for (unsigned q = 0; q < P; ++q) {
+            a += part[2 * (c * P + q)];
+            b += part[2 * (c * P + q) + 1];
+        }
+        if (p == 0) {
+            if (flags & 32) dsc[c] = __fadd_rn(dsc[c], (float)a);
+            if (flags & 64) dbi[c] = __fadd_rn(dbi[c], (float)b);
+        }
+        stat[0] = (float)((double)s * a / (double)M);
+        stat[1] = (float)((double)s * b / (double)M);
+    }
+    __syncthreads();
+    if (!(flags & 128)) return;
+    const float mdyy = stat[0], mdy = stat[1];
+    const int vw = cp_channel_width(S, dy, xn, dx);
+    unsigned lo, hi;
+    cp_share(M, p, P, &lo, &hi, vw);
+    if (vw > 1) {
+        cp_channel_runs(vw, lo, hi, S, base, step, [&](auto w, unsigned o) {
+            cp_bn_dx_run<decltype(w)::value>(dy, xn, dx, o, s, bb, sd, mdyy, mdy, flags);
+        });
+        return;
+    }
+    float v[CP_U], g[CP_U];
+    CP_RANGE_LOOP(lo, hi, S, base, step,
+        v[u] = xn[o[u]]; g[u] = dy[o[u]];,
+        dx[o[u]] = cp_bn_dx(cp_bn_masked(g[u], v[u], s, bb, flags), v[u], s, sd, mdyy, mdy,
+                            flags);)
+}
+
+/* im2col of images n0 .. n0+B-1 of x (N, C, H, W) into col (K, B, P), K = C*KH*KW
+   in Caffe's (c, i, j) order, P = OH*OW: row k of image b is col[(k*B + b)*P ...],
+   so one image's columns are a (K x P) matrix of leading dimension B*P (a
+   strided-batched GEMM's operand). Zero where the window leaves the image. */
+extern "C" __global__ void cp_im2col(const float* x, float* col, const unsigned long long total,
+    const int n0, const int B, const int C, const int H, const int W, const int KH, const int KW,
+    const int OH, const int OW, const int SH, const int SW, const int PH, const int PW,
+    const int DH, const int DW)
+{
+    const unsigned long long P = (unsigned long long)OH * (unsigned long long)OW;
+    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long t = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         t < total; t += step) {
+        const unsigned long long r = t / P;
+        const unsigned long long p = t - r * P;
+        const int b = (int)(r % (unsigned long long)B);
+        const int k = (int)(r / (unsigned long long)B);
+        const int j = k % KW, i = (k / KW) % KH, c = k / (KW * KH);
+        const int oy = (int)(p / (unsigned long long)OW), ox = (int)(p % (unsigned long long)OW);
+        const int yy = oy * SH - PH + i * DH, xx = ox * SW - PW + j * DW;
+        float v = 0.0f;
+        if (yy >= 0 && yy < H && xx >= 0 && xx < W)
+            v = x[(((unsigned long long)(n0 + b) * C + c) * H + yy) * W + xx];
+        col[t] = v;
+    }
+}
+
+/* The loss layer's report to the host, out[0..4] = normalizer, label error
+   flag and value, loss, loss weight (top diff; 0 without one). `out` is
+   pinned host memory the kernel writes directly: a read-back through a copy
+   would queue behind the offload copies on the copy engine. */
+extern "C" __global__ void cp_loss_report(const float* info, const float* top,
+    const float* dtop, float* out, const int has_dtop)
+{
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        out[0] = info[0];
+        out[1] = info[1];
+        out[2] = info[2];
+        out[3] = top[0];
+        out[4] = has_dtop ? dtop[0] : 0.0f;
+    }
+}
+
+/* A convolution's bias gradient, db[c] += sum over n, s of dy (N, C, S), in
+   two launches: part[c P + p] = the sum over block (c, p)'s share of channel
+   c (grid C * P), then one thread per channel adds its P partials in order
+   (deterministic: fixed shares, fixed order). */
+extern "C" __global__ void cp_channel_sum_part(const CP_A* dy, double* part,
+    const unsigned N, const unsigned C, const unsigned S, const unsigned P)
+{
+    __shared__ double sh[66];
+    const unsigned c = blockIdx.x / P, p = blockIdx.x - c * P;
+    const unsigned M = N * S, base = c * S, step = C * S;
+    unsigned lo, hi;
+    cp_share(M, p, P, &lo, &hi);
+    double a = 0.0, b = 0.0;
+    float v[CP_U];
+    CP_RANGE_LOOP(lo, hi, S, base, step,
+        v[u] = dy[o[u]];,
+        a += (double)v[u];)
+    cp_block_sum2(&a, &b, sh);
+    if (threadIdx.x == 0) part[blockIdx.x] = a;
+}
+
+extern "C" __global__ void cp_channel_sum_apply(const double* part, float* db,
+    const unsigned C, const unsigned P)
+{
+    const unsigned c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    double s = 0.0;
+    for (unsigned p = 0; p < P; ++p) s += part[c * P + p];
+    db[c] = __fadd_rn(db[c], (float)s);
+}
+
+/* acc[i] += g[i]: a 16-bit filter gradient cuDNN wrote (it has no 16-bit
+   input, float32 output call) added to its FP32 master's. */
+extern "C" __global__ void cp_accumulate(const CP_A* g, float* acc, const unsigned n)
+{
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        acc[i] = __fadd_rn(acc[i], (float)g[i]);
+}
+'''
