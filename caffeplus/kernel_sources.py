@@ -197,6 +197,40 @@ __device__ __forceinline__ void cp_channel_runs(int W, unsigned lo, unsigned hi,
         for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_USE }                   \
     }
 
+/* BatchNorm's batch statistics from the shifted sums of a channel's M values,
+   a = sum(x - K) and b = sum((x - K)^2), into stat (mean, biased variance);
+   with `update`, the moving sums too (Caffe's mean sum, unbiased variance
+   sum, and, for channel 0, the scale factor). */
+__device__ __forceinline__ void cp_bn_batch_stats(double a, double b, double K, unsigned M,
+    unsigned c, bool update, float* b0, float* b1, float* b2, float maf, float corr,
+    float* stat)
+{
+    const double m = (double)M;
+    const double dm = a / m;
+    double var = b / m - dm * dm;
+    if (var < 0.0) var = 0.0;
+    const float meanf = (float)(K + dm);
+    const float varf = (float)var;
+    stat[0] = meanf;
+    stat[1] = varf;
+    if (update) {
+        b0[c] = __fadd_rn(__fmul_rn(b0[c], maf), meanf);
+        b1[c] = __fadd_rn(__fmul_rn(b1[c], maf), __fmul_rn(varf, corr));
+        if (c == 0) b2[0] = __fadd_rn(__fmul_rn(b2[0], maf), 1.0f);
+    }
+}
+
+/* BatchNorm's stored statistics into stat: the moving sums over their
+   scale factor (0 where the factor is 0). */
+__device__ __forceinline__ void cp_bn_stored_stats(unsigned c, const float* b0,
+    const float* b1, const float* b2, float* stat)
+{
+    const float f = b2[0];
+    const float scale = f == 0.0f ? 0.0f : 1.0f / f;
+    stat[0] = __fmul_rn(b0[c], scale);
+    stat[1] = __fmul_rn(b1[c], scale);
+}
+
 /* BatchNorm forward's second pass over W values at offset o (the vector
    loop): y and the kept normalized copy, as the scalar loop computes them. */
 template <int W>
@@ -289,24 +323,10 @@ extern "C" __global__ void cp_bn_fwd(
                 const double d = (double)v[u] - K; a += d; b += d * d;)
         }
         cp_block_sum2(&a, &b, sh);
-        if (threadIdx.x == 0) {
-            const double m = (double)M;
-            const double dm = a / m;
-            double var = b / m - dm * dm;
-            if (var < 0.0) var = 0.0;
-            const float meanf = (float)(K + dm);
-            const float varf = (float)var;
-            stat[0] = meanf;
-            stat[1] = varf;
-            b0[c] = __fadd_rn(__fmul_rn(b0[c], maf), meanf);
-            b1[c] = __fadd_rn(__fmul_rn(b1[c], maf), __fmul_rn(varf, corr));
-            if (c == 0) b2[0] = __fadd_rn(__fmul_rn(b2[0], maf), 1.0f);
-        }
+        if (threadIdx.x == 0)
+            cp_bn_batch_stats(a, b, K, M, c, true, b0, b1, b2, maf, corr, stat);
     } else if (threadIdx.x == 0) {
-        const float f = b2[0];
-        const float scale = f == 0.0f ? 0.0f : 1.0f / f;
-        stat[0] = __fmul_rn(b0[c], scale);
-        stat[1] = __fmul_rn(b1[c], scale);
+        cp_bn_stored_stats(c, b0, b1, b2, stat);
     }
     __syncthreads();
     const float mean = stat[0];

@@ -451,24 +451,10 @@ extern "C" __global__ void cp_bn_fwd_apply(
                 a += part[2 * (c * P + q)];
                 b += part[2 * (c * P + q) + 1];
             }
-            const double m = (double)M;
-            const double dm = a / m;
-            double var = b / m - dm * dm;
-            if (var < 0.0) var = 0.0;
-            const float meanf = (float)((double)kv[c] + dm);
-            const float varf = (float)var;
-            stat[0] = meanf;
-            stat[1] = varf;
-            if (p == 0) {
-                b0[c] = __fadd_rn(__fmul_rn(b0[c], maf), meanf);
-                b1[c] = __fadd_rn(__fmul_rn(b1[c], maf), __fmul_rn(varf, corr));
-                if (c == 0) b2[0] = __fadd_rn(__fmul_rn(b2[0], maf), 1.0f);
-            }
+            cp_bn_batch_stats(a, b, (double)kv[c], M, c, p == 0, b0, b1, b2, maf, corr,
+                              stat);
         } else {
-            const float f = b2[0];
-            const float scale = f == 0.0f ? 0.0f : 1.0f / f;
-            stat[0] = __fmul_rn(b0[c], scale);
-            stat[1] = __fmul_rn(b1[c], scale);
+            cp_bn_stored_stats(c, b0, b1, b2, stat);
         }
     }
     __syncthreads();
