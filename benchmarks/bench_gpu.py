@@ -55,33 +55,43 @@ INPUT_SIZE = {'alexnet': 227}
 NETS_DIR = os.path.join(ROOT, 'benchmarks', 'nets')
 
 
-def net_path(bench_dir, net):
-    """The bench net's prototxt: the shared bench folder's, else benchmarks/nets'."""
+def _kept_prototxt(bench_dir, name):
+    """The prototxt `name` in the shared bench folder, else in benchmarks/nets
+    (None: in neither)."""
     for folder in (bench_dir, NETS_DIR):
-        path = os.path.join(folder, net + '.prototxt')
+        path = os.path.join(folder, name + '.prototxt')
         if os.path.exists(path):
             return path
-    raise SystemExit('no prototxt for bench net %r in %s or %s' % (net, bench_dir, NETS_DIR))
+    return None
+
+
+def net_path(bench_dir, net):
+    """The bench net's prototxt: the shared bench folder's, else benchmarks/nets'."""
+    path = _kept_prototxt(bench_dir, net)
+    if path is None:
+        raise SystemExit('no prototxt for bench net %r in %s or %s'
+                         % (net, bench_dir, NETS_DIR))
+    return path
 
 
 def net_source(bench_dir, net):
     """What caffeplus builds for bench net 'ARCH_bN': its own prototxt, or,
     where none is kept at that batch (issue 37's ResNet-50 b256), another
     batch's of the same architecture with its data layers' batch set to N."""
-    try:
-        return net_path(bench_dir, net)
-    except SystemExit:
-        arch, batch = parse_net(net)
-        for folder in (bench_dir, NETS_DIR):
-            found = sorted(f for f in (os.listdir(folder) if os.path.isdir(folder) else ())
-                           if f.startswith(arch + '_b') and f.endswith('.prototxt'))
-            if found:
-                sys.path.insert(0, ROOT)
-                from caffeplus.memory.shapes import load_net_param
-                param = load_net_param(os.path.join(folder, found[0]), batch=batch)
-                param.name = '%s (batch %d)' % (param.name, batch)
-                return param
-        raise
+    path = _kept_prototxt(bench_dir, net)
+    if path is not None:
+        return path
+    arch, batch = parse_net(net)
+    for folder in (bench_dir, NETS_DIR):
+        found = sorted(f for f in (os.listdir(folder) if os.path.isdir(folder) else ())
+                       if f.startswith(arch + '_b') and f.endswith('.prototxt'))
+        if found:
+            sys.path.insert(0, ROOT)
+            from caffeplus.memory.shapes import load_net_param
+            param = load_net_param(os.path.join(folder, found[0]), batch=batch)
+            param.name = '%s (batch %d)' % (param.name, batch)
+            return param
+    return net_path(bench_dir, net)         # none: its error
 
 
 DATA_TYPES = ('DummyData', 'Input', 'Data', 'ImageData', 'HDF5Data', 'MemoryData')
