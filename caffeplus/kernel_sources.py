@@ -437,7 +437,7 @@ extern "C" __global__ void cp_scale_bwd(
     if (flags & (1 | 4)) {
         double a = 0.0, b = 0.0;
         CP_CHANNEL_LOOP(M, inner, base, step,
-            g[u] = dy[o[u]]; v[u] = (flags & 1) ? x[o[u]] : 0.0f;,
+            g[u] = dy[o[u]]; v[u] = (flags & 1) ? (float)x[o[u]] : 0.0f;,
             a += (double)g[u] * (double)v[u];
             b += (double)g[u];)
         cp_block_sum2(&a, &b, sh);

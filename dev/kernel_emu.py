@@ -65,6 +65,24 @@ static unsigned __ballot_sync(unsigned, int p) {
     return r;
 }
 using std::isfinite;
+/* CUDA's __half as cuda_fp16.h declares it: constructible from every
+   arithmetic type and convertible to float, so the same expressions are
+   ambiguous here as under NVRTC (`c ? half_value : 0.0f`, say); the value
+   is g++'s _Float16, which rounds a float to nearest, ties to even. */
+struct __half {
+    _Float16 h;
+    __half() = default;
+    __half(float f) : h((_Float16)f) {}
+    __half(double f) : h((_Float16)f) {}
+    __half(int v) : h((_Float16)v) {}
+    __half(unsigned v) : h((_Float16)v) {}
+    __half(long long v) : h((_Float16)v) {}
+    __half(unsigned long long v) : h((_Float16)v) {}
+    __half(short v) : h((_Float16)v) {}
+    __half(unsigned short v) : h((_Float16)v) {}
+    operator float() const { return (float)h; }
+};
+static_assert(sizeof(__half) == 2, "__half stands for 16 bits");
 static inline double __longlong_as_double(long long v) {
     double d;
     std::memcpy(&d, &v, sizeof d);

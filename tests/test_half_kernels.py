@@ -1,9 +1,9 @@
 """The 16-bit build of the map kernels (caffeplus.kernels' 'core16': CORE with
-CP_A a 16-bit float), emulated on the host with g++'s _Float16 standing in
-for CUDA's __half (both round a float to the nearest 16-bit value, ties to
-even). Each kernel is checked against NumPy: float32 math on the float16
-inputs, rounded once to float16 where the map is stored, float64 for the
-BatchNorm references."""
+CP_A a 16-bit float), emulated on the host with dev.kernel_emu's __half: it
+converts as CUDA's does (so NVRTC's type errors are g++'s too) and rounds a
+float to the nearest 16-bit value, ties to even, as CUDA's does. Each kernel
+is checked against NumPy: float32 math on the float16 inputs, rounded once to
+float16 where the map is stored, float64 for the BatchNorm references."""
 import numpy
 import pytest
 
@@ -17,13 +17,13 @@ F16, F32 = numpy.float16, numpy.float32
 
 @pytest.fixture(scope='module')
 def half():
-    return build_emulator('#define CP_A _Float16\n' + COMMON + CORE)
+    return build_emulator('#define CP_A __half\n' + COMMON + CORE)
 
 
 @pytest.fixture(scope='module')
 def half_extra():
     """EXTRA's 16-bit build: its BatchNorm kernels over several blocks a channel."""
-    return build_emulator('#define CP_A _Float16\n' + COMMON + EXTRA)
+    return build_emulator('#define CP_A __half\n' + COMMON + EXTRA)
 
 
 @pytest.fixture(scope='module')
@@ -115,7 +115,7 @@ def test_channel_loops_take_the_widest_aligned_vector(dtype):
     """16-byte vectors where a run is a multiple of them and the maps are
     16-byte aligned, else 8-byte ones (ResNet-50's 14 x 14 maps, 196 values
     a run), else one value at a time."""
-    head = '#define CP_A _Float16\n' if dtype == 'half' else ''
+    head = '#define CP_A __half\n' if dtype == 'half' else ''
     emu = build_emulator(head + COMMON + CORE + WIDTH_PROBE)
     t = F16 if dtype == 'half' else F32
     v = 16 // numpy.dtype(t).itemsize            # values in 16 bytes

@@ -51,10 +51,10 @@ _kernels = {}
 _OUT_TYPES = (numpy.dtype(numpy.float32), numpy.dtype(numpy.float16))
 
 
-def kernel_source(dtype, out_dtype=numpy.float32, half='__half'):
+def kernel_source(dtype, out_dtype=numpy.float32, include_fp16=True):
     """The transform kernel's CUDA source for pixels of `dtype`, written as
-    `out_dtype` (float32, or float16 as `half`: CUDA's __half, or a host
-    stand-in for the emulator)."""
+    `out_dtype` (float32, or float16 as __half: from cuda_fp16.h, or without
+    `include_fp16` the emulator's stand-in)."""
     dtype, out_dtype = numpy.dtype(dtype), numpy.dtype(out_dtype)
     if dtype not in _TYPES:
         raise ValueError('the device transform takes uint8 or float32 pixels, not %s' % dtype)
@@ -62,8 +62,8 @@ def kernel_source(dtype, out_dtype=numpy.float32, half='__half'):
         raise ValueError('the device transform writes float32 or float16, not %s' % out_dtype)
     if out_dtype == numpy.float32:
         return _SOURCE.format(T=_TYPES[dtype], O='float')
-    include = '#include <cuda_fp16.h>\n' if half == '__half' else ''
-    return include + _SOURCE.format(T=_TYPES[dtype], O=half)
+    include = '#include <cuda_fp16.h>\n' if include_fp16 else ''
+    return include + _SOURCE.format(T=_TYPES[dtype], O='__half')
 
 
 def launch(kernel, xp, raw, plan, out, null=None):
