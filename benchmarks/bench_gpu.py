@@ -443,7 +443,8 @@ def markdown(results, args):
                                        gpu_name(), os.environ.get('CAFFEPLUS_COMMIT') or _commit()),
              '',
              'One iteration = forward + backward + SGD momentum; median of %d after %d warm-up; '
-             'caffeplus without its data layers; algorithm search: %s. Peak = device memory used '
+             'caffeplus without its data layers; algorithm search: %s (a plan named ":timed": '
+             'timed). Peak = device memory used '
              '(whole process, incl. CUDA context), sampled every 5 ms.' % (args.iters, args.warmup,
                                                                          args.search),
              '',

@@ -32,7 +32,8 @@ from caffeplus.backend import mathmode
 N, T = 0, 1                         # cublasOperation_t
 _R_32F = 0                          # cudaDataType CUDA_R_32F
 _R_16F = 2                          # CUDA_R_16F
-_DATA_TYPES = {'float32': _R_32F, 'float16': _R_16F}
+_R_16BF = 14                        # CUDA_R_16BF
+_DATA_TYPES = {'float32': _R_32F, 'float16': _R_16F, 'bfloat16': _R_16BF}
 _COMPUTE_32F = 68                   # cublasComputeType_t
 _COMPUTE_32F_FAST_TF32 = 77
 _GEMM_DEFAULT = -1
@@ -184,7 +185,7 @@ def gemm(transa, transb, m, n, k, a, lda, b, ldb, c, ldc, beta=0.0, tf32=None, w
     """C (m x n) = op(A) op(B) + beta C on device pointers (ints), column-major,
     on CuPy's current stream. beta is 0 or 1; tf32 None follows the math
     mode; `workspace` (pointer, bytes): on caffeplus's handle, there.
-    `ab_type`, `c_type`: 'float32' or 'float16' (A and B 16-bit run on the
+    `ab_type`, `c_type`: 'float32', 'float16' or 'bfloat16' (A and B 16-bit run on the
     tensor cores; the sums are float32 always)."""
     if tf32 is None:
         tf32 = mathmode.tf32()

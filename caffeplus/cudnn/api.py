@@ -20,7 +20,8 @@ from caffeplus.cudnn.lib import BwdDataPerf, BwdFilterPerf, CudnnError, FwdPerf,
 
 FLOAT = 0                  # CUDNN_DATA_FLOAT
 HALF = 2                   # CUDNN_DATA_HALF
-_DATA_TYPES = {'float32': FLOAT, 'float16': HALF}
+BFLOAT16 = 9               # CUDNN_DATA_BFLOAT16
+_DATA_TYPES = {'float32': FLOAT, 'float16': HALF, 'bfloat16': BFLOAT16}
 NCHW = 0                   # CUDNN_TENSOR_NCHW
 CROSS_CORRELATION = 1      # Caffe's convolution is a cross-correlation
 DEFAULT_MATH, TENSOR_OP_MATH, TENSOR_OP_MATH_ALLOW_CONVERSION, FMA_MATH = 0, 1, 2, 3
@@ -106,12 +107,13 @@ def handle():
 
 
 def data_type(dtype):
-    """cuDNN's data type for a NumPy dtype (float32 or float16; None: float32)."""
+    """cuDNN's data type for a NumPy dtype (float32, float16 or ml_dtypes'
+    bfloat16; None: float32)."""
     name = 'float32' if dtype is None else getattr(dtype, 'name', None) or str(dtype)
     try:
         return _DATA_TYPES[name]
     except KeyError:
-        raise CudnnError('cuDNN descriptors here take float32 or float16, not %s' % name)
+        raise CudnnError('cuDNN descriptors here take float32, float16 or bfloat16, not %s' % name)
 
 
 class TensorDesc(_Owned):
