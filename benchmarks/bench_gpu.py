@@ -15,11 +15,12 @@ one kernel for every parameter's update). Plan names: stock, arena, with
 (caffeplus.kernels; the generic CuPy layers and a per-parameter update),
 '/nographs' for cuDNN calls made directly instead of replayed as CUDA graphs,
 '/nogroups' for grouped convolutions without the one-call-per-group
-candidates, '/fp16' for the net in FLOAT16 ('+scaled' with adaptive loss
-scaling) and '/strict' for true FP32 math whatever --tf32 says (variants
-combine with '+': 'arena:timed/nographs+nogroups'). With '/fp16' rows the
-table ends with issue 37's ratios: speed against PyTorch AMP FP16 and
-against the same plan's '/strict' row, peak against AMP's.
+candidates, '/fp16' and '/bf16' for the net in FLOAT16 ('+scaled' with
+adaptive loss scaling) and BFLOAT16, and '/strict' for true FP32 math
+whatever --tf32 says (variants combine with '+':
+'arena:timed/nographs+nogroups'). With 16-bit rows the table ends with
+issue 37's ratios: speed against PyTorch AMP in the same type and against
+the same plan's '/strict' row, peak against AMP's.
 caffeplus's data layers (DummyData, refilled on the host each forward as
 stock Caffe does) run once before timing and are left out of
 the timed iterations, as the stock-Caffe column of the bench README leaves
@@ -170,10 +171,12 @@ def worker_caffeplus(args):
     sampler = Sampler(used, pool.total_bytes)
     sampler.start()
     t0 = time.time()
-    # '/fp16': the net built with `--precision fp16` (FLOAT16 maps and
-    # gradients, FP32 master weights; no loss scaling here, as no solver)
+    # '/fp16', '/bf16': the net built with `--precision fp16` or `bf16`
+    # (16-bit maps and gradients, FP32 master weights; no loss scaling here
+    # unless '+scaled', as no solver)
     from caffeplus import precision
-    with precision.setting('fp16' if 'fp16' in variants else None):
+    sixteen = [v for v in ('fp16', 'bf16') if v in variants]
+    with precision.setting(sixteen[0] if sixteen else None):
         net = caffeplus.Net(net_source(args.bench_dir, args.net), caffeplus.TRAIN)
     workspace.apply_workspace_plan(net, plan, args.workspace_limit)
     params = net.learnable_params
@@ -473,27 +476,31 @@ def markdown(results, args):
 
 
 def sixteen_bit_targets(results):
-    """Issue 37's ratios for each caffeplus 16-bit row ('/fp16'): its speed
-    against PyTorch AMP FP16 on the same architecture and against
-    caffeplus's own '/strict' FP32 row of the same plan, its peak against
-    AMP's; all measured in this run."""
+    """Issue 37's ratios for each caffeplus 16-bit row ('/fp16', '/bf16'):
+    its speed against PyTorch AMP in the same type on the same architecture
+    and against caffeplus's own '/strict' FP32 row of the same plan, its
+    peak against AMP's; all measured in this run."""
     ok = [r for r in results if 'error' not in r]
     # The peer of the same architecture: BVLC's AlexNet (LRN, groups) against
     # the PyTorch model of BVLC's ('bvlc/amp-fp16') where the run has one,
     # else torchvision's model ('-/amp-fp16').
     amp = {}
     for r in ok:
-        if r['framework'] == 'pytorch' and r.get('plan', '').endswith('/amp-fp16'):
-            if r['plan'].startswith('bvlc') or r['net'] not in amp:
-                amp[r['net']] = r
+        for kind in ('fp16', 'bf16'):
+            if r['framework'] == 'pytorch' and r.get('plan', '').endswith('/amp-' + kind):
+                if r['plan'].startswith('bvlc') or (r['net'], kind) not in amp:
+                    amp[r['net'], kind] = r
     rows = []
     for r in ok:
-        if r['framework'] != 'caffeplus' or 'fp16' not in r['plan'].partition('/')[2].split('+'):
+        variants = r['plan'].partition('/')[2].split('+') if r['framework'] == 'caffeplus' \
+            else []
+        kind = next((k for k in ('fp16', 'bf16') if k in variants), None)
+        if kind is None:
             continue
         base = r['plan'].partition('/')[0]
         fp32 = next((q for q in ok if q['framework'] == 'caffeplus' and q['net'] == r['net'] and
                      q['plan'] == base + '/strict'), None)
-        a = amp.get(r['net'])
+        a = amp.get((r['net'], kind))
         rows.append('| %s | %s | %.1f | %s | %s | %s | %s | %s | %s |' % (
             r['net'], r['plan'], r['median_ms'], a['plan'] if a else '-',
             '%.1f' % a['median_ms'] if a else '-',
@@ -503,9 +510,9 @@ def sixteen_bit_targets(results):
             '%.2fx' % (r['peak_used_mib'] / a['peak_used_mib']) if a else '-'))
     if not rows:
         return []
-    return ['', '16-bit targets (issue 37: speed >= 1.1x AMP FP16 and >= 1.8x caffeplus FP32, '
-            'peak <= 0.6x AMP FP16):', '',
-            '| net | plan | ms/iter | AMP peer | AMP FP16 ms | speed vs AMP | caffeplus FP32 ms | '
+    return ['', '16-bit targets (issue 37: speed >= 1.1x AMP of the same type and >= 1.8x '
+            'caffeplus FP32, peak <= 0.6x AMP):', '',
+            '| net | plan | ms/iter | AMP peer | AMP ms | speed vs AMP | caffeplus FP32 ms | '
             'speed vs FP32 | peak vs AMP |', '|---|---|---|---|---|---|---|---|---|'] + rows
 
 

@@ -44,11 +44,15 @@ from caffeplus.kernel_sources_extra import EXTRA
 
 # The modules compiled on the device (one failing to build leaves the other);
 # the emulator builds them together.
-# 'core16' and 'extra16': the kernels again with __half maps (CP_A), for the
-# maps of FLOAT16 nets; MAP_KERNELS take them (their other pointers stay float32).
-_HALF = '#include <cuda_fp16.h>\n#define CP_A __half\n'
-SOURCES = {'core': COMMON + CORE, 'extra': COMMON + EXTRA, 'core16': _HALF + COMMON + CORE,
-           'extra16': _HALF + COMMON + EXTRA}
+# 'core16'/'extra16' and 'corebf16'/'extrabf16': the kernels again with
+# __half or __nv_bfloat16 maps (CP_A), for the maps of FLOAT16 and BFLOAT16
+# nets; MAP_KERNELS take them (their other pointers stay float32).
+SIXTEEN_BIT_BUILDS = {'float16': ('16', '#include <cuda_fp16.h>\n#define CP_A __half\n'),
+                      'bfloat16': ('bf16', '#include <cuda_bf16.h>\n#define CP_A __nv_bfloat16\n')}
+SOURCES = {'core': COMMON + CORE, 'extra': COMMON + EXTRA}
+for _suffix, _head in SIXTEEN_BIT_BUILDS.values():
+    SOURCES['core' + _suffix] = _head + COMMON + CORE
+    SOURCES['extra' + _suffix] = _head + COMMON + EXTRA
 MAP_KERNELS = frozenset(('cp_bn_fwd', 'cp_bn_bwd', 'cp_relu_fwd', 'cp_relu_bwd', 'cp_axpby',
                          'cp_scale2', 'cp_bn_stats_part', 'cp_bn_fwd_apply', 'cp_bn_bwd_part',
                          'cp_bn_bwd_apply', 'cp_pool_fwd', 'cp_pool_bwd',
@@ -56,7 +60,6 @@ MAP_KERNELS = frozenset(('cp_bn_fwd', 'cp_bn_bwd', 'cp_relu_fwd', 'cp_relu_bwd',
                          'cp_accumulate', 'cp_cast_many', 'cp_mpool_fwd', 'cp_mpool_bwd',
                          'cp_mpool_bwd_tiled', 'cp_relu_bits_fwd', 'cp_relu_bits_bwd',
                          'cp_scale_fwd', 'cp_scale_bwd'))
-_F16 = numpy.dtype(numpy.float16)
 SOURCE = COMMON + CORE + EXTRA
 
 # Flags of cp_bn_fwd / cp_bn_bwd.
@@ -222,17 +225,17 @@ def _group(name):
 
 def kernel(name, dtype=None):
     """The compiled kernel `name` (each module is compiled once per process;
-    CuPy caches the binary on disk); with `dtype` float16, its build for
-    16-bit maps (MAP_KERNELS only)."""
-    half = dtype is not None and numpy.dtype(dtype) == _F16
-    key = (name, 'f16') if half else name
+    CuPy caches the binary on disk); with `dtype` float16 or bfloat16, its
+    build for those maps (MAP_KERNELS only)."""
+    build = None if dtype is None else SIXTEEN_BIT_BUILDS.get(numpy.dtype(dtype).name)
+    key = (name, build[0]) if build else name
     k = _state['kernels'].get(key)
     if k is None:
         emu = _state['emulator']
-        if half:
+        if build:
             if emu is not None or name not in MAP_KERNELS:
                 raise TypeError('no 16-bit build of kernel %s here' % name)
-            k = _module(_group(name) + '16').get_function(name)
+            k = _module(_group(name) + build[0]).get_function(name)
         else:
             k = emu.kernel(name) if emu is not None else _module(_group(name)).get_function(name)
         _state['kernels'][key] = k
@@ -241,14 +244,14 @@ def kernel(name, dtype=None):
 
 def maps(*blob_diffs):
     """The device arrays of (blob, diff) pairs for a MAP_KERNELS launch and
-    their type: all float32, or all float16 on the device; (None, None)
-    otherwise (the caller runs its other code)."""
+    their type: all float32, or all float16 or all bfloat16 on the device;
+    (None, None) otherwise (the caller runs its other code)."""
     arrays = [flat(b, d, any_dtype=True) for b, d in blob_diffs]
     if any(a is None for a in arrays):
         return None, None
     dtype = arrays[0].dtype
-    if any(a.dtype != dtype for a in arrays) or (dtype != _F32 and (dtype != _F16 or
-                                                                     emulating())):
+    if any(a.dtype != dtype for a in arrays) or (
+            dtype != _F32 and (dtype.name not in SIXTEEN_BIT_BUILDS or emulating())):
         return None, None
     return arrays, dtype
 
@@ -437,7 +440,7 @@ def zero_many(arrays):
 
 
 def cast_many(arrays, dtype):
-    """dst = src rounded to `dtype` (float16) for every (src address of
+    """dst = src rounded to `dtype` (float16, bfloat16) for every (src address of
     float32 values, dst address, count) of `arrays`, in one launch of
     cp_cast_many."""
     arrays = [a for a in arrays if a[2]]

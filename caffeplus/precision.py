@@ -27,8 +27,9 @@ FP32 nets (every type FLOAT or DOUBLE) get nothing installed: they run as
 before, bit for bit. On the GPU a FLOAT16 net's maps are float16 arrays
 (top_storage_dtypes, decided before the layers allocate) and the layers
 that multiply by weights keep 16-bit copies of their own: nothing is
-emulated there. BFLOAT16 has no GPU storage yet: such a net runs in FP32
-there, with a warning.
+emulated there; a BFLOAT16 net's are ml_dtypes.bfloat16 arrays (CuPy's
+bfloat16 type; without the ml_dtypes package it runs in FP32, with a
+warning).
 
 Loss scaling (FLOAT16 gradients underflow without it): the loss layers'
 top gradients are multiplied by the scale for backward and every weight
@@ -343,9 +344,30 @@ def resolve(net_param):
     return [layer_storage_types(net_param, lp) for lp in net_param.layer]
 
 
-# The storage the GPU gives each 16-bit type. BFLOAT16 has none yet (CuPy's
-# bfloat16 is experimental): a BFLOAT16 net runs in FP32 there.
-DEVICE_DTYPES = {caffe_pb2.FLOAT16: numpy.dtype(numpy.float16)}
+def bfloat16_dtype():
+    """NumPy's dtype for BFLOAT16 (ml_dtypes.bfloat16, which CuPy stores
+    and computes with), or None without the ml_dtypes package."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return numpy.dtype(ml_dtypes.bfloat16)
+
+
+def device_dtypes():
+    """{storage type: the dtype the GPU stores it in}: float16 for FLOAT16,
+    bfloat16 for BFLOAT16 where ml_dtypes is installed (else a BFLOAT16 net
+    runs in FP32 there)."""
+    if _DEVICE_DTYPES is None:
+        found = {caffe_pb2.FLOAT16: numpy.dtype(numpy.float16)}
+        bf16 = bfloat16_dtype()
+        if bf16 is not None:
+            found[caffe_pb2.BFLOAT16] = bf16
+        globals()['_DEVICE_DTYPES'] = found
+    return _DEVICE_DTYPES
+
+
+_DEVICE_DTYPES = None           # (looked up once: importing ml_dtypes costs ~0.1 s)
 
 
 def is_loss_layer(lp):
@@ -360,9 +382,10 @@ def top_storage_dtypes(net_param, types):
     and the net's outputs stay float32, as does an in-place top (the
     producer's storage decides). Each gradient is stored as its value."""
     consumed = {name for lp in net_param.layer for name in lp.bottom}
+    stored = device_dtypes()
     out = {}
     for i, (lp, (fwd, _)) in enumerate(zip(net_param.layer, types)):
-        dtype = DEVICE_DTYPES.get(fwd)
+        dtype = stored.get(fwd)
         if dtype is None or is_loss_layer(lp):
             continue
         tops = {j: dtype for j, name in enumerate(lp.top)
@@ -392,10 +415,11 @@ def attach(net):
     if not sixteen:
         return None
     if backend.mode() == backend.GPU:
-        stored = type_names(types, DEVICE_DTYPES)
+        stored = type_names(types, device_dtypes())
         if not stored:
-            log.warning('Net %s asks for %s storage, which the GPU backend does not have yet: '
-                        'it runs in FLOAT (FP32)', net.name, ' and '.join(sixteen))
+            log.warning('Net %s asks for %s storage, which the GPU backend has only with the '
+                        'ml_dtypes package (pip install ml_dtypes): it runs in FLOAT (FP32)',
+                        net.name, ' and '.join(sixteen))
             return None
         log.info('Net %s stores %s activations and gradients on the GPU (float32 math, '
                  'FP32 master weights)', net.name, ' and '.join(stored))

@@ -83,6 +83,33 @@ struct __half {
     operator float() const { return (float)h; }
 };
 static_assert(sizeof(__half) == 2, "__half stands for 16 bits");
+/* CUDA's __nv_bfloat16 likewise: the top 16 bits of a float, rounded to
+   nearest, ties to even (NaN kept a NaN). */
+struct __nv_bfloat16 {
+    unsigned short bits;
+    __nv_bfloat16() = default;
+    __nv_bfloat16(float f) {
+        unsigned u;
+        std::memcpy(&u, &f, 4);
+        if ((u & 0x7fffffffu) > 0x7f800000u) { bits = (unsigned short)((u >> 16) | 0x40u); return; }
+        u += 0x7fffu + ((u >> 16) & 1u);
+        bits = (unsigned short)(u >> 16);
+    }
+    __nv_bfloat16(double f) : __nv_bfloat16((float)f) {}
+    __nv_bfloat16(int v) : __nv_bfloat16((float)v) {}
+    __nv_bfloat16(unsigned v) : __nv_bfloat16((float)v) {}
+    __nv_bfloat16(long long v) : __nv_bfloat16((float)v) {}
+    __nv_bfloat16(unsigned long long v) : __nv_bfloat16((float)v) {}
+    __nv_bfloat16(short v) : __nv_bfloat16((float)v) {}
+    __nv_bfloat16(unsigned short v) : __nv_bfloat16((float)v) {}
+    operator float() const {
+        const unsigned u = (unsigned)bits << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        return f;
+    }
+};
+static_assert(sizeof(__nv_bfloat16) == 2, "__nv_bfloat16 stands for 16 bits");
 static inline double __longlong_as_double(long long v) {
     double d;
     std::memcpy(&d, &v, sizeof d);
@@ -122,6 +149,7 @@ _SANITIZE = ['-fsanitize=address', '-fno-omit-frame-pointer'] \
 _SIG = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\)', re.S)
 _POINTER_DTYPES = (numpy.float32, numpy.float16, numpy.float64, numpy.int32, numpy.uint32,
                    numpy.uint8, numpy.int64, numpy.uint64)
+_POINTER_DTYPE_NAMES = {numpy.dtype(d).name for d in _POINTER_DTYPES} | {'bfloat16'}
 
 
 def _params(text):
@@ -155,10 +183,10 @@ class _Kernel:
                 if a is None:
                     conv.append(None)
                     continue
-                if not isinstance(a, numpy.ndarray) or a.dtype not in _POINTER_DTYPES \
+                if not isinstance(a, numpy.ndarray) or a.dtype.name not in _POINTER_DTYPE_NAMES \
                         or not a.flags.c_contiguous:
                     raise TypeError('%s: pointer arguments must be contiguous float32, float16, '
-                                    'float64, int32, uint32, uint8, int64 or uint64 arrays '
+                                    'bfloat16, float64, int32, uint32, uint8, int64 or uint64 arrays '
                                     '(got %r)'
                                     % (self.name, type(a)))
                 conv.append(ctypes.c_void_p(a.ctypes.data))

@@ -138,7 +138,7 @@ class _Chain:
 def _scale_diffs(g, ref, outs, n, mask, dtype=None):
     """cp_scale2 over (diff array, coefficient) pairs, two per launch; with
     `mask`, g is first multiplied by (ref > 0) and written back (an in-place
-    ReLU's backward). `dtype`: the arrays' (float32 or float16)."""
+    ReLU's backward). `dtype`: the arrays' (float32 or a 16-bit type)."""
     K = _kernels
     grid, block = K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,)
     k = K.kernel('cp_scale2', dtype)

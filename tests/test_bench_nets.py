@@ -63,6 +63,14 @@ def test_the_benchmark_prints_issue_37s_ratios_from_rows_of_one_run():
     for order in (rows + [bvlc], [bvlc] + rows):
         assert bench_gpu.sixteen_bit_targets(order)[-1] == \
             '| n | arena/fp16 | 10.0 | bvlc/amp-fp16 | 20.0 | 2.00x | 25.0 | 2.50x | 0.40x |'
+    # A BFLOAT16 row is weighed against AMP in BFLOAT16, not FP16.
+    bf16 = [dict(framework='caffeplus', net='n', plan='arena/bf16', tf32=1, median_ms=8.0,
+                 peak_used_mib=600.0),
+            dict(framework='pytorch', net='n', plan='-/amp-bf16', tf32=1, median_ms=16.0,
+                 peak_used_mib=1000.0)]
+    assert bench_gpu.sixteen_bit_targets(rows + bf16)[-2:] == [
+        '| n | arena/fp16 | 10.0 | -/amp-fp16 | 12.0 | 1.20x | 25.0 | 2.50x | 0.50x |',
+        '| n | arena/bf16 | 8.0 | -/amp-bf16 | 16.0 | 2.00x | 25.0 | 3.12x | 0.60x |']
 
 
 def test_a_batch_without_its_own_prototxt_takes_the_architectures_file():

@@ -70,18 +70,28 @@ def test_emulated_kernel_against_a_float64_formula(emulated_kernels):
                     assert got[b, k, i, j] == pytest.approx(want, rel=1e-6, abs=1e-5)
 
 
+def _sixteen_bit_types():
+    try:
+        import ml_dtypes
+    except ImportError:
+        return [numpy.float16]
+    return [numpy.float16, ml_dtypes.bfloat16]
+
+
+@pytest.mark.parametrize('out_type', _sixteen_bit_types())
 @pytest.mark.parametrize('dtype', ['uint8', 'float32'])
-def test_emulated_float16_output_is_the_float32_value_rounded_once(dtype):
-    """A FLOAT16 net's data top: the kernel's 16-bit build (the emulator's
-    stand-in for __half) stores the float32 result rounded to nearest."""
+def test_emulated_16_bit_output_is_the_float32_value_rounded_once(dtype, out_type):
+    """A FLOAT16 or BFLOAT16 net's data top: the kernel's 16-bit build (the
+    emulator's stand-ins for __half and __nv_bfloat16) stores the float32
+    result rounded to nearest."""
     kernel = build_emulator(device_transform.kernel_source(
-        dtype, numpy.float16, include_fp16=False)).kernel('transform_batch')
+        dtype, out_type, include_fp16=False)).kernel('transform_batch')
     rng = numpy.random.default_rng(5)
     n, c, h, w = 3, 3, 9, 11
     raw = _raw(rng, dtype, (n, c, h, w))
     plan = _plan(rng, n, c, h, w, 7, 'values', 0.0125, True)
-    want = batch_transform.apply_plan(numpy, raw, plan).astype(numpy.float16)
-    got = numpy.full(want.shape, numpy.nan, numpy.float16)
+    want = batch_transform.apply_plan(numpy, raw, plan).astype(out_type)
+    got = numpy.full(want.shape, numpy.nan, out_type)
     device_transform.launch(kernel, numpy, raw, plan, got)
     assert got.tobytes() == want.tobytes()
 

@@ -1,9 +1,10 @@
-"""The 16-bit build of the map kernels (caffeplus.kernels' 'core16': CORE with
-CP_A a 16-bit float), emulated on the host with dev.kernel_emu's __half: it
-converts as CUDA's does (so NVRTC's type errors are g++'s too) and rounds a
-float to the nearest 16-bit value, ties to even, as CUDA's does. Each kernel
-is checked against NumPy: float32 math on the float16 inputs, rounded once to
-float16 where the map is stored, float64 for the BatchNorm references."""
+"""The 16-bit builds of the map kernels (caffeplus.kernels' 'core16' and
+'corebf16': CORE with CP_A __half or __nv_bfloat16), emulated on the host
+with dev.kernel_emu's __half and __nv_bfloat16: they convert as CUDA's do (so
+NVRTC's type errors are g++'s too) and round a float to the nearest 16-bit
+value, ties to even, as CUDA's do. Each kernel is checked against NumPy
+(ml_dtypes for BFLOAT16): float32 math on the 16-bit inputs, rounded once
+where the map is stored, float64 for the BatchNorm references."""
 import numpy
 import pytest
 
@@ -12,18 +13,37 @@ from caffeplus.kernel_sources import COMMON, CORE
 from caffeplus.kernel_sources_extra import EXTRA
 from conftest import build_emulator
 
-F16, F32 = numpy.float16, numpy.float32
+F32 = numpy.float32
+# The 16-bit types under test (CUDA's name, NumPy's type): each test runs
+# once for each, F16 naming the one of the current run (the `sixteen` fixture).
+try:
+    import ml_dtypes
+    _BF16 = [('__nv_bfloat16', ml_dtypes.bfloat16, 2 ** -8, 2 ** -8)]
+except ImportError:
+    _BF16 = []
+# (..., HALF_ULP: half the spacing of values in [1, 2), the relative error of
+# one rounding; TINY: the absolute error allowed beside it)
+SIXTEEN_BIT = [('__half', numpy.float16, 2 ** -11, 2 ** -14)] + _BF16
+F16, HALF_ULP, TINY = numpy.float16, 2 ** -11, 2 ** -14
+
+
+@pytest.fixture(scope='module', autouse=True, params=SIXTEEN_BIT, ids=lambda p: p[0])
+def sixteen(request):
+    global F16, HALF_ULP, TINY
+    F16, HALF_ULP, TINY = request.param[1:]
+    yield request.param[0]
+    F16, HALF_ULP, TINY = SIXTEEN_BIT[0][1:]
 
 
 @pytest.fixture(scope='module')
-def half():
-    return build_emulator('#define CP_A __half\n' + COMMON + CORE)
+def half(sixteen):
+    return build_emulator('#define CP_A %s\n' % sixteen + COMMON + CORE)
 
 
 @pytest.fixture(scope='module')
-def half_extra():
+def half_extra(sixteen):
     """EXTRA's 16-bit build: its BatchNorm kernels over several blocks a channel."""
-    return build_emulator('#define CP_A __half\n' + COMMON + EXTRA)
+    return build_emulator('#define CP_A %s\n' % sixteen + COMMON + EXTRA)
 
 
 @pytest.fixture(scope='module')
@@ -111,11 +131,11 @@ extern "C" __global__ void cp_width_probe(const unsigned S, const CP_A* a, int* 
 
 
 @pytest.mark.parametrize('dtype', ['half', 'float'])
-def test_channel_loops_take_the_widest_aligned_vector(dtype):
+def test_channel_loops_take_the_widest_aligned_vector(sixteen, dtype):
     """16-byte vectors where a run is a multiple of them and the maps are
     16-byte aligned, else 8-byte ones (ResNet-50's 14 x 14 maps, 196 values
     a run), else one value at a time."""
-    head = '#define CP_A __half\n' if dtype == 'half' else ''
+    head = '#define CP_A %s\n' % sixteen if dtype == 'half' else ''
     emu = build_emulator(head + COMMON + CORE + WIDTH_PROBE)
     t = F16 if dtype == 'half' else F32
     v = 16 // numpy.dtype(t).itemsize            # values in 16 bytes
@@ -155,7 +175,7 @@ def test_batchnorm_chain_forward_and_backward(half, s):
     # top computed from those rounded values (so the backward's ReLU mask,
     # recomputed from the kept copy, is the forward's).
     assert xn.dtype == F16
-    numpy.testing.assert_allclose(xn, norm, rtol=2 ** -11, atol=2 ** -24)
+    numpy.testing.assert_allclose(xn, norm, rtol=HALF_ULP, atol=2 ** -24)
     numpy.testing.assert_allclose(std, numpy.sqrt(var + 1e-5), rtol=1e-6)
     numpy.testing.assert_allclose(b0, mean, rtol=1e-6)
     xr = xn.astype(F32)
@@ -179,8 +199,8 @@ def test_batchnorm_chain_forward_and_backward(half, s):
     gs = g * sc[None, :, None]
     want = (gs - gs.mean(axis=(0, 2))[None, :, None] -
             xn64 * (gs * xn64).mean(axis=(0, 2))[None, :, None]) / std[None, :, None]
-    numpy.testing.assert_allclose(dx.astype(numpy.float64), want, rtol=2 ** -10,
-                                  atol=2e-3 * numpy.abs(want).max())
+    numpy.testing.assert_allclose(dx.astype(numpy.float64), want, rtol=2 * HALF_ULP,
+                                  atol=4 * HALF_ULP * numpy.abs(want).max())
 
 
 
@@ -249,9 +269,9 @@ def test_batchnorm_split_kernels_on_16_bit_maps(half, half_extra, s):
     numpy.testing.assert_allclose(std, numpy.sqrt(var + 1e-5), rtol=1e-6)
     # The one-block kernel's values (its float32 sums may differ from these
     # in the last bit, and a different float32 may round to the next FLOAT16).
-    numpy.testing.assert_allclose(xn.astype(F32), xn1.astype(F32), rtol=2 ** -10, atol=2 ** -24)
+    numpy.testing.assert_allclose(xn.astype(F32), xn1.astype(F32), rtol=2 * HALF_ULP, atol=2 ** -24)
     assert y.dtype == F16
-    numpy.testing.assert_allclose(y.astype(F32), y1.astype(F32), rtol=2 ** -10, atol=2 ** -14)
+    numpy.testing.assert_allclose(y.astype(F32), y1.astype(F32), rtol=2 * HALF_ULP, atol=TINY)
 
     dy = _maps(r, n, c, s)
     bflags = kernels.BN_BATCH | kernels.BN_SCALE | kernels.BN_BIAS | kernels.BN_RELU | \
@@ -271,8 +291,8 @@ def test_batchnorm_split_kernels_on_16_bit_maps(half, half_extra, s):
     assert dx.dtype == F16
     numpy.testing.assert_allclose(dsc, d1[0], rtol=1e-5, atol=1e-5)
     numpy.testing.assert_allclose(dbi, d1[1], rtol=1e-5, atol=1e-5)
-    numpy.testing.assert_allclose(dx.astype(F32), dx1.astype(F32), rtol=2 ** -10,
-                                  atol=2 ** -14 * numpy.abs(dx1.astype(F32)).max())
+    numpy.testing.assert_allclose(dx.astype(F32), dx1.astype(F32), rtol=2 * HALF_ULP,
+                                  atol=TINY * numpy.abs(dx1.astype(F32)).max())
 
 
 @pytest.mark.parametrize('ave', [0, 1])
@@ -383,7 +403,7 @@ def test_bias_gradient_sums_and_filter_accumulation_read_16_bit_maps(half_extra,
 
 @pytest.mark.filterwarnings('ignore:overflow encountered in cast:RuntimeWarning')
 def test_one_launch_casts_many_weight_arrays_to_16_bits(half):
-    """cp_cast_many: each float32 array rounded to nearest FLOAT16 into its
+    """cp_cast_many: each float32 array rounded to the nearest 16-bit value into its
     own copy (NumPy's astype, ties to even), arrays of different sizes in
     one launch; nothing written past a copy's end."""
     r = numpy.random.RandomState(15)
@@ -398,7 +418,8 @@ def test_one_launch_casts_many_weight_arrays_to_16_bits(half):
     for s, d in zip(src, dst):
         assert d[:-1].tobytes() == s.astype(F16).tobytes()
         assert d[-1] == 7
-    assert numpy.isinf(dst[0][0]) and dst[0][1] == 0
+    if F16 is numpy.float16:        # (FLOAT16's range; BFLOAT16 has float32's)
+        assert numpy.isinf(dst[0][0]) and dst[0][1] == 0
 
 
 def test_mask_kernels_on_16_bit_maps(half_extra, float_extra):

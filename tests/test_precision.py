@@ -340,13 +340,33 @@ def test_int_storage_is_an_error_naming_the_layer():
         Net(p, caffe_pb2.TRAIN)
 
 
-def test_a_gpu_run_of_a_bfloat16_net_runs_fp32_and_says_so(monkeypatch, caplog_caffeplus):
+def test_a_gpu_run_of_a_bfloat16_net_without_ml_dtypes_runs_fp32_and_says_so(
+        monkeypatch, caplog_caffeplus):
     from caffeplus import backend
     monkeypatch.setattr(precision.backend, 'mode', lambda: backend.GPU)
+    monkeypatch.setattr(precision, 'bfloat16_dtype', lambda: None)
+    monkeypatch.setattr(precision, '_DEVICE_DTYPES', None)
     net = Net(_net_param(default_forward_type=caffe_pb2.BFLOAT16,
                          default_backward_type=caffe_pb2.BFLOAT16), caffe_pb2.TRAIN)
     assert net.precision is None
-    assert any('GPU backend does not have yet' in m for m in caplog_caffeplus)
+    assert any('only with the ml_dtypes package' in m for m in caplog_caffeplus)
+
+
+def test_a_gpu_run_of_a_bfloat16_net_stores_its_maps_as_ml_dtypes_bfloat16(
+        monkeypatch, caplog_caffeplus):
+    ml_dtypes = pytest.importorskip('ml_dtypes')
+    from caffeplus import backend
+    monkeypatch.setattr(precision.backend, 'mode', lambda: backend.GPU)
+    monkeypatch.setattr(precision, '_DEVICE_DTYPES', None)
+    p = _net_param(default_forward_type=caffe_pb2.BFLOAT16,
+                   default_backward_type=caffe_pb2.BFLOAT16)
+    net = Net(p, caffe_pb2.TRAIN)
+    assert net.precision is not None and not net.precision.emulate
+    assert any('stores BFLOAT16 activations and gradients on the GPU' in m
+               for m in caplog_caffeplus)
+    stored = precision.top_storage_dtypes(p, precision.resolve(p))
+    assert stored and {d for tops in stored.values() for d in tops.values()} == \
+        {numpy.dtype(ml_dtypes.bfloat16)}
 
 
 def test_a_gpu_run_of_a_float16_net_stores_its_maps_in_16_bits(monkeypatch, caplog_caffeplus):

@@ -1,5 +1,6 @@
 """A data layer's batch transformed on the GPU: raw pixels in, float32 out
-(float16 for a FLOAT16 net's data top: the value computed in float32, rounded once).
+(float16 or bfloat16 for a 16-bit net's data top: the value computed in float32,
+rounded once).
 
 The host sends the batch as it was stored or decoded (uint8, a quarter of
 the float32 bytes) and the plan's per-image decisions; one kernel then
@@ -48,22 +49,29 @@ _TYPES = {numpy.dtype(numpy.uint8): 'unsigned char', numpy.dtype(numpy.float32):
 _kernels = {}
 
 
-_OUT_TYPES = (numpy.dtype(numpy.float32), numpy.dtype(numpy.float16))
+# The 16-bit outputs: CUDA's type and its header.
+_SIXTEEN_BIT = {'float16': ('__half', '#include <cuda_fp16.h>\n'),
+                'bfloat16': ('__nv_bfloat16', '#include <cuda_bf16.h>\n')}
+
+
+def _out_type_ok(dtype):
+    return dtype == numpy.float32 or dtype.name in _SIXTEEN_BIT
 
 
 def kernel_source(dtype, out_dtype=numpy.float32, include_fp16=True):
     """The transform kernel's CUDA source for pixels of `dtype`, written as
-    `out_dtype` (float32, or float16 as __half: from cuda_fp16.h, or without
-    `include_fp16` the emulator's stand-in)."""
+    `out_dtype` (float32, or float16 as __half and bfloat16 as __nv_bfloat16:
+    from CUDA's headers, or without `include_fp16` the emulator's stand-ins)."""
     dtype, out_dtype = numpy.dtype(dtype), numpy.dtype(out_dtype)
     if dtype not in _TYPES:
         raise ValueError('the device transform takes uint8 or float32 pixels, not %s' % dtype)
-    if out_dtype not in _OUT_TYPES:
-        raise ValueError('the device transform writes float32 or float16, not %s' % out_dtype)
+    if not _out_type_ok(out_dtype):
+        raise ValueError('the device transform writes float32, float16 or bfloat16, not %s'
+                         % out_dtype)
     if out_dtype == numpy.float32:
         return _SOURCE.format(T=_TYPES[dtype], O='float')
-    include = '#include <cuda_fp16.h>\n' if include_fp16 else ''
-    return include + _SOURCE.format(T=_TYPES[dtype], O='__half')
+    name, header = _SIXTEEN_BIT[out_dtype.name]
+    return (header if include_fp16 else '') + _SOURCE.format(T=_TYPES[dtype], O=name)
 
 
 def launch(kernel, xp, raw, plan, out, null=None):
@@ -73,8 +81,8 @@ def launch(kernel, xp, raw, plan, out, null=None):
     check_plan(raw, plan)
     n, c, h, w = (int(s) for s in raw.shape)
     shape = (n, c, plan.crop_h, plan.crop_w)
-    if tuple(out.shape) != shape or out.dtype not in _OUT_TYPES:
-        raise ValueError('out is %s %s, the batch transforms to float32 or float16 %s'
+    if tuple(out.shape) != shape or not _out_type_ok(out.dtype):
+        raise ValueError('out is %s %s, the batch transforms to float32, float16 or bfloat16 %s'
                          % (out.dtype, tuple(out.shape), shape))
     if not raw.flags.c_contiguous or not out.flags.c_contiguous:
         raise ValueError('the device transform needs C-contiguous arrays')

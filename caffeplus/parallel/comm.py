@@ -667,7 +667,8 @@ class TCPComm(Communicator):
 
 # -- NCCL ---------------------------------------------------------------------------------
 _NCCL_TYPES = {'float32': ('NCCL_FLOAT32', 7), 'float64': ('NCCL_FLOAT64', 8),
-               'float16': ('NCCL_FLOAT16', 6), 'int32': ('NCCL_INT32', 2),
+               'float16': ('NCCL_FLOAT16', 6), 'bfloat16': ('NCCL_BFLOAT16', 9),
+               'int32': ('NCCL_INT32', 2),
                'int64': ('NCCL_INT64', 4), 'uint8': ('NCCL_UINT8', 1), 'int8': ('NCCL_INT8', 0)}
 
 
