@@ -14,7 +14,7 @@ import numpy
 from caffeplus import backend, kernels, log, precision
 from caffeplus.blob import Blob, HostBlob, virtual_allocation
 from caffeplus.deferred_loss import DeferredLoss
-from caffeplus.errors import CaffeplusError, FormatError, NetError
+from caffeplus.errors import CaffeplusError, NetError
 from caffeplus.layer import create_layer
 from caffeplus.netstate import filter_net
 from caffeplus.proto import caffe_pb2
@@ -140,7 +140,8 @@ class Net:
         # The storage types (NVCaffe's fields, or the precision switch), known
         # before any layer allocates: 16-bit tops are stored so from the start.
         self.layer_types = precision.resolve(param)
-        top_dtypes = precision.top_storage_dtypes(param, self.layer_types) \
+        top_dtypes = precision.top_storage_dtypes(param, self.layer_types,
+                                                  sizes_only=virtual_allocation()) \
             if backend.mode() == backend.GPU or virtual_allocation() else {}
 
         self.layers, self._layer_names = [], []

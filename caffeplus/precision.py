@@ -354,16 +354,19 @@ def bfloat16_dtype():
     return numpy.dtype(ml_dtypes.bfloat16)
 
 
-def device_dtypes():
+def device_dtypes(sizes_only=False):
     """{storage type: the dtype the GPU stores it in}: float16 for FLOAT16,
     bfloat16 for BFLOAT16 where ml_dtypes is installed (else a BFLOAT16 net
-    runs in FP32 there)."""
+    runs in FP32 there). `sizes_only` (a shape-only build: the memory
+    estimate): float16 stands in for a missing bfloat16, as big."""
     if _DEVICE_DTYPES is None:
         found = {caffe_pb2.FLOAT16: numpy.dtype(numpy.float16)}
         bf16 = bfloat16_dtype()
         if bf16 is not None:
             found[caffe_pb2.BFLOAT16] = bf16
         globals()['_DEVICE_DTYPES'] = found
+    if sizes_only and caffe_pb2.BFLOAT16 not in _DEVICE_DTYPES:
+        return {**_DEVICE_DTYPES, caffe_pb2.BFLOAT16: numpy.dtype(numpy.float16)}
     return _DEVICE_DTYPES
 
 
@@ -375,14 +378,14 @@ def is_loss_layer(lp):
     return 'Loss' in lp.type or any(w != 0 for w in lp.loss_weight)
 
 
-def top_storage_dtypes(net_param, types):
+def top_storage_dtypes(net_param, types, sizes_only=False):
     """{layer index: {top index: dtype}} of the tops stored in 16 bits: the
     tops a later layer reads, of layers whose forward type has a device
     storage. A data layer's labels (its tops after the first), the losses
     and the net's outputs stay float32, as does an in-place top (the
     producer's storage decides). Each gradient is stored as its value."""
     consumed = {name for lp in net_param.layer for name in lp.bottom}
-    stored = device_dtypes()
+    stored = device_dtypes(sizes_only)
     out = {}
     for i, (lp, (fwd, _)) in enumerate(zip(net_param.layer, types)):
         dtype = stored.get(fwd)

@@ -352,6 +352,17 @@ def test_a_gpu_run_of_a_bfloat16_net_without_ml_dtypes_runs_fp32_and_says_so(
     assert any('only with the ml_dtypes package' in m for m in caplog_caffeplus)
 
 
+def test_the_memory_estimate_counts_bfloat16_maps_at_two_bytes_without_ml_dtypes(monkeypatch):
+    monkeypatch.setattr(precision, 'bfloat16_dtype', lambda: None)
+    monkeypatch.setattr(precision, '_DEVICE_DTYPES', None)
+    p = _net_param(default_forward_type=caffe_pb2.BFLOAT16,
+                   default_backward_type=caffe_pb2.BFLOAT16)
+    types = precision.resolve(p)
+    assert precision.top_storage_dtypes(p, types) == {}       # a GPU run: FP32
+    sized = precision.top_storage_dtypes(p, types, sizes_only=True)
+    assert sized and all(d.itemsize == 2 for tops in sized.values() for d in tops.values())
+
+
 def test_a_gpu_run_of_a_bfloat16_net_stores_its_maps_as_ml_dtypes_bfloat16(
         monkeypatch, caplog_caffeplus):
     ml_dtypes = pytest.importorskip('ml_dtypes')
