@@ -2,6 +2,8 @@
 """
 import functools
 
+import numpy
+
 from caffeplus import backend
 from caffeplus.cudnn import api
 from caffeplus.layer import register_engine
@@ -9,6 +11,24 @@ from caffeplus.layers.cudnn_common import (READS_BOTH, _as4d, _CudnnMixin, _dptr
                                            _same_storage_dtype, cudnn_available, storage_dtype)
 from caffeplus.layers.vision import LRNLayer
 from caffeplus.proto import caffe_pb2
+
+
+# The map types cuDNN's LRN takes (cuDNN 9 has no BFLOAT16 LRN: a BFLOAT16
+# net's LRN runs cuDNN's float32 one on float32 copies of its maps).
+_CUDNN_LRN_TYPES = ('float32', 'float16')
+
+
+def _math_dtype(dtype):
+    return dtype if dtype is None or numpy.dtype(dtype).name in _CUDNN_LRN_TYPES \
+        else numpy.dtype(numpy.float32)
+
+
+FLOAT32_SLICE_BYTES = 16 << 20
+
+
+def _empty_like(a):
+    import cupy
+    return cupy.empty_like(a)
 
 
 @register_engine('CUDNN')
@@ -44,6 +64,7 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
 
     def _build(self, shape, dtype=None):
         from caffeplus.cudnn import api
+        dtype = _math_dtype(dtype)
         key = (tuple(shape), backend.device(), dtype)
         if key == self._desc_key:
             return
@@ -58,10 +79,36 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
         self._build(x.shape, x.dtype)
         return True
 
+    def _converts(self, x):
+        return _math_dtype(x.dtype) != x.dtype
+
+    def _float32_slices(self, shape):
+        """(first image, end, float32 descriptor) of the batch in slices of at
+        most FLOAT32_SLICE_BYTES a float32 copy: the copies' memory stays small
+        beside the maps (GoogLeNet's norm2 would take 154 MB a copy)."""
+        n = int(shape[0])
+        per_image = 4 * max(1, int(numpy.prod(shape[1:])))
+        step = max(1, min(n, FLOAT32_SLICE_BYTES // per_image))
+        descs = self.__dict__.setdefault('_float32_descs', {})
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            key = (hi - lo,) + tuple(shape[1:])
+            if key not in descs:
+                descs[key] = api.TensorDesc(_as4d(key), dtype=numpy.float32)
+            yield lo, hi, descs[key]
+
     def _forward(self, bottom, top):
         if not self._ready(bottom[0].data):
             return super()._forward(bottom, top)
         lrn, xd = self._desc
+        if self._converts(bottom[0].data):
+            x, y = bottom[0].data, top[0].data
+            for lo, hi, desc in self._float32_slices(x.shape):
+                x32 = x[lo:hi].astype(numpy.float32)
+                y32 = _empty_like(x32)
+                api.lrn_forward(lrn, desc, x32, y32)
+                y[lo:hi] = y32              # rounded once to the map's type
+            return
         x, y = _dptr(bottom[0]), _dptr(top[0])
         self._replays.run(('f', x, y), functools.partial(api.lrn_forward, lrn, xd, x, y))
 
@@ -71,6 +118,14 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
         if not self._ready(bottom[0].data):
             return super()._backward(top, propagate_down, bottom)
         lrn, xd = self._desc
+        if self._converts(bottom[0].data):
+            y, dy, x, dx = top[0].data, top[0].diff, bottom[0].data, bottom[0].diff
+            for lo, hi, desc in self._float32_slices(x.shape):
+                y32, dy32, x32 = (a[lo:hi].astype(numpy.float32) for a in (y, dy, x))
+                dx32 = _empty_like(x32)
+                api.lrn_backward(lrn, desc, y32, dy32, x32, dx32)
+                dx[lo:hi] = dx32
+            return
         y, dy = _dptr(top[0]), _dptr(top[0], True)
         x, dx = _dptr(bottom[0]), _dptr(bottom[0], True)
         self._replays.run(('b', y, dy, x, dx), functools.partial(
