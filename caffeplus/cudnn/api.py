@@ -16,7 +16,8 @@ same kernels with the same arguments.
 import ctypes
 import weakref
 
-from caffeplus.cudnn.lib import BwdDataPerf, BwdFilterPerf, CudnnError, FwdPerf, call, library
+from caffeplus.cudnn.lib import BwdDataPerf, BwdFilterPerf, FwdPerf, call, library
+from caffeplus.errors import CaffeplusError
 
 FLOAT = 0                  # CUDNN_DATA_FLOAT
 HALF = 2                   # CUDNN_DATA_HALF
@@ -107,13 +108,15 @@ def handle():
 
 
 def data_type(dtype):
-    """cuDNN's data type for a NumPy dtype (float32, float16 or ml_dtypes'
-    bfloat16; None: float32)."""
-    name = 'float32' if dtype is None else getattr(dtype, 'name', None) or str(dtype)
+    """cuDNN's data type for a NumPy dtype or type (float32, float16 or
+    ml_dtypes' bfloat16; None: float32)."""
+    import numpy
+    name = 'float32' if dtype is None else numpy.dtype(dtype).name
     try:
         return _DATA_TYPES[name]
     except KeyError:
-        raise CudnnError('cuDNN descriptors here take float32, float16 or bfloat16, not %s' % name)
+        raise CaffeplusError('cuDNN descriptors here take float32, float16 or bfloat16, not %s'
+                             % name) from None
 
 
 class TensorDesc(_Owned):
