@@ -48,9 +48,11 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}:/tmp/site
 # the machine cannot build an editable install, so link it.
 [ -e caffeplus/layers ] || ln -s ../layers caffeplus/layers
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/env.log"
-# A snapshot (dev/gpu_snapshot.sh) names its commit in COMMIT; git would
-# report the enclosing checkout's.
-if [ -f COMMIT ]; then echo "commit $(cat COMMIT)"; else git log -1 --format='commit %h %s' 2>/dev/null; fi \
+# A snapshot (dev/gpu_snapshot.sh) names its commit in COMMIT, a caller in
+# CAFFEPLUS_COMMIT (the device's copy of .git can be older than the tree it
+# was sent; benchmarks/bench_gpu.py reads the same variable); else git's.
+if [ -n "${CAFFEPLUS_COMMIT:-}" ]; then echo "commit $CAFFEPLUS_COMMIT"
+elif [ -f COMMIT ]; then echo "commit $(cat COMMIT)"; else git log -1 --format='commit %h %s' 2>/dev/null; fi \
   | tee -a "$OUT/env.log"
 
 if has tests; then
