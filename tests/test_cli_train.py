@@ -612,3 +612,28 @@ def test_sigterm_policy_of_a_rank():
         open(abort, 'w').close()
         with pytest.raises(Terminated):
             h._handle(signal.SIGTERM, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('name,kind', [('fp16', 'FLOAT16'), ('bf16', 'BFLOAT16')])
+def test_train_in_16_bits_on_gpu_writes_fp32_weights(tiny, name, kind):
+    """`caffeplus train --precision fp16|bf16 -gpu 0`: the net stores its
+    maps in 16 bits on the device, and the snapshot's weights are FP32 (the
+    masters), as stock Caffe reads them."""
+    import caffeplus
+    if name == 'bf16':
+        pytest.importorskip('ml_dtypes')
+    try:
+        rc, cap = run_cli(tiny, 'train', '-solver', 'solver.prototxt', '-gpu', '0',
+                          '--precision', name)
+        assert rc == 0
+        assert any('stores %s activations and gradients on the GPU' % kind in m
+                   for m in cap.messages)
+        weights = caffe_pb2.NetParameter()
+        weights.ParseFromString((tiny / 'snap' / 'tiny_iter_20.caffemodel').read_bytes())
+        blobs = [b for layer in weights.layer for b in layer.blobs]
+        assert blobs and all(len(b.data) == numpy.prod(b.shape.dim) and not b.raw_data
+                             for b in blobs)
+        assert all(numpy.isfinite(b.data).all() for b in blobs)
+    finally:
+        caffeplus.set_mode_cpu()

@@ -121,14 +121,15 @@ def test_gpu_kernel_matches_the_host_transform(dtype, crop, mean_kind, scale, mi
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_writes_float16_tops():
+@pytest.mark.parametrize('out_type', _sixteen_bit_types())
+def test_gpu_kernel_writes_16_bit_tops(out_type):
     import cupy
     rng = numpy.random.default_rng(12)
     n, c, h, w = 8, 3, 20, 18
     raw = _raw(rng, 'uint8', (n, c, h, w))
     plan = _plan(rng, n, c, h, w, 16, 'image', 0.00390625, True)
-    want = batch_transform.apply_plan(numpy, raw, plan).astype(numpy.float16)
-    out = cupy.full(want.shape, cupy.nan, dtype=cupy.float16)
+    want = batch_transform.apply_plan(numpy, raw, plan).astype(out_type)
+    out = cupy.full(want.shape, cupy.nan, dtype=out_type)
     device_transform.apply_plan_device(cupy.asarray(raw), plan, out)
     assert cupy.asnumpy(out).tobytes() == want.tobytes()
 
