@@ -338,7 +338,6 @@ def _shrunk_zoo_text(path):
     cut down, so building it takes milliseconds (a seed for net building)."""
     from caffeplus.io import prototxt, upgrade
     from caffeplus.io.dummy import swap_data_layers
-    from caffeplus.proto import caffe_pb2
     param = prototxt.read_net_param(path)
     try:
         param = swap_data_layers(param, batch_size=1)

@@ -159,7 +159,7 @@ def section_raw():
                 line.append('\n   %-10s wrapper host %6.1f us dev %7.1f | raw host %6.1f dev %7.1f'
                             ' | FindEx: %s' % (kind, hw, dw, hr, dr, desc))
             print(' '.join(line), flush=True)
-            del xa, ya, wa, ws
+            xa = ya = wa = ws = None        # (freed before the next geometry allocates)
 
 
 def _build(net_name, bench_dir, tf32, plan='arena', search='timed'):

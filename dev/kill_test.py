@@ -29,7 +29,6 @@ import queue
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
