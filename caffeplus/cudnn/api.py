@@ -23,7 +23,7 @@ FLOAT = 0                  # CUDNN_DATA_FLOAT
 HALF = 2                   # CUDNN_DATA_HALF
 BFLOAT16 = 9               # CUDNN_DATA_BFLOAT16
 _DATA_TYPES = {'float32': FLOAT, 'float16': HALF, 'bfloat16': BFLOAT16}
-NCHW = 0                   # CUDNN_TENSOR_NCHW
+NCHW, NHWC = 0, 1          # cudnnTensorFormat_t
 CROSS_CORRELATION = 1      # Caffe's convolution is a cross-correlation
 DEFAULT_MATH, TENSOR_OP_MATH, TENSOR_OP_MATH_ALLOW_CONVERSION, FMA_MATH = 0, 1, 2, 3
 POOL_MAX, POOL_AVG_INCLUDE_PAD, POOL_AVG_EXCLUDE_PAD, POOL_MAX_DETERMINISTIC = 0, 1, 2, 3
@@ -142,16 +142,30 @@ class TensorDesc(_Owned):
 
 
 class FilterDesc(_Owned):
+    """Filters of `shape` (K, C, kh, kw...), stored in `layout`: NCHW (Caffe's
+    K C kh kw order) or NHWC (K kh kw C, what cuDNN's channels-last kernels read)."""
     _create, _destroy = 'cudnnCreateFilterDescriptor', 'cudnnDestroyFilterDescriptor'
 
-    def __init__(self, shape, dtype=None):
+    def __init__(self, shape, dtype=None, layout=NCHW):
         super().__init__()
         shape = [int(d) for d in shape]
         while len(shape) < 4:
             shape.append(1)
         self.shape = tuple(shape)
-        call('cudnnSetFilterNdDescriptor', self.value, data_type(dtype), NCHW, len(shape),
+        call('cudnnSetFilterNdDescriptor', self.value, data_type(dtype), int(layout), len(shape),
              _ints(shape))
+
+
+def nhwc_strides(shape):
+    """Strides (in values) of a (N, C, spatial...) tensor stored channels
+    last: the logical shape stays NCHW, as cuDNN's Nd descriptors take it."""
+    c, spatial = int(shape[1]), [int(d) for d in shape[2:]]
+    inner = [1] * len(spatial)
+    acc = c
+    for i in range(len(spatial) - 1, -1, -1):
+        inner[i] = acc
+        acc *= spatial[i]
+    return [acc, 1] + inner
 
 
 class ConvDesc(_Owned):
