@@ -354,23 +354,26 @@ def bfloat16_dtype():
     return numpy.dtype(ml_dtypes.bfloat16)
 
 
-def device_dtypes(sizes_only=False):
-    """{storage type: the dtype the GPU stores it in}: float16 for FLOAT16,
-    bfloat16 for BFLOAT16 where ml_dtypes is installed (else a BFLOAT16 net
-    runs in FP32 there). `sizes_only` (a shape-only build: the memory
-    estimate): float16 stands in for a missing bfloat16, as big."""
-    if _DEVICE_DTYPES is None:
-        found = {caffe_pb2.FLOAT16: numpy.dtype(numpy.float16)}
-        bf16 = bfloat16_dtype()
-        if bf16 is not None:
-            found[caffe_pb2.BFLOAT16] = bf16
-        globals()['_DEVICE_DTYPES'] = found
-    if sizes_only and caffe_pb2.BFLOAT16 not in _DEVICE_DTYPES:
-        return {**_DEVICE_DTYPES, caffe_pb2.BFLOAT16: numpy.dtype(numpy.float16)}
-    return _DEVICE_DTYPES
+def device_dtype(storage, sizes_only=False):
+    """The dtype the GPU stores `storage` (a layer's type) in: float16 for
+    FLOAT16, bfloat16 for BFLOAT16 where ml_dtypes is installed, else None
+    (FP32: a BFLOAT16 net without ml_dtypes runs in FP32 there). With
+    `sizes_only` (a shape-only build: the memory estimate) float16 stands
+    in for a missing bfloat16, as big."""
+    if storage == caffe_pb2.FLOAT16:
+        return _FLOAT16
+    if storage != caffe_pb2.BFLOAT16:
+        return None
+    if not _BFLOAT16:
+        # Imported only for BFLOAT16 nets: the import takes most of a second.
+        _BFLOAT16.append(bfloat16_dtype())
+    if _BFLOAT16[0] is not None:
+        return _BFLOAT16[0]
+    return _FLOAT16 if sizes_only else None
 
 
-_DEVICE_DTYPES = None           # (looked up once: importing ml_dtypes costs ~0.1 s)
+_FLOAT16 = numpy.dtype(numpy.float16)
+_BFLOAT16 = []          # [ml_dtypes' bfloat16 dtype or None], once looked up
 
 
 def is_loss_layer(lp):
@@ -385,10 +388,9 @@ def top_storage_dtypes(net_param, types, sizes_only=False):
     and the net's outputs stay float32, as does an in-place top (the
     producer's storage decides). Each gradient is stored as its value."""
     consumed = {name for lp in net_param.layer for name in lp.bottom}
-    stored = device_dtypes(sizes_only)
     out = {}
     for i, (lp, (fwd, _)) in enumerate(zip(net_param.layer, types)):
-        dtype = stored.get(fwd)
+        dtype = device_dtype(fwd, sizes_only)
         if dtype is None or is_loss_layer(lp):
             continue
         tops = {j: dtype for j, name in enumerate(lp.top)
@@ -418,7 +420,7 @@ def attach(net):
     if not sixteen:
         return None
     if backend.mode() == backend.GPU:
-        stored = type_names(types, device_dtypes())
+        stored = type_names(types, [t for t in SIXTEEN_BIT if device_dtype(t) is not None])
         if not stored:
             log.warning('Net %s asks for %s storage, which the GPU backend has only with the '
                         'ml_dtypes package (pip install ml_dtypes): it runs in FLOAT (FP32)',

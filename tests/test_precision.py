@@ -344,8 +344,7 @@ def test_a_gpu_run_of_a_bfloat16_net_without_ml_dtypes_runs_fp32_and_says_so(
         monkeypatch, caplog_caffeplus):
     from caffeplus import backend
     monkeypatch.setattr(precision.backend, 'mode', lambda: backend.GPU)
-    monkeypatch.setattr(precision, 'bfloat16_dtype', lambda: None)
-    monkeypatch.setattr(precision, '_DEVICE_DTYPES', None)
+    monkeypatch.setattr(precision, '_BFLOAT16', [None])        # no ml_dtypes
     net = Net(_net_param(default_forward_type=caffe_pb2.BFLOAT16,
                          default_backward_type=caffe_pb2.BFLOAT16), caffe_pb2.TRAIN)
     assert net.precision is None
@@ -353,8 +352,7 @@ def test_a_gpu_run_of_a_bfloat16_net_without_ml_dtypes_runs_fp32_and_says_so(
 
 
 def test_the_memory_estimate_counts_bfloat16_maps_at_two_bytes_without_ml_dtypes(monkeypatch):
-    monkeypatch.setattr(precision, 'bfloat16_dtype', lambda: None)
-    monkeypatch.setattr(precision, '_DEVICE_DTYPES', None)
+    monkeypatch.setattr(precision, '_BFLOAT16', [None])        # no ml_dtypes
     p = _net_param(default_forward_type=caffe_pb2.BFLOAT16,
                    default_backward_type=caffe_pb2.BFLOAT16)
     types = precision.resolve(p)
@@ -368,7 +366,7 @@ def test_a_gpu_run_of_a_bfloat16_net_stores_its_maps_as_ml_dtypes_bfloat16(
     ml_dtypes = pytest.importorskip('ml_dtypes')
     from caffeplus import backend
     monkeypatch.setattr(precision.backend, 'mode', lambda: backend.GPU)
-    monkeypatch.setattr(precision, '_DEVICE_DTYPES', None)
+    monkeypatch.setattr(precision, '_BFLOAT16', [])
     p = _net_param(default_forward_type=caffe_pb2.BFLOAT16,
                    default_backward_type=caffe_pb2.BFLOAT16)
     net = Net(p, caffe_pb2.TRAIN)
