@@ -494,15 +494,35 @@ def test_the_estimate_keeps_every_gradient_of_a_loss_scaled_net(capsys):
     assert parts['fp32']['parameter_diffs'] < parts['fp32']['parameters'] / 10
 
 
-def test_the_memory_table_says_its_times_are_fp32_rates_for_a_16_bit_net(capsys):
+def test_the_time_model_runs_16_bit_convolutions_faster_and_moves_two_bytes_a_value(capsys):
+    """The estimate's layer times over 16-bit maps: a convolution at
+    SIXTEEN_BIT_CONV_TIME of its FP32 time (its call overhead aside), an
+    elementwise layer moving half the bytes; the table says so."""
     from caffeplus import cli
+    from caffeplus.memory import shapes
+    from caffeplus.memory import workspace_model as wm
     model = _bench_model('vgg16_b64')
+    nets = {}
+    for name in ('fp32', 'fp16', 'bf16'):
+        with precision.setting(name):
+            nets[name] = shapes.build_net(shapes.load_net_param(model), caffe_pb2.TRAIN)
+    names = [l.layer_param.name for l in nets['fp32'].layers]
+    conv, relu = names.index('conv3_2'), names.index('relu3_2')
+    f32, b32 = wm.layer_seconds(nets['fp32'], conv)
+    for name in ('fp16', 'bf16'):
+        f16, b16 = wm.layer_seconds(nets[name], conv)
+        assert f16 - wm.LAYER_OVERHEAD == pytest.approx(
+            wm.SIXTEEN_BIT_CONV_TIME * (f32 - wm.LAYER_OVERHEAD))
+        assert b16 - wm.LAYER_OVERHEAD == pytest.approx(
+            wm.SIXTEEN_BIT_CONV_TIME * (b32 - wm.LAYER_OVERHEAD))
+        r16, r32 = wm.own_layer_seconds(nets[name], relu), wm.own_layer_seconds(nets['fp32'], relu)
+        assert r16[0] - wm.OWN_CALL_SECONDS == pytest.approx((r32[0] - wm.OWN_CALL_SECONDS) / 2)
     notes = {}
     for name in ('fp32', 'fp16'):
         assert cli.main(['memory', '--model', model, '--estimate', '--plans', 'arena',
                          '--precision', name]) == 0
         notes[name] = capsys.readouterr().out
-    note = "iter ms estimates use FP32 rates: the FLOAT16 layers' own speed is not modelled"
+    note = "iter ms estimates put the FLOAT16 layers' convolutions at 0.25x FP32's time"
     assert note in notes['fp16'] and note not in notes['fp32']
 
 

@@ -70,7 +70,7 @@ def _other_line(name, other, parts, width):
 def format_notes(results, measured_on=None, sixteen_bit=()):
     """The lines under the table: where the times come from, and what
     "other" holds in each estimate. `sixteen_bit`: the 16-bit storage types
-    the net uses (the time model knows FP32 and TF32 rates only)."""
+    the net uses (the time model's 16-bit rates are said)."""
     lines = []
     measured = any(not r.get('estimated', True) for r in results.values())
     if measured:
@@ -80,8 +80,10 @@ def format_notes(results, measured_on=None, sixteen_bit=()):
         lines.append('iter ms: modelled for an %s (caffeplus.memory.workspace_model), '
                      'not this machine' % model_gpu())
     if sixteen_bit:
-        lines.append('iter ms estimates use FP32 rates: the %s layers\' own speed is not modelled'
-                     % ' and '.join(sixteen_bit))
+        from caffeplus.memory.workspace_model import SIXTEEN_BIT_CONV_TIME
+        lines.append('iter ms estimates put the %s layers\' convolutions at %.2fx FP32\'s time '
+                     '(cuDNN\'s NCHW 16-bit ones on an H200) and move their maps at 2 bytes a value'
+                     % (' and '.join(sixteen_bit), SIXTEEN_BIT_CONV_TIME))
     rows = []
     for name, r in results.items():
         source = r if r.get('estimated', True) else r.get('estimate') or {}

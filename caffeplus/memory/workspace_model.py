@@ -94,9 +94,11 @@ twice that backward, at CONV_FLOPS (fitted to stock Caffe's VGG-16 at
 b64 and b256: 299 and 940 ms forward-backward without data), each call
 adding LAYER_OVERHEAD, all divided by CAFFEPLUS_SPEEDUP (caffeplus's own
 runs); 1 x 1 convolutions and image stems at their measured factors
-(GEMM_1X1_TIME, STEM_TIME). Every other layer is caffeplus's own GPU
+(GEMM_1X1_TIME, STEM_TIME); over 16-bit maps SIXTEEN_BIT_CONV_TIME of
+that. Every other layer is caffeplus's own GPU
 layer in absolute seconds (own_layer_seconds: its maps moved at
-MEASURED_BANDWIDTH plus a call's cost, fused chains at their head). On the
+MEASURED_BANDWIDTH, at their stored size, plus a call's cost, fused
+chains at their head). On the
 four bench nets the modelled steps sum to within 10% of the measured ones
 forward and backward, except ResNet-50's backward (11% short) and
 GoogLeNet's forward (11% short); they place offload 'free''s copies.
@@ -136,6 +138,12 @@ MEASURED_BANDWIDTH = 2.7e12
 # ResNet-50 70 vs 263 (3.7x, +-2%). Step times feed offload decisions
 # (policy 'free', `auto`), which weigh them against the host link.
 CAFFEPLUS_SPEEDUP = 3.7
+# A convolution or InnerProduct over 16-bit maps (FLOAT16, BFLOAT16: tensor
+# cores) against the same call in FP32: the sum of cuDNN's fastest forward,
+# backward-data and backward-filter times over the bench nets'
+# convolutions, NCHW, timed search, H200 (dev/conv_precision_probe.py:
+# VGG-16 17.8 against 82.5 ms, 0.22x; ResNet-50 13.1 against 47.1, 0.28x).
+SIXTEEN_BIT_CONV_TIME = 0.25
 CONV_TYPES = ('Convolution', 'Deconvolution')
 KINDS = ('fwd', 'bwd_data', 'bwd_filter')
 
@@ -514,6 +522,8 @@ def layer_seconds(net, i, conv_factor=1.0):
         m = layer.gemm_rows() or \
             net.bottom_vecs[i][0].count // max(layer.blobs[0].count // layer.blobs[0].shape[0], 1)
         f = 2.0 * layer.blobs[0].count * m / CONV_FLOPS
+    if _itemsize(net.bottom_vecs[i][0]) < FLOAT_BYTES:
+        f *= SIXTEEN_BIT_CONV_TIME
     b = 2 * f
     return f + LAYER_OVERHEAD, (b + LAYER_OVERHEAD if backward else 0.0)
 
@@ -538,9 +548,15 @@ BATCHNORM_CHAIN_PASSES = (2.7, 3.6)
 OVERLAPPING_POOL_BACKWARD_PASSES = 5.4
 
 
+def _itemsize(blob):
+    """Bytes a value of the blob's data as the GPU stores it (2 for a
+    16-bit map)."""
+    return int(blob.data_storage.dtype.itemsize)
+
+
 def _moved_bytes(net, i):
-    return FLOAT_BYTES * (sum(b.count for b in net.bottom_vecs[i]) +
-                          sum(b.count for b in net.top_vecs[i]))
+    return sum(b.count * _itemsize(b) for b in net.bottom_vecs[i]) + \
+        sum(b.count * _itemsize(b) for b in net.top_vecs[i])
 
 
 def own_layer_seconds(net, i):
