@@ -289,6 +289,78 @@ __device__ __forceinline__ void cp_bn_dx_run(const CP_A* dy, const CP_A* xn, CP_
         g[k] = cp_bn_dx(cp_bn_masked(g[k], v[k], s, bb, flags), v[k], s, sd, mdyy, mdy, flags);
     cp_store<W>(dx + o, g);
 }
+
+/* BatchNorm's four passes over values [lo, hi) of a channel (all of it, or a
+   block's share: cp_bn_fwd and cp_bn_bwd, and EXTRA's split kernels): the
+   vector loop of vw values (cp_channel_width) where it is above 1, else the
+   scalar loop, each computing what the *_run above computes. */
+__device__ __forceinline__ void cp_bn_stats_range(const CP_A* x, int vw, unsigned lo,
+    unsigned hi, unsigned S, unsigned base, unsigned step, double K, double* a, double* b)
+{
+    if (vw > 1) {
+        cp_channel_runs(vw, lo, hi, S, base, step, [&](auto w, unsigned o) {
+            cp_bn_stats_run<decltype(w)::value>(x, o, K, a, b);
+        });
+        return;
+    }
+    float v[CP_U];
+    CP_RANGE_LOOP(lo, hi, S, base, step,
+        v[u] = x[o[u]];,
+        const double d = (double)v[u] - K; *a += d; *b += d * d;)
+}
+
+__device__ __forceinline__ void cp_bn_apply_range(const CP_A* x, CP_A* y, CP_A* xn, int vw,
+    unsigned lo, unsigned hi, unsigned S, unsigned base, unsigned step,
+    float mean, float sd, float s, float bb, int flags)
+{
+    if (vw > 1) {
+        cp_channel_runs(vw, lo, hi, S, base, step, [&](auto w, unsigned o) {
+            cp_bn_apply_run<decltype(w)::value>(x, y, xn, o, mean, sd, s, bb, flags);
+        });
+        return;
+    }
+    float v[CP_U];
+    CP_RANGE_LOOP(lo, hi, S, base, step,
+        v[u] = x[o[u]];,
+        const float t = CP_ROUND(__fdiv_rn(__fsub_rn(v[u], mean), sd));
+        if (flags & 2) xn[o[u]] = t;
+        y[o[u]] = cp_chain(t, s, bb, flags);)
+}
+
+__device__ __forceinline__ void cp_bn_sums_range(const CP_A* dy, const CP_A* xn, int vw,
+    unsigned lo, unsigned hi, unsigned S, unsigned base, unsigned step,
+    float s, float bb, int flags, double* a, double* b)
+{
+    if (vw > 1) {
+        cp_channel_runs(vw, lo, hi, S, base, step, [&](auto w, unsigned o) {
+            cp_bn_sums_run<decltype(w)::value>(dy, xn, o, s, bb, flags, a, b);
+        });
+        return;
+    }
+    float v[CP_U], g[CP_U];
+    CP_RANGE_LOOP(lo, hi, S, base, step,
+        v[u] = xn[o[u]]; g[u] = dy[o[u]];,
+        const float gg = cp_bn_masked(g[u], v[u], s, bb, flags);
+        *a += (double)gg * (double)v[u];
+        *b += (double)gg;)
+}
+
+__device__ __forceinline__ void cp_bn_dx_range(const CP_A* dy, const CP_A* xn, CP_A* dx, int vw,
+    unsigned lo, unsigned hi, unsigned S, unsigned base, unsigned step,
+    float s, float bb, float sd, float mdyy, float mdy, int flags)
+{
+    if (vw > 1) {
+        cp_channel_runs(vw, lo, hi, S, base, step, [&](auto w, unsigned o) {
+            cp_bn_dx_run<decltype(w)::value>(dy, xn, dx, o, s, bb, sd, mdyy, mdy, flags);
+        });
+        return;
+    }
+    float v[CP_U], g[CP_U];
+    CP_RANGE_LOOP(lo, hi, S, base, step,
+        v[u] = xn[o[u]]; g[u] = dy[o[u]];,
+        dx[o[u]] = cp_bn_dx(cp_bn_masked(g[u], v[u], s, bb, flags), v[u], s, sd, mdyy, mdy,
+                            flags);)
+}
 '''
 
 CORE = r'''
@@ -308,20 +380,11 @@ extern "C" __global__ void cp_bn_fwd(
     const unsigned M = N * S;
     const unsigned base = c * S;
     const unsigned step = C * S;
-    float v[CP_U];
     const int vw = cp_channel_width(S, x, y, (flags & 2) ? xn : nullptr);
     if (flags & 1) {
         const double K = (double)(float)x[base];
         double a = 0.0, b = 0.0;
-        if (vw > 1) {
-            cp_channel_runs(vw, 0, M, S, base, step, [&](auto w, unsigned o) {
-                cp_bn_stats_run<decltype(w)::value>(x, o, K, &a, &b);
-            });
-        } else {
-            CP_CHANNEL_LOOP(M, S, base, step,
-                v[u] = x[o[u]];,
-                const double d = (double)v[u] - K; a += d; b += d * d;)
-        }
+        cp_bn_stats_range(x, vw, 0, M, S, base, step, K, &a, &b);
         cp_block_sum2(&a, &b, sh);
         if (threadIdx.x == 0)
             cp_bn_batch_stats(a, b, K, M, c, true, b0, b1, b2, maf, corr, stat);
@@ -334,17 +397,7 @@ extern "C" __global__ void cp_bn_fwd(
     if (threadIdx.x == 0) stdv[c] = sd;
     const float s = (flags & 4) ? sc[c] : 1.0f;
     const float bb = (flags & 8) ? bi[c] : 0.0f;
-    if (vw > 1) {
-        cp_channel_runs(vw, 0, M, S, base, step, [&](auto w, unsigned o) {
-            cp_bn_apply_run<decltype(w)::value>(x, y, xn, o, mean, sd, s, bb, flags);
-        });
-        return;
-    }
-    CP_CHANNEL_LOOP(M, S, base, step,
-        v[u] = x[o[u]];,
-        const float t = CP_ROUND(__fdiv_rn(__fsub_rn(v[u], mean), sd));
-        if (flags & 2) xn[o[u]] = t;
-        y[o[u]] = cp_chain(t, s, bb, flags);)
+    cp_bn_apply_range(x, y, xn, vw, 0, M, S, base, step, mean, sd, s, bb, flags);
 }
 
 /* BatchNorm backward, one block per channel. xn: the normalized forward
@@ -366,21 +419,10 @@ extern "C" __global__ void cp_bn_bwd(
     const float bb = (flags & 8) ? bi[c] : 0.0f;
     const float sd = stdv[c];
     float mdyy = 0.0f, mdy = 0.0f;
-    float v[CP_U], g[CP_U];
     const int vw = cp_channel_width(S, dy, xn, (flags & 128) ? dx : nullptr);
     if (flags & (1 | 32 | 64)) {
         double a = 0.0, b = 0.0;
-        if (vw > 1) {
-            cp_channel_runs(vw, 0, M, S, base, step, [&](auto w, unsigned o) {
-                cp_bn_sums_run<decltype(w)::value>(dy, xn, o, s, bb, flags, &a, &b);
-            });
-        } else {
-            CP_CHANNEL_LOOP(M, S, base, step,
-                v[u] = xn[o[u]]; g[u] = dy[o[u]];,
-                const float gg = cp_bn_masked(g[u], v[u], s, bb, flags);
-                a += (double)gg * (double)v[u];
-                b += (double)gg;)
-        }
+        cp_bn_sums_range(dy, xn, vw, 0, M, S, base, step, s, bb, flags, &a, &b);
         cp_block_sum2(&a, &b, sh);
         if (threadIdx.x == 0) {
             if (flags & 32) dsc[c] = __fadd_rn(dsc[c], (float)a);
@@ -391,16 +433,7 @@ extern "C" __global__ void cp_bn_bwd(
         mdy = (float)((double)s * b / (double)M);
     }
     if (!(flags & 128)) return;
-    if (vw > 1) {
-        cp_channel_runs(vw, 0, M, S, base, step, [&](auto w, unsigned o) {
-            cp_bn_dx_run<decltype(w)::value>(dy, xn, dx, o, s, bb, sd, mdyy, mdy, flags);
-        });
-        return;
-    }
-    CP_CHANNEL_LOOP(M, S, base, step,
-        v[u] = xn[o[u]]; g[u] = dy[o[u]];,
-        dx[o[u]] = cp_bn_dx(cp_bn_masked(g[u], v[u], s, bb, flags), v[u], s, sd, mdyy, mdy,
-                            flags);)
+    cp_bn_dx_range(dy, xn, dx, vw, 0, M, S, base, step, s, bb, sd, mdyy, mdy, flags);
 }
 
 /* Scale forward: y = x * s[c] (+ b[c]) over (outer, dim, inner), in float32,

@@ -416,16 +416,7 @@ extern "C" __global__ void cp_bn_stats_part(const CP_A* x, double* part, float* 
     cp_share(M, p, P, &lo, &hi, vw);
     const double K = (double)(float)x[base];
     double a = 0.0, b = 0.0;
-    float v[CP_U];
-    if (vw > 1) {
-        cp_channel_runs(vw, lo, hi, S, base, step, [&](auto w, unsigned o) {
-            cp_bn_stats_run<decltype(w)::value>(x, o, K, &a, &b);
-        });
-    } else {
-        CP_RANGE_LOOP(lo, hi, S, base, step,
-            v[u] = x[o[u]];,
-            const double d = (double)v[u] - K; a += d; b += d * d;)
-    }
+    cp_bn_stats_range(x, vw, lo, hi, S, base, step, K, &a, &b);
     cp_block_sum2(&a, &b, sh);
     if (threadIdx.x == 0) {
         part[2 * blockIdx.x] = a;
@@ -466,18 +457,7 @@ extern "C" __global__ void cp_bn_fwd_apply(
     const int vw = cp_channel_width(S, x, y, (flags & 2) ? xn : nullptr);
     unsigned lo, hi;
     cp_share(M, p, P, &lo, &hi, vw);
-    if (vw > 1) {
-        cp_channel_runs(vw, lo, hi, S, base, step, [&](auto w, unsigned o) {
-            cp_bn_apply_run<decltype(w)::value>(x, y, xn, o, mean, sd, s, bb, flags);
-        });
-        return;
-    }
-    float v[CP_U];
-    CP_RANGE_LOOP(lo, hi, S, base, step,
-        v[u] = x[o[u]];,
-        const float t = CP_ROUND(__fdiv_rn(__fsub_rn(v[u], mean), sd));
-        if (flags & 2) xn[o[u]] = t;
-        y[o[u]] = cp_chain(t, s, bb, flags);)
+    cp_bn_apply_range(x, y, xn, vw, lo, hi, S, base, step, mean, sd, s, bb, flags);
 }
 
 /* part[2 (c P + p)] = sum(g * xn), [.. + 1] = sum(g) over block (c, p)'s
@@ -495,18 +475,7 @@ extern "C" __global__ void cp_bn_bwd_part(const CP_A* dy, const CP_A* xn,
     unsigned lo, hi;
     cp_share(M, p, P, &lo, &hi, vw);
     double a = 0.0, b = 0.0;
-    float v[CP_U], g[CP_U];
-    if (vw > 1) {
-        cp_channel_runs(vw, lo, hi, S, base, step, [&](auto w, unsigned o) {
-            cp_bn_sums_run<decltype(w)::value>(dy, xn, o, s, bb, flags, &a, &b);
-        });
-    } else {
-        CP_RANGE_LOOP(lo, hi, S, base, step,
-            v[u] = xn[o[u]]; g[u] = dy[o[u]];,
-            const float gg = cp_bn_masked(g[u], v[u], s, bb, flags);
-            a += (double)gg * (double)v[u];
-            b += (double)gg;)
-    }
+    cp_bn_sums_range(dy, xn, vw, lo, hi, S, base, step, s, bb, flags, &a, &b);
     cp_block_sum2(&a, &b, sh);
     if (threadIdx.x == 0) {
         part[2 * blockIdx.x] = a;
@@ -545,17 +514,7 @@ extern "C" __global__ void cp_bn_bwd_apply(
     const int vw = cp_channel_width(S, dy, xn, dx);
     unsigned lo, hi;
     cp_share(M, p, P, &lo, &hi, vw);
-    if (vw > 1) {
-        cp_channel_runs(vw, lo, hi, S, base, step, [&](auto w, unsigned o) {
-            cp_bn_dx_run<decltype(w)::value>(dy, xn, dx, o, s, bb, sd, mdyy, mdy, flags);
-        });
-        return;
-    }
-    float v[CP_U], g[CP_U];
-    CP_RANGE_LOOP(lo, hi, S, base, step,
-        v[u] = xn[o[u]]; g[u] = dy[o[u]];,
-        dx[o[u]] = cp_bn_dx(cp_bn_masked(g[u], v[u], s, bb, flags), v[u], s, sd, mdyy, mdy,
-                            flags);)
+    cp_bn_dx_range(dy, xn, dx, vw, lo, hi, S, base, step, s, bb, sd, mdyy, mdy, flags);
 }
 
 /* im2col of images n0 .. n0+B-1 of x (N, C, H, W) into col (K, B, P), K = C*KH*KW
