@@ -6,48 +6,19 @@ relative a value) of the FP32 net's on the same GPU. The nets are
 tests/test_precision_gpu.py's."""
 import numpy
 import pytest
-from google.protobuf import text_format
 
-import caffeplus
-from caffeplus import precision
-from caffeplus.proto import caffe_pb2
-from test_precision_gpu import (NET, POOL_NET, RESIDUAL, TRAIN_NET, _inputs, _net, _relative,
-                                _run, _solver)
+from test_precision_gpu import (NET, POOL_NET, RESIDUAL, TRAIN_NET, _inputs, _net, _pair,
+                                _relative, _run, _solver, _spy_kernels)
 
 pytestmark = pytest.mark.gpu
 ml_dtypes = pytest.importorskip('ml_dtypes')
 BF16 = numpy.dtype(ml_dtypes.bfloat16)
 
 
-def _pair(text):
-    """The net of `text` in FP32 and in BFLOAT16, with the FP32 one's weights."""
-    nets = {}
-    for name in ('fp32', 'bf16'):
-        with precision.setting(name):
-            nets[name] = caffeplus.Net(text_format.Parse(text, caffe_pb2.NetParameter()),
-                                       caffe_pb2.TRAIN)
-    for p, q in zip(nets['bf16'].learnable_params, nets['fp32'].learnable_params):
-        p.data = q.data.get()
-    return nets
-
-
-def _spy_kernels(monkeypatch):
-    """The (kernel, dtype name) pairs asked of caffeplus.kernels from now on."""
-    from caffeplus import kernels
-    asked = set()
-    real = kernels.kernel
-
-    def spy(name, dtype=None):
-        asked.add((name, None if dtype is None else numpy.dtype(dtype).name))
-        return real(name, dtype)
-    monkeypatch.setattr(kernels, 'kernel', spy)
-    return asked
-
-
 def test_bfloat16_maps_are_bfloat16_arrays_and_follow_fp32(gpu, monkeypatch):
     from caffeplus import kernels
     asked = _spy_kernels(monkeypatch)
-    nets = _pair(NET)
+    nets = _pair(NET, 'bf16')
     x, label = _inputs()
     before = len(kernels.failures())
     loss32, grads32 = _run(nets['fp32'], x, label)
@@ -92,7 +63,7 @@ def test_a_bfloat16_residual_block_runs_its_fused_chain(gpu, monkeypatch):
     (BFLOAT16 has float32's range), only the test's loss weight."""
     from caffeplus import kernels
     asked = _spy_kernels(monkeypatch)
-    nets = _pair(RESIDUAL)
+    nets = _pair(RESIDUAL, 'bf16')
     r = numpy.random.RandomState(5)
     x = (1000 * r.standard_normal((4, 4, 8, 8))).astype(numpy.float32)
     label = r.randint(0, 3, size=4).astype(numpy.float32)
@@ -113,7 +84,7 @@ def test_a_bfloat16_residual_block_runs_its_fused_chain(gpu, monkeypatch):
 
 def test_bfloat16_caffe_window_pooling_and_softmax_loss(gpu, monkeypatch):
     asked = _spy_kernels(monkeypatch)
-    nets = _pair(POOL_NET)
+    nets = _pair(POOL_NET, 'bf16')
     r = numpy.random.RandomState(8)
     x = (3 * r.standard_normal((4, 3, 8, 8))).astype(numpy.float32)
     label = r.randint(0, 5, size=4).astype(numpy.float32)

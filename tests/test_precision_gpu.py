@@ -77,6 +77,32 @@ def _relative(a, b):
     return float(numpy.linalg.norm(a - b) / max(numpy.linalg.norm(b), 1e-30))
 
 
+def _pair(text, sixteen='fp16'):
+    """{'fp32': the net of `text` in FP32, `sixteen`: the same net in that
+    precision, with the FP32 net's weights}."""
+    nets = {}
+    for name in ('fp32', sixteen):
+        with precision.setting(name):
+            nets[name] = caffeplus.Net(text_format.Parse(text, caffe_pb2.NetParameter()),
+                                       caffe_pb2.TRAIN)
+    for p, q in zip(nets[sixteen].learnable_params, nets['fp32'].learnable_params):
+        p.data = q.data.get()
+    return nets
+
+
+def _spy_kernels(monkeypatch):
+    """The (kernel, dtype name) pairs asked of caffeplus.kernels from now on."""
+    from caffeplus import kernels
+    asked = set()
+    real = kernels.kernel
+
+    def spy(name, dtype=None):
+        asked.add((name, None if dtype is None else numpy.dtype(dtype).name))
+        return real(name, dtype)
+    monkeypatch.setattr(kernels, 'kernel', spy)
+    return asked
+
+
 def test_float16_maps_are_float16_arrays_on_the_device(gpu):
     net = _net('fp16')
     x, label = _inputs()
@@ -249,18 +275,11 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 def test_a_float16_residual_block_follows_fp32(gpu, shape, loss_weight, split):
     from caffeplus import kernels
     assert split == (kernels.blocks_per_channel(shape[1], shape[0] * shape[2] * shape[3]) > 1)
-    nets = {}
     text = RESIDUAL.replace('shape { dim: 4 dim: 4 dim: 8 dim: 8 } shape { dim: 4 }',
                             'shape { dim: %d dim: %d dim: %d dim: %d } shape { dim: %d }'
                             % (shape + (shape[0],))).replace('loss_weight: 64',
                                                              'loss_weight: %d' % loss_weight)
-    for name in ('fp32', 'fp16'):
-        param = text_format.Parse(text, caffe_pb2.NetParameter())
-        with precision.setting(name):
-            nets[name] = caffeplus.Net(param, caffe_pb2.TRAIN)
-    weights = [p.data.get().copy() for p in nets['fp32'].learnable_params]
-    for p, w in zip(nets['fp16'].learnable_params, weights):
-        p.data = w
+    nets = _pair(text)
     r = numpy.random.RandomState(5)
     x = (1000 * r.standard_normal(shape)).astype(numpy.float32)
     label = r.randint(0, 3, size=shape[0]).astype(numpy.float32)
@@ -303,20 +322,8 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 
 def test_float16_caffe_window_pooling_and_softmax_loss_follow_fp32(gpu, monkeypatch):
     from caffeplus import kernels
-    asked = set()
-    real = kernels.kernel
-
-    def spy(name, dtype=None):
-        asked.add((name, None if dtype is None else numpy.dtype(dtype).name))
-        return real(name, dtype)
-    monkeypatch.setattr(kernels, 'kernel', spy)
-    nets = {}
-    for name in ('fp32', 'fp16'):
-        with precision.setting(name):
-            nets[name] = caffeplus.Net(text_format.Parse(POOL_NET, caffe_pb2.NetParameter()),
-                                       caffe_pb2.TRAIN)
-    for p, q in zip(nets['fp16'].learnable_params, nets['fp32'].learnable_params):
-        p.data = q.data.get()
+    asked = _spy_kernels(monkeypatch)
+    nets = _pair(POOL_NET)
     r = numpy.random.RandomState(8)
     x = (3 * r.standard_normal((4, 3, 8, 8))).astype(numpy.float32)
     label = r.randint(0, 5, size=4).astype(numpy.float32)
@@ -358,14 +365,7 @@ def test_an_unchained_float16_scale_runs_its_kernels_16_bit_build(gpu):
     """The Scale's kernels take the 16-bit map as it is (its kept bottom copy
     16-bit too) and follow the FP32 net within FP16's rounding."""
     from caffeplus import kernels
-    nets = {}
-    for name in ('fp32', 'fp16'):
-        with precision.setting(name):
-            nets[name] = caffeplus.Net(text_format.Parse(SCALE_NET, caffe_pb2.NetParameter()),
-                                       caffe_pb2.TRAIN)
-    weights = [p.data.get().copy() for p in nets['fp32'].learnable_params]
-    for p, w in zip(nets['fp16'].learnable_params, weights):
-        p.data = w
+    nets = _pair(SCALE_NET)
     r = numpy.random.RandomState(6)
     x = r.standard_normal((4, 3, 12, 12)).astype(numpy.float32)
     label = r.randint(0, 5, size=4).astype(numpy.float32)
