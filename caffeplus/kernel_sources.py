@@ -3,6 +3,12 @@ as two modules (one failing to build leaves the other): COMMON, the helpers
 both include; CORE, BatchNorm, Scale, ReLU, Eltwise SUM, Split and zeroing.
 The other module's kernels, EXTRA, are in caffeplus.kernel_sources_extra."""
 
+# CUDA's 16-bit map types by NumPy dtype name: (the type, its header). The
+# kernels' 16-bit builds (caffeplus.kernels) and the data layer's device
+# transform (caffeplus.io.device_transform) write maps in them.
+CUDA_SIXTEEN_BIT_TYPES = {'float16': ('__half', 'cuda_fp16.h'),
+                          'bfloat16': ('__nv_bfloat16', 'cuda_bf16.h')}
+
 COMMON = r'''
 #define CP_FULL_MASK 0xffffffffu
 /* The type of the maps (tops and their gradients) the CORE kernels marked

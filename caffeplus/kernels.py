@@ -39,7 +39,7 @@ import numpy
 
 from caffeplus import backend as _backend
 from caffeplus.blob import HEAD_DEVICE as _HEAD_DEVICE
-from caffeplus.kernel_sources import COMMON, CORE
+from caffeplus.kernel_sources import COMMON, CORE, CUDA_SIXTEEN_BIT_TYPES
 from caffeplus.kernel_sources_extra import EXTRA
 
 # The modules compiled on the device (one failing to build leaves the other);
@@ -47,10 +47,11 @@ from caffeplus.kernel_sources_extra import EXTRA
 # 'core16'/'extra16' and 'corebf16'/'extrabf16': the kernels again with
 # __half or __nv_bfloat16 maps (CP_A), for the maps of FLOAT16 and BFLOAT16
 # nets; MAP_KERNELS take them (their other pointers stay float32).
-SIXTEEN_BIT_BUILDS = {'float16': ('16', '#include <cuda_fp16.h>\n#define CP_A __half\n'),
-                      'bfloat16': ('bf16', '#include <cuda_bf16.h>\n#define CP_A __nv_bfloat16\n')}
+SIXTEEN_BIT_BUILDS = {'float16': '16', 'bfloat16': 'bf16'}     # dtype name -> module suffix
 SOURCES = {'core': COMMON + CORE, 'extra': COMMON + EXTRA}
-for _suffix, _head in SIXTEEN_BIT_BUILDS.values():
+for _name, _suffix in SIXTEEN_BIT_BUILDS.items():
+    _type, _header = CUDA_SIXTEEN_BIT_TYPES[_name]
+    _head = '#include <%s>\n#define CP_A %s\n' % (_header, _type)
     SOURCES['core' + _suffix] = _head + COMMON + CORE
     SOURCES['extra' + _suffix] = _head + COMMON + EXTRA
 MAP_KERNELS = frozenset(('cp_bn_fwd', 'cp_bn_bwd', 'cp_relu_fwd', 'cp_relu_bwd', 'cp_axpby',
@@ -228,14 +229,14 @@ def kernel(name, dtype=None):
     CuPy caches the binary on disk); with `dtype` float16 or bfloat16, its
     build for those maps (MAP_KERNELS only)."""
     build = None if dtype is None else SIXTEEN_BIT_BUILDS.get(numpy.dtype(dtype).name)
-    key = (name, build[0]) if build else name
+    key = (name, build) if build else name
     k = _state['kernels'].get(key)
     if k is None:
         emu = _state['emulator']
         if build:
             if emu is not None or name not in MAP_KERNELS:
                 raise TypeError('no 16-bit build of kernel %s here' % name)
-            k = _module(_group(name) + build[0]).get_function(name)
+            k = _module(_group(name) + build).get_function(name)
         else:
             k = emu.kernel(name) if emu is not None else _module(_group(name)).get_function(name)
         _state['kernels'][key] = k

@@ -19,6 +19,7 @@ the compute stream waits for the copy's event before the kernel reads it.
 import numpy
 
 from caffeplus.io.batch_transform import TransformPlan, check_plan
+from caffeplus.kernel_sources import CUDA_SIXTEEN_BIT_TYPES
 
 _SOURCE = r'''
 extern "C" __global__ void transform_batch(
@@ -49,13 +50,8 @@ _TYPES = {numpy.dtype(numpy.uint8): 'unsigned char', numpy.dtype(numpy.float32):
 _kernels = {}
 
 
-# The 16-bit outputs: CUDA's type and its header.
-_SIXTEEN_BIT = {'float16': ('__half', '#include <cuda_fp16.h>\n'),
-                'bfloat16': ('__nv_bfloat16', '#include <cuda_bf16.h>\n')}
-
-
 def _out_type_ok(dtype):
-    return dtype == numpy.float32 or dtype.name in _SIXTEEN_BIT
+    return dtype == numpy.float32 or dtype.name in CUDA_SIXTEEN_BIT_TYPES
 
 
 def kernel_source(dtype, out_dtype=numpy.float32, include_fp16=True):
@@ -70,8 +66,9 @@ def kernel_source(dtype, out_dtype=numpy.float32, include_fp16=True):
                          % out_dtype)
     if out_dtype == numpy.float32:
         return _SOURCE.format(T=_TYPES[dtype], O='float')
-    name, header = _SIXTEEN_BIT[out_dtype.name]
-    return (header if include_fp16 else '') + _SOURCE.format(T=_TYPES[dtype], O=name)
+    name, header = CUDA_SIXTEEN_BIT_TYPES[out_dtype.name]
+    include = '#include <%s>\n' % header if include_fp16 else ''
+    return include + _SOURCE.format(T=_TYPES[dtype], O=name)
 
 
 def launch(kernel, xp, raw, plan, out, null=None):
