@@ -400,6 +400,12 @@ def stock_handles(net):
 
 
 # -- layer-internal buffers --------------------------------------------------------
+def _itemsize(blob):
+    """Bytes a value of the blob's data as the GPU stores it (2 for a
+    16-bit map)."""
+    return int(blob.data_storage.dtype.itemsize)
+
+
 def internal_bytes(net, i, plan_name=None):
     """Bytes layer i keeps for itself from forward to backward (see above);
     under `stock`, Caffe 1.0's buffers (caffeplus.memory.caffe1)."""
@@ -426,12 +432,12 @@ def internal_bytes(net, i, plan_name=None):
     if t == 'Dropout' and training:
         return bottom[0].count
     if t == 'BatchNorm' and getattr(layer, 'keeps_normalized', training):
-        return top[0].data_storage.dtype.itemsize * top[0].count     # (in the maps' type)
+        return _itemsize(top[0]) * top[0].count     # (in the maps' type)
     if t == 'Scale' and bottom and top and bottom[0].data_storage is top[0].data_storage:
         if _after_in_place_batch_norm(net, i):
             return 0        # a BatchNorm -> Scale chain: its gradient reads BatchNorm's copy
         learns = len(bottom) > 1 or layer.param_needs_backward(0)
-        itemsize = bottom[0].data_storage.dtype.itemsize           # (in the maps' type)
+        itemsize = _itemsize(bottom[0])           # (in the maps' type)
         return itemsize * bottom[0].count if learns and net.layer_need_backward[i] else 0
     if t == 'Eltwise' and layer.layer_param.eltwise_param.operation == \
             caffe_pb2.EltwiseParameter.MAX:
@@ -476,7 +482,7 @@ def weight_copy_bytes(net):
         bottom = net.bottom_vecs[i]
         if layer.layer_param.type not in ROUNDED_WEIGHT_TYPES or not bottom:
             continue
-        itemsize = bottom[0].data_storage.dtype.itemsize
+        itemsize = _itemsize(bottom[0])
         if itemsize < FLOAT_BYTES:
             total += itemsize * sum(b.count for b in layer.blobs[:2])
     return total
@@ -546,12 +552,6 @@ BATCHNORM_CHAIN_PASSES = (2.7, 3.6)
 # GoogLeNet's and ResNet's 3 x 3 / 2) scatters into shared inputs: 0.7-1
 # TB/s measured against VGG-16's 2 x 2 / 2 at its full rate.
 OVERLAPPING_POOL_BACKWARD_PASSES = 5.4
-
-
-def _itemsize(blob):
-    """Bytes a value of the blob's data as the GPU stores it (2 for a
-    16-bit map)."""
-    return int(blob.data_storage.dtype.itemsize)
 
 
 def _moved_bytes(net, i):
