@@ -85,7 +85,7 @@ def test_emulated_16_bit_output_is_the_float32_value_rounded_once(dtype, out_typ
     emulator's stand-ins for __half and __nv_bfloat16) stores the float32
     result rounded to nearest."""
     kernel = build_emulator(device_transform.kernel_source(
-        dtype, out_type, include_fp16=False)).kernel('transform_batch')
+        dtype, out_type, cuda_headers=False)).kernel('transform_batch')
     rng = numpy.random.default_rng(5)
     n, c, h, w = 3, 3, 9, 11
     raw = _raw(rng, dtype, (n, c, h, w))

@@ -54,10 +54,10 @@ def _out_type_ok(dtype):
     return dtype == numpy.float32 or dtype.name in CUDA_SIXTEEN_BIT_TYPES
 
 
-def kernel_source(dtype, out_dtype=numpy.float32, include_fp16=True):
+def kernel_source(dtype, out_dtype=numpy.float32, cuda_headers=True):
     """The transform kernel's CUDA source for pixels of `dtype`, written as
     `out_dtype` (float32, or float16 as __half and bfloat16 as __nv_bfloat16:
-    from CUDA's headers, or without `include_fp16` the emulator's stand-ins)."""
+    from CUDA's headers, or without `cuda_headers` the emulator's stand-ins)."""
     dtype, out_dtype = numpy.dtype(dtype), numpy.dtype(out_dtype)
     if dtype not in _TYPES:
         raise ValueError('the device transform takes uint8 or float32 pixels, not %s' % dtype)
@@ -67,7 +67,7 @@ def kernel_source(dtype, out_dtype=numpy.float32, include_fp16=True):
     if out_dtype == numpy.float32:
         return _SOURCE.format(T=_TYPES[dtype], O='float')
     name, header = CUDA_SIXTEEN_BIT_TYPES[out_dtype.name]
-    include = '#include <%s>\n' % header if include_fp16 else ''
+    include = '#include <%s>\n' % header if cuda_headers else ''
     return include + _SOURCE.format(T=_TYPES[dtype], O=name)
 
 
