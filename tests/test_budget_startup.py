@@ -5,13 +5,13 @@ import importlib.util
 import json
 import os
 import stat
+import subprocess
 import sys
 import types
 
 import pytest
 
-from caffeplus import cli
-from caffeplus.memory import budget, calibration, sampler, shapes, workspace_model as wm
+from caffeplus.memory import calibration, sampler, shapes, workspace_model as wm
 from caffeplus.proto import caffe_pb2
 
 from conftest import ROOT, SHARED
@@ -238,14 +238,17 @@ def test_budget_run_whole_process_peak_stays_within_the_budget():
 
 
 @pytest.mark.gpu
-def test_memory_command_reports_the_whole_process_peak(capsys):
+def test_memory_command_reports_the_whole_process_peak():
+    # In a process of its own, as a user runs it: a budget counts the
+    # runtime's modelled fixed cost, and a process that already ran other
+    # GPU work (this suite's earlier tests) holds more (CUDA modules loaded).
     name, limit = BUDGET_RUN
-    capsys.readouterr()
-    code = cli.main(['memory', '-model', bench(name), '-gpu', '0', '--plans', 'auto',
-                     '--budget', str(limit), '--iterations', '1', '--json'])
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    r = json.loads(out)['plans']['auto']
+    proc = subprocess.run([sys.executable, '-m', 'caffeplus', 'memory', '-model', bench(name),
+                           '-gpu', '0', '--plans', 'auto', '--budget', str(limit),
+                           '--iterations', '1', '--json'],
+                          capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout)['plans']['auto']
     assert 'measure_error' not in r, r.get('measure_error')
     assert r['process_peak_bytes'] >= max(r['peak_bytes'], r['startup_peak_bytes']) > 0
     assert r['process_peak_bytes'] <= limit, _peaks_mib(r)
