@@ -598,4 +598,75 @@ extern "C" __global__ void cp_accumulate(const CP_A* g, float* acc, const unsign
     for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
         acc[i] = __fadd_rn(acc[i], (float)g[i]);
 }
+/* ACROSS_CHANNELS LRN with Caffe's formula, for the map types cuDNN's LRN
+   lacks (BFLOAT16): scale_c = k + alpha/n * sum of x^2 over channels
+   c-pre..c+pre (pre = (n-1)/2, zero outside), y_c = x_c * scale_c^-beta.
+   One thread per pixel walks its channels keeping the window in registers
+   (n <= CP_LRN_MAX), float32 math, each sum taken whole (no running
+   difference to drift); maps rounded once where stored. */
+#define CP_LRN_MAX 16
+
+extern "C" __global__ void cp_lrn_fwd(const CP_A* x, CP_A* y, const unsigned pixels,
+    const int C, const unsigned HW, const int n, const float alpha_n, const float k,
+    const float beta)
+{
+    const int pre = (n - 1) / 2;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < pixels;
+         i += gridDim.x * blockDim.x) {
+        const unsigned long long base =
+            (unsigned long long)(i / HW) * C * HW + (i % HW);
+        float xr[CP_LRN_MAX];                   // x of channel j in slot j % n
+        for (int j = 0; j < n; ++j) xr[j] = 0.0f;
+        for (int j = 0; j < pre && j < C; ++j) xr[j] = (float)x[base + (unsigned long long)j * HW];
+        for (int c = 0; c < C; ++c) {
+            const int lead = c + pre;           // enters the window; c-pre-1 leaves
+            xr[lead % n] = lead < C ? (float)x[base + (unsigned long long)lead * HW] : 0.0f;
+            float sq = 0.0f;
+            for (int j = 0; j < n; ++j) sq = __fadd_rn(sq, __fmul_rn(xr[j], xr[j]));
+            const float scale = __fadd_rn(k, __fmul_rn(alpha_n, sq));
+            y[base + (unsigned long long)c * HW] = __fmul_rn(xr[c % n], powf(scale, -beta));
+        }
+    }
+}
+
+/* Its backward (reads x, y and dy, as cuDNN's): dx_c = dy_c * scale_c^-beta
+   - 2 alpha beta / n * x_c * sum over c-pre..c+pre of dy * y / scale.
+   Step t finds scale_t and that ratio, then dx of channel t - pre, whose
+   ratios are all known by then. */
+extern "C" __global__ void cp_lrn_bwd(const CP_A* x, const CP_A* y, const CP_A* dy, CP_A* dx,
+    const unsigned pixels, const int C, const unsigned HW, const int n, const float alpha_n,
+    const float k, const float beta)
+{
+    const int pre = (n - 1) / 2;
+    const float coef = __fmul_rn(2.0f * beta, alpha_n);
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < pixels;
+         i += gridDim.x * blockDim.x) {
+        const unsigned long long base =
+            (unsigned long long)(i / HW) * C * HW + (i % HW);
+        float xr[CP_LRN_MAX], sc[CP_LRN_MAX], ratio[CP_LRN_MAX];   // slot j % n
+        for (int j = 0; j < n; ++j) xr[j] = sc[j] = ratio[j] = 0.0f;
+        for (int j = 0; j < pre && j < C; ++j) xr[j] = (float)x[base + (unsigned long long)j * HW];
+        for (int t = 0; t < C + pre; ++t) {
+            if (t < C) {
+                const int lead = t + pre;
+                xr[lead % n] = lead < C ? (float)x[base + (unsigned long long)lead * HW] : 0.0f;
+                float sq = 0.0f;
+                for (int j = 0; j < n; ++j) sq = __fadd_rn(sq, __fmul_rn(xr[j], xr[j]));
+                const float scale = __fadd_rn(k, __fmul_rn(alpha_n, sq));
+                const unsigned long long o = base + (unsigned long long)t * HW;
+                sc[t % n] = scale;
+                ratio[t % n] = __fdiv_rn(__fmul_rn((float)dy[o], (float)y[o]), scale);
+            } else {
+                ratio[t % n] = 0.0f;            // channels past C
+            }
+            const int c = t - pre;
+            if (c < 0) continue;
+            float acc = 0.0f;
+            for (int j = 0; j < n; ++j) acc = __fadd_rn(acc, ratio[j]);
+            const unsigned long long o = base + (unsigned long long)c * HW;
+            const float own = __fmul_rn((float)dy[o], powf(sc[c % n], -beta));
+            dx[o] = __fsub_rn(own, __fmul_rn(__fmul_rn(coef, xr[c % n]), acc));
+        }
+    }
+}
 '''

@@ -1,10 +1,12 @@
-"""ACROSS_CHANNELS LRN through cuDNN.
+"""ACROSS_CHANNELS LRN through cuDNN; for BFLOAT16 maps, which cuDNN's LRN
+does not take, caffeplus.kernels' cp_lrn_fwd/cp_lrn_bwd.
 """
 import functools
 
 import numpy
 
 from caffeplus import backend
+from caffeplus import kernels as _kernels
 from caffeplus.cudnn import api
 from caffeplus.layer import register_engine
 from caffeplus.layers.cudnn_common import (READS_BOTH, _as4d, _CudnnMixin, _dptr, _fits,
@@ -14,8 +16,11 @@ from caffeplus.proto import caffe_pb2
 
 
 # The map types cuDNN's LRN takes (cuDNN 9 has no BFLOAT16 LRN: a BFLOAT16
-# net's LRN runs cuDNN's float32 one on float32 copies of its maps).
+# net's LRN runs the fused kernels' cp_lrn_*, or where they cannot, cuDNN's
+# float32 one on float32 copies of its maps).
 _CUDNN_LRN_TYPES = ('float32', 'float16')
+# The widest window cp_lrn_* keep in registers (kernel_sources_extra's CP_LRN_MAX).
+KERNEL_MAX_SIZE = 16
 
 
 def _math_dtype(dtype):
@@ -97,11 +102,47 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
                 descs[key] = api.TensorDesc(_as4d(key), dtype=numpy.float32)
             yield lo, hi, descs[key]
 
+    def _kernel_args(self, shape):
+        n, c = int(shape[0]), int(shape[1])
+        hw = int(numpy.prod(shape[2:]))
+        return (numpy.uint32(n * hw), numpy.int32(c), numpy.uint32(hw), numpy.int32(self.size),
+                numpy.float32(numpy.float32(self.alpha) / numpy.float32(self.size)),
+                numpy.float32(self.k), numpy.float32(self.beta))
+
+    def _kernel_ok(self, shape):
+        return _kernels.active() and self.size <= KERNEL_MAX_SIZE and \
+            int(numpy.prod(shape)) <= _kernels.MAX_COUNT
+
+    def _kernel_forward(self, bottom, top):
+        """cp_lrn_fwd on maps cuDNN's LRN does not take; False where it cannot run."""
+        shape = bottom[0].shape
+        arrays, dtype = _kernels.maps((bottom[0], False), (top[0], False)) \
+            if self._kernel_ok(shape) else (None, None)
+        if arrays is None:
+            return False
+        pixels = self._kernel_args(shape)[0]
+        _kernels.kernel('cp_lrn_fwd', dtype)(_kernels.elementwise_grid(int(pixels)), (_kernels.ELEMENTWISE_THREADS,),
+                                      tuple(arrays) + self._kernel_args(shape))
+        return True
+
+    def _kernel_backward(self, top, bottom):
+        shape = bottom[0].shape
+        arrays, dtype = _kernels.maps((bottom[0], False), (top[0], False), (top[0], True),
+                               (bottom[0], True)) if self._kernel_ok(shape) else (None, None)
+        if arrays is None:
+            return False
+        pixels = self._kernel_args(shape)[0]
+        _kernels.kernel('cp_lrn_bwd', dtype)(_kernels.elementwise_grid(int(pixels)), (_kernels.ELEMENTWISE_THREADS,),
+                                      tuple(arrays) + self._kernel_args(shape))
+        return True
+
     def _forward(self, bottom, top):
         if not self._ready(bottom[0].data):
             return super()._forward(bottom, top)
         lrn, xd = self._desc
         if self._converts(bottom[0].data):
+            if self._kernel_forward(bottom, top):
+                return
             x, y = bottom[0].data, top[0].data
             for lo, hi, desc in self._float32_slices(x.shape):
                 x32 = x[lo:hi].astype(numpy.float32)
@@ -119,6 +160,8 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
             return super()._backward(top, propagate_down, bottom)
         lrn, xd = self._desc
         if self._converts(bottom[0].data):
+            if self._kernel_backward(top, bottom):
+                return
             y, dy, x, dx = top[0].data, top[0].diff, bottom[0].data, bottom[0].diff
             for lo, hi, desc in self._float32_slices(x.shape):
                 y32, dy32, x32 = (a[lo:hi].astype(numpy.float32) for a in (y, dy, x))

@@ -33,8 +33,9 @@ def test_bfloat16_maps_are_bfloat16_arrays_and_follow_fp32(gpu, monkeypatch):
     assert all(p.data.dtype == numpy.float32 and p.diff.dtype == numpy.float32
                for p in nets['bf16'].learnable_params)
     assert nets['bf16'].blobs['conv1'].data.dtype == numpy.float32      # pycaffe's view
-    # The ReLUs ran their kernels' bfloat16 build.
-    assert ('cp_relu_fwd', 'bfloat16') in asked and ('cp_relu_bwd', 'bfloat16') in asked
+    # The ReLUs and the LRN ran their kernels' bfloat16 builds.
+    for k in ('cp_relu_fwd', 'cp_relu_bwd', 'cp_lrn_fwd', 'cp_lrn_bwd'):
+        assert (k, 'bfloat16') in asked, k
     # 8 significant bits a stored value, a few layers deep.
     assert loss16 == pytest.approx(loss32, rel=5e-2)
     for p, g16, g32 in zip(nets['bf16'].learnable_params, grads16, grads32):
@@ -106,3 +107,34 @@ def test_bfloat16_training_on_the_gpu_needs_no_loss_scale(gpu):
     # Constant labels: the net learns to say 2.
     assert float(solver.net.blobs['loss'].data) < 0.1
     assert all(numpy.isfinite(p.data.get()).all() for p in solver.net.learnable_params)
+
+
+LRN_NET = """
+name: "lrn" force_backward: true
+layer { name: "data" type: "Input" top: "data"
+  input_param { shape { dim: 3 dim: 21 dim: 5 dim: 7 } } }
+layer { name: "norm" type: "LRN" bottom: "data" top: "norm"
+  lrn_param { local_size: 5 alpha: 2 beta: 0.75 k: 1 } }
+"""
+
+
+def test_bfloat16_lrn_follows_cudnns_float32_lrn(gpu, monkeypatch):
+    """cuDNN has no BFLOAT16 LRN: cp_lrn_fwd/cp_lrn_bwd's bfloat16 build
+    against cuDNN's float32 LRN on the same (bfloat16-exact) values: y
+    within one rounding, dx within a few (it reads the rounded y)."""
+    asked = _spy_kernels(monkeypatch)
+    nets = _pair(LRN_NET, 'bf16')
+    r = numpy.random.RandomState(9)
+    shape = (3, 21, 5, 7)
+    x = (2 * r.standard_normal(shape)).astype(BF16).astype(numpy.float32)
+    dy = r.standard_normal(shape).astype(BF16).astype(numpy.float32)
+    got = {}
+    for name, net in nets.items():
+        y = numpy.array(net.forward(data=x)['norm'], dtype=numpy.float32)
+        dx = numpy.array(net.backward(norm=dy)['data'], dtype=numpy.float32)
+        got[name] = y, dx
+    assert ('cp_lrn_fwd', 'bfloat16') in asked and ('cp_lrn_bwd', 'bfloat16') in asked
+    (y16, dx16), (y32, dx32) = got['bf16'], got['fp32']
+    assert numpy.abs(y32 - x).max() > 0.1          # the normalisation is felt
+    numpy.testing.assert_allclose(y16, y32, rtol=2 ** -8, atol=1e-6)
+    assert _relative(dx16, dx32) < 1e-2

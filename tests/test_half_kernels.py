@@ -470,3 +470,67 @@ def test_mask_kernels_on_16_bit_maps(half_extra, float_extra):
     assert runs['16'][0].tobytes() == runs['32'][0].astype(F16).tobytes()
     assert runs['16'][2].tobytes() == runs['32'][2].astype(F16).tobytes()
     numpy.testing.assert_array_equal(runs['16'][2], numpy.where(runs['16'][0] > 0, g, F16(0)))
+
+
+def _lrn_reference(x, dy, n, alpha, beta, k):
+    """Caffe's ACROSS_CHANNELS LRN in float64: y and dx for (N, C, H, W) maps."""
+    x, dy = x.astype(numpy.float64), dy.astype(numpy.float64)
+    pre = (n - 1) // 2
+    c = x.shape[1]
+
+    def window_sum(v):
+        padded = numpy.pad(v, ((0, 0), (pre, pre), (0, 0), (0, 0)))
+        return sum(padded[:, j:j + c] for j in range(n))
+    scale = k + alpha / n * window_sum(x * x)
+    y = x * scale ** -beta
+    dx = dy * scale ** -beta - 2 * alpha * beta / n * x * window_sum(dy * y / scale)
+    return y, dx
+
+
+def test_lrn_reference_gradient_is_the_numerical_one():
+    r = numpy.random.RandomState(5)
+    x, dy = r.standard_normal((1, 4, 2, 1)), r.standard_normal((1, 4, 2, 1))
+    n, alpha, beta, k = 3, 0.7, 0.75, 1.5
+    _, dx = _lrn_reference(x, dy, n, alpha, beta, k)
+    numeric = numpy.zeros_like(x)
+    eps = 1e-6
+    for i in numpy.ndindex(x.shape):
+        hi, lo = x.copy(), x.copy()
+        hi[i] += eps
+        lo[i] -= eps
+        numeric[i] = ((_lrn_reference(hi, dy, n, alpha, beta, k)[0] * dy).sum() -
+                      (_lrn_reference(lo, dy, n, alpha, beta, k)[0] * dy).sum()) / (2 * eps)
+    numpy.testing.assert_allclose(dx, numeric, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize('c, n', [(7, 5), (3, 5), (16, 1), (9, 3), (40, 15)])
+def test_lrn_kernels_on_16_bit_maps(half_extra, float_extra, c, n):
+    """cp_lrn_fwd/cp_lrn_bwd (the LRN of BFLOAT16 maps, which cuDNN lacks):
+    the float32 build against Caffe's formula in float64, windows wider
+    than the channels included; the 16-bit build the float32 build's
+    values on the same inputs, rounded once, bit for bit."""
+    r = numpy.random.RandomState(21 + c)
+    shape = (2, c, 3, 5)
+    alpha, beta, k = 1e-1, 0.75, 2.0
+    x = _maps(r, *shape, scale=3)
+    dy = _maps(r, *shape)
+    args = (numpy.uint32(shape[0] * shape[2] * shape[3]), numpy.int32(c),
+            numpy.uint32(shape[2] * shape[3]), numpy.int32(n), F32(alpha / n), F32(k), F32(beta))
+    runs = {}
+    for name, emu, dtype in (('16', half_extra, F16), ('32', float_extra, F32)):
+        y = numpy.full(shape, numpy.nan, dtype)
+        dx = numpy.full(shape, numpy.nan, dtype)
+        emu.kernel('cp_lrn_fwd')((2,), (8,), (x.astype(dtype), y) + args)
+        emu.kernel('cp_lrn_bwd')((3,), (4,), (x.astype(dtype), y, dy.astype(dtype), dx) + args)
+        runs[name] = (y, dx)
+    (y16, dx16), (y32, dx32) = runs['16'], runs['32']
+    y_ref, dx_ref = _lrn_reference(x, dy, n, alpha, beta, k)
+    numpy.testing.assert_allclose(y32, y_ref, rtol=2e-6, atol=1e-6)
+    numpy.testing.assert_allclose(dx32, dx_ref, rtol=1e-5, atol=1e-5)
+    assert y16.dtype == dx16.dtype == F16
+    # The 16-bit backward read its own rounded y: the float32 build's on that y.
+    dx32_on_y16 = numpy.full(shape, numpy.nan, F32)
+    float_extra.kernel('cp_lrn_bwd')((3,), (4,), (x.astype(F32), y16.astype(F32),
+                                                  dy.astype(F32), dx32_on_y16) + args)
+    assert y16.tobytes() == y32.astype(F16).tobytes()
+    assert dx16.tobytes() == dx32_on_y16.astype(F16).tobytes()
