@@ -115,6 +115,7 @@ layer { name: "data" type: "Input" top: "data"
   input_param { shape { dim: 3 dim: 21 dim: 5 dim: 7 } } }
 layer { name: "norm" type: "LRN" bottom: "data" top: "norm"
   lrn_param { local_size: 5 alpha: 2 beta: 0.75 k: 1 } }
+layer { name: "out" type: "Power" bottom: "norm" top: "out" }
 """
 
 
@@ -130,9 +131,13 @@ def test_bfloat16_lrn_follows_cudnns_float32_lrn(gpu, monkeypatch):
     dy = r.standard_normal(shape).astype(BF16).astype(numpy.float32)
     got = {}
     for name, net in nets.items():
-        y = numpy.array(net.forward(data=x)['norm'], dtype=numpy.float32)
-        dx = numpy.array(net.backward(norm=dy)['data'], dtype=numpy.float32)
+        # (The net's output stays float32: a Power layer of 1 reads the LRN's top.)
+        net.forward(data=x)
+        y = numpy.array(net.blobs['norm'].data, dtype=numpy.float32)
+        dx = numpy.array(net.backward(out=dy)['data'], dtype=numpy.float32)
         got[name] = y, dx
+    blobs = nets['bf16']._blob_dict
+    assert blobs['data'].data.dtype == blobs['norm'].data.dtype == BF16
     assert ('cp_lrn_fwd', 'bfloat16') in asked and ('cp_lrn_bwd', 'bfloat16') in asked
     (y16, dx16), (y32, dx32) = got['bf16'], got['fp32']
     assert numpy.abs(y32 - x).max() > 0.1          # the normalisation is felt
