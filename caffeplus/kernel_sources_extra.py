@@ -601,29 +601,55 @@ extern "C" __global__ void cp_accumulate(const CP_A* g, float* acc, const unsign
 /* ACROSS_CHANNELS LRN with Caffe's formula, for the map types cuDNN's LRN
    lacks (BFLOAT16): scale_c = k + alpha/n * sum of x^2 over channels
    c-pre..c+pre (pre = (n-1)/2, zero outside), y_c = x_c * scale_c^-beta.
-   One thread per pixel walks its channels keeping the window in registers
+   A thread walks `CB` channels of one pixel keeping the window in registers
    (n <= CP_LRN_MAX), float32 math, each sum taken whole (no running
-   difference to drift); maps rounded once where stored. */
+   difference to drift); maps rounded once where stored. total = N *
+   ceil(C/CB) * HW: consecutive threads take consecutive pixels (coalesced),
+   and chunks of channels give the device enough threads (one thread a
+   pixel, AlexNet's norm2 has a third of an H200's). */
 #define CP_LRN_MAX 16
 
-extern "C" __global__ void cp_lrn_fwd(const CP_A* x, CP_A* y, const unsigned pixels,
+__device__ __forceinline__ unsigned long long cp_lrn_chunk(const unsigned i, const int C,
+    const unsigned HW, const int CB, int* c0, int* c1)
+{
+    const unsigned chunks = (unsigned)((C + CB - 1) / CB);
+    const unsigned rest = i / HW;
+    *c0 = (int)(rest % chunks) * CB;
+    *c1 = min(C, *c0 + CB);
+    return (unsigned long long)(rest / chunks) * C * HW + (i % HW);
+}
+
+/* Channel j of the pixel at `base`, 0 outside [0, C). */
+__device__ __forceinline__ float cp_lrn_x(const CP_A* x, const unsigned long long base,
+    const int j, const int C, const unsigned HW)
+{
+    return (j >= 0 && j < C) ? (float)x[base + (unsigned long long)j * HW] : 0.0f;
+}
+
+/* k + alpha/n * the sum of squares of the window's slots. */
+__device__ __forceinline__ float cp_lrn_scale(const float* xr, const int n, const float alpha_n,
+    const float k)
+{
+    float sq = 0.0f;
+    for (int j = 0; j < n; ++j) sq = __fadd_rn(sq, __fmul_rn(xr[j], xr[j]));
+    return __fadd_rn(k, __fmul_rn(alpha_n, sq));
+}
+
+extern "C" __global__ void cp_lrn_fwd(const CP_A* x, CP_A* y, const unsigned total,
     const int C, const unsigned HW, const int n, const float alpha_n, const float k,
-    const float beta)
+    const float beta, const int CB)
 {
     const int pre = (n - 1) / 2;
-    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < pixels;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += gridDim.x * blockDim.x) {
-        const unsigned long long base =
-            (unsigned long long)(i / HW) * C * HW + (i % HW);
-        float xr[CP_LRN_MAX];                   // x of channel j in slot j % n
-        for (int j = 0; j < n; ++j) xr[j] = 0.0f;
-        for (int j = 0; j < pre && j < C; ++j) xr[j] = (float)x[base + (unsigned long long)j * HW];
-        for (int c = 0; c < C; ++c) {
+        int c0, c1;
+        const unsigned long long base = cp_lrn_chunk(i, C, HW, CB, &c0, &c1);
+        float xr[CP_LRN_MAX];                   // channel j in slot (j + n) % n
+        for (int j = c0 - pre; j < c0 + pre; ++j) xr[(j + n) % n] = cp_lrn_x(x, base, j, C, HW);
+        for (int c = c0; c < c1; ++c) {
             const int lead = c + pre;           // enters the window; c-pre-1 leaves
-            xr[lead % n] = lead < C ? (float)x[base + (unsigned long long)lead * HW] : 0.0f;
-            float sq = 0.0f;
-            for (int j = 0; j < n; ++j) sq = __fadd_rn(sq, __fmul_rn(xr[j], xr[j]));
-            const float scale = __fadd_rn(k, __fmul_rn(alpha_n, sq));
+            xr[lead % n] = cp_lrn_x(x, base, lead, C, HW);
+            const float scale = cp_lrn_scale(xr, n, alpha_n, k);
             y[base + (unsigned long long)c * HW] = __fmul_rn(xr[c % n], powf(scale, -beta));
         }
     }
@@ -631,36 +657,35 @@ extern "C" __global__ void cp_lrn_fwd(const CP_A* x, CP_A* y, const unsigned pix
 
 /* Its backward (reads x, y and dy, as cuDNN's): dx_c = dy_c * scale_c^-beta
    - 2 alpha beta / n * x_c * sum over c-pre..c+pre of dy * y / scale.
-   Step t finds scale_t and that ratio, then dx of channel t - pre, whose
-   ratios are all known by then. */
+   Step t finds scale_t and that ratio (0 outside [0, C)), then dx of
+   channel t - pre, whose window of ratios is complete by then; a chunk
+   starts pre channels early. */
 extern "C" __global__ void cp_lrn_bwd(const CP_A* x, const CP_A* y, const CP_A* dy, CP_A* dx,
-    const unsigned pixels, const int C, const unsigned HW, const int n, const float alpha_n,
-    const float k, const float beta)
+    const unsigned total, const int C, const unsigned HW, const int n, const float alpha_n,
+    const float k, const float beta, const int CB)
 {
     const int pre = (n - 1) / 2;
     const float coef = __fmul_rn(2.0f * beta, alpha_n);
-    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < pixels;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += gridDim.x * blockDim.x) {
-        const unsigned long long base =
-            (unsigned long long)(i / HW) * C * HW + (i % HW);
-        float xr[CP_LRN_MAX], sc[CP_LRN_MAX], ratio[CP_LRN_MAX];   // slot j % n
-        for (int j = 0; j < n; ++j) xr[j] = sc[j] = ratio[j] = 0.0f;
-        for (int j = 0; j < pre && j < C; ++j) xr[j] = (float)x[base + (unsigned long long)j * HW];
-        for (int t = 0; t < C + pre; ++t) {
-            if (t < C) {
-                const int lead = t + pre;
-                xr[lead % n] = lead < C ? (float)x[base + (unsigned long long)lead * HW] : 0.0f;
-                float sq = 0.0f;
-                for (int j = 0; j < n; ++j) sq = __fadd_rn(sq, __fmul_rn(xr[j], xr[j]));
-                const float scale = __fadd_rn(k, __fmul_rn(alpha_n, sq));
+        int c0, c1;
+        const unsigned long long base = cp_lrn_chunk(i, C, HW, CB, &c0, &c1);
+        float xr[CP_LRN_MAX], sc[CP_LRN_MAX], ratio[CP_LRN_MAX];   // channel j in slot (j + n) % n
+        const int t0 = c0 - pre;
+        for (int j = t0 - pre; j < t0 + pre; ++j) xr[(j + n) % n] = cp_lrn_x(x, base, j, C, HW);
+        for (int t = t0; t < c1 + pre; ++t) {
+            const int lead = t + pre;
+            xr[(lead + n) % n] = cp_lrn_x(x, base, lead, C, HW);
+            float r = 0.0f;
+            if (t >= 0 && t < C) {
+                const float scale = cp_lrn_scale(xr, n, alpha_n, k);
                 const unsigned long long o = base + (unsigned long long)t * HW;
                 sc[t % n] = scale;
-                ratio[t % n] = __fdiv_rn(__fmul_rn((float)dy[o], (float)y[o]), scale);
-            } else {
-                ratio[t % n] = 0.0f;            // channels past C
+                r = __fdiv_rn(__fmul_rn((float)dy[o], (float)y[o]), scale);
             }
+            ratio[(t + n) % n] = r;
             const int c = t - pre;
-            if (c < 0) continue;
+            if (c < c0) continue;
             float acc = 0.0f;
             for (int j = 0; j < n; ++j) acc = __fadd_rn(acc, ratio[j]);
             const unsigned long long o = base + (unsigned long long)c * HW;

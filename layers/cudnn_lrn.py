@@ -21,6 +21,9 @@ from caffeplus.proto import caffe_pb2
 _CUDNN_LRN_TYPES = ('float32', 'float16')
 # The widest window cp_lrn_* keep in registers (kernel_sources_extra's CP_LRN_MAX).
 KERNEL_MAX_SIZE = 16
+# Channels a cp_lrn_* thread walks: enough threads to fill the device, few
+# window re-reads at a chunk's start (2 * pre channels in backward).
+KERNEL_CHANNEL_CHUNK = 16
 
 
 def _math_dtype(dtype):
@@ -103,11 +106,15 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
             yield lo, hi, descs[key]
 
     def _kernel_args(self, shape):
+        """(threads, C, HW, size, alpha/size, k, beta, chunk) as cp_lrn_* take them."""
         n, c = int(shape[0]), int(shape[1])
         hw = int(numpy.prod(shape[2:]))
-        return (numpy.uint32(n * hw), numpy.int32(c), numpy.uint32(hw), numpy.int32(self.size),
+        chunks = -(-c // KERNEL_CHANNEL_CHUNK)
+        return (numpy.uint32(n * chunks * hw), numpy.int32(c), numpy.uint32(hw),
+                numpy.int32(self.size),
                 numpy.float32(numpy.float32(self.alpha) / numpy.float32(self.size)),
-                numpy.float32(self.k), numpy.float32(self.beta))
+                numpy.float32(self.k), numpy.float32(self.beta),
+                numpy.int32(KERNEL_CHANNEL_CHUNK))
 
     def _kernel_ok(self, shape):
         return _kernels.active() and self.size <= KERNEL_MAX_SIZE and \
@@ -120,9 +127,9 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
             if self._kernel_ok(shape) else (None, None)
         if arrays is None:
             return False
-        pixels = self._kernel_args(shape)[0]
-        _kernels.kernel('cp_lrn_fwd', dtype)(_kernels.elementwise_grid(int(pixels)), (_kernels.ELEMENTWISE_THREADS,),
-                                      tuple(arrays) + self._kernel_args(shape))
+        args = self._kernel_args(shape)
+        _kernels.kernel('cp_lrn_fwd', dtype)(_kernels.elementwise_grid(int(args[0])),
+                                             (_kernels.ELEMENTWISE_THREADS,), tuple(arrays) + args)
         return True
 
     def _kernel_backward(self, top, bottom):
@@ -131,9 +138,9 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
                                (bottom[0], True)) if self._kernel_ok(shape) else (None, None)
         if arrays is None:
             return False
-        pixels = self._kernel_args(shape)[0]
-        _kernels.kernel('cp_lrn_bwd', dtype)(_kernels.elementwise_grid(int(pixels)), (_kernels.ELEMENTWISE_THREADS,),
-                                      tuple(arrays) + self._kernel_args(shape))
+        args = self._kernel_args(shape)
+        _kernels.kernel('cp_lrn_bwd', dtype)(_kernels.elementwise_grid(int(args[0])),
+                                             (_kernels.ELEMENTWISE_THREADS,), tuple(arrays) + args)
         return True
 
     def _forward(self, bottom, top):

@@ -503,19 +503,23 @@ def test_lrn_reference_gradient_is_the_numerical_one():
     numpy.testing.assert_allclose(dx, numeric, rtol=1e-7, atol=1e-9)
 
 
-@pytest.mark.parametrize('c, n', [(7, 5), (3, 5), (16, 1), (9, 3), (40, 15)])
-def test_lrn_kernels_on_16_bit_maps(half_extra, float_extra, c, n):
+@pytest.mark.parametrize('c, n, chunk', [(7, 5, 16), (7, 5, 2), (3, 5, 1), (16, 1, 3),
+                                         (9, 3, 4), (40, 15, 16), (40, 15, 7)])
+def test_lrn_kernels_on_16_bit_maps(half_extra, float_extra, c, n, chunk):
     """cp_lrn_fwd/cp_lrn_bwd (the LRN of BFLOAT16 maps, which cuDNN lacks):
     the float32 build against Caffe's formula in float64, windows wider
-    than the channels included; the 16-bit build the float32 build's
-    values on the same inputs, rounded once, bit for bit."""
+    than the channels and chunks of channels (a thread's) of every size
+    included; the 16-bit build the float32 build's values on the same
+    inputs, rounded once, bit for bit."""
     r = numpy.random.RandomState(21 + c)
     shape = (2, c, 3, 5)
     alpha, beta, k = 1e-1, 0.75, 2.0
     x = _maps(r, *shape, scale=3)
     dy = _maps(r, *shape)
-    args = (numpy.uint32(shape[0] * shape[2] * shape[3]), numpy.int32(c),
-            numpy.uint32(shape[2] * shape[3]), numpy.int32(n), F32(alpha / n), F32(k), F32(beta))
+    chunks = -(-c // chunk)
+    args = (numpy.uint32(shape[0] * chunks * shape[2] * shape[3]), numpy.int32(c),
+            numpy.uint32(shape[2] * shape[3]), numpy.int32(n), F32(alpha / n), F32(k), F32(beta),
+            numpy.int32(chunk))
     runs = {}
     for name, emu, dtype in (('16', half_extra, F16), ('32', float_extra, F32)):
         y = numpy.full(shape, numpy.nan, dtype)
