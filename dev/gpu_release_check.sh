@@ -57,7 +57,7 @@ elif [ -f COMMIT ]; then echo "commit $(cat COMMIT)"; else git log -1 --format='
 
 if has tests; then
   stamp "gpu-marked tests"
-  timeout "${TEST_S:-260}" python3 -m pytest -q -p no:cacheprovider -rfExX --tb=short -m gpu ${TEST_PATHS:-tests} \
+  timeout "${TEST_S:-420}" python3 -m pytest -q -p no:cacheprovider -rfExX --tb=short -m gpu ${TEST_PATHS:-tests} \
     > "$OUT/pytest_gpu.log" 2>&1
   echo "rc=$?" >> "$OUT/pytest_gpu.log"
   tail -n 30 "$OUT/pytest_gpu.log"
