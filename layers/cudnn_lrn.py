@@ -135,7 +135,8 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
     def _kernel_backward(self, top, bottom):
         shape = bottom[0].shape
         arrays, dtype = _kernels.maps((bottom[0], False), (top[0], False), (top[0], True),
-                               (bottom[0], True)) if self._kernel_ok(shape) else (None, None)
+                                      (bottom[0], True)) \
+            if self._kernel_ok(shape) else (None, None)
         if arrays is None:
             return False
         args = self._kernel_args(shape)
