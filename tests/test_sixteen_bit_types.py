@@ -51,3 +51,30 @@ def test_lrn_runs_bfloat16_maps_in_float32_slices_of_at_most_16_mib(monkeypatch)
     assert all(dtype == numpy.float32 for _, dtype in made)
     # An image larger than a slice still goes one image at a time.
     assert [hi - lo for lo, hi, _ in layer._float32_slices((2, 1024, 128, 128))] == [1, 1]
+
+
+def test_lrn_kernel_arguments_match_the_kernels_source():
+    """The layer's launch of cp_lrn_*: one thread a chunk of channels of a
+    pixel, the window bound the kernels' register arrays hold, Caffe's
+    alpha / local_size in float32."""
+    import re
+    from caffeplus.kernel_sources_extra import EXTRA
+    from caffeplus.layers import cudnn_lrn
+    from caffeplus.proto import caffe_pb2
+    assert int(re.search(r'#define CP_LRN_MAX (\d+)', EXTRA).group(1)) == \
+        cudnn_lrn.KERNEL_MAX_SIZE
+    fwd = re.search(r'void cp_lrn_fwd\(([^)]*)\)', EXTRA).group(1)
+    param = caffe_pb2.LayerParameter(name='norm2', type='LRN')
+    param.lrn_param.local_size = 5
+    param.lrn_param.alpha = 1e-4
+    layer = cudnn_lrn.CuDNNLRNLayer(param)
+    layer.size, layer.alpha, layer.beta, layer.k = 5, 1e-4, 0.75, 1.0
+    args = layer._kernel_args((128, 256, 27, 27))
+    assert len(args) + 2 == fwd.count(',') + 1          # after the two map pointers
+    chunks = 256 // cudnn_lrn.KERNEL_CHANNEL_CHUNK
+    assert int(args[0]) == 128 * chunks * 27 * 27
+    assert (int(args[1]), int(args[2]), int(args[3])) == (256, 27 * 27, 5)
+    assert args[4] == numpy.float32(numpy.float32(1e-4) / numpy.float32(5))
+    assert int(args[-1]) == cudnn_lrn.KERNEL_CHANNEL_CHUNK
+    # A last chunk that is not full still gets its threads.
+    assert int(layer._kernel_args((2, 17, 3, 3))[0]) == 2 * 2 * 9
