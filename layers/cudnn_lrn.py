@@ -120,28 +120,16 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
         return _kernels.active() and self.size <= KERNEL_MAX_SIZE and \
             int(numpy.prod(shape)) <= _kernels.MAX_COUNT
 
-    def _kernel_forward(self, bottom, top):
-        """cp_lrn_fwd on maps cuDNN's LRN does not take; False where it cannot run."""
-        shape = bottom[0].shape
-        arrays, dtype = _kernels.maps((bottom[0], False), (top[0], False)) \
-            if self._kernel_ok(shape) else (None, None)
+    def _run_kernel(self, name, shape, *blob_diffs):
+        """cp_lrn_fwd or cp_lrn_bwd (`name`) on the maps of (blob, diff) pairs
+        in the kernel's order, where cuDNN's LRN does not take their type;
+        False where the kernel cannot run."""
+        arrays, dtype = _kernels.maps(*blob_diffs) if self._kernel_ok(shape) else (None, None)
         if arrays is None:
             return False
         args = self._kernel_args(shape)
-        _kernels.kernel('cp_lrn_fwd', dtype)(_kernels.elementwise_grid(int(args[0])),
-                                             (_kernels.ELEMENTWISE_THREADS,), tuple(arrays) + args)
-        return True
-
-    def _kernel_backward(self, top, bottom):
-        shape = bottom[0].shape
-        arrays, dtype = _kernels.maps((bottom[0], False), (top[0], False), (top[0], True),
-                                      (bottom[0], True)) \
-            if self._kernel_ok(shape) else (None, None)
-        if arrays is None:
-            return False
-        args = self._kernel_args(shape)
-        _kernels.kernel('cp_lrn_bwd', dtype)(_kernels.elementwise_grid(int(args[0])),
-                                             (_kernels.ELEMENTWISE_THREADS,), tuple(arrays) + args)
+        _kernels.kernel(name, dtype)(_kernels.elementwise_grid(int(args[0])),
+                                     (_kernels.ELEMENTWISE_THREADS,), tuple(arrays) + args)
         return True
 
     def _forward(self, bottom, top):
@@ -149,7 +137,8 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
             return super()._forward(bottom, top)
         lrn, xd = self._desc
         if self._converts(bottom[0].data):
-            if self._kernel_forward(bottom, top):
+            if self._run_kernel('cp_lrn_fwd', bottom[0].shape, (bottom[0], False),
+                                (top[0], False)):
                 return
             x, y = bottom[0].data, top[0].data
             for lo, hi, desc in self._float32_slices(x.shape):
@@ -168,7 +157,8 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
             return super()._backward(top, propagate_down, bottom)
         lrn, xd = self._desc
         if self._converts(bottom[0].data):
-            if self._kernel_backward(top, bottom):
+            if self._run_kernel('cp_lrn_bwd', bottom[0].shape, (bottom[0], False),
+                                (top[0], False), (top[0], True), (bottom[0], True)):
                 return
             y, dy, x, dx = top[0].data, top[0].diff, bottom[0].data, bottom[0].diff
             for lo, hi, desc in self._float32_slices(x.shape):

@@ -11,7 +11,7 @@ import pytest
 from caffeplus import kernels
 from caffeplus.kernel_sources import COMMON, CORE
 from caffeplus.kernel_sources_extra import EXTRA
-from conftest import build_emulator
+from conftest import build_emulator, emulating
 
 F32 = numpy.float32
 # The 16-bit types under test (CUDA's name, NumPy's type): each test runs
@@ -538,3 +538,39 @@ def test_lrn_kernels_on_16_bit_maps(half_extra, float_extra, c, n, chunk):
                                                   dy.astype(F32), dx32_on_y16) + args)
     assert y16.tobytes() == y32.astype(F16).tobytes()
     assert dx16.tobytes() == dx32_on_y16.astype(F16).tobytes()
+
+
+def test_the_lrn_layer_launches_its_kernels_as_they_read_their_arguments(float_extra):
+    """CuDNNLRNLayer._run_kernel (its BFLOAT16 route) on float32 maps, the
+    kernels emulated: the same top and bottom gradient as the generic LRN
+    layer, channels over two chunks and one left over."""
+    from caffeplus.blob import Blob
+    from caffeplus.layers.cudnn_lrn import KERNEL_CHANNEL_CHUNK, CuDNNLRNLayer
+    from caffeplus.layers.vision import LRNLayer
+    from caffeplus.proto import caffe_pb2
+    param = caffe_pb2.LayerParameter(name='norm', type='LRN')
+    param.lrn_param.local_size = 5
+    param.lrn_param.alpha = 0.5
+    shape = (2, 2 * KERNEL_CHANNEL_CHUNK + 3, 3, 4)
+    r = numpy.random.RandomState(17)
+    x = (2 * r.standard_normal(shape)).astype(F32)
+    dy = r.standard_normal(shape).astype(F32)
+    got = {}
+    for name, cls in (('kernel', CuDNNLRNLayer), ('generic', LRNLayer)):
+        layer = cls(param)
+        bottom, top = Blob(shape), Blob()
+        layer.setup([bottom], [top])
+        bottom.data[...] = x
+        if name == 'kernel':
+            with emulating(float_extra):
+                assert layer._run_kernel('cp_lrn_fwd', shape, (bottom, False), (top, False))
+                top.diff[...] = dy
+                assert layer._run_kernel('cp_lrn_bwd', shape, (bottom, False), (top, False),
+                                         (top, True), (bottom, True))
+        else:
+            layer.forward([bottom], [top])
+            top.diff[...] = dy
+            layer.backward([top], [True], [bottom])
+        got[name] = top.data.copy(), bottom.diff.copy()
+    numpy.testing.assert_allclose(got['kernel'][0], got['generic'][0], rtol=1e-5, atol=1e-6)
+    numpy.testing.assert_allclose(got['kernel'][1], got['generic'][1], rtol=1e-4, atol=1e-5)
