@@ -601,13 +601,16 @@ extern "C" __global__ void cp_accumulate(const CP_A* g, float* acc, const unsign
 /* ACROSS_CHANNELS LRN with Caffe's formula, for the map types cuDNN's LRN
    lacks (BFLOAT16): scale_c = k + alpha/n * sum of x^2 over channels
    c-pre..c+pre (pre = (n-1)/2, zero outside), y_c = x_c * scale_c^-beta.
-   A thread walks `CB` channels of one pixel keeping the window in registers
-   (n <= CP_LRN_MAX), float32 math, each sum taken whole (no running
-   difference to drift); maps rounded once where stored. total = N *
+   A thread walks `CB` channels of one pixel, float32 math, each sum taken
+   whole in channel order (no running difference to drift); maps rounded
+   once where stored. The window is a shift register of N = n values, N a
+   template argument (Caffe's n is odd): every index is known when compiled,
+   so the window stays in registers (a ring indexed at run time would live
+   in local memory, with an integer division a step). total = N_batch *
    ceil(C/CB) * HW: consecutive threads take consecutive pixels (coalesced),
    and chunks of channels give the device enough threads (one thread a
    pixel, AlexNet's norm2 has a third of an H200's). */
-#define CP_LRN_MAX 16
+#define CP_LRN_MAX 15
 
 __device__ __forceinline__ unsigned long long cp_lrn_chunk(const unsigned i, const int C,
     const unsigned HW, const int CB, int* c0, int* c1)
@@ -626,71 +629,120 @@ __device__ __forceinline__ float cp_lrn_x(const CP_A* x, const unsigned long lon
     return (j >= 0 && j < C) ? (float)x[base + (unsigned long long)j * HW] : 0.0f;
 }
 
-/* k + alpha/n * the sum of squares of the window's slots. */
-__device__ __forceinline__ float cp_lrn_scale(const float* xr, const int n, const float alpha_n,
+/* Drops w[0], moves the rest down a slot and puts v in the last. */
+template <int N>
+__device__ __forceinline__ void cp_lrn_shift(float* w, const float v)
+{
+#pragma unroll
+    for (int s = 0; s + 1 < N; ++s) w[s] = w[s + 1];
+    w[N - 1] = v;
+}
+
+/* k + alpha/n * the sum of squares of the window, in channel order. */
+template <int N>
+__device__ __forceinline__ float cp_lrn_scale(const float* w, const float alpha_n,
     const float k)
 {
     float sq = 0.0f;
-    for (int j = 0; j < n; ++j) sq = __fadd_rn(sq, __fmul_rn(xr[j], xr[j]));
+#pragma unroll
+    for (int s = 0; s < N; ++s) sq = __fadd_rn(sq, __fmul_rn(w[s], w[s]));
     return __fadd_rn(k, __fmul_rn(alpha_n, sq));
 }
 
-extern "C" __global__ void cp_lrn_fwd(const CP_A* x, CP_A* y, const unsigned total,
-    const int C, const unsigned HW, const int n, const float alpha_n, const float k,
-    const float beta, const int CB)
+template <int N>
+__device__ void cp_lrn_fwd_n(const CP_A* x, CP_A* y, const unsigned i, const int C,
+    const unsigned HW, const float alpha_n, const float k, const float beta, const int CB)
 {
-    const int pre = (n - 1) / 2;
-    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += gridDim.x * blockDim.x) {
-        int c0, c1;
-        const unsigned long long base = cp_lrn_chunk(i, C, HW, CB, &c0, &c1);
-        float xr[CP_LRN_MAX];                   // channel j in slot (j + n) % n
-        for (int j = c0 - pre; j < c0 + pre; ++j) xr[(j + n) % n] = cp_lrn_x(x, base, j, C, HW);
-        for (int c = c0; c < c1; ++c) {
-            const int lead = c + pre;           // enters the window; c-pre-1 leaves
-            xr[lead % n] = cp_lrn_x(x, base, lead, C, HW);
-            const float scale = cp_lrn_scale(xr, n, alpha_n, k);
-            y[base + (unsigned long long)c * HW] = __fmul_rn(xr[c % n], powf(scale, -beta));
-        }
+    const int pre = (N - 1) / 2;
+    int c0, c1;
+    const unsigned long long base = cp_lrn_chunk(i, C, HW, CB, &c0, &c1);
+    float w[N];                             // channels c-pre..c+pre
+#pragma unroll
+    for (int s = 1; s < N; ++s) w[s] = cp_lrn_x(x, base, c0 - pre - 1 + s, C, HW);
+    for (int c = c0; c < c1; ++c) {
+        cp_lrn_shift<N>(w, cp_lrn_x(x, base, c + pre, C, HW));
+        const float scale = cp_lrn_scale<N>(w, alpha_n, k);
+        y[base + (unsigned long long)c * HW] = __fmul_rn(w[pre], powf(scale, -beta));
     }
 }
 
 /* Its backward (reads x, y and dy, as cuDNN's): dx_c = dy_c * scale_c^-beta
    - 2 alpha beta / n * x_c * sum over c-pre..c+pre of dy * y / scale.
    Step t finds scale_t and that ratio (0 outside [0, C)), then dx of
-   channel t - pre, whose window of ratios is complete by then; a chunk
-   starts pre channels early. */
+   channel c = t - pre, whose window of ratios is complete by then; a chunk
+   starts pre channels early. Registers: x of t-pre..t+pre, the ratios of
+   c-pre..c+pre, scale and dy of c..t. */
+template <int N>
+__device__ void cp_lrn_bwd_n(const CP_A* x, const CP_A* y, const CP_A* dy, CP_A* dx,
+    const unsigned i, const int C, const unsigned HW, const float alpha_n, const float k,
+    const float beta, const float coef, const int CB)
+{
+    const int pre = (N - 1) / 2;
+    int c0, c1;
+    const unsigned long long base = cp_lrn_chunk(i, C, HW, CB, &c0, &c1);
+    const int t0 = c0 - pre;
+    float xw[N], ratio[N], sc[pre + 1], dyw[pre + 1];
+#pragma unroll
+    for (int s = 1; s < N; ++s) xw[s] = cp_lrn_x(x, base, t0 - pre - 1 + s, C, HW);
+#pragma unroll
+    for (int s = 0; s < N; ++s) ratio[s] = 0.0f;
+#pragma unroll
+    for (int s = 0; s <= pre; ++s) sc[s] = dyw[s] = 0.0f;
+    for (int t = t0; t < c1 + pre; ++t) {
+        cp_lrn_shift<N>(xw, cp_lrn_x(x, base, t + pre, C, HW));
+        float r = 0.0f, scale = 0.0f, g = 0.0f;
+        if (t >= 0 && t < C) {
+            const unsigned long long o = base + (unsigned long long)t * HW;
+            scale = cp_lrn_scale<N>(xw, alpha_n, k);
+            g = (float)dy[o];
+            r = __fdiv_rn(__fmul_rn(g, (float)y[o]), scale);
+        }
+        cp_lrn_shift<N>(ratio, r);
+        cp_lrn_shift<pre + 1>(sc, scale);
+        cp_lrn_shift<pre + 1>(dyw, g);
+        const int c = t - pre;
+        if (c < c0) continue;
+        float acc = 0.0f;
+#pragma unroll
+        for (int s = 0; s < N; ++s) acc = __fadd_rn(acc, ratio[s]);
+        const float own = __fmul_rn(dyw[0], powf(sc[0], -beta));
+        dx[base + (unsigned long long)c * HW] =
+            __fsub_rn(own, __fmul_rn(__fmul_rn(coef, xw[0]), acc));
+    }
+}
+
+/* One instance a window size: n odd, 1..CP_LRN_MAX (Caffe takes odd sizes
+   only; the layer launches these for no other). */
+#define CP_LRN_SIZES(F) F(1) F(3) F(5) F(7) F(9) F(11) F(13) F(15)
+
+extern "C" __global__ void cp_lrn_fwd(const CP_A* x, CP_A* y, const unsigned total,
+    const int C, const unsigned HW, const int n, const float alpha_n, const float k,
+    const float beta, const int CB)
+{
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += gridDim.x * blockDim.x) {
+        switch (n) {
+#define CP_LRN_FWD_CASE(S) case S: cp_lrn_fwd_n<S>(x, y, i, C, HW, alpha_n, k, beta, CB); break;
+        CP_LRN_SIZES(CP_LRN_FWD_CASE)
+#undef CP_LRN_FWD_CASE
+        default: return;
+        }
+    }
+}
+
 extern "C" __global__ void cp_lrn_bwd(const CP_A* x, const CP_A* y, const CP_A* dy, CP_A* dx,
     const unsigned total, const int C, const unsigned HW, const int n, const float alpha_n,
     const float k, const float beta, const int CB)
 {
-    const int pre = (n - 1) / 2;
     const float coef = __fmul_rn(2.0f * beta, alpha_n);
     for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += gridDim.x * blockDim.x) {
-        int c0, c1;
-        const unsigned long long base = cp_lrn_chunk(i, C, HW, CB, &c0, &c1);
-        float xr[CP_LRN_MAX], sc[CP_LRN_MAX], ratio[CP_LRN_MAX];   // channel j in slot (j + n) % n
-        const int t0 = c0 - pre;
-        for (int j = t0 - pre; j < t0 + pre; ++j) xr[(j + n) % n] = cp_lrn_x(x, base, j, C, HW);
-        for (int t = t0; t < c1 + pre; ++t) {
-            const int lead = t + pre;
-            xr[(lead + n) % n] = cp_lrn_x(x, base, lead, C, HW);
-            float r = 0.0f;
-            if (t >= 0 && t < C) {
-                const float scale = cp_lrn_scale(xr, n, alpha_n, k);
-                const unsigned long long o = base + (unsigned long long)t * HW;
-                sc[t % n] = scale;
-                r = __fdiv_rn(__fmul_rn((float)dy[o], (float)y[o]), scale);
-            }
-            ratio[(t + n) % n] = r;
-            const int c = t - pre;
-            if (c < c0) continue;
-            float acc = 0.0f;
-            for (int j = 0; j < n; ++j) acc = __fadd_rn(acc, ratio[j]);
-            const unsigned long long o = base + (unsigned long long)c * HW;
-            const float own = __fmul_rn((float)dy[o], powf(sc[c % n], -beta));
-            dx[o] = __fsub_rn(own, __fmul_rn(__fmul_rn(coef, xr[c % n]), acc));
+        switch (n) {
+#define CP_LRN_BWD_CASE(S) case S: \
+            cp_lrn_bwd_n<S>(x, y, dy, dx, i, C, HW, alpha_n, k, beta, coef, CB); break;
+        CP_LRN_SIZES(CP_LRN_BWD_CASE)
+#undef CP_LRN_BWD_CASE
+        default: return;
         }
     }
 }

@@ -20,7 +20,7 @@ from caffeplus.proto import caffe_pb2
 # float32 one on float32 copies of its maps).
 _CUDNN_LRN_TYPES = ('float32', 'float16')
 # The widest window cp_lrn_* keep in registers (kernel_sources_extra's CP_LRN_MAX).
-KERNEL_MAX_SIZE = 16
+KERNEL_MAX_SIZE = 15
 # Channels a cp_lrn_* thread walks: enough threads to fill the device, few
 # window re-reads at a chunk's start (2 * pre channels in backward).
 KERNEL_CHANNEL_CHUNK = 16

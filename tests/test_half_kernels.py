@@ -504,7 +504,7 @@ def test_lrn_reference_gradient_is_the_numerical_one():
 
 
 @pytest.mark.parametrize('c, n, chunk', [(7, 5, 16), (7, 5, 2), (3, 5, 1), (16, 1, 3),
-                                         (9, 3, 4), (40, 15, 16), (40, 15, 7)])
+                                         (9, 3, 4), (12, 7, 5), (40, 15, 16), (40, 15, 7)])
 def test_lrn_kernels_on_16_bit_maps(half_extra, float_extra, c, n, chunk):
     """cp_lrn_fwd/cp_lrn_bwd (the LRN of BFLOAT16 maps, which cuDNN lacks):
     the float32 build against Caffe's formula in float64, windows wider

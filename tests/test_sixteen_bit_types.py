@@ -63,6 +63,10 @@ def test_lrn_kernel_arguments_match_the_kernels_source():
     from caffeplus.proto import caffe_pb2
     assert int(re.search(r'#define CP_LRN_MAX (\d+)', EXTRA).group(1)) == \
         cudnn_lrn.KERNEL_MAX_SIZE
+    # An instance for every size the layer may launch (Caffe's are odd).
+    sizes = re.search(r'#define CP_LRN_SIZES\(F\) (.*)', EXTRA).group(1)
+    assert [int(v) for v in re.findall(r'F\((\d+)\)', sizes)] == \
+        list(range(1, cudnn_lrn.KERNEL_MAX_SIZE + 1, 2))
     fwd = re.search(r'void cp_lrn_fwd\(([^)]*)\)', EXTRA).group(1)
     param = caffe_pb2.LayerParameter(name='norm2', type='LRN')
     param.lrn_param.local_size = 5
