@@ -20,13 +20,14 @@
 #      10 minutes: split AMP_NETS over two device calls.
 #      ResNet-50 b256: AMP_NETS=resnet50_b256 (a batch without a prototxt of its own is
 #      built from the architecture's file, bench_gpu.net_source).
-#  10. (STEPS=accuracy) benchmarks/precision_accuracy.py: digits LeNet in FP32 and 16 bits.
+#  10. (STEPS=accuracy) benchmarks/precision_accuracy.py: digits LeNet and CIFAR10-full (on the
+#      digits; ACCURACY_SOLVERS) in FP32 and 16 bits (ACCURACY_PRECISIONS).
 #  11. (STEPS=nvcaffe) dev/nvcaffe_time.sh: NVCaffe's FP16 model files, `caffeplus time`.
-#  12. (STEPS=profile) dev/profile_gpu.py on PROFILE_NETS in FP16 with timed search.
+#  12. (STEPS=profile) dev/profile_gpu.py on PROFILE_NETS in PROFILE_PRECISION (fp16) with timed search.
 # Prefer running it through dev/gpu_snapshot.sh (the committed tree only).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
 # (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
-# env: MEMORY_PRECISION, STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp,accuracy,nvcaffe,profile), PROFILE_NETS, AMP_TORCH, TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
+# env: ACCURACY_SOLVERS, ACCURACY_PRECISIONS, PROFILE_PRECISION, MEMORY_PRECISION, STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp,accuracy,nvcaffe,profile), PROFILE_NETS, AMP_TORCH, TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
 #      MEMORY_ITERS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S
 set -u
 OUT=${OUT:-/tmp/gpu_out}
@@ -146,21 +147,30 @@ fi
 if has profile; then
   # Where a 16-bit iteration's time goes, layer by layer (timed algorithms, as
   # caffeplus train runs them), for the nets still slower than AMP.
-  stamp "per-layer profile, FP16, timed search"
+  stamp "per-layer profile, ${PROFILE_PRECISION:-fp16}, timed search"
   for net in ${PROFILE_NETS:-vgg16_b64 alexnet_b128}; do
     GLOG_minloglevel=2 timeout "${PROFILE_S:-120}" python3 dev/profile_gpu.py \
       --net .gpu_carry/bench/$net.prototxt --plan arena --search timed --tf32 \
-      --precision fp16 --iters 10 --top 25 > "$OUT/profile_fp16_$net.log" 2>&1
-    echo "rc=$?" >> "$OUT/profile_fp16_$net.log"
-    tail -n 45 "$OUT/profile_fp16_$net.log"
+      --precision "${PROFILE_PRECISION:-fp16}" --iters 10 --top 25 \
+      > "$OUT/profile_${PROFILE_PRECISION:-fp16}_$net.log" 2>&1
+    echo "rc=$?" >> "$OUT/profile_${PROFILE_PRECISION:-fp16}_$net.log"
+    tail -n 45 "$OUT/profile_${PROFILE_PRECISION:-fp16}_$net.log"
   done
 fi
 if has accuracy; then
-  stamp "digits LeNet trained in each precision, test accuracy against FP32's"
-  timeout "${ACCURACY_S:-300}" python3 benchmarks/precision_accuracy.py --gpu 0 \
-    --precisions "${ACCURACY_PRECISIONS:-fp32,fp16}" --keep "$OUT/accuracy" > "$OUT/accuracy.log" 2>&1
-  echo "rc=$?" >> "$OUT/accuracy.log"
-  cat "$OUT/accuracy.log"
+  stamp "digits LeNet and CIFAR10-full trained in each precision, test accuracy against FP32's"
+  # The digits LMDBs: carried in .gpu_carry/digits, else made here (scikit-learn).
+  for db in digits_train_lmdb digits_test_lmdb; do
+    [ -d examples/digits/$db ] || [ ! -d .gpu_carry/digits/$db ] || cp -r .gpu_carry/digits/$db examples/digits/
+  done
+  [ -d examples/digits/digits_test_lmdb ] || python3 examples/digits/make_digits_lmdb.py
+  for solver in ${ACCURACY_SOLVERS:-lenet_solver cifar10_full_solver}; do
+    timeout "${ACCURACY_S:-300}" python3 benchmarks/precision_accuracy.py --gpu 0 \
+      --solver examples/digits/$solver.prototxt --precisions "${ACCURACY_PRECISIONS:-fp32,fp16,bf16}" \
+      --keep "$OUT/accuracy_$solver" > "$OUT/accuracy_$solver.log" 2>&1
+    echo "rc=$?" >> "$OUT/accuracy_$solver.log"
+    cat "$OUT/accuracy_$solver.log"
+  done
 fi
 if has nvcaffe; then
   stamp "NVCaffe's FP16 model files, caffeplus time"
