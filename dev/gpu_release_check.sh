@@ -27,7 +27,7 @@
 # Prefer running it through dev/gpu_snapshot.sh (the committed tree only).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
 # (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
-# env: ACCURACY_SOLVERS, ACCURACY_PRECISIONS, PROFILE_PRECISION, MEMORY_PRECISION, STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp,accuracy,nvcaffe,profile), PROFILE_NETS, AMP_TORCH, TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
+# env: ACCURACY_SOLVERS, ACCURACY_PRECISIONS, ACCURACY_SEEDS, PROFILE_PRECISION, MEMORY_PRECISION, STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp,accuracy,nvcaffe,profile), PROFILE_NETS, AMP_TORCH, TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
 #      MEMORY_ITERS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S
 set -u
 OUT=${OUT:-/tmp/gpu_out}
@@ -167,7 +167,8 @@ if has accuracy; then
   for solver in ${ACCURACY_SOLVERS:-lenet_solver cifar10_full_solver}; do
     timeout "${ACCURACY_S:-300}" python3 benchmarks/precision_accuracy.py --gpu 0 \
       --solver examples/digits/$solver.prototxt --precisions "${ACCURACY_PRECISIONS:-fp32,fp16,bf16}" \
-      --keep "$OUT/accuracy_$solver" > "$OUT/accuracy_$solver.log" 2>&1
+      ${ACCURACY_SEEDS:+--seeds $ACCURACY_SEEDS} --keep "$OUT/accuracy_$solver" \
+      > "$OUT/accuracy_$solver.log" 2>&1
     echo "rc=$?" >> "$OUT/accuracy_$solver.log"
     cat "$OUT/accuracy_$solver.log"
   done
