@@ -2,7 +2,7 @@
 """Time solver.step under a memory plan and show where the host spends it.
 
     python dev/profile_step.py --net tests/data/bench/googlenet_b64.prototxt --plan shared \\
-        [--gpu 0] [--iters 10] [--top 25]
+        [--gpu 0] [--iters 10] [--top 25] [--precision fp16] [--dump step.pstats]
 
 Builds an SGD solver (momentum 0.9, weight decay, the NaN check as
 `caffeplus train` has it) over the net with its data layers as DummyData,
@@ -39,6 +39,10 @@ def main(argv=None):
     ap.add_argument('--warmup', type=int, default=3)
     ap.add_argument('--against', default=None, help='a second plan to compare with')
     ap.add_argument('--offload', default=None, help='offload policy of plan offload')
+    ap.add_argument('--precision', default=None, help='fp32, tf32, fp16 or bf16 (the solver\'s '
+                    'caffeplus_param.precision, as `caffeplus train --precision`)')
+    ap.add_argument('--dump', default=None,
+                    help='write the first plan\'s profile here (pstats format) to read elsewhere')
     ap.add_argument('--callers', default='',
                     help="comma-separated function names (e.g. '_view,_handle_fromlist'): "
                          "who calls them, in the first plan's profile")
@@ -46,6 +50,8 @@ def main(argv=None):
     runs = [profile_plan(args, args.plan)]
     if args.against:
         runs.append(profile_plan(args, args.against))
+    if args.dump:
+        runs[0][2].dump_stats(args.dump)
     for plan, ms, stats in runs:
         print('%s plan %s: %.2f ms/iter' % (os.path.basename(args.net), plan, ms))
         stats.sort_stats('tottime').print_stats(args.top)
@@ -100,7 +106,10 @@ def profile_plan(args, plan_name):
     with shapes.quiet():
         param = shapes.load_net_param(args.net)
         offload = args.offload if plan_name == 'offload' else None
-        solver = get_solver(solver_param(param, plan_name, 10 ** 6, offload=offload))
+        sp = solver_param(param, plan_name, 10 ** 6, offload=offload)
+        if args.precision:
+            sp.caffeplus_param.precision = args.precision
+        solver = get_solver(sp)
         solver.step(args.warmup)
         sync()
         t0 = time.perf_counter()
