@@ -520,8 +520,9 @@ extern "C" __global__ void cp_bn_bwd_apply(
 /* im2col of images n0 .. n0+B-1 of x (N, C, H, W) into col (K, B, P), K = C*KH*KW
    in Caffe's (c, i, j) order, P = OH*OW: row k of image b is col[(k*B + b)*P ...],
    so one image's columns are a (K x P) matrix of leading dimension B*P (a
-   strided-batched GEMM's operand). Zero where the window leaves the image. */
-extern "C" __global__ void cp_im2col(const float* x, float* col, const unsigned long long total,
+   strided-batched GEMM's operand). Zero where the window leaves the image.
+   Values are copied in the maps' type (a 16-bit build moves 16-bit values). */
+extern "C" __global__ void cp_im2col(const CP_A* x, CP_A* col, const unsigned long long total,
     const int n0, const int B, const int C, const int H, const int W, const int KH, const int KW,
     const int OH, const int OW, const int SH, const int SW, const int PH, const int PW,
     const int DH, const int DW)
@@ -537,7 +538,7 @@ extern "C" __global__ void cp_im2col(const float* x, float* col, const unsigned 
         const int j = k % KW, i = (k / KW) % KH, c = k / (KW * KH);
         const int oy = (int)(p / (unsigned long long)OW), ox = (int)(p % (unsigned long long)OW);
         const int yy = oy * SH - PH + i * DH, xx = ox * SW - PW + j * DW;
-        float v = 0.0f;
+        CP_A v = (CP_A)0.0f;
         if (yy >= 0 && yy < H && xx >= 0 && xx < W)
             v = x[(((unsigned long long)(n0 + b) * C + c) * H + yy) * W + xx];
         col[t] = v;

@@ -18,7 +18,7 @@ class _DeviceOps:
     @staticmethod
     def im2col(x, col, n0, nb, g):
         total = g.K * nb * g.P
-        _kernels.kernel('cp_im2col')(
+        _kernels.kernel('cp_im2col', g.dtype if g.itemsize != 4 else None)(
             _kernels.elementwise_grid(total), (_kernels.ELEMENTWISE_THREADS,),
             (numpy.uint64(x), numpy.uint64(col), numpy.uint64(total), _kernels.i32(n0),
              _kernels.i32(nb), _kernels.i32(g.c), _kernels.i32(g.h), _kernels.i32(g.w),
@@ -59,9 +59,16 @@ class _GemmConv:
                 workspace), summed into dW by one GEMM with a ones vector
                 (beta = 1, FP32).
       data:     dx_b (K x P) = W^T dy_b (direct only), one strided-batched GEMM.
-    (In cuBLAS's column-major terms each C-ordered r x c matrix is c x r.)"""
+    (In cuBLAS's column-major terms each C-ordered r x c matrix is c x r.)
 
-    def __init__(self, layer):
+    A 16-bit layer's maps, columns and weights are 16-bit (the GEMMs' sums
+    float32, on the tensor cores); the per-image partial filter gradients
+    are float32, summed into the FP32 master's gradient as in FP32."""
+
+    def __init__(self, layer, dtype=numpy.float32):
+        self.dtype = numpy.dtype(dtype)
+        self.type_name = self.dtype.name            # cuBLAS's operand type
+        E = self.itemsize = self.dtype.itemsize
         g = layer.geom
         self.n, self.c = layer.num, layer.channels
         self.h, self.w = (int(d) for d in layer.in_spatial)
@@ -79,9 +86,8 @@ class _GemmConv:
                                                                 FLOAT_BYTES)))
             self.col_bytes = 0
         else:
-            self.B = max(1, min(self.n, GEMM_CHUNK_BYTES //
-                                max(1, self.K * self.P * FLOAT_BYTES)))
-            self.col_bytes = -(-self.K * self.B * self.P * FLOAT_BYTES // 256) * 256
+            self.B = max(1, min(self.n, GEMM_CHUNK_BYTES // max(1, self.K * self.P * E)))
+            self.col_bytes = -(-self.K * self.B * self.P * E // 256) * 256
         self.part_bytes = self.B * self.m * self.K * FLOAT_BYTES
         self._ones = None
 
@@ -109,7 +115,7 @@ class _GemmConv:
 
     def _images(self, x, n0):
         """(A, lda, stride) of images n0.. as column-major P x K matrices."""
-        return x + n0 * self.K * self.P * FLOAT_BYTES, self.P, self.K * self.P
+        return x + n0 * self.K * self.P * self.itemsize, self.P, self.K * self.P
 
     def chunks(self):
         for n0 in range(0, self.n, self.B):
@@ -117,21 +123,22 @@ class _GemmConv:
 
     def forward(self, x, w, y, ws, tf32=None, ops=_DeviceOps):
         """y = conv(x, w) (no bias) on device pointers; ws: the column buffer."""
-        M, K, P = self.m, self.K, self.P
+        M, K, P, t = self.m, self.K, self.P, self.type_name
         if self.direct:
             ops.gemm_strided_batched(blas.N, blas.N, P, M, K, x, P, K * P, w, K, 0, y, P, M * P,
-                                     self.n, tf32=tf32)
+                                     self.n, tf32=tf32, ab_type=t, c_type=t)
             return
         for n0, nb in self.chunks():
             ops.im2col(x, ws, n0, nb, self)
             ops.gemm_strided_batched(blas.N, blas.N, P, M, K, ws, nb * P, P, w, K, 0,
-                                     y + n0 * M * P * FLOAT_BYTES, P, M * P, nb, tf32=tf32)
+                                     y + n0 * M * P * self.itemsize, P, M * P, nb, tf32=tf32,
+                                     ab_type=t, c_type=t)
 
     def backward_data(self, dy, w, dx, tf32=None, ops=_DeviceOps):
         """dx = the data gradient (direct only; written, as cuDNN's beta 0)."""
-        M, K, P = self.m, self.K, self.P
+        M, K, P, t = self.m, self.K, self.P, self.type_name
         ops.gemm_strided_batched(blas.N, blas.T, P, K, M, dy, P, M * P, w, K, 0, dx, P, K * P,
-                                 self.n, tf32=tf32)
+                                 self.n, tf32=tf32, ab_type=t, c_type=t)
 
     def ones(self, nb):
         if self._ones is None or self._ones.size < nb:
@@ -140,8 +147,9 @@ class _GemmConv:
         return int(self._ones.data.ptr)
 
     def backward_filter(self, x, dy, dw, ws, tf32=None, ops=_DeviceOps, ones=None):
-        """dw += the filter gradient on device pointers; ws: columns, then partials."""
-        M, K, P = self.m, self.K, self.P
+        """dw (float32) += the filter gradient on device pointers; ws: columns,
+        then the float32 partials."""
+        M, K, P, t = self.m, self.K, self.P, self.type_name
         part = ws + self.col_bytes
         for n0, nb in self.chunks():
             if self.direct:
@@ -150,8 +158,8 @@ class _GemmConv:
                 ops.im2col(x, ws, n0, nb, self)
                 a, lda, stride = ws, nb * P, P
             ops.gemm_strided_batched(blas.T, blas.N, K, M, P, a, lda, stride,
-                                     dy + n0 * M * P * FLOAT_BYTES, P, M * P, part, K, M * K, nb,
-                                     tf32=tf32)
+                                     dy + n0 * M * P * self.itemsize, P, M * P, part, K, M * K,
+                                     nb, tf32=tf32, ab_type=t, c_type='float32')
             ops.gemm(blas.N, blas.N, M * K, 1, nb, part, M * K,
                      ones if ones is not None else self.ones(nb), nb, dw, M * K, beta=1.0,
                      tf32=False)

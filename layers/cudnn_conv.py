@@ -243,7 +243,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         if cd.loops != 1:
             return None, {}
         # Few input channels (an image net's first layer): im2col + GEMM too.
-        gemm = _GemmConv(self) if _GemmConv.eligible(self) and not self._sixteen_bit() else None
+        gemm = _GemmConv(self, self.activation_dtype) if _GemmConv.eligible(self) else None
         # The batch in halves, quarters and eighths: less workspace at about the speed.
         chunked = {v: _ConvDescs(self, False, k) for v, k in CHUNK_VARIANTS.items()
                    if slices == 1 and self.num % k == 0 and self.num >= 2 * k and
@@ -451,29 +451,32 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         # A 16-bit layer: cuDNN reads the 16-bit weights and writes the filter
         # gradient 16-bit, as its maps, into a scratch copy (beta 0) that
         # cp_accumulate adds to the FP32 master's (cuDNN has no 16-bit-input,
-        # float32-output call); the bias gradient's channel sums read the
+        # float32-output call); the cuBLAS variant adds its float32 sums to
+        # the master's itself. The bias gradient's channel sums read the
         # 16-bit top diff into the FP32 bias gradient.
+        fc = self._sites['bwd_filter'].choice
+        gemm_filter = fc.variant == 2 and self._gemm is not None
         dw16, beta, dtype = None, 1.0, self.activation_dtype
         bias16 = False          # summed by CuPy, without the channel-sum kernels
         if self._sixteen_bit():
             w, _ = self._sixteen_bit_params(reuse=True)
-            if dw:
+            if dw and not gemm_filter:
                 dw16 = backend.device_scratch('filter gradient', wblob.count, dtype)
                 dw, beta = int(dw16.data.ptr), 0.0
             if db and not _channel_sums_ok[0]:
                 bias16, db = True, 0
-        fc = self._sites['bwd_filter'].choice
         fcd = self._descs_for(fc)
         dkind = 'fwd' if self.reverse else 'bwd_data'
         dc = self._sites[dkind].choice
         dcd = self._descs_for(dc)
         for i, (bb, tt) in enumerate(zip(bottom, top)):
             dtop = _dptr(tt, True)
-            if dw and fc.variant == 2 and self._gemm is not None:
+            if dw and gemm_filter:
                 x = _dptr(bb)
                 if db:
                     self._cd.replays.run(('bias', dtop, db), functools.partial(
-                        _conv_params_calls, self._cd, None, 0, self.reverse, 0, dtop, 0, db, 0, 0))
+                        _conv_params_calls, self._cd, None, 0, self.reverse, 0, dtop, 0, db, 0, 0,
+                        beta, dtype))
                 with mgr.checkout(self, 'bwd_filter') as (ws, nbytes):
                     self._check_gemm_workspace('bwd_filter', ws, nbytes)
                     self._gemm.backward_filter(x, dtop, dw, ws)

@@ -499,42 +499,58 @@ def test_im2col_kernel_emulated(geom, emulated):
 
 
 class _FlatMemory:
-    """Device memory stood in for by one float32 array: 'pointers' are byte
-    offsets; im2col and the column-major cuBLAS calls as NumPy."""
+    """Device memory stood in for by one byte array: 'pointers' are byte
+    offsets; im2col and the column-major cuBLAS calls (operands of the type
+    they name, sums in float64, rounded once to C's type) as NumPy."""
 
     def __init__(self, nbytes):
-        self.mem = numpy.zeros(nbytes // 4 + 1, numpy.float32)
+        self.mem = numpy.zeros(nbytes + 8, numpy.uint8)
+
+    def _typed(self, addr, n, dtype):
+        dtype = numpy.dtype(dtype)
+        return self.mem[addr:addr + n * dtype.itemsize].view(dtype)
 
     def put(self, addr, a):
-        self.mem[addr // 4:addr // 4 + a.size] = a.reshape(-1)
+        self._typed(addr, a.size, a.dtype)[...] = a.reshape(-1)
 
-    def get(self, addr, n):
-        return self.mem[addr // 4:addr // 4 + n].copy()
+    def get(self, addr, n, dtype=numpy.float32):
+        return self._typed(addr, n, dtype).copy()
 
-    def _mat(self, addr, rows, cols, ld, trans):
+    def _mat(self, addr, rows, cols, ld, trans, dtype):
         """Column-major rows x cols matrix at addr (op applied)."""
         i = numpy.arange(rows)[:, None] + numpy.arange(cols)[None, :] * ld
-        a = self.mem[addr // 4 + i]
+        a = self._typed(addr, int(i.max()) + 1, dtype)[i]
         return a.T if trans else a
 
     def im2col(self, x, col, n0, nb, g):
         layer = _FakeConvLayer(g.n, g.c, (g.h, g.w), g.m, (g.kh, g.kw), (g.sh, g.sw),
                                (g.ph, g.pw), (g.dh, g.dw))
-        xs = self.get(x, g.n * g.c * g.h * g.w).reshape(g.n, g.c, g.h, g.w)
-        cols = _caffe_columns(xs, layer)[n0:n0 + nb]
-        self.put(col, cols.transpose(1, 0, 2))
+        xs = self.get(x, g.n * g.c * g.h * g.w, g.dtype).reshape(g.n, g.c, g.h, g.w)
+        cols = _caffe_columns(xs.astype(numpy.float32), layer)[n0:n0 + nb]
+        self.put(col, cols.transpose(1, 0, 2).astype(g.dtype))
 
     def gemm_strided_batched(self, ta, tb, m, n, k, a, lda, sa, b, ldb, sb, c, ldc, sc, batch,
-                             beta=0.0, tf32=None):
+                             beta=0.0, tf32=None, ab_type='float32', c_type='float32'):
+        ea, ec = numpy.dtype(_numpy_type(ab_type)).itemsize, numpy.dtype(
+            _numpy_type(c_type)).itemsize
         for i in range(batch):
-            self.gemm(ta, tb, m, n, k, a + 4 * i * sa, lda, b + 4 * i * sb, ldb, c + 4 * i * sc,
-                      ldc, beta=beta)
+            self.gemm(ta, tb, m, n, k, a + ea * i * sa, lda, b + ea * i * sb, ldb,
+                      c + ec * i * sc, ldc, beta=beta, ab_type=ab_type, c_type=c_type)
 
-    def gemm(self, ta, tb, m, n, k, a, lda, b, ldb, c, ldc, beta=0.0, tf32=None):
-        A = self._mat(a, k if ta else m, m if ta else k, lda, ta).astype(numpy.float64)
-        B = self._mat(b, n if tb else k, k if tb else n, ldb, tb).astype(numpy.float64)
-        idx = c // 4 + numpy.arange(m)[:, None] + numpy.arange(n)[None, :] * ldc
-        self.mem[idx] = (A @ B + beta * self.mem[idx]).astype(numpy.float32)
+    def gemm(self, ta, tb, m, n, k, a, lda, b, ldb, c, ldc, beta=0.0, tf32=None,
+             ab_type='float32', c_type='float32'):
+        at, ct = _numpy_type(ab_type), _numpy_type(c_type)
+        A = self._mat(a, k if ta else m, m if ta else k, lda, ta, at).astype(numpy.float64)
+        B = self._mat(b, n if tb else k, k if tb else n, ldb, tb, at).astype(numpy.float64)
+        idx = numpy.arange(m)[:, None] + numpy.arange(n)[None, :] * ldc
+        out = self._typed(c, int(idx.max()) + 1, ct)
+        out[idx] = (A @ B + beta * out[idx].astype(numpy.float64)).astype(ct)
+
+
+def _numpy_type(name):
+    if name == 'bfloat16':
+        return pytest.importorskip('ml_dtypes').bfloat16
+    return numpy.dtype(name)
 
 
 @pytest.mark.parametrize('geom', GEMM_GEOMS)
@@ -577,6 +593,56 @@ def test_gemm_convolution_plan(geom, chunk, monkeypatch):
     im2col.conv_backward(x, w, dy, layer.geom, 1, dw=dw)
     numpy.testing.assert_allclose(mem.get(DW, w.size).reshape(w.shape), dw, rtol=1e-4,
                                   atol=1e-4)
+
+
+@pytest.mark.parametrize('geom', GEMM_GEOMS)
+@pytest.mark.parametrize('type_name, rtol', [('float16', 2 ** -10), ('bfloat16', 2 ** -7)])
+@pytest.mark.parametrize('chunk', [None, 2])
+def test_gemm_convolution_plan_on_16_bit_maps(geom, type_name, rtol, chunk, monkeypatch):
+    """A 16-bit layer's cuBLAS variant: 16-bit maps, columns (half the
+    workspace) and weights; each output the float64 convolution of those
+    16-bit values rounded once; the filter gradient added, from float32
+    partials, to the float32 master's."""
+    from caffeplus.layers import conv_gemm as L
+    dtype = _numpy_type(type_name)
+    layer = _FakeConvLayer(*geom)
+    g32 = L._GemmConv(layer)
+    if chunk:       # column buffer (or partials, 1x1) for `chunk` images
+        per_image = layer.num_output * layer.channels * 4 if g32.direct else \
+            layer.channels * layer.geom.kernel_count * int(numpy.prod(layer.out_spatial)) * 2
+        monkeypatch.setattr(L, 'GEMM_CHUNK_BYTES', chunk * per_image)
+    g = L._GemmConv(layer, dtype)
+    assert g.B == (chunk or layer.num)
+    assert g.type_name == type_name and g.itemsize == 2
+    if not g.direct:
+        assert g.col_bytes < g32.col_bytes and g.memory('bwd_filter') < g32.memory('bwd_filter')
+    rng = numpy.random.default_rng(24)
+    x = rng.standard_normal((layer.num, layer.channels) + layer.in_spatial).astype(dtype)
+    w = rng.standard_normal((layer.num_output, layer.channels) + layer.geom.kernel
+                            ).astype(dtype)
+    y_shape = (layer.num, layer.num_output) + tuple(layer.out_spatial)
+    dy = rng.standard_normal(y_shape).astype(dtype)
+    dw0 = rng.standard_normal(w.shape).astype(numpy.float32)
+    sizes = [x.nbytes, w.nbytes, dy.nbytes, dy.nbytes, 2 * w.nbytes, g.memory('bwd_filter'),
+             4 * g.B]
+    addrs = numpy.cumsum([0] + [-(-s // 256) * 256 for s in sizes])
+    mem = _FlatMemory(int(addrs[-1]))
+    X, W, Y, DY, DW, WS, ONES = (int(a) for a in addrs[:-1])
+    for addr, a in ((X, x), (W, w), (DY, dy), (DW, dw0), (ONES, numpy.ones(g.B, numpy.float32))):
+        mem.put(addr, a)
+    g.forward(X, W, Y, WS, ops=mem)
+    # float64 reference on the 16-bit values
+    cols = _caffe_columns(x.astype(numpy.float64), layer)          # (N, K, P)
+    w64 = w.astype(numpy.float64).reshape(layer.num_output, -1)
+    want = numpy.einsum('mk,nkp->nmp', w64, cols).reshape(y_shape)
+    got = mem.get(Y, dy.size, dtype).reshape(y_shape)
+    numpy.testing.assert_allclose(got.astype(numpy.float64), want, rtol=rtol,
+                                  atol=rtol * numpy.abs(want).max())
+    g.backward_filter(X, DY, DW, WS, ops=mem, ones=ONES)
+    dy64 = dy.astype(numpy.float64).reshape(layer.num, layer.num_output, -1)
+    dw = dw0 + numpy.einsum('nmp,nkp->mk', dy64, cols).reshape(w.shape)
+    numpy.testing.assert_allclose(mem.get(DW, w.size).reshape(w.shape), dw, rtol=1e-5,
+                                  atol=1e-5)
 
 
 @pytest.mark.parametrize('n,c,hw,m,parts', [(3, 4, (5, 6), 7, 2), (2, 6, (3, 3), 5, None),

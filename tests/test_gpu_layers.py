@@ -460,6 +460,74 @@ def test_convolution_im2col_gemm_variant(math, monkeypatch):
         numpy.testing.assert_array_equal(got[i], got2[i])
 
 
+def _sixteen_bit_conv_round(lp, x, dy, params, dtype, gemm):
+    """One forward and backward of a convolution over `dtype` maps on the
+    GPU, its calls forced to the cuBLAS variant (`gemm`) or left to cuDNN."""
+    from caffeplus.memory import workspace
+    caffeplus.set_mode_gpu()
+    old_search = workspace.set_search('timed')
+    try:
+        layer = create_layer(lp)
+        bottom, top = [Blob(x.shape, name='x')], [Blob(name='y')]
+        for b in bottom + top:
+            b.set_storage_dtype(dtype)
+        bottom[0].data = x
+        layer.setup(bottom, top)
+        for b, v in zip(layer.blobs, params):
+            b.data = v
+        layer.forward(bottom, top)
+        mgr = layer._manager()
+        need = mgr.nbytes
+        for kind in layer._gemm.kinds():
+            site = layer._sites[kind]
+            if (site.choice.variant == 2) == gemm:
+                continue
+            # cuDNN's fastest that the arena holds, or the cuBLAS variant
+            pick = [c for c in site.candidates if (c.variant == 2) == gemm and
+                    (gemm or c.memory <= mgr.nbytes)]
+            assert pick, site.candidates
+            site.choice = pick[0]
+            need = max(need, pick[0].memory)
+        mgr._buffer.resize(need, layer, 'arena')
+        got = _conv_round(layer, bottom, top, dy)
+    finally:
+        workspace.set_search(old_search)
+    assert top[0].data_storage.array.dtype == numpy.dtype(dtype)
+    assert all(b.diff.dtype == numpy.float32 for b in layer.blobs)     # the FP32 masters
+    return got
+
+
+@pytest.mark.parametrize('type_name', ['float16', 'bfloat16'])
+@pytest.mark.parametrize('conv, shape', [
+    ('num_output: 8 kernel_size: 5 stride: 2 pad: 1', (5, 3, 15, 13)),
+    ('num_output: 24 kernel_size: 1', (6, 16, 9, 7))])
+def test_sixteen_bit_convolution_gemm_variant_follows_cudnn(type_name, conv, shape, monkeypatch):
+    """A 16-bit layer's cuBLAS variant (im2col of 16-bit values, tensor-core
+    GEMMs, the filter gradient summed in float32 into the FP32 master's):
+    its top and gradients within the type's rounding of cuDNN's 16-bit
+    calls on the same values, and of the CPU's float32 convolution."""
+    from caffeplus.cudnn import algo_search
+    monkeypatch.setattr(algo_search, 'GEMM_SEARCH', True)
+    if type_name == 'bfloat16':
+        dtype, tol = pytest.importorskip('ml_dtypes').bfloat16, 3e-2
+    else:
+        dtype, tol = numpy.float16, 4e-3
+    lp = _param('type: "Convolution" convolution_param { %s }' % conv)
+    rng = numpy.random.default_rng(29)
+    # Values the 16-bit type holds exactly, so every path reads the same inputs.
+    x = rng.standard_normal(shape).astype(dtype).astype(numpy.float32)
+    _, y_cpu, dx_cpu, dp_cpu, params, _ = _run(lp, x, None, None, gpu=False)
+    params = [p.astype(dtype).astype(numpy.float32) for p in params]
+    _, y_cpu, dx_cpu, dp_cpu, _, dy = _run(lp, x, None, params, gpu=False)
+    dy = dy.astype(dtype).astype(numpy.float32)
+    _, y_cpu, dx_cpu, dp_cpu, _, _ = _run(lp, x, dy, params, gpu=False)
+    gemm = _sixteen_bit_conv_round(lp, x, dy, params, dtype, True)
+    cudnn = _sixteen_bit_conv_round(lp, x, dy, params, dtype, False)
+    for a, b, c, what in zip(gemm, cudnn, [y_cpu, dx_cpu] + dp_cpu, ['top', 'dx', 'dw', 'db']):
+        _assert_close(a, b, tol, '%s cuBLAS against cuDNN, %s' % (type_name, what))
+        _assert_close(a, c, tol, '%s cuBLAS against the CPU, %s' % (type_name, what))
+
+
 @pytest.mark.parametrize('math', ['strict', 'tf32'])
 def test_convolution_1x1_gemm_variant(math):
     """Timed search weighs cuBLAS against cuDNN for every call of a 1x1

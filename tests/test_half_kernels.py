@@ -574,3 +574,25 @@ def test_the_lrn_layer_launches_its_kernels_as_they_read_their_arguments(float_e
         got[name] = top.data.copy(), bottom.diff.copy()
     numpy.testing.assert_allclose(got['kernel'][0], got['generic'][0], rtol=1e-5, atol=1e-6)
     numpy.testing.assert_allclose(got['kernel'][1], got['generic'][1], rtol=1e-4, atol=1e-5)
+
+
+def test_im2col_16_bit_build_copies_the_maps_values(half_extra, float_extra):
+    """cp_im2col's 16-bit build (the cuBLAS convolution of a 16-bit layer):
+    the float32 build's columns, each value the 16-bit map's own (zero
+    padding included), bit for bit."""
+    i32 = kernels.i32
+    n, c, h, w = 3, 2, 7, 6
+    kh, kw, sh, sw, ph, pw, dh, dw = 3, 2, 2, 1, 1, 0, 1, 2
+    oh = (h + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
+    ow = (w + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
+    x = _maps(numpy.random.RandomState(31), n, c, h, w)
+    for n0, nb in ((0, n), (1, 2)):
+        total = c * kh * kw * nb * oh * ow
+        args = (numpy.uint64(total), i32(n0), i32(nb), i32(c), i32(h), i32(w), i32(kh), i32(kw),
+                i32(oh), i32(ow), i32(sh), i32(sw), i32(ph), i32(pw), i32(dh), i32(dw))
+        col16 = numpy.full(total, numpy.nan, F16)
+        col32 = numpy.full(total, numpy.nan, F32)
+        half_extra.kernel('cp_im2col')((2,), (32,), (x.reshape(-1), col16) + args)
+        float_extra.kernel('cp_im2col')((2,), (32,), (x.astype(F32).reshape(-1), col32) + args)
+        assert (col32 == 0).any()                   # the padding
+        assert col16.tobytes() == col32.astype(F16).tobytes()

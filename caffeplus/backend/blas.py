@@ -206,22 +206,25 @@ def gemm(transa, transb, m, n, k, a, lda, b, ldb, c, ldc, beta=0.0, tf32=None, w
 
 
 def gemm_strided_batched(transa, transb, m, n, k, a, lda, stride_a, b, ldb, stride_b, c, ldc,
-                         stride_c, batch, beta=0.0, tf32=None, workspace=None):
+                         stride_c, batch, beta=0.0, tf32=None, workspace=None,
+                         ab_type='float32', c_type='float32'):
     """C_i = op(A_i) op(B_i) + beta C_i for i < batch, X_i = X + i * stride_x
     (elements; a stride of 0 shares the matrix); as gemm() otherwise."""
     if tf32 is None:
         tf32 = mathmode.tf32()
+    compute = _COMPUTE_32F_FAST_TF32 if tf32 else _COMPUTE_32F
+    ta, tc = _DATA_TYPES[str(ab_type)], _DATA_TYPES[str(c_type)]
+    if ta != _R_32F:
+        compute = _COMPUTE_32F
     workspace = _workspace(workspace)
     if workspace is not None:
         _on_workspace(workspace, 'cublasGemmStridedBatchedEx', transa, transb, int(m), int(n),
-                      int(k), _SCALARS[1.0], a, _R_32F, int(lda), int(stride_a), b, _R_32F,
-                      int(ldb), int(stride_b), _SCALARS[float(beta)], c, _R_32F, int(ldc),
-                      int(stride_c), int(batch),
-                      _COMPUTE_32F_FAST_TF32 if tf32 else _COMPUTE_32F, _GEMM_DEFAULT)
+                      int(k), _SCALARS[1.0], a, ta, int(lda), int(stride_a), b, ta,
+                      int(ldb), int(stride_b), _SCALARS[float(beta)], c, tc, int(ldc),
+                      int(stride_c), int(batch), compute, _GEMM_DEFAULT)
         return
     lib = _lib()
     lib.gemmStridedBatchedEx(
-        _handle(), transa, transb, int(m), int(n), int(k), _SCALARS[1.0], a, _R_32F, int(lda),
-        int(stride_a), b, _R_32F, int(ldb), int(stride_b), _SCALARS[float(beta)], c, _R_32F,
-        int(ldc), int(stride_c), int(batch), _COMPUTE_32F_FAST_TF32 if tf32 else _COMPUTE_32F,
-        _GEMM_DEFAULT)
+        _handle(), transa, transb, int(m), int(n), int(k), _SCALARS[1.0], a, ta, int(lda),
+        int(stride_a), b, ta, int(ldb), int(stride_b), _SCALARS[float(beta)], c, tc,
+        int(ldc), int(stride_c), int(batch), compute, _GEMM_DEFAULT)
