@@ -860,3 +860,12 @@ def test_relu_over_the_kernels_count_runs_in_pieces(name, emulated, monkeypatch)
     # generic code, which the old path fell back to, launches none).
     assert launches.count('cp_relu_fwd') == 2 * pieces
     assert launches.count('cp_relu_bwd') == 2 * pieces
+
+
+def test_the_im2col_gemm_search_follows_its_environment_switch(monkeypatch):
+    from caffeplus.cudnn import algo_search
+    monkeypatch.delenv('CAFFEPLUS_GEMM_SEARCH', raising=False)
+    assert algo_search._gemm_search() == algo_search.GEMM_SEARCH
+    for value, want in (('1', True), ('0', False)):
+        monkeypatch.setenv('CAFFEPLUS_GEMM_SEARCH', value)
+        assert algo_search._gemm_search() is want

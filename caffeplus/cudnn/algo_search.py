@@ -3,6 +3,7 @@ heuristics or FindEx timings (shared by every layer of one geometry, as
 cudnn.benchmark does), the variants timed beside cuDNN's own calls (per
 group, batch slices, im2col + cuBLAS) and the switches that enable them.
 """
+import os
 
 import numpy
 
@@ -207,7 +208,9 @@ def _gemm_1x1_search():
 
 
 def _gemm_search():
-    return GEMM_SEARCH
+    # CAFFEPLUS_GEMM_SEARCH=1 or 0 overrides GEMM_SEARCH (benchmarks weigh both).
+    setting = os.environ.get('CAFFEPLUS_GEMM_SEARCH')
+    return GEMM_SEARCH if setting is None else setting == '1'
 
 
 # FindEx results by geometry (see _ConvDescs.timer).
