@@ -104,7 +104,8 @@ class _GemmConv:
             return False
         if _GemmConv.is_direct(layer):
             return _gemm_1x1_search()
-        return _gemm_search() and layer.channels <= GEMM_MAX_CHANNELS
+        sixteen_bit = getattr(layer, 'activation_dtype', numpy.dtype(numpy.float32)).itemsize != 4
+        return _gemm_search(sixteen_bit) and layer.channels <= GEMM_MAX_CHANNELS
 
     def kinds(self):
         """The calls this variant can make."""

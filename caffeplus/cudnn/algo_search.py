@@ -192,10 +192,12 @@ GEMM_ALGO = 100                 # AlgoChoice.algo of the im2col + GEMM variant
 # Timed search weighs cuBLAS for 1x1 stride-1 convolutions (_GemmConv.direct).
 GEMM_1X1_SEARCH = True
 # Timed search also times im2col + GEMM for convolutions over few input
-# channels. Checked correct on an H100 (tests/test_gpu_layers.py), but
-# AlexNet's time did not move with it in the one benchmark run so far, and a
-# chosen variant's column buffer (up to GEMM_CHUNK_BYTES) enlarges the arena.
+# channels. For FP32 layers off: AlexNet's time did not move with it (H100),
+# and a chosen variant's column buffer (up to GEMM_CHUNK_BYTES) enlarges the
+# arena. For 16-bit layers on: on the H200 torchvision's AlexNet b128 went
+# from 5.8 to 5.4 ms in FLOAT16 and from 6.0 to 5.5 in BFLOAT16 with it.
 GEMM_SEARCH = False
+GEMM_SEARCH_SIXTEEN_BIT = True
 # Timed search also times each call over halves, quarters and eighths of the
 # batch (CHUNK_VARIANTS).
 CHUNK_SEARCH = True
@@ -207,10 +209,12 @@ def _gemm_1x1_search():
     return GEMM_1X1_SEARCH
 
 
-def _gemm_search():
-    # CAFFEPLUS_GEMM_SEARCH=1 or 0 overrides GEMM_SEARCH (benchmarks weigh both).
+def _gemm_search(sixteen_bit=False):
+    # CAFFEPLUS_GEMM_SEARCH=1 or 0 overrides both switches (benchmarks weigh both).
     setting = os.environ.get('CAFFEPLUS_GEMM_SEARCH')
-    return GEMM_SEARCH if setting is None else setting == '1'
+    if setting is not None:
+        return setting == '1'
+    return GEMM_SEARCH_SIXTEEN_BIT if sixteen_bit else GEMM_SEARCH
 
 
 # FindEx results by geometry (see _ConvDescs.timer).
