@@ -862,7 +862,7 @@ def test_relu_over_the_kernels_count_runs_in_pieces(name, emulated, monkeypatch)
     assert launches.count('cp_relu_bwd') == 2 * pieces
 
 
-def test_the_im2col_gemm_search_is_on_for_16_bit_layers_and_follows_the_environment(
+def test_the_im2col_gemm_search_switches_by_layer_type_and_environment(
         monkeypatch):
     from caffeplus.cudnn import algo_search
     from caffeplus.layers import conv_gemm

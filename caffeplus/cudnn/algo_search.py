@@ -192,12 +192,13 @@ GEMM_ALGO = 100                 # AlgoChoice.algo of the im2col + GEMM variant
 # Timed search weighs cuBLAS for 1x1 stride-1 convolutions (_GemmConv.direct).
 GEMM_1X1_SEARCH = True
 # Timed search also times im2col + GEMM for convolutions over few input
-# channels. For FP32 layers off: AlexNet's time did not move with it (H100),
-# and a chosen variant's column buffer (up to GEMM_CHUNK_BYTES) enlarges the
-# arena. For 16-bit layers on: on the H200 torchvision's AlexNet b128 went
-# from 5.8 to 5.4 ms in FLOAT16 and from 6.0 to 5.5 in BFLOAT16 with it.
+# channels (FP32 layers: GEMM_SEARCH; 16-bit ones: GEMM_SEARCH_SIXTEEN_BIT).
+# Both off: AlexNet's FP32 time did not move with it (H100); in 16 bits
+# torchvision's AlexNet b128 took 5.4-5.7 ms with it against 5.8 without
+# (H200, separate runs, within their spread) and peaked 90 MiB higher, as a
+# chosen variant's column buffer (up to GEMM_CHUNK_BYTES) enlarges the arena.
 GEMM_SEARCH = False
-GEMM_SEARCH_SIXTEEN_BIT = True
+GEMM_SEARCH_SIXTEEN_BIT = False
 # Timed search also times each call over halves, quarters and eighths of the
 # batch (CHUNK_VARIANTS).
 CHUNK_SEARCH = True
