@@ -562,7 +562,34 @@ def _transform_decoded(transformer, arrays, whats, buffers, pool, top_shape):
     return transformer.transform_batch(arrays, whats=whats, pool=pool)
 
 
-class _DatabaseSource:
+class _BatchSource:
+    """What Data's and ImageData's sources share: the batch buffers and a
+    batch's load (items read and decoded by the pool, then transformed).
+    A source gives `_next_items()` (this rank's items of the next batch),
+    `_decode_item(item)` -> (label, array, what) and `state()`."""
+    output_labels = True
+
+    def use_shape(self, shape, top_shape):
+        """Items of C x H x W `shape` (the first one's) make top_shape batches."""
+        self.buffers = _BatchBuffers(self.batch_size, shape)
+        self.top_shape = top_shape
+
+    def recycle(self, data):
+        if isinstance(data, numpy.ndarray):
+            self.buffers.recycle(data)
+
+    def load_batch(self):
+        started = time.perf_counter()
+        arrays, labels, whats = _decode_batch(self.pool, self._decode_item, self._next_items(),
+                                              self.buffers)
+        read = time.perf_counter()
+        data = _transform_decoded(self.transformer, arrays, whats, self.buffers, self.pool,
+                                  self.top_shape)
+        label = numpy.asarray(labels, dtype=numpy.float32) if self.output_labels else None
+        return _Batch(data, label, self.state(), read - started, time.perf_counter() - read)
+
+
+class _DatabaseSource(_BatchSource):
     """Datum records in key order: the coordinator reads the records (and
     skips other ranks' shares), the workers parse and decode them."""
 
@@ -619,24 +646,11 @@ class _DatabaseSource:
         self._skip(world - 1 - rank)
         return records
 
-    def use_shape(self, shape, top_shape):
-        """Records of C x H x W `shape` (the first one's) make top_shape batches."""
-        self.buffers = _BatchBuffers(self.batch_size, shape)
-        self.top_shape = top_shape
+    def _next_items(self):
+        return self._next_records()
 
-    def recycle(self, data):
-        if isinstance(data, numpy.ndarray):
-            self.buffers.recycle(data)
-
-    def load_batch(self):
-        started = time.perf_counter()
-        arrays, labels, whats = _decode_batch(self.pool, self.decode, self._next_records(),
-                                              self.buffers)
-        read = time.perf_counter()
-        data = _transform_decoded(self.transformer, arrays, whats, self.buffers, self.pool,
-                                  self.top_shape)
-        label = numpy.asarray(labels, dtype=numpy.float32) if self.output_labels else None
-        return _Batch(data, label, self.state(), read - started, time.perf_counter() - read)
+    def _decode_item(self, record):
+        return self.decode(record)
 
     def state(self):
         return {'reader': self.reader.state(), 'transformer': self.transformer.get_state()}
@@ -721,7 +735,7 @@ def read_image_list(path, layer_name=''):
     return lines
 
 
-class _ImageListSource:
+class _ImageListSource(_BatchSource):
     """Images of a list file: the coordinator walks the (shuffled) list, the
     workers read, decode and resize the files."""
 
@@ -799,24 +813,11 @@ class _ImageListSource:
         self._advance(world - 1 - rank)
         return lines
 
-    def use_shape(self, shape, top_shape):
-        """Images of C x H x W `shape` (the first one's) make top_shape batches."""
-        self.buffers = _BatchBuffers(self.batch_size, shape)
-        self.top_shape = top_shape
+    def _next_items(self):
+        return self._next_lines()
 
-    def recycle(self, data):
-        if isinstance(data, numpy.ndarray):
-            self.buffers.recycle(data)
-
-    def load_batch(self):
-        started = time.perf_counter()
-        arrays, labels, whats = _decode_batch(self.pool, self.read, self._next_lines(),
-                                              self.buffers)
-        read = time.perf_counter()
-        data = _transform_decoded(self.transformer, arrays, whats, self.buffers, self.pool,
-                                  self.top_shape)
-        return _Batch(data, numpy.asarray(labels, dtype=numpy.float32), self.state(),
-                      read - started, time.perf_counter() - read)
+    def _decode_item(self, line):
+        return self.read(line)
 
     def state(self):
         return {'lines_id': self.lines_id, 'num_lines': len(self.lines),
