@@ -134,6 +134,11 @@ SETTINGS = {s.name: s for s in (
             "those of stock), 'on' (every plan masks all it can), 'off' (none).",
             env='CAFFEPLUS_MASKS', solver_field='masks', flag='--masks',
             commands=('train', 'time', 'memory')),
+    Setting('gemm_search', _choice('plan', 'off', 'on', aliases=_PLAN_SWITCH), 'plan',
+            "Whether timed search also times im2col + cuBLAS for convolutions over few "
+            "input channels: 'plan' (off for FP32 and 16-bit layers alike, "
+            "caffeplus.cudnn.algo_search's switches), 'on', 'off'.",
+            env='CAFFEPLUS_GEMM_SEARCH'),
     Setting('calibration', _path, '',
             "A table of measured cuDNN algorithms (JSON, written by `dev/dump_algorithms.py "
             "--calibration`) that plan auto plans with.",

@@ -862,11 +862,10 @@ def test_relu_over_the_kernels_count_runs_in_pieces(name, emulated, monkeypatch)
     assert launches.count('cp_relu_bwd') == 2 * pieces
 
 
-def test_the_im2col_gemm_search_switches_by_layer_type_and_environment(
+def test_the_im2col_gemm_search_switches_by_layer_type_and_setting(
         monkeypatch):
     from caffeplus.cudnn import algo_search
     from caffeplus.layers import conv_gemm
-    monkeypatch.delenv('CAFFEPLUS_GEMM_SEARCH', raising=False)
     monkeypatch.setattr(algo_search, 'GEMM_SEARCH', False)
     monkeypatch.setattr(algo_search, 'GEMM_SEARCH_SIXTEEN_BIT', True)
     layer = _FakeConvLayer(2, 3, (9, 9), 4, (3, 3), (2, 2), (0, 0), (1, 1))
@@ -875,7 +874,8 @@ def test_the_im2col_gemm_search_switches_by_layer_type_and_environment(
     assert conv_gemm._GemmConv.eligible(layer)
     layer.channels = conv_gemm.GEMM_MAX_CHANNELS + 1          # not an image layer
     assert not conv_gemm._GemmConv.eligible(layer)
-    for value, want in (('1', True), ('0', False)):
-        monkeypatch.setenv('CAFFEPLUS_GEMM_SEARCH', value)
-        assert algo_search._gemm_search() is want
-        assert algo_search._gemm_search(sixteen_bit=True) is want
+    from caffeplus import config
+    for value, want in (('on', True), ('off', False)):
+        with config.using(gemm_search=value):
+            assert algo_search._gemm_search() is want
+            assert algo_search._gemm_search(sixteen_bit=True) is want

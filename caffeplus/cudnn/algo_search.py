@@ -3,8 +3,6 @@ heuristics or FindEx timings (shared by every layer of one geometry, as
 cudnn.benchmark does), the variants timed beside cuDNN's own calls (per
 group, batch slices, im2col + cuBLAS) and the switches that enable them.
 """
-import os
-
 import numpy
 
 from caffeplus.backend import mathmode
@@ -211,10 +209,12 @@ def _gemm_1x1_search():
 
 
 def _gemm_search(sixteen_bit=False):
-    # CAFFEPLUS_GEMM_SEARCH=1 or 0 overrides both switches (benchmarks weigh both).
-    setting = os.environ.get('CAFFEPLUS_GEMM_SEARCH')
-    if setting is not None:
-        return setting == '1'
+    # The gemm_search setting (CAFFEPLUS_GEMM_SEARCH) 'on' or 'off' overrides
+    # both switches (benchmarks weigh both).
+    from caffeplus import config
+    setting = config.get('gemm_search')
+    if setting != 'plan':
+        return setting == 'on'
     return GEMM_SEARCH_SIXTEEN_BIT if sixteen_bit else GEMM_SEARCH
 
 
