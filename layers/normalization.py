@@ -413,6 +413,9 @@ class BiasLayer(Layer):
             self.blobs[0].diff[...] += g.reshape(self.blobs[0].shape)
 
 
+_READS_NOTHING, _READS_BOTTOM = frozenset(), frozenset(('bottom_data',))
+
+
 @register
 class ScaleLayer(Layer):
     """top = bottom[0] * s (+ b), s = bottom[1] or a learned blob, broadcast at `axis`;
@@ -422,7 +425,7 @@ class ScaleLayer(Layer):
     max_num_bottom = 2
     exact_num_top = 1
     inplace_ok = True
-    backward_reads = frozenset(('bottom_data',))
+    backward_reads = _READS_BOTTOM
 
     def layer_setup(self, bottom, top):
         p = self.layer_param.scale_param
@@ -458,6 +461,13 @@ class ScaleLayer(Layer):
         # Kept in the maps' type: a 16-bit map's values are exact in 16 bits.
         self._kept = {'bottom_copy': (bottom[0].count, bottom[0].data_storage.dtype)} \
             if copies else {}
+        # In place on its one bottom, backward reads no blob's values: the
+        # scale gradient reads the kept copy (or is not wanted), the bottom
+        # gradient the top diff and the learned scale. The blob may then die
+        # at its last forward reader (a residual branch's chain top at the
+        # Eltwise) instead of living to this backward.
+        self.backward_reads = _READS_NOTHING if len(bottom) == 1 and \
+            _same_data(bottom[0], top[0]) else _READS_BOTTOM
 
     def internal_buffers(self):
         """In place, the bottom the scale gradient needs (caffeplus.memory.scratch)."""

@@ -167,9 +167,11 @@ def test_batch_override_scales_activations_proportionally(capsys):
     shared32, shared64 = (d['plans']['shared']['breakdown'] for d in (b32, b64))
     # (The arena's shares at its peak: at b32 that is fc1000's forward step,
     # where cuBLAS's workspace lies beside the maps.)
+    # The two peaks fall at different steps, so within the fixed 32 MiB of
+    # cuBLAS's workspace that b32's holds (1.4% of its arena share).
     ratio = (shared64['activations'] + shared64['activation_diffs'] + shared64['workspace']) / \
         float(shared32['activations'] + shared32['activation_diffs'] + shared32['workspace'])
-    assert abs(ratio - 2) < 0.01
+    assert abs(ratio - 2) < 0.02
     # The override gives what the b64 file itself gives, and Caffe's b64 figure.
     file64 = memory_json(capsys, '-model', bench('resnet50_b64'), '--plans', 'stock,shared')
     assert file64['plans'] == b64['plans']

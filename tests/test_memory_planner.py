@@ -46,6 +46,41 @@ def test_liveness_follows_declared_backward_reads():
     assert bufs[('label',)].end == 2 * L
 
 
+RESIDUAL = '''
+name: "residual"
+layer { name: "data" type: "Input" top: "x" top: "label"
+        input_param { shape { dim: 2 dim: 4 dim: 6 dim: 6 } shape { dim: 2 } } }
+layer { name: "conv" type: "Convolution" bottom: "x" top: "branch"
+        convolution_param { num_output: 4 kernel_size: 3 pad: 1 } }
+layer { name: "bn" type: "BatchNorm" bottom: "branch" top: "branch" }
+layer { name: "scale" type: "Scale" bottom: "branch" top: "branch"
+        scale_param { bias_term: true } }
+layer { name: "add" type: "Eltwise" bottom: "branch" bottom: "x" top: "sum" }
+layer { name: "relu" type: "ReLU" bottom: "sum" top: "sum" }
+layer { name: "ip" type: "InnerProduct" bottom: "sum" top: "out" inner_product_param { num_output: 3 } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "out" bottom: "label" top: "loss" }
+'''
+
+
+def test_an_in_place_batchnorm_scale_top_dies_at_its_last_forward_reader():
+    """In place, BatchNorm and Scale read their kept copies in backward, not
+    the blob: a residual branch's top lives until the Eltwise adds it. Out
+    of place, Scale's backward reads its bottom, which lives to then."""
+    net = build(RESIDUAL)
+    assert net.layers[net.layer_index('scale')].backward_reads == frozenset()
+    bufs = {b.blobs: b for b in liveness.buffers(net) if b.kind == 'data'}
+    assert bufs[('branch',)].end == net.layer_index('add')
+    assert set(net.layers[net.layer_index('scale')].internal_buffers()) == {'bottom_copy'}
+    apart = build(RESIDUAL.replace('bottom: "branch" top: "branch"\n        scale_param',
+                                   'bottom: "branch" top: "scaled"\n        scale_param')
+                  .replace('bottom: "branch" bottom: "x"', 'bottom: "scaled" bottom: "x"'))
+    scale = apart.layer_index('scale')
+    assert apart.layers[scale].backward_reads == frozenset(('bottom_data',))
+    bufs = {b.blobs: b for b in liveness.buffers(apart) if b.kind == 'data'}
+    L = len(apart.layers)
+    assert bufs[('branch',)].end == 2 * L - 1 - scale
+
+
 def test_placement_never_overlaps_live_buffers():
     net = build()
     bufs = liveness.buffers(net)
