@@ -592,7 +592,8 @@ def test_memory_command_measures_with_the_estimate_beside(capsys):
 # --iterations 10 --json`, each plan in a process of its own): (folder,
 # commit the run measured, plans). A plan's first listed run counts.
 _MEMORY = os.path.join(ROOT, 'benchmarks', 'memory')
-_RUNS = [('2026-11-29-s22', '68f08d9', 'stock_arena_shared_offload')]
+_RUNS = [('2026-12-04', '9d55be5', 'shared_offload'),
+         ('2026-11-29-s22', '68f08d9', 'stock_arena_shared_offload')]
 MEASURED = {net: [path for path in (os.path.join(_MEMORY, folder, '%s_memory_%s_%s.json'
                                                  % (commit, net, plans))
                                     for folder, commit, plans in _RUNS)
@@ -641,13 +642,13 @@ def test_vgg16_b256_shared_estimate_within_five_percent_of_the_recorded_run(caps
 
 
 # The recorded FLOAT16 runs of `shared` (H200, `caffeplus memory -gpu 0
-# --precision fp16 --plans shared --json`): net -> (file, the masks setting
+# --precision fp16 --plans shared --json`): net -> (folder/file, the masks setting
 # the run had). GoogLeNet's run predates masks for 16-bit nets.
 FP16_RUNS = {
-    'vgg16_b64': ('1c5df3c_memory_fp16_vgg16_b64.json', 'plan'),
-    'alexnet_b128': ('1c5df3c_memory_fp16_alexnet_b128.json', 'plan'),
-    'resnet50_b64': ('7b280cb_memory_fp16_resnet50_b64.json', 'plan'),
-    'googlenet_b64': ('a29b337_memory_fp16_googlenet_b64.json', 'off'),
+    'vgg16_b64': ('2026-12-03/1c5df3c_memory_fp16_vgg16_b64.json', 'plan'),
+    'alexnet_b128': ('2026-12-03/1c5df3c_memory_fp16_alexnet_b128.json', 'plan'),
+    'resnet50_b64': ('2026-12-04/9d55be5_memory_fp16_resnet50_b64.json', 'plan'),
+    'googlenet_b64': ('2026-12-03/a29b337_memory_fp16_googlenet_b64.json', 'off'),
 }
 
 
@@ -657,7 +658,7 @@ def test_fp16_estimates_within_five_percent_of_the_recorded_measurements(capsys,
     workspace is modelled on their 16-bit maps (a model that priced them
     as FP32's transforms was 8.9% over on VGG-16 and 8.7% on AlexNet)."""
     name, masks = FP16_RUNS[net]
-    real = json.load(open(os.path.join(_MEMORY, '2026-12-03', name)))['plans']['shared']
+    real = json.load(open(os.path.join(_MEMORY, name)))['plans']['shared']
     real = real.get('steady_peak_bytes') or real['peak_bytes']
     doc = memory_json(capsys, '-model', bench(net), '--plans', 'shared',
                       '--precision', 'fp16', '--masks', masks)
