@@ -264,6 +264,11 @@ class Layer:
             raise NetError('layer %s (%s) cannot back-propagate'
                            % (self.layer_param.name, self.layer_param.type))
 
+    def net_ready(self):
+        """Called when the net holding the layer is built, before it logs
+        "Network initialization done": background work starts here (a data
+        layer's prefetching), after every layer is set up."""
+
     # -- workspace, for the memory planner -----------------------------------
     def workspace_bytes(self):
         """Scratch bytes the layer needs during one call (0: none)."""

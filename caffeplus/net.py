@@ -272,6 +272,8 @@ class Net:
         workspace.attach_default(self)
         # 16-bit storage, where the types ask for it (caffeplus.precision).
         precision.attach(self)
+        for layer in self.layers:
+            layer.net_ready()
         log.info('Network initialization done.')
 
     @property

@@ -238,6 +238,58 @@ def test_data_layer_batches_do_not_depend_on_the_worker_count(tmp_path, encode):
             assert label[i] == k % 7
 
 
+def test_prefetching_starts_when_the_net_is_built_not_at_setup(tmp_path):
+    """A data layer's prefetch thread starts once every layer of its net is
+    set up (Layer.net_ready, before "Network initialization done"), or at
+    the first forward of a layer used alone; the batches are the same."""
+    import logging
+    from caffeplus import log
+    path = str(tmp_path / 'db')
+    _write_lmdb(path, _images(12))
+    layer, tops = _data_layer(path, 'scale: 0.5', batch=4)
+    assert layer._prefetcher._thread is None                  # set up, not started
+    alone = _run(layer, tops, 2)
+    text = ('name: "n" layer { name: "data" type: "Data" top: "data" top: "label" '
+            'transform_param { scale: 0.5 } data_param { source: "%s" batch_size: 4 '
+            'backend: LMDB } }' % path)
+    started = []
+    real = type(layer).net_ready
+
+    def watch(self):
+        started.append(self._prefetcher._thread)
+        real(self)
+        started.append(self._prefetcher._thread)
+    lines = []
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.append((record.getMessage(), len(started)))
+    handler = Lines(logging.INFO)
+    old_level = log.logger.level
+    log.logger.addHandler(handler)
+    log.logger.setLevel(logging.INFO)
+    try:
+        type(layer).net_ready = watch
+        caffeplus.rng.set_random_seed(1701)
+        net = caffeplus.Net(text_format.Parse(text, caffe_pb2.NetParameter()), caffeplus.TRAIN)
+    finally:
+        type(layer).net_ready = real
+        log.logger.removeHandler(handler)
+        log.logger.setLevel(old_level)
+    assert started[0] is None and started[1] is not None and started[1].is_alive()
+    # every line of the build came before, "Network initialization done" after
+    assert [m for m, n in lines if n] == ['Network initialization done.']
+    data = net.layers[0]
+    in_net = []
+    for _ in range(2):
+        net.forward()
+        in_net.append((net.blobs['data'].data.copy(), net.blobs['label'].data.copy()))
+    data.close()
+    for (a, b), (c, d) in zip(alone, in_net):
+        numpy.testing.assert_array_equal(a, c)
+        numpy.testing.assert_array_equal(b, d)
+
+
 def test_data_layer_mean_file_and_test_phase_centre_crop(tmp_path):
     imgs = _images(8)
     source = _write_lmdb(tmp_path / 'db', imgs, 'PNG')
