@@ -972,6 +972,7 @@ def test_gpu_relayout_frees_the_old_arena(monkeypatch):
         pool.free_all_blocks()
         applied = net.applied_plan
         before, old_bytes = pool.total_bytes(), applied.arena_bytes
+        old_arena = _weak(applied.arena_base())
         real_place = placement.place
         monkeypatch.setattr(placement, 'place', lambda bufs, *a: (real_place(bufs, *a)[0],
                                                               2 * real_place(bufs, *a)[1]))
@@ -985,9 +986,30 @@ def test_gpu_relayout_frees_the_old_arena(monkeypatch):
         # the new arena instead of the old one: + (new - old), not + new
         # (the far look-ahead's layout is larger than the old one anyway)
         assert new_bytes > old_bytes
-        assert grew < new_bytes - old_bytes // 2, (grew, new_bytes, old_bytes)
+        assert grew < new_bytes - old_bytes // 2, (grew, new_bytes, old_bytes,
+                                                   _holders(old_arena))
     finally:
         caffeplus.set_mode_cpu()
+
+
+def _weak(array):
+    import weakref
+    try:
+        return weakref.ref(array)
+    except TypeError:           # an array type without weak references
+        return None
+
+
+def _holders(ref):
+    """What still holds the old arena (for the failure message): its
+    referrers, and whether the cycle collector frees it."""
+    import gc
+    if ref is None or ref() is None:
+        return 'the old arena is gone'
+    holders = [type(r).__name__ + ':' + repr(r)[:80] for r in gc.get_referrers(ref())][:8]
+    gc.collect()
+    return 'held by %s; %s after gc.collect()' % (
+        holders, 'still alive' if ref() is not None else 'freed')
 
 
 def test_a_plan_made_for_other_layers_is_refused():
