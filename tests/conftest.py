@@ -113,6 +113,19 @@ def build_emulator(source=None):
 
 
 @contextlib.contextmanager
+def one_blas_thread():
+    """One BLAS thread, as the stock-Caffe reference runs: on a busy 2-core
+    machine OpenBLAS's spinning threads make LeNet several times slower."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(limits=1, user_api='blas'):
+        yield
+
+
+@contextlib.contextmanager
 def emulating(emu):
     """The kernels on the host, NumPy arrays standing in for device arrays;
     no fused path may fall back meanwhile."""

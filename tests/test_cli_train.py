@@ -22,7 +22,7 @@ import pytest
 from caffeplus import cli, log
 from caffeplus.log import GlogFormatter
 from caffeplus.proto import caffe_pb2
-from conftest import REFERENCE, ROOT
+from conftest import REFERENCE, ROOT, one_blas_thread
 
 TINY_NET = '''
 name: "tiny"
@@ -63,18 +63,11 @@ REGEX_TEST_OUTPUT = re.compile(r'Test net output #(\d+): (\S+) = ([\.\deE+-]+)')
 REGEX_LEARNING_RATE = re.compile(r'lr = ([-+]?[0-9]*\.?[0-9]+([eE]?[-+]?[0-9]+)?)')
 
 
-
 @pytest.fixture(scope='module', autouse=True)
 def _single_blas_thread():
-    """One BLAS thread, as the stock-Caffe reference runs: on a busy 2-core
-    machine OpenBLAS's spinning threads make LeNet several times slower."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
+    with one_blas_thread():
         yield
-        return
-    with threadpool_limits(limits=1, user_api='blas'):
-        yield
+
 
 class Capture(logging.Handler):
     def __init__(self):

@@ -23,26 +23,18 @@ import pytest
 from caffeplus import cli, log
 from caffeplus.log import GlogFormatter
 from caffeplus.proto import caffe_pb2
-from conftest import REFERENCE
+from conftest import REFERENCE, one_blas_thread
 
 TRAINING = os.path.join(REFERENCE, 'training')
 RUNS = ['sgd', 'nesterov', 'adagrad', 'adam']
 ADAPTIVE = {'adagrad', 'adam'}
 
 
-
-
 @pytest.fixture(scope='module', autouse=True)
 def _single_blas_thread():
-    """One BLAS thread, as the stock-Caffe reference runs: on a busy 2-core
-    machine OpenBLAS's spinning threads make LeNet several times slower."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
+    with one_blas_thread():
         yield
-        return
-    with threadpool_limits(limits=1, user_api='blas'):
-        yield
+
 
 class Capture(logging.Handler):
     def __init__(self):
