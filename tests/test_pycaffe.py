@@ -17,6 +17,7 @@ import caffeplus as caffe
 from caffeplus import layers as L
 from caffeplus import params as P
 from conftest import REFERENCE, ZOO, need
+from python_layer_sources import PYLOSS
 
 IMAGES = os.path.join(REFERENCE, 'io', 'images')
 
@@ -491,45 +492,6 @@ def test_solver_classes_and_get_solver(tmp_path):
 
 
 # -- Python layers -------------------------------------------------------------------
-PYLOSS = """
-import caffeplus as caffe
-import numpy as np
-
-
-class EuclideanLossLayer(caffe.Layer):
-    \"\"\"Compute the Euclidean Loss in the same manner as the C++ EuclideanLossLayer
-    to demonstrate the class interface for developing layers in Python.\"\"\"
-
-    def setup(self, bottom, top):
-        # check input pair
-        if len(bottom) != 2:
-            raise Exception("Need two inputs to compute distance.")
-
-    def reshape(self, bottom, top):
-        # check input dimensions match
-        if bottom[0].count != bottom[1].count:
-            raise Exception("Inputs must have the same dimension.")
-        # difference is shape of inputs
-        self.diff = np.zeros_like(bottom[0].data, dtype=np.float32)
-        # loss output is scalar
-        top[0].reshape(1)
-
-    def forward(self, bottom, top):
-        self.diff[...] = bottom[0].data - bottom[1].data
-        top[0].data[...] = np.sum(self.diff**2) / bottom[0].num / 2.
-
-    def backward(self, top, propagate_down, bottom):
-        for i in range(2):
-            if not propagate_down[i]:
-                continue
-            if i == 0:
-                sign = 1
-            else:
-                sign = -1
-            bottom[i].diff[...] = sign * self.diff / bottom[i].num
-"""
-
-
 @pytest.fixture
 def pymodule(tmp_path, monkeypatch):
     """Write Python layer modules into a folder on sys.path; forget them after."""

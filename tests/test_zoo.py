@@ -24,6 +24,7 @@ from caffeplus.io import dummy, prototxt, upgrade
 from caffeplus.netstate import filter_net
 from caffeplus.proto import caffe_pb2
 from conftest import REFERENCE, ZOO, need
+from python_layer_sources import PYLOSS
 
 
 def _zoo_files():
@@ -344,36 +345,6 @@ STAGES = {'examples/mnist/mnist_autoencoder.prototxt': (('test-on-train',), ('te
 NEEDS_PYTHON_LAYER = {'bvlc_caffe/examples/pycaffe/linreg.prototxt'}
 BATCH = 2
 
-PYLOSS = '''
-import numpy
-import caffeplus as caffe
-
-
-class EuclideanLossLayer(caffe.Layer):
-    """BVLC's examples/pycaffe/layers/pyloss.py."""
-
-    def setup(self, bottom, top):
-        if len(bottom) != 2:
-            raise Exception("Need two inputs to compute distance.")
-
-    def reshape(self, bottom, top):
-        if bottom[0].count != bottom[1].count:
-            raise Exception("Inputs must have the same dimension.")
-        self.diff = numpy.zeros_like(bottom[0].data, dtype=numpy.float32)
-        top[0].reshape(1)
-
-    def forward(self, bottom, top):
-        self.diff[...] = bottom[0].data - bottom[1].data
-        top[0].data[...] = numpy.sum(self.diff ** 2) / bottom[0].num / 2.
-
-    def backward(self, top, propagate_down, bottom):
-        for i in range(2):
-            if not propagate_down[i]:
-                continue
-            sign = 1 if i == 0 else -1
-            bottom[i].diff[...] = sign * self.diff / bottom[i].num
-'''
-
 
 def _build_cases():
     cases = []
@@ -541,7 +512,7 @@ def expected_shapes(lp, bottoms):
     if t == 'Silence':
         return [], []
     if t == 'Python' and lp.python_param.layer == 'EuclideanLossLayer':
-        return [(1,)], []   # PYLOSS below: top[0].reshape(1)
+        return [(1,)], []   # PYLOSS: top[0].reshape(1)
     raise AssertionError('no shape rule for layer type %s in this test' % t)
 
 
