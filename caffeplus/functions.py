@@ -1,5 +1,8 @@
 """Array functions several layers share, written once for numpy and cupy."""
+import numpy
+
 from caffeplus import backend
+from caffeplus.memory import scratch
 
 
 def softmax(x, axis):
@@ -13,11 +16,15 @@ def softmax(x, axis):
     return e
 
 
-def keep_copy(old, x):
-    """A copy of array x, reusing the buffer `old` when it fits (layers that
-    must remember an input across forward and backward)."""
+def keep_in(layer, name, x):
+    """A copy of x in the layer's kept buffer `name` (its own, or the memory
+    plan's view: caffeplus.memory.scratch), in the type the layer declares
+    it (internal_buffers); float32 on the CPU, which emulates 16 bits. For
+    layers that must remember an input across forward and backward."""
     xp = backend.get_array_module(x)
-    if old is not None and old.shape == x.shape and backend.get_array_module(old) is xp:
-        old[...] = x
-        return old
-    return x.copy()
+    dtype = numpy.float32 if xp is numpy else \
+        layer.internal_buffers().get(name, (0, numpy.float32))[1]
+    buf = scratch.get(layer, name, x.size, dtype, xp)
+    buf = buf.reshape(x.shape)
+    buf[...] = x
+    return buf

@@ -20,7 +20,7 @@ import numpy
 from caffeplus import backend, rng
 from caffeplus.blob import Blob, same_data, same_diff
 from caffeplus.fillers import fill
-from caffeplus.functions import keep_copy as _keep_copy
+from caffeplus.functions import keep_in
 from caffeplus.layer import NeuronLayer, layer_error, register
 from caffeplus.proto import caffe_pb2
 
@@ -116,6 +116,19 @@ class PReLULayer(NeuronLayer):
             _fail(self, 'bottom has %d channels but the slope blob has %d values'
                   % (bottom[0].shape[1], self.blobs[0].count))
         super().reshape(bottom, top)
+        # In place, the bottom is kept for backward in a buffer the memory
+        # plan places, and backward reads that, not the blob.
+        in_place = same_data(bottom[0], top[0])
+        self._kept = {'bottom_copy': (bottom[0].count, bottom[0].data_storage.dtype)} \
+            if in_place else {}
+        self.backward_reads = NO_READS if in_place else READS_BOTTOM
+
+    def internal_buffers(self):
+        return getattr(self, '_kept', {})
+
+    def forget_kept_buffers(self):
+        """caffeplus.memory.scratch.forget: the kept bottom copy is dead."""
+        self._bottom_copy = None
 
     def _slope(self, ndim):
         s = self.blobs[0].data
@@ -128,7 +141,7 @@ class PReLULayer(NeuronLayer):
         xp = _xp(x)
         if same_data(bottom[0], top[0]):
             # In place: keep the bottom for backward, as Caffe does.
-            self._bottom_copy = _keep_copy(self._bottom_copy, x)
+            self._bottom_copy = keep_in(self, 'bottom_copy', x)
         else:
             self._bottom_copy = None
         top[0].data[...] = xp.where(x > 0, x, x * self._slope(x.ndim))

@@ -18,8 +18,8 @@ import numpy
 from caffeplus import backend
 from caffeplus.blob import Blob, same_data as _same_data, same_diff as _same_diff
 from caffeplus.fillers import fill
+from caffeplus.functions import keep_in
 from caffeplus.layer import Layer, layer_error, register
-from caffeplus.memory import scratch
 from caffeplus.proto import caffe_pb2
 
 F32 = numpy.float32
@@ -27,18 +27,6 @@ F32 = numpy.float32
 
 def _xp(a):
     return backend.get_array_module(a)
-
-
-def keep_in(layer, name, x):
-    """A copy of x in the layer's kept buffer `name` (its own, or the memory
-    plan's view: caffeplus.memory.scratch), in the type the layer declares
-    it (internal_buffers); float32 on the CPU, which emulates 16 bits."""
-    xp = backend.get_array_module(x)
-    dtype = F32 if xp is numpy else layer.internal_buffers().get(name, (0, F32))[1]
-    buf = scratch.get(layer, name, x.size, dtype, xp)
-    buf = buf.reshape(x.shape)
-    buf[...] = x
-    return buf
 
 
 def _fail(layer, message):

@@ -23,7 +23,7 @@ from caffeplus.memory import offload_runtime
 from caffeplus.memory.apply import apply_named_plan, remove_plan
 from caffeplus.solver.memory_plans import apply_solver_plans
 from plan_helpers import param_of, sgd_run
-from conftest import ROOT
+from conftest import ROOT, one_blas_thread
 
 sys.path.insert(0, ROOT)
 from dev import check_plans_equal as cpe  # noqa: E402
@@ -77,12 +77,7 @@ def _quiet():
 
 @pytest.fixture(scope='module', autouse=True)
 def _single_blas_thread():
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        yield
-        return
-    with threadpool_limits(limits=1, user_api='blas'):
+    with one_blas_thread():
         yield
 
 
@@ -98,6 +93,49 @@ def assert_identical(a, b):
 def need_model(name):
     if not os.path.exists(cpe.model_path(name)):
         pytest.fail('test data missing: %s' % cpe.model_path(name))
+
+
+PRELU_NET = '''
+name: "prelu"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+        dummy_data_param { data_filler { type: "gaussian" std: 1 }
+                           shape { dim: 4 dim: 3 dim: 8 dim: 8 }
+                           data_filler { type: "uniform" min: 0 max: 2.99 } shape { dim: 4 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 6 kernel_size: 3 weight_filler { type: "xavier" } } }
+layer { name: "prelu1" type: "PReLU" bottom: "conv1" top: "conv1" }
+layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2"
+        convolution_param { num_output: 6 kernel_size: 3 weight_filler { type: "xavier" } } }
+layer { name: "prelu2" type: "PReLU" bottom: "conv2" top: "conv2" }
+layer { name: "ip" type: "InnerProduct" bottom: "conv2" top: "ip"
+        inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+'''
+
+
+def test_an_in_place_prelu_keeps_its_bottom_in_a_planned_buffer():
+    """In place, PReLU's backward reads the bottom it kept, in a buffer the
+    plan places (and the estimate counts), not the blob; training stays
+    stock's to the bit."""
+    from caffeplus.memory import liveness
+    net = small_net(text=PRELU_NET)
+    i = net.layer_index('prelu1')
+    layer = net.layers[i]
+    assert layer.backward_reads == frozenset()
+    assert layer.internal_buffers() == {'bottom_copy': (net.blobs['conv1'].count,
+                                                        numpy.dtype(numpy.float32))}
+    # conv1's map lives to conv2's backward, which reads it, not to prelu1's.
+    L = len(net.layers)
+    bufs = {b.blobs: b for b in liveness.buffers(net) if b.kind == 'data'}
+    assert bufs[('conv1',)].end == 2 * L - 1 - net.layer_index('conv2')
+    stock = sgd_run(small_net(memory='stock', text=PRELU_NET), 4)
+    shared = small_net(memory='shared', text=PRELU_NET)
+    views = shared.layers[i].__dict__.get('_scratch_views', {})
+    assert 'bottom_copy' in views                       # placed by the plan
+    got = sgd_run(shared, 4)
+    numpy.testing.assert_array_equal(numpy.array(stock[0]), numpy.array(got[0]))
+    for a, b in zip(stock[1], got[1]):
+        numpy.testing.assert_array_equal(a, b)
 
 
 # -- bit-identical training, CPU ------------------------------------------------------------
