@@ -38,6 +38,16 @@ def test_nvcaffe_type_enum_keeps_its_names_and_values():
     (caffe_pb2.NetParameter, 'default_backward_math', 14),
     (caffe_pb2.SolverParameter, 'solver_data_type', 44),
     (caffe_pb2.BlobProto, 'raw_data_type', 10), (caffe_pb2.BlobProto, 'raw_data', 12),
+    # NVCaffe 0.17's numbers where BVLC's schema leaves them free.
+    (caffe_pb2.NetParameter, 'global_grad_scale', 15),
+    (caffe_pb2.SolverParameter, 'min_lr', 43),
+    (caffe_pb2.SolverParameter, 'store_blobs_in_old_format', 45),
+    (caffe_pb2.DataParameter, 'cache', 13), (caffe_pb2.DataParameter, 'shuffle', 14),
+    (caffe_pb2.BatchNormParameter, 'scale_filler', 5),
+    (caffe_pb2.BatchNormParameter, 'bias_filler', 6),
+    (caffe_pb2.BatchNormParameter, 'scale_bias', 7),
+    # Not in the NVCaffe schema checked: 18000 + the number it is said to have.
+    (caffe_pb2.NetParameter, 'global_grad_scale_adaptive', 18016),
     # NVCaffe's 145-148 are BVLC's: BVLC keeps them.
     (caffe_pb2.LayerParameter, 'parameter_param', 145),
     (caffe_pb2.LayerParameter, 'recurrent_param', 146),
@@ -50,6 +60,39 @@ def test_nvcaffe_type_enum_keeps_its_names_and_values():
 ])
 def test_precision_field_numbers(message, field, number):
     assert _number(message, field) == number
+
+
+def test_nvcaffe_binary_fields_read_on_its_numbers():
+    """A NetParameter, SolverParameter and BatchNormParameter as NVCaffe's
+    protoc would write them (its field numbers, built here byte by byte)
+    read into the same fields."""
+    import struct
+
+    def uvarint(n):
+        out = b''
+        while True:
+            low, n = n & 0x7f, n >> 7
+            out += bytes([low | (0x80 if n else 0)])
+            if not n:
+                return out
+
+    def fixed32(number, value):
+        return uvarint((number << 3) | 5) + struct.pack('<f', value)
+
+    def varint(number, value):
+        return uvarint(number << 3) + uvarint(value)
+    net = caffe_pb2.NetParameter.FromString(
+        bytes([0x0a, 3]) + b'net' + fixed32(15, 128.0) + varint(11, caffe_pb2.FLOAT16))
+    assert (net.name, net.global_grad_scale, net.default_forward_type) == \
+        ('net', 128.0, caffe_pb2.FLOAT16)
+    solver = caffe_pb2.SolverParameter.FromString(
+        fixed32(43, 0.5) + varint(44, caffe_pb2.FLOAT16) + varint(45, 1))
+    assert (solver.min_lr, solver.solver_data_type, solver.store_blobs_in_old_format) == \
+        (0.5, caffe_pb2.FLOAT16, True)
+    bn = caffe_pb2.BatchNormParameter.FromString(varint(7, 1) + varint(1, 1))
+    assert bn.scale_bias and bn.use_global_stats
+    data = caffe_pb2.DataParameter.FromString(varint(13, 1) + varint(14, 1) + varint(10, 2))
+    assert data.cache and data.shuffle and data.prefetch == 2
 
 
 def test_a_layer_nvcaffe_wrote_with_forward_type_on_145_still_reads():
