@@ -18,7 +18,7 @@ class _DeviceOps:
     @staticmethod
     def im2col(x, col, n0, nb, g):
         total = g.K * nb * g.P
-        _kernels.kernel('cp_im2col', g.dtype if g.itemsize != 4 else None)(
+        _kernels.kernel('cp_im2col', g.dtype)(
             _kernels.elementwise_grid(total), (_kernels.ELEMENTWISE_THREADS,),
             (numpy.uint64(x), numpy.uint64(col), numpy.uint64(total), _kernels.i32(n0),
              _kernels.i32(nb), _kernels.i32(g.c), _kernels.i32(g.h), _kernels.i32(g.w),

@@ -642,7 +642,7 @@ class _DatabaseSource(_BatchSource):
         for _ in range(n):
             self.reader.advance()
 
-    def _next_records(self):
+    def _next_items(self):
         records = []
         rank, world = self.shard
         for i in range(self.batch_size):
@@ -651,9 +651,6 @@ class _DatabaseSource(_BatchSource):
             self.reader.advance()
         self._skip(world - 1 - rank)
         return records
-
-    def _next_items(self):
-        return self._next_records()
 
     def _decode_item(self, record):
         return self.decode(record)
@@ -807,7 +804,7 @@ class _ImageListSource(_BatchSource):
                 if self.shuffle:
                     self._reshuffle()
 
-    def _next_lines(self):
+    def _next_items(self):
         # The entries are looked up as they are reached: a pass that ends
         # inside the batch reshuffles the order for the rest of it.
         lines = []
@@ -818,9 +815,6 @@ class _ImageListSource(_BatchSource):
             self._advance()
         self._advance(world - 1 - rank)
         return lines
-
-    def _next_items(self):
-        return self._next_lines()
 
     def _decode_item(self, line):
         return self.read(line)

@@ -180,6 +180,17 @@ def _on_workspace(workspace, function, *args):
     _check(function, getattr(lib, function)(handle, *args))
 
 
+def _types_and_compute(ab_type, c_type, tf32):
+    """cuBLAS's data types of A and B and of C, and its compute type: float32
+    sums, TF32's fast ones (tf32 None follows the math mode) only where A and
+    B are float32."""
+    if tf32 is None:
+        tf32 = mathmode.tf32()
+    ta, tc = _DATA_TYPES[str(ab_type)], _DATA_TYPES[str(c_type)]
+    compute = _COMPUTE_32F_FAST_TF32 if tf32 and ta == _R_32F else _COMPUTE_32F
+    return ta, tc, compute
+
+
 def gemm(transa, transb, m, n, k, a, lda, b, ldb, c, ldc, beta=0.0, tf32=None, workspace=None,
          ab_type='float32', c_type='float32'):
     """C (m x n) = op(A) op(B) + beta C on device pointers (ints), column-major,
@@ -187,12 +198,7 @@ def gemm(transa, transb, m, n, k, a, lda, b, ldb, c, ldc, beta=0.0, tf32=None, w
     mode; `workspace` (pointer, bytes): on caffeplus's handle, there.
     `ab_type`, `c_type`: 'float32', 'float16' or 'bfloat16' (A and B 16-bit run on the
     tensor cores; the sums are float32 always)."""
-    if tf32 is None:
-        tf32 = mathmode.tf32()
-    compute = _COMPUTE_32F_FAST_TF32 if tf32 else _COMPUTE_32F
-    ta, tc = _DATA_TYPES[str(ab_type)], _DATA_TYPES[str(c_type)]
-    if ta != _R_32F:
-        compute = _COMPUTE_32F
+    ta, tc, compute = _types_and_compute(ab_type, c_type, tf32)
     workspace = _workspace(workspace)
     if workspace is not None:
         _on_workspace(workspace, 'cublasGemmEx', transa, transb, int(m), int(n), int(k),
@@ -210,12 +216,7 @@ def gemm_strided_batched(transa, transb, m, n, k, a, lda, stride_a, b, ldb, stri
                          ab_type='float32', c_type='float32'):
     """C_i = op(A_i) op(B_i) + beta C_i for i < batch, X_i = X + i * stride_x
     (elements; a stride of 0 shares the matrix); as gemm() otherwise."""
-    if tf32 is None:
-        tf32 = mathmode.tf32()
-    compute = _COMPUTE_32F_FAST_TF32 if tf32 else _COMPUTE_32F
-    ta, tc = _DATA_TYPES[str(ab_type)], _DATA_TYPES[str(c_type)]
-    if ta != _R_32F:
-        compute = _COMPUTE_32F
+    ta, tc, compute = _types_and_compute(ab_type, c_type, tf32)
     workspace = _workspace(workspace)
     if workspace is not None:
         _on_workspace(workspace, 'cublasGemmStridedBatchedEx', transa, transb, int(m), int(n),
