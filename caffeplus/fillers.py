@@ -134,12 +134,30 @@ def _uniform(g, out, low, high):
     """Uniform values in [low, high] (as float32s) into `out`."""
     _uniform01(g, out)
     low32, high32 = numpy.float32(low), numpy.float32(high)
+    width32 = numpy.float32(high - low)
     if high32 - low32 != 1:
-        out *= numpy.float32(high - low)
+        out *= width32
     if low32 != 0:
         out += low32
-    # Rounding may carry u * (high - low) + low one step past high.
-    numpy.minimum(out, high32, out=out)
+    # Rounding may carry u * (high - low) + low one step past high. Float32
+    # rounding is monotonic, so the largest u drawn gives the largest value:
+    # clamp (a pass that costs a fifth of the draw) only when it overshoots.
+    if _largest_uniform(low32, high32, width32) > high32:
+        numpy.minimum(out, high32, out=out)
+
+
+_LARGEST_UNIT = numpy.float32(1) - numpy.float32(2.0 ** -24)   # Generator.random's float32 max
+
+
+def _largest_uniform(low32, high32, width32):
+    """The largest value _uniform can write: the same float32 operations on
+    the largest [0, 1) draw."""
+    value = _LARGEST_UNIT
+    if high32 - low32 != 1:
+        value = value * width32
+    if low32 != 0:
+        value = value + low32
+    return value
 
 
 def _normal(g, out, mean, std):

@@ -62,6 +62,40 @@ def test_uniform_of_an_empty_range_is_its_bound():
     assert (_filled('type: "uniform" min: 2 max: 2') == 2).all()
 
 
+class _LargestDraws:
+    """A stand-in generator whose every [0, 1) float32 draw is the largest
+    NumPy's can be, (2**24 - 1) / 2**24: what a uniform filler writes from
+    it is its largest value."""
+
+    def random(self, dtype, out):
+        out[...] = numpy.float32(1 - 2.0 ** -24)
+        return out
+
+
+# The last pair's largest draw rounds one step past high (its width, taken
+# in float64, rounds up to float32): the case the clamp is kept for.
+_OVERSHOOT = (-0.24266349212557745, -0.21885267692002966)
+
+
+@pytest.mark.parametrize('low, high', [(-0.3, 0.7), (0.0, 1.0), (-1.0, 1.0), (0.1, 0.3),
+                                       (-0.0123, 0.0123), (1e-3, 1e6), (-7.7, -7.6),
+                                       (2.0, 3.0), (-3.0, 10.0), _OVERSHOOT])
+def test_the_largest_uniform_draw_never_passes_the_upper_bound(low, high):
+    """The clamp to `high` is skipped only where float32 rounding cannot
+    carry the largest draw past it."""
+    out = numpy.empty(8, dtype=numpy.float32)
+    fillers._uniform(_LargestDraws(), out, low, high)
+    high32 = numpy.float32(high)
+    assert (out <= high32).all()
+    # The unclamped value, computed independently: the exact float64
+    # product and sum of float32s, each rounded once to float32.
+    u = 1 - 2.0 ** -24
+    scaled = numpy.float32(u * float(numpy.float32(high - low)))
+    unclamped = numpy.float32(float(scaled) + float(numpy.float32(low)))
+    assert out[0] == min(unclamped, high32)
+    if (low, high) == _OVERSHOOT:
+        assert unclamped > high32
+
 def test_gaussian_moments():
     _assert_normal(_filled('type: "gaussian" mean: 0.5 std: 0.02'), 0.5, 0.02)
     _assert_normal(_filled('type: "gaussian"'), 0.0, 1.0)        # Caffe's defaults
