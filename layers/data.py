@@ -32,7 +32,7 @@ import numpy
 
 from caffeplus import backend, log, rng
 from caffeplus.errors import CaffeplusError, NetError
-from caffeplus.fillers import device_recipe, fill_array, fill_device
+from caffeplus.fillers import device_recipe, fill, fill_array, fill_device
 from caffeplus.io import datum as datum_io
 from caffeplus.io import db as db_io
 from caffeplus.io import workers as workers_io
@@ -112,9 +112,16 @@ class DummyDataLayer(Layer):
         self.fillers = [p.data_filler[0 if len(p.data_filler) == 1 else i]
                         if len(p.data_filler) else default for i in range(num_top)]
         self.refill = [f.type != 'constant' for f in self.fillers]
-        for t, shape, f in zip(top, shapes, self.fillers):
+        for t, shape, f, refill in zip(top, shapes, self.fillers, self.refill):
             t.reshape(shape)
-            t.data = fill_array(f, shape)
+            # As Caffe: constants are written once, here; random tops are
+            # drawn by every forward, so a draw now would be thrown away
+            # (their storage is made now, as zeros: virtual in a shape-only
+            # build, as every top there).
+            if refill:
+                t.data
+            else:
+                fill(t, f)
 
     def reshape(self, bottom, top):
         pass

@@ -663,19 +663,24 @@ DUMMY = ('name: "dummy" type: "DummyData" top: "a" top: "b" top: "c" dummy_data_
 
 
 def test_dummy_data_cpu_refill_is_fill_array_from_the_seeded_stream():
-    """The CPU path is unchanged: every forward draws, from caffeplus.rng,
-    what fill_array would; constant tops are written once."""
+    """The CPU path: every forward draws, from caffeplus.rng, what
+    fill_array would; constant tops are written once, at setup, and setup
+    draws nothing (as Caffe, whose setup fills only the constant tops)."""
     from caffeplus.fillers import fill_array
     caffeplus.set_random_seed(11)
+    first_draw = caffeplus.rng.get().random()
+    caffeplus.set_random_seed(11)
     layer, tops = make(DUMMY, ntop=3)
+    assert numpy.array_equal(tops[2].data, numpy.full(7, 3, numpy.float32))
+    assert caffeplus.rng.get().random() == first_draw       # setup drew nothing
+    caffeplus.set_random_seed(11)
     for _ in range(3):
         layer.forward([], tops)
     got = [numpy.array(t.data) for t in tops]
     next_draw = caffeplus.rng.get().random()
     caffeplus.set_random_seed(11)
-    want = [fill_array(f, t.shape) for f, t in zip(layer.fillers, tops)]    # setup
     for _ in range(3):
-        want[:2] = [fill_array(f, t.shape) for f, t in zip(layer.fillers[:2], tops)]
+        want = [fill_array(f, t.shape) for f, t in zip(layer.fillers[:2], tops)]
     for g, w in zip(got, want):
         assert numpy.array_equal(g, w)
     assert numpy.array_equal(got[2], numpy.full(7, 3, numpy.float32))

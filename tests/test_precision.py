@@ -631,7 +631,7 @@ TINY_GRADIENTS = """
   layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y"
     inner_product_param { num_output: 2 weight_filler { type: "gaussian" std: 1 } } }
   layer { name: "loss" type: "EuclideanLoss" bottom: "y" bottom: "t" top: "loss"
-    loss_weight: 1e-7 }
+    loss_weight: 1e-8 }
 """
 
 
@@ -657,7 +657,7 @@ def test_static_loss_scale_saves_gradients_fp16_would_lose():
                                             'global_grad_scale: 65536'))
     assert scaled.loss_scaler.scale == 65536 and not scaled.loss_scaler.adaptive
     scaled = _gradients(scaled)
-    # Gradients near 1e-7 fall below FP16's subnormals (6e-8 apart) ...
+    # Top gradients near 1e-8 round to zero in FP16 (its subnormals are 6e-8 apart) ...
     assert numpy.abs(unscaled[0] - fp32[0]).max() > 0.2 * numpy.abs(fp32[0]).max()
     # ... and survive when the loss is scaled (to 1%: the inputs and the
     # top gradient are stored in FP16 too).
