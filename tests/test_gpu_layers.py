@@ -507,7 +507,7 @@ def test_sixteen_bit_convolution_gemm_variant_follows_cudnn(type_name, conv, sha
     its top and gradients within the type's rounding of cuDNN's 16-bit
     calls on the same values, and of the CPU's float32 convolution."""
     from caffeplus.cudnn import algo_search
-    monkeypatch.setattr(algo_search, 'GEMM_SEARCH', True)
+    monkeypatch.setattr(algo_search, 'GEMM_SEARCH_SIXTEEN_BIT', True)
     if type_name == 'bfloat16':
         dtype, tol = pytest.importorskip('ml_dtypes').bfloat16, 3e-2
     else:

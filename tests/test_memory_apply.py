@@ -1031,23 +1031,37 @@ def test_gpu_relayout_frees_the_old_arena(monkeypatch):
 
 
 def _weak(array):
+    """(a weak reference to `array`, the device address of the memory it
+    views): a view keeps the memory, not the array object, alive."""
     import weakref
     try:
-        return weakref.ref(array)
+        ref = weakref.ref(array)
     except TypeError:           # an array type without weak references
-        return None
+        ref = None
+    return ref, int(array.data.mem.ptr)
 
 
-def _holders(ref):
-    """What still holds the old arena (for the failure message): its
-    referrers, and whether the cycle collector frees it."""
+def _holders(old):
+    """What still holds the old arena's memory (for the failure message):
+    the referrers of the arena array if it lives, else every live device
+    array that views the same allocation, named by its referrers."""
     import gc
-    if ref is None or ref() is None:
-        return 'the old arena is gone'
-    holders = [type(r).__name__ + ':' + repr(r)[:80] for r in gc.get_referrers(ref())][:8]
+    import cupy
+    ref, ptr = old
+    if ref is not None and ref() is not None:
+        holders = [type(r).__name__ + ':' + repr(r)[:80] for r in gc.get_referrers(ref())][:8]
+        return 'the arena array is held by %s' % holders
     gc.collect()
-    return 'held by %s; %s after gc.collect()' % (
-        holders, 'still alive' if ref() is not None else 'freed')
+    views = [o for o in gc.get_objects()
+             if isinstance(o, cupy.ndarray) and int(o.data.mem.ptr) == ptr]
+    if not views:
+        return 'no array views the old arena (held outside Python arrays)'
+    named = []
+    for v in views[:4]:
+        named.append('%s %s held by %s' % (v.shape, v.dtype, [
+            type(r).__name__ + ':' + repr(r)[:60] for r in gc.get_referrers(v)
+            if r is not views][:4]))
+    return '%d views of the old arena: %s' % (len(views), '; '.join(named))
 
 
 def test_a_plan_made_for_other_layers_is_refused():
