@@ -178,6 +178,10 @@ def shape_changes():
 
 
 class Blob:
+    # The order of a 4-D blob's values in memory: 'NCHW' (Caffe's), or
+    # 'NHWC' (channels-last, caffeplus.layout) under the same logical shape.
+    layout = 'NCHW'
+
     def __init__(self, shape=(), name=''):
         self.name = name
         self._shape = ()
@@ -386,7 +390,11 @@ class HostBlob:
         if storage.released_reason is not None:
             raise CaffeplusError('blob %s: its %s was released by the memory plan (%s)'
                                  % (b.name, which, storage.released_reason))
-        return storage.host_view(b.count)[:b.count].reshape(b.shape)
+        view = storage.host_view(b.count)[:b.count]
+        if b.layout == 'NHWC':         # Caffe's order, as a view of the channels-last values
+            n, c, h, w = b.shape
+            return view.reshape(n, h, w, c).transpose(0, 3, 1, 2)
+        return view.reshape(b.shape)
 
     @property
     def data(self):

@@ -592,6 +592,34 @@ extern "C" __global__ void cp_channel_sum_apply(const double* part, float* db,
     db[c] = __fadd_rn(db[c], (float)s);
 }
 
+/* The channel sums of channels-last maps, dy M rows of C values: block p
+   sums rows lo..hi of each channel, the block's threads across the
+   channels (consecutive addresses), into the double partial part[c P + p]
+   that cp_channel_sum_apply adds up (fixed shares, fixed order). */
+extern "C" __global__ void cp_channel_sum_part_nhwc(const CP_A* dy, double* part,
+    const unsigned M, const unsigned C, const unsigned P)
+{
+    unsigned lo, hi;
+    cp_share(M, blockIdx.x, P, &lo, &hi);
+    for (unsigned c = threadIdx.x; c < C; c += blockDim.x) {
+        double a = 0.0;
+        for (unsigned r = lo; r < hi; ++r) a += (double)(float)dy[(size_t)r * C + c];
+        part[c * P + blockIdx.x] = a;
+    }
+}
+
+/* acc (K, C, RS) += g (K, RS, C): a filter gradient cuDNN wrote in its
+   channels-last filter order, added to the FP32 master's in Caffe's. */
+extern "C" __global__ void cp_accumulate_krsc(const CP_A* g, float* acc, const unsigned K,
+    const unsigned C, const unsigned RS)
+{
+    const unsigned n = K * C * RS, crs = C * RS;
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const unsigned k = i / crs, rem = i - k * crs, c = rem / RS, rs = rem - c * RS;
+        acc[i] = __fadd_rn(acc[i], (float)g[(k * RS + rs) * C + c]);
+    }
+}
+
 /* acc[i] += g[i]: a 16-bit filter gradient cuDNN wrote (it has no 16-bit
    input, float32 output call) added to its FP32 master's. */
 extern "C" __global__ void cp_accumulate(const CP_A* g, float* acc, const unsigned n)

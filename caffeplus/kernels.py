@@ -61,7 +61,7 @@ MAP_KERNELS = frozenset(('cp_bn_fwd', 'cp_bn_bwd', 'cp_relu_fwd', 'cp_relu_bwd',
                          'cp_accumulate', 'cp_cast_many', 'cp_mpool_fwd', 'cp_mpool_bwd',
                          'cp_mpool_bwd_tiled', 'cp_relu_bits_fwd', 'cp_relu_bits_bwd',
                          'cp_scale_fwd', 'cp_scale_bwd', 'cp_lrn_fwd', 'cp_lrn_bwd',
-                         'cp_im2col'))
+                         'cp_im2col', 'cp_channel_sum_part_nhwc', 'cp_accumulate_krsc'))
 SOURCE = COMMON + CORE + EXTRA
 
 # Flags of cp_bn_fwd / cp_bn_bwd.
@@ -360,6 +360,28 @@ def channel_sums(dy, part, db, n, c, s, p, dtype=None):
                                          (_arg(dy), _arg(part), u32(n), u32(c), u32(s), u32(p)))
     kernel('cp_channel_sum_apply')(((c + 127) // 128,), (128,),
                                    (_arg(part), _arg(db), u32(c), u32(p)))
+
+
+def nhwc_sum_blocks(m):
+    """P of cp_channel_sum_part_nhwc for m rows: at least 256 rows a block,
+    at most 4096 blocks."""
+    return int(max(1, min(4096, m // 256)))
+
+
+def channel_sums_nhwc(dy, part, db, m, c, p, dtype=None):
+    """db[:c] += dy (m rows of c, channels-last maps) summed over the rows
+    (float32; double partials in `part`, at least c * p of them)."""
+    threads = min(SUM_THREADS, -(-c // 32) * 32)
+    kernel('cp_channel_sum_part_nhwc', dtype)((p,), (threads,),
+                                              (_arg(dy), _arg(part), u32(m), u32(c), u32(p)))
+    kernel('cp_channel_sum_apply')(((c + 127) // 128,), (128,),
+                                   (_arg(part), _arg(db), u32(c), u32(p)))
+
+
+def accumulate_krsc(g, acc, k, c, rs, dtype=None):
+    """acc (k, c, rs) += g (k, rs, c) in float32 (a channels-last filter gradient)."""
+    kernel('cp_accumulate_krsc', dtype)(elementwise_grid(k * c * rs), (ELEMENTWISE_THREADS,),
+                                        (_arg(g), _arg(acc), u32(k), u32(c), u32(rs)))
 
 
 def accumulate(g, acc, n, dtype=None):

@@ -11,7 +11,7 @@ import os
 
 import numpy
 
-from caffeplus import backend, kernels, log, precision
+from caffeplus import backend, kernels, layout, log, precision
 from caffeplus.blob import Blob, HostBlob, virtual_allocation
 from caffeplus.deferred_loss import DeferredLoss
 from caffeplus.errors import CaffeplusError, NetError
@@ -266,6 +266,9 @@ class Net:
             self.output_blob_indices.append(available[name])
         self._share_weights()
         self._blob_dict = collections.OrderedDict(zip(self._blob_names, self._blobs))
+        # The layout setting: a 16-bit net's convolution maps channels-last
+        # where every layer touching them can (caffeplus.layout).
+        layout.apply(self)
         # GPU mode: the net's cuDNN layers share one workspace arena
         # (caffeplus.memory.workspace; apply_workspace_plan picks another plan).
         from caffeplus.memory import workspace

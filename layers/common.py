@@ -114,6 +114,7 @@ class SplitLayer(Layer):
 
     The tops share the bottom's data (no copy), as in Caffe."""
     type = 'Split'
+    layout_role = 'pointwise'     # (caffeplus.layout: any order of values)
     exact_num_bottom = 1
     min_num_top = 1
     backward_reads = _NOTHING
@@ -390,6 +391,7 @@ class EltwiseLayer(Layer):
     tie with bottom 0, a later bottom must be strictly greater to win (the
     order of Caffe's CPU comparisons)."""
     type = 'Eltwise'
+    layout_role = 'pointwise'     # (caffeplus.layout: any order of values)
     min_num_bottom = 2
     exact_num_top = 1
     backward_reads = _BOTH

@@ -153,14 +153,20 @@ def _same_storage_dtype(bottom, top):
                for b in list(bottom) + list(top))
 
 
-def sixteen_bit_copy(copies, name, blob, dtype, reuse=False):
+# The name of a convolution's 16-bit filters in cuDNN's channels-last order
+# (K, kh, kw, C): transposed, so the one-launch refresh (a flat cast) skips them.
+NHWC_WEIGHTS = 'w_nhwc'
+
+
+def sixteen_bit_copy(copies, name, blob, dtype, reuse=False, channels_last=False):
     """The values of the FP32 parameter `blob` in `dtype`, kept in
     `copies[name]` from call to call: its address stays (the CUDA-graph
     replays and cuBLAS calls key on it). A net's forward pass writes every
     layer's copies in one launch (_refresh_weight_copies); a layer's forward
     copies itself only outside that (run on its own, or the first pass). A
     backward (`reuse`) takes the copy of its pass's forward, as the weights
-    cannot have changed in between (the update follows the backward)."""
+    cannot have changed in between (the update follows the backward).
+    `channels_last`: a (K, C, kh, kw) blob copied as (K, kh, kw, C)."""
     import cupy
     c, made, by_pass, _ = copies.get(name, (None, None, False, None))
     now = _kernels.forward_passes()
@@ -168,6 +174,8 @@ def sixteen_bit_copy(copies, name, blob, dtype, reuse=False):
             c.size == blob.count:
         return c
     master = blob.data
+    if channels_last:
+        master = master.transpose(0, 2, 3, 1)
     if c is None or c.shape != master.shape or c.dtype != dtype:
         c = cupy.empty(master.shape, dtype)
     cupy.copyto(c, master, casting='same_kind')
@@ -193,6 +201,8 @@ def _refresh_weight_copies(net, start, end, backward):
         if not copies:
             continue
         for name, (c, _, _, blob) in copies.items():
+            if name == NHWC_WEIGHTS:
+                continue            # (transposed: the layer copies it itself)
             master = _kernels.flat(blob)
             if master is None or c.size != blob.count:
                 continue            # (the layer copies it itself)

@@ -16,9 +16,9 @@ from caffeplus.errors import CaffeplusError
 from caffeplus.layer import register_engine
 from caffeplus.layers import cudnn_common as _common
 from caffeplus.layers.conv_gemm import _GemmConv
-from caffeplus.layers.cudnn_common import (_CudnnMixin, _dptr, _prod, _same_storage_dtype,
-                                           batch_slices, cudnn_available, sixteen_bit_copy,
-                                           storage_dtype)
+from caffeplus.layers.cudnn_common import (NHWC_WEIGHTS, _CudnnMixin, _dptr, _prod,
+                                           _same_storage_dtype, batch_slices, cudnn_available,
+                                           sixteen_bit_copy, storage_dtype)
 from caffeplus.layers.vision import ConvolutionLayer, DeconvolutionLayer
 from caffeplus.proto import caffe_pb2
 
@@ -52,7 +52,20 @@ def _bias_gradient(cd, dtop, db, dtype=None):
     group and batch slice at once. cudnnConvolutionBackwardBias's kernel
     (calc_bias_diff) took 2.1 of AlexNet's 9.2 ms a TF32 iteration on the
     H100 (dev/kernel_profile.py); it stays as the fallback."""
-    if _channel_sums_ok[0]:
+    if _channel_sums_ok[0] and cd.nhwc:
+        # Channels-last: rows of C values, the channels across each block's
+        # threads (cp_channel_sum_part walks a channel's values C apart).
+        m, c = _prod(cd.top_full) // cd.top_full[1], cd.top_full[1]
+        p = _kernels.nhwc_sum_blocks(m)
+        if cd.bias_part is None or cd.bias_part.size < c * p:
+            cd.bias_part = _kernels.empty(c * p, numpy.float64)
+        try:
+            _kernels.channel_sums_nhwc(dtop, cd.bias_part, db, m, c, p, dtype)
+            return
+        except Exception as exc:
+            _channel_sums_ok[0] = False
+            _kernels.note_failure('convolution bias gradient (cp_channel_sum_part_nhwc)', exc)
+    elif _channel_sums_ok[0]:
         # A top too large for one call is summed slice by slice (the kernel
         # indexes with 32-bit ints); each slice adds to db.
         pieces = cd.batch_chunks if _prod(cd.top_full) > _common.MAX_CUDNN_COUNT else 1
@@ -125,6 +138,12 @@ def _workspace():
 
 class _CudnnConvolutionMixin(_CudnnMixin):
     workspace_calls = True
+    # caffeplus.layout: channels-last maps on either side (channels_last_ok).
+    layout_role = 'channels_last'
+    # The layout the calls run in: the top's. A bottom stored the other way
+    # is copied into it first (a net's first convolution reads Caffe's order).
+    compute_nhwc = False
+    _bottom_relaid = False
 
     def workspace_manager(self):
         return self._ws
@@ -172,6 +191,37 @@ class _CudnnConvolutionMixin(_CudnnMixin):
     def _split_groups(self):
         return self.memory_plan == 'stock' and self.group > 1
 
+    def channels_last_ok(self):
+        """Whether the calls can run channels-last: a 16-bit 2-D convolution
+        (not a Deconvolution) of one group and one bottom, through cuDNN."""
+        return self._gpu_mode() and cudnn_available() and not self.reverse and \
+            self.group == 1 and self.num_spatial == 2 and self._sixteen_bit() and \
+            len(self.layer_param.bottom) == 1 and self._cudnn_geometry_ok()
+
+    def _relaid(self, blob, diff=False, into=None):
+        """The bottom's values (or diff) in the calls' layout, in a scratch
+        buffer; with `into` (the scratch holding the calls' dx), that copied
+        back into the bottom's own layout instead."""
+        import cupy
+        n, c, h, w = blob.shape
+        own = _kernels.flat(blob, diff, any_dtype=True)
+        if into is not None:
+            src = into.reshape(n, h, w, c).transpose(0, 3, 1, 2) if self.compute_nhwc \
+                else into.reshape(n, c, h, w).transpose(0, 2, 3, 1)
+            cupy.copyto(own.reshape(src.shape), src)
+            return own
+        out = backend.device_scratch('relaid bottom diff' if diff else 'relaid bottom',
+                                     blob.count, own.dtype)
+        if self.compute_nhwc:
+            cupy.copyto(out.reshape(n, h, w, c), own.reshape(n, c, h, w).transpose(0, 2, 3, 1))
+        else:
+            cupy.copyto(out.reshape(n, c, h, w), own.reshape(n, h, w, c).transpose(0, 3, 1, 2))
+        return out
+
+    def _bottom_ptr(self, blob):
+        """The address of the bottom's values in the calls' layout."""
+        return int(self._relaid(blob).data.ptr) if self._bottom_relaid else _dptr(blob)
+
     # -- workspace ----------------------------------------------------------
     def set_workspace_manager(self, manager, plan_name):
         """Called by caffeplus.memory.workspace.apply_workspace_plan."""
@@ -205,7 +255,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
     def _key(self):
         return (self.num, tuple(self.in_spatial), tuple(self.out_spatial), self._split_groups(),
                 self._batch_slices(), mathmode.generation(), _workspace().search_mode(),
-                backend.device(), self.activation_dtype)
+                backend.device(), self.activation_dtype, self.compute_nhwc)
 
     def _build_cudnn(self):
         """Descriptors and call sites for the current shapes (cached)."""
@@ -242,8 +292,10 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         calls timed search weighs beside cuDNN's own for descriptors `cd`."""
         if cd.loops != 1:
             return None, {}
-        # Few input channels (an image net's first layer): im2col + GEMM too.
-        gemm = _GemmConv(self, self.activation_dtype) if _GemmConv.eligible(self) else None
+        # Few input channels (an image net's first layer): im2col + GEMM too
+        # (over maps in Caffe's order only).
+        gemm = _GemmConv(self, self.activation_dtype) \
+            if _GemmConv.eligible(self) and not cd.nhwc else None
         # The batch in halves, quarters and eighths: less workspace at about the speed.
         chunked = {v: _ConvDescs(self, False, k) for v, k in CHUNK_VARIANTS.items()
                    if slices == 1 and self.num % k == 0 and self.num >= 2 * k and
@@ -286,7 +338,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                 tuple(self.out_spatial), tuple(self.blobs[0].shape), tuple(g.kernel),
                 tuple(g.pad), tuple(g.stride), tuple(g.dilation), self.group,
                 mathmode.generation(), mathmode.deterministic(), backend.device(),
-                self.activation_dtype)
+                self.activation_dtype, self.compute_nhwc)
 
     def forward_then_relu(self, bottom, top):
         """Forward, then a ReLU (negative slope 0) in place on the top, with
@@ -295,7 +347,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         convolution run again in backward (caffeplus.memory.apply): at
         VGG-16 b256 conv1_1's map is 3.3 GB, 2.4 ms a pass. False (nothing
         run) where this path does not apply: then run the two layers."""
-        if self.reverse or len(bottom) != 1 or not self.bias_term or \
+        if self.reverse or len(bottom) != 1 or not self.bias_term or self.compute_nhwc or \
                 not self._ready(_kernels.flat(bottom[0]), _kernels.flat(self.blobs[0])):
             return False
         self._ensure_planned(self._manager())
@@ -336,6 +388,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         super().reshape(bottom, top)
         self.activation_dtype = storage_dtype(bottom[0])
         self._dtypes_agree = _same_storage_dtype(bottom, top)
+        self.compute_nhwc = top[0].layout == 'NHWC'
+        self._bottom_relaid = bottom[0].layout != top[0].layout
         if self._gpu_mode() and self._cudnn_geometry_ok() and cudnn_available():
             self._build_cudnn()
 
@@ -349,7 +403,11 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         if self._weight_copies is None:
             self._weight_copies = {}
         dtype = self.activation_dtype
-        w = sixteen_bit_copy(self._weight_copies, 'w', self.blobs[0], dtype, reuse)
+        if self.compute_nhwc:       # cuDNN's channels-last filter order
+            w = sixteen_bit_copy(self._weight_copies, NHWC_WEIGHTS, self.blobs[0], dtype, reuse,
+                                 channels_last=True)
+        else:
+            w = sixteen_bit_copy(self._weight_copies, 'w', self.blobs[0], dtype, reuse)
         if reuse or not self.bias_term:     # (the backward reads no bias)
             return int(w.data.ptr), 0
         b = sixteen_bit_copy(self._weight_copies, 'b', self.blobs[1], dtype)
@@ -425,7 +483,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             b = _dptr(self.blobs[1]) if self.bias_term and bias else 0
         gemm = self._gemm if c.variant == 2 else None
         for bb, tt in zip(bottom, top):
-            x, y = _dptr(bb), _dptr(tt)
+            x, y = self._bottom_ptr(bb), _dptr(tt)
             if gemm is not None:
                 with mgr.checkout(self, kind) as (ws, nbytes):
                     self._check_gemm_workspace(kind, ws, nbytes)
@@ -472,7 +530,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         for i, (bb, tt) in enumerate(zip(bottom, top)):
             dtop = _dptr(tt, True)
             if dw and gemm_filter:
-                x = _dptr(bb)
+                x = self._bottom_ptr(bb)
                 if db:
                     self._cd.replays.run(('bias', dtop, db), functools.partial(
                         _conv_params_calls, self._cd, None, 0, self.reverse, 0, dtop, 0, db, 0, 0,
@@ -481,7 +539,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                     self._check_gemm_workspace('bwd_filter', ws, nbytes)
                     self._gemm.backward_filter(x, dtop, dw, ws)
             elif dw:
-                x = _dptr(bb)
+                x = self._bottom_ptr(bb)
                 with mgr.checkout(self, 'bwd_filter') as (ws, nbytes):
                     fcd.replays.run(('bwd_filter', x, dtop, dw, db, ws, nbytes, fc.algo, fc.math,
                                      fc.variant, beta),
@@ -493,22 +551,33 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                 self._cd.replays.run(('bias', dtop, db), functools.partial(
                     _conv_params_calls, self._cd, None, 0, self.reverse, 0, dtop, 0, db, 0, 0,
                     beta, dtype))
-            if dw16 is not None:
+            if dw16 is not None and self.compute_nhwc:
+                k, c = wblob.shape[:2]
+                _kernels.accumulate_krsc(dw16, _dptr(wblob, True), k, c, wblob.count // (k * c),
+                                         dtype)
+            elif dw16 is not None:
                 _kernels.accumulate(dw16, _dptr(wblob, True), wblob.count, dtype)
             if bias16:
                 g = tt.diff
-                self.blobs[1].diff += g.reshape(g.shape[0], g.shape[1], -1).sum(
-                    axis=2, dtype=numpy.float32).sum(axis=0)
+                c = g.shape[1]
+                sums = g.reshape(-1, c).sum(axis=0, dtype=numpy.float32) if self.compute_nhwc \
+                    else g.reshape(g.shape[0], c, -1).sum(axis=2, dtype=numpy.float32).sum(axis=0)
+                self.blobs[1].diff += sums
             if propagate_down[i] and dc.variant == 2 and self._gemm is not None:
                 self._gemm.backward_data(dtop, w, _dptr(bb, True))
             elif propagate_down[i]:
-                dx = _dptr(bb, True)
+                scratch_dx = backend.device_scratch('relaid bottom diff', bb.count,
+                                                    self.activation_dtype) \
+                    if self._bottom_relaid else None
+                dx = int(scratch_dx.data.ptr) if scratch_dx is not None else _dptr(bb, True)
                 with mgr.checkout(self, dkind) as (ws, nbytes):
                     dcd.replays.run((dkind, dtop, w, dx, ws, nbytes, dc.algo, dc.math,
                                      dc.variant),
                                     functools.partial(_conv_data_calls, dcd,
                                                       dcd.conv_for(dc.math), dc.algo,
                                                       self.reverse, dtop, w, dx, ws, nbytes))
+                if scratch_dx is not None:      # into the bottom's own layout
+                    self._relaid(bb, True, into=scratch_dx)
 
 @register_engine('CUDNN')
 class CuDNNConvolutionLayer(_CudnnConvolutionMixin, ConvolutionLayer):

@@ -40,6 +40,9 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
     """MAX and AVE pooling through cuDNN where cuDNN's output shape equals
     Caffe's; there Caffe's AVE divisor (the window clipped to H + pad) is
     the full kernel, which is cuDNN's AVERAGE_COUNT_INCLUDE_PADDING."""
+    # caffeplus.layout: cuDNN reads and writes either order, each side its own.
+    layout_role = 'channels_last'
+    _layouts = ('NCHW', 'NCHW')
 
     def __init__(self, layer_param):
         super().__init__(layer_param)
@@ -72,9 +75,16 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
     _storage_dtype = numpy.dtype(numpy.float32)
     _dtypes_agree = True
 
+    def channels_last_ok(self):
+        """cuDNN runs it (nothing of the kernels' in Caffe's order): its
+        output shape is Caffe's, one top, unmasked."""
+        return self._gpu_mode() and cudnn_available() and self.cudnn_agrees() and \
+            self._dtypes_agree and not self.masked and len(self.pool.x_shape) == 4
+
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         self._ntop = len(top)
+        self._layouts = (bottom[0].layout, top[0].layout)
         self._storage_dtype = storage_dtype(bottom[0])
         self._dtypes_agree = _same_storage_dtype(bottom, top)
         if self._gpu_mode() and cudnn_available() and self.cudnn_agrees():
@@ -87,7 +97,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         k = self._batch_slices()
         dtype = self._storage_dtype
         key = (pool.x_shape, pool.out_shape, tuple(pool.geom), pool.method, k,
-               mathmode.generation(), backend.device(), dtype)
+               mathmode.generation(), backend.device(), dtype, self._layouts)
         if key == self._pd_key:
             return
         if pool.method == MAX:
@@ -96,8 +106,11 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
             mode = api.POOL_AVG_INCLUDE_PAD
         n = pool.x_shape[0] // k
         x_slice, y_slice = (n,) + tuple(pool.x_shape[1:]), (n,) + tuple(pool.out_shape[1:])
+        x_strides, y_strides = (api.nhwc_strides(shape) if layout == 'NHWC' else None
+                                for shape, layout in zip((x_slice, y_slice), self._layouts))
         self._pd = (api.PoolDesc(mode, pool.geom.kernel, pool.geom.pad, pool.geom.stride),
-                    api.TensorDesc(x_slice, dtype=dtype), api.TensorDesc(y_slice, dtype=dtype))
+                    api.TensorDesc(x_slice, x_strides, dtype=dtype),
+                    api.TensorDesc(y_slice, y_strides, dtype=dtype))
         # One call per batch slice (a blob over cuDNN's 32-bit count): byte steps.
         self._pool_loops = (k, _prod(x_slice) * dtype.itemsize, _prod(y_slice) * dtype.itemsize)
         self._replays = api.Replays()
@@ -167,7 +180,8 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         """MAX pooling with one top and windows of at most 255 values."""
         pool = self.pool
         return pool is not None and pool.method == MAX and getattr(self, '_ntop', 1) == 1 and \
-            pool.geom.kernel[0] * pool.geom.kernel[1] < 255
+            pool.geom.kernel[0] * pool.geom.kernel[1] < 255 and \
+            self._layouts == ('NCHW', 'NCHW')       # (the kernels read Caffe's order)
 
     def _window_args(self):
         """H, W, OH, OW, KH, KW, SH, SW, PH, PW as the pooling kernels take them."""

@@ -47,6 +47,7 @@ def _fail(layer, message):
 class ReLULayer(NeuronLayer):
     """top = max(x, 0) + negative_slope * min(x, 0)."""
     type = 'ReLU'
+    layout_role = 'pointwise'     # (caffeplus.layout: any order of values)
 
     def __init__(self, layer_param):
         super().__init__(layer_param)
@@ -525,6 +526,7 @@ def _uniform(shape, xp):
 class DropoutLayer(NeuronLayer):
     """TRAIN: top = x * mask / (1 - ratio), mask ~ Bernoulli(1 - ratio); TEST: identity."""
     type = 'Dropout'
+    layout_role = 'pointwise'     # (caffeplus.layout: any order of values)
     backward_reads = NO_READS
     # A device array of at least count bytes the TRAIN mask is written into
     # (the `stock` plan lends Caffe 1.0's uint32 rand_vec_: caffeplus.memory.caffe1).

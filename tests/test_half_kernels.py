@@ -401,6 +401,44 @@ def test_bias_gradient_sums_and_filter_accumulation_read_16_bit_maps(half_extra,
     numpy.testing.assert_array_equal(out, acc + g.astype(F32))
 
 
+@pytest.mark.parametrize('m, c, p, threads', [(37, 5, 4, 32), (600, 70, 3, 64), (9, 3, 9, 32)])
+def test_channels_last_bias_gradient_sums_each_channel_over_the_rows(
+        half_extra, float_extra, m, c, p, threads):
+    """cp_channel_sum_part_nhwc: a channels-last top diff (m rows of c)
+    summed per channel into FP32, a block's threads across the channels
+    (fewer threads than channels too), within float32's rounding of a
+    float64 sum; the 16-bit build gives the float32 build's bits on the
+    same values, as Caffe's order's kernel does."""
+    r = numpy.random.RandomState(m + c)
+    dy = _maps(r, m, c, scale=50)
+    db0 = r.standard_normal(c).astype(F32)
+    runs = {}
+    for name, emu, dtype in (('16', half_extra, F16), ('32', float_extra, F32)):
+        db = db0.copy()
+        part = numpy.full(c * p, numpy.nan)
+        emu.kernel('cp_channel_sum_part_nhwc')((p,), (threads,), (
+            dy.astype(dtype), part, numpy.uint32(m), numpy.uint32(c), numpy.uint32(p)))
+        emu.kernel('cp_channel_sum_apply')((1,), (128,), (part, db, numpy.uint32(c),
+                                                          numpy.uint32(p)))
+        runs[name] = db
+    assert runs['16'].tobytes() == runs['32'].tobytes()
+    want = db0.astype(numpy.float64) + dy.astype(numpy.float64).sum(axis=0)
+    numpy.testing.assert_allclose(runs['16'], want, rtol=1e-6)
+
+
+def test_a_channels_last_filter_gradient_adds_to_the_master_in_caffes_order(half_extra):
+    """cp_accumulate_krsc: cuDNN's channels-last filter gradient (K, kh, kw,
+    C) added, value for value, to the FP32 master's (K, C, kh, kw)."""
+    r = numpy.random.RandomState(16)
+    k, c, kh, kw = 4, 3, 5, 2
+    g = _maps(r, k, kh, kw, c, scale=10)
+    acc = r.standard_normal((k, c, kh, kw)).astype(F32)
+    out = acc.copy()
+    half_extra.kernel('cp_accumulate_krsc')((2,), (32,), (
+        g, out, numpy.uint32(k), numpy.uint32(c), numpy.uint32(kh * kw)))
+    numpy.testing.assert_array_equal(out, acc + g.astype(F32).transpose(0, 3, 1, 2))
+
+
 @pytest.mark.filterwarnings('ignore:overflow encountered in cast:RuntimeWarning')
 def test_one_launch_casts_many_weight_arrays_to_16_bits(half):
     """cp_cast_many: each float32 array rounded to the nearest 16-bit value into its

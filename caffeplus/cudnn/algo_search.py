@@ -62,11 +62,17 @@ class _ConvDescs:
         # keeps, are described as such; cuDNN accumulates in float32.
         dtype = self.dtype = numpy.dtype(getattr(layer, 'activation_dtype', numpy.float32))
         size = dtype.itemsize
-        self.x = api.TensorDesc((nc, cx // G) + tuple(xsp), _contiguous_strides(x_full), dtype)
-        self.y = api.TensorDesc((nc, cy // G) + tuple(ysp), _contiguous_strides(y_full), dtype)
+        # Channels-last maps (caffeplus.layout; one group, no split): their
+        # strides, and filters in cuDNN's channels-last order (K, kh, kw, C),
+        # which its channels-last backward calls need.
+        self.nhwc = nhwc = bool(getattr(layer, 'compute_nhwc', False))
+        strides = api.nhwc_strides if nhwc else _contiguous_strides
+        self.x = api.TensorDesc((nc, cx // G) + tuple(xsp), strides(x_full), dtype)
+        self.y = api.TensorDesc((nc, cy // G) + tuple(ysp), strides(y_full), dtype)
         w_shape = tuple(layer.blobs[0].shape)
         self.w_shape = w_shape
-        self.w = api.FilterDesc((w_shape[0] // G,) + tuple(w_shape[1:]), dtype)
+        self.w = api.FilterDesc((w_shape[0] // G,) + tuple(w_shape[1:]), dtype,
+                                layout=api.NHWC if nhwc else api.NCHW)
         geom = layer.geom
         # 16-bit: tensor cores whatever the FP32 math mode (FMA math offers
         # cuDNN's CUDA-core kernels only).

@@ -1,0 +1,86 @@
+"""Which of a net's maps are stored channels-last (NHWC).
+
+cuDNN's 16-bit convolutions run about twice as fast on channels-last maps
+(VGG-16's convolutions: 10.0 ms against 17.8 on the H200, docs/precision.md).
+A blob stored so keeps its logical shape (N, C, H, W): its shape, the
+log, the memory plans and pycaffe's host views (caffeplus.blob.HostBlob)
+see Caffe's blob; only the order of the values in memory changes.
+
+A blob can be stored channels-last only where every layer that touches it
+reads and writes it so. Pointwise layers (ReLU, Dropout, Split, Eltwise)
+do whatever the layout, and tie their bottoms' and tops' layouts together;
+a layer that can read or write channels-last maps on either side
+(cuDNN's convolution and pooling, `channels_last_ok`) lets the layout
+change across it. Blobs tied together are stored channels-last when all
+are 4-D, every layer touching them can, and a convolution reads or writes
+one of them; the net's own inputs and outputs stay in Caffe's order.
+"""
+from caffeplus import config
+
+NCHW, NHWC = 'NCHW', 'NHWC'
+
+
+def layout_role(layer):
+    """'pointwise', 'channels_last' (the layer reads and writes either
+    layout, on each side), or None (Caffe's order only)."""
+    role = getattr(layer, 'layout_role', None)
+    if role == 'channels_last':
+        ok = getattr(layer, 'channels_last_ok', None)
+        return role if ok is not None and ok() else None
+    return role
+
+
+def channels_last_blobs(layers, bottom_ids, top_ids, shapes, fixed=(), roles=None):
+    """The ids of the blobs to store channels-last.
+
+    layers: the net's layers; bottom_ids, top_ids: per layer, its blob ids;
+    shapes: blob id -> shape; fixed: blob ids that stay in Caffe's order
+    (the net's inputs and outputs); roles: layer -> role (layout_role)."""
+    roles = roles or {}
+    parent = {}
+
+    def find(b):
+        while parent.get(b, b) != b:
+            parent[b] = parent.get(parent[b], parent[b])
+            b = parent[b]
+        return b
+
+    def join(a, b):
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[rb] = ra
+
+    role_of = [roles.get(i, layout_role(layer)) for i, layer in enumerate(layers)]
+    for i, role in enumerate(role_of):
+        if role == 'pointwise':
+            ids = list(bottom_ids[i]) + list(top_ids[i])
+            for b in ids[1:]:
+                join(ids[0], b)
+    able, has_conv = {}, set()
+    for i, role in enumerate(role_of):
+        for b in set(bottom_ids[i]) | set(top_ids[i]):
+            group = find(b)
+            ok = role is not None and len(shapes[b]) == 4 and b not in fixed
+            able[group] = able.get(group, True) and ok
+            if role == 'channels_last' and getattr(layers[i], 'type', '') == 'Convolution':
+                has_conv.add(group)
+    return {b for b in shapes if able.get(find(b), False) and find(b) in has_conv}
+
+
+def apply(net):
+    """Store the net's maps as the `layout` setting says ('nchw': Caffe's
+    order everywhere; 'nhwc': channels-last where channels_last_blobs
+    allows); the layers touching a moved blob reshape again, so that their
+    descriptors describe the new order. Returns the ids moved."""
+    if config.get('layout') != 'nhwc':
+        return set()
+    shapes = {i: b.shape for i, b in enumerate(net._blobs)}
+    fixed = set(net.input_blob_indices) | set(net.output_blob_indices)
+    moved = channels_last_blobs(net.layers, net.bottom_id_vecs, net.top_id_vecs, shapes, fixed)
+    for b in moved:
+        net._blobs[b].layout = NHWC
+    if moved:
+        for i, layer in enumerate(net.layers):
+            if moved & (set(net.bottom_id_vecs[i]) | set(net.top_id_vecs[i])):
+                layer.reshape(net.bottom_vecs[i], net.top_vecs[i])
+    return moved

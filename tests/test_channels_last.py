@@ -1,0 +1,134 @@
+"""caffeplus.layout: which maps a net stores channels-last, and pycaffe's
+view of such a blob (Caffe's order). The GPU's calls over them are checked
+in tests/test_gpu_layers.py."""
+import numpy
+import pytest
+from google.protobuf import text_format
+
+import caffeplus
+from caffeplus import config, layout
+from caffeplus.blob import Blob, HostBlob
+from caffeplus.proto import caffe_pb2
+
+# The roles the GPU's layers take in a 16-bit net (cuDNN's convolution and
+# pooling read and write either order; ReLU, Dropout, Split and Eltwise are
+# pointwise); the CPU's layers take none.
+GPU_ROLES = {'Convolution': 'channels_last', 'Pooling': 'channels_last', 'ReLU': 'pointwise',
+             'Dropout': 'pointwise', 'Split': 'pointwise', 'Eltwise': 'pointwise'}
+
+HEAD = '''name: "t"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+  dummy_data_param { shape { dim: 2 dim: 3 dim: 12 dim: 12 } shape { dim: 2 } } }
+'''
+
+
+def _conv(name, bottom, top=None):
+    return ('layer { name: "%s" type: "Convolution" bottom: "%s" top: "%s" '
+            'convolution_param { num_output: 4 kernel_size: 3 pad: 1 } }\n'
+            % (name, bottom, top or name))
+
+
+def _layer(name, type_, bottoms, tops, extra=''):
+    return 'layer { name: "%s" type: "%s" %s %s %s }\n' % (
+        name, type_, ' '.join('bottom: "%s"' % b for b in bottoms),
+        ' '.join('top: "%s"' % t for t in tops), extra)
+
+
+POOL = 'pooling_param { pool: MAX kernel_size: 2 stride: 2 }'
+IP_LOSS = (_layer('ip', 'InnerProduct', ['pool2'], ['ip'], 'inner_product_param { num_output: 2 }')
+           + _layer('loss', 'SoftmaxWithLoss', ['ip', 'label'], ['loss']))
+VGG_LIKE = (HEAD + _conv('conv1', 'data') + _layer('relu1', 'ReLU', ['conv1'], ['conv1'])
+            + _conv('conv2', 'conv1') + _layer('relu2', 'ReLU', ['conv2'], ['conv2'])
+            + _layer('pool1', 'Pooling', ['conv2'], ['pool1'], POOL)
+            + _conv('conv3', 'pool1') + _layer('drop3', 'Dropout', ['conv3'], ['drop3'])
+            + _layer('pool2', 'Pooling', ['drop3'], ['pool2'], POOL) + IP_LOSS)
+
+
+def _channels_last(text, fixed_outputs=True):
+    net = caffeplus.Net(text_format.Parse(text, caffe_pb2.NetParameter()), caffeplus.TRAIN)
+    roles = {i: GPU_ROLES.get(layer.type) for i, layer in enumerate(net.layers)}
+    shapes = {i: b.shape for i, b in enumerate(net._blobs)}
+    fixed = set(net.output_blob_indices) if fixed_outputs else set()
+    ids = layout.channels_last_blobs(net.layers, net.bottom_id_vecs, net.top_id_vecs, shapes,
+                                     fixed, roles)
+    return {net._blob_names[i] for i in ids}
+
+
+def test_a_chain_of_convolutions_and_pointwise_layers_goes_channels_last():
+    """VGG-16's shape: every map between the first convolution and the
+    pooling that feeds the InnerProduct; the data (DummyData's) and the
+    pooled map the InnerProduct reads stay in Caffe's order, the layout
+    changing across the first convolution and the last pooling."""
+    assert _channels_last(VGG_LIKE) == {'conv1', 'conv2', 'pool1', 'conv3', 'drop3'}
+
+
+def test_a_map_any_other_layer_reads_keeps_caffes_order_with_its_pointwise_kin():
+    """A convolution's map that a Split also hands to an InnerProduct: the
+    split's tops share the map's storage, so the whole tied group stays."""
+    text = (HEAD + _conv('conv1', 'data') + _layer('relu1', 'ReLU', ['conv1'], ['r1'])
+            + _conv('conv2', 'r1')
+            + _layer('ip0', 'InnerProduct', ['r1'], ['ip0'], 'inner_product_param { num_output: 2 }')
+            + _layer('pool2', 'Pooling', ['conv2'], ['pool2'], POOL) + IP_LOSS
+            + _layer('loss0', 'SoftmaxWithLoss', ['ip0', 'label'], ['loss0']))
+    got = _channels_last(text)
+    assert 'conv1' not in got and 'r1' not in got and not any('split' in n for n in got)
+    assert got == {'conv2'}
+
+
+def test_batchnorm_keeps_caffes_order_and_eltwise_ties_its_bottoms():
+    """A residual block: BatchNorm's per-channel kernels read Caffe's order,
+    so the convolution it follows stays; the Eltwise's bottoms and top are
+    one group, channels-last only if all of them can be."""
+    block = (HEAD + _conv('conv1', 'data') + _layer('bn1', 'BatchNorm', ['conv1'], ['conv1'])
+             + _conv('conv2', 'conv1') + _conv('conv3', 'conv1')
+             + _layer('sum', 'Eltwise', ['conv2', 'conv3'], ['sum'])
+             + _layer('relu', 'ReLU', ['sum'], ['sum'])
+             + _layer('pool2', 'Pooling', ['sum'], ['pool2'], POOL) + IP_LOSS)
+    got = _channels_last(block)
+    assert 'conv1' not in got and not any(n.startswith('conv1_') for n in got)
+    assert {'conv2', 'conv3', 'sum'} <= got
+    without_conv3 = block.replace(_conv('conv3', 'conv1'), _layer(
+        'bn3', 'BatchNorm', ['conv1'], ['conv3']))
+    assert not {'conv2', 'conv3', 'sum'} & _channels_last(without_conv3)
+
+
+def test_the_nets_outputs_keep_caffes_order():
+    text = HEAD + _conv('conv1', 'data') + _layer('relu1', 'ReLU', ['conv1'], ['conv1'])
+    assert _channels_last(text, fixed_outputs=False) == {'conv1'}
+    assert _channels_last(text) == set()
+
+
+def test_the_cpus_layers_and_the_default_setting_move_nothing():
+    """On the CPU no layer reads channels-last maps, whatever the setting;
+    the default (nchw) moves nothing anywhere."""
+    param = text_format.Parse(VGG_LIKE, caffe_pb2.NetParameter())
+    assert config.get('layout') == 'nchw'
+    with config.using(layout='nhwc'):
+        net = caffeplus.Net(param, caffeplus.TRAIN)
+    assert all(b.layout == 'NCHW' for b in net._blobs)
+    assert layout.layout_role(net.layers[net._layer_names.index('conv1')]) is None
+    assert layout.layout_role(net.layers[net._layer_names.index('relu1')]) == 'pointwise'
+
+
+def test_pycaffe_sees_a_channels_last_blob_in_caffes_order():
+    """HostBlob (pycaffe's net.blobs): the logical (N, C, H, W) values,
+    read and written through the channels-last storage."""
+    blob = Blob((2, 3, 4, 5), name='m')
+    blob.layout = 'NHWC'
+    stored = numpy.arange(blob.count, dtype=numpy.float32)
+    blob.data[...] = stored.reshape(blob.shape)          # the raw storage, in memory order
+    view = HostBlob(blob).data
+    assert view.shape == (2, 3, 4, 5)
+    numpy.testing.assert_array_equal(view, stored.reshape(2, 4, 5, 3).transpose(0, 3, 1, 2))
+    want = numpy.random.default_rng(3).standard_normal((2, 3, 4, 5)).astype(numpy.float32)
+    HostBlob(blob).data = want
+    numpy.testing.assert_array_equal(HostBlob(blob).data, want)
+    numpy.testing.assert_array_equal(blob.data.reshape(-1),
+                                     want.transpose(0, 2, 3, 1).reshape(-1))
+
+
+@pytest.mark.parametrize('value', ['nhcw', 'channels_last', ''])
+def test_the_layout_setting_names_its_choices(value):
+    with pytest.raises(caffeplus.errors.CaffeplusError, match='nchw, nhwc'):
+        with config.using(layout=value):
+            pass

@@ -1,0 +1,130 @@
+"""Channels-last maps on the GPU (caffeplus.layout, the `layout` setting):
+a 16-bit net stored so computes what the same net in Caffe's order does,
+within the 16-bit type's rounding (the two take different cuDNN kernels),
+with the same weights and inputs; pycaffe sees Caffe's order either way."""
+import numpy
+import pytest
+from google.protobuf import text_format
+
+import caffeplus
+from caffeplus import config, precision
+from caffeplus.proto import caffe_pb2
+
+pytestmark = pytest.mark.gpu
+
+# VGG-16's layer kinds: the Input (Caffe's order) read by the first
+# convolution, in-place ReLUs, a convolution without bias, max pooling
+# between convolutions and average pooling into the InnerProduct (whose
+# bottom keeps Caffe's order); force_backward so the data's gradient runs
+# through the first convolution's re-laid copy.
+NET = """
+name: "vgg_like" force_backward: true
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 8 dim: 3 dim: 20 dim: 20 } shape { dim: 8 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 16 kernel_size: 3 pad: 1
+    weight_filler { type: "gaussian" std: 0.2 } bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "conv2" type: "Convolution" bottom: "conv1" top: "conv2"
+  convolution_param { num_output: 16 kernel_size: 3 pad: 1
+    weight_filler { type: "gaussian" std: 0.1 } bias_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
+layer { name: "pool1" type: "Pooling" bottom: "conv2" top: "pool1"
+  pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "conv3" type: "Convolution" bottom: "pool1" top: "conv3"
+  convolution_param { num_output: 32 kernel_size: 3 pad: 1 bias_term: false
+    weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "relu3" type: "ReLU" bottom: "conv3" top: "conv3" }
+layer { name: "pool2" type: "Pooling" bottom: "conv3" top: "pool2"
+  pooling_param { pool: AVE kernel_size: 2 stride: 2 } }
+layer { name: "ip1" type: "InnerProduct" bottom: "pool2" top: "ip1"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip1" bottom: "label" top: "loss" }
+"""
+CHANNELS_LAST = ('conv1', 'conv2', 'pool1', 'conv3')
+TOLERANCE = {'fp16': 2e-2, 'bf16': 6e-2}
+
+
+def _net(sixteen, layout, weights=None):
+    param = text_format.Parse(NET, caffe_pb2.NetParameter())
+    with precision.setting(sixteen), config.using(layout=layout):
+        net = caffeplus.Net(param, caffe_pb2.TRAIN)
+    if weights is not None:
+        for p, w in zip(net.learnable_params, weights):
+            p.data = w
+    return net
+
+
+def _run(net, x, label):
+    net.blobs['data'].data[...] = x
+    net.blobs['label'].data[...] = label
+    net.clear_param_diffs()
+    net.forward_prefilled()
+    net.backward_all()
+    maps = {n: net.blobs[n].data.copy() for n in CHANNELS_LAST + ('pool2',)}
+    maps['data diff'] = net.blobs['data'].diff.copy()
+    maps['conv2 diff'] = net.blobs['conv2'].diff.copy()
+    return float(net.blobs['loss'].data), [p.diff.get().copy() for p in net.learnable_params], \
+        maps
+
+
+def _relative(a, b):
+    return float(numpy.linalg.norm(a - b) / max(numpy.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize('search', ['heuristic', 'timed'])
+@pytest.mark.parametrize('sixteen', ['fp16', 'bf16'])
+def test_a_channels_last_net_computes_what_caffes_order_does(gpu, sixteen, search):
+    if sixteen == 'bf16':
+        pytest.importorskip('ml_dtypes')
+    from caffeplus.memory import workspace
+    previous = workspace.set_search(search)
+    try:
+        ref = _net(sixteen, 'nchw')
+        weights = [p.data.get().copy() for p in ref.learnable_params]
+        nets = {'nchw': ref, 'nhwc': _net(sixteen, 'nhwc', weights)}
+        r = numpy.random.RandomState(7)
+        x = r.standard_normal((8, 3, 20, 20)).astype(numpy.float32)
+        label = r.randint(0, 5, size=8).astype(numpy.float32)
+        runs = {k: _run(net, x, label) for k, net in nets.items()}
+    finally:
+        workspace.set_search(previous)
+    moved = {n for n, b in nets['nhwc']._blob_dict.items() if b.layout == 'NHWC'}
+    assert moved == set(CHANNELS_LAST)
+    assert all(b.layout == 'NCHW' for b in ref._blobs)
+    convs = [l for l in nets['nhwc'].layers if l.type == 'Convolution']
+    assert all(l._cd is not None and l._cd.nhwc for l in convs)
+    tol = TOLERANCE[sixteen]
+    (loss, grads, maps), (loss_cl, grads_cl, maps_cl) = runs['nchw'], runs['nhwc']
+    assert loss_cl == pytest.approx(loss, rel=tol)
+    for p, g, g_cl in zip(ref.learnable_params, grads, grads_cl):
+        assert _relative(g_cl, g) < tol, p.name
+    for name, m in maps.items():            # pycaffe's views: Caffe's order
+        assert maps_cl[name].shape == m.shape
+        assert _relative(maps_cl[name], m) < tol, name
+    from caffeplus import kernels
+    assert not kernels.failures()
+
+
+def test_channels_last_training_follows_caffes_order(gpu):
+    """Five SGD steps from the same weights: the same losses within FP16's
+    rounding, and the weights moved alike (the filter gradients went back
+    to the masters in Caffe's order)."""
+    ref = _net('fp16', 'nchw')
+    weights = [p.data.get().copy() for p in ref.learnable_params]
+    nets = {'nchw': ref, 'nhwc': _net('fp16', 'nhwc', weights)}
+    r = numpy.random.RandomState(11)
+    x = r.standard_normal((8, 3, 20, 20)).astype(numpy.float32)
+    label = r.randint(0, 5, size=8).astype(numpy.float32)
+    losses = {}
+    for name, net in nets.items():
+        losses[name] = []
+        for _ in range(5):
+            loss, grads, _ = _run(net, x, label)
+            losses[name].append(loss)
+            for p in net.learnable_params:
+                p.data -= 0.05 * p.diff
+    assert losses['nchw'][-1] < losses['nchw'][0]
+    numpy.testing.assert_allclose(losses['nhwc'], losses['nchw'], rtol=3e-2)
+    for p, q in zip(nets['nhwc'].learnable_params, ref.learnable_params):
+        assert _relative(p.data.get(), q.data.get()) < 1e-2
