@@ -44,12 +44,13 @@ __device__ __forceinline__ I cp_plane_of(const I i, const int H, const int W, in
 }
 
 /* The first maximum of the window rows hs.., columns ws.. (clipped to the
-   H x W plane xp) in scan order: strict >, from -FLT_MAX, so NaN never
-   wins; *arg = its offset kh*KW+kw in the window, `none` if nothing beat
-   -FLT_MAX. */
+   H x W plane xp, its values CS apart: 1 in Caffe's order, C channels-last)
+   in scan order: strict >, from -FLT_MAX, so NaN never wins; *arg = its
+   offset kh*KW+kw in the window, `none` if nothing beat -FLT_MAX. */
 template <class T>
 __device__ __forceinline__ float cp_window_max(const T* xp, const int H, const int W,
-    const int hs, const int ws, const int KH, const int KW, const int none, int* arg)
+    const int hs, const int ws, const int KH, const int KW, const int none, int* arg,
+    const int CS = 1)
 {
     float m = -CP_FLT_MAX;
     int a = none;
@@ -59,7 +60,7 @@ __device__ __forceinline__ float cp_window_max(const T* xp, const int H, const i
         for (int kw = 0; kw < KW; ++kw) {
             const int w = ws + kw;
             if (w < 0 || w >= W) continue;
-            const float v = (float)xp[h * W + w];
+            const float v = (float)xp[(long long)(h * W + w) * CS];
             if (v > m) { m = v; a = kh * KW + kw; }
         }
     }
@@ -249,6 +250,105 @@ extern "C" __global__ void cp_mpool_bwd_tiled(const CP_A* dy, const unsigned cha
     const int KW)
 {
     CP_BY_INDEX(cp_mpool_bwd_tiled_run, total, dy, arg, dx, OH, OW, KH, KW);
+}
+
+/* The three above over channels-last maps (x, y, dx, dy: N, H, W, C; the
+   argmax in y's order): one thread per value, consecutive threads
+   consecutive channels, the same windows, argmax and sums. */
+template <class I>
+__device__ __forceinline__ void cp_mpool_fwd_nhwc_run(const I total, const CP_A* x, CP_A* y,
+    unsigned char* arg, const int C, const int H, const int W, const int OH, const int OW,
+    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
+{
+    const I stride = (I)gridDim.x * blockDim.x;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const I pixel = i / (I)C;
+        const int c = (int)(i - pixel * (I)C);
+        int oh, ow;
+        const unsigned long long n = cp_plane_of(pixel, OH, OW, &oh, &ow);
+        const CP_A* xp = x + n * (unsigned long long)(H * W) * C + c;
+        int a;
+        y[i] = cp_window_max(xp, H, W, oh * SH - PH, ow * SW - PW, KH, KW, 255, &a, C);
+        arg[i] = (unsigned char)a;
+    }
+}
+
+extern "C" __global__ void cp_mpool_fwd_nhwc(const CP_A* x, CP_A* y, unsigned char* arg,
+    const unsigned long long total, const int C, const int H, const int W, const int OH,
+    const int OW, const int KH, const int KW, const int SH, const int SW, const int PH,
+    const int PW)
+{
+    CP_BY_INDEX(cp_mpool_fwd_nhwc_run, total, x, y, arg, C, H, W, OH, OW, KH, KW, SH, SW, PH,
+                PW);
+}
+
+template <class I>
+__device__ __forceinline__ void cp_mpool_bwd_nhwc_run(const I total, const CP_A* dy,
+    const unsigned char* arg, CP_A* dx, const int C, const int H, const int W, const int OH,
+    const int OW, const int KH, const int KW, const int SH, const int SW, const int PH,
+    const int PW)
+{
+    const I stride = (I)gridDim.x * blockDim.x;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const I pixel = i / (I)C;
+        const int c = (int)(i - pixel * (I)C);
+        int h, w;
+        const unsigned long long n = cp_plane_of(pixel, H, W, &h, &w);
+        const int hp = h + PH, wp = w + PW;
+        const int ph0 = hp < KH ? 0 : (hp - KH) / SH + 1;
+        const int ph1 = min(hp / SH + 1, OH);
+        const int pw0 = wp < KW ? 0 : (wp - KW) / SW + 1;
+        const int pw1 = min(wp / SW + 1, OW);
+        const unsigned long long ob = n * (unsigned long long)(OH * OW);
+        float acc = 0.0f;
+        for (int ph = ph0; ph < ph1; ++ph) {
+            const int hs = ph * SH - PH;
+            for (int pw = pw0; pw < pw1; ++pw) {
+                const int ws = pw * SW - PW;
+                const unsigned long long o = (ob + (unsigned long long)(ph * OW + pw)) * C + c;
+                if ((int)arg[o] == (h - hs) * KW + (w - ws)) acc = __fadd_rn(acc, dy[o]);
+            }
+        }
+        dx[i] = acc;
+    }
+}
+
+extern "C" __global__ void cp_mpool_bwd_nhwc(const CP_A* dy, const unsigned char* arg,
+    CP_A* dx, const unsigned long long total, const int C, const int H, const int W,
+    const int OH, const int OW, const int KH, const int KW, const int SH, const int SW,
+    const int PH, const int PW)
+{
+    CP_BY_INDEX(cp_mpool_bwd_nhwc_run, total, dy, arg, dx, C, H, W, OH, OW, KH, KW, SH, SW, PH,
+                PW);
+}
+
+template <class I>
+__device__ __forceinline__ void cp_mpool_bwd_tiled_nhwc_run(const I total, const CP_A* dy,
+    const unsigned char* arg, CP_A* dx, const int C, const int OH, const int OW, const int KH,
+    const int KW)
+{
+    const int W = OW * KW;
+    const I stride = (I)gridDim.x * blockDim.x;
+    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const I pixel = i / (I)C;
+        const int c = (int)(i - pixel * (I)C);
+        int oh, ow;
+        const unsigned long long n = cp_plane_of(pixel, OH, OW, &oh, &ow);
+        const int a = (int)arg[i];
+        const float g = __fadd_rn(0.0f, dy[i]);
+        CP_A* dp = dx + ((n * (unsigned long long)(OH * KH) + (unsigned long long)(oh * KH)) *
+                         W + (unsigned long long)(ow * KW)) * C + c;
+        for (int kh = 0; kh < KH; ++kh)
+            for (int kw = 0; kw < KW; ++kw)
+                dp[(long long)(kh * W + kw) * C] = (kh * KW + kw == a) ? g : 0.0f;
+    }
+}
+
+extern "C" __global__ void cp_mpool_bwd_tiled_nhwc(const CP_A* dy, const unsigned char* arg,
+    CP_A* dx, const unsigned long long total, const int C, const int OH, const int OW,
+    const int KH, const int KW)
+{
+    CP_BY_INDEX(cp_mpool_bwd_tiled_nhwc_run, total, dy, arg, dx, C, OH, OW, KH, KW);
 }
 
 /* ReLU (negative slope 0) that also keeps bit i%32 of bits[i/32] = (y[i] > 0),

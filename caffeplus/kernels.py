@@ -61,7 +61,8 @@ MAP_KERNELS = frozenset(('cp_bn_fwd', 'cp_bn_bwd', 'cp_relu_fwd', 'cp_relu_bwd',
                          'cp_accumulate', 'cp_cast_many', 'cp_mpool_fwd', 'cp_mpool_bwd',
                          'cp_mpool_bwd_tiled', 'cp_relu_bits_fwd', 'cp_relu_bits_bwd',
                          'cp_scale_fwd', 'cp_scale_bwd', 'cp_lrn_fwd', 'cp_lrn_bwd',
-                         'cp_im2col', 'cp_channel_sum_part_nhwc', 'cp_accumulate_krsc'))
+                         'cp_im2col', 'cp_channel_sum_part_nhwc', 'cp_accumulate_krsc',
+                         'cp_mpool_fwd_nhwc', 'cp_mpool_bwd_nhwc', 'cp_mpool_bwd_tiled_nhwc'))
 SOURCE = COMMON + CORE + EXTRA
 
 # Flags of cp_bn_fwd / cp_bn_bwd.

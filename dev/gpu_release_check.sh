@@ -23,11 +23,12 @@
 #  10. (STEPS=accuracy) benchmarks/precision_accuracy.py: digits LeNet and CIFAR10-full (on the
 #      digits; ACCURACY_SOLVERS) in FP32 and 16 bits (ACCURACY_PRECISIONS).
 #  11. (STEPS=nvcaffe) dev/nvcaffe_time.sh: NVCaffe's FP16 model files, `caffeplus time`.
-#  12. (STEPS=profile) dev/profile_gpu.py on PROFILE_NETS in PROFILE_PRECISION (fp16) with timed search.
+#  12. (STEPS=profile) dev/profile_gpu.py on PROFILE_NETS in PROFILE_PRECISION (fp16) with timed search
+#      (PROFILE_LAYOUT nhwc: the convolution maps channels-last).
 # Prefer running it through dev/gpu_snapshot.sh (the committed tree only).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
 # (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
-# env: ACCURACY_SOLVERS, ACCURACY_PRECISIONS, ACCURACY_SEEDS, PROFILE_PRECISION, MEMORY_PRECISION, STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp,accuracy,nvcaffe,profile), PROFILE_NETS, AMP_TORCH, TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
+# env: ACCURACY_SOLVERS, ACCURACY_PRECISIONS, ACCURACY_SEEDS, PROFILE_PRECISION, PROFILE_LAYOUT, MEMORY_PRECISION, STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp,accuracy,nvcaffe,profile), PROFILE_NETS, AMP_TORCH, TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
 #      MEMORY_ITERS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S
 set -u
 OUT=${OUT:-/tmp/gpu_out}
@@ -151,7 +152,7 @@ if has profile; then
   for net in ${PROFILE_NETS:-vgg16_b64 alexnet_b128}; do
     GLOG_minloglevel=2 timeout "${PROFILE_S:-120}" python3 dev/profile_gpu.py \
       --net .gpu_carry/bench/$net.prototxt --plan arena --search timed --tf32 \
-      --precision "${PROFILE_PRECISION:-fp16}" --iters 10 --top 25 \
+      --precision "${PROFILE_PRECISION:-fp16}" --layout "${PROFILE_LAYOUT:-nchw}" --iters 10 --top 25 \
       > "$OUT/profile_${PROFILE_PRECISION:-fp16}_$net.log" 2>&1
     echo "rc=$?" >> "$OUT/profile_${PROFILE_PRECISION:-fp16}_$net.log"
     tail -n 45 "$OUT/profile_${PROFILE_PRECISION:-fp16}_$net.log"

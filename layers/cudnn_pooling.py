@@ -79,7 +79,16 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         """cuDNN runs it (nothing of the kernels' in Caffe's order): its
         output shape is Caffe's, one top, unmasked."""
         return self._gpu_mode() and cudnn_available() and self.cudnn_agrees() and \
-            self._dtypes_agree and not self.masked and len(self.pool.x_shape) == 4
+            self._dtypes_agree and len(self.pool.x_shape) == 4
+
+    def _argmax_kernels(self):
+        """Whether the one-byte argmax kernels run (masked or not): a masked
+        layer, and channels-last MAX pooling, whose cuDNN kernels are slow
+        (VGG-16's pool1: 3.56 ms forward and backward, against 1.54 in
+        Caffe's order; dev/nhwc_layout_probe.py)."""
+        if not _kernels.active():
+            return False
+        return self.masked or (self._layouts == ('NHWC', 'NHWC') and self.can_mask())
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
@@ -128,7 +137,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
 
     def _forward(self, bottom, top):
         self._fused_arg = False
-        if self.masked and _kernels.active():
+        if self._argmax_kernels():
             return self._masked_forward(bottom, top)
         if not self._ready(_kernels.flat(bottom[0], any_dtype=True)):
             if _kernels.active() and _fused('Pooling forward', self._fast_forward, bottom, top):
@@ -142,7 +151,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
     def _backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
-        if self.masked and _kernels.active():
+        if self._argmax_kernels():
             return self._masked_backward(top, bottom)
         if not self._ready(_kernels.flat(top[0], True, any_dtype=True)):
             if _kernels.active() and _fused('Pooling backward', self._fast_backward, top,
@@ -174,14 +183,14 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         (kh, kw), (sh, sw), _ = pool.geom
         oh, ow = pool.out_shape[2:]
         overlapping = (kh > sh and oh > 1) or (kw > sw and ow > 1)
-        return not overlapping or not self.cudnn_agrees()
+        return not overlapping or not self.cudnn_agrees() or self._argmax_kernels()
 
     def can_mask(self):
         """MAX pooling with one top and windows of at most 255 values."""
         pool = self.pool
         return pool is not None and pool.method == MAX and getattr(self, '_ntop', 1) == 1 and \
             pool.geom.kernel[0] * pool.geom.kernel[1] < 255 and \
-            self._layouts == ('NCHW', 'NCHW')       # (the kernels read Caffe's order)
+            self._layouts[0] == self._layouts[1]        # (the kernels: one order both sides)
 
     def _window_args(self):
         """H, W, OH, OW, KH, KW, SH, SW, PH, PW as the pooling kernels take them."""
@@ -197,8 +206,16 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         count = _prod(self.pool.out_shape)
         x, y = K.flat(bottom[0], any_dtype=True), K.flat(top[0], any_dtype=True)
         self._arg8 = arg = scratch.get(self, 'argmax8', count, numpy.uint8, K.array_module())
-        K.kernel('cp_mpool_fwd', x.dtype)(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
-                                          (x, y, arg, numpy.uint64(count)) + self._window_args())
+        name, args = ('cp_mpool_fwd_nhwc', self._channel_arg()) if self._nhwc() \
+            else ('cp_mpool_fwd', ())
+        K.kernel(name, x.dtype)(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
+                                (x, y, arg, numpy.uint64(count)) + args + self._window_args())
+
+    def _nhwc(self):
+        return self._layouts[0] == 'NHWC'
+
+    def _channel_arg(self):
+        return (_kernels.i32(self.pool.x_shape[1]),)
 
     def _masked_backward(self, top, bottom):
         K = _kernels
@@ -210,25 +227,27 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         dx = K.flat(bottom[0], diff=True, any_dtype=True)
         (kh, kw), (sh, sw), (ph, pw) = pool.geom
         (h, w), (oh, ow) = pool.x_shape[2:], pool.out_shape[2:]
+        nhwc = self._nhwc()
+        channels = self._channel_arg() if nhwc else ()
         if (kh, kw) == (sh, sw) and ph == pw == 0 and (h, w) == (oh * kh, ow * kw):
             # Windows that tile the input (VGG-16's): each output writes its own.
             count = _prod(pool.out_shape)
-            K.kernel('cp_mpool_bwd_tiled', dy.dtype)(
+            K.kernel('cp_mpool_bwd_tiled_nhwc' if nhwc else 'cp_mpool_bwd_tiled', dy.dtype)(
                 K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
-                (dy, self._arg8, dx, numpy.uint64(count)) +
+                (dy, self._arg8, dx, numpy.uint64(count)) + channels +
                 tuple(K.i32(v) for v in (oh, ow, kh, kw)))
             return
         count = _prod(pool.x_shape)
-        K.kernel('cp_mpool_bwd', dy.dtype)(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
-                                           (dy, self._arg8, dx, numpy.uint64(count)) +
-                                           self._window_args())
+        K.kernel('cp_mpool_bwd_nhwc' if nhwc else 'cp_mpool_bwd', dy.dtype)(
+            K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
+            (dy, self._arg8, dx, numpy.uint64(count)) + channels + self._window_args())
 
     def internal_buffers(self):
         """On the GPU, MAX pooling's kernel keeps an int32 argmax for
         backward; cuDNN keeps nothing (its backward reads x and y); a masked
-        layer keeps a one-byte argmax."""
+        layer, and channels-last MAX pooling, keep a one-byte argmax."""
         pool = self.pool
-        if self.masked and _kernels.active():
+        if self._argmax_kernels():
             return {'argmax8': (_prod(pool.out_shape), numpy.uint8)}
         if pool is not None and pool.method == MAX and self._gpu_mode():
             if cudnn_available() and self.cudnn_agrees():
@@ -240,7 +259,7 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         """What internal_buffers keeps on a GPU with cuDNN (for the estimate,
         made on a CPU net: workspace_model.internal_bytes)."""
         pool = self.pool
-        if self.masked:
+        if self.masked or self._argmax_kernels():
             return _prod(pool.out_shape)
         if pool is None or pool.method != MAX or self.cudnn_agrees():
             return 0

@@ -13,10 +13,12 @@ from caffeplus.proto import caffe_pb2
 pytestmark = pytest.mark.gpu
 
 # VGG-16's layer kinds: the Input (Caffe's order) read by the first
-# convolution, in-place ReLUs, a convolution without bias, max pooling
-# between convolutions and average pooling into the InnerProduct (whose
-# bottom keeps Caffe's order); force_backward so the data's gradient runs
-# through the first convolution's re-laid copy.
+# convolution, in-place ReLUs, a convolution without bias and a 1x1 one,
+# max pooling between convolutions (tiling 2x2 windows, and overlapping
+# padded 3x3 ones: caffeplus's argmax kernels) and average pooling into the
+# InnerProduct (cuDNN's, channels-last in, Caffe's order out);
+# force_backward so the data's gradient runs through the first
+# convolution's re-laid copy.
 NET = """
 name: "vgg_like" force_backward: true
 layer { name: "data" type: "Input" top: "data" top: "label"
@@ -35,13 +37,18 @@ layer { name: "conv3" type: "Convolution" bottom: "pool1" top: "conv3"
   convolution_param { num_output: 32 kernel_size: 3 pad: 1 bias_term: false
     weight_filler { type: "gaussian" std: 0.1 } } }
 layer { name: "relu3" type: "ReLU" bottom: "conv3" top: "conv3" }
-layer { name: "pool2" type: "Pooling" bottom: "conv3" top: "pool2"
+layer { name: "pool3" type: "Pooling" bottom: "conv3" top: "pool3"
+  pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 } }
+layer { name: "conv4" type: "Convolution" bottom: "pool3" top: "conv4"
+  convolution_param { num_output: 24 kernel_size: 1
+    weight_filler { type: "gaussian" std: 0.2 } bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "pool2" type: "Pooling" bottom: "conv4" top: "pool2"
   pooling_param { pool: AVE kernel_size: 2 stride: 2 } }
 layer { name: "ip1" type: "InnerProduct" bottom: "pool2" top: "ip1"
   inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
 layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip1" bottom: "label" top: "loss" }
 """
-CHANNELS_LAST = ('conv1', 'conv2', 'pool1', 'conv3')
+CHANNELS_LAST = ('conv1', 'conv2', 'pool1', 'conv3', 'pool3', 'conv4')
 TOLERANCE = {'fp16': 2e-2, 'bf16': 6e-2}
 
 
@@ -92,8 +99,11 @@ def test_a_channels_last_net_computes_what_caffes_order_does(gpu, sixteen, searc
     moved = {n for n, b in nets['nhwc']._blob_dict.items() if b.layout == 'NHWC'}
     assert moved == set(CHANNELS_LAST)
     assert all(b.layout == 'NCHW' for b in ref._blobs)
-    convs = [l for l in nets['nhwc'].layers if l.type == 'Convolution']
-    assert all(l._cd is not None and l._cd.nhwc for l in convs)
+    layers = {l.layer_param.name: l for l in nets['nhwc'].layers}
+    assert all(l._cd is not None and l._cd.nhwc for l in layers.values()
+               if l.type == 'Convolution')
+    assert layers['pool1']._argmax_kernels() and layers['pool3']._argmax_kernels()
+    assert not layers['pool2']._argmax_kernels()        # (AVE: cuDNN's)
     tol = TOLERANCE[sixteen]
     (loss, grads, maps), (loss_cl, grads_cl, maps_cl) = runs['nchw'], runs['nhwc']
     assert loss_cl == pytest.approx(loss, rel=tol)

@@ -460,6 +460,49 @@ def test_one_launch_casts_many_weight_arrays_to_16_bits(half):
         assert numpy.isinf(dst[0][0]) and dst[0][1] == 0
 
 
+@pytest.mark.parametrize('kh, sh, ph, size', [(3, 2, 0, 9), (2, 2, 0, 8), (3, 1, 1, 6),
+                                              (3, 3, 0, 10)])
+def test_channels_last_max_pooling_kernels_follow_caffes_order(half_extra, kh, sh, ph, size):
+    """cp_mpool_*_nhwc: on channels-last maps the same maxima, argmax and
+    gradients, value for value, as the Caffe-order kernels on the same
+    (transposed) values: overlapping, padded, tiling and clipped windows
+    (Caffe's ceil rule leaves a partial last window at size 10)."""
+    r = numpy.random.RandomState(kh * 10 + size)
+    n, c, h, w = 2, 5, size, size if (kh, sh) == (2, 2) else size - 1
+    oh = -(-(h + 2 * ph - kh) // sh) + 1
+    ow = -(-(w + 2 * ph - kh) // sh) + 1
+    geometry = tuple(numpy.int32(v) for v in (h, w, oh, ow, kh, kh, sh, sh, ph, ph))
+    x = _maps(r, n, c, h, w, scale=20)
+    x[0, 0, :2, :2] = x[0, 0, 0, 0]                     # ties: the first in scan order wins
+    dy = _maps(r, n, c, oh, ow)
+    total_out, total_in = numpy.uint64(n * c * oh * ow), numpy.uint64(x.size)
+    caffe = {'y': numpy.full((n, c, oh, ow), numpy.nan, F16),
+             'arg': numpy.full((n, c, oh, ow), 7, numpy.uint8),
+             'dx': numpy.full(x.shape, numpy.nan, F16)}
+    half_extra.kernel('cp_mpool_fwd')((3,), (64,), (x, caffe['y'], caffe['arg'], total_out) +
+                                      geometry)
+    half_extra.kernel('cp_mpool_bwd')((3,), (64,), (dy, caffe['arg'], caffe['dx'], total_in) +
+                                      geometry)
+    last = lambda a: numpy.ascontiguousarray(a.transpose(0, 2, 3, 1))    # NCHW -> NHWC
+    nhwc = {'y': numpy.full((n, oh, ow, c), numpy.nan, F16),
+            'arg': numpy.full((n, oh, ow, c), 7, numpy.uint8),
+            'dx': numpy.full((n, h, w, c), numpy.nan, F16)}
+    channels = (numpy.int32(c),)
+    half_extra.kernel('cp_mpool_fwd_nhwc')((3,), (64,), (last(x), nhwc['y'], nhwc['arg'],
+                                                         total_out) + channels + geometry)
+    half_extra.kernel('cp_mpool_bwd_nhwc')((3,), (64,), (last(dy), nhwc['arg'], nhwc['dx'],
+                                                         total_in) + channels + geometry)
+    for key in ('y', 'arg', 'dx'):
+        assert nhwc[key].tobytes() == last(caffe[key]).tobytes(), key
+    if kh == sh and ph == 0 and h == oh * kh and w == ow * kh:
+        tiled = numpy.full((n, h, w, c), numpy.nan, F16)
+        half_extra.kernel('cp_mpool_bwd_tiled_nhwc')((3,), (64,), (
+            last(dy), nhwc['arg'], tiled, total_out) + channels + geometry[2:6])
+        assert tiled.tobytes() == last(caffe['dx']).tobytes()
+    else:
+        assert (kh, sh) != (2, 2)        # (the tiling case above is the 2x2 one)
+
+
 def test_mask_kernels_on_16_bit_maps(half_extra, float_extra):
     """The masks' kernels (caffeplus.memory.masks) on FLOAT16 maps: max
     pooling with a one-byte argmax, overlapping (3x3, stride 2) and tiling
