@@ -97,12 +97,15 @@ def _conv_params_calls(cd, conv, algo, reverse, x, dtop, dw, db, ws, nbytes, bet
     if dw:
         ws = ws or None
         for g in range(cd.loops):
+            # Batch slices (w_off 0) write one filter gradient: a written one
+            # (beta 0) is written by the first slice and added to by the rest.
+            b = 1.0 if g and not cd.w_off else beta
             if not reverse:
                 api.conv_backward_filter(cd.x, x + g * cd.x_off, cd.y, dtop + g * cd.y_off, conv,
-                                         algo, ws, nbytes, cd.w, dw + g * cd.w_off, beta=beta)
+                                         algo, ws, nbytes, cd.w, dw + g * cd.w_off, beta=b)
             else:       # x is conv-y, the top conv-x
                 api.conv_backward_filter(cd.x, dtop + g * cd.x_off, cd.y, x + g * cd.y_off, conv,
-                                         algo, ws, nbytes, cd.w, dw + g * cd.w_off, beta=beta)
+                                         algo, ws, nbytes, cd.w, dw + g * cd.w_off, beta=b)
 
 
 def _conv_data_calls(cd, conv, algo, reverse, dtop, w, dx, ws, nbytes):

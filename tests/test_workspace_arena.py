@@ -562,14 +562,37 @@ def test_pycaffe_host_views_stay_in_sync(tmp_path):
     assert numpy.shares_memory(held, net.blobs['conv3'].data)
 
 
+@pytest.mark.parametrize('beta', [0.0, 1.0])
+def test_a_filter_gradient_over_batch_slices_is_written_once_then_added_to(monkeypatch, beta):
+    """_conv_params_calls: over batch slices (one filter gradient, w_off 0)
+    the first slice's call takes the beta asked for (0: a 16-bit layer's
+    scratch, written) and the others add (beta 1); per-group calls each
+    write their own part of the gradient with the beta asked for."""
+    import types
+    from caffeplus.layers import cudnn_conv
+    calls = []
+    monkeypatch.setattr(cudnn_conv.api, 'conv_backward_filter',
+                        lambda *args, beta: calls.append((args[9], beta)))
+    sliced = types.SimpleNamespace(loops=4, x=0, y=0, w=0, x_off=100, y_off=10, w_off=0)
+    cudnn_conv._conv_params_calls(sliced, None, 0, False, 1000, 2000, 3000, 0, None, 0, beta)
+    assert calls == [(3000, beta), (3000, 1.0), (3000, 1.0), (3000, 1.0)]
+    del calls[:]
+    groups = types.SimpleNamespace(loops=2, x=0, y=0, w=0, x_off=100, y_off=10, w_off=50)
+    cudnn_conv._conv_params_calls(groups, None, 0, False, 1000, 2000, 3000, 0, None, 0, beta)
+    assert calls == [(3000, beta), (3050, beta)]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize('sixteen', [None, 'fp16'])
 @pytest.mark.parametrize('variant', [3, 4, 5])
-def test_batch_sliced_calls_match_the_cpu(tmp_path, variant):
+def test_batch_sliced_calls_match_the_cpu(tmp_path, variant, sixteen):
     """Timed search adds each call run over halves (variant 3), quarters
     (4) and eighths (5, from batch 16 on) of the batch; forced onto those
     candidates (the smallest workspace of each), every convolution's
     output, bottom gradient and accumulated filter and bias gradients match
-    the CPU."""
+    the CPU. In FLOAT16 too, where the filter gradient is written into a
+    scratch (beta 0) by the first slice and added to by the others."""
+    from caffeplus import precision
     from caffeplus.cudnn import algo_search as L
     batch = 16 if variant == 5 else 8
     text = CONV_NET.replace('dim: 8 dim: 16 dim: 28', 'dim: %d dim: 16 dim: 28' % batch)
@@ -577,7 +600,8 @@ def test_batch_sliced_calls_match_the_cpu(tmp_path, variant):
     previous = workspace.set_search('timed')
     try:
         caffeplus.set_mode_gpu()
-        net = _net(tmp_path, text=text)
+        with precision.setting(sixteen):
+            net = _net(tmp_path, text=text)
         w = _weights(net)
         _run(net, x, dy)                # search
         forced = 0
@@ -599,7 +623,7 @@ def test_batch_sliced_calls_match_the_cpu(tmp_path, variant):
         workspace.set_search(previous)
     ref = _cpu_reference(tmp_path, x, dy, w, bias=True, text=text)
     assert sorted(got) == sorted(ref) and 'conv2_db' in ref
-    _close(got, ref, tol=5e-3)
+    _close(got, ref, tol=5e-3 if sixteen is None else 3e-2)
 
 
 # -- blobs over cuDNN's 32-bit element count: calls over slices of the batch ---------------
