@@ -137,4 +137,4 @@ def test_channels_last_training_follows_caffes_order(gpu):
     assert losses['nchw'][-1] < losses['nchw'][0]
     numpy.testing.assert_allclose(losses['nhwc'], losses['nchw'], rtol=3e-2)
     for p, q in zip(nets['nhwc'].learnable_params, ref.learnable_params):
-        assert _relative(p.data.get(), q.data.get()) < 1e-2
+        assert _relative(p.data.get(), q.data.get()) < 3e-2
