@@ -12,12 +12,17 @@ do whatever the layout, and tie their bottoms' and tops' layouts together;
 a layer that can read or write channels-last maps on either side
 (cuDNN's convolution and pooling, `channels_last_ok`) lets the layout
 change across it. Blobs tied together are stored channels-last when all
-are 4-D, every layer touching them can, and a convolution reads or writes
-one of them; the net's own inputs and outputs stay in Caffe's order.
+are 4-D, every layer touching them can, a convolution reads or writes one
+of them, every convolution touching them has both sides channels-last (an
+image input aside), and some convolution or pooling touching them has; the
+net's own inputs and outputs stay in Caffe's order.
 """
 from caffeplus import config
 
 NCHW, NHWC = 'NCHW', 'NHWC'
+# A convolution's bottom of at most this many channels (an image) is cheap to
+# transpose: the first convolution of a net may change the layout.
+IMAGE_CHANNELS = 4
 
 
 def layout_role(layer):
@@ -64,7 +69,34 @@ def channels_last_blobs(layers, bottom_ids, top_ids, shapes, fixed=(), roles=Non
             able[group] = able.get(group, True) and ok
             if role == 'channels_last' and getattr(layers[i], 'type', '') == 'Convolution':
                 has_conv.add(group)
-    return {b for b in shapes if able.get(find(b), False) and find(b) in has_conv}
+    chosen = {g for g, ok in able.items() if ok and g in has_conv}
+    # Worth it only where convolutions read and write channels-last maps. A
+    # convolution between two layouts transposes its bottom in forward and
+    # backward, so both its sides go one way (unless its bottom has a few
+    # channels: an image, cheap to transpose); a group then needs a
+    # convolution or pooling with channels-last maps on both sides. Each
+    # drop can strand another group: repeat until none changes.
+    sides = [({find(b) for b in bottom_ids[i]}, {find(b) for b in top_ids[i]})
+             for i in range(len(layers))]
+    convs = [i for i, role in enumerate(role_of) if role == 'channels_last' and
+             getattr(layers[i], 'type', '') == 'Convolution']
+    changed = True
+    while changed:
+        before = set(chosen)
+        for i in convs:
+            xs, ys = sides[i]
+            image = all(shapes[b][1] <= IMAGE_CHANNELS for b in bottom_ids[i])
+            if not image and bool(xs & chosen) != bool(ys & chosen):
+                chosen -= xs | ys
+        for g in list(chosen):
+            if not any(role_of[i] == 'channels_last' and g in xs | ys and
+                       xs <= chosen and ys <= chosen
+                       and not (i in convs and all(shapes[b][1] <= IMAGE_CHANNELS
+                                                   for b in bottom_ids[i]))
+                       for i, (xs, ys) in enumerate(sides)):
+                chosen.discard(g)
+        changed = chosen != before
+    return {b for b in shapes if find(b) in chosen}
 
 
 def apply(net):

@@ -24,7 +24,7 @@ layer { name: "data" type: "DummyData" top: "data" top: "label"
 
 def _conv(name, bottom, top=None):
     return ('layer { name: "%s" type: "Convolution" bottom: "%s" top: "%s" '
-            'convolution_param { num_output: 4 kernel_size: 3 pad: 1 } }\n'
+            'convolution_param { num_output: 8 kernel_size: 3 pad: 1 } }\n'
             % (name, bottom, top or name))
 
 
@@ -65,36 +65,56 @@ def test_a_chain_of_convolutions_and_pointwise_layers_goes_channels_last():
 def test_a_map_any_other_layer_reads_keeps_caffes_order_with_its_pointwise_kin():
     """A convolution's map that a Split also hands to an InnerProduct: the
     split's tops share the map's storage, so the whole tied group stays."""
-    text = (HEAD + _conv('conv1', 'data') + _layer('relu1', 'ReLU', ['conv1'], ['r1'])
-            + _conv('conv2', 'r1')
-            + _layer('ip0', 'InnerProduct', ['r1'], ['ip0'], 'inner_product_param { num_output: 2 }')
-            + _layer('pool2', 'Pooling', ['conv2'], ['pool2'], POOL) + IP_LOSS
-            + _layer('loss0', 'SoftmaxWithLoss', ['ip0', 'label'], ['loss0']))
-    got = _channels_last(text)
-    assert 'conv1' not in got and 'r1' not in got and not any('split' in n for n in got)
-    assert got == {'conv2'}
+    alone = (HEAD + _conv('conv1', 'data') + _layer('relu1', 'ReLU', ['conv1'], ['r1'])
+             + _conv('conv2', 'r1') + _conv('conv2b', 'conv2')
+             + _layer('pool2', 'Pooling', ['conv2b'], ['pool2'], POOL) + IP_LOSS)
+    assert _channels_last(alone) == {'conv1', 'r1', 'conv2', 'conv2b'}
+    shared = alone + (
+        _layer('ip0', 'InnerProduct', ['r1'], ['ip0'], 'inner_product_param { num_output: 2 }')
+        + _layer('loss0', 'SoftmaxWithLoss', ['ip0', 'label'], ['loss0']))
+    # r1 (and its split's tops) stay; conv2 would then read Caffe's order
+    # and write channels-last, so its maps stay too, and conv2b's after them.
+    assert _channels_last(shared) == set()
 
 
 def test_batchnorm_keeps_caffes_order_and_eltwise_ties_its_bottoms():
     """A residual block: BatchNorm's per-channel kernels read Caffe's order,
     so the convolution it follows stays; the Eltwise's bottoms and top are
     one group, channels-last only if all of them can be."""
-    block = (HEAD + _conv('conv1', 'data') + _layer('bn1', 'BatchNorm', ['conv1'], ['conv1'])
+    block = (HEAD + _conv('conv1', 'data')
              + _conv('conv2', 'conv1') + _conv('conv3', 'conv1')
              + _layer('sum', 'Eltwise', ['conv2', 'conv3'], ['sum'])
-             + _layer('relu', 'ReLU', ['sum'], ['sum'])
-             + _layer('pool2', 'Pooling', ['sum'], ['pool2'], POOL) + IP_LOSS)
+             + _layer('relu', 'ReLU', ['sum'], ['sum']) + _conv('conv4', 'sum')
+             + _layer('pool2', 'Pooling', ['conv4'], ['pool2'], POOL) + IP_LOSS)
     got = _channels_last(block)
-    assert 'conv1' not in got and not any(n.startswith('conv1_') for n in got)
-    assert {'conv2', 'conv3', 'sum'} <= got
-    without_conv3 = block.replace(_conv('conv3', 'conv1'), _layer(
-        'bn3', 'BatchNorm', ['conv1'], ['conv3']))
-    assert not {'conv2', 'conv3', 'sum'} & _channels_last(without_conv3)
+    assert {'conv1', 'conv2', 'conv3', 'sum', 'conv4'} <= got
+    assert all(n.startswith('conv1_') for n in got - {'conv1', 'conv2', 'conv3', 'sum', 'conv4'})
+    # A BatchNorm in a branch reads conv1's map: that stays in Caffe's order,
+    # so conv2 beside it would change the layout; nothing moves.
+    with_bn = block.replace(_conv('conv3', 'conv1'), _layer(
+        'bn3', 'BatchNorm', ['conv1'], ['b3']) + _conv('conv3', 'b3'))
+    assert _channels_last(with_bn) == set()
 
 
 def test_the_nets_outputs_keep_caffes_order():
-    text = HEAD + _conv('conv1', 'data') + _layer('relu1', 'ReLU', ['conv1'], ['conv1'])
-    assert _channels_last(text, fixed_outputs=False) == {'conv1'}
+    """conv2's map is the net's output: it stays, and conv1's map, then
+    read by no convolution that writes channels-last, stays too."""
+    text = (HEAD + _conv('conv1', 'data') + _layer('relu1', 'ReLU', ['conv1'], ['conv1'])
+            + _conv('conv2', 'conv1'))
+    assert _channels_last(text, fixed_outputs=False) == {'conv1', 'conv2'}
+    assert _channels_last(text) == set()
+
+
+def test_maps_between_two_layout_changes_keep_caffes_order():
+    """GoogLeNet's inception: a 1x1 reduction's map, read by a 3x3
+    convolution whose map goes to a Concat (Caffe's order), would cost a
+    transpose on both sides and gain nothing; so would a convolution's map
+    that only a pooling into an InnerProduct reads."""
+    text = (HEAD + _layer('pool0', 'Pooling', ['data'], ['pool0'], POOL)
+            + _conv('reduce', 'pool0') + _layer('relu_r', 'ReLU', ['reduce'], ['reduce'])
+            + _conv('conv3x3', 'reduce') + _conv('conv1x1', 'pool0')
+            + _layer('concat', 'Concat', ['conv3x3', 'conv1x1'], ['concat'])
+            + _layer('pool2', 'Pooling', ['concat'], ['pool2'], POOL) + IP_LOSS)
     assert _channels_last(text) == set()
 
 
