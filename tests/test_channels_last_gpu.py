@@ -118,11 +118,13 @@ def test_a_channels_last_net_computes_what_caffes_order_does(gpu, sixteen, searc
 
 def test_channels_last_training_follows_caffes_order(gpu):
     """Five SGD steps from the same weights: the same losses within FP16's
-    rounding, and the weights moved alike (the filter gradients went back
+    rounding (the 16-bit channels-last filter copies follow the updated
+    masters), and the weights moved alike (the filter gradients went back
     to the masters in Caffe's order)."""
     ref = _net('fp16', 'nchw')
     weights = [p.data.get().copy() for p in ref.learnable_params]
     nets = {'nchw': ref, 'nhwc': _net('fp16', 'nhwc', weights)}
+    start = [w.copy() for w in weights]
     r = numpy.random.RandomState(11)
     x = r.standard_normal((8, 3, 20, 20)).astype(numpy.float32)
     label = r.randint(0, 5, size=8).astype(numpy.float32)
@@ -136,5 +138,8 @@ def test_channels_last_training_follows_caffes_order(gpu):
                 p.data -= 0.05 * p.diff
     assert losses['nchw'][-1] < losses['nchw'][0]
     numpy.testing.assert_allclose(losses['nhwc'], losses['nchw'], rtol=3e-2)
-    for p, q in zip(nets['nhwc'].learnable_params, ref.learnable_params):
-        assert _relative(p.data.get(), q.data.get()) < 3e-2
+    # The two runs' steps drift apart in FP16 (ReLUs flip at different
+    # rounding); a gradient in the wrong order would move the weights
+    # another way altogether.
+    for p, q, w in zip(nets['nhwc'].learnable_params, ref.learnable_params, start):
+        assert _relative(p.data.get() - w, q.data.get() - w) < 0.15, q.name
