@@ -16,8 +16,9 @@ one kernel for every parameter's update). Plan names: stock, arena, with
 '/nographs' for cuDNN calls made directly instead of replayed as CUDA graphs,
 '/nogroups' for grouped convolutions without the one-call-per-group
 candidates, '/fp16' and '/bf16' for the net in FLOAT16 ('+scaled' with
-adaptive loss scaling) and BFLOAT16 ('+nhwc' with its convolution maps
-channels-last, caffeplus.layout), and '/strict' for true FP32 math
+adaptive loss scaling) and BFLOAT16 ('+nchw' with its convolution maps in
+Caffe's order, '+nhwc' channels-last: caffeplus.layout, whose default is
+nhwc), and '/strict' for true FP32 math
 whatever --tf32 says (variants combine with '+':
 'arena:timed/nographs+nogroups'). With 16-bit rows the table ends with
 issue 37's ratios: speed against PyTorch AMP in the same type and against
@@ -177,10 +178,11 @@ def worker_caffeplus(args):
     # unless '+scaled', as no solver)
     from caffeplus import precision
     sixteen = [v for v in ('fp16', 'bf16') if v in variants]
-    # '+nhwc': a 16-bit net's convolution maps channels-last (caffeplus.layout)
+    # '+nchw' / '+nhwc': a 16-bit net's convolution maps in Caffe's order or
+    # channels-last (caffeplus.layout; the default is the layout setting's)
     from caffeplus import config
-    with precision.setting(sixteen[0] if sixteen else None), \
-            config.using(layout='nhwc' if 'nhwc' in variants else 'nchw'):
+    layout = next((v for v in ('nchw', 'nhwc') if v in variants), config.get('layout'))
+    with precision.setting(sixteen[0] if sixteen else None), config.using(layout=layout):
         net = caffeplus.Net(net_source(args.bench_dir, args.net), caffeplus.TRAIN)
     workspace.apply_workspace_plan(net, plan, args.workspace_limit)
     params = net.learnable_params

@@ -139,11 +139,12 @@ SETTINGS = {s.name: s for s in (
             "input channels: 'plan' (off for FP32 and 16-bit layers alike, "
             "caffeplus.cudnn.algo_search's switches), 'on', 'off'.",
             env='CAFFEPLUS_GEMM_SEARCH'),
-    Setting('layout', _choice('nchw', 'nhwc'), 'nchw',
-            "How a 16-bit net's convolution maps are stored on the GPU: 'nchw' (Caffe's "
-            "order), 'nhwc' (channels-last where every layer touching a map can read it "
-            "so: cuDNN's convolutions and pooling, and the pointwise layers between; "
-            "caffeplus.layout). Shapes, logs and pycaffe's views stay Caffe's.",
+    Setting('layout', _choice('nchw', 'nhwc'), 'nhwc',
+            "How a 16-bit net's convolution maps are stored on the GPU: 'nhwc' "
+            "(channels-last where convolutions read and write them and every layer "
+            "touching them can: cuDNN's convolutions and pooling, and the pointwise "
+            "layers between; caffeplus.layout), 'nchw' (Caffe's order everywhere). "
+            "Shapes, logs and pycaffe's views stay Caffe's.",
             flag='--layout', commands=('train', 'time', 'memory')),
     Setting('calibration', _path, '',
             "A table of measured cuDNN algorithms (JSON, written by `dev/dump_algorithms.py "

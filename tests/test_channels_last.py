@@ -118,13 +118,12 @@ def test_maps_between_two_layout_changes_keep_caffes_order():
     assert _channels_last(text) == set()
 
 
-def test_the_cpus_layers_and_the_default_setting_move_nothing():
-    """On the CPU no layer reads channels-last maps, whatever the setting;
-    the default (nchw) moves nothing anywhere."""
+def test_the_cpus_layers_move_nothing():
+    """On the CPU no layer reads channels-last maps (the default setting
+    asks for them; tests/test_channels_last_gpu.py has nchw move nothing)."""
     param = text_format.Parse(VGG_LIKE, caffe_pb2.NetParameter())
-    assert config.get('layout') == 'nchw'
-    with config.using(layout='nhwc'):
-        net = caffeplus.Net(param, caffeplus.TRAIN)
+    assert config.get('layout') == 'nhwc'
+    net = caffeplus.Net(param, caffeplus.TRAIN)
     assert all(b.layout == 'NCHW' for b in net._blobs)
     assert layout.layout_role(net.layers[net._layer_names.index('conv1')]) is None
     assert layout.layout_role(net.layers[net._layer_names.index('relu1')]) == 'pointwise'
