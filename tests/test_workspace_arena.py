@@ -625,7 +625,16 @@ def test_batch_sliced_calls_match_the_cpu(tmp_path, variant, sixteen):
         workspace.set_search(previous)
     ref = _cpu_reference(tmp_path, x, dy, w, bias=True, text=text)
     assert sorted(got) == sorted(ref) and 'conv2_db' in ref
-    _close(got, ref, tol=5e-3 if sixteen is None else 3e-2)
+    if sixteen is None:
+        _close(got, ref, tol=5e-3)
+        return
+    # FLOAT16: where conv1's map rounds across 0, relu1 passes another
+    # gradient (0.06% of the data's gradient on the H200); the parameter
+    # gradients sum over them.
+    ddata, want = got.pop('ddata'), ref.pop('ddata')
+    off = numpy.abs(ddata - want) > 3e-2 * max(float(numpy.abs(want).max()), 1.0)
+    assert off.mean() < 5e-3
+    _close(got, ref, tol=3e-2)
 
 
 # -- blobs over cuDNN's 32-bit element count: calls over slices of the batch ---------------
