@@ -617,6 +617,136 @@ extern "C" __global__ void cp_bn_bwd_apply(
     cp_bn_dx_range(dy, xn, dx, vw, lo, hi, S, base, step, s, bb, sd, mdyy, mdy, flags);
 }
 
+/* BatchNorm over channels-last maps (M rows of C values), the split
+   kernels' work regrouped: the statistics' and the gradients' sums with a
+   block's threads across the channels (consecutive addresses) and its rows
+   a share of M (grid P), their double partials at part[2 (c P + p)] as the
+   split kernels keep them; one thread per channel then takes a channel's
+   statistics; the per-value passes are elementwise. Every per-value
+   operation is cp_bn_fwd's and cp_bn_bwd's (cp_chain, cp_bn_masked,
+   cp_bn_dx); flags as theirs. */
+extern "C" __global__ void cp_bn_stats_part_nhwc(const CP_A* x, double* part, float* kv,
+    const unsigned M, const unsigned C, const unsigned P)
+{
+    unsigned lo, hi;
+    cp_share(M, blockIdx.x, P, &lo, &hi);
+    for (unsigned c = threadIdx.x; c < C; c += blockDim.x) {
+        const double K = (double)(float)x[c];
+        double a = 0.0, b = 0.0;
+        for (unsigned r = lo; r < hi; ++r) {
+            const double d = (double)(float)x[(unsigned long long)r * C + c] - K;
+            a += d;
+            b += d * d;
+        }
+        part[2 * (c * P + blockIdx.x)] = a;
+        part[2 * (c * P + blockIdx.x) + 1] = b;
+        if (blockIdx.x == 0) kv[c] = x[c];
+    }
+}
+
+/* A channel's mean (ms[c]) and std (stdv[c]): the batch's from the partials
+   (the moving sums updated), or the stored ones. */
+extern "C" __global__ void cp_bn_stats_nhwc(const double* part, const float* kv, float* b0,
+    float* b1, float* b2, float* stdv, float* ms, const unsigned M, const unsigned C,
+    const unsigned P, const int flags, const float maf, const float eps, const float corr)
+{
+    const unsigned c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float stat[2];
+    if (flags & 1) {
+        double a = 0.0, b = 0.0;
+        for (unsigned q = 0; q < P; ++q) {
+            a += part[2 * (c * P + q)];
+            b += part[2 * (c * P + q) + 1];
+        }
+        cp_bn_batch_stats(a, b, (double)kv[c], M, c, true, b0, b1, b2, maf, corr, stat);
+    } else {
+        cp_bn_stored_stats(c, b0, b1, b2, stat);
+    }
+    ms[c] = stat[0];
+    stdv[c] = sqrtf(__fadd_rn(stat[1], eps));
+}
+
+extern "C" __global__ void cp_bn_apply_nhwc(const CP_A* x, CP_A* y, CP_A* xn,
+    const float* ms, const float* stdv, const float* sc, const float* bi,
+    const unsigned long long total, const unsigned C, const int flags)
+{
+    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < total; i += step) {
+        const unsigned c = (unsigned)(i % C);
+        const float s = (flags & 4) ? sc[c] : 1.0f;
+        const float bb = (flags & 8) ? bi[c] : 0.0f;
+        const float t = CP_ROUND(__fdiv_rn(__fsub_rn((float)x[i], ms[c]), stdv[c]));
+        if (flags & 2) xn[i] = t;
+        y[i] = cp_chain(t, s, bb, flags);
+    }
+}
+
+extern "C" __global__ void cp_bn_bwd_part_nhwc(const CP_A* dy, const CP_A* xn,
+    const float* sc, const float* bi, double* part, const unsigned M, const unsigned C,
+    const unsigned P, const int flags)
+{
+    unsigned lo, hi;
+    cp_share(M, blockIdx.x, P, &lo, &hi);
+    for (unsigned c = threadIdx.x; c < C; c += blockDim.x) {
+        const float s = (flags & 4) ? sc[c] : 1.0f;
+        const float bb = (flags & 8) ? bi[c] : 0.0f;
+        double a = 0.0, b = 0.0;
+        for (unsigned r = lo; r < hi; ++r) {
+            const unsigned long long o = (unsigned long long)r * C + c;
+            const float v = xn[o];
+            const float gg = cp_bn_masked(dy[o], v, s, bb, flags);
+            a += (double)gg * (double)v;
+            b += (double)gg;
+        }
+        part[2 * (c * P + blockIdx.x)] = a;
+        part[2 * (c * P + blockIdx.x) + 1] = b;
+    }
+}
+
+/* The scale and bias gradients (added, flags 32 and 64) and the means the
+   dx pass reads, md[2 c] = s mean(g xn), md[2 c + 1] = s mean(g); zeros
+   without batch statistics or parameter gradients (as cp_bn_bwd). */
+extern "C" __global__ void cp_bn_bwd_stats_nhwc(const double* part, const float* sc,
+    float* dsc, float* dbi, float* md, const unsigned M, const unsigned C, const unsigned P,
+    const int flags)
+{
+    const unsigned c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float mdyy = 0.0f, mdy = 0.0f;
+    if (flags & (1 | 32 | 64)) {
+        double a = 0.0, b = 0.0;
+        for (unsigned q = 0; q < P; ++q) {
+            a += part[2 * (c * P + q)];
+            b += part[2 * (c * P + q) + 1];
+        }
+        if (flags & 32) dsc[c] = __fadd_rn(dsc[c], (float)a);
+        if (flags & 64) dbi[c] = __fadd_rn(dbi[c], (float)b);
+        const double s = (flags & 4) ? (double)sc[c] : 1.0;
+        mdyy = (float)(s * a / (double)M);
+        mdy = (float)(s * b / (double)M);
+    }
+    md[2 * c] = mdyy;
+    md[2 * c + 1] = mdy;
+}
+
+extern "C" __global__ void cp_bn_dx_nhwc(const CP_A* dy, const CP_A* xn, const float* stdv,
+    CP_A* dx, const float* sc, const float* bi, const float* md,
+    const unsigned long long total, const unsigned C, const int flags)
+{
+    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < total; i += step) {
+        const unsigned c = (unsigned)(i % C);
+        const float s = (flags & 4) ? sc[c] : 1.0f;
+        const float bb = (flags & 8) ? bi[c] : 0.0f;
+        const float v = xn[i];
+        dx[i] = cp_bn_dx(cp_bn_masked(dy[i], v, s, bb, flags), v, s, stdv[c], md[2 * c],
+                         md[2 * c + 1], flags);
+    }
+}
+
 /* im2col of images n0 .. n0+B-1 of x (N, C, H, W) into col (K, B, P), K = C*KH*KW
    in Caffe's (c, i, j) order, P = OH*OW: row k of image b is col[(k*B + b)*P ...],
    so one image's columns are a (K x P) matrix of leading dimension B*P (a

@@ -8,7 +8,9 @@ see Caffe's blob; only the order of the values in memory changes.
 
 A blob can be stored channels-last only where every layer that touches it
 reads and writes it so. Pointwise layers (ReLU, Dropout, Split, Eltwise)
-do whatever the layout, and tie their bottoms' and tops' layouts together;
+do whatever the layout, and per-channel ones (BatchNorm, a per-channel
+Scale, a max pooling on caffeplus's kernels) read either order; each ties
+its bottoms' and tops' layouts together;
 a layer that can read or write channels-last maps on either side
 (cuDNN's convolution and pooling, `channels_last_ok`) lets the layout
 change across it. Blobs tied together are stored channels-last when all
@@ -26,13 +28,20 @@ IMAGE_CHANNELS = 4
 
 
 def layout_role(layer):
-    """'pointwise', 'channels_last' (the layer reads and writes either
-    layout, on each side), or None (Caffe's order only)."""
+    """'pointwise' or 'tied' (the layer reads and writes either order, its
+    bottoms and tops alike), 'channels_last' (either order on each side),
+    or None (Caffe's order only). A layer whose reading depends on its
+    configuration says so in channels_last_ok()."""
     role = getattr(layer, 'layout_role', None)
-    if role == 'channels_last':
-        ok = getattr(layer, 'channels_last_ok', None)
-        return role if ok is not None and ok() else None
+    if callable(role):
+        role = role()
+    ok = getattr(layer, 'channels_last_ok', None)
+    if role is not None and ok is not None and not ok():
+        return None
     return role
+
+
+TIED = ('pointwise', 'tied')
 
 
 def channels_last_blobs(layers, bottom_ids, top_ids, shapes, fixed=(), roles=None):
@@ -57,7 +66,7 @@ def channels_last_blobs(layers, bottom_ids, top_ids, shapes, fixed=(), roles=Non
 
     role_of = [roles.get(i, layout_role(layer)) for i, layer in enumerate(layers)]
     for i, role in enumerate(role_of):
-        if role == 'pointwise':
+        if role in TIED:
             ids = list(bottom_ids[i]) + list(top_ids[i])
             for b in ids[1:]:
                 join(ids[0], b)

@@ -40,8 +40,6 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
     """MAX and AVE pooling through cuDNN where cuDNN's output shape equals
     Caffe's; there Caffe's AVE divisor (the window clipped to H + pad) is
     the full kernel, which is cuDNN's AVERAGE_COUNT_INCLUDE_PADDING."""
-    # caffeplus.layout: cuDNN reads and writes either order, each side its own.
-    layout_role = 'channels_last'
     _layouts = ('NCHW', 'NCHW')
 
     def __init__(self, layer_param):
@@ -75,11 +73,19 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
     _storage_dtype = numpy.dtype(numpy.float32)
     _dtypes_agree = True
 
-    def channels_last_ok(self):
-        """cuDNN runs it (nothing of the kernels' in Caffe's order): its
-        output shape is Caffe's, one top, unmasked."""
-        return self._gpu_mode() and cudnn_available() and self.cudnn_agrees() and \
-            self._dtypes_agree and len(self.pool.x_shape) == 4
+    def layout_role(self):
+        """caffeplus.layout: where cuDNN's windows are Caffe's, cuDNN reads
+        and writes either order, each side its own ('channels_last'); else
+        MAX pooling on caffeplus's argmax kernels reads either order, both
+        sides alike ('tied')."""
+        if not (self._gpu_mode() and self._dtypes_agree and self.pool is not None and
+                len(self.pool.x_shape) == 4):
+            return None
+        if cudnn_available() and self.cudnn_agrees():
+            return 'channels_last'
+        if _kernels.active() and self._argmax_geometry():
+            return 'tied'
+        return None
 
     def _argmax_kernels(self):
         """Whether the one-byte argmax kernels run (masked or not): a masked
@@ -187,10 +193,13 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
 
     def can_mask(self):
         """MAX pooling with one top and windows of at most 255 values."""
+        return self._argmax_geometry() and \
+            self._layouts[0] == self._layouts[1]        # (the kernels: one order both sides)
+
+    def _argmax_geometry(self):
         pool = self.pool
         return pool is not None and pool.method == MAX and getattr(self, '_ntop', 1) == 1 and \
-            pool.geom.kernel[0] * pool.geom.kernel[1] < 255 and \
-            self._layouts[0] == self._layouts[1]        # (the kernels: one order both sides)
+            pool.geom.kernel[0] * pool.geom.kernel[1] < 255
 
     def _window_args(self):
         """H, W, OH, OW, KH, KW, SH, SW, PH, PW as the pooling kernels take them."""

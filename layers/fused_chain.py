@@ -51,7 +51,7 @@ class _FusedMixin:
     _rkey = None
 
     def _reshape_key(self, bottom):
-        return tuple(b._shape for b in bottom)
+        return tuple((b._shape, b.layout) for b in bottom)
 
     def reshape(self, bottom, top):
         key = self._reshape_key(bottom)
@@ -290,10 +290,13 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
     _chain = None
     _chain_blob = None
     _cfg = None
+    _nhwc = False
     _xn_buf = _std_buf = _buf_key = None
+    _nhwc_bufs = None
 
     def _reshaped(self, bottom, top):
         self._cfg = self._dims(bottom[0])
+        self._nhwc = bottom[0].layout == 'NHWC'
 
     def forget_kept_buffers(self):
         super().forget_kept_buffers()
@@ -338,6 +341,9 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         xn = xn if xn is not None else self._std_buf
         sc = sc if sc is not None else b0
         bi = bi if bi is not None else b0
+        if self._nhwc:
+            self._forward_nhwc(x, y, xn, b0, b1, b2, sc, bi, flags, F32(corr))
+            return True
         split = self._split_kernels(('cp_bn_stats_part', 'cp_bn_fwd_apply'), dtype)
         if split is not None:
             kp, ka, P, part, kv, block = split
@@ -352,6 +358,48 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
             x, y, xn, b0, b1, b2, self._std_buf, sc, bi,
             K.u32(n), K.u32(c), K.u32(s), K.i32(flags), self.maf, self.eps, F32(corr)))
         return True
+
+    def _nhwc_plan(self):
+        """(P, partials, K values, means, threads) of the channels-last
+        kernels: P blocks over the rows, a block's threads across channels."""
+        K = _kernels
+        m, c, _ = self._cfg
+        P = K.nhwc_sum_blocks(m)
+        b = self._nhwc_bufs
+        if b is None or b[0].size < 2 * c * P or b[1].size < 2 * c or not K.is_device(b[0]):
+            b = self._nhwc_bufs = (K.empty(2 * c * P, numpy.float64), K.empty(2 * c))
+        return P, b[0], b[1][:c], b[1], (min(K.SUM_THREADS, -(-c // 32) * 32),)
+
+    def _forward_nhwc(self, x, y, xn, b0, b1, b2, sc, bi, flags, corr):
+        K = _kernels
+        m, c, _ = self._cfg
+        P, part, kv, ms, block = self._nhwc_plan()
+        dtype = x.dtype
+        if flags & K.BN_BATCH:
+            K.kernel('cp_bn_stats_part_nhwc', dtype)((P,), block, (
+                x, part, kv, K.u32(m), K.u32(c), K.u32(P)))
+        mean = ms[c:2 * c]
+        K.kernel('cp_bn_stats_nhwc')(((c + 127) // 128,), (128,), (
+            part, kv, b0, b1, b2, self._std_buf, mean, K.u32(m), K.u32(c), K.u32(P),
+            K.i32(flags), self.maf, self.eps, corr))
+        count = m * c
+        K.kernel('cp_bn_apply_nhwc', dtype)(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,), (
+            x, y, xn, mean, self._std_buf, sc, bi, numpy.uint64(count), K.u32(c), K.i32(flags)))
+
+    def _backward_nhwc(self, dy, xn, std, dx, sc, bi, dsc, dbi, flags):
+        K = _kernels
+        m, c, _ = self._cfg
+        P, part, _, md, block = self._nhwc_plan()
+        dtype = dy.dtype
+        if flags & (K.BN_BATCH | K.BN_DSCALE | K.BN_DBIAS):
+            K.kernel('cp_bn_bwd_part_nhwc', dtype)((P,), block, (
+                dy, xn, sc, bi, part, K.u32(m), K.u32(c), K.u32(P), K.i32(flags)))
+        K.kernel('cp_bn_bwd_stats_nhwc')(((c + 127) // 128,), (128,), (
+            part, sc, dsc, dbi, md, K.u32(m), K.u32(c), K.u32(P), K.i32(flags)))
+        if flags & K.BN_DX:
+            count = m * c
+            K.kernel('cp_bn_dx_nhwc', dtype)(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,), (
+                dy, xn, std, dx, sc, bi, md, numpy.uint64(count), K.u32(c), K.i32(flags)))
 
     _split_failed = frozenset()     # map types whose split kernels did not build
     _split_bufs = None
@@ -387,6 +435,9 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
             # the std buffer. (xn is a map in either build.)
             sc, bi, dsc, dbi = (a if a.dtype == numpy.float32 else std
                                 for a in (sc, bi, dsc, dbi))
+        if self._nhwc:
+            self._backward_nhwc(dy, xn, std, dx, sc, bi, dsc, dbi, flags)
+            return
         split = self._split_kernels(('cp_bn_bwd_part', 'cp_bn_bwd_apply'), dtype)
         if split is not None:
             kp, ka, P, part, _, block = split

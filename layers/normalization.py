@@ -17,6 +17,7 @@ import numpy
 
 from caffeplus import backend
 from caffeplus.blob import Blob, same_data as _same_data, same_diff as _same_diff
+from caffeplus.errors import CaffeplusError
 from caffeplus.fillers import fill
 from caffeplus.functions import keep_in
 from caffeplus.layer import Layer, layer_error, register
@@ -128,6 +129,7 @@ class BatchNormLayer(Layer):
             self.set_param_propagate_down(i, False)
 
     def reshape(self, bottom, top):
+        self._four_d = bottom[0].num_axes == 4
         if self._channels(bottom[0]) != self.blobs[0].count:
             _fail(self, 'bottom has %d channels but the statistics have %d'
                   % (self._channels(bottom[0]), self.blobs[0].count))
@@ -149,7 +151,15 @@ class BatchNormLayer(Layer):
     def _dims(self, blob):
         n = blob.shape[0]
         c = self.blobs[0].count
+        if blob.layout == 'NHWC':       # channels-last (caffeplus.layout): rows of c values
+            return blob.count // max(c, 1), c, 1
         return n, c, blob.count // max(n * c, 1)
+
+    # caffeplus.layout: per-channel over either order, bottom and top alike.
+    layout_role = 'tied'
+
+    def channels_last_ok(self):
+        return getattr(self, '_four_d', False)
 
     def _forward(self, bottom, top):
         n, c, s = self._dims(bottom[0])
@@ -333,6 +343,18 @@ def _learned_shape(layer, bottom0, axis, num_axes, prefix):
     return bottom0.shape[axis:end]
 
 
+def _channels_last(blob, dims):
+    """(outer, dim, inner) of a per-channel operand over `blob` as stored:
+    channels-last (caffeplus.layout), rows of the channels."""
+    if blob.layout != 'NHWC':
+        return dims
+    outer, dim, inner = dims
+    if outer != blob.shape[0] or dim != blob.shape[1]:
+        raise CaffeplusError('blob %s is stored channels-last: only a per-channel operand '
+                             'applies to it' % blob.name)
+    return outer * inner, dim, 1
+
+
 def _broadcast_dims(layer, bottom0, operand, axis, prefix, what):
     """(outer, dim, inner) for broadcasting `operand` over bottom0 at `axis`."""
     if operand.num_axes == 0:
@@ -414,6 +436,13 @@ class ScaleLayer(Layer):
     exact_num_top = 1
     inplace_ok = True
     backward_reads = _READS_BOTTOM
+    # caffeplus.layout: a per-channel Scale over either order (channels_last_ok).
+    layout_role = 'tied'
+    _per_channel = False
+
+    def channels_last_ok(self):
+        """One bottom of 4 axes, the scale (and bias) over its channels only."""
+        return len(self.layer_param.bottom) == 1 and self._per_channel
 
     def layer_setup(self, bottom, top):
         p = self.layer_param.scale_param
@@ -439,10 +468,13 @@ class ScaleLayer(Layer):
     def reshape(self, bottom, top):
         p = self.layer_param.scale_param
         scale = bottom[1] if len(bottom) > 1 else self.blobs[0]
-        self.dims = _broadcast_dims(self, bottom[0], scale, p.axis, 'scale_param', 'scale')
+        dims = _broadcast_dims(self, bottom[0], scale, p.axis, 'scale_param', 'scale')
+        shape = bottom[0].shape
+        self._per_channel = len(shape) == 4 and dims[:2] == tuple(shape[:2])
+        self.dims = _channels_last(bottom[0], dims)
         if self.bias_param_id is not None:
-            self.bias_dims = _broadcast_dims(self, bottom[0], self.blobs[self.bias_param_id],
-                                             p.axis, 'scale_param', 'bias')
+            self.bias_dims = _channels_last(bottom[0], _broadcast_dims(
+                self, bottom[0], self.blobs[self.bias_param_id], p.axis, 'scale_param', 'bias'))
         top[0].reshape(bottom[0].shape)
         copies = _same_data(bottom[0], top[0]) and (len(bottom) > 1 or
                                                      self.param_needs_backward(0))

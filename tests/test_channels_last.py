@@ -12,9 +12,11 @@ from caffeplus.proto import caffe_pb2
 
 # The roles the GPU's layers take in a 16-bit net (cuDNN's convolution and
 # pooling read and write either order; ReLU, Dropout, Split and Eltwise are
-# pointwise); the CPU's layers take none.
+# pointwise; BatchNorm and a per-channel Scale read either order, bottom and
+# top alike); the CPU's convolutions take none.
 GPU_ROLES = {'Convolution': 'channels_last', 'Pooling': 'channels_last', 'ReLU': 'pointwise',
-             'Dropout': 'pointwise', 'Split': 'pointwise', 'Eltwise': 'pointwise'}
+             'Dropout': 'pointwise', 'Split': 'pointwise', 'Eltwise': 'pointwise',
+             'BatchNorm': 'tied', 'Scale': 'tied'}
 
 HEAD = '''name: "t"
 layer { name: "data" type: "DummyData" top: "data" top: "label"
@@ -77,10 +79,10 @@ def test_a_map_any_other_layer_reads_keeps_caffes_order_with_its_pointwise_kin()
     assert _channels_last(shared) == set()
 
 
-def test_batchnorm_keeps_caffes_order_and_eltwise_ties_its_bottoms():
-    """A residual block: BatchNorm's per-channel kernels read Caffe's order,
-    so the convolution it follows stays; the Eltwise's bottoms and top are
-    one group, channels-last only if all of them can be."""
+def test_a_residual_block_goes_channels_last_and_eltwise_ties_its_bottoms():
+    """The Eltwise's bottoms and top are one group, channels-last only if
+    all of them can be; an LRN (Caffe's order only) in one branch keeps the
+    whole block in Caffe's order."""
     block = (HEAD + _conv('conv1', 'data')
              + _conv('conv2', 'conv1') + _conv('conv3', 'conv1')
              + _layer('sum', 'Eltwise', ['conv2', 'conv3'], ['sum'])
@@ -89,11 +91,28 @@ def test_batchnorm_keeps_caffes_order_and_eltwise_ties_its_bottoms():
     got = _channels_last(block)
     assert {'conv1', 'conv2', 'conv3', 'sum', 'conv4'} <= got
     assert all(n.startswith('conv1_') for n in got - {'conv1', 'conv2', 'conv3', 'sum', 'conv4'})
-    # A BatchNorm in a branch reads conv1's map: that stays in Caffe's order,
-    # so conv2 beside it would change the layout; nothing moves.
-    with_bn = block.replace(_conv('conv3', 'conv1'), _layer(
-        'bn3', 'BatchNorm', ['conv1'], ['b3']) + _conv('conv3', 'b3'))
-    assert _channels_last(with_bn) == set()
+    # An LRN in a branch reads conv1's map: that stays in Caffe's order, so
+    # conv2 beside it would change the layout; nothing moves.
+    with_lrn = block.replace(_conv('conv3', 'conv1'), _layer(
+        'norm3', 'LRN', ['conv1'], ['n3']) + _conv('conv3', 'n3'))
+    assert _channels_last(with_lrn) == set()
+
+
+def test_resnets_batchnorm_scale_relu_chains_go_channels_last():
+    """conv -> BatchNorm -> Scale -> ReLU in place, twice, and the sum with
+    the shortcut: every map of the block channels-last."""
+    def unit(name, bottom):
+        return (_conv(name, bottom)
+                + _layer('bn_' + name, 'BatchNorm', [name], [name])
+                + _layer('sc_' + name, 'Scale', [name], [name], 'scale_param { bias_term: true }')
+                + _layer('relu_' + name, 'ReLU', [name], [name]))
+    text = (HEAD + unit('conv1', 'data') + unit('a', 'conv1') + unit('b', 'a')
+            + _layer('sum', 'Eltwise', ['b', 'conv1'], ['sum'])
+            + _layer('relu', 'ReLU', ['sum'], ['sum']) + unit('c', 'sum')
+            + _layer('pool2', 'Pooling', ['c'], ['pool2'], POOL) + IP_LOSS)
+    got = _channels_last(text)
+    assert {'conv1', 'a', 'b', 'sum', 'c'} <= got
+    assert all(n in ('conv1', 'a', 'b', 'sum', 'c') or n.startswith('conv1_') for n in got)
 
 
 def test_the_nets_outputs_keep_caffes_order():
@@ -151,3 +170,41 @@ def test_the_layout_setting_names_its_choices(value):
     with pytest.raises(caffeplus.errors.CaffeplusError, match='nchw, nhwc'):
         with config.using(layout=value):
             pass
+
+
+@pytest.mark.parametrize('type_', ['BatchNorm', 'Scale'])
+def test_batchnorm_and_scale_on_channels_last_blobs_compute_caffes_values(type_):
+    """The generic layers (what the GPU falls back on) over a channels-last
+    blob: the values and gradients of the same layer in Caffe's order,
+    transposed."""
+    from caffeplus.layer import create_layer
+    extra = 'scale_param { bias_term: true }' if type_ == 'Scale' else ''
+    lp = text_format.Parse('name: "l" type: "%s" bottom: "x" top: "y" %s' % (type_, extra),
+                           caffe_pb2.LayerParameter())
+    r = numpy.random.default_rng(5)
+    x = (2 * r.standard_normal((4, 3, 5, 6)) + 1).astype(numpy.float32)
+    dy = r.standard_normal(x.shape).astype(numpy.float32)
+    last = lambda a: numpy.ascontiguousarray(a.transpose(0, 2, 3, 1))
+    params = [r.standard_normal(3).astype(numpy.float32) for _ in range(2)]
+    runs = {}
+    for name in ('NCHW', 'NHWC'):
+        caffeplus.set_random_seed(3)
+        layer = create_layer(lp)
+        bottom, top = [Blob(x.shape, name='x')], [Blob(name='y')]
+        bottom[0].layout = top[0].layout = name
+        layer.setup(bottom, top)
+        if type_ == 'Scale':                    # the same scale and bias, not 1 and 0
+            for b, v in zip(layer.blobs, params):
+                b.data[...] = v
+        stored = x if name == 'NCHW' else last(x)
+        bottom[0].data[...] = stored.reshape(x.shape)
+        layer.forward(bottom, top)
+        top[0].diff[...] = (dy if name == 'NCHW' else last(dy)).reshape(x.shape)
+        layer.backward(top, [True], bottom)
+        runs[name] = (top[0].data.copy(), bottom[0].diff.copy(),
+                      [b.diff.copy() for b in layer.blobs])
+    (y, dx, dp), (y_cl, dx_cl, dp_cl) = runs['NCHW'], runs['NHWC']
+    numpy.testing.assert_allclose(y_cl.reshape(-1), last(y).reshape(-1), rtol=1e-5, atol=1e-5)
+    numpy.testing.assert_allclose(dx_cl.reshape(-1), last(dx).reshape(-1), rtol=1e-5, atol=1e-5)
+    for a, b in zip(dp_cl, dp):
+        numpy.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -116,6 +116,89 @@ def test_a_channels_last_net_computes_what_caffes_order_does(gpu, sixteen, searc
     assert not kernels.failures()
 
 
+# ResNet's layer kinds: the image's convolution, BatchNorm -> Scale -> ReLU
+# in place (the fused chains), a max pooling with Caffe's ceil rule (cuDNN's
+# windows differ: caffeplus's argmax kernels), a bottleneck with its
+# shortcut summed by an Eltwise, and the average pooling into the
+# InnerProduct.
+def _unit(name, bottom, out, k, relu=True):
+    return ('layer { name: "%s" type: "Convolution" bottom: "%s" top: "%s" convolution_param {'
+            ' num_output: %d kernel_size: %d pad: %d bias_term: false'
+            ' weight_filler { type: "msra" } } }\n'
+            'layer { name: "bn_%s" type: "BatchNorm" bottom: "%s" top: "%s" }\n'
+            'layer { name: "sc_%s" type: "Scale" bottom: "%s" top: "%s"'
+            ' scale_param { bias_term: true } }\n' % (name, bottom, name, out, k, k // 2,
+                                                       name, name, name, name, name, name)
+            + ('layer { name: "relu_%s" type: "ReLU" bottom: "%s" top: "%s" }\n'
+               % (name, name, name) if relu else ''))
+
+
+RESNET_LIKE = ("""
+name: "resnet_like" force_backward: true
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 8 dim: 3 dim: 24 dim: 24 } shape { dim: 8 } } }
+""" + _unit('conv1', 'data', 16, 3) + """
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1"
+  pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+""" + _unit('a', 'pool1', 8, 1) + _unit('b', 'a', 8, 3) + _unit('c', 'b', 16, 1, relu=False) + """
+layer { name: "sum" type: "Eltwise" bottom: "pool1" bottom: "c" top: "sum" }
+layer { name: "relu_sum" type: "ReLU" bottom: "sum" top: "sum" }
+""" + _unit('d', 'sum', 16, 3) + """
+layer { name: "pool2" type: "Pooling" bottom: "d" top: "pool2"
+  pooling_param { pool: AVE kernel_size: 12 stride: 1 } }
+layer { name: "ip1" type: "InnerProduct" bottom: "pool2" top: "ip1"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip1" bottom: "label" top: "loss" }
+""")
+
+
+@pytest.mark.parametrize('sixteen', ['fp16', 'bf16'])
+def test_a_channels_last_residual_net_computes_what_caffes_order_does(gpu, sixteen):
+    """BatchNorm (its statistics, the moving sums, the fused chain with
+    Scale and ReLU, both ways), Eltwise and the ceil-rule max pooling over
+    channels-last maps: the loss, every gradient and the moving sums of the
+    same net in Caffe's order, within the type's rounding."""
+    if sixteen == 'bf16':
+        pytest.importorskip('ml_dtypes')
+    nets = {}
+    for layout in ('nchw', 'nhwc'):
+        with precision.setting(sixteen), config.using(layout=layout):
+            nets[layout] = caffeplus.Net(text_format.Parse(RESNET_LIKE, caffe_pb2.NetParameter()),
+                                         caffe_pb2.TRAIN)
+    ref, net = nets['nchw'], nets['nhwc']
+    for p, q in zip(net.learnable_params, ref.learnable_params):
+        p.data = q.data.get()
+    moved = {n for n, b in net._blob_dict.items() if b.layout == 'NHWC'}
+    assert {'conv1', 'pool1', 'a', 'b', 'c', 'sum', 'd'} <= moved
+    assert not {'data', 'pool2', 'ip1'} & moved
+    r = numpy.random.RandomState(9)
+    x = r.standard_normal((8, 3, 24, 24)).astype(numpy.float32)
+    label = r.randint(0, 5, size=8).astype(numpy.float32)
+    out = {}
+    for name, n in nets.items():
+        n.blobs['data'].data[...] = x
+        n.blobs['label'].data[...] = label
+        n.clear_param_diffs()
+        n.forward_prefilled()
+        n.backward_all()
+        out[name] = (float(n.blobs['loss'].data),
+                     [p.diff.get().copy() for p in n.learnable_params],
+                     [b.data.get().copy() for l in n.layers if l.type == 'BatchNorm'
+                      for b in l.blobs],
+                     n.blobs['data'].diff.copy(), n.blobs['sum'].data.copy())
+    tol = TOLERANCE[sixteen]
+    (loss, grads, stats, ddata, sums), (loss_cl, grads_cl, stats_cl, ddata_cl, sums_cl) = \
+        out['nchw'], out['nhwc']
+    assert loss_cl == pytest.approx(loss, rel=tol)
+    for p, g, g_cl in zip(ref.learnable_params, grads, grads_cl):
+        assert _relative(g_cl, g) < tol, p.name
+    for a, b in zip(stats_cl, stats):
+        numpy.testing.assert_allclose(a, b, rtol=tol, atol=1e-3)
+    assert _relative(ddata_cl, ddata) < tol and _relative(sums_cl, sums) < tol
+    from caffeplus import kernels
+    assert not kernels.failures()
+
+
 def test_channels_last_training_follows_caffes_order(gpu):
     """Five SGD steps from the same weights: the same losses within FP16's
     rounding (the 16-bit channels-last filter copies follow the updated

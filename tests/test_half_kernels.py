@@ -503,6 +503,82 @@ def test_channels_last_max_pooling_kernels_follow_caffes_order(half_extra, kh, s
         assert (kh, sh) != (2, 2)        # (the tiling case above is the 2x2 one)
 
 
+@pytest.mark.parametrize('p', [1, 3])
+def test_channels_last_batchnorm_kernels_follow_the_split_kernels(float_extra, half_extra, p):
+    """cp_bn_*_nhwc on channels-last maps against the split kernels
+    (cp_bn_stats_part, _fwd_apply, _bwd_part, _bwd_apply) on the same values
+    in Caffe's order: forward with batch statistics, the kept normalized
+    copy and the chain's Scale, bias and ReLU; backward with the scale and
+    bias gradients and dx; the moving sums and std alike (float32 build, to
+    float32's rounding of sums taken in another order); the 16-bit build
+    within a 16-bit step of the float32 one."""
+    r = numpy.random.RandomState(40 + p)
+    n, c, h, w = 3, 5, 4, 3
+    m, s_ = n * h * w, h * w
+    u32, i32 = numpy.uint32, numpy.int32
+    maf, eps, corr = F32(0.999), F32(1e-5), F32(m / (m - 1))
+    x = (3 * r.standard_normal((n, c, h, w)) + 1).astype(F32)
+    dy = r.standard_normal((n, c, h, w)).astype(F32)
+    sc, bi = r.standard_normal(c).astype(F32), r.standard_normal(c).astype(F32)
+    stats0 = [r.random_sample(c).astype(F32), r.random_sample(c).astype(F32),
+              numpy.array([2.0], F32)]
+    last = lambda a: numpy.ascontiguousarray(a.transpose(0, 2, 3, 1))
+    fwd_flags, bwd_flags = 1 | 2 | 4 | 8 | 16, 1 | 4 | 8 | 16 | 32 | 64 | 128
+
+    def caffe_order(emu, dtype):
+        xs, y, xn = x.astype(dtype), numpy.empty(x.shape, dtype), numpy.empty(x.shape, dtype)
+        b0, b1, b2 = (a.copy() for a in stats0)
+        part, kv, std = numpy.empty(2 * c * p), numpy.empty(c, F32), numpy.empty(c, F32)
+        emu.kernel('cp_bn_stats_part')((c * p,), (32,), (xs, part, kv, u32(n), u32(c), u32(s_),
+                                                         u32(p)))
+        emu.kernel('cp_bn_fwd_apply')((c * p,), (32,), (
+            xs, y, xn, b0, b1, b2, std, sc, bi, part, kv, u32(n), u32(c), u32(s_), u32(p),
+            i32(fwd_flags), maf, eps, corr))
+        dx, dsc, dbi = numpy.empty(x.shape, dtype), numpy.zeros(c, F32), numpy.zeros(c, F32)
+        emu.kernel('cp_bn_bwd_part')((c * p,), (32,), (
+            dy.astype(dtype), xn, sc, bi, part, u32(n), u32(c), u32(s_), u32(p), i32(bwd_flags)))
+        emu.kernel('cp_bn_bwd_apply')((c * p,), (32,), (
+            dy.astype(dtype), xn, std, dx, sc, bi, dsc, dbi, part, u32(n), u32(c), u32(s_),
+            u32(p), i32(bwd_flags)))
+        return {'y': last(y), 'xn': last(xn), 'dx': last(dx), 'b0': b0, 'b1': b1, 'b2': b2,
+                'std': std, 'dsc': dsc, 'dbi': dbi}
+
+    def channels_last(emu, dtype):
+        xs, y, xn = last(x).astype(dtype), numpy.empty((n, h, w, c), dtype), \
+            numpy.empty((n, h, w, c), dtype)
+        b0, b1, b2 = (a.copy() for a in stats0)
+        part, kv = numpy.empty(2 * c * p), numpy.empty(c, F32)
+        std, ms = numpy.empty(c, F32), numpy.empty(c, F32)
+        total = numpy.uint64(x.size)
+        emu.kernel('cp_bn_stats_part_nhwc')((p,), (32,), (xs, part, kv, u32(m), u32(c), u32(p)))
+        float_extra.kernel('cp_bn_stats_nhwc')((1,), (32,), (
+            part, kv, b0, b1, b2, std, ms, u32(m), u32(c), u32(p), i32(fwd_flags), maf, eps,
+            corr))
+        emu.kernel('cp_bn_apply_nhwc')((2,), (32,), (xs, y, xn, ms, std, sc, bi, total, u32(c),
+                                                     i32(fwd_flags)))
+        dx, dsc, dbi = numpy.empty((n, h, w, c), dtype), numpy.zeros(c, F32), numpy.zeros(c, F32)
+        md = numpy.empty(2 * c, F32)
+        dys = last(dy).astype(dtype)
+        emu.kernel('cp_bn_bwd_part_nhwc')((p,), (32,), (
+            dys, xn, sc, bi, part, u32(m), u32(c), u32(p), i32(bwd_flags)))
+        float_extra.kernel('cp_bn_bwd_stats_nhwc')((1,), (32,), (
+            part, sc, dsc, dbi, md, u32(m), u32(c), u32(p), i32(bwd_flags)))
+        emu.kernel('cp_bn_dx_nhwc')((2,), (32,), (dys, xn, std, dx, sc, bi, md, total, u32(c),
+                                                  i32(bwd_flags)))
+        return {'y': y, 'xn': xn, 'dx': dx, 'b0': b0, 'b1': b1, 'b2': b2, 'std': std,
+                'dsc': dsc, 'dbi': dbi}
+
+    want, got = caffe_order(float_extra, F32), channels_last(float_extra, F32)
+    assert (got['y'] == 0).any() and (got['y'] > 0).any()        # the chain's ReLU cuts
+    for key in want:
+        numpy.testing.assert_allclose(got[key], want[key], rtol=2e-6, atol=2e-6, err_msg=key)
+    half = channels_last(half_extra, F16)
+    for key in ('y', 'xn', 'dx'):
+        assert half[key].dtype == F16
+        numpy.testing.assert_allclose(half[key].astype(F32), got[key],
+                                      rtol=8 * HALF_ULP, atol=8 * HALF_ULP, err_msg=key)
+
+
 def test_mask_kernels_on_16_bit_maps(half_extra, float_extra):
     """The masks' kernels (caffeplus.memory.masks) on FLOAT16 maps: max
     pooling with a one-byte argmax, overlapping (3x3, stride 2) and tiling
