@@ -667,19 +667,23 @@ extern "C" __global__ void cp_bn_stats_nhwc(const double* part, const float* kv,
     stdv[c] = sqrtf(__fadd_rn(stat[1], eps));
 }
 
+/* The per-value passes: a block's threads across the channels (each
+   thread's channel constants loaded once), its rows every gridDim.x-th
+   row; no division per value. */
 extern "C" __global__ void cp_bn_apply_nhwc(const CP_A* x, CP_A* y, CP_A* xn,
     const float* ms, const float* stdv, const float* sc, const float* bi,
-    const unsigned long long total, const unsigned C, const int flags)
+    const unsigned M, const unsigned C, const int flags)
 {
-    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-         i < total; i += step) {
-        const unsigned c = (unsigned)(i % C);
+    for (unsigned c = threadIdx.x; c < C; c += blockDim.x) {
         const float s = (flags & 4) ? sc[c] : 1.0f;
         const float bb = (flags & 8) ? bi[c] : 0.0f;
-        const float t = CP_ROUND(__fdiv_rn(__fsub_rn((float)x[i], ms[c]), stdv[c]));
-        if (flags & 2) xn[i] = t;
-        y[i] = cp_chain(t, s, bb, flags);
+        const float mean = ms[c], sd = stdv[c];
+        for (unsigned r = blockIdx.x; r < M; r += gridDim.x) {
+            const unsigned long long i = (unsigned long long)r * C + c;
+            const float t = CP_ROUND(__fdiv_rn(__fsub_rn((float)x[i], mean), sd));
+            if (flags & 2) xn[i] = t;
+            y[i] = cp_chain(t, s, bb, flags);
+        }
     }
 }
 
@@ -732,18 +736,18 @@ extern "C" __global__ void cp_bn_bwd_stats_nhwc(const double* part, const float*
 }
 
 extern "C" __global__ void cp_bn_dx_nhwc(const CP_A* dy, const CP_A* xn, const float* stdv,
-    CP_A* dx, const float* sc, const float* bi, const float* md,
-    const unsigned long long total, const unsigned C, const int flags)
+    CP_A* dx, const float* sc, const float* bi, const float* md, const unsigned M,
+    const unsigned C, const int flags)
 {
-    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-         i < total; i += step) {
-        const unsigned c = (unsigned)(i % C);
+    for (unsigned c = threadIdx.x; c < C; c += blockDim.x) {
         const float s = (flags & 4) ? sc[c] : 1.0f;
         const float bb = (flags & 8) ? bi[c] : 0.0f;
-        const float v = xn[i];
-        dx[i] = cp_bn_dx(cp_bn_masked(dy[i], v, s, bb, flags), v, s, stdv[c], md[2 * c],
-                         md[2 * c + 1], flags);
+        const float sd = stdv[c], mdyy = md[2 * c], mdy = md[2 * c + 1];
+        for (unsigned r = blockIdx.x; r < M; r += gridDim.x) {
+            const unsigned long long i = (unsigned long long)r * C + c;
+            const float v = xn[i];
+            dx[i] = cp_bn_dx(cp_bn_masked(dy[i], v, s, bb, flags), v, s, sd, mdyy, mdy, flags);
+        }
     }
 }
 

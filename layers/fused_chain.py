@@ -283,6 +283,12 @@ def _register_planner():
     _kernels.set_chain_heads(_chain_heads)
 
 
+# Blocks of the channels-last per-value passes (each takes every
+# ROW_BLOCKS-th row): enough to fill the device, few enough that each
+# thread's channel constants serve many rows.
+ROW_BLOCKS = 4096
+
+
 @register_engine('CUDNN')
 class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
     """BatchNorm through caffeplus.kernels' cp_bn_fwd / cp_bn_bwd on the GPU."""
@@ -382,9 +388,8 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         K.kernel('cp_bn_stats_nhwc')(((c + 127) // 128,), (128,), (
             part, kv, b0, b1, b2, self._std_buf, mean, K.u32(m), K.u32(c), K.u32(P),
             K.i32(flags), self.maf, self.eps, corr))
-        count = m * c
-        K.kernel('cp_bn_apply_nhwc', dtype)(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,), (
-            x, y, xn, mean, self._std_buf, sc, bi, numpy.uint64(count), K.u32(c), K.i32(flags)))
+        K.kernel('cp_bn_apply_nhwc', dtype)((min(m, ROW_BLOCKS),), block, (
+            x, y, xn, mean, self._std_buf, sc, bi, K.u32(m), K.u32(c), K.i32(flags)))
 
     def _backward_nhwc(self, dy, xn, std, dx, sc, bi, dsc, dbi, flags):
         K = _kernels
@@ -397,9 +402,8 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         K.kernel('cp_bn_bwd_stats_nhwc')(((c + 127) // 128,), (128,), (
             part, sc, dsc, dbi, md, K.u32(m), K.u32(c), K.u32(P), K.i32(flags)))
         if flags & K.BN_DX:
-            count = m * c
-            K.kernel('cp_bn_dx_nhwc', dtype)(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,), (
-                dy, xn, std, dx, sc, bi, md, numpy.uint64(count), K.u32(c), K.i32(flags)))
+            K.kernel('cp_bn_dx_nhwc', dtype)((min(m, ROW_BLOCKS),), block, (
+                dy, xn, std, dx, sc, bi, md, K.u32(m), K.u32(c), K.i32(flags)))
 
     _split_failed = frozenset()     # map types whose split kernels did not build
     _split_bufs = None

@@ -549,12 +549,11 @@ def test_channels_last_batchnorm_kernels_follow_the_split_kernels(float_extra, h
         b0, b1, b2 = (a.copy() for a in stats0)
         part, kv = numpy.empty(2 * c * p), numpy.empty(c, F32)
         std, ms = numpy.empty(c, F32), numpy.empty(c, F32)
-        total = numpy.uint64(x.size)
         emu.kernel('cp_bn_stats_part_nhwc')((p,), (32,), (xs, part, kv, u32(m), u32(c), u32(p)))
         float_extra.kernel('cp_bn_stats_nhwc')((1,), (32,), (
             part, kv, b0, b1, b2, std, ms, u32(m), u32(c), u32(p), i32(fwd_flags), maf, eps,
             corr))
-        emu.kernel('cp_bn_apply_nhwc')((2,), (32,), (xs, y, xn, ms, std, sc, bi, total, u32(c),
+        emu.kernel('cp_bn_apply_nhwc')((7,), (32,), (xs, y, xn, ms, std, sc, bi, u32(m), u32(c),
                                                      i32(fwd_flags)))
         dx, dsc, dbi = numpy.empty((n, h, w, c), dtype), numpy.zeros(c, F32), numpy.zeros(c, F32)
         md = numpy.empty(2 * c, F32)
@@ -563,7 +562,7 @@ def test_channels_last_batchnorm_kernels_follow_the_split_kernels(float_extra, h
             dys, xn, sc, bi, part, u32(m), u32(c), u32(p), i32(bwd_flags)))
         float_extra.kernel('cp_bn_bwd_stats_nhwc')((1,), (32,), (
             part, sc, dsc, dbi, md, u32(m), u32(c), u32(p), i32(bwd_flags)))
-        emu.kernel('cp_bn_dx_nhwc')((2,), (32,), (dys, xn, std, dx, sc, bi, md, total, u32(c),
+        emu.kernel('cp_bn_dx_nhwc')((7,), (32,), (dys, xn, std, dx, sc, bi, md, u32(m), u32(c),
                                                   i32(bwd_flags)))
         return {'y': y, 'xn': xn, 'dx': dx, 'b0': b0, 'b1': b1, 'b2': b2, 'std': std,
                 'dsc': dsc, 'dbi': dbi}
