@@ -283,10 +283,19 @@ def _register_planner():
     _kernels.set_chain_heads(_chain_heads)
 
 
-# Blocks of the channels-last per-value passes (each takes every
-# ROW_BLOCKS-th row): enough to fill the device, few enough that each
-# thread's channel constants serve many rows.
-ROW_BLOCKS = 4096
+# The channels-last BatchNorm kernels' blocks: 32 channels (a warp, one
+# row's consecutive values) by NHWC_THREADS / 32 rows at a time. The sums
+# give each block about NHWC_SHARE_ROWS rows (enough blocks in flight to
+# hide the loads' latency; a row lane's dependent adds stay few); the
+# per-value passes' row chunks each take every chunk-th group of rows.
+NHWC_THREADS = 256
+NHWC_SHARE_ROWS = 256
+NHWC_MAX_SHARES = 65535
+NHWC_ROW_CHUNKS = 8192
+
+
+def _row_chunks(m):
+    return int(max(1, min(NHWC_ROW_CHUNKS, -(-m // (NHWC_THREADS // 32)))))
 
 
 @register_engine('CUDNN')
@@ -366,43 +375,43 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         return True
 
     def _nhwc_plan(self):
-        """(P, partials, K values, means, threads) of the channels-last
-        kernels: P blocks over the rows, a block's threads across channels."""
+        """(P, partials, K values, means, tiles) of the channels-last kernels:
+        32-channel tiles, P shares of the rows for the sums."""
         K = _kernels
         m, c, _ = self._cfg
-        P = K.nhwc_sum_blocks(m)
+        P = int(max(1, min(NHWC_MAX_SHARES, -(-m // NHWC_SHARE_ROWS))))
         b = self._nhwc_bufs
         if b is None or b[0].size < 2 * c * P or b[1].size < 2 * c or not K.is_device(b[0]):
             b = self._nhwc_bufs = (K.empty(2 * c * P, numpy.float64), K.empty(2 * c))
-        return P, b[0], b[1][:c], b[1], (min(K.SUM_THREADS, -(-c // 32) * 32),)
+        return P, b[0], b[1][:c], b[1], -(-c // 32)
 
     def _forward_nhwc(self, x, y, xn, b0, b1, b2, sc, bi, flags, corr):
         K = _kernels
         m, c, _ = self._cfg
-        P, part, kv, ms, block = self._nhwc_plan()
+        P, part, kv, ms, tiles = self._nhwc_plan()
         dtype = x.dtype
         if flags & K.BN_BATCH:
-            K.kernel('cp_bn_stats_part_nhwc', dtype)((P,), block, (
+            K.kernel('cp_bn_stats_part_nhwc', dtype)((tiles * P,), (NHWC_THREADS,), (
                 x, part, kv, K.u32(m), K.u32(c), K.u32(P)))
         mean = ms[c:2 * c]
-        K.kernel('cp_bn_stats_nhwc')(((c + 127) // 128,), (128,), (
+        K.kernel('cp_bn_stats_nhwc')((c,), (K.SUM_THREADS,), (
             part, kv, b0, b1, b2, self._std_buf, mean, K.u32(m), K.u32(c), K.u32(P),
             K.i32(flags), self.maf, self.eps, corr))
-        K.kernel('cp_bn_apply_nhwc', dtype)((min(m, ROW_BLOCKS),), block, (
+        K.kernel('cp_bn_apply_nhwc', dtype)((tiles * _row_chunks(m),), (NHWC_THREADS,), (
             x, y, xn, mean, self._std_buf, sc, bi, K.u32(m), K.u32(c), K.i32(flags)))
 
     def _backward_nhwc(self, dy, xn, std, dx, sc, bi, dsc, dbi, flags):
         K = _kernels
         m, c, _ = self._cfg
-        P, part, _, md, block = self._nhwc_plan()
+        P, part, _, md, tiles = self._nhwc_plan()
         dtype = dy.dtype
         if flags & (K.BN_BATCH | K.BN_DSCALE | K.BN_DBIAS):
-            K.kernel('cp_bn_bwd_part_nhwc', dtype)((P,), block, (
+            K.kernel('cp_bn_bwd_part_nhwc', dtype)((tiles * P,), (NHWC_THREADS,), (
                 dy, xn, sc, bi, part, K.u32(m), K.u32(c), K.u32(P), K.i32(flags)))
-        K.kernel('cp_bn_bwd_stats_nhwc')(((c + 127) // 128,), (128,), (
+        K.kernel('cp_bn_bwd_stats_nhwc')((c,), (K.SUM_THREADS,), (
             part, sc, dsc, dbi, md, K.u32(m), K.u32(c), K.u32(P), K.i32(flags)))
         if flags & K.BN_DX:
-            K.kernel('cp_bn_dx_nhwc', dtype)((min(m, ROW_BLOCKS),), block, (
+            K.kernel('cp_bn_dx_nhwc', dtype)((tiles * _row_chunks(m),), (NHWC_THREADS,), (
                 dy, xn, std, dx, sc, bi, md, K.u32(m), K.u32(c), K.i32(flags)))
 
     _split_failed = frozenset()     # map types whose split kernels did not build
