@@ -159,7 +159,8 @@ class BatchNormLayer(Layer):
     layout_role = 'tied'
 
     def channels_last_ok(self):
-        return getattr(self, '_four_d', False)
+        from caffeplus import layout
+        return layout.CHANNELS_LAST_BATCHNORM and getattr(self, '_four_d', False)
 
     def _forward(self, bottom, top):
         n, c, s = self._dims(bottom[0])
@@ -442,7 +443,9 @@ class ScaleLayer(Layer):
 
     def channels_last_ok(self):
         """One bottom of 4 axes, the scale (and bias) over its channels only."""
-        return len(self.layer_param.bottom) == 1 and self._per_channel
+        from caffeplus import layout
+        return layout.CHANNELS_LAST_BATCHNORM and len(self.layer_param.bottom) == 1 and \
+            self._per_channel
 
     def layer_setup(self, bottom, top):
         p = self.layer_param.scale_param

@@ -208,3 +208,17 @@ def test_batchnorm_and_scale_on_channels_last_blobs_compute_caffes_values(type_)
     numpy.testing.assert_allclose(dx_cl.reshape(-1), last(dx).reshape(-1), rtol=1e-5, atol=1e-5)
     for a, b in zip(dp_cl, dp):
         numpy.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_batchnorm_and_scale_take_channels_last_maps_only_where_switched_on(monkeypatch):
+    """Their channels-last kernels are slower than the convolutions gain
+    (layout.CHANNELS_LAST_BATCHNORM): off, a BatchNorm net keeps Caffe's
+    order around its BatchNorms."""
+    text = (HEAD + _conv('conv1', 'data') + _layer('bn', 'BatchNorm', ['conv1'], ['conv1'])
+            + _layer('sc', 'Scale', ['conv1'], ['conv1'], 'scale_param { bias_term: true }')
+            + _layer('pool2', 'Pooling', ['conv1'], ['pool2'], POOL) + IP_LOSS)
+    net = caffeplus.Net(text_format.Parse(text, caffe_pb2.NetParameter()), caffeplus.TRAIN)
+    bn, sc = (net.layers[net._layer_names.index(n)] for n in ('bn', 'sc'))
+    assert layout.layout_role(bn) is None and layout.layout_role(sc) is None
+    monkeypatch.setattr(layout, 'CHANNELS_LAST_BATCHNORM', True)
+    assert layout.layout_role(bn) == 'tied' and layout.layout_role(sc) == 'tied'

@@ -156,13 +156,16 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip1" bottom: "label" top: 
 
 
 @pytest.mark.parametrize('sixteen', ['fp16', 'bf16'])
-def test_a_channels_last_residual_net_computes_what_caffes_order_does(gpu, sixteen):
+def test_a_channels_last_residual_net_computes_what_caffes_order_does(gpu, sixteen, monkeypatch):
     """BatchNorm (its statistics, the moving sums, the fused chain with
     Scale and ReLU, both ways), Eltwise and the ceil-rule max pooling over
-    channels-last maps: the loss, every gradient and the moving sums of the
-    same net in Caffe's order, within the type's rounding."""
+    channels-last maps (switched on: layout.CHANNELS_LAST_BATCHNORM): the
+    loss, every gradient and the moving sums of the same net in Caffe's
+    order, within the type's rounding."""
     if sixteen == 'bf16':
         pytest.importorskip('ml_dtypes')
+    from caffeplus import layout as layout_module
+    monkeypatch.setattr(layout_module, 'CHANNELS_LAST_BATCHNORM', True)
     nets = {}
     for layout in ('nchw', 'nhwc'):
         with precision.setting(sixteen), config.using(layout=layout):
