@@ -796,6 +796,175 @@ extern "C" __global__ void cp_bn_dx_nhwc(const CP_A* dy, const CP_A* xn, const f
     }
 }
 
+/* The same four passes where a row's channels load CP_V at a time (C a
+   multiple of CP_V, the maps 16-byte aligned): a thread takes CP_V
+   consecutive channels (a group), a block's GT threads the groups of a row
+   and its R = blockDim.x / GT lanes R rows at a time; the grid's blocks
+   are the rows' shares (the sums) or chunks (the per-value passes). The
+   sums' partials, their layout and every per-value operation are the
+   scalar kernels'. */
+__device__ __forceinline__ void cp_nhwc_groups(unsigned C, unsigned* G, unsigned* GT,
+                                               unsigned* lane, unsigned* row, unsigned* R)
+{
+    *G = C / CP_V;
+    *GT = min(*G, (unsigned)blockDim.x);
+    *R = blockDim.x / *GT;
+    *lane = threadIdx.x % *GT;
+    *row = threadIdx.x / *GT;
+}
+
+/* Lane 0 of each group adds the R row lanes' sums: sh holds blockDim.x * CP_V
+   pairs, thread t's k-th at t * CP_V + k. */
+__device__ __forceinline__ void cp_nhwc_vec_lanes_sum(double* a, double* b, double* sh,
+                                                      unsigned GT, unsigned R, unsigned row,
+                                                      unsigned lane)
+{
+    const unsigned n = blockDim.x * CP_V;
+    for (int k = 0; k < CP_V; ++k) {
+        sh[threadIdx.x * CP_V + k] = a[k];
+        sh[n + threadIdx.x * CP_V + k] = b[k];
+    }
+    __syncthreads();
+    if (row == 0)
+        for (unsigned q = 1; q < R; ++q)
+            for (int k = 0; k < CP_V; ++k) {
+                a[k] += sh[(q * GT + lane) * CP_V + k];
+                b[k] += sh[n + (q * GT + lane) * CP_V + k];
+            }
+    __syncthreads();
+}
+
+extern "C" __global__ void cp_bn_stats_part_nhwc_vec(const CP_A* x, double* part, float* kv,
+    const unsigned M, const unsigned C, const unsigned P)
+{
+    __shared__ double sh[2 * 256 * CP_V];
+    unsigned G, GT, lane, row, R;
+    cp_nhwc_groups(C, &G, &GT, &lane, &row, &R);
+    unsigned lo, hi;
+    cp_share(M, blockIdx.x, P, &lo, &hi);
+    for (unsigned g0 = 0; g0 < G; g0 += GT) {
+        const unsigned g = g0 + lane;
+        double a[CP_V], b[CP_V];
+        float K[CP_V], v[CP_V];
+        for (int k = 0; k < CP_V; ++k) { a[k] = 0.0; b[k] = 0.0; }
+        if (g < G) {
+            cp_load<CP_V>(x + g * CP_V, K);
+            for (unsigned r = lo + row; r < hi; r += R) {
+                cp_load<CP_V>(x + (unsigned long long)r * C + g * CP_V, v);
+                for (int k = 0; k < CP_V; ++k) {
+                    const double d = (double)v[k] - (double)K[k];
+                    a[k] += d;
+                    b[k] += d * d;
+                }
+            }
+        }
+        cp_nhwc_vec_lanes_sum(a, b, sh, GT, R, row, lane);
+        if (row == 0 && g < G)
+            for (int k = 0; k < CP_V; ++k) {
+                const unsigned c = g * CP_V + k;
+                part[2 * (c * P + blockIdx.x)] = a[k];
+                part[2 * (c * P + blockIdx.x) + 1] = b[k];
+                if (blockIdx.x == 0) kv[c] = K[k];
+            }
+    }
+}
+
+extern "C" __global__ void cp_bn_apply_nhwc_vec(const CP_A* x, CP_A* y, CP_A* xn,
+    const float* ms, const float* stdv, const float* sc, const float* bi,
+    const unsigned M, const unsigned C, const int flags)
+{
+    unsigned G, GT, lane, row, R;
+    cp_nhwc_groups(C, &G, &GT, &lane, &row, &R);
+    for (unsigned g = lane; g < G; g += GT) {
+        float s[CP_V], bb[CP_V], mean[CP_V], sd[CP_V], v[CP_V], t[CP_V];
+        for (int k = 0; k < CP_V; ++k) {
+            const unsigned c = g * CP_V + k;
+            s[k] = (flags & 4) ? sc[c] : 1.0f;
+            bb[k] = (flags & 8) ? bi[c] : 0.0f;
+            mean[k] = ms[c];
+            sd[k] = stdv[c];
+        }
+        for (unsigned r = blockIdx.x * R + row; r < M; r += gridDim.x * R) {
+            const unsigned long long o = (unsigned long long)r * C + g * CP_V;
+            cp_load<CP_V>(x + o, v);
+            for (int k = 0; k < CP_V; ++k) {
+                t[k] = CP_ROUND(__fdiv_rn(__fsub_rn(v[k], mean[k]), sd[k]));
+                v[k] = cp_chain(t[k], s[k], bb[k], flags);
+            }
+            if (flags & 2) cp_store<CP_V>(xn + o, t);
+            cp_store<CP_V>(y + o, v);
+        }
+    }
+}
+
+extern "C" __global__ void cp_bn_bwd_part_nhwc_vec(const CP_A* dy, const CP_A* xn,
+    const float* sc, const float* bi, double* part, const unsigned M, const unsigned C,
+    const unsigned P, const int flags)
+{
+    __shared__ double sh[2 * 256 * CP_V];
+    unsigned G, GT, lane, row, R;
+    cp_nhwc_groups(C, &G, &GT, &lane, &row, &R);
+    unsigned lo, hi;
+    cp_share(M, blockIdx.x, P, &lo, &hi);
+    for (unsigned g0 = 0; g0 < G; g0 += GT) {
+        const unsigned g = g0 + lane;
+        double a[CP_V], b[CP_V];
+        for (int k = 0; k < CP_V; ++k) { a[k] = 0.0; b[k] = 0.0; }
+        if (g < G) {
+            float s[CP_V], bb[CP_V], v[CP_V], d[CP_V];
+            for (int k = 0; k < CP_V; ++k) {
+                s[k] = (flags & 4) ? sc[g * CP_V + k] : 1.0f;
+                bb[k] = (flags & 8) ? bi[g * CP_V + k] : 0.0f;
+            }
+            for (unsigned r = lo + row; r < hi; r += R) {
+                const unsigned long long o = (unsigned long long)r * C + g * CP_V;
+                cp_load<CP_V>(xn + o, v);
+                cp_load<CP_V>(dy + o, d);
+                for (int k = 0; k < CP_V; ++k) {
+                    const float gg = cp_bn_masked(d[k], v[k], s[k], bb[k], flags);
+                    a[k] += (double)gg * (double)v[k];
+                    b[k] += (double)gg;
+                }
+            }
+        }
+        cp_nhwc_vec_lanes_sum(a, b, sh, GT, R, row, lane);
+        if (row == 0 && g < G)
+            for (int k = 0; k < CP_V; ++k) {
+                const unsigned c = g * CP_V + k;
+                part[2 * (c * P + blockIdx.x)] = a[k];
+                part[2 * (c * P + blockIdx.x) + 1] = b[k];
+            }
+    }
+}
+
+extern "C" __global__ void cp_bn_dx_nhwc_vec(const CP_A* dy, const CP_A* xn, const float* stdv,
+    CP_A* dx, const float* sc, const float* bi, const float* md, const unsigned M,
+    const unsigned C, const int flags)
+{
+    unsigned G, GT, lane, row, R;
+    cp_nhwc_groups(C, &G, &GT, &lane, &row, &R);
+    for (unsigned g = lane; g < G; g += GT) {
+        float s[CP_V], bb[CP_V], sd[CP_V], mdyy[CP_V], mdy[CP_V], v[CP_V], d[CP_V];
+        for (int k = 0; k < CP_V; ++k) {
+            const unsigned c = g * CP_V + k;
+            s[k] = (flags & 4) ? sc[c] : 1.0f;
+            bb[k] = (flags & 8) ? bi[c] : 0.0f;
+            sd[k] = stdv[c];
+            mdyy[k] = md[2 * c];
+            mdy[k] = md[2 * c + 1];
+        }
+        for (unsigned r = blockIdx.x * R + row; r < M; r += gridDim.x * R) {
+            const unsigned long long o = (unsigned long long)r * C + g * CP_V;
+            cp_load<CP_V>(xn + o, v);
+            cp_load<CP_V>(dy + o, d);
+            for (int k = 0; k < CP_V; ++k)
+                d[k] = cp_bn_dx(cp_bn_masked(d[k], v[k], s[k], bb[k], flags), v[k], s[k], sd[k],
+                                mdyy[k], mdy[k], flags);
+            cp_store<CP_V>(dx + o, d);
+        }
+    }
+}
+
 /* im2col of images n0 .. n0+B-1 of x (N, C, H, W) into col (K, B, P), K = C*KH*KW
    in Caffe's (c, i, j) order, P = OH*OW: row k of image b is col[(k*B + b)*P ...],
    so one image's columns are a (K x P) matrix of leading dimension B*P (a

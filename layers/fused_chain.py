@@ -290,6 +290,7 @@ def _register_planner():
 # per-value passes' row chunks each take every chunk-th group of rows.
 NHWC_THREADS = 256
 NHWC_SHARE_ROWS = 256
+NHWC_LANE_ROWS = 32         # rows a lane of the vector kernels' sums walks
 NHWC_MAX_SHARES = 65535
 NHWC_ROW_CHUNKS = 8192
 
@@ -374,44 +375,62 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
             K.u32(n), K.u32(c), K.u32(s), K.i32(flags), self.maf, self.eps, F32(corr)))
         return True
 
-    def _nhwc_plan(self):
-        """(P, partials, K values, means, tiles) of the channels-last kernels:
-        32-channel tiles, P shares of the rows for the sums."""
+    def _nhwc_plan(self, *maps):
+        """The channels-last kernels' launch for `maps`: (vec, P, partials,
+        K values, means, sums' grid and block, per-value passes' grid and
+        block). vec: the kernels that load CP_V channels at a time (C a
+        multiple of it, the maps 16-byte aligned), else 32-channel tiles."""
         K = _kernels
         m, c, _ = self._cfg
-        P = int(max(1, min(NHWC_MAX_SHARES, -(-m // NHWC_SHARE_ROWS))))
+        width = 16 // maps[0].dtype.itemsize
+        vec = c % width == 0 and all(_base_address(a) % 16 == 0 for a in maps)
+        if vec:
+            groups = c // width
+            gt = min(groups, NHWC_THREADS)
+            lanes = max(1, NHWC_THREADS // gt)
+            block = (gt * lanes,)
+            P = int(max(1, min(NHWC_MAX_SHARES, -(-m // (NHWC_LANE_ROWS * lanes)))))
+            chunks = int(max(1, min(NHWC_ROW_CHUNKS, -(-m // lanes))))
+            sums, passes = ((P,), block), ((chunks,), block)
+        else:
+            tiles = -(-c // 32)
+            P = int(max(1, min(NHWC_MAX_SHARES, -(-m // NHWC_SHARE_ROWS))))
+            sums = ((tiles * P,), (NHWC_THREADS,))
+            passes = ((tiles * _row_chunks(m),), (NHWC_THREADS,))
         b = self._nhwc_bufs
         if b is None or b[0].size < 2 * c * P or b[1].size < 2 * c or not K.is_device(b[0]):
             b = self._nhwc_bufs = (K.empty(2 * c * P, numpy.float64), K.empty(2 * c))
-        return P, b[0], b[1][:c], b[1], -(-c // 32)
+        return vec, P, b[0], b[1][:c], b[1], sums, passes
 
     def _forward_nhwc(self, x, y, xn, b0, b1, b2, sc, bi, flags, corr):
         K = _kernels
         m, c, _ = self._cfg
-        P, part, kv, ms, tiles = self._nhwc_plan()
+        vec, P, part, kv, ms, sums, passes = self._nhwc_plan(x, y, xn)
+        suffix = '_vec' if vec else ''
         dtype = x.dtype
         if flags & K.BN_BATCH:
-            K.kernel('cp_bn_stats_part_nhwc', dtype)((tiles * P,), (NHWC_THREADS,), (
+            K.kernel('cp_bn_stats_part_nhwc' + suffix, dtype)(*sums, (
                 x, part, kv, K.u32(m), K.u32(c), K.u32(P)))
         mean = ms[c:2 * c]
         K.kernel('cp_bn_stats_nhwc')((c,), (K.SUM_THREADS,), (
             part, kv, b0, b1, b2, self._std_buf, mean, K.u32(m), K.u32(c), K.u32(P),
             K.i32(flags), self.maf, self.eps, corr))
-        K.kernel('cp_bn_apply_nhwc', dtype)((tiles * _row_chunks(m),), (NHWC_THREADS,), (
+        K.kernel('cp_bn_apply_nhwc' + suffix, dtype)(*passes, (
             x, y, xn, mean, self._std_buf, sc, bi, K.u32(m), K.u32(c), K.i32(flags)))
 
     def _backward_nhwc(self, dy, xn, std, dx, sc, bi, dsc, dbi, flags):
         K = _kernels
         m, c, _ = self._cfg
-        P, part, _, md, tiles = self._nhwc_plan()
+        vec, P, part, _, md, sums, passes = self._nhwc_plan(dy, xn, dx)
+        suffix = '_vec' if vec else ''
         dtype = dy.dtype
         if flags & (K.BN_BATCH | K.BN_DSCALE | K.BN_DBIAS):
-            K.kernel('cp_bn_bwd_part_nhwc', dtype)((tiles * P,), (NHWC_THREADS,), (
+            K.kernel('cp_bn_bwd_part_nhwc' + suffix, dtype)(*sums, (
                 dy, xn, sc, bi, part, K.u32(m), K.u32(c), K.u32(P), K.i32(flags)))
         K.kernel('cp_bn_bwd_stats_nhwc')((c,), (K.SUM_THREADS,), (
             part, sc, dsc, dbi, md, K.u32(m), K.u32(c), K.u32(P), K.i32(flags)))
         if flags & K.BN_DX:
-            K.kernel('cp_bn_dx_nhwc', dtype)((tiles * _row_chunks(m),), (NHWC_THREADS,), (
+            K.kernel('cp_bn_dx_nhwc' + suffix, dtype)(*passes, (
                 dy, xn, std, dx, sc, bi, md, K.u32(m), K.u32(c), K.i32(flags)))
 
     _split_failed = frozenset()     # map types whose split kernels did not build

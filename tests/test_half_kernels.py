@@ -503,17 +503,20 @@ def test_channels_last_max_pooling_kernels_follow_caffes_order(half_extra, kh, s
         assert (kh, sh) != (2, 2)        # (the tiling case above is the 2x2 one)
 
 
+@pytest.mark.parametrize('c, vec', [(37, False), (40, False), (40, True)])
 @pytest.mark.parametrize('p', [1, 3])
-def test_channels_last_batchnorm_kernels_follow_the_split_kernels(float_extra, half_extra, p):
-    """cp_bn_*_nhwc on channels-last maps against the split kernels
-    (cp_bn_stats_part, _fwd_apply, _bwd_part, _bwd_apply) on the same values
-    in Caffe's order: forward with batch statistics, the kept normalized
-    copy and the chain's Scale, bias and ReLU; backward with the scale and
-    bias gradients and dx; the moving sums and std alike (float32 build, to
-    float32's rounding of sums taken in another order); the 16-bit build
-    within a 16-bit step of the float32 one."""
-    r = numpy.random.RandomState(40 + p)
-    n, c, h, w = 3, 37, 4, 3          # two 32-channel tiles, the second partly empty
+def test_channels_last_batchnorm_kernels_follow_the_split_kernels(float_extra, half_extra, p,
+                                                                  c, vec):
+    """cp_bn_*_nhwc (32-channel tiles; and the _vec forms, CP_V channels a
+    thread, where C is a multiple of it) on channels-last maps against the
+    split kernels (cp_bn_stats_part, _fwd_apply, _bwd_part, _bwd_apply) on
+    the same values in Caffe's order: forward with batch statistics, the
+    kept normalized copy and the chain's Scale, bias and ReLU; backward
+    with the scale and bias gradients and dx; the moving sums and std alike
+    (float32 build, to float32's rounding of sums taken in another order);
+    the 16-bit build within a 16-bit step of the float32 one."""
+    r = numpy.random.RandomState(40 + p + c)
+    n, h, w = 3, 4, 3
     m, s_ = n * h * w, h * w
     u32, i32 = numpy.uint32, numpy.int32
     maf, eps, corr = F32(0.999), F32(1e-5), F32(m / (m - 1))
@@ -549,23 +552,28 @@ def test_channels_last_batchnorm_kernels_follow_the_split_kernels(float_extra, h
         b0, b1, b2 = (a.copy() for a in stats0)
         part, kv = numpy.empty(2 * c * p), numpy.empty(c, F32)
         std, ms = numpy.empty(c, F32), numpy.empty(c, F32)
-        tiles = (c + 31) // 32
-        emu.kernel('cp_bn_stats_part_nhwc')((tiles * p,), (64,), (xs, part, kv, u32(m), u32(c),
-                                                                  u32(p)))
+        if vec:                 # fused_chain's launch: CP_V channels a thread
+            groups = c // (16 // numpy.dtype(dtype).itemsize)
+            lanes = max(1, 256 // min(groups, 256))
+            block, sums, passes, name = (min(groups, 256) * lanes,), (p,), (2,), '%s_nhwc_vec'
+        else:
+            tiles = (c + 31) // 32
+            block, sums, passes, name = (64,), (tiles * p,), (tiles * 7,), '%s_nhwc'
+        emu.kernel(name % 'cp_bn_stats_part')(sums, block, (xs, part, kv, u32(m), u32(c), u32(p)))
         float_extra.kernel('cp_bn_stats_nhwc')((c,), (64,), (
             part, kv, b0, b1, b2, std, ms, u32(m), u32(c), u32(p), i32(fwd_flags), maf, eps,
             corr))
-        emu.kernel('cp_bn_apply_nhwc')((tiles * 7,), (64,), (xs, y, xn, ms, std, sc, bi, u32(m), u32(c),
-                                                     i32(fwd_flags)))
+        emu.kernel(name % 'cp_bn_apply')(passes, block, (xs, y, xn, ms, std, sc, bi, u32(m),
+                                                         u32(c), i32(fwd_flags)))
         dx, dsc, dbi = numpy.empty((n, h, w, c), dtype), numpy.zeros(c, F32), numpy.zeros(c, F32)
         md = numpy.empty(2 * c, F32)
         dys = last(dy).astype(dtype)
-        emu.kernel('cp_bn_bwd_part_nhwc')((tiles * p,), (64,), (
+        emu.kernel(name % 'cp_bn_bwd_part')(sums, block, (
             dys, xn, sc, bi, part, u32(m), u32(c), u32(p), i32(bwd_flags)))
         float_extra.kernel('cp_bn_bwd_stats_nhwc')((c,), (64,), (
             part, sc, dsc, dbi, md, u32(m), u32(c), u32(p), i32(bwd_flags)))
-        emu.kernel('cp_bn_dx_nhwc')((tiles * 7,), (64,), (dys, xn, std, dx, sc, bi, md, u32(m), u32(c),
-                                                  i32(bwd_flags)))
+        emu.kernel(name % 'cp_bn_dx')(passes, block, (dys, xn, std, dx, sc, bi, md, u32(m),
+                                                      u32(c), i32(bwd_flags)))
         return {'y': y, 'xn': xn, 'dx': dx, 'b0': b0, 'b1': b1, 'b2': b2, 'std': std,
                 'dsc': dsc, 'dbi': dbi}
 
