@@ -28,7 +28,8 @@ NCHW, NHWC = 'NCHW', 'NHWC'
 # against 22.2 in Caffe's order on the H200
 # (benchmarks/gpu_16bit_resnet50_nhwc_8453204.json), their threads loading
 # one value at a time where the Caffe-order kernels load vectors. Off until
-# they do; a net with BatchNorm keeps Caffe's order around it.
+# the vector kernels (cp_bn_*_nhwc_vec) are measured faster; a net with
+# BatchNorm keeps Caffe's order around it.
 CHANNELS_LAST_BATCHNORM = False
 # A convolution's bottom of at most this many channels (an image) is cheap to
 # transpose: the first convolution of a net may change the layout.
