@@ -396,7 +396,8 @@ def add_arguments(parser, command, skip=()):
             kwargs['metavar'] = 'N'
         else:
             kwargs['metavar'] = 'FILE'
-        parser.add_argument(s.flag, s.flag.replace('_', '-'), **kwargs)
+        dashed = s.flag.replace('_', '-')
+        parser.add_argument(*([s.flag, dashed] if dashed != s.flag else [s.flag]), **kwargs)
 
 
 def _flag_help(s):

@@ -352,6 +352,19 @@ def test_help_shows_defaults(capsys, command, flag, default):
     assert re.search(r'\(default: [^)]*%s' % re.escape(default), section), section
 
 
+def test_help_names_each_setting_flag_once(capsys):
+    """A flag with no underscore has no dashed spelling: --help lists it once
+    (`--masks plan|off|on`, not `--masks ..., --masks ...`); one with an
+    underscore lists both (`--memory_budget`, `--memory-budget`)."""
+    with pytest.raises(SystemExit):
+        cli.main(['train', '--help'])
+    out = capsys.readouterr().out
+    assert re.search(r'--masks plan\|off\|on\s', out)
+    assert '--masks plan|off|on, --masks' not in out
+    assert '--layout nchw|nhwc, --layout' not in out
+    assert re.search(r'--update_in_backward [^,\n]*, --update-in-backward', out)
+
+
 def test_v0_upgrade_note_names_caffeplus_upgrade(caplog_caffeplus):
     v0 = 'name: "old" layers { layer { name: "ip" type: "innerproduct" num_output: 2 } ' \
          'bottom: "x" top: "y" } input: "x" input_dim: 1 input_dim: 3 input_dim: 1 input_dim: 1'
