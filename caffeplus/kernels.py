@@ -41,6 +41,7 @@ from caffeplus import backend as _backend
 from caffeplus.blob import HEAD_DEVICE as _HEAD_DEVICE
 from caffeplus.kernel_sources import COMMON, CORE, CUDA_SIXTEEN_BIT_TYPES
 from caffeplus.kernel_sources_extra import EXTRA
+from caffeplus.kernel_sources_nhwc import CHANNELS_LAST_BATCHNORM
 
 # The modules compiled on the device (one failing to build leaves the other);
 # the emulator builds them together.
@@ -48,12 +49,14 @@ from caffeplus.kernel_sources_extra import EXTRA
 # __half or __nv_bfloat16 maps (CP_A), for the maps of FLOAT16 and BFLOAT16
 # nets; MAP_KERNELS take them (their other pointers stay float32).
 SIXTEEN_BIT_BUILDS = {'float16': '16', 'bfloat16': 'bf16'}     # dtype name -> module suffix
-SOURCES = {'core': COMMON + CORE, 'extra': COMMON + EXTRA}
+SOURCES = {'core': COMMON + CORE, 'extra': COMMON + EXTRA,
+           'nhwc': COMMON + EXTRA + CHANNELS_LAST_BATCHNORM}
 for _name, _suffix in SIXTEEN_BIT_BUILDS.items():
     _type, _header = CUDA_SIXTEEN_BIT_TYPES[_name]
     _head = '#include <%s>\n#define CP_A %s\n' % (_header, _type)
     SOURCES['core' + _suffix] = _head + COMMON + CORE
     SOURCES['extra' + _suffix] = _head + COMMON + EXTRA
+    SOURCES['nhwc' + _suffix] = _head + COMMON + EXTRA + CHANNELS_LAST_BATCHNORM
 MAP_KERNELS = frozenset(('cp_bn_fwd', 'cp_bn_bwd', 'cp_relu_fwd', 'cp_relu_bwd', 'cp_axpby',
                          'cp_scale2', 'cp_bn_stats_part', 'cp_bn_fwd_apply', 'cp_bn_bwd_part',
                          'cp_bn_bwd_apply', 'cp_pool_fwd', 'cp_pool_bwd',
@@ -66,7 +69,7 @@ MAP_KERNELS = frozenset(('cp_bn_fwd', 'cp_bn_bwd', 'cp_relu_fwd', 'cp_relu_bwd',
                          'cp_bn_stats_part_nhwc', 'cp_bn_apply_nhwc', 'cp_bn_bwd_part_nhwc',
                          'cp_bn_dx_nhwc', 'cp_bn_stats_part_nhwc_vec', 'cp_bn_apply_nhwc_vec',
                          'cp_bn_bwd_part_nhwc_vec', 'cp_bn_dx_nhwc_vec'))
-SOURCE = COMMON + CORE + EXTRA
+SOURCE = COMMON + CORE + EXTRA + CHANNELS_LAST_BATCHNORM
 
 # Flags of cp_bn_fwd / cp_bn_bwd.
 BN_BATCH, BN_KEEP, BN_SCALE, BN_BIAS, BN_RELU = 1, 2, 4, 8, 16
@@ -226,7 +229,9 @@ def _module(group):
 
 
 def _group(name):
-    return 'core' if ('void %s(' % name) in CORE else 'extra'
+    if ('void %s(' % name) in CORE:
+        return 'core'
+    return 'nhwc' if ('void %s(' % name) in CHANNELS_LAST_BATCHNORM else 'extra'
 
 
 def kernel(name, dtype=None):

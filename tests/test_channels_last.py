@@ -222,3 +222,15 @@ def test_batchnorm_and_scale_take_channels_last_maps_only_where_switched_on(monk
     assert layout.layout_role(bn) is None and layout.layout_role(sc) is None
     monkeypatch.setattr(layout, 'CHANNELS_LAST_BATCHNORM', True)
     assert layout.layout_role(bn) == 'tied' and layout.layout_role(sc) == 'tied'
+
+
+def test_channels_last_batchnorm_kernels_build_in_a_module_of_their_own():
+    """Off by default and not yet run on the GPU in every form: a failure to
+    build them must leave the kernels every net uses (caffeplus.kernels'
+    core and extra modules)."""
+    from caffeplus import kernels
+    assert kernels._group('cp_bn_apply_nhwc_vec') == kernels._group('cp_bn_stats_nhwc') == 'nhwc'
+    assert kernels._group('cp_mpool_fwd_nhwc') == 'extra'
+    assert kernels._group('cp_bn_fwd') == 'core'
+    assert {'nhwc', 'nhwc16', 'nhwcbf16'} <= set(kernels.SOURCES)
+    assert 'cp_bn_dx_nhwc_vec' not in kernels.SOURCES['extra']

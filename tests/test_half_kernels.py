@@ -11,6 +11,7 @@ import pytest
 from caffeplus import kernels
 from caffeplus.kernel_sources import COMMON, CORE
 from caffeplus.kernel_sources_extra import EXTRA
+from caffeplus.kernel_sources_nhwc import CHANNELS_LAST_BATCHNORM
 from conftest import build_emulator, emulating
 
 F32 = numpy.float32
@@ -43,12 +44,13 @@ def half(sixteen):
 @pytest.fixture(scope='module')
 def half_extra(sixteen):
     """EXTRA's 16-bit build: its BatchNorm kernels over several blocks a channel."""
-    return build_emulator('#define CP_A %s\n' % sixteen + COMMON + EXTRA)
+    return build_emulator('#define CP_A %s\n' % sixteen + COMMON + EXTRA +
+                          CHANNELS_LAST_BATCHNORM)
 
 
 @pytest.fixture(scope='module')
 def float_extra():
-    return build_emulator(COMMON + EXTRA)
+    return build_emulator(COMMON + EXTRA + CHANNELS_LAST_BATCHNORM)
 
 
 def _maps(r, *shape, scale=1.0):

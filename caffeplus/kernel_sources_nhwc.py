@@ -1,0 +1,356 @@
+"""The CUDA C source of BatchNorm's channels-last kernels (caffeplus.layout):
+caffeplus.kernels' third module, built after COMMON and EXTRA, whose
+helpers (cp_share, cp_block_sum2, cp_load, the per-value operations) they
+use. A module of their own: they run only where layout.CHANNELS_LAST_BATCHNORM
+is on, and a failure to build them leaves the other modules' kernels."""
+
+CHANNELS_LAST_BATCHNORM = r'''
+/* BatchNorm over channels-last maps (M rows of C values), the split
+   kernels' work regrouped. A block of 32 * R threads covers 32 channels
+   (a warp: one row's 32 consecutive values) and R rows at a time; the 1-D
+   grid is (ceil(C / 32) channel tiles) x (row chunks). The sums' blocks
+   each take a share of the rows and leave double partials at
+   part[2 (c P + p)] as the split kernels keep them; a block per channel
+   then adds a channel's partials; the per-value passes walk their rows.
+   Every per-value operation is cp_bn_fwd's and cp_bn_bwd's (cp_chain,
+   cp_bn_masked, cp_bn_dx); flags as theirs. */
+__device__ __forceinline__ void cp_nhwc_tile(unsigned C, unsigned* c, unsigned* chunk,
+                                             unsigned* chunks, unsigned* row, unsigned* rows)
+{
+    const unsigned T = (C + 31) / 32;
+    *c = (blockIdx.x % T) * 32 + (threadIdx.x & 31);
+    *chunk = blockIdx.x / T;
+    *chunks = gridDim.x / T;
+    *row = threadIdx.x >> 5;
+    *rows = blockDim.x >> 5;
+}
+
+/* The R row lanes' sums of each channel added (lane 0 of the tile keeps them). */
+__device__ __forceinline__ void cp_nhwc_lanes_sum(double* a, double* b, double* sh)
+{
+    sh[threadIdx.x] = *a;
+    sh[blockDim.x + threadIdx.x] = *b;
+    __syncthreads();
+    if ((threadIdx.x >> 5) == 0)
+        for (unsigned k = 32 + threadIdx.x; k < blockDim.x; k += 32) {
+            *a += sh[k];
+            *b += sh[blockDim.x + k];
+        }
+}
+
+extern "C" __global__ void cp_bn_stats_part_nhwc(const CP_A* x, double* part, float* kv,
+    const unsigned M, const unsigned C, const unsigned P)
+{
+    __shared__ double sh[2 * 1024];
+    unsigned c, p, np, row, rows;
+    cp_nhwc_tile(C, &c, &p, &np, &row, &rows);
+    unsigned lo, hi;
+    cp_share(M, p, P, &lo, &hi);
+    double a = 0.0, b = 0.0;
+    if (c < C) {
+        const double K = (double)(float)x[c];
+        for (unsigned r = lo + row; r < hi; r += rows) {
+            const double d = (double)(float)x[(unsigned long long)r * C + c] - K;
+            a += d;
+            b += d * d;
+        }
+    }
+    cp_nhwc_lanes_sum(&a, &b, sh);
+    if (row == 0 && c < C) {
+        part[2 * (c * P + p)] = a;
+        part[2 * (c * P + p) + 1] = b;
+        if (p == 0) kv[c] = x[c];
+    }
+}
+
+/* A channel's mean (ms[c]) and std (stdv[c]), one block per channel: the
+   batch's from the partials (the moving sums updated), or the stored ones. */
+extern "C" __global__ void cp_bn_stats_nhwc(const double* part, const float* kv, float* b0,
+    float* b1, float* b2, float* stdv, float* ms, const unsigned M, const unsigned C,
+    const unsigned P, const int flags, const float maf, const float eps, const float corr)
+{
+    __shared__ double sh[66];
+    __shared__ float stat[2];
+    const unsigned c = blockIdx.x;
+    if (flags & 1) {
+        double a = 0.0, b = 0.0;
+        for (unsigned q = threadIdx.x; q < P; q += blockDim.x) {
+            a += part[2 * (c * P + q)];
+            b += part[2 * (c * P + q) + 1];
+        }
+        cp_block_sum2(&a, &b, sh);
+        if (threadIdx.x == 0)
+            cp_bn_batch_stats(a, b, (double)kv[c], M, c, true, b0, b1, b2, maf, corr, stat);
+    } else if (threadIdx.x == 0) {
+        cp_bn_stored_stats(c, b0, b1, b2, stat);
+    }
+    if (threadIdx.x == 0) {
+        ms[c] = stat[0];
+        stdv[c] = sqrtf(__fadd_rn(stat[1], eps));
+    }
+}
+
+extern "C" __global__ void cp_bn_apply_nhwc(const CP_A* x, CP_A* y, CP_A* xn,
+    const float* ms, const float* stdv, const float* sc, const float* bi,
+    const unsigned M, const unsigned C, const int flags)
+{
+    unsigned c, chunk, chunks, row, rows;
+    cp_nhwc_tile(C, &c, &chunk, &chunks, &row, &rows);
+    if (c >= C) return;
+    const float s = (flags & 4) ? sc[c] : 1.0f;
+    const float bb = (flags & 8) ? bi[c] : 0.0f;
+    const float mean = ms[c], sd = stdv[c];
+    for (unsigned r = chunk * rows + row; r < M; r += chunks * rows) {
+        const unsigned long long i = (unsigned long long)r * C + c;
+        const float t = CP_ROUND(__fdiv_rn(__fsub_rn((float)x[i], mean), sd));
+        if (flags & 2) xn[i] = t;
+        y[i] = cp_chain(t, s, bb, flags);
+    }
+}
+
+extern "C" __global__ void cp_bn_bwd_part_nhwc(const CP_A* dy, const CP_A* xn,
+    const float* sc, const float* bi, double* part, const unsigned M, const unsigned C,
+    const unsigned P, const int flags)
+{
+    __shared__ double sh[2 * 1024];
+    unsigned c, p, np, row, rows;
+    cp_nhwc_tile(C, &c, &p, &np, &row, &rows);
+    unsigned lo, hi;
+    cp_share(M, p, P, &lo, &hi);
+    double a = 0.0, b = 0.0;
+    if (c < C) {
+        const float s = (flags & 4) ? sc[c] : 1.0f;
+        const float bb = (flags & 8) ? bi[c] : 0.0f;
+        for (unsigned r = lo + row; r < hi; r += rows) {
+            const unsigned long long o = (unsigned long long)r * C + c;
+            const float v = xn[o];
+            const float gg = cp_bn_masked(dy[o], v, s, bb, flags);
+            a += (double)gg * (double)v;
+            b += (double)gg;
+        }
+    }
+    cp_nhwc_lanes_sum(&a, &b, sh);
+    if (row == 0 && c < C) {
+        part[2 * (c * P + p)] = a;
+        part[2 * (c * P + p) + 1] = b;
+    }
+}
+
+/* The scale and bias gradients (added, flags 32 and 64) and the means the
+   dx pass reads, md[2 c] = s mean(g xn), md[2 c + 1] = s mean(g), one
+   block per channel; zeros without batch statistics or parameter
+   gradients (as cp_bn_bwd). */
+extern "C" __global__ void cp_bn_bwd_stats_nhwc(const double* part, const float* sc,
+    float* dsc, float* dbi, float* md, const unsigned M, const unsigned C, const unsigned P,
+    const int flags)
+{
+    __shared__ double sh[66];
+    const unsigned c = blockIdx.x;
+    float mdyy = 0.0f, mdy = 0.0f;
+    if (flags & (1 | 32 | 64)) {
+        double a = 0.0, b = 0.0;
+        for (unsigned q = threadIdx.x; q < P; q += blockDim.x) {
+            a += part[2 * (c * P + q)];
+            b += part[2 * (c * P + q) + 1];
+        }
+        cp_block_sum2(&a, &b, sh);
+        if (threadIdx.x != 0) return;
+        if (flags & 32) dsc[c] = __fadd_rn(dsc[c], (float)a);
+        if (flags & 64) dbi[c] = __fadd_rn(dbi[c], (float)b);
+        const double s = (flags & 4) ? (double)sc[c] : 1.0;
+        mdyy = (float)(s * a / (double)M);
+        mdy = (float)(s * b / (double)M);
+    }
+    if (threadIdx.x == 0) {
+        md[2 * c] = mdyy;
+        md[2 * c + 1] = mdy;
+    }
+}
+
+extern "C" __global__ void cp_bn_dx_nhwc(const CP_A* dy, const CP_A* xn, const float* stdv,
+    CP_A* dx, const float* sc, const float* bi, const float* md, const unsigned M,
+    const unsigned C, const int flags)
+{
+    unsigned c, chunk, chunks, row, rows;
+    cp_nhwc_tile(C, &c, &chunk, &chunks, &row, &rows);
+    if (c >= C) return;
+    const float s = (flags & 4) ? sc[c] : 1.0f;
+    const float bb = (flags & 8) ? bi[c] : 0.0f;
+    const float sd = stdv[c], mdyy = md[2 * c], mdy = md[2 * c + 1];
+    for (unsigned r = chunk * rows + row; r < M; r += chunks * rows) {
+        const unsigned long long i = (unsigned long long)r * C + c;
+        const float v = xn[i];
+        dx[i] = cp_bn_dx(cp_bn_masked(dy[i], v, s, bb, flags), v, s, sd, mdyy, mdy, flags);
+    }
+}
+
+/* The same four passes where a row's channels load CP_V at a time (C a
+   multiple of CP_V, the maps 16-byte aligned): a thread takes CP_V
+   consecutive channels (a group), a block's GT threads the groups of a row
+   and its R = blockDim.x / GT lanes R rows at a time; the grid's blocks
+   are the rows' shares (the sums) or chunks (the per-value passes). The
+   sums' partials, their layout and every per-value operation are the
+   scalar kernels'. */
+__device__ __forceinline__ void cp_nhwc_groups(unsigned C, unsigned* G, unsigned* GT,
+                                               unsigned* lane, unsigned* row, unsigned* R)
+{
+    *G = C / CP_V;
+    *GT = min(*G, (unsigned)blockDim.x);
+    *R = blockDim.x / *GT;
+    *lane = threadIdx.x % *GT;
+    *row = threadIdx.x / *GT;
+}
+
+/* Lane 0 of each group adds the R row lanes' sums: sh holds blockDim.x * CP_V
+   pairs, thread t's k-th at t * CP_V + k. */
+__device__ __forceinline__ void cp_nhwc_vec_lanes_sum(double* a, double* b, double* sh,
+                                                      unsigned GT, unsigned R, unsigned row,
+                                                      unsigned lane)
+{
+    const unsigned n = blockDim.x * CP_V;
+    for (int k = 0; k < CP_V; ++k) {
+        sh[threadIdx.x * CP_V + k] = a[k];
+        sh[n + threadIdx.x * CP_V + k] = b[k];
+    }
+    __syncthreads();
+    if (row == 0)
+        for (unsigned q = 1; q < R; ++q)
+            for (int k = 0; k < CP_V; ++k) {
+                a[k] += sh[(q * GT + lane) * CP_V + k];
+                b[k] += sh[n + (q * GT + lane) * CP_V + k];
+            }
+    __syncthreads();
+}
+
+extern "C" __global__ void cp_bn_stats_part_nhwc_vec(const CP_A* x, double* part, float* kv,
+    const unsigned M, const unsigned C, const unsigned P)
+{
+    __shared__ double sh[2 * 256 * CP_V];
+    unsigned G, GT, lane, row, R;
+    cp_nhwc_groups(C, &G, &GT, &lane, &row, &R);
+    unsigned lo, hi;
+    cp_share(M, blockIdx.x, P, &lo, &hi);
+    for (unsigned g0 = 0; g0 < G; g0 += GT) {
+        const unsigned g = g0 + lane;
+        double a[CP_V], b[CP_V];
+        float K[CP_V], v[CP_V];
+        for (int k = 0; k < CP_V; ++k) { a[k] = 0.0; b[k] = 0.0; }
+        if (g < G) {
+            cp_load<CP_V>(x + g * CP_V, K);
+            for (unsigned r = lo + row; r < hi; r += R) {
+                cp_load<CP_V>(x + (unsigned long long)r * C + g * CP_V, v);
+                for (int k = 0; k < CP_V; ++k) {
+                    const double d = (double)v[k] - (double)K[k];
+                    a[k] += d;
+                    b[k] += d * d;
+                }
+            }
+        }
+        cp_nhwc_vec_lanes_sum(a, b, sh, GT, R, row, lane);
+        if (row == 0 && g < G)
+            for (int k = 0; k < CP_V; ++k) {
+                const unsigned c = g * CP_V + k;
+                part[2 * (c * P + blockIdx.x)] = a[k];
+                part[2 * (c * P + blockIdx.x) + 1] = b[k];
+                if (blockIdx.x == 0) kv[c] = K[k];
+            }
+    }
+}
+
+extern "C" __global__ void cp_bn_apply_nhwc_vec(const CP_A* x, CP_A* y, CP_A* xn,
+    const float* ms, const float* stdv, const float* sc, const float* bi,
+    const unsigned M, const unsigned C, const int flags)
+{
+    unsigned G, GT, lane, row, R;
+    cp_nhwc_groups(C, &G, &GT, &lane, &row, &R);
+    for (unsigned g = lane; g < G; g += GT) {
+        float s[CP_V], bb[CP_V], mean[CP_V], sd[CP_V], v[CP_V], t[CP_V];
+        for (int k = 0; k < CP_V; ++k) {
+            const unsigned c = g * CP_V + k;
+            s[k] = (flags & 4) ? sc[c] : 1.0f;
+            bb[k] = (flags & 8) ? bi[c] : 0.0f;
+            mean[k] = ms[c];
+            sd[k] = stdv[c];
+        }
+        for (unsigned r = blockIdx.x * R + row; r < M; r += gridDim.x * R) {
+            const unsigned long long o = (unsigned long long)r * C + g * CP_V;
+            cp_load<CP_V>(x + o, v);
+            for (int k = 0; k < CP_V; ++k) {
+                t[k] = CP_ROUND(__fdiv_rn(__fsub_rn(v[k], mean[k]), sd[k]));
+                v[k] = cp_chain(t[k], s[k], bb[k], flags);
+            }
+            if (flags & 2) cp_store<CP_V>(xn + o, t);
+            cp_store<CP_V>(y + o, v);
+        }
+    }
+}
+
+extern "C" __global__ void cp_bn_bwd_part_nhwc_vec(const CP_A* dy, const CP_A* xn,
+    const float* sc, const float* bi, double* part, const unsigned M, const unsigned C,
+    const unsigned P, const int flags)
+{
+    __shared__ double sh[2 * 256 * CP_V];
+    unsigned G, GT, lane, row, R;
+    cp_nhwc_groups(C, &G, &GT, &lane, &row, &R);
+    unsigned lo, hi;
+    cp_share(M, blockIdx.x, P, &lo, &hi);
+    for (unsigned g0 = 0; g0 < G; g0 += GT) {
+        const unsigned g = g0 + lane;
+        double a[CP_V], b[CP_V];
+        for (int k = 0; k < CP_V; ++k) { a[k] = 0.0; b[k] = 0.0; }
+        if (g < G) {
+            float s[CP_V], bb[CP_V], v[CP_V], d[CP_V];
+            for (int k = 0; k < CP_V; ++k) {
+                s[k] = (flags & 4) ? sc[g * CP_V + k] : 1.0f;
+                bb[k] = (flags & 8) ? bi[g * CP_V + k] : 0.0f;
+            }
+            for (unsigned r = lo + row; r < hi; r += R) {
+                const unsigned long long o = (unsigned long long)r * C + g * CP_V;
+                cp_load<CP_V>(xn + o, v);
+                cp_load<CP_V>(dy + o, d);
+                for (int k = 0; k < CP_V; ++k) {
+                    const float gg = cp_bn_masked(d[k], v[k], s[k], bb[k], flags);
+                    a[k] += (double)gg * (double)v[k];
+                    b[k] += (double)gg;
+                }
+            }
+        }
+        cp_nhwc_vec_lanes_sum(a, b, sh, GT, R, row, lane);
+        if (row == 0 && g < G)
+            for (int k = 0; k < CP_V; ++k) {
+                const unsigned c = g * CP_V + k;
+                part[2 * (c * P + blockIdx.x)] = a[k];
+                part[2 * (c * P + blockIdx.x) + 1] = b[k];
+            }
+    }
+}
+
+extern "C" __global__ void cp_bn_dx_nhwc_vec(const CP_A* dy, const CP_A* xn, const float* stdv,
+    CP_A* dx, const float* sc, const float* bi, const float* md, const unsigned M,
+    const unsigned C, const int flags)
+{
+    unsigned G, GT, lane, row, R;
+    cp_nhwc_groups(C, &G, &GT, &lane, &row, &R);
+    for (unsigned g = lane; g < G; g += GT) {
+        float s[CP_V], bb[CP_V], sd[CP_V], mdyy[CP_V], mdy[CP_V], v[CP_V], d[CP_V];
+        for (int k = 0; k < CP_V; ++k) {
+            const unsigned c = g * CP_V + k;
+            s[k] = (flags & 4) ? sc[c] : 1.0f;
+            bb[k] = (flags & 8) ? bi[c] : 0.0f;
+            sd[k] = stdv[c];
+            mdyy[k] = md[2 * c];
+            mdy[k] = md[2 * c + 1];
+        }
+        for (unsigned r = blockIdx.x * R + row; r < M; r += gridDim.x * R) {
+            const unsigned long long o = (unsigned long long)r * C + g * CP_V;
+            cp_load<CP_V>(xn + o, v);
+            cp_load<CP_V>(dy + o, d);
+            for (int k = 0; k < CP_V; ++k)
+                d[k] = cp_bn_dx(cp_bn_masked(d[k], v[k], s[k], bb[k], flags), v[k], s[k], sd[k],
+                                mdyy[k], mdy[k], flags);
+            cp_store<CP_V>(dx + o, d);
+        }
+    }
+}
+
+'''
