@@ -10,16 +10,15 @@ A blob can be stored channels-last only where every layer that touches it
 reads and writes it so. Pointwise layers (ReLU, Dropout, Split, Eltwise)
 do whatever the layout, and per-channel ones (BatchNorm, a per-channel
 Scale, a max pooling on caffeplus's kernels) read either order; each ties
-its bottoms' and tops' layouts together;
-a layer that can read or write channels-last maps on either side
-(cuDNN's convolution and pooling, `channels_last_ok`) lets the layout
-change across it. Blobs tied together are stored channels-last when all
+its bottoms' and tops' layouts together. A layer that can read or write
+channels-last maps on either side (cuDNN's convolution and pooling,
+`channels_last_ok`) lets the layout change across it. Blobs tied together are stored channels-last when all
 are 4-D, every layer touching them can, a convolution reads or writes one
 of them, every convolution touching them has both sides channels-last (an
 image input aside), and some convolution or pooling touching them has; the
 net's own inputs and outputs stay in Caffe's order.
 """
-from caffeplus import config
+from caffeplus import backend, config
 
 NCHW, NHWC = 'NCHW', 'NHWC'
 # BatchNorm and Scale over channels-last maps (ResNet's): their kernels
@@ -79,14 +78,15 @@ def channels_last_blobs(layers, bottom_ids, top_ids, shapes, fixed=(), roles=Non
             ids = list(bottom_ids[i]) + list(top_ids[i])
             for b in ids[1:]:
                 join(ids[0], b)
-    able, has_conv = {}, set()
+    convs = [i for i, role in enumerate(role_of) if role == 'channels_last' and
+             getattr(layers[i], 'type', '') == 'Convolution']
+    able = {}
     for i, role in enumerate(role_of):
         for b in set(bottom_ids[i]) | set(top_ids[i]):
             group = find(b)
             ok = role is not None and len(shapes[b]) == 4 and b not in fixed
             able[group] = able.get(group, True) and ok
-            if role == 'channels_last' and getattr(layers[i], 'type', '') == 'Convolution':
-                has_conv.add(group)
+    has_conv = {find(b) for i in convs for b in list(bottom_ids[i]) + list(top_ids[i])}
     chosen = {g for g, ok in able.items() if ok and g in has_conv}
     # Worth it only where convolutions read and write channels-last maps. A
     # convolution between two layouts transposes its bottom in forward and
@@ -96,21 +96,17 @@ def channels_last_blobs(layers, bottom_ids, top_ids, shapes, fixed=(), roles=Non
     # drop can strand another group: repeat until none changes.
     sides = [({find(b) for b in bottom_ids[i]}, {find(b) for b in top_ids[i]})
              for i in range(len(layers))]
-    convs = [i for i, role in enumerate(role_of) if role == 'channels_last' and
-             getattr(layers[i], 'type', '') == 'Convolution']
+    images = {i for i in convs if all(shapes[b][1] <= IMAGE_CHANNELS for b in bottom_ids[i])}
     changed = True
     while changed:
         before = set(chosen)
         for i in convs:
             xs, ys = sides[i]
-            image = all(shapes[b][1] <= IMAGE_CHANNELS for b in bottom_ids[i])
-            if not image and bool(xs & chosen) != bool(ys & chosen):
+            if i not in images and bool(xs & chosen) != bool(ys & chosen):
                 chosen -= xs | ys
         for g in list(chosen):
-            if not any(role_of[i] == 'channels_last' and g in xs | ys and
-                       xs <= chosen and ys <= chosen
-                       and not (i in convs and all(shapes[b][1] <= IMAGE_CHANNELS
-                                                   for b in bottom_ids[i]))
+            if not any(role_of[i] == 'channels_last' and i not in images and
+                       g in xs | ys and xs <= chosen and ys <= chosen
                        for i, (xs, ys) in enumerate(sides)):
                 chosen.discard(g)
         changed = chosen != before
@@ -121,8 +117,9 @@ def apply(net):
     """Store the net's maps as the `layout` setting says ('nchw': Caffe's
     order everywhere; 'nhwc': channels-last where channels_last_blobs
     allows); the layers touching a moved blob reshape again, so that their
-    descriptors describe the new order. Returns the ids moved."""
-    if config.get('layout') != 'nhwc':
+    descriptors describe the new order. Returns the ids moved. Only the
+    GPU's layers read channels-last maps: on the CPU nothing is looked at."""
+    if config.get('layout') != 'nhwc' or backend.mode() != backend.GPU:
         return set()
     shapes = {i: b.shape for i, b in enumerate(net._blobs)}
     fixed = set(net.input_blob_indices) | set(net.output_blob_indices)
