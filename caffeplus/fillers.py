@@ -135,29 +135,26 @@ def _uniform(g, out, low, high):
     _uniform01(g, out)
     low32, high32 = numpy.float32(low), numpy.float32(high)
     width32 = numpy.float32(high - low)
-    if high32 - low32 != 1:
-        out *= width32
-    if low32 != 0:
-        out += low32
+    _to_range(out, low32, high32, width32)
     # Rounding may carry u * (high - low) + low one step past high. Float32
     # rounding is monotonic, so the largest u drawn gives the largest value:
     # clamp (a pass that costs a fifth of the draw) only when it overshoots.
-    if _largest_uniform(low32, high32, width32) > high32:
+    largest = numpy.array([_LARGEST_UNIT], dtype=numpy.float32)
+    _to_range(largest, low32, high32, width32)
+    if largest[0] > high32:
         numpy.minimum(out, high32, out=out)
 
 
 _LARGEST_UNIT = numpy.float32(1) - numpy.float32(2.0 ** -24)   # Generator.random's float32 max
 
 
-def _largest_uniform(low32, high32, width32):
-    """The largest value _uniform can write: the same float32 operations on
-    the largest [0, 1) draw."""
-    value = _LARGEST_UNIT
+def _to_range(u, low32, high32, width32):
+    """[0, 1) draws `u` (a float32 array, in place) made u * (high - low) +
+    low, skipping the operations that would not change a value."""
     if high32 - low32 != 1:
-        value = value * width32
+        u *= width32
     if low32 != 0:
-        value = value + low32
-    return value
+        u += low32
 
 
 def _normal(g, out, mean, std):
