@@ -56,8 +56,9 @@ def main(argv=None):
     ap.add_argument('--top', type=int, default=12)
     ap.add_argument('--precision', default=None, help='fp32, tf32, fp16 or bf16 (the switch)')
     ap.add_argument('--budget', default=None, help="plan auto's memory budget (e.g. 12G)")
-    ap.add_argument('--layout', default='nchw', choices=('nchw', 'nhwc'),
-                    help="a 16-bit net's convolution maps (caffeplus.layout)")
+    ap.add_argument('--layout', default='nchw', choices=('nchw', 'nhwc', 'nhwcbn'),
+                    help="a 16-bit net's convolution maps (caffeplus.layout); nhwcbn: "
+                         "channels-last with BatchNorm and Scale too")
     args = ap.parse_args(argv)
 
     import cupy
@@ -74,7 +75,11 @@ def main(argv=None):
     api.set_graphs(not args.no_graphs)
     workspace.set_search(args.search)
     from caffeplus import config, precision
-    with precision.setting(args.precision), config.using(layout=args.layout):
+    if args.layout == 'nhwcbn':
+        from caffeplus import layout
+        layout.CHANNELS_LAST_BATCHNORM = True
+    with precision.setting(args.precision), \
+            config.using(layout='nhwc' if args.layout == 'nhwcbn' else args.layout):
         net = _build(caffeplus, workspace, args)
     params = net.learnable_params
     hist = [Blob(p.shape) for p in params]
