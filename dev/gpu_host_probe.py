@@ -162,9 +162,16 @@ def section_raw():
             xa = ya = wa = ws = None        # (freed before the next geometry allocates)
 
 
-def _build(net_name, bench_dir, tf32, plan='arena', search='timed'):
+def _build(net_name, bench_dir, tf32, plan='arena', search='timed', precision=None,
+           layout='nhwc'):
+    """caffeplus's bench step on bench net `net_name` ('ARCH_bN'); `precision`
+    the switch's type (fp16, bf16), `layout` the 16-bit maps' order (nchw,
+    nhwc, or nhwcbn: BatchNorm's channels-last too)."""
     import caffeplus
-    from caffeplus import kernels
+    from caffeplus import config, kernels
+    from caffeplus import layout as layout_module
+    from caffeplus import precision as precision_module
+    from benchmarks.bench_gpu import net_source
     from caffeplus.backend import mathmode
     from caffeplus.blob import Blob
     from caffeplus.memory import workspace
@@ -173,7 +180,10 @@ def _build(net_name, bench_dir, tf32, plan='arena', search='timed'):
     mathmode.set_math_mode('tf32' if tf32 else 'strict')
     kernels.set_enabled(True)
     workspace.set_search(search)
-    net = caffeplus.Net(os.path.join(bench_dir, net_name + '.prototxt'), caffeplus.TRAIN)
+    layout_module.CHANNELS_LAST_BATCHNORM = layout == 'nhwcbn'
+    with precision_module.setting(precision), \
+            config.using(layout='nhwc' if layout == 'nhwcbn' else layout):
+        net = caffeplus.Net(net_source(bench_dir, net_name), caffeplus.TRAIN)
     workspace.apply_workspace_plan(net, plan, 0)
     params = net.learnable_params
     hist = [Blob(p.shape) for p in params]

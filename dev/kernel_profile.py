@@ -3,6 +3,8 @@
 process (issue #6: where caffeplus's device time differs from PyTorch's).
 
     python dev/kernel_profile.py --net alexnettv_b128 --bench-dir benchmarks/nets --tf32
+    python dev/kernel_profile.py --net resnet50_b256 --bench-dir .gpu_carry/bench --tf32 \
+        --precision fp16 --layouts nchw,nhwcbn    (PyTorch under AMP FP16)
 
 CUPTI (through torch.profiler) records every kernel and copy the process
 launches, CuPy's and cuDNN's included, so both frameworks are measured by
@@ -22,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def _torch_step(torch, net_name, tf32):
+def _torch_step(torch, net_name, tf32, amp=None):
     from benchmarks.bench_gpu import INPUT_SIZE, TORCH_MODELS, parse_net
     import torchvision
     arch, batch = parse_net(net_name)
@@ -33,16 +35,26 @@ def _torch_step(torch, net_name, tf32):
     size = INPUT_SIZE.get(arch, 224)
     x = torch.randn(batch, 3, size, size, device='cuda')
     y = torch.zeros(batch, dtype=torch.long, device='cuda')
+    if amp:
+        # AMP as its users run it (bench_gpu's peer): autocast, channels_last,
+        # a GradScaler for FP16
+        model = model.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+    dtype = {'fp16': torch.float16, 'bf16': torch.bfloat16}.get(amp)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = torch.amp.GradScaler('cuda', enabled=amp == 'fp16')
     lossf = torch.nn.CrossEntropyLoss()
 
     def step():
         opt.zero_grad(set_to_none=False)
-        out = model(x)
-        if isinstance(out, tuple):
-            out = out[0]
-        lossf(out, y).backward()
-        opt.step()
+        with torch.autocast('cuda', dtype=dtype or torch.float16, enabled=bool(amp)):
+            out = model(x)
+            if isinstance(out, tuple):
+                out = out[0]
+            loss = lossf(out, y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
     return step
 
 
@@ -88,23 +100,30 @@ def main(argv=None):
     ap.add_argument('--top', type=int, default=25)
     ap.add_argument('--only', choices=('caffeplus', 'pytorch'))
     ap.add_argument('--plans', default='arena', help="caffeplus's plans, comma-separated")
+    ap.add_argument('--precision', default=None, choices=('fp16', 'bf16'),
+                    help='caffeplus built with the precision switch, PyTorch under AMP')
+    ap.add_argument('--layouts', default='nhwc',
+                    help="caffeplus's 16-bit map orders, comma-separated: nchw, nhwc, nhwcbn")
     args = ap.parse_args(argv)
     import torch
     torch.zeros(1, device='cuda')
     if args.only != 'pytorch':
         from dev.gpu_host_probe import _build
         for plan in args.plans.split(','):
-            t0 = time.time()
-            # stock: Caffe 1.0's heuristic choice under 8 MB; the others timed
-            _, step = _build(args.net, args.bench_dir, args.tf32, plan=plan,
-                             search='heuristic' if plan == 'stock' else 'timed')
-            print('caffeplus %s set-up %.1f s' % (plan, time.time() - t0))
-            _profile(torch, step, args.steps, args.top,
-                     'caffeplus %s %s tf32=%d' % (plan, args.net, args.tf32))
-            del step
+            for layout in args.layouts.split(','):
+                t0 = time.time()
+                # stock: Caffe 1.0's heuristic choice under 8 MB; the others timed
+                _, step = _build(args.net, args.bench_dir, args.tf32, plan=plan,
+                                 search='heuristic' if plan == 'stock' else 'timed',
+                                 precision=args.precision, layout=layout)
+                print('caffeplus %s set-up %.1f s' % (plan, time.time() - t0))
+                _profile(torch, step, args.steps, args.top, 'caffeplus %s %s %s %s tf32=%d' % (
+                    plan, args.net, args.precision or 'fp32', layout, args.tf32))
+                del step
     if args.only != 'caffeplus':
-        step = _torch_step(torch, args.net, args.tf32)
-        _profile(torch, step, args.steps, args.top, 'pytorch %s tf32=%d' % (args.net, args.tf32))
+        step = _torch_step(torch, args.net, args.tf32, args.precision)
+        _profile(torch, step, args.steps, args.top, 'pytorch %s %s tf32=%d' % (
+            args.net, 'amp-' + args.precision if args.precision else 'fp32', args.tf32))
 
 
 if __name__ == '__main__':
