@@ -607,4 +607,23 @@ extern "C" __global__ void cp_cast_many(const unsigned long long* src,
         reinterpret_cast<CP_A*>(dst[lo])[i] = reinterpret_cast<const float*>(src[lo])[i];
     }
 }
+
+/* cp_cast_many into cuDNN's channels-last filter order: array t's source
+   holds (K, C, S) float32 values (S = kh kw, Caffe's order), its copy
+   (K, S, C); cs[t] = C << 32 | S. */
+extern "C" __global__ void cp_cast_many_krsc(const unsigned long long* src,
+    const unsigned long long* dst, const unsigned long long* cs, const long long* offsets,
+    const int n, const long long total)
+{
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x; w < total;
+         w += stride) {
+        const int lo = cp_array_of(offsets, n, w);
+        const long long i = w - offsets[lo];
+        const long long C = (long long)(cs[lo] >> 32), S = (long long)(cs[lo] & 0xffffffffull);
+        const long long c = i % C, t = i / C;
+        reinterpret_cast<CP_A*>(dst[lo])[i] =
+            reinterpret_cast<const float*>(src[lo])[((t / S) * C + c) * S + t % S];
+    }
+}
 '''

@@ -222,6 +222,13 @@ __device__ __forceinline__ void cp_nhwc_vec_lanes_sum(double* a, double* b, doub
     __syncthreads();
 }
 
+/* The vector kernels are bound by memory latency, not bandwidth: a
+   thread's registers (its groups' per-channel values, double sums) leave
+   few threads a multiprocessor, so each thread loads CP_NHWC_U rows before
+   it uses any (the sums), or 2 rows (the per-value passes, whose stores
+   would otherwise order the next row's loads behind them). */
+#define CP_NHWC_U 4
+
 extern "C" __global__ void cp_bn_stats_part_nhwc_vec(const CP_A* x, double* part, float* kv,
     const unsigned M, const unsigned C, const unsigned P)
 {
@@ -233,12 +240,26 @@ extern "C" __global__ void cp_bn_stats_part_nhwc_vec(const CP_A* x, double* part
     for (unsigned g0 = 0; g0 < G; g0 += GT) {
         const unsigned g = g0 + lane;
         double a[CP_V], b[CP_V];
-        float K[CP_V], v[CP_V];
+        float K[CP_V];
         for (int k = 0; k < CP_V; ++k) { a[k] = 0.0; b[k] = 0.0; }
         if (g < G) {
             cp_load<CP_V>(x + g * CP_V, K);
-            for (unsigned r = lo + row; r < hi; r += R) {
-                cp_load<CP_V>(x + (unsigned long long)r * C + g * CP_V, v);
+            const CP_A* base = x + g * CP_V;
+            unsigned r = lo + row;
+            for (; r + (CP_NHWC_U - 1) * R < hi; r += CP_NHWC_U * R) {
+                float v[CP_NHWC_U][CP_V];
+                for (int u = 0; u < CP_NHWC_U; ++u)
+                    cp_load<CP_V>(base + (unsigned long long)(r + u * R) * C, v[u]);
+                for (int u = 0; u < CP_NHWC_U; ++u)
+                    for (int k = 0; k < CP_V; ++k) {
+                        const double d = (double)v[u][k] - (double)K[k];
+                        a[k] += d;
+                        b[k] += d * d;
+                    }
+            }
+            for (; r < hi; r += R) {
+                float v[CP_V];
+                cp_load<CP_V>(base + (unsigned long long)r * C, v);
                 for (int k = 0; k < CP_V; ++k) {
                     const double d = (double)v[k] - (double)K[k];
                     a[k] += d;
@@ -257,28 +278,46 @@ extern "C" __global__ void cp_bn_stats_part_nhwc_vec(const CP_A* x, double* part
     }
 }
 
+/* One row's CP_V values of the apply pass (per-channel values read where
+   used, from the cache, rather than held in registers). */
+__device__ __forceinline__ void cp_nhwc_apply_row(float* v, float* t, unsigned c0,
+    const float* ms, const float* stdv, const float* sc, const float* bi, const int flags)
+{
+    for (int k = 0; k < CP_V; ++k) {
+        const unsigned c = c0 + k;
+        t[k] = CP_ROUND(__fdiv_rn(__fsub_rn(v[k], ms[c]), stdv[c]));
+        v[k] = cp_chain(t[k], (flags & 4) ? sc[c] : 1.0f, (flags & 8) ? bi[c] : 0.0f, flags);
+    }
+}
+
 extern "C" __global__ void cp_bn_apply_nhwc_vec(const CP_A* x, CP_A* y, CP_A* xn,
     const float* ms, const float* stdv, const float* sc, const float* bi,
     const unsigned M, const unsigned C, const int flags)
 {
     unsigned G, GT, lane, row, R;
     cp_nhwc_groups(C, &G, &GT, &lane, &row, &R);
+    const unsigned stride = gridDim.x * R;
     for (unsigned g = lane; g < G; g += GT) {
-        float s[CP_V], bb[CP_V], mean[CP_V], sd[CP_V], v[CP_V], t[CP_V];
-        for (int k = 0; k < CP_V; ++k) {
-            const unsigned c = g * CP_V + k;
-            s[k] = (flags & 4) ? sc[c] : 1.0f;
-            bb[k] = (flags & 8) ? bi[c] : 0.0f;
-            mean[k] = ms[c];
-            sd[k] = stdv[c];
+        const unsigned c0 = g * CP_V;
+        unsigned r = blockIdx.x * R + row;
+        for (; r + stride < M; r += 2 * stride) {
+            const unsigned long long o0 = (unsigned long long)r * C + c0;
+            const unsigned long long o1 = o0 + (unsigned long long)stride * C;
+            float v0[CP_V], v1[CP_V], t[CP_V];
+            cp_load<CP_V>(x + o0, v0);
+            cp_load<CP_V>(x + o1, v1);
+            cp_nhwc_apply_row(v0, t, c0, ms, stdv, sc, bi, flags);
+            if (flags & 2) cp_store<CP_V>(xn + o0, t);
+            cp_store<CP_V>(y + o0, v0);
+            cp_nhwc_apply_row(v1, t, c0, ms, stdv, sc, bi, flags);
+            if (flags & 2) cp_store<CP_V>(xn + o1, t);
+            cp_store<CP_V>(y + o1, v1);
         }
-        for (unsigned r = blockIdx.x * R + row; r < M; r += gridDim.x * R) {
-            const unsigned long long o = (unsigned long long)r * C + g * CP_V;
+        if (r < M) {
+            const unsigned long long o = (unsigned long long)r * C + c0;
+            float v[CP_V], t[CP_V];
             cp_load<CP_V>(x + o, v);
-            for (int k = 0; k < CP_V; ++k) {
-                t[k] = CP_ROUND(__fdiv_rn(__fsub_rn(v[k], mean[k]), sd[k]));
-                v[k] = cp_chain(t[k], s[k], bb[k], flags);
-            }
+            cp_nhwc_apply_row(v, t, c0, ms, stdv, sc, bi, flags);
             if (flags & 2) cp_store<CP_V>(xn + o, t);
             cp_store<CP_V>(y + o, v);
         }
@@ -299,17 +338,35 @@ extern "C" __global__ void cp_bn_bwd_part_nhwc_vec(const CP_A* dy, const CP_A* x
         double a[CP_V], b[CP_V];
         for (int k = 0; k < CP_V; ++k) { a[k] = 0.0; b[k] = 0.0; }
         if (g < G) {
-            float s[CP_V], bb[CP_V], v[CP_V], d[CP_V];
-            for (int k = 0; k < CP_V; ++k) {
-                s[k] = (flags & 4) ? sc[g * CP_V + k] : 1.0f;
-                bb[k] = (flags & 8) ? bi[g * CP_V + k] : 0.0f;
+            const unsigned c0 = g * CP_V;
+            unsigned r = lo + row;
+            for (; r + R < hi; r += 2 * R) {
+                const unsigned long long o0 = (unsigned long long)r * C + c0;
+                const unsigned long long o1 = o0 + (unsigned long long)R * C;
+                float v0[CP_V], d0[CP_V], v1[CP_V], d1[CP_V];
+                cp_load<CP_V>(xn + o0, v0);
+                cp_load<CP_V>(dy + o0, d0);
+                cp_load<CP_V>(xn + o1, v1);
+                cp_load<CP_V>(dy + o1, d1);
+                for (int k = 0; k < CP_V; ++k) {
+                    const float s = (flags & 4) ? sc[c0 + k] : 1.0f;
+                    const float bb = (flags & 8) ? bi[c0 + k] : 0.0f;
+                    const float g0v = cp_bn_masked(d0[k], v0[k], s, bb, flags);
+                    const float g1v = cp_bn_masked(d1[k], v1[k], s, bb, flags);
+                    a[k] += (double)g0v * (double)v0[k];
+                    b[k] += (double)g0v;
+                    a[k] += (double)g1v * (double)v1[k];
+                    b[k] += (double)g1v;
+                }
             }
-            for (unsigned r = lo + row; r < hi; r += R) {
-                const unsigned long long o = (unsigned long long)r * C + g * CP_V;
+            if (r < hi) {
+                const unsigned long long o = (unsigned long long)r * C + c0;
+                float v[CP_V], d[CP_V];
                 cp_load<CP_V>(xn + o, v);
                 cp_load<CP_V>(dy + o, d);
                 for (int k = 0; k < CP_V; ++k) {
-                    const float gg = cp_bn_masked(d[k], v[k], s[k], bb[k], flags);
+                    const float gg = cp_bn_masked(d[k], v[k], (flags & 4) ? sc[c0 + k] : 1.0f,
+                                                  (flags & 8) ? bi[c0 + k] : 0.0f, flags);
                     a[k] += (double)gg * (double)v[k];
                     b[k] += (double)gg;
                 }
@@ -325,29 +382,47 @@ extern "C" __global__ void cp_bn_bwd_part_nhwc_vec(const CP_A* dy, const CP_A* x
     }
 }
 
+/* One row's CP_V values of the dx pass, d in (the top diff) and out. */
+__device__ __forceinline__ void cp_nhwc_dx_row(float* d, const float* v, unsigned c0,
+    const float* stdv, const float* sc, const float* bi, const float* md, const int flags)
+{
+    for (int k = 0; k < CP_V; ++k) {
+        const unsigned c = c0 + k;
+        const float s = (flags & 4) ? sc[c] : 1.0f;
+        d[k] = cp_bn_dx(cp_bn_masked(d[k], v[k], s, (flags & 8) ? bi[c] : 0.0f, flags), v[k],
+                        s, stdv[c], md[2 * c], md[2 * c + 1], flags);
+    }
+}
+
 extern "C" __global__ void cp_bn_dx_nhwc_vec(const CP_A* dy, const CP_A* xn, const float* stdv,
     CP_A* dx, const float* sc, const float* bi, const float* md, const unsigned M,
     const unsigned C, const int flags)
 {
     unsigned G, GT, lane, row, R;
     cp_nhwc_groups(C, &G, &GT, &lane, &row, &R);
+    const unsigned stride = gridDim.x * R;
     for (unsigned g = lane; g < G; g += GT) {
-        float s[CP_V], bb[CP_V], sd[CP_V], mdyy[CP_V], mdy[CP_V], v[CP_V], d[CP_V];
-        for (int k = 0; k < CP_V; ++k) {
-            const unsigned c = g * CP_V + k;
-            s[k] = (flags & 4) ? sc[c] : 1.0f;
-            bb[k] = (flags & 8) ? bi[c] : 0.0f;
-            sd[k] = stdv[c];
-            mdyy[k] = md[2 * c];
-            mdy[k] = md[2 * c + 1];
+        const unsigned c0 = g * CP_V;
+        unsigned r = blockIdx.x * R + row;
+        for (; r + stride < M; r += 2 * stride) {
+            const unsigned long long o0 = (unsigned long long)r * C + c0;
+            const unsigned long long o1 = o0 + (unsigned long long)stride * C;
+            float v0[CP_V], d0[CP_V], v1[CP_V], d1[CP_V];
+            cp_load<CP_V>(xn + o0, v0);
+            cp_load<CP_V>(dy + o0, d0);
+            cp_load<CP_V>(xn + o1, v1);
+            cp_load<CP_V>(dy + o1, d1);
+            cp_nhwc_dx_row(d0, v0, c0, stdv, sc, bi, md, flags);
+            cp_nhwc_dx_row(d1, v1, c0, stdv, sc, bi, md, flags);
+            cp_store<CP_V>(dx + o0, d0);
+            cp_store<CP_V>(dx + o1, d1);
         }
-        for (unsigned r = blockIdx.x * R + row; r < M; r += gridDim.x * R) {
-            const unsigned long long o = (unsigned long long)r * C + g * CP_V;
+        if (r < M) {
+            const unsigned long long o = (unsigned long long)r * C + c0;
+            float v[CP_V], d[CP_V];
             cp_load<CP_V>(xn + o, v);
             cp_load<CP_V>(dy + o, d);
-            for (int k = 0; k < CP_V; ++k)
-                d[k] = cp_bn_dx(cp_bn_masked(d[k], v[k], s[k], bb[k], flags), v[k], s[k], sd[k],
-                                mdyy[k], mdy[k], flags);
+            cp_nhwc_dx_row(d, v, c0, stdv, sc, bi, md, flags);
             cp_store<CP_V>(dx + o, d);
         }
     }

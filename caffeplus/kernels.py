@@ -61,7 +61,7 @@ MAP_KERNELS = frozenset(('cp_bn_fwd', 'cp_bn_bwd', 'cp_relu_fwd', 'cp_relu_bwd',
                          'cp_scale2', 'cp_bn_stats_part', 'cp_bn_fwd_apply', 'cp_bn_bwd_part',
                          'cp_bn_bwd_apply', 'cp_pool_fwd', 'cp_pool_bwd',
                          'cp_softmax_loss_rows', 'cp_softmax_loss_bwd', 'cp_channel_sum_part',
-                         'cp_accumulate', 'cp_cast_many', 'cp_mpool_fwd', 'cp_mpool_bwd',
+                         'cp_accumulate', 'cp_cast_many', 'cp_cast_many_krsc', 'cp_mpool_fwd', 'cp_mpool_bwd',
                          'cp_mpool_bwd_tiled', 'cp_relu_bits_fwd', 'cp_relu_bits_bwd',
                          'cp_scale_fwd', 'cp_scale_bwd', 'cp_lrn_fwd', 'cp_lrn_bwd',
                          'cp_im2col', 'cp_channel_sum_part_nhwc', 'cp_accumulate_krsc',
@@ -482,3 +482,15 @@ def cast_many(arrays, dtype):
     tables = _tables('cast', [[a[0] for a in arrays], [a[1] for a in arrays]],
                      [a[2] for a in arrays])
     kernel('cp_cast_many', dtype)(_many_grid(tables[-1]), (ELEMENTWISE_THREADS,), tables)
+
+
+def cast_many_krsc(arrays, dtype):
+    """cast_many into cuDNN's channels-last filter order, for every (src
+    address of (K, C, kh, kw) float32 values, dst address, count, C, kh kw)
+    of `arrays`, in one launch of cp_cast_many_krsc."""
+    arrays = [a for a in arrays if a[2]]
+    if not arrays:
+        return
+    tables = _tables('cast_krsc', [[a[0] for a in arrays], [a[1] for a in arrays],
+                                   [(a[3] << 32) | a[4] for a in arrays]], [a[2] for a in arrays])
+    kernel('cp_cast_many_krsc', dtype)(_many_grid(tables[-1]), (ELEMENTWISE_THREADS,), tables)

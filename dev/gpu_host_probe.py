@@ -206,11 +206,11 @@ def _build(net_name, bench_dir, tf32, plan='arena', search='timed', precision=No
     return net, step
 
 
-def section_cprofile(nets, bench_dir, tf32s, steps, top):
+def section_cprofile(nets, bench_dir, tf32s, steps, top, precision=None, layouts=('nhwc',)):
     import cupy
-    for tf32 in tf32s:
+    for tf32, layout in ((t, lay) for t in tf32s for lay in layouts):
         for name in nets:
-            net, step = _build(name, bench_dir, tf32)
+            net, step = _build(name, bench_dir, tf32, precision=precision, layout=layout)
             for _ in range(3):
                 step()
             sync = cupy.cuda.get_current_stream().synchronize
@@ -225,8 +225,9 @@ def section_cprofile(nets, bench_dir, tf32s, steps, top):
                 e1.record()
                 e1.synchronize()
                 devs.append(cupy.cuda.get_elapsed_time(e0, e1))
-            print('== %s tf32=%d: host %.2f ms/step (launch only), event-to-event %.2f ms'
-                  % (name, tf32, statistics.median(hosts), statistics.median(devs)), flush=True)
+            print('== %s tf32=%d %s %s: host %.2f ms/step (launch only), event-to-event %.2f ms'
+                  % (name, tf32, precision or 'fp32', layout, statistics.median(hosts),
+                     statistics.median(devs)), flush=True)
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(steps):
@@ -250,6 +251,8 @@ def main(argv=None):
     ap.add_argument('--tf32', default='both', choices=('off', 'on', 'both'))
     ap.add_argument('--steps', type=int, default=5)
     ap.add_argument('--top', type=int, default=30)
+    ap.add_argument('--precision', default=None, choices=('fp16', 'bf16'))
+    ap.add_argument('--layouts', default='nhwc', help='nchw, nhwc, nhwcbn (comma-separated)')
     args = ap.parse_args(argv)
     secs = args.sections.split(',')
     tf32s = {'off': [0], 'on': [1], 'both': [0, 1]}[args.tf32]
@@ -264,7 +267,8 @@ def main(argv=None):
                 print('section %s failed: %r' % (name, exc))
     if 'cprofile' in secs:
         print('#### cprofile', flush=True)
-        section_cprofile(args.nets.split(','), args.bench_dir, tf32s, args.steps, args.top)
+        section_cprofile(args.nets.split(','), args.bench_dir, tf32s, args.steps, args.top,
+                         args.precision, args.layouts.split(','))
     return 0
 
 

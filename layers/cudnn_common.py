@@ -201,15 +201,17 @@ def _refresh_weight_copies(net, start, end, backward):
         if not copies:
             continue
         for name, (c, _, _, blob) in copies.items():
-            if name == NHWC_WEIGHTS:
-                continue            # (transposed: the layer copies it itself)
             master = _kernels.flat(blob)
             if master is None or c.size != blob.count:
                 continue            # (the layer copies it itself)
-            jobs.setdefault(c.dtype, []).append((int(master.data.ptr), int(c.data.ptr), c.size))
+            job = (int(master.data.ptr), int(c.data.ptr), c.size)
+            if name == NHWC_WEIGHTS:    # (K, C, kh, kw) copied as (K, kh, kw, C)
+                shape = blob.shape
+                job += (shape[1], c.size // (shape[0] * shape[1]))
+            jobs.setdefault((c.dtype, name == NHWC_WEIGHTS), []).append(job)
             marks.append((copies, name, c, blob))
-    for dtype, arrays in jobs.items():
-        _kernels.cast_many(arrays, dtype)
+    for (dtype, krsc), arrays in jobs.items():
+        (_kernels.cast_many_krsc if krsc else _kernels.cast_many)(arrays, dtype)
     for copies, name, c, blob in marks:
         copies[name] = (c, now, True, blob)
 

@@ -462,6 +462,26 @@ def test_one_launch_casts_many_weight_arrays_to_16_bits(half):
         assert numpy.isinf(dst[0][0]) and dst[0][1] == 0
 
 
+def test_one_launch_casts_filters_into_channels_last_order(half):
+    """cp_cast_many_krsc: (K, C, kh, kw) float32 filters of different shapes
+    rounded into (K, kh, kw, C) 16-bit copies in one launch (what cuDNN's
+    channels-last convolutions read): NumPy's transpose and astype; nothing
+    written past a copy's end."""
+    r = numpy.random.RandomState(16)
+    shapes = [(4, 3, 3, 3), (2, 5, 1, 1), (3, 2, 2, 3), (1, 1, 1, 1)]
+    src = [r.standard_normal(s).astype(F32) for s in shapes]
+    dst = [numpy.full(a.size + 1, 7, F16) for a in src]
+    ptrs = lambda arrays: numpy.array([a.ctypes.data for a in arrays], numpy.uint64)  # noqa: E731
+    cs = numpy.array([(s[1] << 32) | (s[2] * s[3]) for s in shapes], numpy.uint64)
+    sizes = [a.size for a in src]
+    offsets = numpy.concatenate([[0], numpy.cumsum(sizes)]).astype(numpy.int64)
+    half.kernel('cp_cast_many_krsc')((2,), (32,), (
+        ptrs(src), ptrs(dst), cs, offsets, numpy.int32(len(sizes)), numpy.int64(offsets[-1])))
+    for a, d in zip(src, dst):
+        assert d[:-1].tobytes() == a.transpose(0, 2, 3, 1).astype(F16).tobytes()
+        assert d[-1] == 7
+
+
 @pytest.mark.parametrize('kh, sh, ph, size', [(3, 2, 0, 9), (2, 2, 0, 8), (3, 1, 1, 6),
                                               (3, 3, 0, 10)])
 def test_channels_last_max_pooling_kernels_follow_caffes_order(half_extra, kh, sh, ph, size):
@@ -505,10 +525,11 @@ def test_channels_last_max_pooling_kernels_follow_caffes_order(half_extra, kh, s
         assert (kh, sh) != (2, 2)        # (the tiling case above is the 2x2 one)
 
 
-@pytest.mark.parametrize('c, vec', [(37, False), (40, False), (40, True)])
+@pytest.mark.parametrize('c, vec, threads', [(37, False, 0), (40, False, 0), (40, True, 256),
+                                             (40, True, 16)])
 @pytest.mark.parametrize('p', [1, 3])
 def test_channels_last_batchnorm_kernels_follow_the_split_kernels(float_extra, half_extra, p,
-                                                                  c, vec):
+                                                                  c, vec, threads):
     """cp_bn_*_nhwc (32-channel tiles; and the _vec forms, CP_V channels a
     thread, where C is a multiple of it) on channels-last maps against the
     split kernels (cp_bn_stats_part, _fwd_apply, _bwd_part, _bwd_apply) on
@@ -516,7 +537,9 @@ def test_channels_last_batchnorm_kernels_follow_the_split_kernels(float_extra, h
     kept normalized copy and the chain's Scale, bias and ReLU; backward
     with the scale and bias gradients and dx; the moving sums and std alike
     (float32 build, to float32's rounding of sums taken in another order);
-    the 16-bit build within a 16-bit step of the float32 one."""
+    the 16-bit build within a 16-bit step of the float32 one. The vector
+    forms with blocks of 16 threads too, so that a thread's rows run
+    through their several-rows-at-a-time loops and not only the rest's."""
     r = numpy.random.RandomState(40 + p + c)
     n, h, w = 3, 4, 3
     m, s_ = n * h * w, h * w
@@ -556,8 +579,8 @@ def test_channels_last_batchnorm_kernels_follow_the_split_kernels(float_extra, h
         std, ms = numpy.empty(c, F32), numpy.empty(c, F32)
         if vec:                 # fused_chain's launch: CP_V channels a thread
             groups = c // (16 // numpy.dtype(dtype).itemsize)
-            lanes = max(1, 256 // min(groups, 256))
-            block, sums, passes, name = (min(groups, 256) * lanes,), (p,), (2,), '%s_nhwc_vec'
+            lanes = max(1, threads // min(groups, threads))
+            block, sums, passes, name = (min(groups, threads) * lanes,), (p,), (2,), '%s_nhwc_vec'
         else:
             tiles = (c + 31) // 32
             block, sums, passes, name = (64,), (tiles * p,), (tiles * 7,), '%s_nhwc'
