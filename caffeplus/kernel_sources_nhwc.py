@@ -225,8 +225,9 @@ __device__ __forceinline__ void cp_nhwc_vec_lanes_sum(double* a, double* b, doub
 /* The vector kernels are bound by memory latency, not bandwidth: a
    thread's registers (its groups' per-channel values, double sums) leave
    few threads a multiprocessor, so each thread loads CP_NHWC_U rows before
-   it uses any (the sums), or 2 rows (the per-value passes, whose stores
-   would otherwise order the next row's loads behind them). */
+   it uses any (the sums), or 2 rows (the backward's sums, and the per-value
+   passes, whose stores would otherwise order the next row's loads behind
+   them). */
 #define CP_NHWC_U 4
 
 extern "C" __global__ void cp_bn_stats_part_nhwc_vec(const CP_A* x, double* part, float* kv,
@@ -278,15 +279,19 @@ extern "C" __global__ void cp_bn_stats_part_nhwc_vec(const CP_A* x, double* part
     }
 }
 
-/* One row's CP_V values of the apply pass (per-channel values read where
-   used, from the cache, rather than held in registers). */
-__device__ __forceinline__ void cp_nhwc_apply_row(float* v, float* t, unsigned c0,
-    const float* ms, const float* stdv, const float* sc, const float* bi, const int flags)
+/* The per-channel values of a thread's CP_V channels, held in registers
+   (read per row, their loads outnumbered the maps' and set the pace). */
+struct cp_nhwc_consts {
+    float s[CP_V], b[CP_V], u[CP_V], w[CP_V], z[CP_V];
+};
+
+/* One row's CP_V values of the apply pass: t the normalized, v the top. */
+__device__ __forceinline__ void cp_nhwc_apply_row(float* v, float* t, const cp_nhwc_consts& k0,
+                                                  const int flags)
 {
     for (int k = 0; k < CP_V; ++k) {
-        const unsigned c = c0 + k;
-        t[k] = CP_ROUND(__fdiv_rn(__fsub_rn(v[k], ms[c]), stdv[c]));
-        v[k] = cp_chain(t[k], (flags & 4) ? sc[c] : 1.0f, (flags & 8) ? bi[c] : 0.0f, flags);
+        t[k] = CP_ROUND(__fdiv_rn(__fsub_rn(v[k], k0.u[k]), k0.w[k]));
+        v[k] = cp_chain(t[k], k0.s[k], k0.b[k], flags);
     }
 }
 
@@ -299,6 +304,13 @@ extern "C" __global__ void cp_bn_apply_nhwc_vec(const CP_A* x, CP_A* y, CP_A* xn
     const unsigned stride = gridDim.x * R;
     for (unsigned g = lane; g < G; g += GT) {
         const unsigned c0 = g * CP_V;
+        cp_nhwc_consts k0;
+        for (int k = 0; k < CP_V; ++k) {
+            k0.s[k] = (flags & 4) ? sc[c0 + k] : 1.0f;
+            k0.b[k] = (flags & 8) ? bi[c0 + k] : 0.0f;
+            k0.u[k] = ms[c0 + k];
+            k0.w[k] = stdv[c0 + k];
+        }
         unsigned r = blockIdx.x * R + row;
         for (; r + stride < M; r += 2 * stride) {
             const unsigned long long o0 = (unsigned long long)r * C + c0;
@@ -306,10 +318,10 @@ extern "C" __global__ void cp_bn_apply_nhwc_vec(const CP_A* x, CP_A* y, CP_A* xn
             float v0[CP_V], v1[CP_V], t[CP_V];
             cp_load<CP_V>(x + o0, v0);
             cp_load<CP_V>(x + o1, v1);
-            cp_nhwc_apply_row(v0, t, c0, ms, stdv, sc, bi, flags);
+            cp_nhwc_apply_row(v0, t, k0, flags);
             if (flags & 2) cp_store<CP_V>(xn + o0, t);
             cp_store<CP_V>(y + o0, v0);
-            cp_nhwc_apply_row(v1, t, c0, ms, stdv, sc, bi, flags);
+            cp_nhwc_apply_row(v1, t, k0, flags);
             if (flags & 2) cp_store<CP_V>(xn + o1, t);
             cp_store<CP_V>(y + o1, v1);
         }
@@ -317,7 +329,7 @@ extern "C" __global__ void cp_bn_apply_nhwc_vec(const CP_A* x, CP_A* y, CP_A* xn
             const unsigned long long o = (unsigned long long)r * C + c0;
             float v[CP_V], t[CP_V];
             cp_load<CP_V>(x + o, v);
-            cp_nhwc_apply_row(v, t, c0, ms, stdv, sc, bi, flags);
+            cp_nhwc_apply_row(v, t, k0, flags);
             if (flags & 2) cp_store<CP_V>(xn + o, t);
             cp_store<CP_V>(y + o, v);
         }
@@ -339,6 +351,11 @@ extern "C" __global__ void cp_bn_bwd_part_nhwc_vec(const CP_A* dy, const CP_A* x
         for (int k = 0; k < CP_V; ++k) { a[k] = 0.0; b[k] = 0.0; }
         if (g < G) {
             const unsigned c0 = g * CP_V;
+            float s[CP_V], bb[CP_V];
+            for (int k = 0; k < CP_V; ++k) {
+                s[k] = (flags & 4) ? sc[c0 + k] : 1.0f;
+                bb[k] = (flags & 8) ? bi[c0 + k] : 0.0f;
+            }
             unsigned r = lo + row;
             for (; r + R < hi; r += 2 * R) {
                 const unsigned long long o0 = (unsigned long long)r * C + c0;
@@ -349,10 +366,8 @@ extern "C" __global__ void cp_bn_bwd_part_nhwc_vec(const CP_A* dy, const CP_A* x
                 cp_load<CP_V>(xn + o1, v1);
                 cp_load<CP_V>(dy + o1, d1);
                 for (int k = 0; k < CP_V; ++k) {
-                    const float s = (flags & 4) ? sc[c0 + k] : 1.0f;
-                    const float bb = (flags & 8) ? bi[c0 + k] : 0.0f;
-                    const float g0v = cp_bn_masked(d0[k], v0[k], s, bb, flags);
-                    const float g1v = cp_bn_masked(d1[k], v1[k], s, bb, flags);
+                    const float g0v = cp_bn_masked(d0[k], v0[k], s[k], bb[k], flags);
+                    const float g1v = cp_bn_masked(d1[k], v1[k], s[k], bb[k], flags);
                     a[k] += (double)g0v * (double)v0[k];
                     b[k] += (double)g0v;
                     a[k] += (double)g1v * (double)v1[k];
@@ -365,8 +380,7 @@ extern "C" __global__ void cp_bn_bwd_part_nhwc_vec(const CP_A* dy, const CP_A* x
                 cp_load<CP_V>(xn + o, v);
                 cp_load<CP_V>(dy + o, d);
                 for (int k = 0; k < CP_V; ++k) {
-                    const float gg = cp_bn_masked(d[k], v[k], (flags & 4) ? sc[c0 + k] : 1.0f,
-                                                  (flags & 8) ? bi[c0 + k] : 0.0f, flags);
+                    const float gg = cp_bn_masked(d[k], v[k], s[k], bb[k], flags);
                     a[k] += (double)gg * (double)v[k];
                     b[k] += (double)gg;
                 }
@@ -383,15 +397,12 @@ extern "C" __global__ void cp_bn_bwd_part_nhwc_vec(const CP_A* dy, const CP_A* x
 }
 
 /* One row's CP_V values of the dx pass, d in (the top diff) and out. */
-__device__ __forceinline__ void cp_nhwc_dx_row(float* d, const float* v, unsigned c0,
-    const float* stdv, const float* sc, const float* bi, const float* md, const int flags)
+__device__ __forceinline__ void cp_nhwc_dx_row(float* d, const float* v, const cp_nhwc_consts& k0,
+                                               const int flags)
 {
-    for (int k = 0; k < CP_V; ++k) {
-        const unsigned c = c0 + k;
-        const float s = (flags & 4) ? sc[c] : 1.0f;
-        d[k] = cp_bn_dx(cp_bn_masked(d[k], v[k], s, (flags & 8) ? bi[c] : 0.0f, flags), v[k],
-                        s, stdv[c], md[2 * c], md[2 * c + 1], flags);
-    }
+    for (int k = 0; k < CP_V; ++k)
+        d[k] = cp_bn_dx(cp_bn_masked(d[k], v[k], k0.s[k], k0.b[k], flags), v[k], k0.s[k],
+                        k0.w[k], k0.u[k], k0.z[k], flags);
 }
 
 extern "C" __global__ void cp_bn_dx_nhwc_vec(const CP_A* dy, const CP_A* xn, const float* stdv,
@@ -403,6 +414,14 @@ extern "C" __global__ void cp_bn_dx_nhwc_vec(const CP_A* dy, const CP_A* xn, con
     const unsigned stride = gridDim.x * R;
     for (unsigned g = lane; g < G; g += GT) {
         const unsigned c0 = g * CP_V;
+        cp_nhwc_consts k0;
+        for (int k = 0; k < CP_V; ++k) {
+            k0.s[k] = (flags & 4) ? sc[c0 + k] : 1.0f;
+            k0.b[k] = (flags & 8) ? bi[c0 + k] : 0.0f;
+            k0.w[k] = stdv[c0 + k];
+            k0.u[k] = md[2 * (c0 + k)];
+            k0.z[k] = md[2 * (c0 + k) + 1];
+        }
         unsigned r = blockIdx.x * R + row;
         for (; r + stride < M; r += 2 * stride) {
             const unsigned long long o0 = (unsigned long long)r * C + c0;
@@ -412,8 +431,8 @@ extern "C" __global__ void cp_bn_dx_nhwc_vec(const CP_A* dy, const CP_A* xn, con
             cp_load<CP_V>(dy + o0, d0);
             cp_load<CP_V>(xn + o1, v1);
             cp_load<CP_V>(dy + o1, d1);
-            cp_nhwc_dx_row(d0, v0, c0, stdv, sc, bi, md, flags);
-            cp_nhwc_dx_row(d1, v1, c0, stdv, sc, bi, md, flags);
+            cp_nhwc_dx_row(d0, v0, k0, flags);
+            cp_nhwc_dx_row(d1, v1, k0, flags);
             cp_store<CP_V>(dx + o0, d0);
             cp_store<CP_V>(dx + o1, d1);
         }
@@ -422,7 +441,7 @@ extern "C" __global__ void cp_bn_dx_nhwc_vec(const CP_A* dy, const CP_A* xn, con
             float v[CP_V], d[CP_V];
             cp_load<CP_V>(xn + o, v);
             cp_load<CP_V>(dy + o, d);
-            cp_nhwc_dx_row(d, v, c0, stdv, sc, bi, md, flags);
+            cp_nhwc_dx_row(d, v, k0, flags);
             cp_store<CP_V>(dx + o, d);
         }
     }
