@@ -222,12 +222,12 @@ __device__ __forceinline__ void cp_nhwc_vec_lanes_sum(double* a, double* b, doub
     __syncthreads();
 }
 
-/* The vector kernels are bound by memory latency, not bandwidth: a
-   thread's registers (its groups' per-channel values, double sums) leave
-   few threads a multiprocessor, so each thread loads CP_NHWC_U rows before
-   it uses any (the sums), or 2 rows (the backward's sums, and the per-value
-   passes, whose stores would otherwise order the next row's loads behind
-   them). */
+/* The vector sums are bound by memory latency, not bandwidth: a thread's
+   registers (double sums) leave few threads a multiprocessor, so each
+   thread loads CP_NHWC_U rows (the backward's: 2 rows of two maps) before
+   it uses any. (The per-value passes load one row a step: two rows a step,
+   or their per-channel values read per row, ran slower on the H200;
+   dev/bn_nhwc_bench.py.) */
 #define CP_NHWC_U 4
 
 extern "C" __global__ void cp_bn_stats_part_nhwc_vec(const CP_A* x, double* part, float* kv,
@@ -279,57 +279,28 @@ extern "C" __global__ void cp_bn_stats_part_nhwc_vec(const CP_A* x, double* part
     }
 }
 
-/* The per-channel values of a thread's CP_V channels, held in registers
-   (read per row, their loads outnumbered the maps' and set the pace). */
-struct cp_nhwc_consts {
-    float s[CP_V], b[CP_V], u[CP_V], w[CP_V], z[CP_V];
-};
-
-/* One row's CP_V values of the apply pass: t the normalized, v the top. */
-__device__ __forceinline__ void cp_nhwc_apply_row(float* v, float* t, const cp_nhwc_consts& k0,
-                                                  const int flags)
-{
-    for (int k = 0; k < CP_V; ++k) {
-        t[k] = CP_ROUND(__fdiv_rn(__fsub_rn(v[k], k0.u[k]), k0.w[k]));
-        v[k] = cp_chain(t[k], k0.s[k], k0.b[k], flags);
-    }
-}
-
 extern "C" __global__ void cp_bn_apply_nhwc_vec(const CP_A* x, CP_A* y, CP_A* xn,
     const float* ms, const float* stdv, const float* sc, const float* bi,
     const unsigned M, const unsigned C, const int flags)
 {
     unsigned G, GT, lane, row, R;
     cp_nhwc_groups(C, &G, &GT, &lane, &row, &R);
-    const unsigned stride = gridDim.x * R;
     for (unsigned g = lane; g < G; g += GT) {
-        const unsigned c0 = g * CP_V;
-        cp_nhwc_consts k0;
+        float s[CP_V], bb[CP_V], mean[CP_V], sd[CP_V], v[CP_V], t[CP_V];
         for (int k = 0; k < CP_V; ++k) {
-            k0.s[k] = (flags & 4) ? sc[c0 + k] : 1.0f;
-            k0.b[k] = (flags & 8) ? bi[c0 + k] : 0.0f;
-            k0.u[k] = ms[c0 + k];
-            k0.w[k] = stdv[c0 + k];
+            const unsigned c = g * CP_V + k;
+            s[k] = (flags & 4) ? sc[c] : 1.0f;
+            bb[k] = (flags & 8) ? bi[c] : 0.0f;
+            mean[k] = ms[c];
+            sd[k] = stdv[c];
         }
-        unsigned r = blockIdx.x * R + row;
-        for (; r + stride < M; r += 2 * stride) {
-            const unsigned long long o0 = (unsigned long long)r * C + c0;
-            const unsigned long long o1 = o0 + (unsigned long long)stride * C;
-            float v0[CP_V], v1[CP_V], t[CP_V];
-            cp_load<CP_V>(x + o0, v0);
-            cp_load<CP_V>(x + o1, v1);
-            cp_nhwc_apply_row(v0, t, k0, flags);
-            if (flags & 2) cp_store<CP_V>(xn + o0, t);
-            cp_store<CP_V>(y + o0, v0);
-            cp_nhwc_apply_row(v1, t, k0, flags);
-            if (flags & 2) cp_store<CP_V>(xn + o1, t);
-            cp_store<CP_V>(y + o1, v1);
-        }
-        if (r < M) {
-            const unsigned long long o = (unsigned long long)r * C + c0;
-            float v[CP_V], t[CP_V];
+        for (unsigned r = blockIdx.x * R + row; r < M; r += gridDim.x * R) {
+            const unsigned long long o = (unsigned long long)r * C + g * CP_V;
             cp_load<CP_V>(x + o, v);
-            cp_nhwc_apply_row(v, t, k0, flags);
+            for (int k = 0; k < CP_V; ++k) {
+                t[k] = CP_ROUND(__fdiv_rn(__fsub_rn(v[k], mean[k]), sd[k]));
+                v[k] = cp_chain(t[k], s[k], bb[k], flags);
+            }
             if (flags & 2) cp_store<CP_V>(xn + o, t);
             cp_store<CP_V>(y + o, v);
         }
@@ -396,52 +367,29 @@ extern "C" __global__ void cp_bn_bwd_part_nhwc_vec(const CP_A* dy, const CP_A* x
     }
 }
 
-/* One row's CP_V values of the dx pass, d in (the top diff) and out. */
-__device__ __forceinline__ void cp_nhwc_dx_row(float* d, const float* v, const cp_nhwc_consts& k0,
-                                               const int flags)
-{
-    for (int k = 0; k < CP_V; ++k)
-        d[k] = cp_bn_dx(cp_bn_masked(d[k], v[k], k0.s[k], k0.b[k], flags), v[k], k0.s[k],
-                        k0.w[k], k0.u[k], k0.z[k], flags);
-}
-
 extern "C" __global__ void cp_bn_dx_nhwc_vec(const CP_A* dy, const CP_A* xn, const float* stdv,
     CP_A* dx, const float* sc, const float* bi, const float* md, const unsigned M,
     const unsigned C, const int flags)
 {
     unsigned G, GT, lane, row, R;
     cp_nhwc_groups(C, &G, &GT, &lane, &row, &R);
-    const unsigned stride = gridDim.x * R;
     for (unsigned g = lane; g < G; g += GT) {
-        const unsigned c0 = g * CP_V;
-        cp_nhwc_consts k0;
+        float s[CP_V], bb[CP_V], sd[CP_V], mdyy[CP_V], mdy[CP_V], v[CP_V], d[CP_V];
         for (int k = 0; k < CP_V; ++k) {
-            k0.s[k] = (flags & 4) ? sc[c0 + k] : 1.0f;
-            k0.b[k] = (flags & 8) ? bi[c0 + k] : 0.0f;
-            k0.w[k] = stdv[c0 + k];
-            k0.u[k] = md[2 * (c0 + k)];
-            k0.z[k] = md[2 * (c0 + k) + 1];
+            const unsigned c = g * CP_V + k;
+            s[k] = (flags & 4) ? sc[c] : 1.0f;
+            bb[k] = (flags & 8) ? bi[c] : 0.0f;
+            sd[k] = stdv[c];
+            mdyy[k] = md[2 * c];
+            mdy[k] = md[2 * c + 1];
         }
-        unsigned r = blockIdx.x * R + row;
-        for (; r + stride < M; r += 2 * stride) {
-            const unsigned long long o0 = (unsigned long long)r * C + c0;
-            const unsigned long long o1 = o0 + (unsigned long long)stride * C;
-            float v0[CP_V], d0[CP_V], v1[CP_V], d1[CP_V];
-            cp_load<CP_V>(xn + o0, v0);
-            cp_load<CP_V>(dy + o0, d0);
-            cp_load<CP_V>(xn + o1, v1);
-            cp_load<CP_V>(dy + o1, d1);
-            cp_nhwc_dx_row(d0, v0, k0, flags);
-            cp_nhwc_dx_row(d1, v1, k0, flags);
-            cp_store<CP_V>(dx + o0, d0);
-            cp_store<CP_V>(dx + o1, d1);
-        }
-        if (r < M) {
-            const unsigned long long o = (unsigned long long)r * C + c0;
-            float v[CP_V], d[CP_V];
+        for (unsigned r = blockIdx.x * R + row; r < M; r += gridDim.x * R) {
+            const unsigned long long o = (unsigned long long)r * C + g * CP_V;
             cp_load<CP_V>(xn + o, v);
             cp_load<CP_V>(dy + o, d);
-            cp_nhwc_dx_row(d, v, k0, flags);
+            for (int k = 0; k < CP_V; ++k)
+                d[k] = cp_bn_dx(cp_bn_masked(d[k], v[k], s[k], bb[k], flags), v[k], s[k], sd[k],
+                                mdyy[k], mdy[k], flags);
             cp_store<CP_V>(dx + o, d);
         }
     }

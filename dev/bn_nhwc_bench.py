@@ -66,8 +66,13 @@ def main(argv=None):
     variants = []
     for item in args.variants.split(','):
         name, _, path = item.partition('=')
-        mod = cupy.RawModule(code=head + COMMON + EXTRA + _source(path or name),
-                             options=('--std=c++14',))
+        try:
+            mod = cupy.RawModule(code=head + COMMON + EXTRA + _source(path or name),
+                                 options=('--std=c++14',))
+            mod.get_function(KERNELS[0][0])
+        except Exception as exc:        # (the other variants still run)
+            print('%s: does not build: %s' % (name, str(exc)[:2000]), flush=True)
+            continue
         variants.append((name, mod))
         print('%s: registers a thread %s' % (name, {
             k: mod.get_function(k).num_regs for k, _, _ in KERNELS}), flush=True)
