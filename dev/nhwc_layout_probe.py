@@ -39,6 +39,14 @@ CONVS = [
     ('r50 res2a_branch2b', (256, 64, 56, 56), 64, 3, 1, 1),
     ('r50 res2a_branch2c', (256, 64, 56, 56), 256, 1, 1, 0),
     ('r50 res4a_branch2b', (256, 256, 14, 14), 256, 3, 1, 1),
+    # an image net's first convolution: 3 input channels, and padded to 4
+    ('r50 conv1', (256, 3, 224, 224), 64, 7, 2, 3),
+    ('r50 conv1 c4', (256, 4, 224, 224), 64, 7, 2, 3),
+    ('r50 conv1 b64', (64, 3, 224, 224), 64, 7, 2, 3),
+    ('r50 conv1 b64 c4', (64, 4, 224, 224), 64, 7, 2, 3),
+    ('vgg conv1_1 c4', (64, 4, 224, 224), 64, 3, 1, 1),
+    ('alexnettv conv1', (128, 3, 224, 224), 64, 11, 4, 2),
+    ('alexnettv conv1 c4', (128, 4, 224, 224), 64, 11, 4, 2),
 ]
 POOLS = [('vgg pool1', (64, 64, 224, 224), 2, 2), ('vgg pool5', (64, 512, 14, 14), 2, 2),
          ('r50 pool1', (256, 64, 112, 112), 3, 2)]
@@ -114,7 +122,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--types', default='fp16,bf16')
     ap.add_argument('--iters', type=int, default=20)
+    ap.add_argument('--convs', default='', help='only the convolutions whose name has this')
+    ap.add_argument('--layouts', default=','.join(LAYOUTS))
+    ap.add_argument('--no-pools', action='store_true')
     args = ap.parse_args(argv)
+    layouts = args.layouts.split(',')
     import cupy
     from caffeplus.cudnn import api
     types = {'fp16': numpy.dtype(numpy.float16)}
@@ -129,15 +141,19 @@ def main(argv=None):
             print('%s: no such type here' % tname)
             continue
         print('\n## convolutions, %s (FindEx fastest, ms: fwd / bwd_data / bwd_filter)' % tname)
-        print('| call | ' + ' | '.join(LAYOUTS) + ' |')
-        print('|---' * (len(LAYOUTS) + 1) + '|')
+        print('| call | ' + ' | '.join(layouts) + ' |')
+        print('|---' * (len(layouts) + 1) + '|')
         for name, xs, k, kernel, stride, pad in CONVS:
+            if args.convs not in name:
+                continue
             cells = []
-            for layout in LAYOUTS:
+            for layout in layouts:
                 t = conv_times(api, cupy, dtype, xs, k, kernel, stride, pad, layout)
                 cells.append(' / '.join(_cell(t[kind]) for kind in
                                         ('fwd', 'bwd_data', 'bwd_filter')))
             print('| %s %s | %s |' % (name, 'x'.join(map(str, xs)), ' | '.join(cells)), flush=True)
+        if args.no_pools:
+            continue
         print('\n## max poolings, %s (forward + backward, ms)' % tname)
         print('| pooling | NCHW | NHWC | NHWC in, NCHW out |')
         print('|---|---|---|---|')
