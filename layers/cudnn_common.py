@@ -158,7 +158,8 @@ def _same_storage_dtype(bottom, top):
 NHWC_WEIGHTS = 'w_nhwc'
 
 
-def sixteen_bit_copy(copies, name, blob, dtype, reuse=False, channels_last=False):
+def sixteen_bit_copy(copies, name, blob, dtype, reuse=False, channels_last=False,
+                     pad_channels=0):
     """The values of the FP32 parameter `blob` in `dtype`, kept in
     `copies[name]` from call to call: its address stays (the CUDA-graph
     replays and cuBLAS calls key on it). A net's forward pass writes every
@@ -166,19 +167,22 @@ def sixteen_bit_copy(copies, name, blob, dtype, reuse=False, channels_last=False
     copies itself only outside that (run on its own, or the first pass). A
     backward (`reuse`) takes the copy of its pass's forward, as the weights
     cannot have changed in between (the update follows the backward).
-    `channels_last`: a (K, C, kh, kw) blob copied as (K, kh, kw, C)."""
+    `channels_last`: a (K, C, kh, kw) blob copied as (K, kh, kw, C), or with
+    `pad_channels` as (K, kh, kw, pad_channels), the channels past C zero."""
     import cupy
     c, made, by_pass, _ = copies.get(name, (None, None, False, None))
     now = _kernels.forward_passes()
+    size = blob.count // blob.shape[1] * pad_channels if pad_channels else blob.count
     if made == now and (reuse or by_pass) and c is not None and c.dtype == dtype and \
-            c.size == blob.count:
+            c.size == size:
         return c
     master = blob.data
     if channels_last:
         master = master.transpose(0, 2, 3, 1)
-    if c is None or c.shape != master.shape or c.dtype != dtype:
-        c = cupy.empty(master.shape, dtype)
-    cupy.copyto(c, master, casting='same_kind')
+    shape = master.shape[:3] + (pad_channels,) if pad_channels else master.shape
+    if c is None or c.shape != shape or c.dtype != dtype:
+        c = cupy.zeros(shape, dtype)
+    cupy.copyto(c[..., :master.shape[3]] if pad_channels else c, master, casting='same_kind')
     copies[name] = (c, now, False, blob)
     _copies_made[0] = True
     return c

@@ -147,6 +147,14 @@ class _CudnnConvolutionMixin(_CudnnMixin):
     # is copied into it first (a net's first convolution reads Caffe's order).
     compute_nhwc = False
     _bottom_relaid = False
+    # An image input of fewer than 4 channels relaid channels-last is padded
+    # to 4 (a zero channel, and zero filter taps for it): cuDNN's 16-bit
+    # channels-last kernels for a net's first layer take 4 channels, and
+    # with 3 its search fell to generic kernels (ResNet-50's conv1 at b64:
+    # 0.17 ms forward with 4 channels against 0.20 with 3 in isolation,
+    # 2.6 ms in a net whose arena stopped at its knee;
+    # dev/nhwc_layout_probe.py --convs conv1).
+    padded_channels = 0
 
     def workspace_manager(self):
         return self._ws
@@ -203,23 +211,34 @@ class _CudnnConvolutionMixin(_CudnnMixin):
 
     def _relaid(self, blob, diff=False, into=None):
         """The bottom's values (or diff) in the calls' layout, in a scratch
-        buffer; with `into` (the scratch holding the calls' dx), that copied
-        back into the bottom's own layout instead."""
+        buffer (channels-last: padded to padded_channels with zeros); with
+        `into` (the scratch holding the calls' dx), that copied back into the
+        bottom's own layout instead."""
         import cupy
         n, c, h, w = blob.shape
         own = _kernels.flat(blob, diff, any_dtype=True)
+        cp = self.padded_channels or c
         if into is not None:
-            src = into.reshape(n, h, w, c).transpose(0, 3, 1, 2) if self.compute_nhwc \
-                else into.reshape(n, c, h, w).transpose(0, 2, 3, 1)
+            src = into.reshape(n, h, w, cp)[..., :c].transpose(0, 3, 1, 2) \
+                if self.compute_nhwc else into.reshape(n, c, h, w).transpose(0, 2, 3, 1)
             cupy.copyto(own.reshape(src.shape), src)
             return own
-        out = backend.device_scratch('relaid bottom diff' if diff else 'relaid bottom',
-                                     blob.count, own.dtype)
+        out = self._relaid_scratch(blob, diff)
         if self.compute_nhwc:
-            cupy.copyto(out.reshape(n, h, w, c), own.reshape(n, c, h, w).transpose(0, 2, 3, 1))
+            out4 = out.reshape(n, h, w, cp)
+            if cp > c:
+                out4[..., c:] = 0
+            cupy.copyto(out4[..., :c], own.reshape(n, c, h, w).transpose(0, 2, 3, 1))
         else:
             cupy.copyto(out.reshape(n, c, h, w), own.reshape(n, h, w, c).transpose(0, 3, 1, 2))
         return out
+
+    def _relaid_scratch(self, blob, diff):
+        """The scratch holding a relaid bottom (or its diff), padded channels included."""
+        count = blob.count // blob.shape[1] * self.padded_channels if self.padded_channels \
+            else blob.count
+        return backend.device_scratch('relaid bottom diff' if diff else 'relaid bottom', count,
+                                      self.activation_dtype)
 
     def _bottom_ptr(self, blob):
         """The address of the bottom's values in the calls' layout."""
@@ -258,7 +277,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
     def _key(self):
         return (self.num, tuple(self.in_spatial), tuple(self.out_spatial), self._split_groups(),
                 self._batch_slices(), mathmode.generation(), _workspace().search_mode(),
-                backend.device(), self.activation_dtype, self.compute_nhwc)
+                backend.device(), self.activation_dtype, self.compute_nhwc, self.padded_channels)
 
     def _build_cudnn(self):
         """Descriptors and call sites for the current shapes (cached)."""
@@ -341,7 +360,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                 tuple(self.out_spatial), tuple(self.blobs[0].shape), tuple(g.kernel),
                 tuple(g.pad), tuple(g.stride), tuple(g.dilation), self.group,
                 mathmode.generation(), mathmode.deterministic(), backend.device(),
-                self.activation_dtype, self.compute_nhwc)
+                self.activation_dtype, self.compute_nhwc, self.padded_channels)
 
     def forward_then_relu(self, bottom, top):
         """Forward, then a ReLU (negative slope 0) in place on the top, with
@@ -393,6 +412,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         self._dtypes_agree = _same_storage_dtype(bottom, top)
         self.compute_nhwc = top[0].layout == 'NHWC'
         self._bottom_relaid = bottom[0].layout != top[0].layout
+        self.padded_channels = 4 if self.compute_nhwc and self._bottom_relaid and \
+            self.channels < 4 and self.group == 1 and not self.reverse else 0
         if self._gpu_mode() and self._cudnn_geometry_ok() and cudnn_available():
             self._build_cudnn()
 
@@ -408,7 +429,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         dtype = self.activation_dtype
         if self.compute_nhwc:       # cuDNN's channels-last filter order
             w = sixteen_bit_copy(self._weight_copies, NHWC_WEIGHTS, self.blobs[0], dtype, reuse,
-                                 channels_last=True)
+                                 channels_last=True, pad_channels=self.padded_channels)
         else:
             w = sixteen_bit_copy(self._weight_copies, 'w', self.blobs[0], dtype, reuse)
         if reuse or not self.bias_term:     # (the backward reads no bias)
@@ -522,7 +543,9 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         if self._sixteen_bit():
             w, _ = self._sixteen_bit_params(reuse=True)
             if dw and not gemm_filter:
-                dw16 = backend.device_scratch('filter gradient', wblob.count, dtype)
+                dw16 = backend.device_scratch('filter gradient', wblob.count // wblob.shape[1] *
+                                              self.padded_channels if self.padded_channels
+                                              else wblob.count, dtype)
                 dw, beta = int(dw16.data.ptr), 0.0
             if db and not _channel_sums_ok[0]:
                 bias16, db = True, 0
@@ -556,8 +579,12 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                     beta, dtype))
             if dw16 is not None and self.compute_nhwc:
                 k, c = wblob.shape[:2]
-                _kernels.accumulate_krsc(dw16, _dptr(wblob, True), k, c, wblob.count // (k * c),
-                                         dtype)
+                rs = wblob.count // (k * c)
+                if self.padded_channels:        # (the padding's taps dropped)
+                    import cupy
+                    dw16 = cupy.ascontiguousarray(
+                        dw16.reshape(k, rs, self.padded_channels)[:, :, :c])
+                _kernels.accumulate_krsc(dw16, _dptr(wblob, True), k, c, rs, dtype)
             elif dw16 is not None:
                 _kernels.accumulate(dw16, _dptr(wblob, True), wblob.count, dtype)
             if bias16:
@@ -569,9 +596,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             if propagate_down[i] and dc.variant == 2 and self._gemm is not None:
                 self._gemm.backward_data(dtop, w, _dptr(bb, True))
             elif propagate_down[i]:
-                scratch_dx = backend.device_scratch('relaid bottom diff', bb.count,
-                                                    self.activation_dtype) \
-                    if self._bottom_relaid else None
+                scratch_dx = self._relaid_scratch(bb, True) if self._bottom_relaid else None
                 dx = int(scratch_dx.data.ptr) if scratch_dx is not None else _dptr(bb, True)
                 with mgr.checkout(self, dkind) as (ws, nbytes):
                     dcd.replays.run((dkind, dtop, w, dx, ws, nbytes, dc.algo, dc.math,

@@ -105,6 +105,9 @@ def test_a_channels_last_net_computes_what_caffes_order_does(gpu, sixteen, searc
     layers = {l.layer_param.name: l for l in nets['nhwc'].layers}
     assert all(l._cd is not None and l._cd.nhwc for l in layers.values()
                if l.type == 'Convolution')
+    # The image's 3 channels padded to 4 for cuDNN's first-layer kernels
+    assert layers['conv1'].padded_channels == 4 and layers['conv1']._cd.x_full[1] == 4
+    assert layers['conv1']._cd.w_shape == (16, 4, 3, 3) and layers['conv2'].padded_channels == 0
     assert layers['pool1']._argmax_kernels() and layers['pool3']._argmax_kernels()
     assert not layers['pool2']._argmax_kernels()        # (AVE: cuDNN's)
     tol = TOLERANCE[sixteen]

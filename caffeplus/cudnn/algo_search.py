@@ -51,7 +51,9 @@ class _ConvDescs:
         if layer.reverse:
             xsp, ysp, cx, cy = layer.out_spatial, layer.in_spatial, layer.num_output, layer.channels
         else:
-            xsp, ysp, cx, cy = layer.in_spatial, layer.out_spatial, layer.channels, layer.num_output
+            # (An image input padded to 4 channels: _CudnnConvolutionMixin.padded_channels.)
+            xsp, ysp, cy = layer.in_spatial, layer.out_spatial, layer.num_output
+            cx = getattr(layer, 'padded_channels', 0) or layer.channels
         group = layer.group
         G = group if split else 1
         nc = n // chunks
@@ -70,6 +72,8 @@ class _ConvDescs:
         self.x = api.TensorDesc((nc, cx // G) + tuple(xsp), strides(x_full), dtype)
         self.y = api.TensorDesc((nc, cy // G) + tuple(ysp), strides(y_full), dtype)
         w_shape = tuple(layer.blobs[0].shape)
+        if not layer.reverse and cx != w_shape[1] * group:
+            w_shape = (w_shape[0], cx) + w_shape[2:]
         self.w_shape = w_shape
         self.w = api.FilterDesc((w_shape[0] // G,) + tuple(w_shape[1:]), dtype,
                                 layout=api.NHWC if nhwc else api.NCHW)
