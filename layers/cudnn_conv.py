@@ -315,9 +315,10 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         if cd.loops != 1:
             return None, {}
         # Few input channels (an image net's first layer): im2col + GEMM too
-        # (over maps in Caffe's order only).
-        gemm = _GemmConv(self, self.activation_dtype) \
-            if _GemmConv.eligible(self) and not cd.nhwc else None
+        # (over maps in Caffe's order only); a 1x1 convolution in either order.
+        gemm = _GemmConv(self, self.activation_dtype, nhwc=cd.nhwc) \
+            if _GemmConv.eligible(self) and not self._bottom_relaid and \
+            (not cd.nhwc or _GemmConv.is_direct(self)) else None
         # The batch in halves, quarters and eighths: less workspace at about the speed.
         chunked = {v: _ConvDescs(self, False, k) for v, k in CHUNK_VARIANTS.items()
                    if slices == 1 and self.num % k == 0 and self.num >= 2 * k and

@@ -688,6 +688,51 @@ def test_gemm_1x1_convolution_plan(n, c, hw, m, parts, monkeypatch):
                                   atol=1e-4)
 
 
+@pytest.mark.parametrize('type_name, rtol', [('float32', 1e-5), ('float16', 2 ** -10),
+                                             ('bfloat16', 2 ** -7)])
+@pytest.mark.parametrize('n,c,hw,m', [(3, 4, (5, 6), 7), (2, 8, (1, 1), 3)])
+def test_gemm_1x1_convolution_plan_on_channels_last_maps(n, c, hw, m, type_name, rtol):
+    """Over channels-last maps a 1x1 stride-1 convolution is one cuBLAS call
+    each way on the N*H*W x C matrix: forward, data gradient (written) and
+    filter gradient (added in float32 to the master's), against float64
+    sums of the same (rounded) values, transposed from Caffe's order."""
+    from caffeplus.layers import conv_gemm as L
+    dtype = _numpy_type(type_name)
+    layer = _FakeConvLayer(n, c, hw, m, (1, 1), (1, 1), (0, 0), (1, 1))
+    g = L._GemmConv(layer, dtype, nhwc=True)
+    assert g.nhwc and g.direct and all(g.memory(k) == 0 for k in g.kinds())
+    rng = numpy.random.default_rng(25)
+    last = lambda a: numpy.ascontiguousarray(a.transpose(0, 2, 3, 1))    # noqa: E731
+    x = rng.standard_normal((n, c) + hw).astype(dtype)
+    w = rng.standard_normal((m, c, 1, 1)).astype(dtype)
+    dy = rng.standard_normal((n, m) + hw).astype(dtype)
+    dw0 = rng.standard_normal(w.shape).astype(numpy.float32)
+    sizes = [x.nbytes, w.nbytes, dy.nbytes, dy.nbytes, 2 * w.nbytes, x.nbytes]
+    addrs = numpy.cumsum([0] + [-(-s // 256) * 256 for s in sizes])
+    mem = _FlatMemory(int(addrs[-1]))
+    X, W, Y, DY, DW, DX = (int(a) for a in addrs[:-1])
+    for addr, a in ((X, last(x)), (W, w), (DY, last(dy)), (DW, dw0)):
+        mem.put(addr, a)
+    x64, w64, dy64 = (a.astype(numpy.float64) for a in (x, w[:, :, 0, 0], dy))
+
+    def close(got, want):
+        numpy.testing.assert_allclose(got.astype(numpy.float64), want, rtol=rtol,
+                                      atol=rtol * numpy.abs(want).max())
+    g.forward(X, W, Y, None, ops=mem)
+    close(mem.get(Y, dy.size, dtype).reshape(last(dy).shape),
+          last(numpy.einsum('mc,nchw->nmhw', w64, x64)))
+    g.backward_data(DY, W, DX, ops=mem)
+    close(mem.get(DX, x.size, dtype).reshape(last(x).shape),
+          last(numpy.einsum('mc,nmhw->nchw', w64, dy64)))
+    g.backward_filter(X, DY, DW, None, ops=mem)
+    numpy.testing.assert_allclose(
+        mem.get(DW, w.size).reshape(w.shape),
+        dw0 + numpy.einsum('nmhw,nchw->mc', dy64, x64)[:, :, None, None], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        L._GemmConv(_FakeConvLayer(n, c, hw, m, (3, 3), (1, 1), (1, 1), (1, 1)), dtype,
+                    nhwc=True)
+
+
 def _train_plan(plan, **options):
     from caffeplus.memory.apply import apply_named_plan
     caffeplus.set_random_seed(11)
