@@ -18,7 +18,8 @@ one kernel for every parameter's update). Plan names: stock, arena, with
 candidates, '/fp16' and '/bf16' for the net in FLOAT16 ('+scaled' with
 adaptive loss scaling) and BFLOAT16 ('+nchw' with its convolution maps in
 Caffe's order, '+nhwc' channels-last: caffeplus.layout, whose default is
-nhwc; '+nhwcbn' with BatchNorm channels-last too), and '/strict' for true FP32 math
+nhwc; '+nhwcbn' with BatchNorm channels-last too, as by default, '+nobn'
+without), and '/strict' for true FP32 math
 whatever --tf32 says (variants combine with '+':
 'arena:timed/nographs+nogroups'). With 16-bit rows the table ends with
 issue 37's ratios: speed against PyTorch AMP in the same type and against
@@ -182,11 +183,12 @@ def worker_caffeplus(args):
     # channels-last (caffeplus.layout; the default is the layout setting's)
     from caffeplus import config
     layout = next((v for v in ('nchw', 'nhwc') if v in variants), config.get('layout'))
-    if 'nhwcbn' in variants:
+    if 'nhwcbn' in variants or 'nobn' in variants:
         # '+nhwcbn': channels-last with BatchNorm and Scale on channels-last
-        # maps too (layout.CHANNELS_LAST_BATCHNORM, off by default)
+        # maps too (layout.CHANNELS_LAST_BATCHNORM, the default); '+nobn':
+        # channels-last but BatchNorm (and the maps around it) in Caffe's order
         from caffeplus import layout as layout_module
-        layout_module.CHANNELS_LAST_BATCHNORM = True
+        layout_module.CHANNELS_LAST_BATCHNORM = 'nobn' not in variants
         layout = 'nhwc'
     with precision.setting(sixteen[0] if sixteen else None), config.using(layout=layout):
         net = caffeplus.Net(net_source(args.bench_dir, args.net), caffeplus.TRAIN)

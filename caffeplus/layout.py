@@ -21,15 +21,13 @@ net's own inputs and outputs stay in Caffe's order.
 from caffeplus import backend, config
 
 NCHW, NHWC = 'NCHW', 'NHWC'
-# BatchNorm and Scale over channels-last maps (ResNet's): their kernels
-# compute Caffe's values (tests/test_channels_last_gpu.py) but take longer
-# than the convolutions save: ResNet-50 b64 in FP16 ran 34.7 ms channels-last
-# against 22.2 in Caffe's order on the H200
-# (benchmarks/gpu_16bit_resnet50_nhwc_8453204.json), their threads loading
-# one value at a time where the Caffe-order kernels load vectors. Off until
-# the vector kernels (cp_bn_*_nhwc_vec) are measured faster; a net with
-# BatchNorm keeps Caffe's order around it.
-CHANNELS_LAST_BATCHNORM = False
+# BatchNorm and Scale over channels-last maps (ResNet's), so that a residual
+# net's convolutions run channels-last too: ResNet-50 b256 in FP16 took 54.7
+# ms an iteration against 68.1 in Caffe's order on the H200, b64 29.4
+# against 27.0, within the spread of runs of that host-bound batch
+# (benchmarks/gpu_16bit_nhwc_3578769.json). Off: a net with BatchNorm keeps
+# Caffe's order around it.
+CHANNELS_LAST_BATCHNORM = True
 # A convolution's bottom of at most this many channels (an image) is cheap to
 # transpose: the first convolution of a net may change the layout.
 IMAGE_CHANNELS = 4

@@ -180,7 +180,8 @@ def _build(net_name, bench_dir, tf32, plan='arena', search='timed', precision=No
     mathmode.set_math_mode('tf32' if tf32 else 'strict')
     kernels.set_enabled(True)
     workspace.set_search(search)
-    layout_module.CHANNELS_LAST_BATCHNORM = layout == 'nhwcbn'
+    if layout == 'nhwcbn':      # (the default since; kept for the records' names)
+        layout_module.CHANNELS_LAST_BATCHNORM = True
     with precision_module.setting(precision), \
             config.using(layout='nhwc' if layout == 'nhwcbn' else layout):
         net = caffeplus.Net(net_source(bench_dir, net_name), caffeplus.TRAIN)

@@ -23,15 +23,13 @@
 #  10. (STEPS=accuracy) benchmarks/precision_accuracy.py: digits LeNet and CIFAR10-full (on the
 #      digits; ACCURACY_SOLVERS) in FP32 and 16 bits (ACCURACY_PRECISIONS).
 #  11. (STEPS=nvcaffe) dev/nvcaffe_time.sh: NVCaffe's FP16 model files, `caffeplus time`.
-#  13. (STEPS=torchprofile) dev/profile_torch_amp.py on TORCH_PROFILE_MODELS (model:batch, resnet50:64):
-#      PyTorch AMP's kernels, by device time.
 #  12. (STEPS=profile) dev/profile_gpu.py on PROFILE_NETS in PROFILE_PRECISION (fp16) with timed search
 #      (PROFILE_LAYOUT, one or more of nchw nhwc nhwcbn: the convolution maps channels-last,
 #      nhwcbn BatchNorm's too).
 # Prefer running it through dev/gpu_snapshot.sh (the committed tree only).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
 # (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
-# env: ACCURACY_SOLVERS, ACCURACY_PRECISIONS, ACCURACY_SEEDS, PROFILE_PRECISION, PROFILE_LAYOUT, MEMORY_PRECISION, STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp,accuracy,nvcaffe,profile,torchprofile), TORCH_PROFILE_MODELS, PROFILE_NETS, AMP_TORCH, TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
+# env: ACCURACY_SOLVERS, ACCURACY_PRECISIONS, ACCURACY_SEEDS, PROFILE_PRECISION, PROFILE_LAYOUT, MEMORY_PRECISION, STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp,accuracy,nvcaffe,profile), PROFILE_NETS, AMP_TORCH, TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
 #      MEMORY_ITERS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S
 set -u
 OUT=${OUT:-/tmp/gpu_out}
@@ -162,16 +160,6 @@ if has profile; then
     echo "rc=$?" >> "$log"
     tail -n 45 "$log"
    done
-  done
-fi
-if has torchprofile; then
-  # PyTorch AMP's kernels on the same architecture (dev/profile_torch_amp.py).
-  stamp "PyTorch AMP kernel profile"
-  for m in ${TORCH_PROFILE_MODELS:-resnet50:64}; do
-    timeout 120 python3 dev/profile_torch_amp.py --model "${m%%:*}" --batch "${m##*:}" \
-      --amp "${PROFILE_PRECISION:-fp16}" > "$OUT/torch_profile_${m%%:*}_${m##*:}.log" 2>&1
-    echo "rc=$?" >> "$OUT/torch_profile_${m%%:*}_${m##*:}.log"
-    head -n 40 "$OUT/torch_profile_${m%%:*}_${m##*:}.log"
   done
 fi
 if has accuracy; then

@@ -211,23 +211,23 @@ def test_batchnorm_and_scale_on_channels_last_blobs_compute_caffes_values(type_)
 
 
 def test_batchnorm_and_scale_take_channels_last_maps_only_where_switched_on(monkeypatch):
-    """Their channels-last kernels are slower than the convolutions gain
-    (layout.CHANNELS_LAST_BATCHNORM): off, a BatchNorm net keeps Caffe's
-    order around its BatchNorms."""
+    """layout.CHANNELS_LAST_BATCHNORM (on by default): off, a BatchNorm net
+    keeps Caffe's order around its BatchNorms."""
     text = (HEAD + _conv('conv1', 'data') + _layer('bn', 'BatchNorm', ['conv1'], ['conv1'])
             + _layer('sc', 'Scale', ['conv1'], ['conv1'], 'scale_param { bias_term: true }')
             + _layer('pool2', 'Pooling', ['conv1'], ['pool2'], POOL) + IP_LOSS)
     net = caffeplus.Net(text_format.Parse(text, caffe_pb2.NetParameter()), caffeplus.TRAIN)
     bn, sc = (net.layers[net._layer_names.index(n)] for n in ('bn', 'sc'))
-    assert layout.layout_role(bn) is None and layout.layout_role(sc) is None
-    monkeypatch.setattr(layout, 'CHANNELS_LAST_BATCHNORM', True)
+    assert layout.CHANNELS_LAST_BATCHNORM
     assert layout.layout_role(bn) == 'tied' and layout.layout_role(sc) == 'tied'
+    monkeypatch.setattr(layout, 'CHANNELS_LAST_BATCHNORM', False)
+    assert layout.layout_role(bn) is None and layout.layout_role(sc) is None
 
 
 def test_channels_last_batchnorm_kernels_build_in_a_module_of_their_own():
-    """Off by default and not yet run on the GPU in every form: a failure to
-    build them must leave the kernels every net uses (caffeplus.kernels'
-    core and extra modules)."""
+    """A failure to build them (a GPU where NVRTC rejects them) must leave
+    the kernels every net uses (caffeplus.kernels' core and extra modules);
+    their BatchNorms then run the generic code."""
     from caffeplus import kernels
     assert kernels._group('cp_bn_apply_nhwc_vec') == kernels._group('cp_bn_stats_nhwc') == 'nhwc'
     assert kernels._group('cp_mpool_fwd_nhwc') == 'extra'
