@@ -142,8 +142,9 @@ SETTINGS = {s.name: s for s in (
     Setting('layout', _choice('nchw', 'nhwc'), 'nhwc',
             "How a 16-bit net's convolution maps are stored on the GPU: 'nhwc' "
             "(channels-last where convolutions read and write them and every layer "
-            "touching them can: cuDNN's convolutions and pooling, and the pointwise "
-            "layers between; caffeplus.layout), 'nchw' (Caffe's order everywhere). "
+            "touching them can: cuDNN's convolutions and pooling, BatchNorm and Scale, "
+            "and the pointwise layers between; caffeplus.layout), 'nchw' (Caffe's "
+            "order everywhere). "
             "Shapes, logs and pycaffe's views stay Caffe's.",
             flag='--layout', commands=('train', 'time', 'memory')),
     Setting('calibration', _path, '',
