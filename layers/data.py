@@ -163,22 +163,28 @@ class _Failure:
         self.exc = exc
 
 
-def _prefetch_loop(source, full, free, stop, pool):
+def _prefetch_loop(source, full, free, stop, pool, on_exit):
     # Runs in the prefetch thread: the only user of `source` while it lives.
-    while True:
-        free.acquire()
-        if stop.is_set():
-            return
-        try:
-            batch = source.load_batch()
-        except BaseException as exc:  # handed to the consumer, raised there
-            if pool is not None:
-                pool.close()      # nothing more will be asked of the workers
-            full.put(_Failure(exc))
-            return
-        full.put(batch)
-        if stop.is_set():
-            return
+    # on_exit: what a stop asked from inside the loading (_Prefetcher.stop)
+    # to run once it is over.
+    try:
+        while True:
+            free.acquire()
+            if stop.is_set():
+                return
+            try:
+                batch = source.load_batch()
+            except BaseException as exc:  # handed to the consumer, raised there
+                if pool is not None:
+                    pool.close()      # nothing more will be asked of the workers
+                full.put(_Failure(exc))
+                return
+            full.put(batch)
+            if stop.is_set():
+                return
+    finally:
+        for then in on_exit:
+            then()
 
 
 class _Prefetcher:
@@ -203,10 +209,11 @@ class _Prefetcher:
         self._full = queue.Queue()
         self._free = threading.Semaphore(self.count)
         self._stop = threading.Event()
+        self._on_exit = []
         self._holding = False
         self._thread = threading.Thread(
             target=_prefetch_loop,
-            args=(self.source, self._full, self._free, self._stop, self.pool),
+            args=(self.source, self._full, self._free, self._stop, self.pool, self._on_exit),
             name='caffeplus-prefetch-%s' % self.name, daemon=True)
         self._thread.start()
 
@@ -234,17 +241,30 @@ class _Prefetcher:
             raise item.exc
         return item
 
-    def stop(self):
-        """Stop the thread and drop the batches it loaded ahead."""
+    def stop(self, then=None):
+        """Stop the thread and drop the batches it loaded ahead; then call
+        `then` (closing what the loading reads) once no batch is loading."""
         thread = self._thread
         if thread is None:
+            if then is not None:
+                then()
             return
         self._stop.set()
         self._free.release()
-        # The layer's finalizer can run in any thread the collector runs in,
-        # the prefetch thread itself included: that one ends on its own.
-        if thread is not threading.current_thread():
+        # The layer's finalizer can run in any thread the collector runs in:
+        # the prefetch thread itself, or a worker decoding for it, which the
+        # prefetch thread waits for. Neither can wait for the batch in hand,
+        # and the records it decodes are views of the open database: the
+        # thread calls `then` itself as it ends.
+        loading = thread is threading.current_thread() or (
+            self.pool is not None and self.pool.owns_current_thread())
+        if loading and thread.is_alive():
+            if then is not None:
+                self._on_exit.append(then)
+        else:
             thread.join()
+            if then is not None:
+                then()
         self._thread = None
         self._failure = None
 
@@ -484,10 +504,11 @@ class BasePrefetchingDataLayer(Layer):
 
 
 def _close_source(prefetcher, source, pool=None):
-    prefetcher.stop()
-    if pool is not None:
-        pool.close()
-    source.close()
+    def close():
+        if pool is not None:
+            pool.close()
+        source.close()
+    prefetcher.stop(then=close)
 
 
 def _close_stager(buffers):

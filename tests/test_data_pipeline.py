@@ -865,6 +865,55 @@ def test_map_chunked_keeps_order_and_raises_the_first_failure(count):
         pool.close()
 
 
+@pytest.mark.parametrize('where', ['prefetch thread', 'worker'])
+def test_a_data_layer_finalized_inside_its_loading_closes_its_database_after(tmp_path, where):
+    """The collector can finalize a data layer in the thread loading its
+    batch, or in a worker decoding for it (the CI suite crashed in
+    caffeplus/io/datum.py: a worker read a record's view of an LMDB closed
+    under it). The database closes once the batch in hand is loaded, never
+    during it, and nothing waits on itself."""
+    import threading
+    path = str(tmp_path / 'db')
+    _write_lmdb(path, _images(12))
+    layer, tops = _data_layer(path, 'scale: 0.5', batch=4, count=2)
+    source, events = layer.source, []
+    real_close, real_load, real_decode = source.close, source.load_batch, source._decode_item
+
+    def close():
+        events.append('close')
+        real_close()
+
+    def finalize():
+        layer.close()           # what the layer's finalizer runs
+        events.append('finalized in %s' % where)
+
+    loader = []
+
+    def load():
+        loader.append(threading.current_thread())
+        if where == 'prefetch thread' and not events:
+            finalize()
+        batch = real_load()     # its records: views of the open database
+        events.append('loaded')
+        return batch
+
+    def decode(record):
+        if where == 'worker' and not events and threading.current_thread().name.startswith(
+                'caffeplus-data-worker'):
+            finalize()
+        return real_decode(record)
+    source.close, source.load_batch, source._decode_item = close, load, decode
+    layer._prefetcher.start()
+    for _ in range(3000):
+        if loader:
+            break
+        time.sleep(0.01)
+    loader[0].join(30)
+    assert not loader[0].is_alive()
+    assert events == ['finalized in %s' % where, 'loaded', 'close']
+    assert not layer.workers.running
+
+
 def test_stopping_the_prefetcher_from_its_own_thread_does_not_raise():
     """A data layer collected by a garbage collection that the prefetch
     thread triggered is finalized in that thread: stopping must not try to

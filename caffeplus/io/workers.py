@@ -206,6 +206,10 @@ class WorkerPool:
             if t is not threading.current_thread():
                 t.join()
 
+    def owns_current_thread(self):
+        """Whether the calling thread is one of this pool's workers."""
+        return threading.current_thread() in self._threads
+
     @property
     def running(self):
         return any(t.is_alive() for t in self._threads)
