@@ -41,8 +41,9 @@ import numpy
 from caffeplus import log
 from caffeplus.errors import CaffeplusError, FormatError, NetError
 from caffeplus.io import datum as datum_io
+from caffeplus.io.prefetch import Batch
 from caffeplus.layer import register
-from caffeplus.layers.data import (BasePrefetchingDataLayer, _Batch, _generator,
+from caffeplus.layers.data import (BasePrefetchingDataLayer, _generator,
                                    _positive_batch_size, _seed_from_global)
 
 F32 = numpy.float32
@@ -326,7 +327,7 @@ class _WindowSource:
                 decoded[window.image] = self.decode(window.image)
             self._place(data[i], window, mirror, decoded[window.image])
             label[i] = window.label
-        return _Batch(data, label, self.state())
+        return Batch(data, label, self.state())
 
     def state(self):
         return {'rng': copy.deepcopy(self._rng.bit_generator.state)}

@@ -919,12 +919,12 @@ def test_stopping_the_prefetcher_from_its_own_thread_does_not_raise():
     thread triggered is finalized in that thread: stopping must not try to
     join the thread it runs in."""
     import threading
-    from caffeplus.layers import data as data_layers
+    from caffeplus.io.prefetch import Prefetcher
 
     class Source:
         def load_batch(self):
             return object()
-    pre = data_layers._Prefetcher(Source(), 1, 'test')
+    pre = Prefetcher(Source(), 1, 'test')
     pre.start()
     errors = []
     pre._thread.join(timeout=0)           # started

@@ -12,7 +12,7 @@ import import_cycles  # noqa: E402
 MAX_LINES = 1200
 # Modules still over MAX_LINES, to be split; each entry must still be over
 # (the list only shrinks), and no other module may be.
-OVERSIZE = {'layers/data.py'}
+OVERSIZE = set()
 
 
 def _line_count(path):
