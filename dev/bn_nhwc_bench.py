@@ -40,17 +40,6 @@ def _source(path):
     return mod.CHANNELS_LAST_BATCHNORM
 
 
-def _plan(m, c):
-    from layers.fused_chain import (NHWC_LANE_ROWS, NHWC_MAX_SHARES, NHWC_ROW_CHUNKS,
-                                    NHWC_THREADS)
-    groups = c // 8
-    gt = min(groups, NHWC_THREADS)
-    lanes = max(1, NHWC_THREADS // gt)
-    P = int(max(1, min(NHWC_MAX_SHARES, -(-m // (NHWC_LANE_ROWS * lanes)))))
-    chunks = int(max(1, min(NHWC_ROW_CHUNKS, -(-m // lanes))))
-    return (gt * lanes,), P, chunks
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--batch', type=int, default=256)
@@ -62,6 +51,7 @@ def main(argv=None):
     import numpy
     from caffeplus.kernel_sources import COMMON
     from caffeplus.kernel_sources_extra import EXTRA
+    from layers.fused_chain import nhwc_vec_launch
     head = '#include <cuda_fp16.h>\n#define CP_A __half\n'
     variants = []
     for item in args.variants.split(','):
@@ -100,7 +90,7 @@ def main(argv=None):
         one = lambda v: cupy.full(c, v, f32)      # noqa: E731
         sc, bi, ms, sd = one(1.1), one(0.1), one(0.0), one(1.0)
         md = cupy.zeros(2 * c, f32)
-        block, P, chunks = _plan(m, c)
+        block, P, chunks = nhwc_vec_launch(m, c, 8)
         part, kv = cupy.empty(2 * c * P, numpy.float64), cupy.empty(c, f32)
         nbytes = m * c * 2
         t = timed(lambda: cupy.copyto(y, x))

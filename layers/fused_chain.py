@@ -299,6 +299,19 @@ def _row_chunks(m):
     return int(max(1, min(NHWC_ROW_CHUNKS, -(-m // (NHWC_THREADS // 32)))))
 
 
+def nhwc_vec_launch(m, c, width):
+    """(block, sums' blocks P, per-value passes' blocks) of the vector
+    kernels (cp_bn_*_nhwc_vec) over m rows of c channels, `width` channels a
+    thread: a block's threads take a row's groups and as many rows (lanes)
+    as fill NHWC_THREADS."""
+    groups = c // width
+    gt = min(groups, NHWC_THREADS)
+    lanes = max(1, NHWC_THREADS // gt)
+    P = int(max(1, min(NHWC_MAX_SHARES, -(-m // (NHWC_LANE_ROWS * lanes)))))
+    chunks = int(max(1, min(NHWC_ROW_CHUNKS, -(-m // lanes))))
+    return (gt * lanes,), P, chunks
+
+
 @register_engine('CUDNN')
 class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
     """BatchNorm through caffeplus.kernels' cp_bn_fwd / cp_bn_bwd on the GPU."""
@@ -385,12 +398,7 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         width = 16 // maps[0].dtype.itemsize
         vec = c % width == 0 and all(_base_address(a) % 16 == 0 for a in maps)
         if vec:
-            groups = c // width
-            gt = min(groups, NHWC_THREADS)
-            lanes = max(1, NHWC_THREADS // gt)
-            block = (gt * lanes,)
-            P = int(max(1, min(NHWC_MAX_SHARES, -(-m // (NHWC_LANE_ROWS * lanes)))))
-            chunks = int(max(1, min(NHWC_ROW_CHUNKS, -(-m // lanes))))
+            block, P, chunks = nhwc_vec_launch(m, c, width)
             sums, passes = ((P,), block), ((chunks,), block)
         else:
             tiles = -(-c // 32)
