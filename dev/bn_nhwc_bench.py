@@ -46,6 +46,8 @@ def main(argv=None):
     ap.add_argument('--variants', default='current',
                     help="name=path (or 'current'), comma-separated")
     ap.add_argument('--reps', type=int, default=15)
+    ap.add_argument('--dx-in-place', action='store_true',
+                    help='dx written over dy, as the in-place chains run it')
     args = ap.parse_args(argv)
     import cupy
     import numpy
@@ -103,7 +105,8 @@ def main(argv=None):
                                                      i32(FWD_FLAGS))),
                 'cp_bn_bwd_part_nhwc_vec': ((P,), (dy, xn, sc, bi, part, u32(m), u32(c),
                                                    u32(P), i32(BWD_FLAGS))),
-                'cp_bn_dx_nhwc_vec': ((chunks,), (dy, xn, sd, dx, sc, bi, md, u32(m), u32(c),
+                'cp_bn_dx_nhwc_vec': ((chunks,), (dy, xn, sd, dy if args.dx_in_place else dx,
+                                                  sc, bi, md, u32(m), u32(c),
                                                   i32(BWD_FLAGS)))}
             for k, reads, writes in KERNELS:
                 fn = mod.get_function(k)

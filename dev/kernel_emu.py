@@ -44,6 +44,7 @@ static double cp_warp_buf[1024];
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
 #define __shared__ static
 static inline void __syncthreads() { cp_block_barrier->arrive_and_wait(); }
 template <class T> static T __shfl_down_sync(unsigned, T v, int o) {
@@ -146,7 +147,8 @@ static void cp_launch(void (*k)(A...), unsigned gx, unsigned bx, B... args) {
 _SANITIZE = ['-fsanitize=address', '-fno-omit-frame-pointer'] \
     if os.environ.get('CAFFEPLUS_EMU_ASAN') else []
 
-_SIG = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\)', re.S)
+_SIG = re.compile(r'extern "C" __global__ (?:__launch_bounds__\([^)]*\) )?void (\w+)\(([^)]*)\)',
+                  re.S)
 _POINTER_DTYPES = (numpy.float32, numpy.float16, numpy.float64, numpy.int32, numpy.uint32,
                    numpy.uint8, numpy.int64, numpy.uint64)
 _POINTER_DTYPE_NAMES = {numpy.dtype(d).name for d in _POINTER_DTYPES} | {'bfloat16'}
