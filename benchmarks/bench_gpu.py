@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU training benchmark: caffeplus (memory plans stock and arena) against
+"""GPU training benchmark: caffeplus (memory plans stock, arena, shared) against
 PyTorch on the same nets, batch and optimiser.
 
     python benchmarks/bench_gpu.py --bench-dir tests/data/bench \\
@@ -10,7 +10,9 @@ Every measurement runs in its own process (so each peak is that
 configuration's alone). One iteration is forward + backward + an SGD
 momentum update (lr 0.01, momentum 0.9, no weight decay) on every learnable
 parameter: what caffeplus's SGDSolver runs on the GPU (Net.clear_param_diffs,
-one kernel for every parameter's update). Plan names: stock, arena, with
+one kernel for every parameter's update). Plan names: stock and arena (the
+workspace plans: every blob in memory of its own), shared, offload and auto
+(memory plans, maps sharing memory as under `caffeplus train`), with
 ':timed' for cuDNN FindEx search and '/generic' for the fused kernels off
 (caffeplus.kernels; the generic CuPy layers and a per-parameter update),
 '/nographs' for cuDNN calls made directly instead of replayed as CUDA graphs,
@@ -99,6 +101,9 @@ def net_source(bench_dir, net):
 
 
 DATA_TYPES = ('DummyData', 'Input', 'Data', 'ImageData', 'HDF5Data', 'MemoryData')
+# Plans applied as memory plans (caffeplus.memory.apply); the others are
+# workspace plans alone, every blob kept in memory of its own.
+REUSING_PLANS = ('shared', 'offload', 'auto')
 MiB = 1024 * 1024
 
 
@@ -192,11 +197,20 @@ def worker_caffeplus(args):
         layout = 'nhwc'
     with precision.setting(sixteen[0] if sixteen else None), config.using(layout=layout):
         net = caffeplus.Net(net_source(args.bench_dir, args.net), caffeplus.TRAIN)
-    workspace.apply_workspace_plan(net, plan, args.workspace_limit)
-    params = net.learnable_params
     start = 0
     while start < len(net.layers) and net.layers[start].layer_param.type in DATA_TYPES:
         start += 1
+    if plan in REUSING_PLANS:
+        # A memory plan as `caffeplus train` applies one (its default is
+        # `shared`): maps share memory across the iteration. The data
+        # layers' tops, filled once below, are kept out of the sharing.
+        from caffeplus.memory.apply import apply_named_plan
+        tops = sorted({net._blob_names[i] for ids in net.top_id_vecs[:start] for i in ids})
+        apply_named_plan(net, plan, keep=tops, training=True,
+                         workspace_limit=args.workspace_limit)
+    else:
+        workspace.apply_workspace_plan(net, plan, args.workspace_limit)
+    params = net.learnable_params
     last = len(net.layers) - 1
     if generic:
         hist = [cupy.zeros(p.shape, dtype=cupy.float32) for p in params]

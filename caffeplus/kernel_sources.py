@@ -80,6 +80,28 @@ __device__ __forceinline__ float cp_bn_dx(float gg, float v, float s, float sd, 
     return __fdiv_rn(gg, sd);
 }
 
+/* a / b rounded as __fdiv_rn rounds it, given r = __frcp_rn(b) (made once
+   per channel): q = a * r and one correction step (Markstein's), which is
+   exact wherever a, the quotient and the step's residual are normal
+   floats (every case over 200 million random pairs across float's range,
+   b up to 2^60: BatchNorm's deviations); zeros, infinities, NaN and tiny
+   values divide. A correctly rounded division per value took the
+   channels-last vector kernels twice their memory time. */
+__device__ __forceinline__ float cp_div_rcp(float a, float b, float r) {
+    const float q = __fmul_rn(a, r);
+    if (fabsf(q) >= 1.0e-30f && fabsf(q) < 1.0e37f && fabsf(a) >= 1.0e-30f)
+        return __fmaf_rn(__fmaf_rn(-q, b, a), r, q);
+    return __fdiv_rn(a, b);
+}
+
+/* cp_bn_dx given rsd = __frcp_rn(sd): the same value. */
+__device__ __forceinline__ float cp_bn_dx_rcp(float gg, float v, float s, float sd, float rsd,
+                                              float mdyy, float mdy, int flags) {
+    if (flags & 4) gg = __fmul_rn(gg, s);
+    if (flags & 1) return cp_div_rcp(__fsub_rn(gg, __fadd_rn(__fmul_rn(v, mdyy), mdy)), sd, rsd);
+    return cp_div_rcp(gg, sd, rsd);
+}
+
 /* The elementwise kernels move maps as 16-byte vectors where every pointer
    is 16-byte aligned (CuPy and the memory plans' arenas align blobs to 256
    bytes): one load per 4 floats or 8 16-bit values instead of one per value,

@@ -286,19 +286,20 @@ extern "C" __global__ void cp_bn_apply_nhwc_vec(const CP_A* x, CP_A* y, CP_A* xn
     unsigned G, GT, lane, row, R;
     cp_nhwc_groups(C, &G, &GT, &lane, &row, &R);
     for (unsigned g = lane; g < G; g += GT) {
-        float s[CP_V], bb[CP_V], mean[CP_V], sd[CP_V], v[CP_V], t[CP_V];
+        float s[CP_V], bb[CP_V], mean[CP_V], sd[CP_V], rsd[CP_V], v[CP_V], t[CP_V];
         for (int k = 0; k < CP_V; ++k) {
             const unsigned c = g * CP_V + k;
             s[k] = (flags & 4) ? sc[c] : 1.0f;
             bb[k] = (flags & 8) ? bi[c] : 0.0f;
             mean[k] = ms[c];
             sd[k] = stdv[c];
+            rsd[k] = __frcp_rn(sd[k]);
         }
         for (unsigned r = blockIdx.x * R + row; r < M; r += gridDim.x * R) {
             const unsigned long long o = (unsigned long long)r * C + g * CP_V;
             cp_load<CP_V>(x + o, v);
             for (int k = 0; k < CP_V; ++k) {
-                t[k] = CP_ROUND(__fdiv_rn(__fsub_rn(v[k], mean[k]), sd[k]));
+                t[k] = CP_ROUND(cp_div_rcp(__fsub_rn(v[k], mean[k]), sd[k], rsd[k]));
                 v[k] = cp_chain(t[k], s[k], bb[k], flags);
             }
             if (flags & 2) cp_store<CP_V>(xn + o, t);
@@ -367,19 +368,22 @@ extern "C" __global__ void cp_bn_bwd_part_nhwc_vec(const CP_A* dy, const CP_A* x
     }
 }
 
-extern "C" __global__ void cp_bn_dx_nhwc_vec(const CP_A* dy, const CP_A* xn, const float* stdv,
-    CP_A* dx, const float* sc, const float* bi, const float* md, const unsigned M,
-    const unsigned C, const int flags)
+/* (At most 64 registers a thread: 4 blocks of 256 threads a multiprocessor
+   keep enough rows in flight.) */
+extern "C" __global__ __launch_bounds__(256, 4) void cp_bn_dx_nhwc_vec(const CP_A* dy,
+    const CP_A* xn, const float* stdv, CP_A* dx, const float* sc, const float* bi,
+    const float* md, const unsigned M, const unsigned C, const int flags)
 {
     unsigned G, GT, lane, row, R;
     cp_nhwc_groups(C, &G, &GT, &lane, &row, &R);
     for (unsigned g = lane; g < G; g += GT) {
-        float s[CP_V], bb[CP_V], sd[CP_V], mdyy[CP_V], mdy[CP_V], v[CP_V], d[CP_V];
+        float s[CP_V], bb[CP_V], sd[CP_V], rsd[CP_V], mdyy[CP_V], mdy[CP_V], v[CP_V], d[CP_V];
         for (int k = 0; k < CP_V; ++k) {
             const unsigned c = g * CP_V + k;
             s[k] = (flags & 4) ? sc[c] : 1.0f;
             bb[k] = (flags & 8) ? bi[c] : 0.0f;
             sd[k] = stdv[c];
+            rsd[k] = __frcp_rn(sd[k]);
             mdyy[k] = md[2 * c];
             mdy[k] = md[2 * c + 1];
         }
@@ -388,8 +392,8 @@ extern "C" __global__ void cp_bn_dx_nhwc_vec(const CP_A* dy, const CP_A* xn, con
             cp_load<CP_V>(xn + o, v);
             cp_load<CP_V>(dy + o, d);
             for (int k = 0; k < CP_V; ++k)
-                d[k] = cp_bn_dx(cp_bn_masked(d[k], v[k], s[k], bb[k], flags), v[k], s[k], sd[k],
-                                mdyy[k], mdy[k], flags);
+                d[k] = cp_bn_dx_rcp(cp_bn_masked(d[k], v[k], s[k], bb[k], flags), v[k], s[k],
+                                    sd[k], rsd[k], mdyy[k], mdy[k], flags);
             cp_store<CP_V>(dx + o, d);
         }
     }

@@ -120,6 +120,8 @@ static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline float __frcp_rn(float a) { return 1.0f / a; }
+static inline float __fmaf_rn(float a, float b, float c) { return std::fmaf(a, b, c); }
 static inline int min(int a, int b) { return a < b ? a : b; }
 template <class... A, class... B>
 static void cp_launch(void (*k)(A...), unsigned gx, unsigned bx, B... args) {

@@ -790,3 +790,41 @@ def test_im2col_16_bit_build_copies_the_maps_values(half_extra, float_extra):
         float_extra.kernel('cp_im2col')((2,), (32,), (x.astype(F32).reshape(-1), col32) + args)
         assert (col32 == 0).any()                   # the padding
         assert col16.tobytes() == col32.astype(F16).tobytes()
+
+
+_DIV_RCP = r'''
+extern "C" __global__ void cp_test_div_rcp(const float* a, const float* b, float* q,
+                                           const unsigned n) {
+    for (unsigned i = 0; i < n; ++i) q[i] = cp_div_rcp(a[i], b[i], __frcp_rn(b[i]));
+}
+'''
+
+
+def test_division_by_a_channels_reciprocal_rounds_as_a_division(sixteen):
+    """cp_div_rcp (BatchNorm's channels-last kernels: one reciprocal a
+    channel, a product and a correction step a value) gives the correctly
+    rounded float quotient, bit for bit NumPy's float32 division: numerators
+    across float's whole range (subnormals, zeros of both signs, infinities,
+    NaN among them), denominators across BatchNorm's deviations (2^-30 to
+    2^60, zero and infinity too)."""
+    if sixteen != SIXTEEN_BIT[0][0]:
+        pytest.skip('no map type involved: run once')
+    emu = build_emulator(COMMON + _DIV_RCP)
+    r = numpy.random.RandomState(7)
+    n = 400000
+    a = (r.uniform(1, 2, n) * numpy.exp2(r.randint(-149, 128, n))).astype(F32)
+    a *= numpy.where(r.rand(n) < 0.5, -1, 1).astype(F32)
+    b = (r.uniform(1, 2, n) * numpy.exp2(r.randint(-30, 61, n))).astype(F32)
+    specials = numpy.array([0.0, -0.0, numpy.inf, -numpy.inf, numpy.nan, 1e-45, -1e-45,
+                            1.17e-38, 3.4e38, 1.0], F32)
+    a[:len(specials) * 3] = numpy.tile(specials, 3)
+    b[:len(specials) * 3] = numpy.repeat(numpy.array([1.5, 0.0, numpy.inf], F32),
+                                         len(specials))
+    q = numpy.empty(n, F32)
+    emu.kernel('cp_test_div_rcp')((1,), (1,), (a, b, q, numpy.uint32(n)))
+    with numpy.errstate(divide='ignore', invalid='ignore', over='ignore', under='ignore'):
+        want = a / b
+    nan = numpy.isnan(want)
+    assert (numpy.isnan(q) == nan).all()
+    assert (q[~nan].view(numpy.uint32) == want[~nan].view(numpy.uint32)).all(), \
+        (a[~nan][q[~nan] != want[~nan]][:5], b[~nan][q[~nan] != want[~nan]][:5])
