@@ -86,16 +86,16 @@ __device__ __forceinline__ float cp_bn_dx(float gg, float v, float s, float sd, 
    (tested against NumPy's float32 division across float's range, b up to
    2^60: BatchNorm's deviations). Elsewhere (|a| or |q| under 1e-30, |q|
    past 1e37, zeros, infinities, NaN) it is q itself: the same zeros,
-   infinities and NaN, the others within two units in the last place. A division per value,
-   or one kept for those cases, took the channels-last vector kernels
-   twice their memory time. */
+   infinities and NaN, the others within two units in the last place
+   (no division kept for those cases: its code in the loop cost more than
+   the division it saved). */
 __device__ __forceinline__ float cp_div_rcp(float a, float b, float r) {
     const float q = __fmul_rn(a, r);
     const float c = __fmaf_rn(__fmaf_rn(-q, b, a), r, q);
     return (fabsf(q) >= 1.0e-30f && fabsf(q) < 1.0e37f && fabsf(a) >= 1.0e-30f) ? c : q;
 }
 
-/* cp_bn_dx given rsd = __frcp_rn(sd): the same value. */
+/* cp_bn_dx given rsd = __frcp_rn(sd): the same value where cp_div_rcp is exact. */
 __device__ __forceinline__ float cp_bn_dx_rcp(float gg, float v, float s, float sd, float rsd,
                                               float mdyy, float mdy, int flags) {
     if (flags & 4) gg = __fmul_rn(gg, s);
