@@ -228,8 +228,16 @@ def test_timed_search_holds_one_site_at_a_time_within_the_maps_room(monkeypatch)
     assert sorted(c.memory for c in big.candidates) == [0, 300 * MB]
     assert fake.live == 0 and fake.cached == 0          # all given back after the search
     assert placed.nbytes == 0
-    # A room smaller than a site's scratch still times what needs none.
+    # A room smaller than a site's scratch: the site may take half the room
+    # (the 300 MB candidate is timed, not the 3 GB one) ...
     seen, big, _ = search(workspace.PlacedWorkspace(), room=1000 * MB)
+    assert seen[1][:2] == ('fwd', 500 * MB)
+    assert sorted(c.memory for c in big.candidates) == [0, 300 * MB]
+    # ... except under plan auto, which times within its budget: there it
+    # times what needs none.
+    bounded = workspace.PlacedWorkspace()
+    bounded.search_floor = 0.0
+    seen, big, _ = search(bounded, room=1000 * MB)
     assert seen[1][:2] == ('fwd', 0) and [c.memory for c in big.candidates] == [0]
 
 

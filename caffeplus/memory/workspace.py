@@ -65,6 +65,14 @@ KNEE_TOLERANCE = 0.07
 # A timed search's scratch and candidates stay within the bytes the placed
 # maps will hold (search_limit); False lets a candidate take any size.
 SEARCH_WITHIN_ROOM = True
+# A site whose own scratch takes most of that room (a small net's first
+# convolution: torchvision's AlexNet's conv1 at b128 in FP16, its maps'
+# copies past the room) would time only algorithms that need no workspace
+# and keep one for the whole run (its backward data: 184 ms a call, the
+# iteration 19.4 ms against 5.8 under `arena`). Such a site may take this
+# share of the room beside its scratch. Plan auto under a budget times
+# within what the budget leaves (caffeplus.memory.calibration): 0 there.
+SEARCH_ROOM_FLOOR = 0.5
 KINDS = ('fwd', 'bwd_data', 'bwd_filter')
 WORKSPACE_PLANS = ('stock', 'arena')
 
@@ -489,6 +497,7 @@ class PlacedWorkspace(WorkspaceArena):
         # Bytes the plan's feature maps take placed (set by the applied plan
         # before it places the workspace): the timed search's bound.
         self.search_room = None
+        self.search_floor = SEARCH_ROOM_FLOOR
 
     def _timing_wanted(self, pairs):
         # Planned from the applied plan, not from a layer's first call: the
@@ -517,11 +526,14 @@ class PlacedWorkspace(WorkspaceArena):
         anyway (search_room): a site's scratch and candidate workspace
         together at most that. A candidate past it would take more than the
         maps' arena just to be timed; the ones chosen fit far within it
-        (VGG-16 b64: 3.4 GB candidates for conv1_2, none chosen above 477 MB)."""
+        (VGG-16 b64: 3.4 GB candidates for conv1_2, none chosen above 477 MB).
+        A site whose scratch leaves less than search_floor of the room gets
+        that share (SEARCH_ROOM_FLOOR)."""
         room = self.search_room
         if room is None or not SEARCH_WITHIN_ROOM:
             return float('inf')
-        return max(room - getattr(site.timer, 'scratch_bytes', 0), 0)
+        return max(room - getattr(site.timer, 'scratch_bytes', 0),
+                   int(room * self.search_floor), 0)
 
     def plan(self):
         """Choose as the arena does; then, where the fastest choice's
@@ -867,6 +879,8 @@ def apply_workspace_plan(net, plan_name='arena', limit=0):
     if cls is PlacedWorkspace:
         arena.headroom_slowdown = headroom_slowdown(plan_name)
         arena.trade_share = trade_time_share(plan_name)
+        if plan_name == 'auto':
+            arena.search_floor = 0.0
     for layer in layers:
         layer.set_workspace_manager(arena, plan_name)
     net.workspace = arena
