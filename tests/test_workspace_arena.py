@@ -216,27 +216,30 @@ def test_timed_search_holds_one_site_at_a_time_within_the_maps_room(monkeypatch)
     arena.release()                         # its buffer (the last site's) goes
     fake.get_default_memory_pool().free_all_blocks()
     assert fake.live == 0
-    # Placed, with 2 GB of maps: the 3 GB candidate is not timed (it would
+    # Placed, with 4 GB of maps: the 3 GB candidate is not timed (it would
     # take 4.6 GB to time), the 300 MB one is, in all the room the scratch
     # leaves (a sliced variant may need less than 3 GB but more than 300 MB);
     # the small site is untouched.
     placed = workspace.PlacedWorkspace()
     monkeypatch.setattr(placed, '_timing_wanted', lambda pairs: True)
-    seen, big, small = search(placed, room=2000 * MB)
-    assert [(k, n) for k, n, _ in seen] == [('bwd_data', 200 * MB), ('fwd', 400 * MB)]
-    assert fake.most <= 2000 * MB
+    seen, big, small = search(placed, room=4000 * MB)
+    assert [(k, n) for k, n, _ in seen] == [('bwd_data', 200 * MB), ('fwd', 2400 * MB)]
+    assert fake.most <= 4000 * MB
     assert sorted(c.memory for c in big.candidates) == [0, 300 * MB]
     assert fake.live == 0 and fake.cached == 0          # all given back after the search
     assert placed.nbytes == 0
-    # A room smaller than a site's scratch: the site may take half the room
-    # (the 300 MB candidate is timed, not the 3 GB one) ...
-    seen, big, _ = search(workspace.PlacedWorkspace(), room=1000 * MB)
-    assert seen[1][:2] == ('fwd', 500 * MB)
-    assert sorted(c.memory for c in big.candidates) == [0, 300 * MB]
-    # ... except under plan auto, which times within its budget: there it
-    # times what needs none.
+    # Where the scratch leaves less than half the room (2 GB, and 1 GB:
+    # less than the scratch), the site takes half the room beside it ...
+    for room in (2000 * MB, 1000 * MB):
+        seen, big, _ = search(workspace.PlacedWorkspace(), room=room)
+        assert seen[1][:2] == ('fwd', room // 2)
+        assert fake.most <= 1600 * MB + room // 2
+        assert sorted(c.memory for c in big.candidates) == [0, 300 * MB]
+    # ... but not under plan auto's budget: there, within the room or nothing.
     bounded = workspace.PlacedWorkspace()
     bounded.search_floor = 0.0
+    seen, big, _ = search(bounded, room=2000 * MB)
+    assert seen[1][:2] == ('fwd', 400 * MB) and fake.most <= 2000 * MB
     seen, big, _ = search(bounded, room=1000 * MB)
     assert seen[1][:2] == ('fwd', 0) and [c.memory for c in big.candidates] == [0]
 

@@ -66,10 +66,12 @@ KNEE_TOLERANCE = 0.07
 # maps will hold (search_limit); False lets a candidate take any size.
 SEARCH_WITHIN_ROOM = True
 # A site whose own scratch takes most of that room (a small net's first
-# convolution: torchvision's AlexNet's conv1 at b128 in FP16, its maps'
-# copies past the room) would time only algorithms that need no workspace
-# and keep one for the whole run (its backward data: 184 ms a call, the
-# iteration 19.4 ms against 5.8 under `arena`). Such a site may take this
+# convolution: torchvision's AlexNet's conv1 at b128 in FP16, 96 MiB of
+# copies against a room of 71) would time only algorithms that need no
+# workspace and keep one for the whole run: its backward data took 184 ms
+# a call, and that time let the trades (trade_time_share) move the other
+# convolutions to slow algorithms too; the iteration took 18.2 ms, 6.0 with
+# this floor (dev/search_room_probe.py, H200). Such a site may take this
 # share of the room beside its scratch. Plan auto under a budget times
 # within what the budget leaves (caffeplus.memory.calibration): 0 there.
 SEARCH_ROOM_FLOOR = 0.5
