@@ -4,10 +4,11 @@ on ResNet-50's BatchNorm shapes, one or more versions of their source side by
 side in one process, in FLOAT16, launched as layers/fused_chain.py launches
 them; beside them a device copy of the same bytes (the memory's pace).
 
-    python dev/bn_nhwc_bench.py [--batch 256] [--variants old=dev/old_source.py]
+    python dev/bn_nhwc_bench.py [--batch 256] [--variants old=git:538c690,current]
 
 A variant is a Python file defining CHANNELS_LAST_BATCHNORM (the module
-source); 'current' is the package's. Prints, per kernel and shape, device
+source), git:REV for caffeplus/kernel_sources_nhwc.py at commit REV, or
+'current', the package's. Prints, per kernel and shape, device
 microseconds (median of --reps), GB/s of maps moved, and each kernel's
 registers a thread.
 """
@@ -34,6 +35,14 @@ def _source(path):
     if path == 'current':
         from caffeplus.kernel_sources_nhwc import CHANNELS_LAST_BATCHNORM
         return CHANNELS_LAST_BATCHNORM
+    if path.startswith('git:'):
+        # The module as a commit had it (the helpers it calls: the current COMMON's)
+        import subprocess
+        text = subprocess.run(['git', 'show', path[4:] + ':caffeplus/kernel_sources_nhwc.py'],
+                              cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        namespace = {}
+        exec(compile(text, path, 'exec'), namespace)        # noqa: S102 -- a source file of ours
+        return namespace['CHANNELS_LAST_BATCHNORM']
     spec = importlib.util.spec_from_file_location('variant', path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
