@@ -666,6 +666,30 @@ def test_fp16_estimates_within_five_percent_of_the_recorded_measurements(capsys,
     assert abs(error) <= 0.05, round(100 * error, 2)
 
 
+# bench_gpu's FLOAT16 runs under `shared` with channels-last maps (H200, the
+# whole process's peak, nvidia-smi's used memory): net -> (prototxt, batch).
+CHANNELS_LAST_RUNS = os.path.join(ROOT, 'benchmarks', 'gpu_16bit_shared_0dbdbcd.json')
+CHANNELS_LAST_NETS = {'resnet50_b256': ('resnet50_b64', '256'),
+                      'resnet50_b64': ('resnet50_b64', None), 'vgg16_b64': ('vgg16_b64', None),
+                      'googlenet_b64': ('googlenet_b64', None),
+                      'alexnet_b128': ('alexnet_b128', None)}
+
+
+@pytest.mark.parametrize('net', sorted(CHANNELS_LAST_NETS))
+def test_channels_last_fp16_estimates_within_five_percent_of_the_recorded_runs(capsys, net):
+    """`--precision fp16 --layout nhwc`, plan `shared`, against the recorded
+    whole-process peak of the same net, batch, precision, layout and plan."""
+    real = next(r for r in json.load(open(CHANNELS_LAST_RUNS))
+                if r['net'] == net and r['framework'] == 'caffeplus')
+    assert real['plan'] == 'shared:timed/fp16'
+    model, batch = CHANNELS_LAST_NETS[net]
+    doc = memory_json(capsys, '-model', bench(model), '--plans', 'shared', '--precision', 'fp16',
+                      '--layout', 'nhwc', *(('--batch', batch) if batch else ()))
+    measured = real['peak_used_mib'] * 2 ** 20
+    error = (doc['plans']['shared']['peak_bytes'] - measured) / measured
+    assert abs(error) <= 0.05, round(100 * error, 2)
+
+
 def test_16_bit_convolutions_price_their_transforms_in_16_bit_bytes():
     """The model's workspace for a convolution over 16-bit maps: the
     transform in HALF_TRANSFORM_FACTOR times its 16-bit maps, the strided
