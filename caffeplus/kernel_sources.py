@@ -72,12 +72,17 @@ __device__ __forceinline__ float cp_bn_masked(float g, float v, float s, float b
     return (flags & 16) ? __fmul_rn(g, cp_chain(v, s, b, flags & 12) > 0.0f ? 1.0f : 0.0f) : g;
 }
 
-/* ... and dx from it (flags 1: batch statistics, mdyy and mdy their terms). */
+/* ... and dx from it (flags 1: batch statistics, mdyy and mdy their terms):
+   cp_bn_dx_num divided by the deviation sd. */
+__device__ __forceinline__ float cp_bn_dx_num(float gg, float v, float s, float mdyy, float mdy,
+                                              int flags) {
+    if (flags & 4) gg = __fmul_rn(gg, s);
+    return (flags & 1) ? __fsub_rn(gg, __fadd_rn(__fmul_rn(v, mdyy), mdy)) : gg;
+}
+
 __device__ __forceinline__ float cp_bn_dx(float gg, float v, float s, float sd, float mdyy,
                                           float mdy, int flags) {
-    if (flags & 4) gg = __fmul_rn(gg, s);
-    if (flags & 1) return __fdiv_rn(__fsub_rn(gg, __fadd_rn(__fmul_rn(v, mdyy), mdy)), sd);
-    return __fdiv_rn(gg, sd);
+    return __fdiv_rn(cp_bn_dx_num(gg, v, s, mdyy, mdy, flags), sd);
 }
 
 /* a / b rounded as __fdiv_rn rounds it, given r = __frcp_rn(b) (made once
@@ -98,9 +103,7 @@ __device__ __forceinline__ float cp_div_rcp(float a, float b, float r) {
 /* cp_bn_dx given rsd = __frcp_rn(sd): the same value where cp_div_rcp is exact. */
 __device__ __forceinline__ float cp_bn_dx_rcp(float gg, float v, float s, float sd, float rsd,
                                               float mdyy, float mdy, int flags) {
-    if (flags & 4) gg = __fmul_rn(gg, s);
-    if (flags & 1) return cp_div_rcp(__fsub_rn(gg, __fadd_rn(__fmul_rn(v, mdyy), mdy)), sd, rsd);
-    return cp_div_rcp(gg, sd, rsd);
+    return cp_div_rcp(cp_bn_dx_num(gg, v, s, mdyy, mdy, flags), sd, rsd);
 }
 
 /* The elementwise kernels move maps as 16-byte vectors where every pointer

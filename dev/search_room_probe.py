@@ -54,13 +54,13 @@ def main(argv=None):
         net = caffeplus.Net(net_source(args.bench_dir, args.net), caffeplus.TRAIN)
     apply_named_plan(net, args.plan, keep=['data', 'label'], training=True)
     net.forward_prefilled()
-    ws = net.workspace
-    print('headroom (MiB):', {k[1]: round(v / 2 ** 20, 1) for k, v in
-                              sorted(getattr(ws, 'headroom', {}).items(), key=str)[:12]})
+    headroom = getattr(net.workspace, 'headroom', {})      # (id(layer), view) -> bytes
     for layer in workspace.workspace_layers(net):
-        print('  chosen', layer.layer_param.name, {k: repr(c) for k, c in
-                                                     getattr(layer, 'algorithms', lambda: {})().items()}
-              if callable(getattr(layer, 'algorithms', None)) else '')
+        room = {view: round(n / 2 ** 20, 1) for (owner, view), n in headroom.items()
+                if owner == id(layer)}
+        print('  %-8s headroom (MiB) %s' % (layer.layer_param.name, room))
+        print('  %-8s chosen %s' % (layer.layer_param.name,
+                                    {k: repr(c) for k, c in layer.algorithms().items()}))
     start = 1
     last = len(net.layers) - 1
     for _ in range(3):

@@ -158,6 +158,12 @@ def _same_storage_dtype(bottom, top):
 NHWC_WEIGHTS = 'w_nhwc'
 
 
+def padded_count(blob, channels):
+    """Values of `blob` with its channel axis (axis 1) padded to `channels`
+    (0: as it is)."""
+    return blob.count // blob.shape[1] * channels if channels else blob.count
+
+
 def sixteen_bit_copy(copies, name, blob, dtype, reuse=False, channels_last=False,
                      pad_channels=0):
     """The values of the FP32 parameter `blob` in `dtype`, kept in
@@ -172,9 +178,8 @@ def sixteen_bit_copy(copies, name, blob, dtype, reuse=False, channels_last=False
     import cupy
     c, made, by_pass, _ = copies.get(name, (None, None, False, None))
     now = _kernels.forward_passes()
-    size = blob.count // blob.shape[1] * pad_channels if pad_channels else blob.count
     if made == now and (reuse or by_pass) and c is not None and c.dtype == dtype and \
-            c.size == size:
+            c.size == padded_count(blob, pad_channels):
         return c
     master = blob.data
     if channels_last:

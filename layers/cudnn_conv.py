@@ -18,7 +18,7 @@ from caffeplus.layers import cudnn_common as _common
 from caffeplus.layers.conv_gemm import _GemmConv
 from caffeplus.layers.cudnn_common import (NHWC_WEIGHTS, _CudnnMixin, _dptr, _prod,
                                            _same_storage_dtype, batch_slices, cudnn_available,
-                                           sixteen_bit_copy, storage_dtype)
+                                           padded_count, sixteen_bit_copy, storage_dtype)
 from caffeplus.layers.vision import ConvolutionLayer, DeconvolutionLayer
 from caffeplus.proto import caffe_pb2
 
@@ -233,16 +233,11 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             cupy.copyto(out.reshape(n, c, h, w), own.reshape(n, h, w, c).transpose(0, 3, 1, 2))
         return out
 
-    def _padded_count(self, blob):
-        """Values of `blob` (the bottom, or the filters) with its channel axis
-        padded to padded_channels."""
-        return blob.count // blob.shape[1] * self.padded_channels if self.padded_channels \
-            else blob.count
-
     def _relaid_scratch(self, blob, diff):
         """The scratch holding a relaid bottom (or its diff), padded channels included."""
         return backend.device_scratch('relaid bottom diff' if diff else 'relaid bottom',
-                                      self._padded_count(blob), self.activation_dtype)
+                                      padded_count(blob, self.padded_channels),
+                                      self.activation_dtype)
 
     def _bottom_ptr(self, blob):
         """The address of the bottom's values in the calls' layout."""
@@ -548,8 +543,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         if self._sixteen_bit():
             w, _ = self._sixteen_bit_params(reuse=True)
             if dw and not gemm_filter:
-                dw16 = backend.device_scratch('filter gradient', self._padded_count(wblob),
-                                              dtype)
+                dw16 = backend.device_scratch(
+                    'filter gradient', padded_count(wblob, self.padded_channels), dtype)
                 dw, beta = int(dw16.data.ptr), 0.0
             if db and not _channel_sums_ok[0]:
                 bias16, db = True, 0
