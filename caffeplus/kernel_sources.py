@@ -578,18 +578,45 @@ extern "C" __global__ void cp_axpby(const CP_A* a, const CP_A* b, CP_A* y, const
 }
 
 /* d0 = c0 * g (flags & 1), d1 = c1 * g (flags & 2); with flags & 4, g is
-   first masked by an in-place ReLU's top (g *= (ref > 0), written back). */
+   first masked by an in-place ReLU's top (g *= (ref > 0), written back).
+   16-byte loads where every array it touches is aligned: the scalar loop
+   ran at about half the memory's pace (ResNet-50's Eltwise backward). */
+__device__ __forceinline__ float cp_masked_by(float g, float r) {
+    return __fmul_rn(g, r > 0.0f ? 1.0f : 0.0f);
+}
+
 extern "C" __global__ void cp_scale2(CP_A* g, CP_A* d0, CP_A* d1, const CP_A* ref,
                                      const unsigned n, const float c0, const float c1,
                                      const int flags)
 {
-    float v[CP_U], r[CP_U];
-    CP_FLAT_LOOP(n,
-        v[u] = g[o[u]]; r[u] = (flags & 4) ? (float)ref[o[u]] : 0.0f;,
-        float t = v[u];
-        if (flags & 4) { t = __fmul_rn(t, r[u] > 0.0f ? 1.0f : 0.0f); g[o[u]] = t; }
-        if (flags & 1) d0[o[u]] = __fmul_rn(c0, t);
-        if (flags & 2) d1[o[u]] = __fmul_rn(c1, t);)
+    const unsigned t0 = blockIdx.x * blockDim.x + threadIdx.x, step = gridDim.x * blockDim.x;
+    const bool aligned = cp_aligned16(g) && (!(flags & 4) || cp_aligned16(ref)) &&
+        (!(flags & 1) || cp_aligned16(d0)) && (!(flags & 2) || cp_aligned16(d1));
+    const unsigned nv = aligned ? n / CP_V : 0;
+    for (unsigned i = t0; i < nv; i += step) {
+        cp_vec v = ((const cp_vec*)g)[i];
+        if (flags & 4) {
+            const cp_vec r = ((const cp_vec*)ref)[i];
+            for (int k = 0; k < CP_V; ++k) v.v[k] = cp_masked_by(v.v[k], r.v[k]);
+            ((cp_vec*)g)[i] = v;
+        }
+        if (flags & 1) {
+            cp_vec o;
+            for (int k = 0; k < CP_V; ++k) o.v[k] = __fmul_rn(c0, (float)v.v[k]);
+            ((cp_vec*)d0)[i] = o;
+        }
+        if (flags & 2) {
+            cp_vec o;
+            for (int k = 0; k < CP_V; ++k) o.v[k] = __fmul_rn(c1, (float)v.v[k]);
+            ((cp_vec*)d1)[i] = o;
+        }
+    }
+    for (unsigned i = nv * CP_V + t0; i < n; i += step) {
+        float t = g[i];
+        if (flags & 4) { t = cp_masked_by(t, ref[i]); g[i] = t; }
+        if (flags & 1) d0[i] = __fmul_rn(c0, t);
+        if (flags & 2) d1[i] = __fmul_rn(c1, t);
+    }
 }
 
 /* Which of n arrays concatenated at offsets (ascending, offsets[0] = 0)

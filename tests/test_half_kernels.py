@@ -94,14 +94,20 @@ def test_axpby_and_scale2(half, shift):
                                           numpy.int32(1)))
     t = (F32(0.5) * a.astype(F32)) + (F32(-2) * b.astype(F32))
     numpy.testing.assert_array_equal(y, numpy.maximum(t, F32(0)).astype(F16))
-    g, ref = _maps(r, n), _maps(r, n)
-    d0, d1 = numpy.empty(n, F16), numpy.empty(n, F16)
-    want_g = numpy.where(ref > 0, g, F16(0))
-    half.kernel('cp_scale2')((3,), (64,), (g, d0, d1, ref, numpy.uint32(n), F32(3), F32(0.25),
-                                           numpy.int32(7)))
-    numpy.testing.assert_array_equal(g, want_g)
-    numpy.testing.assert_array_equal(d0, (F32(3) * want_g.astype(F32)).astype(F16))
-    numpy.testing.assert_array_equal(d1, (F32(0.25) * want_g.astype(F32)).astype(F16))
+    # cp_scale2: every flag combination, aligned (the vector loop and its
+    # tail: 777 is not a multiple of 8) and misaligned (the scalar loop).
+    for flags in (1, 3, 4, 5, 7):
+        g, ref = _offset(_maps(r, n), shift), _offset(_maps(r, n), shift)
+        d0, d1 = (_offset(numpy.full(n, F16(9)), shift) for _ in range(2))
+        g_before = g.copy()
+        masked = numpy.where(ref > 0, g, F16(0)) if flags & 4 else g.copy()
+        half.kernel('cp_scale2')((3,), (64,), (g, d0, d1, ref, numpy.uint32(n), F32(3),
+                                               F32(0.25), numpy.int32(flags)))
+        numpy.testing.assert_array_equal(g, masked if flags & 4 else g_before)
+        numpy.testing.assert_array_equal(
+            d0, (F32(3) * masked.astype(F32)).astype(F16) if flags & 1 else F16(9))
+        numpy.testing.assert_array_equal(
+            d1, (F32(0.25) * masked.astype(F32)).astype(F16) if flags & 2 else F16(9))
 
 
 def _bn_state(c):
