@@ -5,12 +5,16 @@ side in one process, in FLOAT16, launched as layers/fused_chain.py launches
 them; beside them a device copy of the same bytes (the memory's pace).
 
     python dev/bn_nhwc_bench.py [--batch 256] [--variants old=git:538c690,current]
+        [--row-chunks 8192,1024] [--lane-rows 32,128]
 
 A variant is a Python file defining CHANNELS_LAST_BATCHNORM (the module
 source), git:REV for caffeplus/kernel_sources_nhwc.py at commit REV, or
 'current', the package's. Prints, per kernel and shape, device
 microseconds (median of --reps), GB/s of maps moved, and each kernel's
-registers a thread.
+registers a thread. --row-chunks and --lane-rows time each variant under
+other launch shapes too (layers/fused_chain.py's NHWC_ROW_CHUNKS, the
+per-value passes' most blocks, and NHWC_LANE_ROWS, the rows a lane of the
+sums walks).
 """
 import argparse
 import importlib.util
@@ -57,12 +61,25 @@ def main(argv=None):
     ap.add_argument('--reps', type=int, default=15)
     ap.add_argument('--dx-in-place', action='store_true',
                     help='dx written over dy, as the in-place chains run it')
+    ap.add_argument('--row-chunks', default=None, help='NHWC_ROW_CHUNKS values, comma-separated')
+    ap.add_argument('--lane-rows', default=None, help='NHWC_LANE_ROWS values, comma-separated')
     args = ap.parse_args(argv)
     import cupy
     import numpy
     from caffeplus.kernel_sources import COMMON
     from caffeplus.kernel_sources_extra import EXTRA
-    from layers.fused_chain import nhwc_vec_launch
+    from layers import fused_chain
+    chunk_values = [int(v) for v in (args.row_chunks or str(fused_chain.NHWC_ROW_CHUNKS)).split(',')]
+    lane_values = [int(v) for v in (args.lane_rows or str(fused_chain.NHWC_LANE_ROWS)).split(',')]
+    launches = [(ch, lr) for ch in chunk_values for lr in lane_values]
+
+    def launch(m, c, chunks_cap, lane_rows):
+        saved = fused_chain.NHWC_ROW_CHUNKS, fused_chain.NHWC_LANE_ROWS
+        fused_chain.NHWC_ROW_CHUNKS, fused_chain.NHWC_LANE_ROWS = chunks_cap, lane_rows
+        try:
+            return fused_chain.nhwc_vec_launch(m, c, 8)
+        finally:
+            fused_chain.NHWC_ROW_CHUNKS, fused_chain.NHWC_LANE_ROWS = saved
     head = '#include <cuda_fp16.h>\n#define CP_A __half\n'
     variants = []
     for item in args.variants.split(','):
@@ -101,13 +118,15 @@ def main(argv=None):
         one = lambda v: cupy.full(c, v, f32)      # noqa: E731
         sc, bi, ms, sd = one(1.1), one(0.1), one(0.0), one(1.0)
         md = cupy.zeros(2 * c, f32)
-        block, P, chunks = nhwc_vec_launch(m, c, 8)
-        part, kv = cupy.empty(2 * c * P, numpy.float64), cupy.empty(c, f32)
         nbytes = m * c * 2
         t = timed(lambda: cupy.copyto(y, x))
         print('%-26s %9d %5d %10.1f %8.0f' % ('(copy)', m, c, t, 2 * nbytes / t / 1e3))
         totals['(copy)'] = totals.get('(copy)', 0) + t * layers
-        for name, mod in variants:
+        for (name, mod), (chunks_cap, lane_rows) in [(v, l) for v in variants for l in launches]:
+            block, P, chunks = launch(m, c, chunks_cap, lane_rows)
+            if len(launches) > 1:
+                name = '%s@%d/%d' % (name, chunks_cap, lane_rows)
+            part, kv = cupy.empty(2 * c * P, numpy.float64), cupy.empty(c, f32)
             calls = {
                 'cp_bn_stats_part_nhwc_vec': ((P,), (x, part, kv, u32(m), u32(c), u32(P))),
                 'cp_bn_apply_nhwc_vec': ((chunks,), (x, y, xn, ms, sd, sc, bi, u32(m), u32(c),
