@@ -217,11 +217,21 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         self._arg8 = arg = scratch.get(self, 'argmax8', count, numpy.uint8, K.array_module())
         name, args = ('cp_mpool_fwd_nhwc', self._channel_arg()) if self._nhwc() \
             else ('cp_mpool_fwd', ())
-        K.kernel(name, x.dtype)(K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
+        K.kernel(name, x.dtype)(self._grid(count, x.dtype), (K.ELEMENTWISE_THREADS,),
                                 (x, y, arg, numpy.uint64(count)) + args + self._window_args())
 
     def _nhwc(self):
         return self._layouts[0] == 'NHWC'
+
+    def _grid(self, count, dtype):
+        """The pooling kernels' grid over `count` values: channels-last, a
+        thread takes 16 bytes of channels where they divide C (the kernels
+        fall back to a value a thread, striding, when the maps are
+        misaligned)."""
+        width = 16 // numpy.dtype(dtype).itemsize
+        if self._nhwc() and self.pool.x_shape[1] % width == 0:
+            count //= width
+        return _kernels.elementwise_grid(count)
 
     def _channel_arg(self):
         return (_kernels.i32(self.pool.x_shape[1]),)
@@ -242,13 +252,13 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
             # Windows that tile the input (VGG-16's): each output writes its own.
             count = _prod(pool.out_shape)
             K.kernel('cp_mpool_bwd_tiled_nhwc' if nhwc else 'cp_mpool_bwd_tiled', dy.dtype)(
-                K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
+                self._grid(count, dy.dtype), (K.ELEMENTWISE_THREADS,),
                 (dy, self._arg8, dx, numpy.uint64(count)) + channels +
                 tuple(K.i32(v) for v in (oh, ow, kh, kw)))
             return
         count = _prod(pool.x_shape)
         K.kernel('cp_mpool_bwd_nhwc' if nhwc else 'cp_mpool_bwd', dy.dtype)(
-            K.elementwise_grid(count), (K.ELEMENTWISE_THREADS,),
+            self._grid(count, dy.dtype), (K.ELEMENTWISE_THREADS,),
             (dy, self._arg8, dx, numpy.uint64(count)) + channels + self._window_args())
 
     def internal_buffers(self):

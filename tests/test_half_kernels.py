@@ -490,13 +490,15 @@ def test_one_launch_casts_filters_into_channels_last_order(half):
 
 @pytest.mark.parametrize('kh, sh, ph, size', [(3, 2, 0, 9), (2, 2, 0, 8), (3, 1, 1, 6),
                                               (3, 3, 0, 10)])
-def test_channels_last_max_pooling_kernels_follow_caffes_order(half_extra, kh, sh, ph, size):
+@pytest.mark.parametrize('c', [5, 16])
+def test_channels_last_max_pooling_kernels_follow_caffes_order(half_extra, kh, sh, ph, size, c):
     """cp_mpool_*_nhwc: on channels-last maps the same maxima, argmax and
     gradients, value for value, as the Caffe-order kernels on the same
     (transposed) values: overlapping, padded, tiling and clipped windows
-    (Caffe's ceil rule leaves a partial last window at size 10)."""
+    (Caffe's ceil rule leaves a partial last window at size 10). 16
+    channels take the kernels' 8-channel vector loops, 5 their scalar ones."""
     r = numpy.random.RandomState(kh * 10 + size)
-    n, c, h, w = 2, 5, size, size if (kh, sh) == (2, 2) else size - 1
+    n, h, w = 2, size, size if (kh, sh) == (2, 2) else size - 1
     oh = -(-(h + 2 * ph - kh) // sh) + 1
     ow = -(-(w + 2 * ph - kh) // sh) + 1
     geometry = tuple(numpy.int32(v) for v in (h, w, oh, ow, kh, kh, sh, sh, ph, ph))
@@ -516,6 +518,7 @@ def test_channels_last_max_pooling_kernels_follow_caffes_order(half_extra, kh, s
             'arg': numpy.full((n, oh, ow, c), 7, numpy.uint8),
             'dx': numpy.full((n, h, w, c), numpy.nan, F16)}
     channels = (numpy.int32(c),)
+    assert all(a.ctypes.data % 16 == 0 for a in nhwc.values())     # (the vector loops' need)
     half_extra.kernel('cp_mpool_fwd_nhwc')((3,), (64,), (last(x), nhwc['y'], nhwc['arg'],
                                                          total_out) + channels + geometry)
     half_extra.kernel('cp_mpool_bwd_nhwc')((3,), (64,), (last(dy), nhwc['arg'], nhwc['dx'],
