@@ -5,7 +5,7 @@ side in one process, in FLOAT16, launched as layers/fused_chain.py launches
 them; beside them a device copy of the same bytes (the memory's pace).
 
     python dev/bn_nhwc_bench.py [--batch 256] [--variants old=git:538c690,current]
-        [--row-chunks 8192,1024] [--lane-rows 32,128] [--sum-blocks 65535,800]
+        [--row-chunks 8192,1024] [--lane-rows 32,128]
 
 A variant is a Python file defining CHANNELS_LAST_BATCHNORM (the module
 source), git:REV for caffeplus/kernel_sources_nhwc.py at commit REV, or
@@ -13,8 +13,8 @@ source), git:REV for caffeplus/kernel_sources_nhwc.py at commit REV, or
 microseconds (median of --reps), GB/s of maps moved, and each kernel's
 registers a thread. --row-chunks and --lane-rows time each variant under
 other launch shapes too (layers/fused_chain.py's NHWC_ROW_CHUNKS, the
-per-value passes' most blocks, NHWC_LANE_ROWS, the rows a lane of the
-sums walks at least, and NHWC_SUM_BLOCKS, the sums' most blocks).
+per-value passes' most blocks, and NHWC_LANE_ROWS, the rows a lane of the
+sums walks).
 """
 import argparse
 import importlib.util
@@ -63,7 +63,6 @@ def main(argv=None):
                     help='dx written over dy, as the in-place chains run it')
     ap.add_argument('--row-chunks', default=None, help='NHWC_ROW_CHUNKS values, comma-separated')
     ap.add_argument('--lane-rows', default=None, help='NHWC_LANE_ROWS values, comma-separated')
-    ap.add_argument('--sum-blocks', default=None, help='NHWC_SUM_BLOCKS values, comma-separated')
     args = ap.parse_args(argv)
     import cupy
     import numpy
@@ -72,19 +71,15 @@ def main(argv=None):
     from layers import fused_chain
     chunk_values = [int(v) for v in (args.row_chunks or str(fused_chain.NHWC_ROW_CHUNKS)).split(',')]
     lane_values = [int(v) for v in (args.lane_rows or str(fused_chain.NHWC_LANE_ROWS)).split(',')]
-    sum_values = [int(v) for v in (args.sum_blocks or str(fused_chain.NHWC_SUM_BLOCKS)).split(',')]
-    launches = [(ch, lr, sb) for ch in chunk_values for lr in lane_values for sb in sum_values]
-    names = ('NHWC_ROW_CHUNKS', 'NHWC_LANE_ROWS', 'NHWC_SUM_BLOCKS')
+    launches = [(ch, lr) for ch in chunk_values for lr in lane_values]
 
-    def launch(m, c, values):
-        saved = [getattr(fused_chain, k) for k in names]
-        for k, v in zip(names, values):
-            setattr(fused_chain, k, v)
+    def launch(m, c, chunks_cap, lane_rows):
+        saved = fused_chain.NHWC_ROW_CHUNKS, fused_chain.NHWC_LANE_ROWS
+        fused_chain.NHWC_ROW_CHUNKS, fused_chain.NHWC_LANE_ROWS = chunks_cap, lane_rows
         try:
             return fused_chain.nhwc_vec_launch(m, c, 8)
         finally:
-            for k, v in zip(names, saved):
-                setattr(fused_chain, k, v)
+            fused_chain.NHWC_ROW_CHUNKS, fused_chain.NHWC_LANE_ROWS = saved
     head = '#include <cuda_fp16.h>\n#define CP_A __half\n'
     variants = []
     for item in args.variants.split(','):
@@ -127,10 +122,10 @@ def main(argv=None):
         t = timed(lambda: cupy.copyto(y, x))
         print('%-26s %9d %5d %10.1f %8.0f' % ('(copy)', m, c, t, 2 * nbytes / t / 1e3))
         totals['(copy)'] = totals.get('(copy)', 0) + t * layers
-        for (name, mod), values in [(v, l) for v in variants for l in launches]:
-            block, P, chunks = launch(m, c, values)
+        for (name, mod), (chunks_cap, lane_rows) in [(v, l) for v in variants for l in launches]:
+            block, P, chunks = launch(m, c, chunks_cap, lane_rows)
             if len(launches) > 1:
-                name = '%s@%s' % (name, '/'.join(str(v) for v in values))
+                name = '%s@%d/%d' % (name, chunks_cap, lane_rows)
             part, kv = cupy.empty(2 * c * P, numpy.float64), cupy.empty(c, f32)
             calls = {
                 'cp_bn_stats_part_nhwc_vec': ((P,), (x, part, kv, u32(m), u32(c), u32(P))),

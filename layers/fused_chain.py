@@ -290,14 +290,8 @@ def _register_planner():
 # per-value passes' row chunks each take every chunk-th group of rows.
 NHWC_THREADS = 256
 NHWC_SHARE_ROWS = 256
-NHWC_LANE_ROWS = 32         # rows a lane of the vector kernels' sums walks, at least
+NHWC_LANE_ROWS = 32         # rows a lane of the vector kernels' sums walks
 NHWC_MAX_SHARES = 65535
-# ... and the sums take at most NHWC_SUM_BLOCKS blocks (about 6 a
-# multiprocessor of an H200), a lane walking more rows where the maps are
-# large: on ResNet-50's largest maps 784 blocks summed at 3.1 TB/s against
-# 2.3 with 3136, and fewer than about 400 left the device underused
-# (dev/bn_nhwc_bench.py --lane-rows).
-NHWC_SUM_BLOCKS = 800
 NHWC_TILE_ROW_CHUNKS = 8192
 # The vector kernels' per-value passes (normalize, dx) load a group's
 # per-channel values once a thread, so a thread should walk many rows: at
@@ -320,7 +314,7 @@ def nhwc_vec_launch(m, c, width):
     groups = c // width
     gt = min(groups, NHWC_THREADS)
     lanes = max(1, NHWC_THREADS // gt)
-    P = int(max(1, min(NHWC_MAX_SHARES, NHWC_SUM_BLOCKS, -(-m // (NHWC_LANE_ROWS * lanes)))))
+    P = int(max(1, min(NHWC_MAX_SHARES, -(-m // (NHWC_LANE_ROWS * lanes)))))
     chunks = int(max(1, min(NHWC_ROW_CHUNKS, -(-m // lanes))))
     return (gt * lanes,), P, chunks
 
