@@ -68,7 +68,7 @@ MAP_KERNELS = frozenset(('cp_bn_fwd', 'cp_bn_bwd', 'cp_relu_fwd', 'cp_relu_bwd',
                          'cp_mpool_fwd_nhwc', 'cp_mpool_bwd_nhwc', 'cp_mpool_bwd_tiled_nhwc',
                          'cp_bn_stats_part_nhwc', 'cp_bn_apply_nhwc', 'cp_bn_bwd_part_nhwc',
                          'cp_bn_dx_nhwc', 'cp_bn_stats_part_nhwc_vec', 'cp_bn_apply_nhwc_vec',
-                         'cp_bn_bwd_part_nhwc_vec', 'cp_bn_dx_nhwc_vec'))
+                         'cp_bn_bwd_part_nhwc_vec', 'cp_bn_dx_nhwc_vec', 'cp_bias_nhwc'))
 SOURCE = COMMON + CORE + EXTRA + CHANNELS_LAST_BATCHNORM
 
 # Flags of cp_bn_fwd / cp_bn_bwd.
@@ -383,8 +383,16 @@ def channel_sums_nhwc(dy, part, db, m, c, p, dtype=None):
     threads = min(SUM_THREADS, -(-c // 32) * 32)
     kernel('cp_channel_sum_part_nhwc', dtype)((p,), (threads,),
                                               (_arg(dy), _arg(part), u32(m), u32(c), u32(p)))
-    kernel('cp_channel_sum_apply')(((c + 127) // 128,), (128,),
-                                   (_arg(part), _arg(db), u32(c), u32(p)))
+    kernel('cp_channel_sum_apply_rows')(((c + 127) // 128,), (128,),
+                                        (_arg(part), _arg(db), u32(c), u32(p)))
+
+
+def bias_nhwc(y, b, m, c, dtype=None):
+    """y (m rows of c, channels-last maps) += b[channel] in place; b of the maps' type."""
+    width = 16 // numpy.dtype(dtype or numpy.float32).itemsize
+    count = m * c // width if c % width == 0 else m * c
+    kernel('cp_bias_nhwc', dtype)(elementwise_grid(count), (ELEMENTWISE_THREADS,),
+                                  (_arg(y), _arg(b), numpy.uint64(m), u32(c)))
 
 
 def accumulate_krsc(g, acc, k, c, rs, dtype=None):

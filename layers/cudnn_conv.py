@@ -34,11 +34,23 @@ def _conv_forward_calls(cd, conv, algo, reverse, x, w, y, b, ws, nbytes):
             api.conv_backward_data(cd.w, w + g * cd.w_off, cd.y, x + g * cd.y_off, conv, algo,
                                    ws, nbytes, cd.x, y + g * cd.x_off)
     if b:
-        for g in range(cd.loops):
-            api.add_tensor(cd.bias, b + g * cd.b_off, cd.top, y + g * cd.top_off)
+        _bias_add_calls(cd, b, y)
+
+
+_bias_nhwc_ok = [True]
 
 
 def _bias_add_calls(cd, b, y):
+    if cd.nhwc and _bias_nhwc_ok[0]:
+        # Channels-last 16-bit maps: one pass over the whole top (every batch
+        # slice; one group) with caffeplus.kernels' cp_bias_nhwc.
+        c = cd.top_full[1]
+        try:
+            _kernels.bias_nhwc(y, b, _prod(cd.top_full) // c, c, cd.dtype)
+            return
+        except Exception as exc:
+            _bias_nhwc_ok[0] = False
+            _kernels.note_failure('convolution bias (cp_bias_nhwc)', exc)
     for g in range(cd.loops):
         api.add_tensor(cd.bias, b + g * cd.b_off, cd.top, y + g * cd.top_off)
 

@@ -426,12 +426,35 @@ def test_channels_last_bias_gradient_sums_each_channel_over_the_rows(
         part = numpy.full(c * p, numpy.nan)
         emu.kernel('cp_channel_sum_part_nhwc')((p,), (threads,), (
             dy.astype(dtype), part, numpy.uint32(m), numpy.uint32(c), numpy.uint32(p)))
-        emu.kernel('cp_channel_sum_apply')((1,), (128,), (part, db, numpy.uint32(c),
-                                                          numpy.uint32(p)))
+        emu.kernel('cp_channel_sum_apply_rows')((1,), (128,), (part, db, numpy.uint32(c),
+                                                               numpy.uint32(p)))
         runs[name] = db
     assert runs['16'].tobytes() == runs['32'].tobytes()
     want = db0.astype(numpy.float64) + dy.astype(numpy.float64).sum(axis=0)
     numpy.testing.assert_allclose(runs['16'], want, rtol=1e-6)
+    # The partials in rows of c (a block's row, then the next block's), each
+    # its share of the rows' sum; cp_channel_sum_apply_rows adds them in that order.
+    # (Block q takes rows m q // p up to m (q + 1) // p.)
+    bounds = [m * q // p for q in range(p + 1)]
+    want_rows = [dy[lo:hi].astype(numpy.float64).sum(axis=0) for lo, hi in zip(bounds, bounds[1:])]
+    numpy.testing.assert_allclose(part.reshape(p, c), want_rows, rtol=1e-12)
+
+
+@pytest.mark.parametrize('m, c, shift', [(30, 16, 0), (30, 16, 3), (7, 5, 0)])
+def test_channels_last_bias_add_adds_each_channels_value(half_extra, float_extra, m, c, shift):
+    """cp_bias_nhwc: y (m rows of c) + b[c] in float32, rounded once to
+    the map's type; 16 channels aligned take the vector loop, misaligned
+    or 5 channels the scalar one, with the same values."""
+    r = numpy.random.RandomState(m * c + shift)
+    y0 = r.standard_normal((m, c)).astype(F32) * 30
+    b0 = r.standard_normal(c).astype(F32) * 30
+    for emu, dtype in ((half_extra, F16), (float_extra, F32)):
+        y = _offset(y0.astype(dtype).ravel(), shift)
+        b = _offset(b0.astype(dtype), shift)
+        assert (y.ctypes.data % 16 == 0) == (b.ctypes.data % 16 == 0) == (shift == 0)
+        want = (y.astype(F32).reshape(m, c) + b.astype(F32)).astype(dtype)
+        emu.kernel('cp_bias_nhwc')((2,), (32,), (y, b, numpy.uint64(m), numpy.uint32(c)))
+        assert y.reshape(m, c).tobytes() == want.tobytes()
 
 
 def test_a_channels_last_filter_gradient_adds_to_the_master_in_caffes_order(half_extra):
