@@ -107,6 +107,19 @@ extern "C" __global__ void cp_pool_fwd(const CP_A* x, CP_A* y, int* arg,
     }
 }
 
+/* The windows that hold input value (h, w) under Caffe's geometry: output
+   rows ph0 <= ph < ph1 and columns pw0 <= pw < pw1. */
+__device__ __forceinline__ void cp_windows_of(const int h, const int w, const int KH,
+    const int KW, const int SH, const int SW, const int PH, const int PW, const int OH,
+    const int OW, int* ph0, int* ph1, int* pw0, int* pw1)
+{
+    const int hp = h + PH, wp = w + PW;
+    *ph0 = hp < KH ? 0 : (hp - KH) / SH + 1;
+    *ph1 = min(hp / SH + 1, OH);
+    *pw0 = wp < KW ? 0 : (wp - KW) / SW + 1;
+    *pw1 = min(wp / SW + 1, OW);
+}
+
 /* Pooling backward, one thread per input value: the sum over the windows
    that hold it of dy routed by arg (MAX) or dy / divisor (AVE). */
 extern "C" __global__ void cp_pool_bwd(const CP_A* dy, const int* arg, CP_A* dx,
@@ -119,11 +132,8 @@ extern "C" __global__ void cp_pool_bwd(const CP_A* dy, const int* arg, CP_A* dx,
     for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
         int h, w;
         const unsigned nc = cp_plane_of(i, H, W, &h, &w);
-        const int hp = h + PH, wp = w + PW;
-        const int ph0 = hp < KH ? 0 : (hp - KH) / SH + 1;
-        const int ph1 = min(hp / SH + 1, OH);
-        const int pw0 = wp < KW ? 0 : (wp - KW) / SW + 1;
-        const int pw1 = min(wp / SW + 1, OW);
+        int ph0, ph1, pw0, pw1;
+        cp_windows_of(h, w, KH, KW, SH, SW, PH, PW, OH, OW, &ph0, &ph1, &pw0, &pw1);
         const unsigned ob = nc * (unsigned)(OH * OW);
         float acc = 0.0f;
         for (int ph = ph0; ph < ph1; ++ph) {
@@ -196,11 +206,8 @@ __device__ __forceinline__ void cp_mpool_bwd_run(const I total, const CP_A* dy,
     for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
         int h, w;
         const unsigned long long nc = cp_plane_of(i, H, W, &h, &w);
-        const int hp = h + PH, wp = w + PW;
-        const int ph0 = hp < KH ? 0 : (hp - KH) / SH + 1;
-        const int ph1 = min(hp / SH + 1, OH);
-        const int pw0 = wp < KW ? 0 : (wp - KW) / SW + 1;
-        const int pw1 = min(wp / SW + 1, OW);
+        int ph0, ph1, pw0, pw1;
+        cp_windows_of(h, w, KH, KW, SH, SW, PH, PW, OH, OW, &ph0, &ph1, &pw0, &pw1);
         const unsigned long long ob = nc * (unsigned long long)(OH * OW);
         float acc = 0.0f;
         for (int ph = ph0; ph < ph1; ++ph) {
@@ -280,6 +287,14 @@ __device__ __forceinline__ void cp_mpool_fwd_nhwc_run(const I total, const CP_A*
    a thread, 0.45 ms so (dev/kernel_profile.py). Each channel's maximum,
    argmax and gradient are the scalar kernels', in the same order. */
 struct alignas(CP_V) cp_arg_vec { unsigned char v[CP_V]; };
+/* Group i of CP_V channels of channels-last maps: its pixel, and its first channel *c. */
+template <class I>
+__device__ __forceinline__ I cp_pixel_of_group(const I i, const int C, int* c) {
+    const int G = C / CP_V;
+    const I pixel = i / (I)G;
+    *c = (int)(i - pixel * (I)G) * CP_V;
+    return pixel;
+}
 __device__ __forceinline__ bool cp_pool_vec_ok(const int C, const void* a, const void* b,
                                                const void* arg) {
     return C % CP_V == 0 && cp_aligned16(a) && cp_aligned16(b) &&
@@ -291,11 +306,10 @@ __device__ __forceinline__ void cp_mpool_fwd_nhwc_vrun(const I groups, const CP_
     unsigned char* arg, const int C, const int H, const int W, const int OH, const int OW,
     const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
 {
-    const int G = C / CP_V;
     const I stride = (I)gridDim.x * blockDim.x;
     for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < groups; i += stride) {
-        const I pixel = i / (I)G;
-        const int c = (int)(i - pixel * (I)G) * CP_V;
+        int c;
+        const I pixel = cp_pixel_of_group(i, C, &c);
         int oh, ow;
         const unsigned long long n = cp_plane_of(pixel, OH, OW, &oh, &ow);
         const CP_A* xp = x + n * (unsigned long long)(H * W) * C + c;
@@ -347,11 +361,8 @@ __device__ __forceinline__ void cp_mpool_bwd_nhwc_run(const I total, const CP_A*
         const int c = (int)(i - pixel * (I)C);
         int h, w;
         const unsigned long long n = cp_plane_of(pixel, H, W, &h, &w);
-        const int hp = h + PH, wp = w + PW;
-        const int ph0 = hp < KH ? 0 : (hp - KH) / SH + 1;
-        const int ph1 = min(hp / SH + 1, OH);
-        const int pw0 = wp < KW ? 0 : (wp - KW) / SW + 1;
-        const int pw1 = min(wp / SW + 1, OW);
+        int ph0, ph1, pw0, pw1;
+        cp_windows_of(h, w, KH, KW, SH, SW, PH, PW, OH, OW, &ph0, &ph1, &pw0, &pw1);
         const unsigned long long ob = n * (unsigned long long)(OH * OW);
         float acc = 0.0f;
         for (int ph = ph0; ph < ph1; ++ph) {
@@ -372,18 +383,14 @@ __device__ __forceinline__ void cp_mpool_bwd_nhwc_vrun(const I groups, const CP_
     const int OW, const int KH, const int KW, const int SH, const int SW, const int PH,
     const int PW)
 {
-    const int G = C / CP_V;
     const I stride = (I)gridDim.x * blockDim.x;
     for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < groups; i += stride) {
-        const I pixel = i / (I)G;
-        const int c = (int)(i - pixel * (I)G) * CP_V;
+        int c;
+        const I pixel = cp_pixel_of_group(i, C, &c);
         int h, w;
         const unsigned long long n = cp_plane_of(pixel, H, W, &h, &w);
-        const int hp = h + PH, wp = w + PW;
-        const int ph0 = hp < KH ? 0 : (hp - KH) / SH + 1;
-        const int ph1 = min(hp / SH + 1, OH);
-        const int pw0 = wp < KW ? 0 : (wp - KW) / SW + 1;
-        const int pw1 = min(wp / SW + 1, OW);
+        int ph0, ph1, pw0, pw1;
+        cp_windows_of(h, w, KH, KW, SH, SW, PH, PW, OH, OW, &ph0, &ph1, &pw0, &pw1);
         const unsigned long long ob = n * (unsigned long long)(OH * OW);
         float acc[CP_V];
         for (int k = 0; k < CP_V; ++k) acc[k] = 0.0f;
@@ -446,11 +453,10 @@ __device__ __forceinline__ void cp_mpool_bwd_tiled_nhwc_vrun(const I groups, con
     const int KW)
 {
     const int W = OW * KW;
-    const int G = C / CP_V;
     const I stride = (I)gridDim.x * blockDim.x;
     for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < groups; i += stride) {
-        const I pixel = i / (I)G;
-        const int c = (int)(i - pixel * (I)G) * CP_V;
+        int c;
+        const I pixel = cp_pixel_of_group(i, C, &c);
         int oh, ow;
         const unsigned long long n = cp_plane_of(pixel, OH, OW, &oh, &ow);
         const unsigned long long o = (unsigned long long)i * CP_V;
