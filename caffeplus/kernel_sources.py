@@ -581,8 +581,11 @@ extern "C" __global__ void cp_axpby(const CP_A* a, const CP_A* b, CP_A* y, const
    first masked by an in-place ReLU's top (g *= (ref > 0), written back).
    16-byte loads where every array it touches is aligned: the scalar loop
    ran at about half the memory's pace (ResNet-50's Eltwise backward). */
-__device__ __forceinline__ float cp_masked_by(float g, float r) {
-    return __fmul_rn(g, r > 0.0f ? 1.0f : 0.0f);
+__device__ __forceinline__ void cp_store_scaled(CP_A* d, const unsigned i, const float c,
+                                                const cp_vec& v) {
+    cp_vec o;
+    for (int k = 0; k < CP_V; ++k) o.v[k] = __fmul_rn(c, (float)v.v[k]);
+    ((cp_vec*)d)[i] = o;
 }
 
 extern "C" __global__ void cp_scale2(CP_A* g, CP_A* d0, CP_A* d1, const CP_A* ref,
@@ -597,23 +600,15 @@ extern "C" __global__ void cp_scale2(CP_A* g, CP_A* d0, CP_A* d1, const CP_A* re
         cp_vec v = ((const cp_vec*)g)[i];
         if (flags & 4) {
             const cp_vec r = ((const cp_vec*)ref)[i];
-            for (int k = 0; k < CP_V; ++k) v.v[k] = cp_masked_by(v.v[k], r.v[k]);
+            for (int k = 0; k < CP_V; ++k) v.v[k] = cp_relu_grad(v.v[k], r.v[k], 0.0f);
             ((cp_vec*)g)[i] = v;
         }
-        if (flags & 1) {
-            cp_vec o;
-            for (int k = 0; k < CP_V; ++k) o.v[k] = __fmul_rn(c0, (float)v.v[k]);
-            ((cp_vec*)d0)[i] = o;
-        }
-        if (flags & 2) {
-            cp_vec o;
-            for (int k = 0; k < CP_V; ++k) o.v[k] = __fmul_rn(c1, (float)v.v[k]);
-            ((cp_vec*)d1)[i] = o;
-        }
+        if (flags & 1) cp_store_scaled(d0, i, c0, v);
+        if (flags & 2) cp_store_scaled(d1, i, c1, v);
     }
     for (unsigned i = nv * CP_V + t0; i < n; i += step) {
         float t = g[i];
-        if (flags & 4) { t = cp_masked_by(t, ref[i]); g[i] = t; }
+        if (flags & 4) { t = cp_relu_grad(t, ref[i], 0.0f); g[i] = t; }
         if (flags & 1) d0[i] = __fmul_rn(c0, t);
         if (flags & 2) d1[i] = __fmul_rn(c1, t);
     }

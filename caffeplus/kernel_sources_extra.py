@@ -43,29 +43,29 @@ __device__ __forceinline__ I cp_plane_of(const I i, const int H, const int W, in
     return t / (I)H;
 }
 
-/* The first maximum of the window rows hs.., columns ws.. (clipped to the
-   H x W plane xp, its values CS apart: 1 in Caffe's order, C channels-last)
-   in scan order: strict >, from -FLT_MAX, so NaN never wins; *arg = its
-   offset kh*KW+kw in the window, `none` if nothing beat -FLT_MAX. */
-template <class T>
-__device__ __forceinline__ float cp_window_max(const T* xp, const int H, const int W,
-    const int hs, const int ws, const int KH, const int KW, const int none, int* arg,
-    const int CS = 1)
+/* The first maximum of each of V channels over the window rows hs..,
+   columns ws.. (clipped to the H x W plane xp, its pixels CS values apart:
+   1 in Caffe's order, C channels-last) in scan order: strict >, from
+   -FLT_MAX, so NaN never wins; a[k] = its offset kh*KW+kw in the window,
+   `none` if nothing beat -FLT_MAX. */
+template <int V, class A>
+__device__ __forceinline__ void cp_window_max(const CP_A* xp, const int H, const int W,
+    const int hs, const int ws, const int KH, const int KW, const int none, const int CS,
+    float* m, A* a)
 {
-    float m = -CP_FLT_MAX;
-    int a = none;
+    for (int k = 0; k < V; ++k) { m[k] = -CP_FLT_MAX; a[k] = (A)none; }
     for (int kh = 0; kh < KH; ++kh) {
         const int h = hs + kh;
         if (h < 0 || h >= H) continue;
         for (int kw = 0; kw < KW; ++kw) {
             const int w = ws + kw;
             if (w < 0 || w >= W) continue;
-            const float v = (float)xp[(long long)(h * W + w) * CS];
-            if (v > m) { m = v; a = kh * KW + kw; }
+            float v[V];
+            cp_load<V>(xp + (long long)(h * W + w) * CS, v);
+            for (int k = 0; k < V; ++k)
+                if (v[k] > m[k]) { m[k] = v[k]; a[k] = (A)(kh * KW + kw); }
         }
     }
-    *arg = a;
-    return m;
 }
 
 /* Pooling with Caffe's windows (rows oh*SH-PH .. +KH, clipped to the image),
@@ -100,8 +100,10 @@ extern "C" __global__ void cp_pool_fwd(const CP_A* x, CP_A* y, int* arg,
             }
             y[i] = __fdiv_rn(sum, size);
         } else {
+            float m;
             int a;
-            y[i] = cp_window_max(xp, H, W, hs, ws, KH, KW, -1, &a);
+            cp_window_max<1>(xp, H, W, hs, ws, KH, KW, -1, 1, &m, &a);
+            y[i] = m;
             arg[i] = a;
         }
     }
@@ -175,9 +177,11 @@ __device__ __forceinline__ void cp_mpool_fwd_run(const I total, const CP_A* x, C
         const unsigned long long nc = cp_plane_of(i, OH, OW, &oh, &ow);
         const int hs = oh * SH - PH, ws = ow * SW - PW;
         const CP_A* xp = x + nc * (unsigned long long)(H * W);
-        int a;
-        y[i] = cp_window_max(xp, H, W, hs, ws, KH, KW, 255, &a);
-        arg[i] = (unsigned char)a;
+        float m;
+        unsigned char a;
+        cp_window_max<1>(xp, H, W, hs, ws, KH, KW, 255, 1, &m, &a);
+        y[i] = m;
+        arg[i] = a;
     }
 }
 
@@ -260,80 +264,53 @@ extern "C" __global__ void cp_mpool_bwd_tiled(const CP_A* dy, const unsigned cha
 }
 
 /* The three above over channels-last maps (x, y, dx, dy: N, H, W, C; the
-   argmax in y's order): one thread per value, consecutive threads
-   consecutive channels, the same windows, argmax and sums. */
-template <class I>
-__device__ __forceinline__ void cp_mpool_fwd_nhwc_run(const I total, const CP_A* x, CP_A* y,
-    unsigned char* arg, const int C, const int H, const int W, const int OH, const int OW,
-    const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
-{
-    const I stride = (I)gridDim.x * blockDim.x;
-    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const I pixel = i / (I)C;
-        const int c = (int)(i - pixel * (I)C);
-        int oh, ow;
-        const unsigned long long n = cp_plane_of(pixel, OH, OW, &oh, &ow);
-        const CP_A* xp = x + n * (unsigned long long)(H * W) * C + c;
-        int a;
-        y[i] = cp_window_max(xp, H, W, oh * SH - PH, ow * SW - PW, KH, KW, 255, &a, C);
-        arg[i] = (unsigned char)a;
-    }
-}
+   argmax in y's order), the same windows, argmax and sums: each thread
+   takes V consecutive channels of a pixel. V is CP_V where C is a multiple
+   of it, the maps are 16-byte aligned and the argmax CP_V-byte aligned
+   (one 16-byte load a window value, the index arithmetic once for CP_V
+   values: ResNet-50 b256's pool1 backward took 2.4 ms with a value a
+   thread, 0.45 ms with 8 channels; dev/kernel_profile.py), else 1. */
+template <int V> struct alignas(V) cp_arg_bytes { unsigned char v[V]; };
 
-/* The channels-last MAX pooling kernels take CP_V channels a thread where C
-   is a multiple of CP_V, the maps are 16-byte aligned and the argmax CP_V-byte
-   aligned: one 16-byte load a window value and the index arithmetic once
-   for CP_V values. ResNet-50 b256's pool1 backward: 2.4 ms with a value a
-   thread, 0.45 ms with 8 channels (dev/kernel_profile.py). Each channel's
-   maximum, argmax and gradient are the scalar kernels', in the same order. */
-struct alignas(CP_V) cp_arg_vec { unsigned char v[CP_V]; };
+#define CP_BY_INDEX_W(run, V, total, ...)                                        \
+    if ((total) <= CP_INDEX_32) run<unsigned, V>((unsigned)(total), __VA_ARGS__); \
+    else run<unsigned long long, V>((total), __VA_ARGS__)
 
-/* Group i of CP_V channels of channels-last maps: its pixel, and its first channel *c. */
-template <class I>
-__device__ __forceinline__ I cp_pixel_of_group(const I i, const int C, int* c) {
-    const int G = C / CP_V;
-    const I pixel = i / (I)G;
-    *c = (int)(i - pixel * (I)G) * CP_V;
-    return pixel;
-}
-
+/* Whether a channels-last pooling kernel's threads can take CP_V channels. */
 __device__ __forceinline__ bool cp_pool_vec_ok(const int C, const void* a, const void* b,
                                                const void* arg) {
     return C % CP_V == 0 && cp_aligned16(a) && cp_aligned16(b) &&
         ((unsigned long long)arg % CP_V) == 0;
 }
 
-template <class I>
-__device__ __forceinline__ void cp_mpool_fwd_nhwc_vrun(const I groups, const CP_A* x, CP_A* y,
+/* Group i of V channels: its pixel, and its first channel *c. */
+template <class I, int V>
+__device__ __forceinline__ I cp_pixel_of_group(const I i, const int C, int* c) {
+    const int G = C / V;
+    const I pixel = i / (I)G;
+    *c = (int)(i - pixel * (I)G) * V;
+    return pixel;
+}
+
+template <class I, int V>
+__device__ __forceinline__ void cp_mpool_fwd_nhwc_run(const I groups, const CP_A* x, CP_A* y,
     unsigned char* arg, const int C, const int H, const int W, const int OH, const int OW,
     const int KH, const int KW, const int SH, const int SW, const int PH, const int PW)
 {
     const I stride = (I)gridDim.x * blockDim.x;
     for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < groups; i += stride) {
         int c;
-        const I pixel = cp_pixel_of_group(i, C, &c);
+        const I pixel = cp_pixel_of_group<I, V>(i, C, &c);
         int oh, ow;
         const unsigned long long n = cp_plane_of(pixel, OH, OW, &oh, &ow);
         const CP_A* xp = x + n * (unsigned long long)(H * W) * C + c;
         const int hs = oh * SH - PH, ws = ow * SW - PW;
-        float m[CP_V];
-        cp_arg_vec a;
-        for (int k = 0; k < CP_V; ++k) { m[k] = -CP_FLT_MAX; a.v[k] = 255; }
-        for (int kh = 0; kh < KH; ++kh) {
-            const int h = hs + kh;
-            if (h < 0 || h >= H) continue;
-            for (int kw = 0; kw < KW; ++kw) {
-                const int w = ws + kw;
-                if (w < 0 || w >= W) continue;
-                float v[CP_V];
-                cp_load<CP_V>(xp + (long long)(h * W + w) * C, v);
-                for (int k = 0; k < CP_V; ++k)
-                    if (v[k] > m[k]) { m[k] = v[k]; a.v[k] = (unsigned char)(kh * KW + kw); }
-            }
-        }
-        const unsigned long long o = (unsigned long long)i * CP_V;
-        cp_store<CP_V>(y + o, m);
-        *(cp_arg_vec*)(arg + o) = a;
+        float m[V];
+        cp_arg_bytes<V> a;
+        cp_window_max<V>(xp, H, W, hs, ws, KH, KW, 255, C, m, a.v);
+        const unsigned long long o = (unsigned long long)i * V;
+        cp_store<V>(y + o, m);
+        *(cp_arg_bytes<V>*)(arg + o) = a;
     }
 }
 
@@ -343,44 +320,16 @@ extern "C" __global__ void cp_mpool_fwd_nhwc(const CP_A* x, CP_A* y, unsigned ch
     const int PW)
 {
     if (cp_pool_vec_ok(C, x, y, arg)) {
-        CP_BY_INDEX(cp_mpool_fwd_nhwc_vrun, total / CP_V, x, y, arg, C, H, W, OH, OW, KH, KW,
-                    SH, SW, PH, PW);
-        return;
-    }
-    CP_BY_INDEX(cp_mpool_fwd_nhwc_run, total, x, y, arg, C, H, W, OH, OW, KH, KW, SH, SW, PH,
-                PW);
-}
-
-template <class I>
-__device__ __forceinline__ void cp_mpool_bwd_nhwc_run(const I total, const CP_A* dy,
-    const unsigned char* arg, CP_A* dx, const int C, const int H, const int W, const int OH,
-    const int OW, const int KH, const int KW, const int SH, const int SW, const int PH,
-    const int PW)
-{
-    const I stride = (I)gridDim.x * blockDim.x;
-    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const I pixel = i / (I)C;
-        const int c = (int)(i - pixel * (I)C);
-        int h, w;
-        const unsigned long long n = cp_plane_of(pixel, H, W, &h, &w);
-        int ph0, ph1, pw0, pw1;
-        cp_windows_of(h, w, KH, KW, SH, SW, PH, PW, OH, OW, &ph0, &ph1, &pw0, &pw1);
-        const unsigned long long ob = n * (unsigned long long)(OH * OW);
-        float acc = 0.0f;
-        for (int ph = ph0; ph < ph1; ++ph) {
-            const int hs = ph * SH - PH;
-            for (int pw = pw0; pw < pw1; ++pw) {
-                const int ws = pw * SW - PW;
-                const unsigned long long o = (ob + (unsigned long long)(ph * OW + pw)) * C + c;
-                if ((int)arg[o] == (h - hs) * KW + (w - ws)) acc = __fadd_rn(acc, dy[o]);
-            }
-        }
-        dx[i] = acc;
+        CP_BY_INDEX_W(cp_mpool_fwd_nhwc_run, CP_V, total / CP_V, x, y, arg, C, H, W, OH, OW,
+                      KH, KW, SH, SW, PH, PW);
+    } else {
+        CP_BY_INDEX_W(cp_mpool_fwd_nhwc_run, 1, total, x, y, arg, C, H, W, OH, OW, KH, KW, SH,
+                      SW, PH, PW);
     }
 }
 
-template <class I>
-__device__ __forceinline__ void cp_mpool_bwd_nhwc_vrun(const I groups, const CP_A* dy,
+template <class I, int V>
+__device__ __forceinline__ void cp_mpool_bwd_nhwc_run(const I groups, const CP_A* dy,
     const unsigned char* arg, CP_A* dx, const int C, const int H, const int W, const int OH,
     const int OW, const int KH, const int KW, const int SH, const int SW, const int PH,
     const int PW)
@@ -388,28 +337,28 @@ __device__ __forceinline__ void cp_mpool_bwd_nhwc_vrun(const I groups, const CP_
     const I stride = (I)gridDim.x * blockDim.x;
     for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < groups; i += stride) {
         int c;
-        const I pixel = cp_pixel_of_group(i, C, &c);
+        const I pixel = cp_pixel_of_group<I, V>(i, C, &c);
         int h, w;
         const unsigned long long n = cp_plane_of(pixel, H, W, &h, &w);
         int ph0, ph1, pw0, pw1;
         cp_windows_of(h, w, KH, KW, SH, SW, PH, PW, OH, OW, &ph0, &ph1, &pw0, &pw1);
         const unsigned long long ob = n * (unsigned long long)(OH * OW);
-        float acc[CP_V];
-        for (int k = 0; k < CP_V; ++k) acc[k] = 0.0f;
+        float acc[V];
+        for (int k = 0; k < V; ++k) acc[k] = 0.0f;
         for (int ph = ph0; ph < ph1; ++ph) {
             const int hs = ph * SH - PH;
             for (int pw = pw0; pw < pw1; ++pw) {
                 const int ws = pw * SW - PW;
                 const unsigned long long o = (ob + (unsigned long long)(ph * OW + pw)) * C + c;
-                const cp_arg_vec a = *(const cp_arg_vec*)(arg + o);
-                float g[CP_V];
-                cp_load<CP_V>(dy + o, g);
+                const cp_arg_bytes<V> a = *(const cp_arg_bytes<V>*)(arg + o);
+                float g[V];
+                cp_load<V>(dy + o, g);
                 const int here = (h - hs) * KW + (w - ws);
-                for (int k = 0; k < CP_V; ++k)
+                for (int k = 0; k < V; ++k)
                     if ((int)a.v[k] == here) acc[k] = __fadd_rn(acc[k], g[k]);
             }
         }
-        cp_store<CP_V>(dx + (unsigned long long)i * CP_V, acc);
+        cp_store<V>(dx + (unsigned long long)i * V, acc);
     }
 }
 
@@ -419,38 +368,16 @@ extern "C" __global__ void cp_mpool_bwd_nhwc(const CP_A* dy, const unsigned char
     const int PH, const int PW)
 {
     if (cp_pool_vec_ok(C, dy, dx, arg)) {
-        CP_BY_INDEX(cp_mpool_bwd_nhwc_vrun, total / CP_V, dy, arg, dx, C, H, W, OH, OW, KH, KW,
-                    SH, SW, PH, PW);
-        return;
-    }
-    CP_BY_INDEX(cp_mpool_bwd_nhwc_run, total, dy, arg, dx, C, H, W, OH, OW, KH, KW, SH, SW, PH,
-                PW);
-}
-
-template <class I>
-__device__ __forceinline__ void cp_mpool_bwd_tiled_nhwc_run(const I total, const CP_A* dy,
-    const unsigned char* arg, CP_A* dx, const int C, const int OH, const int OW, const int KH,
-    const int KW)
-{
-    const int W = OW * KW;
-    const I stride = (I)gridDim.x * blockDim.x;
-    for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        const I pixel = i / (I)C;
-        const int c = (int)(i - pixel * (I)C);
-        int oh, ow;
-        const unsigned long long n = cp_plane_of(pixel, OH, OW, &oh, &ow);
-        const int a = (int)arg[i];
-        const float g = __fadd_rn(0.0f, dy[i]);
-        CP_A* dp = dx + ((n * (unsigned long long)(OH * KH) + (unsigned long long)(oh * KH)) *
-                         W + (unsigned long long)(ow * KW)) * C + c;
-        for (int kh = 0; kh < KH; ++kh)
-            for (int kw = 0; kw < KW; ++kw)
-                dp[(long long)(kh * W + kw) * C] = (kh * KW + kw == a) ? g : 0.0f;
+        CP_BY_INDEX_W(cp_mpool_bwd_nhwc_run, CP_V, total / CP_V, dy, arg, dx, C, H, W, OH, OW,
+                      KH, KW, SH, SW, PH, PW);
+    } else {
+        CP_BY_INDEX_W(cp_mpool_bwd_nhwc_run, 1, total, dy, arg, dx, C, H, W, OH, OW, KH, KW,
+                      SH, SW, PH, PW);
     }
 }
 
-template <class I>
-__device__ __forceinline__ void cp_mpool_bwd_tiled_nhwc_vrun(const I groups, const CP_A* dy,
+template <class I, int V>
+__device__ __forceinline__ void cp_mpool_bwd_tiled_nhwc_run(const I groups, const CP_A* dy,
     const unsigned char* arg, CP_A* dx, const int C, const int OH, const int OW, const int KH,
     const int KW)
 {
@@ -458,21 +385,21 @@ __device__ __forceinline__ void cp_mpool_bwd_tiled_nhwc_vrun(const I groups, con
     const I stride = (I)gridDim.x * blockDim.x;
     for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < groups; i += stride) {
         int c;
-        const I pixel = cp_pixel_of_group(i, C, &c);
+        const I pixel = cp_pixel_of_group<I, V>(i, C, &c);
         int oh, ow;
         const unsigned long long n = cp_plane_of(pixel, OH, OW, &oh, &ow);
-        const unsigned long long o = (unsigned long long)i * CP_V;
-        const cp_arg_vec a = *(const cp_arg_vec*)(arg + o);
-        float g[CP_V];
-        cp_load<CP_V>(dy + o, g);
-        for (int k = 0; k < CP_V; ++k) g[k] = __fadd_rn(0.0f, g[k]);
+        const unsigned long long o = (unsigned long long)i * V;
+        const cp_arg_bytes<V> a = *(const cp_arg_bytes<V>*)(arg + o);
+        float g[V];
+        cp_load<V>(dy + o, g);
+        for (int k = 0; k < V; ++k) g[k] = __fadd_rn(0.0f, g[k]);
         CP_A* dp = dx + ((n * (unsigned long long)(OH * KH) + (unsigned long long)(oh * KH)) *
                          W + (unsigned long long)(ow * KW)) * C + c;
         for (int kh = 0; kh < KH; ++kh)
             for (int kw = 0; kw < KW; ++kw) {
-                float out[CP_V];
-                for (int k = 0; k < CP_V; ++k) out[k] = (kh * KW + kw == (int)a.v[k]) ? g[k] : 0.0f;
-                cp_store<CP_V>(dp + (long long)(kh * W + kw) * C, out);
+                float out[V];
+                for (int k = 0; k < V; ++k) out[k] = (kh * KW + kw == (int)a.v[k]) ? g[k] : 0.0f;
+                cp_store<V>(dp + (long long)(kh * W + kw) * C, out);
             }
     }
 }
@@ -482,10 +409,11 @@ extern "C" __global__ void cp_mpool_bwd_tiled_nhwc(const CP_A* dy, const unsigne
     const int KH, const int KW)
 {
     if (cp_pool_vec_ok(C, dy, dx, arg)) {
-        CP_BY_INDEX(cp_mpool_bwd_tiled_nhwc_vrun, total / CP_V, dy, arg, dx, C, OH, OW, KH, KW);
-        return;
+        CP_BY_INDEX_W(cp_mpool_bwd_tiled_nhwc_run, CP_V, total / CP_V, dy, arg, dx, C, OH, OW,
+                      KH, KW);
+    } else {
+        CP_BY_INDEX_W(cp_mpool_bwd_tiled_nhwc_run, 1, total, dy, arg, dx, C, OH, OW, KH, KW);
     }
-    CP_BY_INDEX(cp_mpool_bwd_tiled_nhwc_run, total, dy, arg, dx, C, OH, OW, KH, KW);
 }
 
 /* ReLU (negative slope 0) that also keeps bit i%32 of bits[i/32] = (y[i] > 0),

@@ -387,11 +387,17 @@ def channel_sums_nhwc(dy, part, db, m, c, p, dtype=None):
                                         (_arg(part), _arg(db), u32(c), u32(p)))
 
 
+def channels_grid(count, c, dtype=None):
+    """The grid of a channels-last kernel over `count` values of c channels
+    whose threads take 16 bytes of channels where that divides c (a value a
+    thread otherwise, and where the maps are misaligned, striding)."""
+    width = 16 // numpy.dtype(dtype or numpy.float32).itemsize
+    return elementwise_grid(count // width if c % width == 0 else count)
+
+
 def bias_nhwc(y, b, m, c, dtype=None):
     """y (m rows of c, channels-last maps) += b[channel] in place; b of the maps' type."""
-    width = 16 // numpy.dtype(dtype or numpy.float32).itemsize
-    count = m * c // width if c % width == 0 else m * c
-    kernel('cp_bias_nhwc', dtype)(elementwise_grid(count), (ELEMENTWISE_THREADS,),
+    kernel('cp_bias_nhwc', dtype)(channels_grid(m * c, c, dtype), (ELEMENTWISE_THREADS,),
                                   (_arg(y), _arg(b), numpy.uint64(m), u32(c)))
 
 

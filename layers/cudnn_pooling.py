@@ -224,13 +224,9 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         return self._layouts[0] == 'NHWC'
 
     def _grid(self, count, dtype):
-        """The pooling kernels' grid over `count` values: channels-last, a
-        thread takes 16 bytes of channels where they divide C (the kernels
-        fall back to a value a thread, striding, when the maps are
-        misaligned)."""
-        width = 16 // numpy.dtype(dtype).itemsize
-        if self._nhwc() and self.pool.x_shape[1] % width == 0:
-            count //= width
+        """The pooling kernels' grid over `count` values."""
+        if self._nhwc():
+            return _kernels.channels_grid(count, self.pool.x_shape[1], dtype)
         return _kernels.elementwise_grid(count)
 
     def _channel_arg(self):
