@@ -11,7 +11,8 @@ and NumPy drawing the census's values: for each filled array,
 numpy.empty(n, float32) and Generator.standard_normal(out=) for gaussian
 and msra, Generator.random(out=) for uniform, xavier and positive_unitball,
 .fill() for constants and bilinear, numpy.zeros for the constant 0 of an
-absent filler. Medians are printed, with build / NumPy (target <= 2.0).
+absent filler, every array kept until the last is filled, as a net keeps
+them. Medians are printed, with build / NumPy (target <= 2.0).
 
 Stock Caffe cannot run here. Its build times on record are LeNet's, in the
 stock-Caffe reference logs (the time from "Initializing net from parameters"
@@ -132,8 +133,12 @@ _UNIFORM = ('uniform', 'xavier', 'positive_unitball')
 
 
 def numpy_draws(draws):
-    """Seconds NumPy takes to allocate and fill arrays like `draws`."""
+    """Seconds NumPy takes to allocate and fill arrays like `draws`. The
+    arrays are kept until the end, as a net keeps its weights: freed one by
+    one, each next array would reuse memory the last one already faulted in,
+    which no build can."""
     g = rng.get()
+    kept = []
     start = time.perf_counter()
     for kind, count, value in draws:
         if kind == 'zeros':
@@ -146,8 +151,10 @@ def numpy_draws(draws):
                 g.random(dtype=numpy.float32, out=a)
             else:
                 a.fill(value)
-        del a
-    return time.perf_counter() - start
+        kept.append(a)
+    seconds = time.perf_counter() - start
+    del kept
+    return seconds
 
 
 def build_seconds(source, phase):

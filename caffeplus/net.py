@@ -275,9 +275,12 @@ class Net:
         workspace.attach_default(self)
         # 16-bit storage, where the types ask for it (caffeplus.precision).
         precision.attach(self)
+        log.info('Network initialization done.')
+        # Data layers start prefetching only now: in Python their threads
+        # would hold the interpreter's lock while the net is still being
+        # built, where Caffe's run on another core beside it.
         for layer in self.layers:
             layer.net_ready()
-        log.info('Network initialization done.')
 
     @property
     def blobs(self):

@@ -284,9 +284,8 @@ class BasePrefetchingDataLayer(Layer):
 
     def net_ready(self):
         """Prefetching starts once the whole net is built (or at the first
-        forward of a layer used alone): a thread started at setup would take
-        the interpreter's lock from the layers still being set up (LeNet's
-        LMDB nets built in 3.0-4.5 ms with it, 1.6-2.0 without)."""
+        forward of a layer used alone): a thread started earlier would take
+        the interpreter's lock from the layers still being set up."""
         self._prefetcher.start()
 
     def make_source(self, top):

@@ -736,17 +736,35 @@ def _is_repeated(field):
     return flag
 
 
+# field descriptor -> (repeated, is a message); printing a net's text is in
+# every build's log, and asking the descriptor each time was half its cost.
+_FIELD_KIND = {}
+
+
+def _field_kind(field):
+    kind = _FIELD_KIND.get(field)
+    if kind is None:
+        kind = _FIELD_KIND[field] = (_is_repeated(field),
+                                     field.cpp_type == field.CPPTYPE_MESSAGE)
+    return kind
+
+
 def _print_message(message, indent, lines):
     pad = '  ' * indent
     for field, value in message.ListFields():
-        values = value if _is_repeated(field) else [value]
-        for v in values:
-            if field.cpp_type == field.CPPTYPE_MESSAGE:
-                lines.append('%s%s {' % (pad, field.name))
+        repeated, is_message = _field_kind(field)
+        name = field.name
+        for v in (value if repeated else (value,)):
+            if is_message:
+                lines.append('%s%s {' % (pad, name))
                 _print_message(v, indent + 1, lines)
-                lines.append('%s}' % pad)
+                lines.append(pad + '}')
+            elif type(v) is str and field.type != field.TYPE_BYTES and v.isascii() \
+                    and v.isprintable() and '"' not in v and '\\' not in v \
+                    and "'" not in v:
+                lines.append('%s%s: "%s"' % (pad, name, v))      # nothing to escape
             else:
-                lines.append('%s%s: %s' % (pad, field.name, _scalar_text(field, v)))
+                lines.append('%s%s: %s' % (pad, name, _scalar_text(field, v)))
 
 
 def message_to_text(message):
