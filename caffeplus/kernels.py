@@ -395,10 +395,11 @@ def channels_grid(count, c, dtype=None):
     return elementwise_grid(count // width if c % width == 0 else count)
 
 
-def bias_nhwc(y, b, m, c, dtype=None):
-    """y (m rows of c, channels-last maps) += b[channel] in place; b of the maps' type."""
+def bias_nhwc(y, b, m, c, dtype=None, relu=False):
+    """y (m rows of c, channels-last maps) += b[channel] in place; b of the
+    maps' type. `relu`: then max(y, 0), the in-place ReLU after it."""
     kernel('cp_bias_nhwc', dtype)(channels_grid(m * c, c, dtype), (ELEMENTWISE_THREADS,),
-                                  (_arg(y), _arg(b), numpy.uint64(m), u32(c)))
+                                  (_arg(y), _arg(b), numpy.uint64(m), u32(c), u32(bool(relu))))
 
 
 def accumulate_krsc(g, acc, k, c, rs, dtype=None):

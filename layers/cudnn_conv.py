@@ -23,8 +23,9 @@ from caffeplus.layers.vision import ConvolutionLayer, DeconvolutionLayer
 from caffeplus.proto import caffe_pb2
 
 
-def _conv_forward_calls(cd, conv, algo, reverse, x, w, y, b, ws, nbytes):
-    """One convolution forward (each group with `split` descriptors) and its bias."""
+def _conv_forward_calls(cd, conv, algo, reverse, x, w, y, b, ws, nbytes, relu=False):
+    """One convolution forward (each group with `split` descriptors) and its
+    bias (`relu`: and the ReLU after it, _bias_add_calls)."""
     ws = ws or None
     for g in range(cd.loops):
         if not reverse:
@@ -34,19 +35,22 @@ def _conv_forward_calls(cd, conv, algo, reverse, x, w, y, b, ws, nbytes):
             api.conv_backward_data(cd.w, w + g * cd.w_off, cd.y, x + g * cd.y_off, conv, algo,
                                    ws, nbytes, cd.x, y + g * cd.x_off)
     if b:
-        _bias_add_calls(cd, b, y)
+        _bias_add_calls(cd, b, y, relu)
 
 
 _bias_nhwc_ok = [True]
 
 
-def _bias_add_calls(cd, b, y):
+def _bias_add_calls(cd, b, y, relu=False):
+    """The bias added to the top; `relu` (channels-last only): and the
+    in-place ReLU after it, in the same pass. Where cp_bias_nhwc fails
+    (_bias_nhwc_ok turns False) the ReLU is left to its layer."""
     if cd.nhwc and _bias_nhwc_ok[0]:
         # Channels-last 16-bit maps: one pass over the whole top (every batch
         # slice; one group) with caffeplus.kernels' cp_bias_nhwc.
         c = cd.top_full[1]
         try:
-            _kernels.bias_nhwc(y, b, _prod(cd.top_full) // c, c, cd.dtype)
+            _kernels.bias_nhwc(y, b, _prod(cd.top_full) // c, c, cd.dtype, relu)
             return
         except Exception as exc:
             _bias_nhwc_ok[0] = False
@@ -152,6 +156,7 @@ def _workspace():
 
 
 class _CudnnConvolutionMixin(_CudnnMixin):
+    _chain = None       # a Convolution -> ReLU chain (layers/fused_chain.py)
     workspace_calls = True
     # caffeplus.layout: channels-last maps on either side (channels_last_ok).
     layout_role = 'channels_last'
@@ -518,6 +523,11 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             w = _dptr(self.blobs[0])
             b = _dptr(self.blobs[1]) if self.bias_term and bias else 0
         gemm = self._gemm if c.variant == 2 else None
+        # The in-place ReLU after it, in the bias pass (fused_chain's
+        # _ConvReLUChain, active when nothing looks at the top between them).
+        ch = self._chain
+        relu = bool(b) and cd.nhwc and _bias_nhwc_ok[0] and ch is not None and \
+            ch.fwd_active and not ch.relu.masked
         for bb, tt in zip(bottom, top):
             x, y = self._bottom_ptr(bb), _dptr(tt)
             if gemm is not None:
@@ -525,13 +535,15 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                     self._check_gemm_workspace(kind, ws, nbytes)
                     gemm.forward(x, w, y, ws)
                 if b:
-                    cd.replays.run(('bias', x, y, b), functools.partial(
-                        _bias_add_calls, cd, b, y))
+                    cd.replays.run(('bias', x, y, b, relu), functools.partial(
+                        _bias_add_calls, cd, b, y, relu))
                 continue
             with mgr.checkout(self, kind) as (ws, nbytes):
-                cd.replays.run((kind, x, w, y, b, ws, nbytes, c.algo, c.math, c.variant),
+                cd.replays.run((kind, x, w, y, b, ws, nbytes, c.algo, c.math, c.variant, relu),
                                functools.partial(_conv_forward_calls, cd, conv, c.algo,
-                                                 self.reverse, x, w, y, b, ws, nbytes))
+                                                 self.reverse, x, w, y, b, ws, nbytes, relu))
+        if relu and _bias_nhwc_ok[0]:
+            ch.fwd_done = True          # the ReLU's forward has nothing left to do
 
     def _backward(self, top, propagate_down, bottom):
         if not self._ready(_kernels.flat(top[0], True, any_dtype=True), _kernels.flat(self.blobs[0])):

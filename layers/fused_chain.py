@@ -1,6 +1,7 @@
 """Fused kernels (caffeplus.kernels) for BatchNorm, Scale, ReLU, Eltwise SUM
 and Split, and the chain planner that runs BatchNorm -> Scale (-> ReLU)
-and Eltwise SUM -> ReLU as one kernel each way.
+and Eltwise SUM -> ReLU as one kernel each way, and a channels-last
+Convolution's ReLU in its bias pass.
 """
 import numpy
 
@@ -9,6 +10,7 @@ from caffeplus.layer import register_engine
 from caffeplus.layers.common import EltwiseLayer, SplitLayer
 from caffeplus.layers.cudnn_activations import CuDNNReLULayer, _CudnnActivationMixin
 from caffeplus.layers.cudnn_common import F32, _fused, _prod
+from caffeplus.layers.cudnn_conv import CuDNNConvolutionLayer
 from caffeplus.layers.normalization import BatchNormLayer, ScaleLayer, _same_data
 from caffeplus.memory import scratch
 from caffeplus.proto import caffe_pb2
@@ -189,6 +191,23 @@ class _SumChain:
         return True
 
 
+class _ConvReLUChain:
+    """Convolution, then ReLU in place on its top: the convolution's bias
+    pass applies the ReLU too (channels-last maps: cp_bias_nhwc), and the
+    ReLU's forward then does nothing. Backward runs layer by layer."""
+    __slots__ = ('conv', 'relu', 'first', 'last', 'head', 'needs_backward', 'fwd_active',
+                 'bwd_active', 'fwd_done', 'bwd_done')
+
+    def __init__(self, i, conv, relu):
+        self.conv, self.relu = conv, relu
+        self.first, self.last, self.head = i, i + 1, relu
+        self.needs_backward = False
+        self.fwd_active = self.bwd_active = self.fwd_done = self.bwd_done = False
+
+    def backward(self):
+        return False
+
+
 def _find_chains(net):
     chains = []
     layers = net.layers
@@ -227,6 +246,19 @@ def _find_chains(net):
                 and in_place_on(i + 1, top)):
             continue
         ch = _SumChain(net, i, layer, relu)
+        layer._chain = relu._chain = ch
+        chains.append(ch)
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, CuDNNConvolutionLayer) or not layer.bias_term or \
+                i + 1 >= L or len(net.bottom_vecs[i]) != 1 or len(net.top_vecs[i]) != 1:
+            continue
+        top = net.top_vecs[i][0]
+        relu = layers[i + 1]
+        if net.bottom_vecs[i][0] is top or not (
+                isinstance(relu, CuDNNReLULayer) and relu.slope == 0 and relu._chain is None
+                and in_place_on(i + 1, top)):
+            continue
+        ch = _ConvReLUChain(i, layer, relu)
         layer._chain = relu._chain = ch
         chains.append(ch)
     return chains

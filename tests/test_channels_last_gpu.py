@@ -122,6 +122,41 @@ def test_a_channels_last_net_computes_what_caffes_order_does(gpu, sixteen, searc
     assert not kernels.failures()
 
 
+def test_a_channels_last_convolution_applies_its_relu_in_the_bias_pass(gpu):
+    """A convolution with a bias and an in-place ReLU after it adds the bias
+    and applies the ReLU in one pass (fused_chain._ConvReLUChain); the maps
+    and gradients are those of the two layers run one by one (a hook
+    between layers keeps them apart), bit for bit."""
+    from caffeplus.backend import mathmode
+    mathmode.set_math_mode('deterministic')
+    try:
+        apart = _net('fp16', 'nhwc')
+        weights = [p.data.get().copy() for p in apart.learnable_params]
+        fused = _net('fp16', 'nhwc', weights)
+        apart.before_layer_forward.append(lambda i: None)    # not chain_safe
+        r = numpy.random.RandomState(11)
+        x = r.standard_normal((8, 3, 20, 20)).astype(numpy.float32)
+        label = r.randint(0, 5, size=8).astype(numpy.float32)
+        (loss_a, grads_a, maps_a), (loss_f, grads_f, maps_f) = \
+            _run(apart, x, label), _run(fused, x, label)
+    finally:
+        mathmode.set_math_mode('strict')
+    layers = {l.layer_param.name: l for l in fused.layers}
+    for name in ('conv1', 'conv2'):
+        ch = layers[name]._chain
+        assert type(ch).__name__ == '_ConvReLUChain' and ch.fwd_done, name
+        assert not {l.layer_param.name: l for l in apart.layers}[name]._chain.fwd_done
+    assert layers['conv3']._chain is None           # no bias: its ReLU runs alone
+    assert (maps_f['conv1'] > 0).any() and (maps_f['conv1'] == 0).any()
+    assert loss_f == loss_a
+    for name, m in maps_a.items():
+        assert maps_f[name].tobytes() == m.tobytes(), name
+    for g_a, g_f in zip(grads_a, grads_f):
+        assert g_f.tobytes() == g_a.tobytes()
+    from caffeplus import kernels
+    assert not kernels.failures()
+
+
 # ResNet's layer kinds: the image's convolution, BatchNorm -> Scale -> ReLU
 # in place (the fused chains), a max pooling with Caffe's ceil rule (cuDNN's
 # windows differ: caffeplus's argmax kernels), a bottleneck with its

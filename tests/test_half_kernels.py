@@ -453,8 +453,16 @@ def test_channels_last_bias_add_adds_each_channels_value(half_extra, float_extra
         b = _offset(b0.astype(dtype), shift)
         assert (y.ctypes.data % 16 == 0) == (b.ctypes.data % 16 == 0) == (shift == 0)
         want = (y.astype(F32).reshape(m, c) + b.astype(F32)).astype(dtype)
-        emu.kernel('cp_bias_nhwc')((2,), (32,), (y, b, numpy.uint64(m), numpy.uint32(c)))
+        # With the ReLU after it: the two layers' values, bit for bit.
+        want_relu = numpy.maximum(want, dtype(0))
+        y_relu = _offset(y, shift)
+        emu.kernel('cp_bias_nhwc')((2,), (32,), (y, b, numpy.uint64(m), numpy.uint32(c),
+                                                 numpy.uint32(0)))
         assert y.reshape(m, c).tobytes() == want.tobytes()
+        emu.kernel('cp_bias_nhwc')((2,), (32,), (y_relu, b, numpy.uint64(m), numpy.uint32(c),
+                                                 numpy.uint32(1)))
+        assert y_relu.reshape(m, c).tobytes() == want_relu.tobytes()
+        assert (want < 0).any() and (want > 0).any()
 
 
 def test_a_channels_last_filter_gradient_adds_to_the_master_in_caffes_order(half_extra):
