@@ -245,8 +245,8 @@ def test_timed_search_holds_one_site_at_a_time_within_the_maps_room(monkeypatch)
 
 
 def test_batch_sliced_variants_are_timed_on_one_slice_of_scratch(monkeypatch):
-    """A site's batch-sliced variants are timed apart from its whole-batch
-    call, on scratch of one slice: in a bounded room they get the workspace
+    """Each of a site's batch slicings is timed apart from its whole-batch
+    call, on scratch of one of its slices: in a bounded room they get the workspace
     the whole batch's scratch would have taken (torchvision's AlexNet b128:
     conv1's filter gradient over quarters needs 39 MiB, 35.7 were left)."""
     fake = _FakeCupy()
@@ -275,7 +275,7 @@ def test_batch_sliced_variants_are_timed_on_one_slice_of_scratch(monkeypatch):
         return out
     sliced.scratch_bytes = 400 * MB
     sliced.needs = [50 * MB, 390 * MB, 900 * MB]
-    whole.sliced = sliced
+    whole.sliced = [sliced]
     site = Site('bwd_filter', [Cand(0, 0), Cand(1, 100 * MB)], timer=whole)
     placed = workspace.PlacedWorkspace()
     placed.search_floor = 0.0

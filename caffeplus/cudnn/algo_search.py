@@ -185,41 +185,39 @@ class _ConvDescs:
             run.scratch_bytes += FLOAT_BYTES * _prod(self.w_shape)     # its filter gradient
         # The workspace the cuBLAS variant is timed in (within the search's).
         run.variant_bytes = gemm.memory(kind) if gemm is not None and kind in gemm.kinds() else 0
-        run.sliced = self._slices_timer(kind, geometry_key, chunked) if chunked else None
+        run.sliced = [self._slices_timer(kind, geometry_key, variant, sliced)
+                      for variant, sliced in sorted(chunked.items())]
         return run
 
-    def _slices_timer(self, kind, geometry_key, chunked):
-        """The batch-sliced variants of `kind` timed alone, as run(...,
-        with_slices=False)'s companion: on scratch of one slice of the
-        fewest, so that a bounded search room leaves them the workspace the
-        whole batch's scratch would take (torchvision's AlexNet b128: conv1's
-        filter gradient over quarters needs 39 MiB, where the whole batch's
-        scratch left 35.7)."""
-        fewest = min(sliced.loops for sliced in chunked.values())
-        scratch = ((self.x_full[0] // fewest,) + self.x_full[1:],
-                   (self.y_full[0] // fewest,) + self.y_full[1:], self.w_shape)
+    def _slices_timer(self, kind, geometry_key, variant, sliced):
+        """A batch slicing of `kind` (variant `variant`, descriptors
+        `sliced`) timed alone, as run(..., with_slices=False)'s companion:
+        on scratch of one slice, so that a bounded search room leaves it
+        the workspace the whole batch's scratch would take (torchvision's
+        AlexNet b128: conv1's filter gradient over quarters needs 39 MiB,
+        where the whole batch's scratch left 35.7)."""
+        scratch = ((self.x_full[0] // sliced.loops,) + self.x_full[1:],
+                   (self.y_full[0] // sliced.loops,) + self.y_full[1:], self.w_shape)
 
         def sliced_run(ws_ptr, ws_bytes):
             key = None if geometry_key is None else \
                 geometry_key + (kind, int(ws_bytes), mathmode.cudnn_math_type(), 'slices',
-                                tuple(sorted(chunked)))
+                                variant)
             if key is not None:
                 found = _timed_within(key, len(geometry_key) + 1)
                 if found is not None:
                     return found
             xa, ya, wa = _scratch(scratch, self.dtype)
             try:
-                found = sorted(_time_slices(kind, chunked, xa, wa, ya, ws_ptr, ws_bytes),
-                               key=lambda c: c.time)
+                found = _time_slices(kind, {variant: sliced}, xa, wa, ya, ws_ptr, ws_bytes)
             finally:
                 del xa, ya, wa
             if key is not None and found:
                 _TIMED[key] = list(found)
             return found
         sliced_run.scratch_bytes = self.dtype.itemsize * sum(_prod(shape) for shape in scratch)
-        # The workspace cuDNN's heuristics give the sliced calls' candidates.
-        sliced_run.needs = [c.memory for sliced in chunked.values()
-                            for c in sliced.candidates(kind)]
+        # The workspace cuDNN's heuristics give the sliced call's candidates.
+        sliced_run.needs = [c.memory for c in sliced.candidates(kind)]
         return sliced_run
 
 

@@ -423,16 +423,17 @@ class WorkspaceArena:
                 continue
             needs = [c.memory for c in s.candidates] + [getattr(s.timer, 'variant_bytes', 0)]
             scratch = getattr(s.timer, 'scratch_bytes', 0)
-            # The batch-sliced variants apart, on one slice's scratch: the
-            # room the whole batch's scratch leaves may be too little for
-            # the workspace they need.
-            sliced = getattr(s.timer, 'sliced', None)
-            if sliced is None:
+            # Each batch slicing apart, on one slice's scratch: the room the
+            # whole batch's scratch leaves may be too little for the
+            # workspace it needs.
+            slicings = getattr(s.timer, 'sliced', None)
+            if not slicings:
                 timed = timed_in(layer, needs, scratch, s.timer)
             else:
-                timed = sorted(timed_in(layer, needs, scratch, s.timer, False) +
-                               timed_in(layer, sliced.needs, sliced.scratch_bytes, sliced),
-                               key=lambda c: c.time)
+                timed = timed_in(layer, needs, scratch, s.timer, False)
+                for sliced in slicings:
+                    timed += timed_in(layer, sliced.needs, sliced.scratch_bytes, sliced)
+                timed.sort(key=lambda c: c.time)
             if timed:
                 s.candidates = timed
                 s.timer = None          # timed once per geometry
