@@ -278,10 +278,9 @@ def worker_caffeplus(args):
     return dict(framework='caffeplus', plan=args.plan, net=args.net,
                 tf32=0 if strict else args.tf32,
                 graphs=api.graph_stats(), algorithms=algorithms,
-                # (a Convolution -> ReLU chain fuses its forward; its backward
-                # leaves the bias sums, run by each layer at its own step)
+                # (a Convolution -> ReLU chain fuses its forward only)
                 fused_chains=sum(1 for c in chains if c.fwd_done and (
-                    c.bwd_done or getattr(c, 'part', None) is not None)),
+                    c.bwd_done or not c.needs_backward)),
                 kernel_failures=kernels.failures(),
                 search=search or args.search, median_ms=statistics.median(times), times_ms=times,
                 peak_used_mib=sampler.peak / MiB, baseline_used_mib=baseline / MiB,

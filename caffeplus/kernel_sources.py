@@ -58,12 +58,6 @@ __device__ __forceinline__ float cp_relu0(float v) {
     return (v >= 0.0f || v != v) ? v : 0.0f;
 }
 
-/* ReLU backward: dx = dy where ref > 0, else dy * slope (0: Caffe's dy * (ref > 0)). */
-__device__ __forceinline__ float cp_relu_grad(float g, float r, float slope) {
-    return slope == 0.0f ? __fmul_rn(g, r > 0.0f ? 1.0f : 0.0f)
-                         : (r > 0.0f ? g : __fmul_rn(g, slope));
-}
-
 /* The chain's top from the normalized value: relu(v * s + b). */
 __device__ __forceinline__ float cp_chain(float v, float s, float b, int flags) {
     if (flags & 4) v = __fmul_rn(v, s);
@@ -540,6 +534,12 @@ extern "C" __global__ void cp_relu_fwd(const CP_A* x, CP_A* y, const unsigned n,
         ((cp_vec*)y)[i] = a;
     }
     for (unsigned i = nv * CP_V + t0; i < n; i += step) y[i] = cp_relu_of(x[i], slope);
+}
+
+/* ReLU backward: dx = dy where ref > 0, else dy * slope (0: Caffe's dy * (ref > 0)). */
+__device__ __forceinline__ float cp_relu_grad(float g, float r, float slope) {
+    return slope == 0.0f ? __fmul_rn(g, r > 0.0f ? 1.0f : 0.0f)
+                         : (r > 0.0f ? g : __fmul_rn(g, slope));
 }
 
 extern "C" __global__ void cp_relu_bwd(const CP_A* dy, const CP_A* ref, CP_A* dx,

@@ -764,41 +764,16 @@ extern "C" __global__ void cp_channel_sum_apply(const double* part, float* db,
    partials lie row by row so that both kernels' threads touch consecutive
    addresses: read channel by channel (part[c P + p], cp_channel_sum_apply),
    adding them took VGG-16 b64 1.6 ms an iteration. */
-template <bool RELU> __device__ __forceinline__ void cp_channel_sum_rows(CP_A* dy,
-    const CP_A* ref, double* part, const unsigned M, const unsigned C, const unsigned P)
+extern "C" __global__ void cp_channel_sum_part_nhwc(const CP_A* dy, double* part,
+    const unsigned M, const unsigned C, const unsigned P)
 {
     unsigned lo, hi;
     cp_share(M, blockIdx.x, P, &lo, &hi);
     for (unsigned c = threadIdx.x; c < C; c += blockDim.x) {
         double a = 0.0;
-        for (unsigned r = lo; r < hi; ++r) {
-            const size_t i = (size_t)r * C + c;
-            if (RELU) {
-                const CP_A g = cp_relu_grad((float)dy[i], (float)ref[i], 0.0f);
-                dy[i] = g;
-                a += (double)(float)g;
-            } else {
-                a += (double)(float)dy[i];
-            }
-        }
+        for (unsigned r = lo; r < hi; ++r) a += (double)(float)dy[(size_t)r * C + c];
         part[(size_t)blockIdx.x * C + c] = a;
     }
-}
-
-extern "C" __global__ void cp_channel_sum_part_nhwc(const CP_A* dy, double* part,
-    const unsigned M, const unsigned C, const unsigned P)
-{
-    cp_channel_sum_rows<false>((CP_A*)dy, dy, part, M, C, P);
-}
-
-/* An in-place ReLU's backward (slope 0, ref its top) on channels-last maps
-   and the partial sums of the gradient it leaves, for the bias gradient of
-   the convolution below it: cp_relu_bwd and cp_channel_sum_part_nhwc in
-   one pass over the map (VGG-16 b64: 2.0 ms an iteration the two). */
-extern "C" __global__ void cp_relu_bwd_sum_part_nhwc(CP_A* dy, const CP_A* ref, double* part,
-    const unsigned M, const unsigned C, const unsigned P)
-{
-    cp_channel_sum_rows<true>(dy, ref, part, M, C, P);
 }
 
 /* db[c] += the sum over p of part[p C + c], in p's order. */

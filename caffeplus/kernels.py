@@ -68,8 +68,7 @@ MAP_KERNELS = frozenset(('cp_bn_fwd', 'cp_bn_bwd', 'cp_relu_fwd', 'cp_relu_bwd',
                          'cp_mpool_fwd_nhwc', 'cp_mpool_bwd_nhwc', 'cp_mpool_bwd_tiled_nhwc',
                          'cp_bn_stats_part_nhwc', 'cp_bn_apply_nhwc', 'cp_bn_bwd_part_nhwc',
                          'cp_bn_dx_nhwc', 'cp_bn_stats_part_nhwc_vec', 'cp_bn_apply_nhwc_vec',
-                         'cp_bn_bwd_part_nhwc_vec', 'cp_bn_dx_nhwc_vec', 'cp_bias_nhwc',
-                         'cp_relu_bwd_sum_part_nhwc'))
+                         'cp_bn_bwd_part_nhwc_vec', 'cp_bn_dx_nhwc_vec', 'cp_bias_nhwc'))
 SOURCE = COMMON + CORE + EXTRA + CHANNELS_LAST_BATCHNORM
 
 # Flags of cp_bn_fwd / cp_bn_bwd.
@@ -384,20 +383,6 @@ def channel_sums_nhwc(dy, part, db, m, c, p, dtype=None):
     threads = min(SUM_THREADS, -(-c // 32) * 32)
     kernel('cp_channel_sum_part_nhwc', dtype)((p,), (threads,),
                                               (_arg(dy), _arg(part), u32(m), u32(c), u32(p)))
-    channel_sums_apply(part, db, c, p)
-
-
-def relu_backward_channel_parts_nhwc(dy, ref, part, m, c, p, dtype=None):
-    """dy (m rows of c, channels-last) *= (ref > 0) in place, and its
-    partial sums over the rows into `part` (c * p doubles) for
-    channel_sums_apply."""
-    threads = min(SUM_THREADS, -(-c // 32) * 32)
-    kernel('cp_relu_bwd_sum_part_nhwc', dtype)((p,), (threads,), (
-        _arg(dy), _arg(ref), _arg(part), u32(m), u32(c), u32(p)))
-
-
-def channel_sums_apply(part, db, c, p):
-    """db[:c] += the partial sums `part` (p rows of c doubles) in row order."""
     kernel('cp_channel_sum_apply_rows')(((c + 127) // 128,), (128,),
                                         (_arg(part), _arg(db), u32(c), u32(p)))
 

@@ -62,18 +62,12 @@ def _bias_add_calls(cd, b, y, relu=False):
 _channel_sums_ok = [True]
 
 
-def _bias_gradient(cd, dtop, db, dtype=None, parts=None):
+def _bias_gradient(cd, dtop, db, dtype=None):
     """db += the top diff summed over batch and space, per output channel
     (beta 1), with caffeplus.kernels.channel_sums over the whole top: every
     group and batch slice at once. cudnnConvolutionBackwardBias's kernel
     (calc_bias_diff) took 2.1 of AlexNet's 9.2 ms a TF32 iteration on the
-    H100 (dev/kernel_profile.py); it stays as the fallback. `parts`: the
-    partial sums (array, channels, blocks) the ReLU above left
-    (fused_chain._ConvReLUChain), only to be added up."""
-    if parts is not None:
-        part, c, p = parts
-        _kernels.channel_sums_apply(part, db, c, p)
-        return
+    H100 (dev/kernel_profile.py); it stays as the fallback."""
     if _channel_sums_ok[0] and cd.nhwc:
         # Channels-last: rows of C values, the channels across each block's
         # threads (cp_channel_sum_part walks a channel's values C apart).
@@ -110,12 +104,12 @@ def _bias_gradient(cd, dtop, db, dtype=None, parts=None):
 
 
 def _conv_params_calls(cd, conv, algo, reverse, x, dtop, dw, db, ws, nbytes, beta=1.0,
-                       dtype=None, parts=None):
+                       dtype=None):
     """The bias gradient (if db), accumulated, and the filter gradient (if
     dw), accumulated (beta 1) or written (beta 0: a 16-bit layer's scratch);
-    the maps of `dtype` (float32 unless given); `parts`: _bias_gradient's."""
+    the maps of `dtype` (float32 unless given)."""
     if db:
-        _bias_gradient(cd, dtop, db, dtype, parts)
+        _bias_gradient(cd, dtop, db, dtype)
     if dw:
         ws = ws or None
         for g in range(cd.loops):
@@ -385,15 +379,6 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                 mathmode.generation(), mathmode.deterministic(), backend.device(),
                 self.activation_dtype, self.compute_nhwc, self.padded_channels)
 
-    def bias_sums_below(self, top):
-        """Whether this layer's backward takes its bias gradient from the
-        partial sums its ReLU leaves (fused_chain._ConvReLUChain): channels-
-        last maps (`top`, the ReLU's), a bias gradient wanted, the
-        channel-sum kernels working."""
-        return self.bias_term and self.param_needs_backward(1) and self.compute_nhwc and \
-            _channel_sums_ok[0] and self._cd is not None and self._cd.nhwc and \
-            top.layout == 'NHWC'
-
     def forward_then_relu(self, bottom, top):
         """Forward, then a ReLU (negative slope 0) in place on the top, with
         the bias add and the ReLU as one pass over the top instead of two
@@ -587,13 +572,6 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                 dw, beta = int(dw16.data.ptr), 0.0
             if db and not _channel_sums_ok[0]:
                 bias16, db = True, 0
-        # The bias gradient's partial sums, left by the ReLU above
-        # (fused_chain._ConvReLUChain): only added up here.
-        ch = self._chain
-        parts = ch.sums_ready if ch is not None and db else None
-        if ch is not None:
-            ch.sums_ready = None
-        part_key = None if parts is None else id(parts[0])
         fcd = self._descs_for(fc)
         dkind = 'fwd' if self.reverse else 'bwd_data'
         dc = self._sites[dkind].choice
@@ -603,9 +581,9 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             if dw and gemm_filter:
                 x = self._bottom_ptr(bb)
                 if db:
-                    self._cd.replays.run(('bias', dtop, db, part_key), functools.partial(
+                    self._cd.replays.run(('bias', dtop, db), functools.partial(
                         _conv_params_calls, self._cd, None, 0, self.reverse, 0, dtop, 0, db, 0, 0,
-                        beta, dtype, parts))
+                        beta, dtype))
                 with mgr.checkout(self, 'bwd_filter') as (ws, nbytes):
                     self._check_gemm_workspace('bwd_filter', ws, nbytes)
                     self._gemm.backward_filter(x, dtop, dw, ws)
@@ -613,15 +591,15 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                 x = self._bottom_ptr(bb)
                 with mgr.checkout(self, 'bwd_filter') as (ws, nbytes):
                     fcd.replays.run(('bwd_filter', x, dtop, dw, db, ws, nbytes, fc.algo, fc.math,
-                                     fc.variant, beta, part_key),
+                                     fc.variant, beta),
                                     functools.partial(_conv_params_calls, fcd,
                                                       fcd.conv_for(fc.math), fc.algo,
                                                       self.reverse, x, dtop, dw, db, ws, nbytes,
-                                                      beta, dtype, parts))
+                                                      beta, dtype))
             elif db:
-                self._cd.replays.run(('bias', dtop, db, part_key), functools.partial(
+                self._cd.replays.run(('bias', dtop, db), functools.partial(
                     _conv_params_calls, self._cd, None, 0, self.reverse, 0, dtop, 0, db, 0, 0,
-                    beta, dtype, parts))
+                    beta, dtype))
             if dw16 is not None and self.compute_nhwc:
                 k, c = wblob.shape[:2]
                 rs = wblob.count // (k * c)

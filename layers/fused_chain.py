@@ -192,53 +192,20 @@ class _SumChain:
 
 
 class _ConvReLUChain:
-    """Convolution, then ReLU in place on its top, channels-last. Forward:
-    the convolution's bias pass applies the ReLU too (cp_bias_nhwc) and the
-    ReLU's forward does nothing. Backward: the ReLU's pass over the map also
-    leaves the partial sums of the convolution's bias gradient
-    (cp_relu_bwd_sum_part_nhwc), which the convolution's backward adds up
-    instead of reading the map again."""
+    """Convolution, then ReLU in place on its top: the convolution's bias
+    pass applies the ReLU too (channels-last maps: cp_bias_nhwc), and the
+    ReLU's forward then does nothing. Backward runs layer by layer."""
     __slots__ = ('conv', 'relu', 'first', 'last', 'head', 'needs_backward', 'fwd_active',
-                 'bwd_active', 'fwd_done', 'bwd_done', 'sums_active', 'sums_ready', 'part')
-    broken = False          # the sums' kernel failed once: the layers run apart
+                 'bwd_active', 'fwd_done', 'bwd_done')
 
     def __init__(self, i, conv, relu):
         self.conv, self.relu = conv, relu
         self.first, self.last, self.head = i, i + 1, relu
-        # (Each layer's backward still runs at its own step: no chain head.)
         self.needs_backward = False
         self.fwd_active = self.bwd_active = self.fwd_done = self.bwd_done = False
-        self.sums_active = False
-        self.sums_ready = None      # (part, channels, blocks) for the convolution's backward
-        self.part = None
 
     def backward(self):
         return False
-
-    def relu_backward(self, top):
-        """The ReLU's backward and the bias gradient's partial sums in one
-        pass (called by the ReLU); False where they run apart."""
-        K = _kernels
-        blob = top[0]
-        n = blob._count
-        if _ConvReLUChain.broken or not (self.sums_active and self.conv.bias_sums_below(blob)) \
-                or not 0 < n <= K.MAX_COUNT:
-            return False
-        arrays, dtype = K.maps((blob, True), (blob, False))
-        if arrays is None:
-            return False
-        c = blob.shape[1]
-        m = n // c
-        p = K.nhwc_sum_blocks(m)
-        if self.part is None or self.part.size < c * p:
-            self.part = K.empty(c * p, numpy.float64)
-        try:
-            K.relu_backward_channel_parts_nhwc(arrays[0], arrays[1], self.part, m, c, p, dtype)
-        except Exception:
-            _ConvReLUChain.broken = True
-            raise
-        self.sums_ready = (self.part, c, p)
-        return True
 
 
 def _find_chains(net):
@@ -323,9 +290,6 @@ def _begin_pass(net, start, end, backward):
         if backward:
             ch.bwd_done = False
             ch.bwd_active = on and ch.needs_backward and end <= ch.first and ch.last <= start
-            if type(ch) is _ConvReLUChain:
-                ch.sums_ready = None
-                ch.sums_active = on and end <= ch.first and ch.last <= start
         else:
             ch.fwd_done = False
             ch.fwd_active = on and start <= ch.first and ch.last <= end
@@ -817,10 +781,6 @@ def _relu_backward(self, top, propagate_down, bottom):
     if _chain_backward(self, 'BatchNorm-Scale-ReLU backward'):
         return
     if not propagate_down[0]:
-        return
-    ch = self._chain
-    if type(ch) is _ConvReLUChain and ch.sums_active and _kernels.active() and \
-            _fused('ReLU backward with the bias sums below it', ch.relu_backward, top):
         return
     if not (_kernels.active() and _fused('ReLU backward', self._fast_backward, top,
                                         propagate_down, bottom)):

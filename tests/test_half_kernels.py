@@ -440,31 +440,6 @@ def test_channels_last_bias_gradient_sums_each_channel_over_the_rows(
     numpy.testing.assert_allclose(part.reshape(p, c), want_rows, rtol=1e-12)
 
 
-@pytest.mark.parametrize('m, c, p, threads', [(37, 5, 4, 32), (600, 70, 3, 64)])
-def test_a_relus_backward_leaves_the_sums_of_the_convolutions_bias_gradient(
-        half_extra, float_extra, m, c, p, threads):
-    """cp_relu_bwd_sum_part_nhwc: the in-place ReLU's backward on a
-    channels-last map (Caffe's values, bit for bit) and the partial
-    sums cp_channel_sum_part_nhwc would take of what it leaves, the same
-    doubles; cp_channel_sum_apply_rows adds them to the bias gradient."""
-    r = numpy.random.RandomState(m * c)
-    dy0 = _maps(r, m, c, scale=50)
-    top = _maps(r, m, c)
-    for emu, dtype in ((half_extra, F16), (float_extra, F32)):
-        dy, ref = dy0.astype(dtype), top.astype(dtype)
-        # Caffe's dy * (top > 0), a negative dy masked to -0.0 as cp_relu_bwd leaves it
-        want = (dy.astype(F32) * (ref.astype(F32) > 0)).astype(dtype)
-        want_part = numpy.full(c * p, numpy.nan)
-        emu.kernel('cp_channel_sum_part_nhwc')((p,), (threads,), (
-            want, want_part, numpy.uint32(m), numpy.uint32(c), numpy.uint32(p)))
-        part = numpy.full(c * p, numpy.nan)
-        emu.kernel('cp_relu_bwd_sum_part_nhwc')((p,), (threads,), (
-            dy, ref, part, numpy.uint32(m), numpy.uint32(c), numpy.uint32(p)))
-        assert dy.tobytes() == want.tobytes()
-        assert part.tobytes() == want_part.tobytes()
-        assert (want == 0).any() and (want != 0).any()
-
-
 @pytest.mark.parametrize('m, c, shift', [(30, 16, 0), (30, 16, 3), (7, 5, 0)])
 def test_channels_last_bias_add_adds_each_channels_value(half_extra, float_extra, m, c, shift):
     """cp_bias_nhwc: y (m rows of c) + b[c] in float32, rounded once to

@@ -244,53 +244,6 @@ def test_timed_search_holds_one_site_at_a_time_within_the_maps_room(monkeypatch)
     assert seen[1][:2] == ('fwd', 0) and [c.memory for c in big.candidates] == [0]
 
 
-def test_batch_sliced_variants_are_timed_on_one_slice_of_scratch(monkeypatch):
-    """Each of a site's batch slicings is timed apart from its whole-batch
-    call, on scratch of one of its slices: in a bounded room they get the workspace
-    the whole batch's scratch would have taken (torchvision's AlexNet b128:
-    conv1's filter gradient over quarters needs 39 MiB, 35.7 were left)."""
-    fake = _FakeCupy()
-    monkeypatch.setattr(workspace, '_cupy', lambda: fake)
-
-    class Layer:
-        layer_param = type('P', (), {'name': 'conv1'})()
-    seen = []
-
-    def whole(ptr, nbytes, with_slices=True):
-        held = fake.scratch(800 * MB)
-        seen.append(('whole', nbytes, with_slices, fake.live))
-        del held
-        return [Cand(i, m, time=2.0 - m / (1000.0 * MB)) for i, m in enumerate([0, 100 * MB])
-                if m <= nbytes]
-    whole.scratch_bytes = 800 * MB
-
-    def sliced(ptr, nbytes):
-        held = fake.scratch(400 * MB)
-        seen.append(('sliced', nbytes, None, fake.live))
-        del held
-        out = [Cand(7, m, time=1.0 - m / (1000.0 * MB)) for m in (50 * MB, 390 * MB)
-               if m <= nbytes]
-        for c in out:
-            c.variant = 4
-        return out
-    sliced.scratch_bytes = 400 * MB
-    sliced.needs = [50 * MB, 390 * MB, 900 * MB]
-    whole.sliced = [sliced]
-    site = Site('bwd_filter', [Cand(0, 0), Cand(1, 100 * MB)], timer=whole)
-    placed = workspace.PlacedWorkspace()
-    placed.search_floor = 0.0
-    placed.search_room = 1000 * MB
-    placed._time_sites([(Layer(), site)], budget=10 ** 12)
-    # The whole batch: its own candidates' 100 MB, without the slices; the
-    # slices: what their 400 MB of scratch leaves of the room (their 900 MB
-    # need is past it), where the whole batch's scratch left 200 MB.
-    assert [s[:3] for s in seen] == [('whole', 100 * MB, False), ('sliced', 600 * MB, None)]
-    assert fake.most <= 1000 * MB
-    assert [(c.algo, c.memory, getattr(c, 'variant', 0)) for c in site.candidates] == \
-        [(7, 390 * MB, 4), (7, 50 * MB, 4), (1, 100 * MB, 0), (0, 0, 0)]
-    assert site.timer is None
-
-
 def test_stock_choice_is_first_within_8mb():
     cands = [Cand(6, STOCK_WORKSPACE_LIMIT + 1), Cand(1, STOCK_WORKSPACE_LIMIT), Cand(0, 0)]
     assert choose_stock(cands).algo == 1

@@ -140,17 +140,19 @@ class _ConvDescs:
         scratch = ((self.x_full[0] // k,) + self.x_full[1:],
                    (self.y_full[0] // k,) + self.y_full[1:], self.w_shape)
 
-        def run(ws_ptr, ws_bytes, with_slices=True):
+        def run(ws_ptr, ws_bytes):
             # FindEx results hold for one math mode (TF32 or strict) only.
             key = None if geometry_key is None else \
                 geometry_key + (kind, int(ws_bytes), mathmode.cudnn_math_type(),
                                 self.batch_chunks, per_group is not None, gemm is not None,
-                                tuple(sorted(chunked)) if with_slices else ())
+                                tuple(sorted(chunked)))
             if key is not None:
                 found = _timed_within(key, len(geometry_key) + 1)
                 if found is not None:
                     return found
-            xa, ya, wa = _scratch(scratch, self.dtype)
+            import cupy
+            xa, ya, wa = (cupy.random.standard_normal(shape, dtype=numpy.float32).astype(
+                self.dtype, copy=False) for shape in scratch)
             try:
                 found = api.timed_algorithms(kind, self.x, self.w, self.conv, self.y, xa, wa, ya,
                                              ws_ptr or None, ws_bytes)
@@ -163,9 +165,13 @@ class _ConvDescs:
                         c.time *= per_group.loops
                         c.variant = 1
                     found = sorted(found + more, key=lambda c: c.time)
-                if with_slices:
-                    found = sorted(found + _time_slices(kind, chunked, xa, wa, ya, ws_ptr,
-                                                        ws_bytes), key=lambda c: c.time)
+                for variant, sliced in sorted(chunked.items()):
+                    more = api.timed_algorithms(kind, sliced.x, sliced.w, sliced.conv, sliced.y,
+                                                xa, wa, ya, ws_ptr or None, ws_bytes)
+                    for c in more:
+                        c.time *= sliced.loops
+                        c.variant = variant
+                    found = sorted(found + more, key=lambda c: c.time)
                 if gemm is not None and kind in gemm.kinds() and \
                         gemm.memory(kind) <= ws_bytes:
                     # In the search's own workspace: one that would not fit is not timed.
@@ -185,61 +191,7 @@ class _ConvDescs:
             run.scratch_bytes += FLOAT_BYTES * _prod(self.w_shape)     # its filter gradient
         # The workspace the cuBLAS variant is timed in (within the search's).
         run.variant_bytes = gemm.memory(kind) if gemm is not None and kind in gemm.kinds() else 0
-        run.sliced = [self._slices_timer(kind, geometry_key, variant, sliced)
-                      for variant, sliced in sorted(chunked.items())]
         return run
-
-    def _slices_timer(self, kind, geometry_key, variant, sliced):
-        """A batch slicing of `kind` (variant `variant`, descriptors
-        `sliced`) timed alone, as run(..., with_slices=False)'s companion:
-        on scratch of one slice, so that a bounded search room leaves it
-        the workspace the whole batch's scratch would take (torchvision's
-        AlexNet b128: conv1's filter gradient over quarters needs 39 MiB,
-        where the whole batch's scratch left 35.7)."""
-        scratch = ((self.x_full[0] // sliced.loops,) + self.x_full[1:],
-                   (self.y_full[0] // sliced.loops,) + self.y_full[1:], self.w_shape)
-
-        def sliced_run(ws_ptr, ws_bytes):
-            key = None if geometry_key is None else \
-                geometry_key + (kind, int(ws_bytes), mathmode.cudnn_math_type(), 'slices',
-                                variant)
-            if key is not None:
-                found = _timed_within(key, len(geometry_key) + 1)
-                if found is not None:
-                    return found
-            xa, ya, wa = _scratch(scratch, self.dtype)
-            try:
-                found = _time_slices(kind, {variant: sliced}, xa, wa, ya, ws_ptr, ws_bytes)
-            finally:
-                del xa, ya, wa
-            if key is not None and found:
-                _TIMED[key] = list(found)
-            return found
-        sliced_run.scratch_bytes = self.dtype.itemsize * sum(_prod(shape) for shape in scratch)
-        # The workspace cuDNN's heuristics give the sliced call's candidates.
-        sliced_run.needs = [c.memory for c in sliced.candidates(kind)]
-        return sliced_run
-
-
-def _scratch(shapes, dtype):
-    """Random device arrays of `shapes` (x, y, w) for FindEx to run on."""
-    import cupy
-    return tuple(cupy.random.standard_normal(shape, dtype=numpy.float32).astype(
-        dtype, copy=False) for shape in shapes)
-
-
-def _time_slices(kind, chunked, xa, wa, ya, ws_ptr, ws_bytes):
-    """FindEx over each batch slicing's descriptors (one slice of the
-    scratch), the time that of all its slices."""
-    found = []
-    for variant, sliced in sorted(chunked.items()):
-        more = api.timed_algorithms(kind, sliced.x, sliced.w, sliced.conv, sliced.y,
-                                    xa, wa, ya, ws_ptr or None, ws_bytes)
-        for c in more:
-            c.time *= sliced.loops
-            c.variant = variant
-        found += more
-    return found
 
 
 GEMM_ALGO = 100                 # AlgoChoice.algo of the im2col + GEMM variant

@@ -402,38 +402,21 @@ class WorkspaceArena:
         PlacedWorkspace.search_limit.)"""
         from caffeplus.memory import calibration
         pool = _cupy().get_default_memory_pool()
-
-        def timed_in(layer, needs, scratch_bytes, timer, *args):
-            # (The limit itself where it cuts the candidates: the per-group
-            # variant timed beside them needs less.)
-            want = min(max([0] + [n for n in needs if n <= budget]),
-                       self.room_beside(scratch_bytes))
+        for layer, s in pairs:
+            if s.timer is None:
+                continue
+            # (The limit itself where it cuts the site's candidates: the
+            # sliced and per-group variants timed beside them need less.)
+            needs = [c.memory for c in s.candidates] + [getattr(s.timer, 'variant_bytes', 0)]
+            want = min(max([0] + [n for n in needs if n <= budget]), self.search_limit(s))
             if want != self._buffer.nbytes:
                 # The old buffer back to the device before the new one is
                 # taken: CuPy's pool would keep it cached beside a larger one.
                 self._buffer.resize(0, layer, self.plan_name)
                 pool.free_all_blocks()
             self._buffer.resize(want, layer, self.plan_name)
-            found = timer(self._buffer.ptr, self._buffer.nbytes, *args)
+            timed = s.timer(self._buffer.ptr, self._buffer.nbytes)
             pool.free_all_blocks()              # the site's scratch
-            return found or []
-
-        for layer, s in pairs:
-            if s.timer is None:
-                continue
-            needs = [c.memory for c in s.candidates] + [getattr(s.timer, 'variant_bytes', 0)]
-            scratch = getattr(s.timer, 'scratch_bytes', 0)
-            # Each batch slicing apart, on one slice's scratch: the room the
-            # whole batch's scratch leaves may be too little for the
-            # workspace it needs.
-            slicings = getattr(s.timer, 'sliced', None)
-            if not slicings:
-                timed = timed_in(layer, needs, scratch, s.timer)
-            else:
-                timed = timed_in(layer, needs, scratch, s.timer, False)
-                for sliced in slicings:
-                    timed += timed_in(layer, sliced.needs, sliced.scratch_bytes, sliced)
-                timed.sort(key=lambda c: c.time)
             if timed:
                 s.candidates = timed
                 s.timer = None          # timed once per geometry
@@ -442,12 +425,8 @@ class WorkspaceArena:
                     calibration.record(layer, s.kind, timed)
 
     def search_limit(self, site):
-        """The most workspace a timed search may give `site`'s candidates."""
-        return self.room_beside(getattr(site.timer, 'scratch_bytes', 0))
-
-    def room_beside(self, scratch_bytes):
-        """The most workspace a timed search may take beside `scratch_bytes`
-        of scratch (the arena: no bound but the budget)."""
+        """The most workspace a timed search may give `site`'s candidates
+        (the arena: no bound but the budget)."""
         return float('inf')
 
     def search_pending(self):
@@ -543,7 +522,7 @@ class PlacedWorkspace(WorkspaceArena):
         from caffeplus.memory import thread_stack
         thread_stack.settle(self.plan_name)
 
-    def room_beside(self, scratch_bytes):
+    def search_limit(self, site):
         """The search runs before the plan's arena is taken (AppliedPlan
         ._build), so it may use the bytes the placed feature maps will hold
         anyway (search_room): a site's scratch and candidate workspace
@@ -555,7 +534,8 @@ class PlacedWorkspace(WorkspaceArena):
         room = self.search_room
         if room is None or not SEARCH_WITHIN_ROOM:
             return float('inf')
-        return max(room - scratch_bytes, int(room * self.search_floor), 0)
+        return max(room - getattr(site.timer, 'scratch_bytes', 0),
+                   int(room * self.search_floor), 0)
 
     def plan(self):
         """Choose as the arena does; then, where the fastest choice's
