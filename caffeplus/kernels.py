@@ -377,13 +377,16 @@ def nhwc_sum_blocks(m):
     return int(max(1, min(4096, m // 256)))
 
 
+APPLY_WARPS = 32        # CP_APPLY_WARPS of cp_channel_sum_apply_rows
+
+
 def channel_sums_nhwc(dy, part, db, m, c, p, dtype=None):
     """db[:c] += dy (m rows of c, channels-last maps) summed over the rows
     (float32; double partials in `part`, at least c * p of them)."""
     threads = min(SUM_THREADS, -(-c // 32) * 32)
     kernel('cp_channel_sum_part_nhwc', dtype)((p,), (threads,),
                                               (_arg(dy), _arg(part), u32(m), u32(c), u32(p)))
-    kernel('cp_channel_sum_apply_rows')(((c + 127) // 128,), (128,),
+    kernel('cp_channel_sum_apply_rows')(((c + 31) // 32,), (32 * APPLY_WARPS,),
                                         (_arg(part), _arg(db), u32(c), u32(p)))
 
 

@@ -426,18 +426,52 @@ def test_channels_last_bias_gradient_sums_each_channel_over_the_rows(
         part = numpy.full(c * p, numpy.nan)
         emu.kernel('cp_channel_sum_part_nhwc')((p,), (threads,), (
             dy.astype(dtype), part, numpy.uint32(m), numpy.uint32(c), numpy.uint32(p)))
-        emu.kernel('cp_channel_sum_apply_rows')((1,), (128,), (part, db, numpy.uint32(c),
-                                                               numpy.uint32(p)))
+        emu.kernel('cp_channel_sum_apply_rows')(((c + 31) // 32,), (1024,), (
+            part, db, numpy.uint32(c), numpy.uint32(p)))
         runs[name] = db
     assert runs['16'].tobytes() == runs['32'].tobytes()
     want = db0.astype(numpy.float64) + dy.astype(numpy.float64).sum(axis=0)
     numpy.testing.assert_allclose(runs['16'], want, rtol=1e-6)
     # The partials in rows of c (a block's row, then the next block's), each
-    # its share of the rows' sum; cp_channel_sum_apply_rows adds them in that order.
+    # its share of the rows' sum.
     # (Block q takes rows m q // p up to m (q + 1) // p.)
     bounds = [m * q // p for q in range(p + 1)]
     want_rows = [dy[lo:hi].astype(numpy.float64).sum(axis=0) for lo, hi in zip(bounds, bounds[1:])]
     numpy.testing.assert_allclose(part.reshape(p, c), want_rows, rtol=1e-12)
+
+
+@pytest.mark.parametrize('c, p', [(40, 70), (5, 3)])
+def test_the_bias_gradients_partials_are_added_in_a_fixed_order(float_extra, c, p):
+    """cp_channel_sum_apply_rows: db[c] += the partials of channel c, 32
+    channels a block (two blocks for 40), warp j adding the partials j,
+    j + 32, ... and the first warp the 32 warps' sums in order: the same
+    doubles as that order in Python, rounded once into db."""
+    r = numpy.random.RandomState(c * p)
+    part = r.standard_normal((p, c)) * 10.0 ** r.randint(-3, 4, size=(p, c))
+    if p > 32:
+        # Channel 0 tells the orders apart: in p's order 1e20 swallows the
+        # 1, in the warps' order the two 1e20s cancel first.
+        part[:, 0] = 0.0
+        part[0, 0], part[1, 0], part[32, 0] = 1e20, 1.0, -1e20
+    db0 = r.standard_normal(c).astype(F32)
+    db = db0.copy()
+    float_extra.kernel('cp_channel_sum_apply_rows')(((c + 31) // 32,), (1024,), (
+        part.ravel(), db, numpy.uint32(c), numpy.uint32(p)))
+    want = []
+    for k in range(c):
+        warps = []
+        for j in range(32):
+            a = 0.0
+            for q in range(j, p, 32):
+                a += float(part[q, k])
+            warps.append(a)
+        s = 0.0
+        for a in warps:
+            s += a
+        want.append(numpy.float32(db0[k]) + numpy.float32(s))
+    assert db.tobytes() == numpy.array(want, dtype=F32).tobytes()
+    if p > 32:
+        assert db[0] == db0[0] + 1
 
 
 @pytest.mark.parametrize('m, c, shift', [(30, 16, 0), (30, 16, 3), (7, 5, 0)])
