@@ -626,6 +626,18 @@ __device__ __forceinline__ int cp_array_of(const long long* offsets, const int n
     return lo;
 }
 
+/* cp_array_of for the next word of a thread's grid-stride loop, `last`
+   the array of its previous word: w only grows, so the array is that one
+   or a later one, and most steps stay in it or reach the next: a
+   comparison or two instead of a search per word (with which VGG-16's
+   zeroing and casting ran at a quarter to a third of the memory's pace). */
+__device__ __forceinline__ int cp_array_next(const long long* offsets, const int n,
+                                             const long long w, const int last) {
+    if (last + 1 >= n || w < offsets[last + 1]) return last;
+    if (last + 2 >= n || w < offsets[last + 2]) return last + 1;
+    return cp_array_of(offsets, n, w);
+}
+
 /* Zero n arrays in one launch: word w of the concatenation lies in array
    k where offsets[k] <= w < offsets[k + 1] (32-bit words: float32 values,
    int32 flags, a float64 guard as two). A launch per array costs the host
@@ -634,9 +646,10 @@ extern "C" __global__ void cp_zero_many(const unsigned long long* ptrs,
     const long long* offsets, const int n, const long long total)
 {
     const long long stride = (long long)gridDim.x * blockDim.x;
+    int lo = 0;
     for (long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x; w < total;
          w += stride) {
-        const int lo = cp_array_of(offsets, n, w);
+        lo = cp_array_next(offsets, n, w, lo);
         reinterpret_cast<unsigned*>(ptrs[lo])[w - offsets[lo]] = 0u;
     }
 }
@@ -648,9 +661,10 @@ extern "C" __global__ void cp_cast_many(const unsigned long long* src,
     const unsigned long long* dst, const long long* offsets, const int n, const long long total)
 {
     const long long stride = (long long)gridDim.x * blockDim.x;
+    int lo = 0;
     for (long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x; w < total;
          w += stride) {
-        const int lo = cp_array_of(offsets, n, w);
+        lo = cp_array_next(offsets, n, w, lo);
         const long long i = w - offsets[lo];
         reinterpret_cast<CP_A*>(dst[lo])[i] = reinterpret_cast<const float*>(src[lo])[i];
     }
@@ -664,9 +678,10 @@ extern "C" __global__ void cp_cast_many_krsc(const unsigned long long* src,
     const int n, const long long total)
 {
     const long long stride = (long long)gridDim.x * blockDim.x;
+    int lo = 0;
     for (long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x; w < total;
          w += stride) {
-        const int lo = cp_array_of(offsets, n, w);
+        lo = cp_array_next(offsets, n, w, lo);
         const long long i = w - offsets[lo];
         const long long C = (long long)(cs[lo] >> 32), S = (long long)(cs[lo] & 0xffffffffull);
         const long long c = i % C, t = i / C;

@@ -533,6 +533,22 @@ def test_one_launch_casts_many_weight_arrays_to_16_bits(half):
         assert numpy.isinf(dst[0][0]) and dst[0][1] == 0
 
 
+@pytest.mark.parametrize('grid, threads', [((1,), (32,)), ((2,), (8,)), ((3,), (64,))])
+def test_one_launch_zeroes_many_arrays_whatever_their_sizes(half, grid, threads):
+    """cp_zero_many: every word of every array zeroed, nothing past an
+    array's end, whether a thread's next word lies in the same array, the
+    next one or several arrays on (tiny arrays between larger ones), and
+    whatever the launch's stride."""
+    sizes = [1, 2, 40, 3, 1, 1, 33, 7, 64, 1, 5]
+    arrays = [numpy.full(m + 1, 7, numpy.uint32) for m in sizes]     # one guard word each
+    ptrs = numpy.array([a.ctypes.data for a in arrays], numpy.uint64)
+    offsets = numpy.concatenate([[0], numpy.cumsum(sizes)]).astype(numpy.int64)
+    half.kernel('cp_zero_many')(grid, threads, (ptrs, offsets, numpy.int32(len(sizes)),
+                                                numpy.int64(offsets[-1])))
+    for a in arrays:
+        assert not a[:-1].any() and a[-1] == 7
+
+
 def test_one_launch_casts_filters_into_channels_last_order(half):
     """cp_cast_many_krsc: (K, C, kh, kw) float32 filters of different shapes
     rounded into (K, kh, kw, C) 16-bit copies in one launch (what cuDNN's
