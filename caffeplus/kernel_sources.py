@@ -395,6 +395,34 @@ __device__ __forceinline__ void cp_bn_dx_range(const CP_A* dy, const CP_A* xn, C
 }
 '''
 
+# Which of a table's arrays (concatenated at offsets) holds a value: the
+# multi-array kernels' lookups, here and in caffeplus/solver/gpu_kernels.py.
+ARRAY_LOOKUP = r'''
+/* Which of n arrays concatenated at offsets (ascending, offsets[0] = 0)
+   holds value w. */
+__device__ __forceinline__ int cp_array_of(const long long* offsets, const int n,
+                                           const long long w) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (offsets[mid] <= w) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* cp_array_of for the next word of a thread's grid-stride loop, `last`
+   the array of its previous word: w only grows, so the array is that one
+   or a later one, and most steps stay in it or reach the next: a
+   comparison or two instead of a search per word (with which VGG-16's
+   zeroing and casting ran at a quarter to a third of the memory's pace). */
+__device__ __forceinline__ int cp_array_next(const long long* offsets, const int n,
+                                             const long long w, const int last) {
+    if (last + 1 >= n || w < offsets[last + 1]) return last;
+    if (last + 2 >= n || w < offsets[last + 2]) return last + 1;
+    return cp_array_of(offsets, n, w);
+}
+'''
+
 CORE = r'''
 /* BatchNorm forward, one block per channel over x viewed as (N, C, S).
    flags: 1 batch statistics (else the stored ones), 2 keep the normalized
@@ -614,30 +642,7 @@ extern "C" __global__ void cp_scale2(CP_A* g, CP_A* d0, CP_A* d1, const CP_A* re
     }
 }
 
-/* Which of n arrays concatenated at offsets (ascending, offsets[0] = 0)
-   holds value w. */
-__device__ __forceinline__ int cp_array_of(const long long* offsets, const int n,
-                                           const long long w) {
-    int lo = 0, hi = n - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (offsets[mid] <= w) lo = mid; else hi = mid - 1;
-    }
-    return lo;
-}
-
-/* cp_array_of for the next word of a thread's grid-stride loop, `last`
-   the array of its previous word: w only grows, so the array is that one
-   or a later one, and most steps stay in it or reach the next: a
-   comparison or two instead of a search per word (with which VGG-16's
-   zeroing and casting ran at a quarter to a third of the memory's pace). */
-__device__ __forceinline__ int cp_array_next(const long long* offsets, const int n,
-                                             const long long w, const int last) {
-    if (last + 1 >= n || w < offsets[last + 1]) return last;
-    if (last + 2 >= n || w < offsets[last + 2]) return last + 1;
-    return cp_array_of(offsets, n, w);
-}
-
+''' + ARRAY_LOOKUP + r'''
 /* Zero n arrays in one launch: word w of the concatenation lies in array
    k where offsets[k] <= w < offsets[k + 1] (32-bit words: float32 values,
    int32 flags, a float64 guard as two). A launch per array costs the host

@@ -14,34 +14,14 @@ rebuilt whenever a parameter's storage changes (MultiTensorUpdate.prepare).
 """
 import numpy
 
+from caffeplus.kernel_sources import ARRAY_LOOKUP
+
 KINDS = {'SGD': 0, 'Nesterov': 1, 'AdaGrad': 2, 'RMSProp': 3, 'AdaDelta': 4, 'Adam': 5}
 
 # Which parameter element `idx` of the concatenated parameters falls in
-# (offsets: each parameter's first element, then the total).
-_INDEX_SOURCE = r'''
-__device__ __forceinline__ int caffeplus_param_of(const long long* offsets, const int n_params,
-                                                  const long long idx)
-{
-    int lo = 0, hi = n_params;
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (offsets[mid] <= idx) lo = mid; else hi = mid;
-    }
-    return lo;
-}
-
-/* caffeplus_param_of for a thread's next element along its grid-stride
-   loop, `last` the parameter of its previous one: the index only grows, so
-   most steps stay in that parameter or reach the next (one or two
-   comparisons instead of a search per element). */
-__device__ __forceinline__ int caffeplus_param_next(const long long* offsets, const int n_params,
-                                                    const long long idx, const int last)
-{
-    if (last + 1 >= n_params || idx < offsets[last + 1]) return last;
-    if (last + 2 >= n_params || idx < offsets[last + 2]) return last + 1;
-    return caffeplus_param_of(offsets, n_params, idx);
-}
-'''
+# (offsets: each parameter's first element, then the total): the fused
+# kernels' lookups (caffeplus.kernel_sources).
+_INDEX_SOURCE = ARRAY_LOOKUP
 
 _SOURCE = _INDEX_SOURCE + r'''
 extern "C" __global__ void caffeplus_solver_update(
@@ -59,7 +39,7 @@ extern "C" __global__ void caffeplus_solver_update(
     int lo = 0;
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += stride) {
-        lo = caffeplus_param_next(offsets, n_params, idx, lo);
+        lo = cp_array_next(offsets, n_params, idx, lo);
         const long long j = idx - offsets[lo];
         float* w = reinterpret_cast<float*>(w_ptr[lo]) + j;
         float* g = reinterpret_cast<float*>(g_ptr[lo]) + j;
@@ -130,7 +110,7 @@ extern "C" __global__ void caffeplus_gradient_check(
     int lo = 0;
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += stride) {
-        lo = caffeplus_param_next(offsets, n_params, idx, lo);
+        lo = cp_array_next(offsets, n_params, idx, lo);
         const float g = reinterpret_cast<const float*>(g_ptr[lo])[idx - offsets[lo]];
         if (!isfinite(g)) {
             *guard = __longlong_as_double(0x7ff8000000000000LL);
@@ -156,7 +136,7 @@ extern "C" __global__ void caffeplus_gradient_unscale(
     int lo = 0;
     for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += stride) {
-        lo = caffeplus_param_next(offsets, n_params, idx, lo);
+        lo = cp_array_next(offsets, n_params, idx, lo);
         float* g = reinterpret_cast<float*>(g_ptr[lo]) + (idx - offsets[lo]);
         float v = *g / scale;
         if (!isfinite(v)) {
