@@ -776,27 +776,27 @@ extern "C" __global__ void cp_channel_sum_part_nhwc(const CP_A* dy, double* part
     }
 }
 
-/* db[c] += the sum over p of part[p C + c]. A block of CP_APPLY_WARPS
-   warps takes 32 channels, a lane each (consecutive addresses); warp j
-   adds the rows p = j, j + CP_APPLY_WARPS, ... in turn, then lane c of the
-   first warp adds the warps' sums in j's order: a fixed order. One thread
-   a channel walking all P (up to 4096) partials took 0.81 ms of VGG-16
-   b64's FP16 iteration for its 13 convolutions' biases. */
-#define CP_APPLY_WARPS 32
+/* db[c] += the sum over p of part[p C + c]. A block of W warps (its
+   threads / 32, at most 32) takes 32 channels, a lane each (consecutive
+   addresses); warp j adds the rows p = j, j + W, ... in turn, then lane c
+   of the first warp adds the warps' sums in j's order: a fixed order for
+   a launch shape. One thread a channel walking all P (up to 4096)
+   partials took 0.81 ms of VGG-16 b64's FP16 iteration for its 13
+   convolutions' biases. */
 extern "C" __global__ void cp_channel_sum_apply_rows(const double* part, float* db,
     const unsigned C, const unsigned P)
 {
-    __shared__ double sh[CP_APPLY_WARPS][32];
-    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    __shared__ double sh[32][32];
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const unsigned c = blockIdx.x * 32u + lane;
     double a = 0.0;
     if (c < C)
-        for (unsigned p = warp; p < P; p += CP_APPLY_WARPS) a += part[(size_t)p * C + c];
+        for (unsigned p = warp; p < P; p += warps) a += part[(size_t)p * C + c];
     sh[warp][lane] = a;
     __syncthreads();
     if (warp == 0 && c < C) {
         double s = 0.0;
-        for (unsigned j = 0; j < CP_APPLY_WARPS; ++j) s += sh[j][lane];
+        for (unsigned j = 0; j < warps; ++j) s += sh[j][lane];
         db[c] = __fadd_rn(db[c], (float)s);
     }
 }

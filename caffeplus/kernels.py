@@ -377,7 +377,7 @@ def nhwc_sum_blocks(m):
     return int(max(1, min(4096, m // 256)))
 
 
-APPLY_WARPS = 32        # CP_APPLY_WARPS of cp_channel_sum_apply_rows
+APPLY_WARPS = 32        # cp_channel_sum_apply_rows's warps a block (at most 32)
 
 
 def channel_sums_nhwc(dy, part, db, m, c, p, dtype=None):
