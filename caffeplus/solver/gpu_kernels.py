@@ -148,28 +148,38 @@ extern "C" __global__ void caffeplus_gradient_unscale(
 }
 '''
 
+# name -> source of each kernel here (built with CuPy's default options).
+_SOURCES = {'caffeplus_solver_update': _SOURCE,
+            'caffeplus_gradient_check': _INDEX_SOURCE + _CHECK_SOURCE,
+            'caffeplus_gradient_unscale': _INDEX_SOURCE + _UNSCALE_SOURCE}
 _kernel = {}
 
 
-def _raw_kernel(source, name):
-    """CUDA kernel `name` of `source`, compiled once per process."""
+def compile_units():
+    """(label, CUDA source, NVRTC options) of each kernel here, for
+    tests/test_kernel_compile.py."""
+    return [('solver.' + name, source, ()) for name, source in _SOURCES.items()]
+
+
+def _raw_kernel(name):
+    """CUDA kernel `name`, compiled once per process."""
     k = _kernel.get(name)
     if k is None:
         import cupy
-        k = _kernel[name] = cupy.RawKernel(source, name)
+        k = _kernel[name] = cupy.RawKernel(_SOURCES[name], name)
     return k
 
 
 def _get_kernel():
-    return _raw_kernel(_SOURCE, 'caffeplus_solver_update')
+    return _raw_kernel('caffeplus_solver_update')
 
 
 def _get_check_kernel():
-    return _raw_kernel(_INDEX_SOURCE + _CHECK_SOURCE, 'caffeplus_gradient_check')
+    return _raw_kernel('caffeplus_gradient_check')
 
 
 def _get_unscale_kernel():
-    return _raw_kernel(_INDEX_SOURCE + _UNSCALE_SOURCE, 'caffeplus_gradient_unscale')
+    return _raw_kernel('caffeplus_gradient_unscale')
 
 
 def _finite_guard():

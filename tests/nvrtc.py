@@ -1,0 +1,100 @@
+"""NVRTC, the compiler CuPy builds caffeplus's CUDA sources with, called
+through ctypes so that those sources can be compiled on a machine with no
+GPU and no CuPy.
+
+The library and CUDA's headers (cuda_fp16.h, cuda_bf16.h) are looked for in
+NVIDIA's wheels (nvidia-cuda-nvrtc, nvidia-cuda-runtime: the test extras
+install them on Linux x86_64), then under CUDA_PATH and /usr/local/cuda.
+CAFFEPLUS_NVRTC names the library's file directly.
+"""
+import ctypes
+import glob
+import os
+
+_LIBRARY_NAMES = ('libnvrtc.so.13', 'libnvrtc.so.12', 'libnvrtc.so')
+
+
+def _wheel_roots():
+    """The folders NVIDIA's wheels install into (nvidia/cu13, nvidia/cuda_nvrtc, ...)."""
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    roots = []
+    for base in nvidia.__path__:
+        roots.extend(sorted(glob.glob(os.path.join(base, '*'))))
+    return roots
+
+
+def _toolkit_roots():
+    return [p for p in (os.environ.get('CUDA_PATH'), '/usr/local/cuda') if p]
+
+
+def library_path():
+    """The NVRTC library's file, or None."""
+    named = os.environ.get('CAFFEPLUS_NVRTC')
+    if named:
+        return named if os.path.exists(named) else None
+    for root in _wheel_roots() + _toolkit_roots():
+        for sub in ('lib', 'lib64'):
+            for name in _LIBRARY_NAMES:
+                path = os.path.join(root, sub, name)
+                if os.path.exists(path):
+                    return path
+    return None
+
+
+def include_dir():
+    """A folder holding cuda_fp16.h and cuda_bf16.h, or None."""
+    for root in _wheel_roots() + _toolkit_roots():
+        path = os.path.join(root, 'include')
+        if all(os.path.exists(os.path.join(path, h)) for h in ('cuda_fp16.h', 'cuda_bf16.h')):
+            return path
+    return None
+
+
+class CompileError(Exception):
+    pass
+
+
+class Compiler:
+    """NVRTC loaded from `path`: compile(source, options) -> CUBIN bytes."""
+
+    def __init__(self, path):
+        # NVRTC opens its builtins library by name at the first compile;
+        # loaded globally first, it is found beside a wheel's copy too.
+        folder = os.path.dirname(path)
+        for builtins in sorted(glob.glob(os.path.join(folder, 'libnvrtc-builtins.so*'))):
+            if '.alt.' not in builtins:
+                ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+                break
+        self.lib = ctypes.CDLL(path)
+
+    def version(self):
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+        return major.value, minor.value
+
+    def compile(self, source, options, name='kernel.cu'):
+        lib = self.lib
+        prog = ctypes.c_void_p()
+        status = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(),
+                                        0, None, None)
+        if status != 0:
+            raise CompileError('nvrtcCreateProgram failed (%d)' % status)
+        try:
+            args = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+            status = lib.nvrtcCompileProgram(prog, len(options), args)
+            if status != 0:
+                size = ctypes.c_size_t()
+                lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+                text = ctypes.create_string_buffer(size.value)
+                lib.nvrtcGetProgramLog(prog, text)
+                raise CompileError(text.value.decode(errors='replace'))
+            size = ctypes.c_size_t()
+            lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+            cubin = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetCUBIN(prog, cubin)
+            return cubin.raw
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))

@@ -1,0 +1,69 @@
+"""Every CUDA source caffeplus builds at run time compiles with NVRTC, the
+compiler CuPy uses, with the options the code passes, for the H200 (sm_90),
+and holds the kernels the code looks up by name.
+
+On the GPU a module that fails to build makes its layers fall back to slower
+generic code (the solver's update has no fallback at all), so a compile error
+would otherwise show only as a speed loss on the device. Here it fails CI.
+"""
+import os
+import re
+
+import pytest
+
+import nvrtc
+from caffeplus import kernels
+from caffeplus.io import device_transform
+from caffeplus.solver import gpu_kernels
+
+ARCH = 'sm_90'          # the bench GPU (H200); a CUBIN also runs ptxas, as the driver would
+_KERNEL = re.compile(r'extern "C" __global__ void (\w+)\(')
+
+UNITS = kernels.compile_units() + gpu_kernels.compile_units() + device_transform.compile_units()
+
+
+@pytest.fixture(scope='module')
+def compiler():
+    path, include = nvrtc.library_path(), nvrtc.include_dir()
+    if path is None or include is None:
+        pytest.skip('NVRTC or CUDA headers not found (pip install nvidia-cuda-nvrtc '
+                    'nvidia-cuda-runtime, or set CUDA_PATH)')
+    return nvrtc.Compiler(path), include
+
+
+def _compile(compiler, source, options):
+    nv, include = compiler
+    # -ftz=true: CuPy adds it to every build.
+    return nv.compile(source, ['--gpu-architecture=' + ARCH, '-ftz=true', '-I' + include]
+                      + list(options))
+
+
+@pytest.mark.parametrize('label,source,options', UNITS, ids=[u[0] for u in UNITS])
+def test_each_cuda_source_compiles_with_its_kernels(compiler, label, source, options):
+    try:
+        cubin = _compile(compiler, source, options)
+    except nvrtc.CompileError as exc:
+        pytest.fail('%s does not compile with NVRTC %d.%d:\n%s'
+                    % (label, *compiler[0].version(), str(exc)[:4000]))
+    names = _KERNEL.findall(source)
+    assert names, label
+    missing = [n for n in names if b'\0' + n.encode() + b'\0' not in cubin]
+    assert not missing, '%s: kernels missing from the CUBIN: %s' % (label, missing)
+
+
+def test_every_module_that_builds_cuda_source_is_checked():
+    """A new RawModule or RawKernel in the package must offer compile_units()
+    and be listed above, or its source would escape this check."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    building = set()
+    for folder in ('caffeplus', 'layers'):
+        for dirpath, _, files in os.walk(os.path.join(root, folder)):
+            for name in files:
+                path = os.path.join(dirpath, name)
+                if name.endswith('.py') and re.search(r'\bRaw(Module|Kernel)\(',
+                                                      open(path).read()):
+                    building.add(os.path.relpath(path, root))
+    checked = {os.path.relpath(m.__file__, root).replace('.pyc', '.py')
+               for m in (kernels, gpu_kernels, device_transform)}
+    assert building == checked
+    assert kernels.MAP_KERNELS <= {n for _, s, _ in UNITS for n in _KERNEL.findall(s)}
