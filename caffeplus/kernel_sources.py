@@ -182,25 +182,11 @@ __device__ __forceinline__ void cp_channel_runs(int W, unsigned lo, unsigned hi,
     else cp_channel_vec<CP_H>(lo, hi, S, base, step, f);
 }
 
-/* Loops over a channel's M values of a (N, C, S)-like layout, U values per
-   thread per step, their loads issued before any use (memory-level
-   parallelism; in place the loads of a step precede its stores). */
+/* Loops over values [lo, hi) of a channel of a (N, C, S)-like layout (all of
+   it, or a block's share), U values per thread per step, their loads issued
+   before any use (memory-level parallelism; in place the loads of a step
+   precede its stores). */
 #define CP_U 4
-#define CP_CHANNEL_LOOP(M, S, base, step, BODY_LOAD, BODY_USE)                    \
-    for (unsigned i0 = threadIdx.x; i0 < (M); i0 += CP_U * blockDim.x) {          \
-        unsigned o[CP_U];                                                        \
-        bool in[CP_U];                                                           \
-        for (int u = 0; u < CP_U; ++u) {                                         \
-            const unsigned i = i0 + u * blockDim.x;                              \
-            in[u] = i < (M);                                                     \
-            const unsigned n = in[u] ? i / (S) : 0;                              \
-            o[u] = (base) + n * (step) + (in[u] ? i - n * (S) : 0);              \
-        }                                                                        \
-        for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_LOAD }                  \
-        for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_USE }                   \
-    }
-
-/* The same over values [lo, hi) of the channel (a block's share of it). */
 #define CP_RANGE_LOOP(lo, hi, S, base, step, BODY_LOAD, BODY_USE)                \
     for (unsigned i0 = (lo) + threadIdx.x; i0 < (hi); i0 += CP_U * blockDim.x) { \
         unsigned o[CP_U];                                                        \
@@ -214,6 +200,10 @@ __device__ __forceinline__ void cp_channel_runs(int W, unsigned lo, unsigned hi,
         for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_LOAD }                  \
         for (int u = 0; u < CP_U; ++u) if (in[u]) { BODY_USE }                   \
     }
+
+/* The same over the channel's M values. */
+#define CP_CHANNEL_LOOP(M, S, base, step, BODY_LOAD, BODY_USE)                    \
+    CP_RANGE_LOOP(0u, M, S, base, step, BODY_LOAD, BODY_USE)
 
 /* The same over n elements of a flat array, grid-stride. */
 #define CP_FLAT_LOOP(n, BODY_LOAD, BODY_USE)                                     \

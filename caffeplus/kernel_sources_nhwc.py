@@ -222,6 +222,18 @@ __device__ __forceinline__ void cp_nhwc_vec_lanes_sum(double* a, double* b, doub
     __syncthreads();
 }
 
+/* One row's CP_V values added to a lane's statistics: the values less the
+   shift K, and their squares. */
+__device__ __forceinline__ void cp_nhwc_stats_add(const float* v, const float* K, double* a,
+                                                  double* b)
+{
+    for (int k = 0; k < CP_V; ++k) {
+        const double d = (double)v[k] - (double)K[k];
+        a[k] += d;
+        b[k] += d * d;
+    }
+}
+
 /* The vector sums are bound by memory latency, not bandwidth: a thread's
    registers (double sums) leave few threads a multiprocessor, so each
    thread loads CP_NHWC_U rows (the backward's: 2 rows of two maps) before
@@ -251,21 +263,12 @@ extern "C" __global__ void cp_bn_stats_part_nhwc_vec(const CP_A* x, double* part
                 float v[CP_NHWC_U][CP_V];
                 for (int u = 0; u < CP_NHWC_U; ++u)
                     cp_load<CP_V>(base + (unsigned long long)(r + u * R) * C, v[u]);
-                for (int u = 0; u < CP_NHWC_U; ++u)
-                    for (int k = 0; k < CP_V; ++k) {
-                        const double d = (double)v[u][k] - (double)K[k];
-                        a[k] += d;
-                        b[k] += d * d;
-                    }
+                for (int u = 0; u < CP_NHWC_U; ++u) cp_nhwc_stats_add(v[u], K, a, b);
             }
             for (; r < hi; r += R) {
                 float v[CP_V];
                 cp_load<CP_V>(base + (unsigned long long)r * C, v);
-                for (int k = 0; k < CP_V; ++k) {
-                    const double d = (double)v[k] - (double)K[k];
-                    a[k] += d;
-                    b[k] += d * d;
-                }
+                cp_nhwc_stats_add(v, K, a, b);
             }
         }
         cp_nhwc_vec_lanes_sum(a, b, sh, GT, R, row, lane);

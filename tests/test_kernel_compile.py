@@ -11,37 +11,29 @@ import re
 
 import pytest
 
-import nvrtc
 from caffeplus import kernels
 from caffeplus.io import device_transform
 from caffeplus.solver import gpu_kernels
+from dev import nvrtc
 
-ARCH = 'sm_90'          # the bench GPU (H200); a CUBIN also runs ptxas, as the driver would
 _KERNEL = re.compile(r'extern "C" __global__ void (\w+)\(')
 
-UNITS = kernels.compile_units() + gpu_kernels.compile_units() + device_transform.compile_units()
+UNITS = nvrtc.package_units()
 
 
 @pytest.fixture(scope='module')
 def compiler():
-    path, include = nvrtc.library_path(), nvrtc.include_dir()
-    if path is None or include is None:
+    found = nvrtc.open_compiler()
+    if found is None:
         pytest.skip('NVRTC or CUDA headers not found (pip install nvidia-cuda-nvrtc '
                     'nvidia-cuda-runtime, or set CUDA_PATH)')
-    return nvrtc.Compiler(path), include
-
-
-def _compile(compiler, source, options):
-    nv, include = compiler
-    # -ftz=true: CuPy adds it to every build.
-    return nv.compile(source, ['--gpu-architecture=' + ARCH, '-ftz=true', '-I' + include]
-                      + list(options))
+    return found
 
 
 @pytest.mark.parametrize('label,source,options', UNITS, ids=[u[0] for u in UNITS])
 def test_each_cuda_source_compiles_with_its_kernels(compiler, label, source, options):
     try:
-        cubin = _compile(compiler, source, options)
+        cubin = nvrtc.build(compiler, source, options)
     except nvrtc.CompileError as exc:
         pytest.fail('%s does not compile with NVRTC %d.%d:\n%s'
                     % (label, *compiler[0].version(), str(exc)[:4000]))

@@ -98,3 +98,32 @@ class Compiler:
             return cubin.raw
         finally:
             lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+# The bench GPU (H200). A CUBIN for it also runs ptxas, as the driver does
+# when it loads the PTX CuPy hands it.
+ARCH = 'sm_90'
+
+
+def package_units():
+    """(label, CUDA source, NVRTC options) of every source caffeplus builds
+    at run time, with the options its code passes."""
+    from caffeplus import kernels
+    from caffeplus.io import device_transform
+    from caffeplus.solver import gpu_kernels
+    return kernels.compile_units() + gpu_kernels.compile_units() + device_transform.compile_units()
+
+
+def open_compiler():
+    """(Compiler, include folder), or None where NVRTC or the headers are missing."""
+    path, include = library_path(), include_dir()
+    if path is None or include is None:
+        return None
+    return Compiler(path), include
+
+
+def build(compiler, source, options, arch=ARCH):
+    """CUBIN of `source` as CuPy builds it (it adds -ftz=true to every build)."""
+    nv, include = compiler
+    return nv.compile(source, ['--gpu-architecture=' + arch, '-ftz=true', '-I' + include]
+                      + list(options))
