@@ -7,11 +7,12 @@ and a digest of the SASS with addresses and encodings left out.
     python3 dev/kernel_sass.py [--units kernels.nhwc16,...] [--kernels cp_bn_fwd,...]
     python3 dev/kernel_sass.py --against REV        # which kernels' code differs from REV's
 
-With --against, the tree at REV (a commit from the one that added
-compile_units() on) is checked out into a temporary folder and compiled the
-same way: a kernel whose SASS is the same in both runs the same on the
-device, so a rewrite of the source that changes none needs no device time
-to show it costs nothing. `--show NAME` prints one kernel's SASS (with
+With --against, the tree at REV is checked out into a temporary folder and
+compiled the same way (a tree from before compile_units() with the options
+dev/nvrtc.py gives it): a kernel whose SASS is the same in both runs the
+same on the device, so a rewrite of the source that changes none needs no
+device time to show it costs nothing, and the kernels that differ from the
+last tree tested on the device are the ones a device run must check. `--show NAME` prints one kernel's SASS (with
 --against, its diff against REV's).
 
 cuobjdump comes from NVIDIA's wheel: pip install nvidia-cuda-cuobjdump.

@@ -111,7 +111,31 @@ def package_units():
     from caffeplus import kernels
     from caffeplus.io import device_transform
     from caffeplus.solver import gpu_kernels
+    if not hasattr(kernels, 'compile_units'):
+        return _older_units(kernels, gpu_kernels, device_transform)
     return kernels.compile_units() + gpu_kernels.compile_units() + device_transform.compile_units()
+
+
+def _older_units(kernels, gpu_kernels, device_transform):
+    """The same for a tree from before compile_units() (dev/kernel_sass.py
+    --against an older commit), with -default-device, without which NVRTC 13
+    refuses their lambdas."""
+    import numpy
+    units = [('kernels.' + group, source, ('--std=c++14', '-default-device'))
+             for group, source in kernels.SOURCES.items()]
+    index = gpu_kernels._INDEX_SOURCE
+    units += [('solver.caffeplus_solver_update', gpu_kernels._SOURCE, ()),
+              ('solver.caffeplus_gradient_check', index + gpu_kernels._CHECK_SOURCE, ()),
+              ('solver.caffeplus_gradient_unscale', index + gpu_kernels._UNSCALE_SOURCE, ())]
+    from caffeplus.precision import bfloat16_dtype
+    outs = [o for o in (numpy.dtype(numpy.float32), numpy.dtype(numpy.float16), bfloat16_dtype())
+            if o is not None]
+    for pixels in (numpy.uint8, numpy.float32):
+        for out in outs:
+            units.append(('device_transform.%s_to_%s' % (numpy.dtype(pixels).name,
+                                                         numpy.dtype(out).name),
+                          device_transform.kernel_source(pixels, out), ('--fmad=false',)))
+    return units
 
 
 def open_compiler():
