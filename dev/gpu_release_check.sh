@@ -58,7 +58,23 @@ if [ -n "${CAFFEPLUS_COMMIT:-}" ]; then echo "commit $CAFFEPLUS_COMMIT"
 elif [ -f COMMIT ]; then echo "commit $(cat COMMIT)"; else git log -1 --format='commit %h %s' 2>/dev/null; fi \
   | tee -a "$OUT/env.log"
 
+# The device's NVRTC: its version, and whether CuPy builds the kernel modules
+# without the -default-device that caffeplus.kernels passes (NVRTC 13.0 does
+# not); then every CUDA source compiled by it as the CI compiles them.
+python3 - <<'PY' 2>&1 | tee -a "$OUT/env.log"
+import cupy
+from caffeplus import kernels
+print('nvrtc', cupy.cuda.nvrtc.getVersion())
+try:
+    cupy.RawModule(code=kernels.SOURCES['core'], options=('--std=c++14',)).get_function('cp_relu_fwd')
+    print('core builds without -default-device')
+except Exception as exc:
+    print('core needs -default-device:', str(exc).strip().splitlines()[0][:200])
+PY
+
 if has tests; then
+  stamp "CUDA sources compiled by this machine's NVRTC"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_compile.py 2>&1 | tail -n 3
   stamp "gpu-marked tests"
   timeout "${TEST_S:-420}" python3 -m pytest -q -p no:cacheprovider -rfExX --tb=short -m gpu ${TEST_PATHS:-tests} \
     > "$OUT/pytest_gpu.log" 2>&1
