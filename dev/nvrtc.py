@@ -10,6 +10,7 @@ CAFFEPLUS_NVRTC names the library's file directly.
 import ctypes
 import glob
 import os
+import re
 
 _LIBRARY_NAMES = ('libnvrtc.so.13', 'libnvrtc.so.12', 'libnvrtc.so')
 
@@ -76,6 +77,12 @@ class Compiler:
         return major.value, minor.value
 
     def compile(self, source, options, name='kernel.cu'):
+        """The CUBIN (with an sm_ architecture in `options`), or CompileError."""
+        return self.compile_with_log(source, options, name)[0]
+
+    def compile_with_log(self, source, options, name='kernel.cu'):
+        """(CUBIN, NVRTC's log): with --ptxas-options=-v the log holds each
+        kernel's registers (registers())."""
         lib = self.lib
         prog = ctypes.c_void_p()
         status = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(),
@@ -85,19 +92,45 @@ class Compiler:
         try:
             args = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
             status = lib.nvrtcCompileProgram(prog, len(options), args)
-            if status != 0:
-                size = ctypes.c_size_t()
-                lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-                text = ctypes.create_string_buffer(size.value)
-                lib.nvrtcGetProgramLog(prog, text)
-                raise CompileError(text.value.decode(errors='replace'))
             size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            text = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, text)
+            log = text.value.decode(errors='replace')
+            if status != 0:
+                raise CompileError(log)
             lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
             cubin = ctypes.create_string_buffer(size.value)
             lib.nvrtcGetCUBIN(prog, cubin)
-            return cubin.raw
+            return cubin.raw, log
         finally:
             lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+_ENTRY = re.compile(r"Compiling entry function '(\w+)'")
+_USED = re.compile(r'Used (\d+) registers')
+
+
+def registers(log):
+    """{kernel: registers a thread} from a log of --ptxas-options=-v."""
+    found, name = {}, None
+    for line in log.splitlines():
+        m = _ENTRY.search(line)
+        if m:
+            name = m.group(1)
+            continue
+        m = _USED.search(line)
+        if m and name:
+            found[name] = int(m.group(1))
+            name = None
+    return found
+
+
+def fits(registers_a_thread, threads):
+    """Whether a block of `threads` can launch with that many registers a
+    thread on sm_90 (65,536 a multiprocessor, given to warps 256 at a time)."""
+    per_warp = -(-registers_a_thread * 32 // 256) * 256
+    return per_warp * (-(-threads // 32)) <= 65536
 
 
 # The bench GPU (H200). A CUBIN for it also runs ptxas, as the driver does
@@ -146,8 +179,11 @@ def open_compiler():
     return Compiler(path), include
 
 
-def build(compiler, source, options, arch=ARCH):
-    """CUBIN of `source` as CuPy builds it (it adds -ftz=true to every build)."""
+def build(compiler, source, options, arch=ARCH, verbose=False):
+    """CUBIN of `source` as CuPy builds it (it adds -ftz=true to every build);
+    with `verbose`, (CUBIN, log with each kernel's registers)."""
     nv, include = compiler
-    return nv.compile(source, ['--gpu-architecture=' + arch, '-ftz=true', '-I' + include]
-                      + list(options))
+    flags = ['--gpu-architecture=' + arch, '-ftz=true', '-I' + include] + list(options)
+    if verbose:
+        return nv.compile_with_log(source, flags + ['--ptxas-options=-v'])
+    return nv.compile(source, flags)

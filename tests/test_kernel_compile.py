@@ -30,17 +30,44 @@ def compiler():
     return found
 
 
+_BUILT = {}
+
+
+def _build(compiler, label, source, options):
+    """(CUBIN, registers by kernel) of a unit, compiled once per run."""
+    if label not in _BUILT:
+        try:
+            cubin, log = nvrtc.build(compiler, source, options, verbose=True)
+        except nvrtc.CompileError as exc:
+            pytest.fail('%s does not compile with NVRTC %d.%d:\n%s'
+                        % (label, *compiler[0].version(), str(exc)[:4000]))
+        _BUILT[label] = cubin, nvrtc.registers(log)
+    return _BUILT[label]
+
+
 @pytest.mark.parametrize('label,source,options', UNITS, ids=[u[0] for u in UNITS])
 def test_each_cuda_source_compiles_with_its_kernels(compiler, label, source, options):
-    try:
-        cubin = nvrtc.build(compiler, source, options)
-    except nvrtc.CompileError as exc:
-        pytest.fail('%s does not compile with NVRTC %d.%d:\n%s'
-                    % (label, *compiler[0].version(), str(exc)[:4000]))
+    cubin, _ = _build(compiler, label, source, options)
     names = _KERNEL.findall(source)
     assert names, label
     missing = [n for n in names if b'\0' + n.encode() + b'\0' not in cubin]
     assert not missing, '%s: kernels missing from the CUBIN: %s' % (label, missing)
+
+
+@pytest.mark.parametrize('label,source,options', UNITS, ids=[u[0] for u in UNITS])
+def test_each_kernel_launches_at_its_largest_block(compiler, label, source, options):
+    """A kernel whose registers do not fit its block fails at launch on the
+    device (too many resources requested), not at compile time. The
+    channels-last BatchNorm vector kernels take NHWC_THREADS threads a
+    block; any other may take up to 1,024 (kernels.channel_block, the bias
+    sums' apply)."""
+    from caffeplus.layers.fused_chain import NHWC_THREADS
+    _, regs = _build(compiler, label, source, options)
+    assert set(regs) == set(_KERNEL.findall(source)), label
+    for name, r in regs.items():
+        threads = NHWC_THREADS if name.endswith('_nhwc_vec') else 1024
+        assert nvrtc.fits(r, threads), ('%s %s: %d registers a thread do not fit %d threads'
+                                        % (label, name, r, threads))
 
 
 def test_every_module_that_builds_cuda_source_is_checked():
