@@ -121,6 +121,27 @@ class _RecurrentLayer(Layer):
         # The sequence-continuation flags never take a gradient.
         return bottom_index != 1
 
+    def _input_gradients(self, d, x2, xs2, h_cont, recurrent, propagate_down, bottom):
+        """From d (steps, N, G), the gradient of the pre-activations that
+        W_x x + b (+ W_s x_static) + W_h h_cont feed: the gradients of those
+        weights (blob `recurrent` is W_h) and of the inputs x and x_static."""
+        steps, num = d.shape[0], d.shape[1]
+        d2 = d.reshape(steps * num, d.shape[2])
+        if self.param_needs_backward(0):
+            self.blobs[0].diff[...] += d2.T @ x2
+        if self.param_needs_backward(1):
+            self.blobs[1].diff[...] += d2.sum(axis=0)
+        if self.param_needs_backward(recurrent):
+            self.blobs[recurrent].diff[...] += d2.T @ h_cont.reshape(steps * num, -1)
+        if self.static_input and (self.param_needs_backward(2) or propagate_down[2]):
+            dsum = d.sum(axis=0)
+            if self.param_needs_backward(2):
+                self.blobs[2].diff[...] += dsum.T @ xs2
+            if propagate_down[2]:
+                bottom[2].diff[...] = (dsum @ self.blobs[2].data).reshape(bottom[2].shape)
+        if propagate_down[0]:
+            bottom[0].diff[...] = (d2 @ self.blobs[0].data).reshape(bottom[0].shape)
+
     def param_specs(self, hdim, in_dim, static_dim):
         """[(Caffe's name, shape, 'weight' or 'bias')] in blob order."""
         raise NotImplementedError
@@ -307,22 +328,8 @@ class LSTMLayer(_RecurrentLayer):
                                           dgates[t])
             if t > 0:
                 dh_next = (dgates[t] @ w_h) * cont[t][:, None]
-        dg2 = dgates.reshape(steps * num, 4 * hdim)
-        if self.param_needs_backward(0):
-            self.blobs[0].diff[...] += dg2.T @ x2
-        if self.param_needs_backward(1):
-            self.blobs[1].diff[...] += dg2.sum(axis=0)
-        last = len(self.blobs) - 1
-        if self.param_needs_backward(last):
-            self.blobs[last].diff[...] += dg2.T @ h_cont.reshape(steps * num, hdim)
-        if self.static_input and (self.param_needs_backward(2) or propagate_down[2]):
-            dsum = dgates.sum(axis=0)
-            if self.param_needs_backward(2):
-                self.blobs[2].diff[...] += dsum.T @ xs2
-            if propagate_down[2]:
-                bottom[2].diff[...] = (dsum @ self.blobs[2].data).reshape(bottom[2].shape)
-        if propagate_down[0]:
-            bottom[0].diff[...] = (dg2 @ self.blobs[0].data).reshape(bottom[0].shape)
+        self._input_gradients(dgates, x2, xs2, h_cont, len(self.blobs) - 1, propagate_down,
+                              bottom)
 
 
 @register
@@ -393,21 +400,7 @@ class RNNLayer(_RecurrentLayer):
             da[t] = dh * (1 - hidden[t] * hidden[t])
             if t > 0:
                 dh_next = (da[t] @ w_hh) * cont[t][:, None]
-        da2 = da.reshape(steps * num, hdim)
-        if self.param_needs_backward(0):
-            self.blobs[0].diff[...] += da2.T @ x2
-        if self.param_needs_backward(1):
-            self.blobs[1].diff[...] += da2.sum(axis=0)
-        if self.param_needs_backward(k):
-            self.blobs[k].diff[...] += da2.T @ h_cont.reshape(steps * num, hdim)
-        if self.static_input and (self.param_needs_backward(2) or propagate_down[2]):
-            dsum = da.sum(axis=0)
-            if self.param_needs_backward(2):
-                self.blobs[2].diff[...] += dsum.T @ xs2
-            if propagate_down[2]:
-                bottom[2].diff[...] = (dsum @ self.blobs[2].data).reshape(bottom[2].shape)
-        if propagate_down[0]:
-            bottom[0].diff[...] = (da2 @ self.blobs[0].data).reshape(bottom[0].shape)
+        self._input_gradients(da, x2, xs2, h_cont, k, propagate_down, bottom)
 
 
 # -- LSTMUnit ------------------------------------------------------------------------
