@@ -260,10 +260,16 @@ class AdaGradSolver(SGDSolver):
         xp = backend.get_array_module(g)
         xp.multiply(g, g, out=tmp)
         h += tmp
-        xp.sqrt(h, out=tmp)
-        tmp += F32(self.param.delta)
-        xp.divide(g, tmp, out=tmp)
-        xp.multiply(tmp, local_rate, out=g)
+        _rate_over_root(xp, g, h, tmp, F32(self.param.delta), local_rate)
+
+
+def _rate_over_root(xp, g, h, tmp, delta, local_rate):
+    """g = local_rate * g / (sqrt(h) + delta), in Caffe's order of float32
+    operations (AdaGrad's and RMSProp's last step)."""
+    xp.sqrt(h, out=tmp)
+    tmp += delta
+    xp.divide(g, tmp, out=tmp)
+    xp.multiply(tmp, local_rate, out=g)
 
 
 class RMSPropSolver(SGDSolver):
@@ -289,10 +295,7 @@ class RMSPropSolver(SGDSolver):
         tmp *= F32(1) - decay
         h *= decay
         h += tmp
-        xp.sqrt(h, out=tmp)
-        tmp += F32(self.param.delta)
-        xp.divide(g, tmp, out=tmp)
-        xp.multiply(tmp, local_rate, out=g)
+        _rate_over_root(xp, g, h, tmp, F32(self.param.delta), local_rate)
 
 
 class AdaDeltaSolver(SGDSolver):
