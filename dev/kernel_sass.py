@@ -19,7 +19,6 @@ cuobjdump comes from NVIDIA's wheel: pip install nvidia-cuda-cuobjdump.
 """
 import argparse
 import difflib
-import glob
 import hashlib
 import json
 import os
@@ -37,35 +36,21 @@ from dev import nvrtc       # noqa: E402
 
 _FUNCTION = re.compile(r'^\s*Function : (\w+)\s*$')
 _INSTRUCTION = re.compile(r'^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;')
-_RESOURCES = re.compile(r'Function (\w+):\s*REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)')
 
 
-def cuobjdump():
-    found = shutil.which('cuobjdump')
-    if found:
-        return found
-    try:
-        import nvidia
-    except ImportError:
-        return None
-    for base in nvidia.__path__:
-        for path in glob.glob(os.path.join(base, '*', 'bin', 'cuobjdump')):
-            return path
-    return None
-
-
-def _run(tool, flag, cubin):
+def _sass(tool, cubin):
     with tempfile.NamedTemporaryFile(suffix='.cubin') as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([tool, flag, f.name], capture_output=True, text=True,
+        return subprocess.run([tool, '-sass', f.name], capture_output=True, text=True,
                               check=True).stdout
 
 
-def kernel_code(tool, cubin):
-    """{kernel: {'sass': [instructions], 'registers', 'stack', 'shared', 'local'}}"""
+def kernel_code(tool, cubin, log):
+    """{kernel: {'sass': [instructions], 'registers'}} of a CUBIN and the
+    ptxas report NVRTC logged while building it."""
     found, name = {}, None
-    for line in _run(tool, '-sass', cubin).splitlines():
+    for line in _sass(tool, cubin).splitlines():
         m = _FUNCTION.match(line)
         if m:
             name = m.group(1)
@@ -74,17 +59,16 @@ def kernel_code(tool, cubin):
         m = _INSTRUCTION.match(line)
         if m and name:
             found[name]['sass'].append(m.group(1))
-    for m in _RESOURCES.finditer(_run(tool, '-res-usage', cubin)):
-        if m.group(1) in found:
-            found[m.group(1)].update(registers=int(m.group(2)), stack=int(m.group(3)),
-                                     shared=int(m.group(4)), local=int(m.group(5)))
+    for name, registers in nvrtc.registers(log).items():
+        if name in found:
+            found[name]['registers'] = registers
     return found
 
 
 def survey(units=None, kernels=None):
     """[(unit, kernel, record)] for the package's sources in this tree."""
     compiler = nvrtc.open_compiler()
-    tool = cuobjdump()
+    tool = nvrtc.nvidia_tool('cuobjdump')
     if compiler is None or tool is None:
         sys.exit('needs NVRTC, CUDA\'s headers and cuobjdump: pip install nvidia-cuda-nvrtc '
                  'nvidia-cuda-runtime nvidia-cuda-cuobjdump')
@@ -92,7 +76,8 @@ def survey(units=None, kernels=None):
     for label, source, options in nvrtc.package_units():
         if units and label not in units:
             continue
-        for name, rec in sorted(kernel_code(tool, nvrtc.build(compiler, source, options)).items()):
+        cubin, log = nvrtc.build(compiler, source, options, verbose=True)
+        for name, rec in sorted(kernel_code(tool, cubin, log).items()):
             if kernels and name not in kernels:
                 continue
             rec['digest'] = hashlib.sha1('\n'.join(rec['sass']).encode()).hexdigest()[:12]

@@ -11,6 +11,7 @@ import ctypes
 import glob
 import os
 import re
+import shutil
 
 _LIBRARY_NAMES = ('libnvrtc.so.13', 'libnvrtc.so.12', 'libnvrtc.so')
 
@@ -29,6 +30,19 @@ def _wheel_roots():
 
 def _toolkit_roots():
     return [p for p in (os.environ.get('CUDA_PATH'), '/usr/local/cuda') if p]
+
+
+def nvidia_tool(name):
+    """The path of one of CUDA's programs (cuobjdump, ...) on PATH, in NVIDIA's
+    wheels or in the toolkit; None if it is nowhere."""
+    found = shutil.which(name)
+    if found:
+        return found
+    for root in _wheel_roots() + _toolkit_roots():
+        path = os.path.join(root, 'bin', name)
+        if os.path.exists(path):
+            return path
+    return None
 
 
 def library_path():

@@ -19,11 +19,9 @@ from caffeplus.kernel_sources import ARRAY_LOOKUP
 KINDS = {'SGD': 0, 'Nesterov': 1, 'AdaGrad': 2, 'RMSProp': 3, 'AdaDelta': 4, 'Adam': 5}
 
 # Which parameter element `idx` of the concatenated parameters falls in
-# (offsets: each parameter's first element, then the total): the fused
-# kernels' lookups (caffeplus.kernel_sources).
-_INDEX_SOURCE = ARRAY_LOOKUP
-
-_SOURCE = _INDEX_SOURCE + r'''
+# (offsets: each parameter's first element, then the total) is found by the
+# fused kernels' lookups, ARRAY_LOOKUP (caffeplus.kernel_sources).
+_SOURCE = ARRAY_LOOKUP + r'''
 extern "C" __global__ void caffeplus_solver_update(
     const unsigned long long* w_ptr, const unsigned long long* g_ptr,
     const unsigned long long* h_ptr, const unsigned long long* h2_ptr,
@@ -150,8 +148,8 @@ extern "C" __global__ void caffeplus_gradient_unscale(
 
 # name -> source of each kernel here (built with CuPy's default options).
 _SOURCES = {'caffeplus_solver_update': _SOURCE,
-            'caffeplus_gradient_check': _INDEX_SOURCE + _CHECK_SOURCE,
-            'caffeplus_gradient_unscale': _INDEX_SOURCE + _UNSCALE_SOURCE}
+            'caffeplus_gradient_check': ARRAY_LOOKUP + _CHECK_SOURCE,
+            'caffeplus_gradient_unscale': ARRAY_LOOKUP + _UNSCALE_SOURCE}
 _kernel = {}
 
 
