@@ -1,11 +1,8 @@
 """Bad input: a clear one-line error naming what is wrong, exit 1, no traceback."""
-import os
 import subprocess
 import sys
 
-import pytest
 
-from conftest import REFERENCE, need
 
 GOOD = '''name: "tiny"
 layer { name: "data" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 } } }

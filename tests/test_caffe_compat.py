@@ -7,10 +7,8 @@ for mistyped field and layer type names.
 """
 import os
 import re
-import shutil
 import subprocess
 import sys
-import textwrap
 
 import numpy
 import pytest

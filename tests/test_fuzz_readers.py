@@ -13,7 +13,6 @@ Three parts:
 
 The long run is `python dev/fuzz_readers.py --seconds 600`.
 """
-import io
 import os
 import re
 import struct

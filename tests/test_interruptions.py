@@ -28,12 +28,11 @@ import sys
 import numpy
 import pytest
 
-from conftest import REFERENCE, ROOT, need
+from conftest import ROOT, need
 
 sys.path.insert(0, ROOT)
 from dev import kill_test as kt  # noqa: E402
 
-import caffeplus  # noqa: E402
 from caffeplus.errors import CaffeplusError  # noqa: E402
 from caffeplus.io.prototxt import parse_text  # noqa: E402
 from caffeplus.proto import caffe_pb2  # noqa: E402

@@ -651,7 +651,7 @@ def test_comm_scale_is_applied_after_the_sum_on_every_rank(tmp_path):
     """TCP (the base iallreduce_): sum in rank order, then times the scale,
     the same bits on both ranks."""
     import threading
-    from caffeplus.parallel.comm import SingleComm, TCPComm
+    from caffeplus.parallel.comm import SingleComm
     a = numpy.arange(5, dtype=numpy.float32)
     SingleComm().iallreduce_(a, numpy.float32(0.5)).wait()
     assert a.tolist() == [0, 0.5, 1, 1.5, 2]

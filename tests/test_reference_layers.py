@@ -1,7 +1,6 @@
 """Every stock-Caffe layer case in ../shared/reference/layers/ must match."""
 import os
 
-import numpy
 import pytest
 
 from conftest import REFERENCE

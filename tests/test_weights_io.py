@@ -3,7 +3,6 @@ import builtins
 import json
 import os
 import select
-import shutil
 import signal
 import sys
 import threading
@@ -14,9 +13,8 @@ import pytest
 
 import caffeplus
 from conftest import REFERENCE, need
-from caffeplus.errors import CaffeplusError, FormatError, NetError
+from caffeplus.errors import FormatError, NetError
 from caffeplus.io import blobproto
-from caffeplus.io.prototxt import parse_text
 from caffeplus.proto import caffe_pb2
 
 IO = os.path.join(REFERENCE, 'io')
