@@ -606,6 +606,28 @@ __device__ __forceinline__ void cp_store_scaled(CP_A* d, const unsigned i, const
     ((cp_vec*)d)[i] = o;
 }
 
+/* cp_scale2's work on vector i of the gradient v (g's store: flags & 8). */
+__device__ __forceinline__ void cp_scale2_vec(cp_vec v, CP_A* g, CP_A* d0, CP_A* d1,
+                                              const CP_A* ref, const unsigned i, const float c0,
+                                              const float c1, const int flags) {
+    if (flags & 4) {
+        const cp_vec r = ((const cp_vec*)ref)[i];
+        for (int k = 0; k < CP_V; ++k) v.v[k] = cp_relu_grad(v.v[k], r.v[k], 0.0f);
+        if (flags & 8) ((cp_vec*)g)[i] = v;
+    }
+    if (flags & 1) cp_store_scaled(d0, i, c0, v);
+    if (flags & 2) cp_store_scaled(d1, i, c1, v);
+}
+
+/* The same for value i, the gradient t. */
+__device__ __forceinline__ void cp_scale2_one(float t, CP_A* g, CP_A* d0, CP_A* d1,
+                                              const CP_A* ref, const unsigned i, const float c0,
+                                              const float c1, const int flags) {
+    if (flags & 4) { t = cp_relu_grad(t, ref[i], 0.0f); if (flags & 8) g[i] = t; }
+    if (flags & 1) d0[i] = __fmul_rn(c0, t);
+    if (flags & 2) d1[i] = __fmul_rn(c1, t);
+}
+
 extern "C" __global__ void cp_scale2(CP_A* g, CP_A* d0, CP_A* d1, const CP_A* ref,
                                      const unsigned n, const float c0, const float c1,
                                      const int flags)
@@ -614,22 +636,37 @@ extern "C" __global__ void cp_scale2(CP_A* g, CP_A* d0, CP_A* d1, const CP_A* re
     const bool aligned = cp_aligned16(g) && (!(flags & 4) || cp_aligned16(ref)) &&
         (!(flags & 1) || cp_aligned16(d0)) && (!(flags & 2) || cp_aligned16(d1));
     const unsigned nv = aligned ? n / CP_V : 0;
+    for (unsigned i = t0; i < nv; i += step)
+        cp_scale2_vec(((const cp_vec*)g)[i], g, d0, d1, ref, i, c0, c1, flags | 8);
+    for (unsigned i = nv * CP_V + t0; i < n; i += step)
+        cp_scale2_one(g[i], g, d0, d1, ref, i, c0, c1, flags | 8);
+}
+
+/* A Split's backward and, in the same pass, the Eltwise SUM -> ReLU's
+   before it (a residual block's output: ResNet-50 moved each such map
+   eight times, three for the Split's sum and five for cp_scale2, where
+   this moves it five): g = a + b, the Split's two top diffs summed as
+   cp_axpby sums them and rounded to the map type as its store rounds, then
+   cp_scale2's work on g with flags 1, 2 and 4 as its; g itself is stored
+   only with flags & 8 (where something reads that diff later). */
+extern "C" __global__ void cp_sum_scale2(const CP_A* a, const CP_A* b, CP_A* g, CP_A* d0,
+                                         CP_A* d1, const CP_A* ref, const unsigned n,
+                                         const float c0, const float c1, const int flags)
+{
+    const unsigned t0 = blockIdx.x * blockDim.x + threadIdx.x, step = gridDim.x * blockDim.x;
+    const bool aligned = cp_aligned16(a) && cp_aligned16(b) && (!(flags & 8) || cp_aligned16(g)) &&
+        (!(flags & 4) || cp_aligned16(ref)) && (!(flags & 1) || cp_aligned16(d0)) &&
+        (!(flags & 2) || cp_aligned16(d1));
+    const unsigned nv = aligned ? n / CP_V : 0;
     for (unsigned i = t0; i < nv; i += step) {
-        cp_vec v = ((const cp_vec*)g)[i];
-        if (flags & 4) {
-            const cp_vec r = ((const cp_vec*)ref)[i];
-            for (int k = 0; k < CP_V; ++k) v.v[k] = cp_relu_grad(v.v[k], r.v[k], 0.0f);
-            ((cp_vec*)g)[i] = v;
-        }
-        if (flags & 1) cp_store_scaled(d0, i, c0, v);
-        if (flags & 2) cp_store_scaled(d1, i, c1, v);
+        cp_vec v = ((const cp_vec*)a)[i];
+        const cp_vec w = ((const cp_vec*)b)[i];
+        for (int k = 0; k < CP_V; ++k) v.v[k] = cp_axpby_of(v.v[k], w.v[k], 1.0f, 1.0f, 0);
+        cp_scale2_vec(v, g, d0, d1, ref, i, c0, c1, flags);
     }
-    for (unsigned i = nv * CP_V + t0; i < n; i += step) {
-        float t = g[i];
-        if (flags & 4) { t = cp_relu_grad(t, ref[i], 0.0f); g[i] = t; }
-        if (flags & 1) d0[i] = __fmul_rn(c0, t);
-        if (flags & 2) d1[i] = __fmul_rn(c1, t);
-    }
+    for (unsigned i = nv * CP_V + t0; i < n; i += step)
+        cp_scale2_one(CP_ROUND(cp_axpby_of(a[i], b[i], 1.0f, 1.0f, 0)), g, d0, d1, ref, i,
+                      c0, c1, flags);
 }
 
 ''' + ARRAY_LOOKUP + r'''

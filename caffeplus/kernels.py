@@ -17,7 +17,7 @@ launch per layer and direction instead of the ten to twenty CuPy operations
   cp_scale_fwd  y = x * s (+ b), keeping the bottom when in place.
   cp_scale_bwd  one block per channel: Scale's parameter gradients, dx = dy * s.
   cp_relu_fwd / cp_relu_bwd, cp_axpby (Eltwise SUM forward, Split backward),
-  cp_scale2 (Eltwise SUM backward).
+  cp_scale2 (Eltwise SUM backward), cp_sum_scale2 (Split, then Eltwise SUM, backward).
 
 Rounding follows the CPU layers: products and sums are written with
 __fmul_rn / __fadd_rn where the CPU code rounds each step (no FMA
@@ -58,7 +58,7 @@ for _name, _suffix in SIXTEEN_BIT_BUILDS.items():
     SOURCES['extra' + _suffix] = _head + COMMON + EXTRA
     SOURCES['nhwc' + _suffix] = _head + COMMON + EXTRA + CHANNELS_LAST_BATCHNORM
 MAP_KERNELS = frozenset(('cp_bn_fwd', 'cp_bn_bwd', 'cp_relu_fwd', 'cp_relu_bwd', 'cp_axpby',
-                         'cp_scale2', 'cp_bn_stats_part', 'cp_bn_fwd_apply', 'cp_bn_bwd_part',
+                         'cp_scale2', 'cp_sum_scale2', 'cp_bn_stats_part', 'cp_bn_fwd_apply', 'cp_bn_bwd_part',
                          'cp_bn_bwd_apply', 'cp_pool_fwd', 'cp_pool_bwd',
                          'cp_softmax_loss_rows', 'cp_softmax_loss_bwd', 'cp_channel_sum_part',
                          'cp_accumulate', 'cp_cast_many', 'cp_cast_many_krsc', 'cp_mpool_fwd', 'cp_mpool_bwd',

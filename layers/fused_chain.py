@@ -1,7 +1,7 @@
 """Fused kernels (caffeplus.kernels) for BatchNorm, Scale, ReLU, Eltwise SUM
 and Split, and the chain planner that runs BatchNorm -> Scale (-> ReLU)
-and Eltwise SUM -> ReLU as one kernel each way, and a channels-last
-Convolution's ReLU in its bias pass.
+and Eltwise SUM -> ReLU as one kernel each way (the Split of that top
+too, backward), and a channels-last Convolution's ReLU in its bias pass.
 """
 import numpy
 
@@ -160,35 +160,73 @@ def _scale_diffs(g, ref, outs, n, mask, dtype=None):
 
 
 class _SumChain:
-    """Eltwise SUM of two bottoms into a new top, then ReLU in place on it."""
-    __slots__ = ('eltwise', 'relu', 'first', 'last', 'head', 'needs_backward', 'bottoms',
-                 'top', 'propagate', 'fwd_active', 'bwd_active', 'fwd_done', 'bwd_done')
+    """Eltwise SUM of two bottoms into a new top, then ReLU in place on it;
+    with `split`, the Split of that top right after (a residual block's
+    output, read by the next block's two branches), whose backward, first
+    in backward order, then runs the three layers' in one pass."""
+    __slots__ = ('eltwise', 'relu', 'split', 'first', 'last', 'head', 'needs_backward',
+                 'bottoms', 'top', 'propagate', 'fwd_active', 'bwd_active', 'fwd_done',
+                 'bwd_done', 'split_tops', 'store_sum_diff')
 
-    def __init__(self, net, i, eltwise, relu):
-        self.eltwise, self.relu = eltwise, relu
-        self.first, self.last, self.head = i, i + 1, relu
+    def __init__(self, net, i, eltwise, relu, split=None):
+        self.eltwise, self.relu, self.split = eltwise, relu, split
+        self.first = i
+        self.last = i + (2 if split is not None else 1)
+        self.head = split if split is not None else relu
         self.bottoms, self.top = list(net.bottom_vecs[i]), net.top_vecs[i][0]
+        self.split_tops = list(net.top_vecs[i + 2]) if split is not None else None
         self.propagate = list(net.bottom_need_backward[i])
         self.needs_backward = net.layer_need_backward[i] and net.layer_need_backward[i + 1] \
             and all(net.bottom_need_backward[i + 1])
+        if split is not None:
+            self.needs_backward = self.needs_backward and net.layer_need_backward[i + 2] and \
+                net.bottom_need_backward[i + 2][0]
         self.fwd_active = self.bwd_active = self.fwd_done = self.bwd_done = False
+        # Whether the fused backward stores the summed diff: the Eltwise top's
+        # gradient, which only the two layers it replaces read unless the
+        # memory plan keeps it (set for each backward pass, _begin_pass).
+        self.store_sum_diff = True
 
     def backward(self):
-        """ReLU's and Eltwise's backward in one kernel (called by the ReLU)."""
+        """ReLU's and Eltwise's backward in one kernel (called by the ReLU),
+        or the Split's and theirs (called by the Split)."""
         K = _kernels
         n = self.top._count
-        if not 0 < n <= K.MAX_COUNT:
+        # (A masked ReLU's backward reads its bits, and the plan may have
+        # let the top's values go.)
+        if not 0 < n <= K.MAX_COUNT or self.relu.masked:
             return False
         wanted = [j for j, _ in enumerate(self.bottoms) if self.propagate[j]]
-        arrays, dtype = K.maps((self.top, True), (self.top, False),
-                               *[(self.bottoms[j], True) for j in wanted])
-        if arrays is None:
-            return False
-        g, ref = arrays[0], arrays[1]
-        outs = [(a, self.eltwise.coeffs[j]) for a, j in zip(arrays[2:], wanted)]
-        _scale_diffs(g, ref, outs, n, 1, dtype)
+        outs = [(self.bottoms[j], True) for j in wanted]
+        if self.split is None:
+            arrays, dtype = K.maps((self.top, True), (self.top, False), *outs)
+            if arrays is None:
+                return False
+            g, ref = arrays[0], arrays[1]
+            outs = [(a, self.eltwise.coeffs[j]) for a, j in zip(arrays[2:], wanted)]
+            _scale_diffs(g, ref, outs, n, 1, dtype)
+        else:
+            a, b = self.split_tops
+            arrays, dtype = K.maps((a, True), (b, True), (self.top, True), (self.top, False),
+                                   *outs)
+            if arrays is None:
+                return False
+            outs = [(d, self.eltwise.coeffs[j]) for d, j in zip(arrays[4:], wanted)]
+            _sum_scale_diffs(arrays[0], arrays[1], arrays[2], arrays[3], outs, n,
+                             self.store_sum_diff or not outs, dtype)
         self.bwd_done = True
         return True
+
+
+def _sum_scale_diffs(a, b, g, ref, outs, n, store, dtype):
+    """cp_sum_scale2: g = a + b masked by (ref > 0) (stored if `store`), and
+    each (diff array, coefficient) of `outs` (one or two) that times g."""
+    K = _kernels
+    flags = 4 | (8 if store else 0) | (1 if outs else 0) | (2 if len(outs) > 1 else 0)
+    (d0, c0), (d1, c1) = (outs + [(g, 1.0), (g, 1.0)])[:2]
+    K.kernel('cp_sum_scale2', dtype)(
+        K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,),
+        (a, b, g, d0, d1, ref, K.u32(n), F32(c0), F32(c1), K.i32(flags)))
 
 
 class _ConvReLUChain:
@@ -245,8 +283,14 @@ def _find_chains(net):
                 isinstance(relu, CuDNNReLULayer) and relu.slope == 0 and relu._chain is None
                 and in_place_on(i + 1, top)):
             continue
-        ch = _SumChain(net, i, layer, relu)
-        layer._chain = relu._chain = ch
+        split = layers[i + 2] if i + 2 < L else None
+        if not (isinstance(split, GPUSplitLayer) and len(net.bottom_vecs[i + 2]) == 1 and
+                net.bottom_vecs[i + 2][0] is top and len(net.top_vecs[i + 2]) == 2):
+            split = None
+        ch = _SumChain(net, i, layer, relu, split)
+        for member in (layer, relu, split):
+            if member is not None:
+                member._chain = ch
         chains.append(ch)
     for i, layer in enumerate(layers):
         if not isinstance(layer, CuDNNConvolutionLayer) or not layer.bias_term or \
@@ -290,9 +334,19 @@ def _begin_pass(net, start, end, backward):
         if backward:
             ch.bwd_done = False
             ch.bwd_active = on and ch.needs_backward and end <= ch.first and ch.last <= start
+            if ch.bwd_active and isinstance(ch, _SumChain) and ch.split is not None:
+                ch.store_sum_diff = _read_after(net, ch.top, 2 * len(net.layers) - 1 - ch.first)
         else:
             ch.fwd_done = False
             ch.fwd_active = on and start <= ch.first and ch.last <= end
+
+
+def _read_after(net, blob, step):
+    """Whether blob's diff may be read after backward step `step`: always
+    but where a memory plan lets its memory go there (reading it then
+    raises, caffeplus.memory.apply)."""
+    plan = net.applied_plan
+    return plan is None or plan.diff_read_after(blob, step)
 
 
 def _chains(net):
@@ -850,8 +904,10 @@ class GPUEltwiseLayer(_FusedMixin, EltwiseLayer):
 
 @register_engine('CUDNN')
 class GPUSplitLayer(SplitLayer):
-    """Split whose backward sums the top diffs with cp_axpby on the GPU."""
+    """Split whose backward sums the top diffs with cp_axpby on the GPU; the
+    last link of an Eltwise SUM -> ReLU chain (_SumChain)."""
     engine = 'FUSED'
+    _chain = None
 
     def _fast_backward(self, top, propagate_down, bottom):
         K = _kernels
@@ -871,7 +927,7 @@ class GPUSplitLayer(SplitLayer):
         return True
 
     def _backward(self, top, propagate_down, bottom):
-        if not propagate_down[0]:
+        if not propagate_down[0] or _chain_backward(self, 'Split-ReLU-Eltwise backward'):
             return
         if not (_kernels.active() and
                 _fused('Split backward', self._fast_backward, top, propagate_down, bottom)):

@@ -227,7 +227,10 @@ layer { name: "relu2" type: "ReLU" bottom: "sum" top: "sum" }
 layer { name: "bn3" type: "BatchNorm" bottom: "sum" top: "bn3" }
 layer { name: "sc3" type: "Scale" bottom: "bn3" top: "bn3" scale_param { bias_term: true } }
 layer { name: "relu3" type: "ReLU" bottom: "bn3" top: "bn3" }
-layer { name: "pool" type: "Pooling" bottom: "bn3" top: "pool"
+layer { name: "sum2" type: "Eltwise" bottom: "sum" bottom: "bn3" top: "sum2"
+  eltwise_param { coeff: 0.5 coeff: 2 } }
+layer { name: "relu4" type: "ReLU" bottom: "sum2" top: "sum2" }
+layer { name: "pool" type: "Pooling" bottom: "sum2" top: "pool"
   pooling_param { pool: AVE global_pooling: true } }
 layer { name: "fc" type: "InnerProduct" bottom: "pool" top: "fc"
   inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.3 } } }
@@ -272,10 +275,12 @@ def _check_net(gpu, hook=False):
     _, want, _ = _train(gpu=False, fused=False)
     net, got, seen = _train(gpu=gpu, fused=True, hook=hook)
     names = [(c.bn.name, c.scale.name, c.relu.name if c.relu else None) if hasattr(c, 'bn')
-             else (c.eltwise.name, c.relu.name) for c in net._fused_chains]
-    assert names == [('bn1', 'sc1', 'relu1'), ('bn2', 'sc2', None),     # bn3 is not in place
-                     ('sum', 'relu2')]
-    expect = [(not hook, not hook)] * 3
+             else (c.eltwise.name, c.relu.name, c.split.name if c.split else None)
+             for c in net._fused_chains]
+    # (bn3 is not in place; sum's Split feeds bn3 and sum2's shortcut)
+    assert names == [('bn1', 'sc1', 'relu1'), ('bn2', 'sc2', None),
+                     ('sum', 'relu2', 'sum_relu2_0_split'), ('sum2', 'relu4', None)]
+    expect = [(not hook, not hook)] * 4
     assert seen == [expect, expect]
     _compare(got, want, 1e-4, 'tiny resnet')
 
@@ -924,3 +929,91 @@ def test_the_im2col_gemm_search_switches_by_layer_type_and_setting(
         with config.using(gemm_search=value):
             assert algo_search._gemm_search() is want
             assert algo_search._gemm_search(sixteen_bit=True) is want
+
+
+def test_split_sum_chain_matches_the_layers_bit_for_bit_emulated(emulated, monkeypatch):
+    """The Split -> ReLU -> Eltwise backward in one kernel (cp_sum_scale2)
+    gives every blob, diff and parameter that the Split's kernel and the
+    Eltwise -> ReLU chain's give one after the other, the summed diff
+    included."""
+    from caffeplus.layers import fused_chain
+    net, fused, seen = _train(gpu=False, fused=True)
+    chain = net._fused_chains[2]
+    assert chain.split is not None and chain.store_sum_diff
+    assert seen[-1][2] == (True, True)
+    # Without Splits in chains: the same net, the Split running cp_axpby.
+    monkeypatch.setattr(fused_chain, 'GPUSplitLayer', type('NoSplit', (), {}))
+    net, apart, _ = _train(gpu=False, fused=True)
+    assert net._fused_chains[2].split is None
+    assert apart.keys() == fused.keys()
+    for key in apart:
+        for a, b in zip(apart[key], fused[key]):
+            assert a.tobytes() == b.tobytes(), key
+
+
+def test_split_sum_chain_stores_the_summed_diff_only_where_a_plan_keeps_it_emulated(emulated):
+    """Under `shared` the Eltwise top's diff is dead once the chain has run,
+    so the kernel leaves it unwritten; training stays bit for bit `stock`'s.
+    Kept (`keep`), it is written."""
+    def chain_of(plan, keep=()):
+        from caffeplus.memory.apply import apply_named_plan
+        caffeplus.set_random_seed(11)
+        param = caffe_pb2.NetParameter()
+        text_format.Parse(RESNET, param)
+        net = caffeplus.Net(param, caffeplus.TRAIN, memory='stock')
+        apply_named_plan(net, plan, training=True, keep=keep)
+        net.forward_prefilled()
+        net.backward_all()
+        chain = net._fused_chains[2]
+        assert chain.bwd_done
+        return net, chain.store_sum_diff
+    assert chain_of('stock')[1] is True
+    assert chain_of('shared')[1] is False
+    net, stored = chain_of('shared', keep=['sum'])
+    assert stored is True
+    assert numpy.abs(backend.to_numpy(net.blobs['sum'].diff)).max() > 0
+    stock, shared = _train_plan('stock'), _train_plan('shared')
+    assert all(done == (True, True) for step in shared[2] for done in step)
+    assert stock[0] == shared[0]
+    for a, b in zip(stock[1], shared[1]):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_liveness_starts_a_split_chains_bottom_diffs_at_the_split(emulated):
+    """The Eltwise's bottom diffs are written at the Split's backward step
+    when the three layers run as one chain."""
+    from caffeplus.memory import liveness
+    caffeplus.set_random_seed(11)
+    param = caffe_pb2.NetParameter()
+    text_format.Parse(RESNET, param)
+    net = caffeplus.Net(param, caffeplus.TRAIN)
+    L = len(net.layers)
+    split = net._layer_names.index('sum_relu2_0_split')
+    bottoms = {net._blob_names[b] for b in net.bottom_id_vecs[net._layer_names.index('sum')]}
+    starts = {n: b.start for b in liveness.buffers(net) if b.kind == 'diff'
+              for n in b.blobs if n in bottoms}
+    assert starts and all(s <= 2 * L - 1 - split for s in starts.values())
+
+
+def test_split_sum_chain_leaves_a_masked_relu_to_its_bits_emulated(emulated):
+    """With the ReLU masked (its backward reads one bit a value; a plan may
+    let the map go), the three layers run one by one, the same training."""
+    from caffeplus.memory import masks
+
+    def train(mask):
+        caffeplus.set_random_seed(11)
+        net = caffeplus.Net(text_format.Parse(RESNET, caffe_pb2.NetParameter()),
+                            caffeplus.TRAIN)
+        assert masks.apply(net, ['relu2'] if mask else []) == (('relu2',) if mask else ())
+        out = []
+        for _ in range(2):
+            net.clear_param_diffs()
+            out.append(float(backend.to_numpy(net.forward_prefilled())))
+            net.backward_all()
+            out.append(net._fused_chains[2].bwd_done)
+            for p in net.learnable_params:
+                p.data = backend.to_numpy(p.data) - numpy.float32(0.1) * backend.to_numpy(p.diff)
+        return out, [backend.to_numpy(p.data).tobytes() for p in net.learnable_params]
+    plain, masked = train(False), train(True)
+    assert plain[0][1::2] == [True, True] and masked[0][1::2] == [False, False]
+    assert plain[0][::2] == masked[0][::2] and plain[1] == masked[1]

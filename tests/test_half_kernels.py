@@ -110,6 +110,35 @@ def test_axpby_and_scale2(half, shift):
             d1, (F32(0.25) * masked.astype(F32)).astype(F16) if flags & 2 else F16(9))
 
 
+@pytest.mark.parametrize('shift', [0, 3])
+def test_sum_scale2_is_axpby_then_scale2(half, shift):
+    """cp_sum_scale2 (a Split's backward and the Eltwise SUM -> ReLU's in
+    one pass) gives the bits of cp_axpby(a, b, 1, 1) into g and cp_scale2
+    on g, the layers' own kernels; g itself only with flags & 8."""
+    r = numpy.random.RandomState(5)
+    n = 777
+    for flags in (4, 5, 7, 12, 13, 15):
+        a, b, ref = (_offset(_maps(r, n, scale=50), shift) for _ in range(3))
+        g, d0, d1 = (_offset(numpy.full(n, F16(9)), shift) for _ in range(3))
+        half.kernel('cp_sum_scale2')((3,), (64,), (a, b, g, d0, d1, ref, numpy.uint32(n),
+                                                   F32(3), F32(0.25), numpy.int32(flags)))
+        summed = (a.astype(F32) + b.astype(F32)).astype(F16)
+        masked = numpy.where(ref > 0, summed, F16(0))
+        numpy.testing.assert_array_equal(g, masked if flags & 8 else F16(9))
+        numpy.testing.assert_array_equal(
+            d0, (F32(3) * masked.astype(F32)).astype(F16) if flags & 1 else F16(9))
+        numpy.testing.assert_array_equal(
+            d1, (F32(0.25) * masked.astype(F32)).astype(F16) if flags & 2 else F16(9))
+        # The two kernels it replaces, one after the other.
+        g2, e0, e1 = (_offset(numpy.full(n, F16(9)), shift) for _ in range(3))
+        half.kernel('cp_axpby')((3,), (64,), (a, b, g2, numpy.uint32(n), F32(1), F32(1),
+                                              numpy.int32(0)))
+        half.kernel('cp_scale2')((3,), (64,), (g2, e0, e1, ref, numpy.uint32(n), F32(3),
+                                               F32(0.25), numpy.int32(flags & 7)))
+        for got, want in ((d0, e0), (d1, e1)) + (((g, g2),) if flags & 8 else ()):
+            numpy.testing.assert_array_equal(got.view(numpy.uint16), want.view(numpy.uint16))
+
+
 def _bn_state(c):
     """Zeroed mean, variance, count and std buffers of a c-channel BatchNorm."""
     return numpy.zeros(c, F32), numpy.zeros(c, F32), numpy.zeros(1, F32), numpy.zeros(c, F32)

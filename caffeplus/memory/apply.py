@@ -91,6 +91,7 @@ class AppliedPlan:
         self.arena = None
         self.arena_bytes = 0
         self.entries = []
+        self._planned = {}
         self._pass_tables = {}
         self._marked = []
         self._host_views_seen = None
@@ -364,6 +365,7 @@ class AppliedPlan:
                 st.head = HEAD_DEVICE
         self.entries = [e for e in entries if not e.persistent]
         self.persistent = [e for e in entries if e.persistent]
+        self._planned = {id(e.storage): e for e in self.entries}
         self._reasons()
         if any(e.offloaded for e in self.entries) or self.choosing_free_offload:
             from caffeplus.memory import offload_runtime
@@ -374,6 +376,13 @@ class AppliedPlan:
         self._pass_tables = {}      # (s0, t) -> _pass_table's, for these entries
         self._marked = []           # storages _mark released, for _unmark to clear
         self._host_views_seen = None
+
+    def diff_read_after(self, blob, step):
+        """Whether the plan keeps blob's diff past step `step`; False where
+        every life of it ends by then (reading it later raises), so a fused
+        backward need not store it."""
+        entry = self._planned.get(id(blob.diff_storage))
+        return entry is None or any(life.end > step for life in entry.lives)
 
     # -- parameter gradients applied in backward (caffeplus.solver.update_in_backward) ----
     def _param_name(self, k):
@@ -724,6 +733,7 @@ class AppliedPlan:
             if arr is not None and any(arr is life.view for life in e.lives):
                 st.array = arr.copy() if copy else None
         self.entries = []
+        self._planned = {}
         self._pass_tables = {}
         if self.net is not None:
             _set_gemm_views(self.net, {})

@@ -105,10 +105,13 @@ def buffers(net, keep=(), training=True, overlay=True):
                 touch('diff', blob, names[blob_id], end_of_iteration)
         if not does_backward:
             continue
-        # Backward reads the top diffs and writes the bottom diffs it propagates to.
+        # Backward reads the top diffs and writes the bottom diffs it propagates
+        # to. (A chain member's read at its head's step is of a gradient the
+        # chain makes in that step, as a Split head's sum; the head's own
+        # reads tell a diff read before anything writes it.)
         for blob, blob_id in zip(net.top_vecs[i], net.top_id_vecs[i]):
             for s in back:
-                touch('diff', blob, names[blob_id], s, read=True)
+                touch('diff', blob, names[blob_id], s, read=s == bwd(i))
         for blob, blob_id, prop in zip(net.bottom_vecs[i], net.bottom_id_vecs[i],
                                        net.bottom_need_backward[i]):
             if prop:
