@@ -69,9 +69,12 @@ class _FusedMixin:
 
 
 class _Chain:
-    """BatchNorm -> Scale (-> ReLU), in place on one blob, consecutive layers."""
+    """BatchNorm -> Scale (-> ReLU), in place on one blob, consecutive layers.
+    `dy_from`: another blob whose diff holds this pass's gradient of the
+    chain's top, set by the Eltwise SUM chain right after it, which then
+    leaves the chain's own diff unwritten (_SumChain.shares_diff)."""
     __slots__ = ('bn', 'scale', 'relu', 'first', 'last', 'head', 'needs_backward',
-                 'fwd_active', 'bwd_active', 'fwd_done', 'bwd_done')
+                 'fwd_active', 'bwd_active', 'fwd_done', 'bwd_done', 'dy_from')
 
     def __init__(self, net, i, bn, scale, relu):
         self.bn, self.scale, self.relu = bn, scale, relu
@@ -80,6 +83,16 @@ class _Chain:
         self.needs_backward = all(net.layer_need_backward[j] and all(net.bottom_need_backward[j])
                                   for j in range(self.first, self.last + 1))
         self.fwd_active = self.bwd_active = self.fwd_done = self.bwd_done = False
+        self.dy_from = None
+
+    def settle(self):
+        """Before the layers run one by one: the gradient the SUM chain left
+        in another blob's diff, copied into the chain's own."""
+        if self.dy_from is not None:
+            arrays, _ = _kernels.maps((self.dy_from, True), (self.bn._chain_blob, True))
+            n = self.bn._chain_blob._count
+            arrays[1][:n] = arrays[0][:n]
+            self.dy_from = None
 
     def geometry_ok(self):
         """Scale covers exactly BatchNorm's channel axis (and its bias the same)."""
@@ -114,8 +127,9 @@ class _Chain:
         if not 0 < count <= K.MAX_COUNT or bn._x_norm.size != count:
             return False
         blob = bn._chain_blob
-        arrays, _ = K.maps((blob, True))
-        dy = arrays[0] if arrays is not None else None
+        src = self.dy_from if self.dy_from is not None else blob
+        arrays, _ = K.maps((src, True), (blob, True))
+        dy, dx = arrays if arrays is not None else (None, None)
         s = K.flat(sc.blobs[0])
         bid = sc.bias_param_id
         b = K.flat(sc.blobs[bid]) if bid is not None else None
@@ -131,9 +145,10 @@ class _Chain:
             (K.BN_RELU if self.relu is not None else 0) | \
             (K.BN_DSCALE if want_ds else 0) | (K.BN_DBIAS if want_db else 0) | \
             (0 if bn.use_global_stats else K.BN_BATCH)
-        bn._launch_backward(dy, bn._x_norm, bn._std, dy, s, b if b is not None else s,
+        bn._launch_backward(dy, bn._x_norm, bn._std, dx, s, b if b is not None else s,
                             ds if ds is not None else dy, db if db is not None else dy, flags)
         self.bwd_done = True
+        self.dy_from = None
         return True
 
 
@@ -166,7 +181,8 @@ class _SumChain:
     in backward order, then runs the three layers' in one pass."""
     __slots__ = ('eltwise', 'relu', 'split', 'first', 'last', 'head', 'needs_backward',
                  'bottoms', 'top', 'propagate', 'fwd_active', 'bwd_active', 'fwd_done',
-                 'bwd_done', 'split_tops', 'store_sum_diff')
+                 'bwd_done', 'split_tops', 'store_sum_diff', 'partner', 'partner_bottom',
+                 'shares_diff')
 
     def __init__(self, net, i, eltwise, relu, split=None):
         self.eltwise, self.relu, self.split = eltwise, relu, split
@@ -186,6 +202,14 @@ class _SumChain:
         # gradient, which only the two layers it replaces read unless the
         # memory plan keeps it (set for each backward pass, _begin_pass).
         self.store_sum_diff = True
+        # A BatchNorm -> Scale chain right before, in place on bottom
+        # `partner_bottom` (a residual branch's last): with both coefficients
+        # 1 the two bottom diffs are the same values, so where both chains
+        # run fused (`shares_diff`, each pass) only the other bottom's diff
+        # is written and the partner reads its gradient from there
+        # (_pair_sum_chains).
+        self.partner = self.partner_bottom = None
+        self.shares_diff = False
 
     def backward(self):
         """ReLU's and Eltwise's backward in one kernel (called by the ReLU),
@@ -197,6 +221,8 @@ class _SumChain:
         if not 0 < n <= K.MAX_COUNT or self.relu.masked:
             return False
         wanted = [j for j, _ in enumerate(self.bottoms) if self.propagate[j]]
+        if self.shares_diff:
+            wanted.remove(self.partner_bottom)
         outs = [(self.bottoms[j], True) for j in wanted]
         if self.split is None:
             arrays, dtype = K.maps((self.top, True), (self.top, False), *outs)
@@ -214,6 +240,8 @@ class _SumChain:
             outs = [(d, self.eltwise.coeffs[j]) for d, j in zip(arrays[4:], wanted)]
             _sum_scale_diffs(arrays[0], arrays[1], arrays[2], arrays[3], outs, n,
                              self.store_sum_diff or not outs, dtype)
+        if self.shares_diff:
+            self.partner.dy_from = self.bottoms[1 - self.partner_bottom]
         self.bwd_done = True
         return True
 
@@ -305,7 +333,25 @@ def _find_chains(net):
         ch = _ConvReLUChain(i, layer, relu)
         layer._chain = relu._chain = ch
         chains.append(ch)
+    _pair_sum_chains(chains)
     return chains
+
+
+def _pair_sum_chains(chains):
+    """Give each Eltwise SUM chain of coefficients 1 and two propagated
+    bottoms the BatchNorm -> Scale chain right before it, in place on one of
+    them (ResNet's branch2c): that chain's backward comes next, and the
+    other bottom's diff is read later still (by an earlier layer: the
+    shortcut's), so it can hand the gradient over."""
+    by_last = {ch.last: ch for ch in chains if isinstance(ch, _Chain)}
+    for ch in chains:
+        if not isinstance(ch, _SumChain) or list(ch.eltwise.coeffs) != [1, 1] or \
+                not all(ch.propagate) or ch.bottoms[0] is ch.bottoms[1]:
+            continue
+        a = by_last.get(ch.first - 1)
+        on = [j for j, b in enumerate(ch.bottoms) if a is not None and b is a.bn._chain_blob]
+        if on and a.needs_backward:
+            ch.partner, ch.partner_bottom = a, on[0]
 
 
 def _chain_backward(layer, what):
@@ -316,7 +362,13 @@ def _chain_backward(layer, what):
         return False
     if ch.bwd_done:
         return True
-    return ch.head is layer and ch.bwd_active and _kernels.active() and _fused(what, ch.backward)
+    if ch.head is not layer:
+        return False
+    if ch.bwd_active and _kernels.active() and _fused(what, ch.backward):
+        return True
+    if isinstance(ch, _Chain):
+        ch.settle()
+    return False
 
 
 def _begin_pass(net, start, end, backward):
@@ -336,9 +388,16 @@ def _begin_pass(net, start, end, backward):
             ch.bwd_active = on and ch.needs_backward and end <= ch.first and ch.last <= start
             if ch.bwd_active and isinstance(ch, _SumChain) and ch.split is not None:
                 ch.store_sum_diff = _read_after(net, ch.top, 2 * len(net.layers) - 1 - ch.first)
+            if isinstance(ch, _Chain):
+                ch.dy_from = None
         else:
             ch.fwd_done = False
             ch.fwd_active = on and start <= ch.first and ch.last <= end
+    if backward:
+        for ch in chains:
+            if isinstance(ch, _SumChain):
+                ch.shares_diff = ch.partner is not None and ch.bwd_active and \
+                    ch.partner.bwd_active
 
 
 def _read_after(net, blob, step):

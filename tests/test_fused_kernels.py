@@ -1017,3 +1017,39 @@ def test_split_sum_chain_leaves_a_masked_relu_to_its_bits_emulated(emulated):
     plain, masked = train(False), train(True)
     assert plain[0][1::2] == [True, True] and masked[0][1::2] == [False, False]
     assert plain[0][::2] == masked[0][::2] and plain[1] == masked[1]
+
+
+def _train_paired(monkeypatch, pair=True, partner_fails=False):
+    """_train with the Eltwise chains' hand-over of the gradient to the
+    BatchNorm -> Scale chain before them (pair), or without; with
+    partner_fails, that chain's fused backward declines (its layers run one
+    by one)."""
+    from caffeplus.layers import fused_chain
+    with monkeypatch.context() as m:
+        if not pair:
+            m.setattr(fused_chain, '_pair_sum_chains', lambda chains: None)
+        if partner_fails:
+            real = fused_chain._Chain.backward
+            m.setattr(fused_chain._Chain, 'backward',
+                      lambda self: False if self.scale.name == 'sc2' else real(self))
+        net, out, _ = _train(gpu=False, fused=True)
+    return net, out
+
+
+@pytest.mark.parametrize('partner_fails', [False, True])
+def test_sum_chain_hands_its_gradient_to_the_branch_chain_emulated(monkeypatch, emulated,
+                                                                  partner_fails):
+    """sum's coefficients are 1, so its two bottom diffs are the same values:
+    the chain writes the shortcut's only and bn2 -> sc2 reads its gradient
+    from there, every blob, diff and parameter as without the hand-over.
+    When that chain falls back to its layers, the gradient is copied to
+    them first."""
+    net, paired = _train_paired(monkeypatch, True, partner_fails)
+    sums = [c for c in net._fused_chains if hasattr(c, 'eltwise')]
+    assert [c.eltwise.name for c in sums if c.partner is not None] == ['sum']
+    assert sums[0].partner.scale.name == 'sc2' and sums[0].shares_diff
+    _, apart = _train_paired(monkeypatch, False, partner_fails)
+    assert apart.keys() == paired.keys()
+    for key in apart:
+        for a, b in zip(apart[key], paired[key]):
+            assert a.tobytes() == b.tobytes(), key
