@@ -66,6 +66,13 @@ __device__ __forceinline__ float cp_chain(float v, float s, float b, int flags) 
     return v;
 }
 
+/* y = ca * a + cb * b (each product rounded, then the sum); with relu,
+   y = max(that, 0) (Eltwise SUM followed by an in-place ReLU). */
+__device__ __forceinline__ float cp_axpby_of(float a, float b, float ca, float cb, int relu) {
+    const float t = __fadd_rn(__fmul_rn(ca, a), __fmul_rn(cb, b));
+    return relu ? cp_relu0(t) : t;
+}
+
 /* BatchNorm's backward, per value: the top diff g masked by the chain's
    ReLU (recomputed from the normalized value v), ... */
 __device__ __forceinline__ float cp_bn_masked(float g, float v, float s, float b, int flags) {
@@ -572,13 +579,6 @@ extern "C" __global__ void cp_relu_bwd(const CP_A* dy, const CP_A* ref, CP_A* dx
         ((cp_vec*)dx)[i] = g;
     }
     for (unsigned i = nv * CP_V + t0; i < n; i += step) dx[i] = cp_relu_grad(dy[i], ref[i], slope);
-}
-
-/* y = ca * a + cb * b (each product rounded, then the sum); with relu,
-   y = max(that, 0) (Eltwise SUM followed by an in-place ReLU). */
-__device__ __forceinline__ float cp_axpby_of(float a, float b, float ca, float cb, int relu) {
-    const float t = __fadd_rn(__fmul_rn(ca, a), __fmul_rn(cb, b));
-    return relu ? cp_relu0(t) : t;
 }
 
 extern "C" __global__ void cp_axpby(const CP_A* a, const CP_A* b, CP_A* y, const unsigned n,

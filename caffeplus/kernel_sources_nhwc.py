@@ -282,9 +282,15 @@ extern "C" __global__ void cp_bn_stats_part_nhwc_vec(const CP_A* x, double* part
     }
 }
 
-extern "C" __global__ void cp_bn_apply_nhwc_vec(const CP_A* x, CP_A* y, CP_A* xn,
-    const float* ms, const float* stdv, const float* sc, const float* bi,
-    const unsigned M, const unsigned C, const int flags)
+/* cp_bn_apply_nhwc_vec's rows. With ADD, the Eltwise SUM after the chain
+   in the same pass (a residual branch's last BatchNorm): e = ce * other +
+   cy * y, cp_axpby_of of y as its map stores it, with its ReLU where
+   add_flags & 2, into sum; y itself is stored only with add_flags & 1. */
+template <bool ADD>
+__device__ __forceinline__ void cp_bn_apply_rows(const CP_A* x, CP_A* y, CP_A* xn,
+    const float* ms, const float* stdv, const float* sc, const float* bi, const unsigned M,
+    const unsigned C, const int flags, const CP_A* other, CP_A* sum, const float ce,
+    const float cy, const int add_flags)
 {
     unsigned G, GT, lane, row, R;
     cp_nhwc_groups(C, &G, &GT, &lane, &row, &R);
@@ -305,9 +311,34 @@ extern "C" __global__ void cp_bn_apply_nhwc_vec(const CP_A* x, CP_A* y, CP_A* xn
                 v[k] = cp_chain(t[k], s[k], bb[k], flags);
             }
             if (flags & 2) cp_store<CP_V>(xn + o, t);
-            cp_store<CP_V>(y + o, v);
+            if (ADD) {
+                float e[CP_V];
+                cp_load<CP_V>(other + o, e);
+                for (int k = 0; k < CP_V; ++k)
+                    e[k] = cp_axpby_of(e[k], CP_ROUND(v[k]), ce, cy, add_flags & 2);
+                if (add_flags & 1) cp_store<CP_V>(y + o, v);
+                cp_store<CP_V>(sum + o, e);
+            } else {
+                cp_store<CP_V>(y + o, v);
+            }
         }
     }
+}
+
+extern "C" __global__ void cp_bn_apply_nhwc_vec(const CP_A* x, CP_A* y, CP_A* xn,
+    const float* ms, const float* stdv, const float* sc, const float* bi,
+    const unsigned M, const unsigned C, const int flags)
+{
+    cp_bn_apply_rows<false>(x, y, xn, ms, stdv, sc, bi, M, C, flags, x, y, 0.0f, 0.0f, 0);
+}
+
+extern "C" __global__ void cp_bn_apply_add_nhwc_vec(const CP_A* x, CP_A* y, CP_A* xn,
+    const float* ms, const float* stdv, const float* sc, const float* bi,
+    const unsigned M, const unsigned C, const int flags, const CP_A* other, CP_A* sum,
+    const float ce, const float cy, const int add_flags)
+{
+    cp_bn_apply_rows<true>(x, y, xn, ms, stdv, sc, bi, M, C, flags, other, sum, ce, cy,
+                           add_flags);
 }
 
 extern "C" __global__ void cp_bn_bwd_part_nhwc_vec(const CP_A* dy, const CP_A* xn,

@@ -74,7 +74,7 @@ class _Chain:
     chain's top, set by the Eltwise SUM chain right after it, which then
     leaves the chain's own diff unwritten (_SumChain.shares_diff)."""
     __slots__ = ('bn', 'scale', 'relu', 'first', 'last', 'head', 'needs_backward',
-                 'fwd_active', 'bwd_active', 'fwd_done', 'bwd_done', 'dy_from')
+                 'fwd_active', 'bwd_active', 'fwd_done', 'bwd_done', 'dy_from', 'defer_apply')
 
     def __init__(self, net, i, bn, scale, relu):
         self.bn, self.scale, self.relu = bn, scale, relu
@@ -84,6 +84,9 @@ class _Chain:
                                   for j in range(self.first, self.last + 1))
         self.fwd_active = self.bwd_active = self.fwd_done = self.bwd_done = False
         self.dy_from = None
+        # (Each forward pass: the Eltwise SUM chain after it runs the
+        # normalize pass, _SumChain.forward_with_branch.)
+        self.defer_apply = False
 
     def settle(self):
         """Before the layers run one by one: the gradient the SUM chain left
@@ -110,7 +113,7 @@ class _Chain:
             return False
         flags = K.BN_SCALE | (K.BN_BIAS if b is not None else 0) | \
             (K.BN_RELU if self.relu is not None else 0)
-        if not self.bn._launch_forward(x, y, flags, s, b):
+        if not self.bn._launch_forward(x, y, flags, s, b, defer=self.defer_apply):
             return False
         sc._bottom_copy = self.bn._x_norm           # Scale's bottom: the normalized x
         self.fwd_done = True
@@ -181,8 +184,8 @@ class _SumChain:
     in backward order, then runs the three layers' in one pass."""
     __slots__ = ('eltwise', 'relu', 'split', 'first', 'last', 'head', 'needs_backward',
                  'bottoms', 'top', 'propagate', 'fwd_active', 'bwd_active', 'fwd_done',
-                 'bwd_done', 'split_tops', 'store_sum_diff', 'partner', 'partner_bottom',
-                 'shares_diff')
+                 'bwd_done', 'split_tops', 'store_sum_diff', 'branch', 'branch_bottom',
+                 'can_share_diff', 'shares_diff', 'store_branch_top')
 
     def __init__(self, net, i, eltwise, relu, split=None):
         self.eltwise, self.relu, self.split = eltwise, relu, split
@@ -202,14 +205,39 @@ class _SumChain:
         # gradient, which only the two layers it replaces read unless the
         # memory plan keeps it (set for each backward pass, _begin_pass).
         self.store_sum_diff = True
-        # A BatchNorm -> Scale chain right before, in place on bottom
-        # `partner_bottom` (a residual branch's last): with both coefficients
-        # 1 the two bottom diffs are the same values, so where both chains
-        # run fused (`shares_diff`, each pass) only the other bottom's diff
-        # is written and the partner reads its gradient from there
-        # (_pair_sum_chains).
-        self.partner = self.partner_bottom = None
-        self.shares_diff = False
+        # `branch`: a BatchNorm -> Scale chain right before, in place on
+        # bottom `branch_bottom` (a residual branch's last; _pair_sum_chains).
+        # Forward: its normalize pass runs here, adding the other bottom
+        # (forward_with_branch), and its top is stored only where something
+        # reads it later (`store_branch_top`, each pass). Backward: with both
+        # coefficients 1 the two bottom diffs are the same values, so where
+        # both chains run fused (`shares_diff`, each pass) only the other
+        # bottom's diff is written and the branch reads its gradient there.
+        self.branch = self.branch_bottom = None
+        self.can_share_diff = self.shares_diff = False
+        self.store_branch_top = True
+
+    def forward_with_branch(self):
+        """The branch chain's deferred normalize pass with this Eltwise SUM and
+        ReLU in it (channels-last vector kernels: the maps aligned)."""
+        K = _kernels
+        n = self.top._count
+        other = self.bottoms[1 - self.branch_bottom]
+        arrays, _ = K.maps((other, False), (self.top, False))
+        if not 0 < n <= K.MAX_COUNT or arrays is None or \
+                any(_base_address(a) % 16 for a in arrays):
+            return False
+        coeffs = self.eltwise.coeffs
+        self.branch.bn.apply_deferred(arrays[0], arrays[1], coeffs[1 - self.branch_bottom],
+                                      coeffs[self.branch_bottom],
+                                      2 | (1 if self.store_branch_top else 0))
+        self.fwd_done = True
+        return True
+
+    def settle(self):
+        """Before the Eltwise runs on its own: the branch's deferred pass."""
+        if self.branch is not None and self.branch.bn._deferred_apply is not None:
+            self.branch.bn.apply_deferred()
 
     def backward(self):
         """ReLU's and Eltwise's backward in one kernel (called by the ReLU),
@@ -222,7 +250,7 @@ class _SumChain:
             return False
         wanted = [j for j, _ in enumerate(self.bottoms) if self.propagate[j]]
         if self.shares_diff:
-            wanted.remove(self.partner_bottom)
+            wanted.remove(self.branch_bottom)
         outs = [(self.bottoms[j], True) for j in wanted]
         if self.split is None:
             arrays, dtype = K.maps((self.top, True), (self.top, False), *outs)
@@ -241,7 +269,7 @@ class _SumChain:
             _sum_scale_diffs(arrays[0], arrays[1], arrays[2], arrays[3], outs, n,
                              self.store_sum_diff or not outs, dtype)
         if self.shares_diff:
-            self.partner.dy_from = self.bottoms[1 - self.partner_bottom]
+            self.branch.dy_from = self.bottoms[1 - self.branch_bottom]
         self.bwd_done = True
         return True
 
@@ -338,20 +366,23 @@ def _find_chains(net):
 
 
 def _pair_sum_chains(chains):
-    """Give each Eltwise SUM chain of coefficients 1 and two propagated
-    bottoms the BatchNorm -> Scale chain right before it, in place on one of
-    them (ResNet's branch2c): that chain's backward comes next, and the
-    other bottom's diff is read later still (by an earlier layer: the
-    shortcut's), so it can hand the gradient over."""
+    """Give each Eltwise SUM chain of two bottoms the BatchNorm -> Scale chain
+    right before it, in place on one of them (ResNet's branch2c), as its
+    `branch`. Its other bottom comes from a layer before that chain, so it
+    is there in forward; and its backward reads that bottom's diff later
+    than the branch's, so with coefficients 1 and both bottoms propagated it
+    can hand the gradient over (`can_share_diff`)."""
     by_last = {ch.last: ch for ch in chains if isinstance(ch, _Chain)}
     for ch in chains:
-        if not isinstance(ch, _SumChain) or list(ch.eltwise.coeffs) != [1, 1] or \
-                not all(ch.propagate) or ch.bottoms[0] is ch.bottoms[1]:
+        if not isinstance(ch, _SumChain) or len(ch.bottoms) != 2 or \
+                ch.bottoms[0] is ch.bottoms[1]:
             continue
         a = by_last.get(ch.first - 1)
         on = [j for j, b in enumerate(ch.bottoms) if a is not None and b is a.bn._chain_blob]
-        if on and a.needs_backward:
-            ch.partner, ch.partner_bottom = a, on[0]
+        if on:
+            ch.branch, ch.branch_bottom = a, on[0]
+            ch.can_share_diff = a.needs_backward and all(ch.propagate) and \
+                list(ch.eltwise.coeffs) == [1, 1]
 
 
 def _chain_backward(layer, what):
@@ -387,25 +418,32 @@ def _begin_pass(net, start, end, backward):
             ch.bwd_done = False
             ch.bwd_active = on and ch.needs_backward and end <= ch.first and ch.last <= start
             if ch.bwd_active and isinstance(ch, _SumChain) and ch.split is not None:
-                ch.store_sum_diff = _read_after(net, ch.top, 2 * len(net.layers) - 1 - ch.first)
+                ch.store_sum_diff = _read_after(net, ch.top.diff_storage,
+                                                2 * len(net.layers) - 1 - ch.first)
             if isinstance(ch, _Chain):
                 ch.dy_from = None
         else:
             ch.fwd_done = False
             ch.fwd_active = on and start <= ch.first and ch.last <= end
-    if backward:
-        for ch in chains:
-            if isinstance(ch, _SumChain):
-                ch.shares_diff = ch.partner is not None and ch.bwd_active and \
-                    ch.partner.bwd_active
+    for ch in chains:
+        if not isinstance(ch, _SumChain) or ch.branch is None:
+            continue
+        if backward:
+            ch.shares_diff = ch.can_share_diff and ch.bwd_active and ch.branch.bwd_active
+            continue
+        ch.branch.bn._deferred_apply = None
+        ch.branch.defer_apply = ch.fwd_active and ch.branch.fwd_active
+        # The branch's top: read after the Eltwise's step (stock keeps it)?
+        ch.store_branch_top = _read_after(net, ch.branch.bn._chain_blob.data_storage,
+                                          ch.first)
 
 
-def _read_after(net, blob, step):
-    """Whether blob's diff may be read after backward step `step`: always
-    but where a memory plan lets its memory go there (reading it then
+def _read_after(net, storage, step):
+    """Whether a blob's data or diff `storage` may be read after step `step`:
+    always but where a memory plan lets its memory go there (reading it then
     raises, caffeplus.memory.apply)."""
     plan = net.applied_plan
-    return plan is None or plan.diff_read_after(blob, step)
+    return plan is None or plan.read_after(storage, step)
 
 
 def _chains(net):
@@ -504,7 +542,10 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         self._x_norm = self._my_xn
         return self._xn_buf if keep else None
 
-    def _launch_forward(self, x, y, chain_flags=0, sc=None, bi=None):
+    def _launch_forward(self, x, y, chain_flags=0, sc=None, bi=None, defer=False):
+        """The forward kernels; with `defer` (channels-last vector kernels
+        only), the normalize pass waits in _deferred_apply for the Eltwise
+        SUM after the chain (apply_deferred)."""
         K = _kernels
         n, c, s = self._cfg
         dtype = x.dtype
@@ -523,7 +564,7 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         sc = sc if sc is not None else b0
         bi = bi if bi is not None else b0
         if self._nhwc:
-            self._forward_nhwc(x, y, xn, b0, b1, b2, sc, bi, flags, F32(corr))
+            self._forward_nhwc(x, y, xn, b0, b1, b2, sc, bi, flags, F32(corr), defer)
             return True
         split = self._split_kernels(('cp_bn_stats_part', 'cp_bn_fwd_apply'), dtype)
         if split is not None:
@@ -562,7 +603,9 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
             b = self._nhwc_bufs = (K.empty(2 * c * P, numpy.float64), K.empty(2 * c))
         return vec, P, b[0], b[1][:c], b[1], sums, passes
 
-    def _forward_nhwc(self, x, y, xn, b0, b1, b2, sc, bi, flags, corr):
+    _deferred_apply = None
+
+    def _forward_nhwc(self, x, y, xn, b0, b1, b2, sc, bi, flags, corr, defer=False):
         K = _kernels
         m, c, _ = self._cfg
         vec, P, part, kv, ms, sums, passes = self._nhwc_plan(x, y, xn)
@@ -575,8 +618,25 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         K.kernel('cp_bn_stats_nhwc')((c,), (K.SUM_THREADS,), (
             part, kv, b0, b1, b2, self._std_buf, mean, K.u32(m), K.u32(c), K.u32(P),
             K.i32(flags), self.maf, self.eps, corr))
-        K.kernel('cp_bn_apply_nhwc' + suffix, dtype)(*passes, (
-            x, y, xn, mean, self._std_buf, sc, bi, K.u32(m), K.u32(c), K.i32(flags)))
+        args = (x, y, xn, mean, self._std_buf, sc, bi, K.u32(m), K.u32(c), K.i32(flags))
+        if defer and vec:
+            self._deferred_apply = (passes, args)
+            return
+        K.kernel('cp_bn_apply_nhwc' + suffix, dtype)(*passes, args)
+
+    def apply_deferred(self, other=None, total=None, c_other=1.0, c_own=1.0, add_flags=0):
+        """The normalize pass _launch_forward deferred; with `other`, the
+        Eltwise SUM's in it: total = c_other * other + c_own * top (its ReLU:
+        add_flags & 2; the top itself stored only with add_flags & 1)."""
+        K = _kernels
+        passes, args = self._deferred_apply
+        self._deferred_apply = None
+        dtype = args[0].dtype
+        if other is None:
+            K.kernel('cp_bn_apply_nhwc_vec', dtype)(*passes, args)
+        else:
+            K.kernel('cp_bn_apply_add_nhwc_vec', dtype)(*passes, args + (
+                other, total, F32(c_other), F32(c_own), K.i32(add_flags)))
 
     def _backward_nhwc(self, dy, xn, std, dx, sc, bi, dsc, dbi, flags):
         K = _kernels
@@ -948,6 +1008,12 @@ class GPUEltwiseLayer(_FusedMixin, EltwiseLayer):
         return True
 
     def _forward(self, bottom, top):
+        ch = self._chain
+        if ch is not None and ch.branch is not None and \
+                ch.branch.bn._deferred_apply is not None:
+            if _fused('BatchNorm-Scale-Eltwise forward', ch.forward_with_branch):
+                return
+            ch.settle()
         if not (self.op == _ELTWISE_SUM and _kernels.active() and
                 _fused('Eltwise forward', self._fast_forward, bottom, top)):
             super()._forward(bottom, top)

@@ -1046,10 +1046,109 @@ def test_sum_chain_hands_its_gradient_to_the_branch_chain_emulated(monkeypatch, 
     them first."""
     net, paired = _train_paired(monkeypatch, True, partner_fails)
     sums = [c for c in net._fused_chains if hasattr(c, 'eltwise')]
-    assert [c.eltwise.name for c in sums if c.partner is not None] == ['sum']
-    assert sums[0].partner.scale.name == 'sc2' and sums[0].shares_diff
+    assert [c.eltwise.name for c in sums if c.can_share_diff] == ['sum']
+    assert sums[0].branch.scale.name == 'sc2' and sums[0].shares_diff
     _, apart = _train_paired(monkeypatch, False, partner_fails)
     assert apart.keys() == paired.keys()
     for key in apart:
         for a, b in zip(apart[key], paired[key]):
             assert a.tobytes() == b.tobytes(), key
+
+
+# A residual sum whose branch ends in BatchNorm -> Scale, its maps labelled
+# channels-last by hand (the emulator's layers otherwise keep Caffe's order;
+# the values need not mean anything for runs compared with each other).
+NHWC_SUM = '''
+name: "nhwc_sum"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+  dummy_data_param { shape { dim: 4 dim: 8 dim: 3 dim: 5 } shape { dim: 4 }
+    data_filler { type: "gaussian" std: 1 } data_filler { type: "constant" value: 1 } } }
+layer { name: "pre" type: "Scale" bottom: "data" top: "x"
+  scale_param { bias_term: true filler { type: "gaussian" std: 0.3 mean: 1 } } }
+layer { name: "bn" type: "BatchNorm" bottom: "x" top: "x" }
+layer { name: "sc" type: "Scale" bottom: "x" top: "x"
+  scale_param { bias_term: true filler { type: "gaussian" std: 0.3 mean: 1 }
+    bias_filler { type: "gaussian" std: 0.2 } } }
+layer { name: "sum" type: "Eltwise" bottom: "data" bottom: "x" top: "sum"
+  eltwise_param { coeff: 0.5 coeff: 2 } }
+layer { name: "relu" type: "ReLU" bottom: "sum" top: "sum" }
+layer { name: "post" type: "Scale" bottom: "sum" top: "z"
+  scale_param { bias_term: true filler { type: "gaussian" std: 0.3 mean: 1 } } }
+layer { name: "sum2" type: "Eltwise" bottom: "sum" bottom: "z" top: "s2" }
+layer { name: "pool" type: "Pooling" bottom: "s2" top: "pool"
+  pooling_param { pool: AVE global_pooling: true } }
+layer { name: "fc" type: "InnerProduct" bottom: "pool" top: "fc"
+  inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "loss" }
+'''
+NHWC_BLOBS = ('data', 'x', 'sum', 'z', 's2', 'sum_relu_0_split_0', 'sum_relu_0_split_1',
+              'data_data_0_split_0', 'data_data_0_split_1')
+
+
+def _train_nhwc_sum(monkeypatch, pair=True, plan=None, iters=2):
+    from caffeplus.layers import fused_chain
+    from caffeplus.memory.apply import apply_named_plan
+    with monkeypatch.context() as m:
+        if not pair:
+            m.setattr(fused_chain, '_pair_sum_chains', lambda chains: None)
+        adds = []
+        real = fused_chain.GPUBatchNormLayer.apply_deferred
+        m.setattr(fused_chain.GPUBatchNormLayer, 'apply_deferred',
+                  lambda self, *a, **k: (adds.append(bool(a)), real(self, *a, **k))[1])
+        caffeplus.set_random_seed(11)
+        net = caffeplus.Net(text_format.Parse(NHWC_SUM, caffe_pb2.NetParameter()),
+                            caffeplus.TRAIN, memory='stock' if plan else None)
+        for name in NHWC_BLOBS:
+            net.blobs[name].layout = 'NHWC'
+        net.reshape()
+        if plan:
+            apply_named_plan(net, plan, training=True)
+        losses = []
+        for _ in range(iters):
+            net.clear_param_diffs()
+            losses.append(float(backend.to_numpy(net.forward_prefilled())))
+            net.backward_all()
+            for p in net.learnable_params:
+                p.data = backend.to_numpy(p.data) - numpy.float32(0.1) * backend.to_numpy(p.diff)
+        chain = next(c for c in net._fused_chains if getattr(c, 'eltwise', None) is not None
+                     and c.eltwise.name == 'sum')
+        params = [backend.to_numpy(p.data).tobytes() for p in net.learnable_params]
+        return net, chain, adds, losses, params
+
+
+def test_branch_normalize_pass_runs_with_the_sum_emulated(monkeypatch, emulated):
+    """Channels-last: the branch's BatchNorm -> Scale normalize pass waits for
+    the Eltwise SUM after it and runs with it and its ReLU
+    (cp_bn_apply_add_nhwc_vec): every blob's values, the branch's top
+    stored, and training bit for bit as the kernels one after another."""
+    net, chain, adds, losses, params = _train_nhwc_sum(monkeypatch)
+    assert net.layers[net._layer_names.index('bn')]._nhwc
+    assert chain.branch is not None and chain.branch.scale.name == 'sc'
+    assert adds == [True, True] and chain.store_branch_top
+    values = {k: backend.to_numpy(b.data).tobytes() for k, b in net.blobs.items()}
+    net, _, adds, losses_apart, params_apart = _train_nhwc_sum(monkeypatch, pair=False)
+    assert adds == [] and losses_apart == losses and params_apart == params
+    assert values == {k: backend.to_numpy(b.data).tobytes() for k, b in net.blobs.items()}
+
+
+def test_branch_top_is_left_unstored_where_the_plan_drops_it_emulated(monkeypatch, emulated):
+    """Under `shared` the branch's top dies at the sum: the fused pass leaves
+    it unwritten, and trains bit for bit as under `stock`."""
+    _, chain, adds, losses, params = _train_nhwc_sum(monkeypatch, plan='shared')
+    assert adds == [True, True] and not chain.store_branch_top
+    _, chain, _, stock_losses, stock_params = _train_nhwc_sum(monkeypatch, plan='stock')
+    assert chain.store_branch_top
+    assert stock_losses == losses and stock_params == params
+
+
+def test_a_declined_sum_pass_runs_the_branchs_deferred_pass_first_emulated(monkeypatch,
+                                                                          emulated):
+    """If the Eltwise cannot take the branch's normalize pass (a misaligned
+    map), that pass runs first on its own, then the Eltwise: the same
+    training as without the deferral."""
+    from caffeplus.layers import fused_chain
+    monkeypatch.setattr(fused_chain._SumChain, 'forward_with_branch', lambda self: False)
+    _, _, adds, losses, params = _train_nhwc_sum(monkeypatch)
+    assert adds == [False, False]
+    _, _, _, apart_losses, apart_params = _train_nhwc_sum(monkeypatch, pair=False)
+    assert losses == apart_losses and params == apart_params

@@ -139,6 +139,35 @@ def test_sum_scale2_is_axpby_then_scale2(half, shift):
             numpy.testing.assert_array_equal(got.view(numpy.uint16), want.view(numpy.uint16))
 
 
+@pytest.mark.parametrize('add_flags', [2, 3, 1])
+def test_bn_apply_add_is_apply_then_axpby(half, half_extra, add_flags):
+    """cp_bn_apply_add_nhwc_vec (a residual branch's BatchNorm -> Scale
+    normalize pass with the Eltwise SUM after it) gives the bits of
+    cp_bn_apply_nhwc_vec and then cp_axpby on the top it stored; the top
+    itself only with add_flags & 1, the ReLU with add_flags & 2."""
+    r = numpy.random.RandomState(7)
+    m, c = 37, 16
+    x, other = _maps(r, m, c, scale=3), _maps(r, m, c, scale=3)
+    ms, sd = r.standard_normal(c).astype(F32), (r.rand(c) + 0.5).astype(F32)
+    sc, bi = r.standard_normal(c).astype(F32), r.standard_normal(c).astype(F32)
+    flags = 2 | 4 | 8                   # keep the normalized copy; scale; bias
+    args = lambda y, xn: (x, y, xn, ms, sd, sc, bi, numpy.uint32(m), numpy.uint32(c),
+                          numpy.int32(flags))
+    y1, xn1, e1 = (numpy.full((m, c), F16(9)) for _ in range(3))
+    half_extra.kernel('cp_bn_apply_nhwc_vec')((3,), (8,), args(y1, xn1))
+    half.kernel('cp_axpby')((3,), (64,), (other, y1, e1, numpy.uint32(m * c), F32(0.5),
+                                          F32(-2), numpy.int32(add_flags >> 1)))
+    y2, xn2, e2 = (numpy.full((m, c), F16(9)) for _ in range(3))
+    half_extra.kernel('cp_bn_apply_add_nhwc_vec')((3,), (8,), args(y2, xn2) + (
+        other, e2, F32(0.5), F32(-2), numpy.int32(add_flags)))
+    bits = lambda a: a.view(numpy.uint16)
+    numpy.testing.assert_array_equal(bits(xn2), bits(xn1))
+    numpy.testing.assert_array_equal(bits(e2), bits(e1))
+    numpy.testing.assert_array_equal(bits(y2), bits(y1) if add_flags & 1 else bits(
+        numpy.full((m, c), F16(9))))
+    assert (e1 < 0).any() != bool(add_flags & 2)
+
+
 def _bn_state(c):
     """Zeroed mean, variance, count and std buffers of a c-channel BatchNorm."""
     return numpy.zeros(c, F32), numpy.zeros(c, F32), numpy.zeros(1, F32), numpy.zeros(c, F32)

@@ -377,11 +377,11 @@ class AppliedPlan:
         self._marked = []           # storages _mark released, for _unmark to clear
         self._host_views_seen = None
 
-    def diff_read_after(self, blob, step):
-        """Whether the plan keeps blob's diff past step `step`; False where
-        every life of it ends by then (reading it later raises), so a fused
-        backward need not store it."""
-        entry = self._planned.get(id(blob.diff_storage))
+    def read_after(self, storage, step):
+        """Whether the plan keeps a blob's data or diff `storage` past step
+        `step`; False where every life of it ends by then (reading it later
+        raises), so a fused kernel need not store it."""
+        entry = self._planned.get(id(storage))
         return entry is None or any(life.end > step for life in entry.lives)
 
     # -- parameter gradients applied in backward (caffeplus.solver.update_in_backward) ----
