@@ -306,3 +306,61 @@ def test_channels_last_1x1_convolution_on_cublas_computes_what_cudnn_does(gpu, m
         assert _relative(g_cl, g) < tol, p.name
     for name, m in maps.items():
         assert _relative(maps_cl[name], m) < tol, name
+
+
+# RESNET_LIKE's block followed by an identity block: `sum` feeds a Split
+# (the next block's branch and its shortcut), and each sum's second bottom
+# ends in BatchNorm -> Scale (ResNet-50's branch2c).
+RESNET_SPLIT = RESNET_LIKE.replace(
+    _unit('d', 'sum', 16, 3),
+    _unit('d', 'sum', 16, 3, relu=False) + """
+layer { name: "sum2" type: "Eltwise" bottom: "sum" bottom: "d" top: "sum2" }
+layer { name: "relu_sum2" type: "ReLU" bottom: "sum2" top: "sum2" }
+""").replace('bottom: "d" top: "pool2"', 'bottom: "sum2" top: "pool2"')
+
+
+@pytest.mark.parametrize('plan', ['stock', 'shared'])
+@pytest.mark.parametrize('sixteen', ['fp16', 'bf16'])
+def test_residual_sums_fused_with_their_neighbours_change_no_bit(gpu, sixteen, plan,
+                                                                 monkeypatch):
+    """Channels-last, three steps of SGD: the branch's normalize pass run
+    with the Eltwise SUM (cp_bn_apply_add_nhwc_vec), the Split's backward
+    with the SUM's (cp_sum_scale2) and the SUM's gradient handed to the
+    branch's BatchNorm chain give the losses, weights and BatchNorm
+    statistics of the same net with those kernels one after another."""
+    if sixteen == 'bf16':
+        pytest.importorskip('ml_dtypes')
+    from caffeplus import kernels
+    from caffeplus.layers import fused_chain
+    r = numpy.random.RandomState(13)
+    x = r.standard_normal((8, 3, 24, 24)).astype(numpy.float32)
+    label = r.randint(0, 5, size=8).astype(numpy.float32)
+    runs = {}
+    for fused in (True, False):
+        with monkeypatch.context() as m:
+            if not fused:
+                m.setattr(fused_chain, '_pair_sum_chains', lambda chains: None)
+                m.setattr(fused_chain, 'GPUSplitLayer', type('NoSplit', (), {}))
+            caffeplus.set_random_seed(5)
+            with precision.setting(sixteen), config.using(layout='nhwc'):
+                net = caffeplus.Net(text_format.Parse(RESNET_SPLIT, caffe_pb2.NetParameter()),
+                                    caffe_pb2.TRAIN, memory=plan)
+            sums = [c for c in net._fused_chains if getattr(c, 'eltwise', None) is not None]
+            assert [(c.split is not None, c.branch is not None) for c in sums] == \
+                ([(True, True), (False, True)] if fused else [(False, False), (False, False)])
+            assert net._blob_dict['c'].layout == 'NHWC'
+            losses = []
+            for _ in range(3):
+                net.blobs['data'].data[...] = x
+                net.blobs['label'].data[...] = label
+                net.clear_param_diffs()
+                net.forward_prefilled()
+                losses.append(float(net.blobs['loss'].data))
+                net.backward_all()
+                for p in net.learnable_params:
+                    p.data = p.data.get() - numpy.float32(LR) * p.diff.get()
+            runs[fused] = (losses, [p.data.get().tobytes() for p in net.learnable_params],
+                           [b.data.get().tobytes() for l in net.layers
+                            if l.type == 'BatchNorm' for b in l.blobs])
+    assert runs[True] == runs[False]
+    assert not kernels.failures()
