@@ -371,8 +371,10 @@ def _pair_sum_chains(chains):
     `branch`. Its other bottom comes from a layer before that chain, so it
     is there in forward; and its backward reads that bottom's diff later
     than the branch's, so with coefficients 1 and both bottoms propagated it
-    can hand the gradient over (`can_share_diff`)."""
-    by_last = {ch.last: ch for ch in chains if isinstance(ch, _Chain)}
+    can hand the gradient over (`can_share_diff`). Not a chain ending in a
+    ReLU: a masked ReLU's forward reads the top the deferred pass has not
+    written yet, and its backward its own diff."""
+    by_last = {ch.last: ch for ch in chains if isinstance(ch, _Chain) and ch.relu is None}
     for ch in chains:
         if not isinstance(ch, _SumChain) or len(ch.bottoms) != 2 or \
                 ch.bottoms[0] is ch.bottoms[1]:

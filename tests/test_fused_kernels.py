@@ -1152,3 +1152,17 @@ def test_a_declined_sum_pass_runs_the_branchs_deferred_pass_first_emulated(monke
     assert adds == [False, False]
     _, _, _, apart_losses, apart_params = _train_nhwc_sum(monkeypatch, pair=False)
     assert losses == apart_losses and params == apart_params
+
+
+def test_a_branch_ending_in_relu_is_not_paired_with_the_sum_emulated(emulated):
+    """A BatchNorm -> Scale -> ReLU chain right before the sum stays the
+    sum's bottom as it is (a masked ReLU would read a top not yet written)."""
+    text = RESNET.replace('layer { name: "sum" type: "Eltwise"',
+                          'layer { name: "relu_c2" type: "ReLU" bottom: "conv2" top: "conv2" }\n'
+                          'layer { name: "sum" type: "Eltwise"')
+    net = caffeplus.Net(text_format.Parse(text, caffe_pb2.NetParameter()), caffeplus.TRAIN)
+    net.forward_prefilled()
+    chains = net._fused_chains
+    bn2 = next(c for c in chains if getattr(c, 'bn', None) is not None and c.bn.name == 'bn2')
+    assert bn2.relu is not None and bn2.relu.name == 'relu_c2'
+    assert all(c.branch is None for c in chains if hasattr(c, 'eltwise'))
