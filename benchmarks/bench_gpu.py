@@ -10,7 +10,8 @@ Every measurement runs in its own process (so each peak is that
 configuration's alone). One iteration is forward + backward + an SGD
 momentum update (lr 0.01, momentum 0.9, no weight decay) on every learnable
 parameter: what caffeplus's SGDSolver runs on the GPU (Net.clear_param_diffs,
-one kernel for every parameter's update). Plan names: stock and arena (the
+the loss read once backward is queued, one kernel for every parameter's
+update). Plan names: stock and arena (the
 workspace plans: every blob in memory of its own), shared, offload and auto
 (memory plans, maps sharing memory as under `caffeplus train`), with
 ':timed' for cuDNN FindEx search and '/generic' for the fused kernels off
@@ -247,8 +248,12 @@ def worker_caffeplus(args):
 
         def step():
             net.clear_param_diffs()
-            net.forward_from_to(start, last)
+            # As the solver: the loss read once backward is queued (reading
+            # it at the loss layer would leave the GPU idle while the host
+            # queues the backward pass).
+            loss = net.forward_from_to(start, last, defer_loss=True)
             net.backward_from_to(last, start)
+            float(loss)
             guard = None
             if scaler is not None:
                 holder.update_guard = None

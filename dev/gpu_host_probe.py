@@ -200,8 +200,9 @@ def _build(net_name, bench_dir, tf32, plan='arena', search='timed', precision=No
 
     def step():
         net.clear_param_diffs()
-        net.forward_from_to(start, last)
+        loss = net.forward_from_to(start, last, defer_loss=True)     # read as the solver does
         net.backward_from_to(last, start)
+        float(loss)
         multi.prepare(params, hist, None, ones, zeros)
         multi.run('SGD', 0.01, 1.0, 0.0, False, 0.9)
     return net, step
