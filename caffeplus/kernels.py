@@ -58,16 +58,17 @@ for _name, _suffix in SIXTEEN_BIT_BUILDS.items():
     SOURCES['extra' + _suffix] = _head + COMMON + EXTRA
     SOURCES['nhwc' + _suffix] = _head + COMMON + EXTRA + CHANNELS_LAST_BATCHNORM
 MAP_KERNELS = frozenset(('cp_bn_fwd', 'cp_bn_bwd', 'cp_relu_fwd', 'cp_relu_bwd', 'cp_axpby',
-                         'cp_scale2', 'cp_sum_scale2', 'cp_bn_stats_part', 'cp_bn_fwd_apply', 'cp_bn_bwd_part',
-                         'cp_bn_bwd_apply', 'cp_pool_fwd', 'cp_pool_bwd',
+                         'cp_scale2', 'cp_sum_scale2', 'cp_bn_stats_part', 'cp_bn_fwd_apply',
+                         'cp_bn_bwd_part', 'cp_bn_bwd_apply', 'cp_pool_fwd', 'cp_pool_bwd',
                          'cp_softmax_loss_rows', 'cp_softmax_loss_bwd', 'cp_channel_sum_part',
-                         'cp_accumulate', 'cp_cast_many', 'cp_cast_many_krsc', 'cp_mpool_fwd', 'cp_mpool_bwd',
-                         'cp_mpool_bwd_tiled', 'cp_relu_bits_fwd', 'cp_relu_bits_bwd',
-                         'cp_scale_fwd', 'cp_scale_bwd', 'cp_lrn_fwd', 'cp_lrn_bwd',
-                         'cp_im2col', 'cp_channel_sum_part_nhwc', 'cp_accumulate_krsc',
-                         'cp_mpool_fwd_nhwc', 'cp_mpool_bwd_nhwc', 'cp_mpool_bwd_tiled_nhwc',
-                         'cp_bn_stats_part_nhwc', 'cp_bn_apply_nhwc', 'cp_bn_bwd_part_nhwc',
-                         'cp_bn_dx_nhwc', 'cp_bn_stats_part_nhwc_vec', 'cp_bn_apply_nhwc_vec', 'cp_bn_apply_add_nhwc_vec',
+                         'cp_accumulate', 'cp_cast_many', 'cp_cast_many_krsc', 'cp_mpool_fwd',
+                         'cp_mpool_bwd', 'cp_mpool_bwd_tiled', 'cp_relu_bits_fwd',
+                         'cp_relu_bits_bwd', 'cp_scale_fwd', 'cp_scale_bwd', 'cp_lrn_fwd',
+                         'cp_lrn_bwd', 'cp_im2col', 'cp_channel_sum_part_nhwc',
+                         'cp_accumulate_krsc', 'cp_mpool_fwd_nhwc', 'cp_mpool_bwd_nhwc',
+                         'cp_mpool_bwd_tiled_nhwc', 'cp_bn_stats_part_nhwc', 'cp_bn_apply_nhwc',
+                         'cp_bn_bwd_part_nhwc', 'cp_bn_dx_nhwc', 'cp_bn_stats_part_nhwc_vec',
+                         'cp_bn_apply_nhwc_vec', 'cp_bn_apply_add_nhwc_vec',
                          'cp_bn_bwd_part_nhwc_vec', 'cp_bn_dx_nhwc_vec', 'cp_bias_nhwc'))
 SOURCE = COMMON + CORE + EXTRA + CHANNELS_LAST_BATCHNORM
 

@@ -381,10 +381,11 @@ def _pair_sum_chains(chains):
             continue
         a = by_last.get(ch.first - 1)
         on = [j for j, b in enumerate(ch.bottoms) if a is not None and b is a.bn._chain_blob]
-        if on:
-            ch.branch, ch.branch_bottom = a, on[0]
-            ch.can_share_diff = a.needs_backward and all(ch.propagate) and \
-                list(ch.eltwise.coeffs) == [1, 1]
+        if not on:
+            continue
+        ch.branch, ch.branch_bottom = a, on[0]
+        ch.can_share_diff = a.needs_backward and all(ch.propagate) and \
+            list(ch.eltwise.coeffs) == [1, 1]
 
 
 def _chain_backward(layer, what):

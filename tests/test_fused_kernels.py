@@ -238,14 +238,17 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc" bottom: "label" top: "
 '''
 
 
+def _net(text=RESNET, memory=None):
+    """The TRAIN net of `text`, its fillers seeded as every case here seeds them."""
+    caffeplus.set_random_seed(11)
+    return caffeplus.Net(text_format.Parse(text, caffe_pb2.NetParameter()), caffeplus.TRAIN,
+                         memory=memory)
+
 def _train(gpu, fused, iters=2, hook=False):
     caffeplus.set_mode_gpu() if gpu else caffeplus.set_mode_cpu()
     previous = kernels.set_enabled(fused)
     try:
-        caffeplus.set_random_seed(11)
-        param = caffe_pb2.NetParameter()
-        text_format.Parse(RESNET, param)
-        net = caffeplus.Net(param, caffeplus.TRAIN)
+        net = _net()
         if hook:
             net.after_layer_forward.append(lambda i: None)
         rng = numpy.random.default_rng(4)
@@ -295,10 +298,7 @@ def test_net_emulated_hooks_unfuse_chains(emulated):
 
 def test_net_partial_forward_is_unfused(emulated):
     """forward up to BatchNorm leaves BatchNorm's own top, as Caffe."""
-    caffeplus.set_random_seed(11)
-    param = caffe_pb2.NetParameter()
-    text_format.Parse(RESNET, param)
-    net = caffeplus.Net(param, caffeplus.TRAIN)
+    net = _net()
     bn = net.layer_index('bn1')
     net.forward_from_to(0, bn)
     chain = net._fused_chains[0]
@@ -740,10 +740,7 @@ def test_gemm_1x1_convolution_plan_on_channels_last_maps(n, c, hw, m, type_name,
 
 def _train_plan(plan, **options):
     from caffeplus.memory.apply import apply_named_plan
-    caffeplus.set_random_seed(11)
-    param = caffe_pb2.NetParameter()
-    text_format.Parse(RESNET, param)
-    net = caffeplus.Net(param, caffeplus.TRAIN, memory='stock')
+    net = _net(memory='stock')
     apply_named_plan(net, plan, training=True, **options)
     losses, fused = [], []
     for _ in range(4):
@@ -791,10 +788,7 @@ def test_offload_relayout_frees_the_old_arena_with_chains_emulated(emulated, mon
     import weakref
     from caffeplus.memory import placement
     from caffeplus.memory.apply import apply_named_plan
-    caffeplus.set_random_seed(11)
-    param = caffe_pb2.NetParameter()
-    text_format.Parse(RESNET, param)
-    net = caffeplus.Net(param, caffeplus.TRAIN, memory='stock')
+    net = _net(memory='stock')
     apply_named_plan(net, 'offload', training=True, offload_policy='all', lookahead=1,
                      runtime_options={'simulate': 'lazy', 'fused_chains': True})
     net.forward_prefilled()
@@ -824,10 +818,7 @@ def test_liveness_knows_a_chain_writes_at_its_head_step(emulated):
     the ReLU's top data in the same bytes, and the fused backward read it
     while overwriting it)."""
     from caffeplus.memory import liveness
-    caffeplus.set_random_seed(11)
-    param = caffe_pb2.NetParameter()
-    text_format.Parse(RESNET, param)
-    net = caffeplus.Net(param, caffeplus.TRAIN)
+    net = _net()
     L = len(net.layers)
     names = net._layer_names
     relu, elt = names.index('relu2'), names.index('sum')
@@ -957,10 +948,7 @@ def test_split_sum_chain_stores_the_summed_diff_only_where_a_plan_keeps_it_emula
     Kept (`keep`), it is written."""
     def chain_of(plan, keep=()):
         from caffeplus.memory.apply import apply_named_plan
-        caffeplus.set_random_seed(11)
-        param = caffe_pb2.NetParameter()
-        text_format.Parse(RESNET, param)
-        net = caffeplus.Net(param, caffeplus.TRAIN, memory='stock')
+        net = _net(memory='stock')
         apply_named_plan(net, plan, training=True, keep=keep)
         net.forward_prefilled()
         net.backward_all()
@@ -983,10 +971,7 @@ def test_liveness_starts_a_split_chains_bottom_diffs_at_the_split(emulated):
     """The Eltwise's bottom diffs are written at the Split's backward step
     when the three layers run as one chain."""
     from caffeplus.memory import liveness
-    caffeplus.set_random_seed(11)
-    param = caffe_pb2.NetParameter()
-    text_format.Parse(RESNET, param)
-    net = caffeplus.Net(param, caffeplus.TRAIN)
+    net = _net()
     L = len(net.layers)
     split = net._layer_names.index('sum_relu2_0_split')
     bottoms = {net._blob_names[b] for b in net.bottom_id_vecs[net._layer_names.index('sum')]}
@@ -1001,9 +986,7 @@ def test_split_sum_chain_leaves_a_masked_relu_to_its_bits_emulated(emulated):
     from caffeplus.memory import masks
 
     def train(mask):
-        caffeplus.set_random_seed(11)
-        net = caffeplus.Net(text_format.Parse(RESNET, caffe_pb2.NetParameter()),
-                            caffeplus.TRAIN)
+        net = _net()
         assert masks.apply(net, ['relu2'] if mask else []) == (('relu2',) if mask else ())
         out = []
         for _ in range(2):
@@ -1095,9 +1078,7 @@ def _train_nhwc_sum(monkeypatch, pair=True, plan=None, iters=2):
         real = fused_chain.GPUBatchNormLayer.apply_deferred
         m.setattr(fused_chain.GPUBatchNormLayer, 'apply_deferred',
                   lambda self, *a, **k: (adds.append(bool(a)), real(self, *a, **k))[1])
-        caffeplus.set_random_seed(11)
-        net = caffeplus.Net(text_format.Parse(NHWC_SUM, caffe_pb2.NetParameter()),
-                            caffeplus.TRAIN, memory='stock' if plan else None)
+        net = _net(NHWC_SUM, memory='stock' if plan else None)
         for name in NHWC_BLOBS:
             net.blobs[name].layout = 'NHWC'
         net.reshape()
@@ -1160,7 +1141,7 @@ def test_a_branch_ending_in_relu_is_not_paired_with_the_sum_emulated(emulated):
     text = RESNET.replace('layer { name: "sum" type: "Eltwise"',
                           'layer { name: "relu_c2" type: "ReLU" bottom: "conv2" top: "conv2" }\n'
                           'layer { name: "sum" type: "Eltwise"')
-    net = caffeplus.Net(text_format.Parse(text, caffe_pb2.NetParameter()), caffeplus.TRAIN)
+    net = _net(text)
     net.forward_prefilled()
     chains = net._fused_chains
     bn2 = next(c for c in chains if getattr(c, 'bn', None) is not None and c.bn.name == 'bn2')
