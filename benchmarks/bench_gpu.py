@@ -17,6 +17,8 @@ workspace plans: every blob in memory of its own), shared, offload and auto
 ':timed' for cuDNN FindEx search and '/generic' for the fused kernels off
 (caffeplus.kernels; the generic CuPy layers and a per-parameter update),
 '/nographs' for cuDNN calls made directly instead of replayed as CUDA graphs,
+'/eager' for the passes run layer by layer (not launched as one CUDA graph:
+caffeplus.pass_graph),
 '/nogroups' for grouped convolutions without the one-call-per-group
 candidates, '/fp16' and '/bf16' for the net in FLOAT16 ('+scaled' with
 adaptive loss scaling) and BFLOAT16 ('+nchw' with its convolution maps in
@@ -246,13 +248,21 @@ def worker_caffeplus(args):
             scaler = precision.LossScaler(holder, net.precision,
                                           precision.ADAPTIVE_INITIAL_SCALE, True, 1000)
 
+        # As the solver: the passes launched as one CUDA graph where the net
+        # allows (caffeplus.pass_graph), unless '+eager'.
+        from caffeplus.pass_graph import PassGraph
+        graph = None if 'eager' in variants else PassGraph(net, 'bench net')
+
         def step():
-            net.clear_param_diffs()
+            if graph is not None and graph.usable():
+                loss = graph.run(data=False)
+            else:
+                net.clear_param_diffs()
+                loss = net.forward_from_to(start, last, defer_loss=True)
+                net.backward_from_to(last, start)
             # As the solver: the loss read once backward is queued (reading
             # it at the loss layer would leave the GPU idle while the host
             # queues the backward pass).
-            loss = net.forward_from_to(start, last, defer_loss=True)
-            net.backward_from_to(last, start)
             float(loss)
             guard = None
             if scaler is not None:
@@ -283,6 +293,8 @@ def worker_caffeplus(args):
     return dict(framework='caffeplus', plan=args.plan, net=args.net,
                 tf32=0 if strict else args.tf32,
                 graphs=api.graph_stats(), algorithms=algorithms,
+                pass_graph=None if generic or graph is None else dict(
+                    captures=graph.captures, replays=graph.replays, off=graph.off),
                 # (a Convolution -> ReLU chain fuses its forward only)
                 fused_chains=sum(1 for c in chains if c.fwd_done and (
                     c.bwd_done or not c.needs_backward)),

@@ -120,6 +120,13 @@ SETTINGS = {s.name: s for s in (
             'every gradient until the update after backward.',
             env='CAFFEPLUS_UPDATE_IN_BACKWARD', solver_field='update_in_backward',
             flag='--update_in_backward', commands=('train',)),
+    Setting('cuda_graphs', _switch, True,
+            'On the GPU, launch each training iteration\'s forward and backward (after '
+            'the data layers) as one CUDA graph once a few eager iterations have run: the '
+            'same kernels, without the host time of launching them one by one. Nets it '
+            'cannot replay run eagerly, and the log says why (caffeplus.pass_graph).',
+            solver_field='cuda_graphs', flag='--cuda_graphs',
+            commands=('train',)),
     Setting('recompute', _choice('plan', 'off', 'on', 'convs', 'split',
                                  aliases=_PLAN_SWITCH), 'plan',
             "Maps made again in backward instead of kept: 'plan' (each plan's own "

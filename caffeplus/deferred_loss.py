@@ -28,6 +28,13 @@ class DeferredLoss:
             raise RuntimeError('a read loss takes no more terms')
         self._terms.append(term)
 
+    @property
+    def terms(self):
+        """The terms added so far (caffeplus.pass_graph reads its capture's)."""
+        if self._value is not None:
+            raise RuntimeError('a read loss keeps no terms')
+        return list(self._terms)
+
     def __float__(self):
         if self._value is None:
             loss = 0.0

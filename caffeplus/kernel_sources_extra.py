@@ -1000,4 +1000,55 @@ extern "C" __global__ void cp_lrn_bwd(const CP_A* x, const CP_A* y, const CP_A* 
         }
     }
 }
+
+/* Dropout in TRAIN (Caffe's: y = x * mask * scale, mask = u >= ratio): u
+   from word i of Philox4x32-10 (Salmon et al., SC'11; Random123's rounds
+   and constants), counter (i / 4, offset), key the seed, u = (word >> 8)
+   / 2^24 in [0, 1). The seed and the offset are read from the device
+   (state[0], state[1]), so a CUDA graph of the pass draws new masks on each
+   replay: cp_dropout_step moves the offset after each draw (no block of
+   this kernel may, the others still read it). mask: one byte a value. */
+__device__ __forceinline__ unsigned cp_philox_word(unsigned long long seed,
+    unsigned long long offset, unsigned long long i)
+{
+    unsigned c0 = (unsigned)(i >> 2), c1 = (unsigned)(i >> 34), c2 = (unsigned)offset,
+             c3 = (unsigned)(offset >> 32), k0 = (unsigned)seed, k1 = (unsigned)(seed >> 32);
+    for (int r = 0; r < 10; ++r) {
+        const unsigned hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        const unsigned hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        c0 = hi1 ^ c1 ^ k0;
+        c1 = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    const unsigned w = (unsigned)(i & 3);
+    return w == 0 ? c0 : w == 1 ? c1 : w == 2 ? c2 : c3;
+}
+
+extern "C" __global__ void cp_dropout_fwd(const CP_A* x, CP_A* y, unsigned char* mask,
+    const unsigned long long* state, const unsigned n, const float ratio, const float scale)
+{
+    const unsigned long long seed = state[0], offset = state[1];
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const float u = (float)(cp_philox_word(seed, offset, i) >> 8) * (1.0f / 16777216.0f);
+        const unsigned char keep = u >= ratio;
+        mask[i] = keep;
+        y[i] = __fmul_rn(__fmul_rn((float)x[i], keep ? 1.0f : 0.0f), scale);
+    }
+}
+
+extern "C" __global__ void cp_dropout_step(unsigned long long* state)
+{
+    state[1] += 1;
+}
+
+/* Dropout backward: dx = dy * mask * scale (a NaN gradient stays NaN, as Caffe's). */
+extern "C" __global__ void cp_dropout_bwd(const CP_A* dy, const unsigned char* mask, CP_A* dx,
+    const unsigned n, const float scale)
+{
+    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        dx[i] = __fmul_rn(__fmul_rn((float)dy[i], mask[i] ? 1.0f : 0.0f), scale);
+}
 '''

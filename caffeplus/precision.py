@@ -247,12 +247,15 @@ class NetPrecision:
                 self._scale_loss_diffs(i)
         scale_loss.at = frozenset(self.loss_layers)
         scale_loss.chain_safe = True        # loss tops only: fused chains stay fused
+        # (The scale is part of a CUDA graph's key: caffeplus.pass_graph.)
+        scale_loss.graph_safe = True
 
         if not self.emulate:
             def restore_loss_diffs(i):
                 self._restore_loss_diffs(i)
             restore_loss_diffs.at = frozenset(self.loss_layers)
             restore_loss_diffs.chain_safe = True
+            restore_loss_diffs.graph_safe = True
             net.before_layer_backward.append(scale_loss)
             net.on_layer_backward_done.append(restore_loss_diffs)
             return

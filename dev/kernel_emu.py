@@ -117,6 +117,9 @@ static inline double __longlong_as_double(long long v) {
     return d;
 }
 static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline unsigned __umulhi(unsigned a, unsigned b) {
+    return (unsigned)(((unsigned long long)a * b) >> 32);
+}
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fdiv_rn(float a, float b) { return a / b; }

@@ -167,6 +167,14 @@ class _LossReport:
         self.layer, self._out, self._event, self._has_dtop = layer, out, event, has_dtop
         self._host = None
 
+    def renewed(self, event):
+        """The report of the same buffer written again by work that `event`
+        follows (a replay of the pass that wrote this one:
+        caffeplus.pass_graph); the layer reads it before its next write."""
+        again = _LossReport(self.layer, self._out, event, self._has_dtop)
+        self.layer._outstanding = again
+        return again
+
     def read(self):
         if self._host is None:
             if self._event is not None:

@@ -505,7 +505,23 @@ class SwishLayer(NeuronLayer):
         bottom[0].diff[...] = top[0].diff * g
 
 
-_gpu_rng = {'source': None, 'state': None}
+_gpu_rng = {'source': None, 'state': None, 'philox': None, 'philox_source': None}
+
+
+def _philox_state():
+    """The fused Dropout kernels' device state [seed, offset] (uint64; the
+    kernels move the offset on the device), seeded from caffeplus.rng and
+    again when its seed is reset."""
+    from caffeplus import kernels
+    g = rng.get()
+    state = _gpu_rng['philox']
+    if state is None or _gpu_rng['philox_source'] is not g or \
+            (kernels.emulating() != isinstance(state, numpy.ndarray)):
+        seed = numpy.array([g.integers(0, 2 ** 63 - 1), 0], numpy.uint64)
+        xp = kernels.array_module()
+        state = _gpu_rng['philox'] = xp.asarray(seed)
+        _gpu_rng['philox_source'] = g
+    return state
 
 
 def _uniform(shape, xp):
@@ -544,6 +560,8 @@ class DropoutLayer(NeuronLayer):
     def _forward(self, bottom, top):
         x = bottom[0].data
         xp = _xp(x)
+        if self.phase == caffe_pb2.TRAIN and self._fused_forward(bottom, top):
+            return
         if self.phase == caffe_pb2.TRAIN:
             self.mask = self._new_mask(_uniform(x.shape, xp), xp)
             y = top[0].data
@@ -562,6 +580,49 @@ class DropoutLayer(NeuronLayer):
         mask = buf.view(numpy.bool_)[:u.size].reshape(u.shape)
         return xp.greater_equal(u, self.ratio, out=mask)
 
+    # -- on the GPU: the mask from a counter-based generator (caffeplus.kernels'
+    # cp_dropout_fwd), whose state stays on the device: one kernel each way,
+    # and a CUDA graph of the pass (caffeplus.pass_graph) draws new masks.
+    _mask_store = None
+
+    def _fused_forward(self, bottom, top):
+        from caffeplus import kernels as K
+        if not K.active():
+            return False
+        arrays, dtype = K.maps((bottom[0], False), (top[0], False))
+        n = bottom[0].count
+        if arrays is None or not 0 < n <= K.MAX_COUNT:
+            return False
+        x, y = arrays
+        buf = self.mask_buffer
+        if buf is not None and K.is_device(buf) and buf.nbytes >= n:
+            store = buf.view(numpy.uint8)
+        else:
+            store = self._mask_store
+            if store is None or store.size < n or not K.is_device(store):
+                store = self._mask_store = K.empty(n, numpy.uint8)
+        state = _philox_state()
+        K.kernel('cp_dropout_fwd', dtype)(K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,), (
+            x, y, store, state, K.u32(n), K.f32(self.ratio), K.f32(self.scale)))
+        K.kernel('cp_dropout_step')((1,), (1,), (state,))
+        self.mask = store[:n].view(numpy.bool_).reshape(bottom[0].shape)
+        return True
+
+    def _fused_backward(self, top, bottom):
+        from caffeplus import kernels as K
+        mask = self.mask
+        if not K.active() or mask is None or not K.is_device(mask) or \
+                mask.dtype != numpy.bool_ or not mask.flags.c_contiguous:
+            return False
+        arrays, dtype = K.maps((top[0], True), (bottom[0], True))
+        if arrays is None:
+            return False
+        dy, dx = arrays
+        n = mask.size
+        K.kernel('cp_dropout_bwd', dtype)(K.elementwise_grid(n), (K.ELEMENTWISE_THREADS,), (
+            dy, mask.reshape(-1).view(numpy.uint8), dx, K.u32(n), K.f32(self.scale)))
+        return True
+
     def _backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
@@ -569,6 +630,8 @@ class DropoutLayer(NeuronLayer):
         if self.phase == caffe_pb2.TRAIN:
             if self.mask is None or self.mask.shape != dy.shape:
                 _fail(self, 'backward without a TRAIN forward of the same shape')
+            if self._fused_backward(top, bottom):
+                return
             dx = bottom[0].diff
             _xp(dy).multiply(dy, self.mask, out=dx)
             dx *= self.scale

@@ -23,6 +23,7 @@ then run on caffeplus's handle over a FALLBACK_BYTES buffer of CuPy's
 pool, and every GEMM here still sees the workspace size, hence the bits,
 it would have on CuPy's handle with its one buffer (dev/cublas_handles_probe.py).
 """
+import contextlib
 import ctypes
 import os
 import re
@@ -42,7 +43,7 @@ _ZERO = ctypes.c_float(0.0)
 _SCALARS = {1.0: ctypes.addressof(_ONE), 0.0: ctypes.addressof(_ZERO)}
 # 'bound': {caffeplus's handle: [the stream, the (pointer, bytes) workspace] set on it}
 _state = {'cublas': None, 'handle': None, 'ctypes': None, 'own': {}, 'fallback': {},
-          'bound': {}}
+          'bound': {}, 'capture': None}
 # cuBLAS's one buffer on Hopper (caffeplus.memory.cublas_pool.POOL): what a
 # call without workspace of its own gets on caffeplus's handle.
 FALLBACK_BYTES = 32 * 1024 * 1024
@@ -142,9 +143,26 @@ def release_fallback():
 
 
 def _workspace(workspace):
-    if workspace is None and _state['own']:
-        return _fallback_workspace()
+    if workspace is None:
+        if _state['capture'] is not None:
+            return _state['capture']
+        if _state['own']:
+            return _fallback_workspace()
     return workspace
+
+
+@contextlib.contextmanager
+def capture_workspace(workspace):
+    """Calls without a workspace of their own run on caffeplus's handle over
+    `workspace` (pointer, bytes of FALLBACK_BYTES: the bits of an eager
+    call) while a CUDA graph is captured (caffeplus.pass_graph): CuPy
+    refuses its cuBLAS calls then, and the fallback buffer may be released
+    while the graph still uses it."""
+    saved, _state['capture'] = _state['capture'], (int(workspace[0]), int(workspace[1]))
+    try:
+        yield
+    finally:
+        _state['capture'] = saved
 
 
 def _check(function, status):

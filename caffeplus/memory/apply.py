@@ -418,6 +418,7 @@ class AppliedPlan:
         # At step boundaries, on whole gradients a chain's first step writes
         # (liveness.param_diff_spans counts the chains): fused chains stay fused.
         zero_before.chain_safe = True
+        zero_before.graph_safe = True           # the same memsets every pass (caffeplus.pass_graph)
         zero_before.at = frozenset(starts)      # called at those layers only (Net.hook_table)
         self._zero_hook = zero_before
         self.net.before_layer_backward.append(zero_before)
@@ -455,6 +456,7 @@ class AppliedPlan:
             if applied is not None:
                 applied._recompute_before(i)
         hook.chain_safe = True          # it runs no layer of a fused chain
+        hook.graph_safe = True          # the same layers again every pass
         hook.at = frozenset(2 * self.L - 1 - step for step in at)
         self._recompute_hook = hook
         self.net.before_layer_backward.append(hook)

@@ -374,7 +374,7 @@ class Solver:
         net = self.net
         display_every = p.display
         while self.iter < stop_iter:
-            self.start_gradients()
+            graph = self.start_gradients(graphs=True)
             if p.test_interval and self.iter % p.test_interval == 0 and \
                     (self.iter > 0 or p.test_initialization):
                 if self.rank == 0:
@@ -392,8 +392,11 @@ class Solver:
             # before the update, as Caffe logs them.
             losses = []
             for _ in range(p.iter_size):
-                losses.append(net.forward_prefilled(defer_loss=True))
-                net.backward_all()
+                if graph is not None:       # the gradients' zeroing too
+                    losses.append(graph.run())
+                else:
+                    losses.append(net.forward_prefilled(defer_loss=True))
+                    net.backward_all()
             self.end_backward()
             iteration = self.iter
             self.update_guard = None
@@ -429,15 +432,37 @@ class Solver:
                 self.requested_early_exit = True
                 break
 
-    def start_gradients(self):
+    def start_gradients(self, graphs=False):
         """Before an iteration's forward: Caffe's ClearParamDiffs, or, where
         each update runs in backward, its preparation
-        (caffeplus.solver.update_in_backward)."""
+        (caffeplus.solver.update_in_backward). With `graphs`, where the
+        iteration's passes can run as a CUDA graph: the
+        caffeplus.pass_graph.PassGraph that will zero the gradients and run
+        them (returned; else None)."""
         ub = getattr(self, 'in_backward', None)
-        if ub is not None and ub.ready():
+        in_backward = ub is not None and ub.ready()
+        graph = self._pass_graph(in_backward) if graphs else None
+        if in_backward:
             ub.begin()
-        else:
+            return None
+        if graph is None:
             self.net.clear_param_diffs()
+        return graph
+
+    _graph = None
+
+    def _pass_graph(self, in_backward):
+        """The train net's PassGraph when this iteration can use it (the
+        cuda_graphs setting, caffeplus.config; caffeplus.pass_graph)."""
+        if backend.mode() != backend.GPU:
+            return None
+        from caffeplus import pass_graph
+        if not pass_graph.enabled(self.param):
+            return None
+        if self._graph is None or self._graph.net is not self.net:
+            self._graph = pass_graph.PassGraph(self.net)
+        also = ['parameters are updated in backward (update_in_backward)'] if in_backward else ()
+        return self._graph if self._graph.usable(self, also) else None
 
     def end_backward(self):
         """After the iteration's backward passes (before the callbacks)."""

@@ -1,0 +1,284 @@
+"""A training iteration's passes launched as one CUDA graph.
+
+On the GPU each kernel launch costs the host about 7 us and each layer's
+Python more, so nets of many small layers (ResNet-50 at batch 64, the
+AlexNets) wait on the host: dev/graph_probe.py measured ResNet-50 b64 FP16
+at 19.2 ms an iteration eager and 12.9 ms replayed. After WARMUP eager
+iterations (cuDNN's timed search, buffers made on first use, the memory
+plan settled) the solver captures, on a stream of its own, what follows the
+data layers: the parameter gradients' zeroing, the forward with the loss
+layers, and the backward. From then on an iteration runs its data layers,
+then launches the graph: the same kernels with the same arguments in the
+same order as eager (hence the same bits), for a few microseconds of host
+time.
+
+A graph keeps every pointer, shape and scalar the capture saw. It is
+captured again when one that can change does: the data layers' tops (shape,
+memory), the memory plan's layout, the loss scale; an iteration after a
+host view of a blob was handed out (pycaffe may have written it: the eager
+pass copies it to the device) runs eagerly. What a replay cannot repeat
+blocks graphs, and the net runs eagerly, with one log line saying why:
+layers not known to be capturable (CAPTURABLE), per-layer hooks not marked
+`graph_safe` (update in backward, a gradient sync overlapped with
+backward), debug_info, iter_size > 1, the offload runtime, the CPU. A
+capture that fails (a layer that reads a value back to the host) turns
+graphs off for the net, with its reason, and the iteration runs eagerly.
+
+Memory made during the capture comes from a pool of the graph's own, kept
+while the graph lives: CuPy's pool could otherwise hand bytes the graph
+uses to something else. cuBLAS runs on caffeplus's handle over a workspace
+of the graph's (CuPy refuses its own cuBLAS calls during a capture), of
+the size an eager call without workspace gets (caffeplus.backend.blas),
+hence the same bits; cuDNN's per-call replays (caffeplus.cudnn.api) run
+their calls directly into the capture.
+"""
+from caffeplus import backend, log
+from caffeplus.deferred_loss import DeferredLoss
+
+# Eager iterations before the capture.
+WARMUP = 2
+# Layer types whose forward and backward on the GPU launch the same kernels
+# with the same arguments every iteration, never reading a value back
+# (Dropout's masks come from a generator whose state is on the device).
+CAPTURABLE = frozenset((
+    'Convolution', 'Deconvolution', 'InnerProduct', 'Pooling', 'LRN', 'BatchNorm', 'Scale',
+    'Bias', 'ReLU', 'Sigmoid', 'TanH', 'Eltwise', 'Concat', 'Split', 'Flatten', 'Reshape',
+    'Softmax', 'SoftmaxWithLoss', 'Silence', 'Dropout'))
+HOOK_LISTS = ('before_layer_forward', 'after_layer_forward', 'before_layer_backward',
+              'on_layer_backward_done')
+
+
+def enabled(solver_param=None):
+    """The cuda_graphs setting (caffeplus.config)."""
+    from caffeplus import config
+    return config.get('cuda_graphs', solver=solver_param)
+
+
+def first_compute_layer(net):
+    """The index of the first layer after the leading layers without bottoms
+    (the data layers, run eagerly each iteration)."""
+    i = 0
+    while i < len(net.layers) and not net.bottom_vecs[i]:
+        i += 1
+    return i
+
+
+def layer_blockers(net, first):
+    """Why the layers from `first` on cannot be captured (empty: they can)."""
+    types = sorted({net.layers[i].type for i in range(first, len(net.layers))} - CAPTURABLE)
+    if types:
+        return ['layer types not known to be capturable: %s' % ', '.join(types)]
+    if first >= len(net.layers):
+        return ['no layer after the data layers']
+    return []
+
+
+def hook_blockers(net):
+    """The per-layer hooks a replay would not run (their functions' names)."""
+    names = []
+    for kind in HOOK_LISTS:
+        for hook in getattr(net, kind):
+            if not getattr(hook, 'graph_safe', False):
+                names.append('%s (%s)' % (getattr(hook, '__qualname__', repr(hook)), kind))
+    return ['per-layer hooks a replay would skip: %s' % ', '.join(names)] if names else []
+
+
+def renewed(term, event):
+    """A deferred loss term of the capture, made to read the replay that
+    `event` follows: a report kept in host memory (the fused loss layer's)
+    is renewed; a callable reading device values reads them again."""
+    owner = getattr(term, '__self__', None)
+    renew = getattr(owner, 'renewed', None)
+    if renew is not None:
+        return getattr(renew(event), term.__name__)
+    return term
+
+
+class PassGraph:
+    """The graph of one training net's passes; run() is one iteration's
+    forward and backward (with the gradients' zeroing), eager or replayed."""
+
+    def __init__(self, net, name='train net'):
+        self.net = net
+        self.name = name
+        self.first = first_compute_layer(net)
+        self.static_blockers = layer_blockers(net, self.first)
+        self.off = None             # a reason graphs stay off for this net
+        self.eager_runs = 0
+        self.graph = None
+        self.key = None
+        self.captures = 0
+        self.replays = 0
+        self._said = None
+        self._pool = self._gemm_workspace = self._stream = None
+        self._terms = ()
+        self._arrays = ()
+        self._host_views = None
+        self._reports = []
+
+    # -- whether this iteration is replayed ---------------------------------------------
+    def blockers(self, solver=None):
+        """Why this iteration cannot use the graph (empty: it can)."""
+        if backend.mode() != backend.GPU:
+            return ['the CPU backend']
+        if self.off:
+            return [self.off]
+        why = list(self.static_blockers)
+        net = self.net
+        if net.debug_info or (solver is not None and solver.param.debug_info):
+            why.append('debug_info')
+        if solver is not None:
+            if solver.param.iter_size != 1:
+                why.append('iter_size %d' % solver.param.iter_size)
+            ub = getattr(solver, 'in_backward', None)
+        plan = net.applied_plan
+        if plan is not None and plan.runtime is not None:
+            why.append('the offload runtime')
+        return why + hook_blockers(net)
+
+    def usable(self, solver=None, also=()):
+        """Whether run() will try the graph this iteration (logs why not, once
+        for each new reason); `also`: the caller's own reasons against."""
+        why = list(also) or self.blockers(solver)
+        if why:
+            said = '; '.join(why)
+            if said != self._said and backend.mode() == backend.GPU:
+                log.info('CUDA graphs: the %s runs eagerly: %s', self.name, said)
+            self._said = said
+            self.graph = None
+            return False
+        self._said = None
+        return True
+
+    # -- one iteration ------------------------------------------------------------------
+    def run(self, data=True):
+        """Zero the parameter gradients, run the data layers (unless `data`
+        is False: their tops hold this iteration's batch already), then the
+        rest of the net forward and the whole net backward: replayed when the
+        graph fits, else eagerly (capturing once WARMUP eager runs in a row
+        saw the same key). Returns the loss, a caffeplus.deferred_loss.DeferredLoss."""
+        from caffeplus import blob
+        net = self.net
+        if data and self.first:
+            net.forward_from_to(0, self.first - 1, defer_loss=True)
+        key = self._key()
+        views = blob.host_views()
+        fresh_views, self._host_views = views != self._host_views, views
+        if key != self.key:
+            self.graph, self.key, self.eager_runs = None, key, 0
+        if self.graph is not None and not fresh_views:
+            loss = self._replay()
+            if loss is not None:
+                return loss
+        elif self.graph is None and self.eager_runs >= WARMUP and not fresh_views:
+            loss = self._capture()
+            if loss is not None:
+                return loss
+        self.eager_runs += 1
+        return self._eager()
+
+    def _eager(self):
+        net = self.net
+        net.clear_param_diffs()
+        loss = net.forward_from_to(self.first, len(net.layers) - 1, defer_loss=True)
+        net.backward_from_to(len(net.layers) - 1, 0)
+        return loss
+
+    def _key(self):
+        """What the graph's pointers and scalars depend on that can change
+        between iterations. Reading each data top's device array also sends
+        a newer host copy (a data layer that filled it on the host) there."""
+        net = self.net
+        tops = []
+        for ids in net.top_id_vecs[:self.first]:
+            for i in ids:
+                b = net._blobs[i]
+                tops.append((tuple(b._shape), b.data.data.ptr))
+        plan = net.applied_plan
+        layout = id(getattr(plan, 'layout', None)) if plan is not None else None
+        scale = getattr(getattr(net, 'precision', None), 'scale', None)
+        return tuple(tops), layout, scale
+
+    # -- capture and replay -------------------------------------------------------------
+    def _capture(self):
+        """Capture this iteration's passes, then launch them; None (graphs
+        off for the net, with a log line) if they cannot be captured: the
+        caller runs the iteration eagerly."""
+        import cupy
+        from caffeplus.backend import blas
+        from caffeplus.cudnn import api
+        net = self.net
+        cupy.cuda.get_current_stream().synchronize()
+        if self._stream is None:
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+            self._pool = cupy.cuda.MemoryPool()
+            self._gemm_workspace = cupy.empty(blas.FALLBACK_BYTES, cupy.uint8)
+            blas.own_handle()
+        for report in self._reports:        # the pinned buffers are written again
+            report.read()
+        self.graph, self._terms = None, ()
+        stream, graph, loss = self._stream, None, None
+        replays = api.set_graphs(False)     # cuDNN's calls go into this capture
+        try:
+            with cupy.cuda.using_allocator(self._pool.malloc), stream, \
+                    blas.capture_workspace((self._gemm_workspace.data.ptr,
+                                            self._gemm_workspace.nbytes)):
+                stream.begin_capture()
+                try:
+                    loss = self._eager()
+                finally:
+                    graph = stream.end_capture()
+        except Exception as exc:    # noqa: BLE001 -- any failure: eager from now on, said why
+            self.off = 'capture failed: %s' % (str(exc).splitlines() or [type(exc).__name__])[0]
+            log.info('CUDA graphs: the %s runs eagerly: %s', self.name, self.off)
+            self._said = self.off
+            return None
+        finally:
+            api.set_graphs(replays)
+        plan = net.applied_plan
+        self._arrays = tuple((e.storage, e.storage.array) for e in plan.entries) \
+            if plan is not None else ()
+        self.graph, self._terms = graph, tuple(loss.terms)
+        self.captures += 1
+        log.info('CUDA graphs: captured the %s from layer %s on (%d layers)', self.name,
+                 net._layer_names[self.first], len(net.layers) - self.first)
+        return self._launch()
+
+    def _replay(self):
+        """The passes' bookkeeping as eager passes do it (the memory plan's
+        marks), the graph launched, and the storages' arrays set as the
+        capture's pass left them; None if the plan placed its buffers again
+        (the caller runs the iteration eagerly; the next captures anew)."""
+        net = self.net
+        plan = net.applied_plan
+        last = len(net.layers) - 1
+        if plan is not None:
+            layout = getattr(plan, 'layout', None)
+            plan.before_forward(self.first, last)
+            if getattr(plan, 'layout', None) is not layout:
+                self.graph, self.key = None, None
+                return None
+            plan.after_forward(self.first, last)
+            plan.before_backward(last, 0)
+            plan.after_backward(last, 0)
+        for storage, array in self._arrays:
+            storage.array = array
+        self.replays += 1
+        return self._launch()
+
+    def _launch(self):
+        import cupy
+        for report in self._reports:        # the pinned buffers are written again
+            report.read()
+        stream = cupy.cuda.get_current_stream()
+        self.graph.launch(stream)
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(stream)
+        loss = DeferredLoss()
+        self._reports = []
+        for term in self._terms:
+            fresh = renewed(term, done) if callable(term) else term
+            if fresh is not term:
+                self._reports.append(fresh.__self__)
+            loss.add(fresh)
+        return loss
