@@ -14,13 +14,16 @@ time.
 
 A graph keeps every pointer, shape and scalar the capture saw. It is
 captured again when one that can change does: the data layers' tops (shape,
-memory), the memory plan's layout, the loss scale; an iteration after a
+memory) and the memory plan's layout (after WARMUP eager iterations
+again), the loss scale (once the new one came twice); an iteration after a
 host view of a blob was handed out (pycaffe may have written it: the eager
 pass copies it to the device) runs eagerly. What a replay cannot repeat
 blocks graphs, and the net runs eagerly, with one log line saying why:
 layers not known to be capturable (CAPTURABLE), per-layer hooks not marked
-`graph_safe` (update in backward, a gradient sync overlapped with
-backward), debug_info, iter_size > 1, the offload runtime, the CPU. A
+`graph_safe` (a gradient sync overlapped with backward), debug_info,
+iter_size > 1, the offload runtime, the CPU. An update in backward is
+captured with the pass, its learning rate and rule constants part of the
+key (a rate that changes every iteration keeps the passes eager). A
 capture that fails (a layer that reads a value back to the host) turns
 graphs off for the net, with its reason, and the iteration runs eagerly.
 
@@ -107,6 +110,7 @@ class PassGraph:
         self.eager_runs = 0
         self.graph = None
         self.key = None
+        self._structure = self._previous = None
         self.captures = 0
         self.replays = 0
         self._said = None
@@ -130,16 +134,15 @@ class PassGraph:
         if solver is not None:
             if solver.param.iter_size != 1:
                 why.append('iter_size %d' % solver.param.iter_size)
-            ub = getattr(solver, 'in_backward', None)
         plan = net.applied_plan
         if plan is not None and plan.runtime is not None:
             why.append('the offload runtime')
         return why + hook_blockers(net)
 
-    def usable(self, solver=None, also=()):
+    def usable(self, solver=None):
         """Whether run() will try the graph this iteration (logs why not, once
-        for each new reason); `also`: the caller's own reasons against."""
-        why = list(also) or self.blockers(solver)
+        for each new reason)."""
+        why = self.blockers(solver)
         if why:
             said = '; '.join(why)
             if said != self._said and backend.mode() == backend.GPU:
@@ -151,43 +154,56 @@ class PassGraph:
         return True
 
     # -- one iteration ------------------------------------------------------------------
-    def run(self, data=True):
-        """Zero the parameter gradients, run the data layers (unless `data`
-        is False: their tops hold this iteration's batch already), then the
-        rest of the net forward and the whole net backward: replayed when the
+    def run(self, data=True, clear=True, extra=None):
+        """One iteration: the data layers (unless `data` is False: their tops
+        hold this iteration's batch already), the parameter gradients zeroed
+        (unless `clear` is False: an update in backward zeroes its own), the
+        rest of the net forward and the whole net backward; replayed when the
         graph fits, else eagerly (capturing once WARMUP eager runs in a row
-        saw the same key). Returns the loss, a caffeplus.deferred_loss.DeferredLoss."""
+        saw the same key). `extra`: values the per-layer hooks read from the
+        host this iteration (an update in backward's learning rate), part of
+        the key. Returns the loss, a caffeplus.deferred_loss.DeferredLoss."""
         from caffeplus import blob
         net = self.net
         if data and self.first:
             net.forward_from_to(0, self.first - 1, defer_loss=True)
-        key = self._key()
+        structure = self._structure_key()
+        key = (structure, self._scale(), clear, extra)
+        if structure != self._structure:    # new memory: the eager runs settle it first
+            self._structure, self.eager_runs, self.graph = structure, 0, None
+        if self.graph is not None and key != self.key:
+            self.graph = None
+        # A capture pays off only for a key that comes again: one that changes
+        # every iteration (Adam's bias correction) keeps the passes eager.
+        repeated, self._previous = key == self._previous, key
         views = blob.host_views()
         fresh_views, self._host_views = views != self._host_views, views
-        if key != self.key:
-            self.graph, self.key, self.eager_runs = None, key, 0
         if self.graph is not None and not fresh_views:
             loss = self._replay()
             if loss is not None:
                 return loss
-        elif self.graph is None and self.eager_runs >= WARMUP and not fresh_views:
-            loss = self._capture()
+        elif self.graph is None and self.eager_runs >= WARMUP and repeated and \
+                not fresh_views:
+            loss = self._capture(clear)
             if loss is not None:
+                self.key = key
                 return loss
         self.eager_runs += 1
-        return self._eager()
+        return self._eager(clear)
 
-    def _eager(self):
+    def _eager(self, clear):
         net = self.net
-        net.clear_param_diffs()
+        if clear:
+            net.clear_param_diffs()
         loss = net.forward_from_to(self.first, len(net.layers) - 1, defer_loss=True)
         net.backward_from_to(len(net.layers) - 1, 0)
         return loss
 
-    def _key(self):
-        """What the graph's pointers and scalars depend on that can change
-        between iterations. Reading each data top's device array also sends
-        a newer host copy (a data layer that filled it on the host) there."""
+    def _structure_key(self):
+        """The memory the graph's pointers lead to: the data tops' shapes and
+        addresses, the memory plan's layout. Reading each data top's device
+        array also sends a newer host copy (a data layer that filled it on
+        the host) there."""
         net = self.net
         tops = []
         for ids in net.top_id_vecs[:self.first]:
@@ -195,12 +211,14 @@ class PassGraph:
                 b = net._blobs[i]
                 tops.append((tuple(b._shape), b.data.data.ptr))
         plan = net.applied_plan
-        layout = id(getattr(plan, 'layout', None)) if plan is not None else None
-        scale = getattr(getattr(net, 'precision', None), 'scale', None)
-        return tuple(tops), layout, scale
+        return tuple(tops), id(getattr(plan, 'layout', None)) if plan is not None else None
+
+    def _scale(self):
+        """The loss scale the loss layers' backward multiplies by."""
+        return getattr(getattr(self.net, 'precision', None), 'scale', None)
 
     # -- capture and replay -------------------------------------------------------------
-    def _capture(self):
+    def _capture(self, clear):
         """Capture this iteration's passes, then launch them; None (graphs
         off for the net, with a log line) if they cannot be captured: the
         caller runs the iteration eagerly."""
@@ -225,7 +243,7 @@ class PassGraph:
                                             self._gemm_workspace.nbytes)):
                 stream.begin_capture()
                 try:
-                    loss = self._eager()
+                    loss = self._eager(clear)
                 finally:
                     graph = stream.end_capture()
         except Exception as exc:    # noqa: BLE001 -- any failure: eager from now on, said why
@@ -256,7 +274,7 @@ class PassGraph:
             layout = getattr(plan, 'layout', None)
             plan.before_forward(self.first, last)
             if getattr(plan, 'layout', None) is not layout:
-                self.graph, self.key = None, None
+                self.graph = self._structure = None
                 return None
             plan.after_forward(self.first, last)
             plan.before_backward(last, 0)

@@ -49,7 +49,7 @@ def _net_param(text=NET):
     return text_format.Parse(text, caffe_pb2.NetParameter())
 
 
-def _solver(graphs, precision='', plan='shared', text=NET, **fields):
+def _solver(graphs, precision='', plan='shared', text=NET, in_backward=False, **fields):
     p = caffe_pb2.SolverParameter()
     p.net_param.CopyFrom(_net_param(text))
     p.base_lr, p.momentum, p.weight_decay = 0.05, 0.9, 1e-4
@@ -57,7 +57,7 @@ def _solver(graphs, precision='', plan='shared', text=NET, **fields):
     p.max_iter, p.display, p.random_seed = 100, 0, 7
     p.snapshot_after_train = False
     cp = p.caffeplus_param
-    cp.memory_plan, cp.update_in_backward, cp.cuda_graphs = plan, False, graphs
+    cp.memory_plan, cp.update_in_backward, cp.cuda_graphs = plan, in_backward, graphs
     if precision:
         cp.precision = precision
     for k, v in fields.items():
@@ -149,6 +149,29 @@ def test_replayed_iterations_train_as_the_eager_ones_bit_for_bit(gpu, precision,
             assert g is None
     assert runs[True] == runs[False]
     assert all(numpy.isfinite(runs[True][0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('precision', ['', 'fp16'])
+@pytest.mark.parametrize('solver_type', ['SGD', 'Adam'])
+def test_updates_in_backward_are_replayed_with_their_learning_rate(gpu, precision,
+                                                                   solver_type):
+    """Plan `shared` updating each parameter in backward: the updates are
+    captured with the pass and a new learning rate (every four steps)
+    captures again; Adam's bias correction, new every step, keeps the passes eager.
+    Either way the training is the eager one's, bit for bit."""
+    runs = {}
+    for graphs in (False, True):
+        solver = _solver(graphs, precision, in_backward=True, type=solver_type, stepsize=4)
+        assert solver.in_backward is not None
+        runs[graphs] = _train(solver, 9)
+        assert solver.in_backward.ready()
+        if graphs:
+            g = _graph_of(solver)
+            assert g.off is None
+            assert (g.captures >= 1 and g.replays >= 1) if solver_type == 'SGD' else \
+                g.captures == 0
+    assert runs[True] == runs[False]
 
 
 @pytest.mark.gpu

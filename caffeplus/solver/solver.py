@@ -393,7 +393,8 @@ class Solver:
             losses = []
             for _ in range(p.iter_size):
                 if graph is not None:       # the gradients' zeroing too
-                    losses.append(graph.run())
+                    clear, extra = self.graph_key()
+                    losses.append(graph.run(clear=clear, extra=extra))
                 else:
                     losses.append(net.forward_prefilled(defer_loss=True))
                     net.backward_all()
@@ -441,17 +442,26 @@ class Solver:
         them (returned; else None)."""
         ub = getattr(self, 'in_backward', None)
         in_backward = ub is not None and ub.ready()
-        graph = self._pass_graph(in_backward) if graphs else None
+        graph = self._pass_graph() if graphs else None
         if in_backward:
             ub.begin()
-            return None
-        if graph is None:
+        elif graph is None:
             self.net.clear_param_diffs()
         return graph
 
+    def graph_key(self):
+        """(clear, extra) for PassGraph.run: whether the graph zeroes the
+        gradients, and what an update in backward reads from the host this
+        iteration (the rate, the rule's constants)."""
+        ub = getattr(self, 'in_backward', None)
+        if ub is None or not ub.pending:
+            return True, None
+        scalars = getattr(self, 'fused_scalars', None)
+        return False, (float(ub.rate), tuple(float(v) for v in scalars()) if scalars else ())
+
     _graph = None
 
-    def _pass_graph(self, in_backward):
+    def _pass_graph(self):
         """The train net's PassGraph when this iteration can use it (the
         cuda_graphs setting, caffeplus.config; caffeplus.pass_graph)."""
         if backend.mode() != backend.GPU:
@@ -461,8 +471,7 @@ class Solver:
             return None
         if self._graph is None or self._graph.net is not self.net:
             self._graph = pass_graph.PassGraph(self.net)
-        also = ['parameters are updated in backward (update_in_backward)'] if in_backward else ()
-        return self._graph if self._graph.usable(self, also) else None
+        return self._graph if self._graph.usable(self) else None
 
     def end_backward(self):
         """After the iteration's backward passes (before the callbacks)."""

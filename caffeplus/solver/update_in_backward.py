@@ -167,6 +167,9 @@ class UpdateInBackward:
 
         def after_layer(i):         # a function, so that it can carry `at`
             self._after_layer(i)
+        # The same launches every pass; what they read from the host is the
+        # CUDA graph's key (Solver.graph_key, caffeplus.pass_graph).
+        after_layer.graph_safe = True
         net.on_layer_backward_done.append(after_layer)
         self._hooked, self._hook_fn = net, after_layer
 
