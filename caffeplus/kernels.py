@@ -33,6 +33,7 @@ it with one thread per CUDA thread), so the layers' GPU code paths can be
 checked against the CPU layers on a machine without a GPU.
 """
 import collections
+import contextlib
 import re
 
 import numpy
@@ -93,7 +94,7 @@ f32 = numpy.float32
 ENABLED = True
 _state = {'module': None, 'kernels': {}, 'enabled': ENABLED,
           'emulator': None, 'failures': [], 'ndarray': None, 'planner': None, 'broken': None,
-          'forward_passes': 0, 'pass_hooks': []}
+          'forward_passes': 0, 'pass_hooks': [], 'held_tables': None}
 
 
 # -- switches -------------------------------------------------------------------
@@ -481,6 +482,22 @@ def _address(a):
 
 
 _TABLES = collections.OrderedDict()     # key -> device tables, the latest few
+# (A ResNet-50 pass zeroes the gradients of each update-in-backward group
+# with a table of its own.)
+MAX_TABLES = 64
+
+
+@contextlib.contextmanager
+def holding_tables():
+    """Yields a list that collects every device table the launches inside
+    use: a CUDA graph captured meanwhile reads them on each replay, so its
+    owner keeps them (the cache may drop them, and their memory go to
+    other arrays)."""
+    held, _state['held_tables'] = _state['held_tables'], []
+    try:
+        yield _state['held_tables']
+    finally:
+        _state['held_tables'] = held
 
 
 def _tables(kind, pointer_lists, sizes):
@@ -490,14 +507,18 @@ def _tables(kind, pointer_lists, sizes):
     xp = array_module()
     key = (kind, xp.__name__, tuple(map(tuple, pointer_lists)), tuple(sizes))
     tables = _TABLES.get(key)
+    if _state['held_tables'] is not None and tables is not None:
+        _state['held_tables'].append(tables)
     if tables is None:
         offsets = numpy.zeros(len(sizes) + 1, dtype=numpy.int64)
         numpy.cumsum(sizes, out=offsets[1:])
         tables = _TABLES[key] = tuple(
             xp.asarray(numpy.array(ptrs, dtype=numpy.uint64)) for ptrs in pointer_lists) + (
             xp.asarray(offsets), i32(len(sizes)), numpy.int64(offsets[-1]))
-        while len(_TABLES) > 16:       # (callers: a net's diffs, a solver's, hooks)
+        while len(_TABLES) > MAX_TABLES:
             _TABLES.popitem(last=False)
+        if _state['held_tables'] is not None:
+            _state['held_tables'].append(tables)
     else:
         _TABLES.move_to_end(key)
     return tables

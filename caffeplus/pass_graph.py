@@ -29,7 +29,9 @@ graphs off for the net, with its reason, and the iteration runs eagerly.
 
 Memory made during the capture comes from a pool of the graph's own, kept
 while the graph lives: CuPy's pool could otherwise hand bytes the graph
-uses to something else. cuBLAS runs on caffeplus's handle over a workspace
+uses to something else; so the graph also keeps the multi-array kernels'
+device tables it reads (caffeplus.kernels.holding_tables), which their
+cache may drop. cuBLAS runs on caffeplus's handle over a workspace
 of the graph's (CuPy refuses its own cuBLAS calls during a capture), of
 the size an eager call without workspace gets (caffeplus.backend.blas),
 hence the same bits; cuDNN's per-call replays (caffeplus.cudnn.api) run
@@ -116,6 +118,7 @@ class PassGraph:
         self._said = None
         self._pool = self._gemm_workspace = self._stream = None
         self._terms = ()
+        self._tables = ()           # the kernels' device tables the graph reads
         self._arrays = ()
         self._host_views = None
         self._reports = []
@@ -223,6 +226,7 @@ class PassGraph:
         off for the net, with a log line) if they cannot be captured: the
         caller runs the iteration eagerly."""
         import cupy
+        from caffeplus import kernels
         from caffeplus.backend import blas
         from caffeplus.cudnn import api
         net = self.net
@@ -240,7 +244,8 @@ class PassGraph:
         try:
             with cupy.cuda.using_allocator(self._pool.malloc), stream, \
                     blas.capture_workspace((self._gemm_workspace.data.ptr,
-                                            self._gemm_workspace.nbytes)):
+                                            self._gemm_workspace.nbytes)), \
+                    kernels.holding_tables() as tables:
                 stream.begin_capture()
                 try:
                     loss = self._eager(clear)
@@ -256,7 +261,7 @@ class PassGraph:
         plan = net.applied_plan
         self._arrays = tuple((e.storage, e.storage.array) for e in plan.entries) \
             if plan is not None else ()
-        self.graph, self._terms = graph, tuple(loss.terms)
+        self.graph, self._terms, self._tables = graph, tuple(loss.terms), tables
         self.captures += 1
         log.info('CUDA graphs: captured the %s from layer %s on (%d layers)', self.name,
                  net._layer_names[self.first], len(net.layers) - self.first)

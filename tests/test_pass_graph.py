@@ -221,3 +221,35 @@ def test_a_net_with_an_unknown_layer_says_why_it_runs_eagerly(gpu, caplog_caffep
     assert said == ['CUDA graphs: the train net runs eagerly: layer types not known to be '
                     'capturable: AbsVal']
     assert _graph_of(solver).captures == 0
+
+
+def _bench_net(name, batch):
+    """A bench net (tests/data/bench, benchmarks/nets) at a small batch."""
+    import os
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, 'tests', 'data', 'bench', name + '.prototxt')
+    if not os.path.exists(path):
+        path = os.path.join(root, 'benchmarks', 'nets', name + '.prototxt')
+    with open(path) as f:
+        return re.sub(r'(shape\s*\{\s*dim:\s*)\d+', r'\g<1>%d' % batch, f.read())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('name,batch', [('resnet50_b32', 4), ('googlenet_b64', 4),
+                                        ('alexnet_b128', 8), ('alexnettv_b128', 8)])
+def test_the_bench_nets_replay_their_eager_training_bit_for_bit(gpu, name, batch):
+    """ResNet-50, GoogLeNet (Concat, three losses, Dropout) and both
+    AlexNets (LRN, groups, Dropout) in FLOAT16 under `shared` with updates
+    in backward, as `caffeplus train` runs them: six steps, replayed, give
+    the eager run's losses, weights and statistics."""
+    runs = {}
+    for graphs in (False, True):
+        solver = _solver(graphs, 'fp16', text=_bench_net(name, batch), in_backward=True,
+                         stepsize=100, base_lr=0.001)
+        runs[graphs] = _train(solver, 6)
+        if graphs:
+            g = _graph_of(solver)
+            assert g.off is None and g.captures >= 1, (g.off, g.captures)
+    assert runs[True] == runs[False]
+    assert all(numpy.isfinite(runs[True][0]))
