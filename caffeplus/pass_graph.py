@@ -239,7 +239,7 @@ class PassGraph:
         for report in self._reports:        # the pinned buffers are written again
             report.read()
         self.graph, self._terms = None, ()
-        stream, graph, loss = self._stream, None, None
+        stream, graph, loss, failed = self._stream, None, None, []
         replays = api.set_graphs(False)     # cuDNN's calls go into this capture
         try:
             with cupy.cuda.using_allocator(self._pool.malloc), stream, \
@@ -249,10 +249,15 @@ class PassGraph:
                 stream.begin_capture()
                 try:
                     loss = self._eager(clear)
+                except Exception as exc:    # (ending the capture then fails too)
+                    failed.append(exc)
+                    raise
                 finally:
                     graph = stream.end_capture()
         except Exception as exc:    # noqa: BLE001 -- any failure: eager from now on, said why
-            self.off = 'capture failed: %s' % (str(exc).splitlines() or [type(exc).__name__])[0]
+            first = failed[0] if failed else exc
+            self.off = 'capture failed: %s: %s' % (
+                type(first).__name__, (str(first).splitlines() or [''])[0])
             log.info('CUDA graphs: the %s runs eagerly: %s', self.name, self.off)
             self._said = self.off
             return None

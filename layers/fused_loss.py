@@ -114,8 +114,11 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
         K.kernel('cp_loss_report')((1,), (32,), (
             info, y, dtop if dtop is not None else y, numpy.uint64(out.ctypes.data),
             K.i32(dtop is not None)))
-        done = cupy.cuda.Event(disable_timing=True)
-        done.record()
+        done = None
+        if not _capturing(cupy):
+            # (In a CUDA graph's capture the replay records its own: caffeplus.pass_graph.)
+            done = cupy.cuda.Event(disable_timing=True)
+            done.record()
         self._outstanding = _LossReport(self, out, done, dtop is not None)
         return self._outstanding
 
@@ -153,6 +156,14 @@ class GPUSoftmaxWithLossLayer(SoftmaxWithLossLayer):
         if not (_kernels.active() and _fused('SoftmaxWithLoss backward', self._fast_backward, top,
                                             propagate_down, bottom)):
             super()._backward(top, propagate_down, bottom)
+
+
+def _capturing(cupy):
+    """Whether the current stream is capturing a CUDA graph."""
+    try:
+        return cupy.cuda.get_current_stream().is_capturing()
+    except Exception:   # noqa: BLE001 -- the legacy stream while another captures: it is not
+        return False
 
 
 def _row_block(classes):
