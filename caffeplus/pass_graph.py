@@ -1,9 +1,9 @@
 """A training iteration's passes launched as one CUDA graph.
 
 On the GPU each kernel launch costs the host about 7 us and each layer's
-Python more, so nets of many small layers (ResNet-50 at batch 64, the
-AlexNets) wait on the host: dev/graph_probe.py measured ResNet-50 b64 FP16
-at 19.2 ms an iteration eager and 12.9 ms replayed. After WARMUP eager
+Python more, so nets of many small layers (ResNet-50 at batch 64,
+GoogLeNet) wait on the host: ResNet-50 b64 in FP16 takes 22.1 ms an
+iteration eager and 13.0 ms replayed on an H200 (docs/precision.md). After WARMUP eager
 iterations (cuDNN's timed search, buffers made on first use, the memory
 plan settled) the solver captures, on a stream of its own, what follows the
 data layers: the parameter gradients' zeroing, the forward with the loss
