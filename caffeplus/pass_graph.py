@@ -31,7 +31,9 @@ Memory made during the capture comes from a pool of the graph's own, kept
 while the graph lives: CuPy's pool could otherwise hand bytes the graph
 uses to something else; so the graph also keeps the multi-array kernels'
 device tables it reads (caffeplus.kernels.holding_tables), which their
-cache may drop. cuBLAS runs on caffeplus's handle over a workspace
+cache may drop. A capturable layer keeps the device buffers it reuses
+across iterations for as long as their sizes stay (a replaced one would
+leave the graph reading freed memory). cuBLAS runs on caffeplus's handle over a workspace
 of the graph's (CuPy refuses its own cuBLAS calls during a capture), of
 the size an eager call without workspace gets (caffeplus.backend.blas),
 hence the same bits; cuDNN's per-call replays (caffeplus.cudnn.api) run
