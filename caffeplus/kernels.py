@@ -507,8 +507,6 @@ def _tables(kind, pointer_lists, sizes):
     xp = array_module()
     key = (kind, xp.__name__, tuple(map(tuple, pointer_lists)), tuple(sizes))
     tables = _TABLES.get(key)
-    if _state['held_tables'] is not None and tables is not None:
-        _state['held_tables'].append(tables)
     if tables is None:
         offsets = numpy.zeros(len(sizes) + 1, dtype=numpy.int64)
         numpy.cumsum(sizes, out=offsets[1:])
@@ -517,10 +515,10 @@ def _tables(kind, pointer_lists, sizes):
             xp.asarray(offsets), i32(len(sizes)), numpy.int64(offsets[-1]))
         while len(_TABLES) > MAX_TABLES:
             _TABLES.popitem(last=False)
-        if _state['held_tables'] is not None:
-            _state['held_tables'].append(tables)
     else:
         _TABLES.move_to_end(key)
+    if _state['held_tables'] is not None:
+        _state['held_tables'].append(tables)
     return tables
 
 

@@ -93,7 +93,8 @@ def hook_blockers(net):
 def renewed(term, event):
     """A deferred loss term of the capture, made to read the replay that
     `event` follows: a report kept in host memory (the fused loss layer's)
-    is renewed; a callable reading device values reads them again."""
+    is renewed; a callable reading device values reads them again, and a
+    number stays as it is."""
     owner = getattr(term, '__self__', None)
     renew = getattr(owner, 'renewed', None)
     if renew is not None:
@@ -136,9 +137,8 @@ class PassGraph:
         net = self.net
         if net.debug_info or (solver is not None and solver.param.debug_info):
             why.append('debug_info')
-        if solver is not None:
-            if solver.param.iter_size != 1:
-                why.append('iter_size %d' % solver.param.iter_size)
+        if solver is not None and solver.param.iter_size != 1:
+            why.append('iter_size %d' % solver.param.iter_size)
         plan = net.applied_plan
         if plan is not None and plan.runtime is not None:
             why.append('the offload runtime')
@@ -238,8 +238,6 @@ class PassGraph:
             self._pool = cupy.cuda.MemoryPool()
             self._gemm_workspace = cupy.empty(blas.FALLBACK_BYTES, cupy.uint8)
             blas.own_handle()
-        for report in self._reports:        # the pinned buffers are written again
-            report.read()
         self.graph, self._terms = None, ()
         stream, graph, loss, failed = self._stream, None, None, []
         replays = api.set_graphs(False)     # cuDNN's calls go into this capture
@@ -307,7 +305,7 @@ class PassGraph:
         loss = DeferredLoss()
         self._reports = []
         for term in self._terms:
-            fresh = renewed(term, done) if callable(term) else term
+            fresh = renewed(term, done)
             if fresh is not term:
                 self._reports.append(fresh.__self__)
             loss.add(fresh)
