@@ -236,10 +236,7 @@ class NetPrecision:
         net = self.net
 
         def round_tops(i):
-            rounding = ROUNDING[self.types[i][0]]
-            net.layers[i].round_kept(rounding, net.top_vecs[i])
-            for j in self.rounded_tops[i]:
-                rounding(net.top_vecs[i][j].data)
+            self._round_tops(i)
         round_tops.at = frozenset(self.rounded_tops)
 
         def scale_loss(i):
@@ -286,6 +283,18 @@ class NetPrecision:
         net.before_layer_backward.append(hold_weight_diff)
         net.on_layer_backward_done.append(put_back_master_weights)
         net.on_layer_backward_done.append(after_backward)
+
+    def _round_tops(self, i):
+        rounding = ROUNDING[self.types[i][0]]
+        self.net.layers[i].round_kept(rounding, self.net.top_vecs[i])
+        for j in self.rounded_tops[i]:
+            rounding(self.net.top_vecs[i][j].data)
+
+    def round_forward(self, i):
+        """What the hooks do after layer i's forward where 16 bits are
+        emulated (a forward run again outside a pass: caffeplus.memory.recompute)."""
+        if self.emulate and i in self.rounded_tops:
+            self._round_tops(i)
 
     def _swap_in_rounded_weights(self, i):
         if i in self._masters:

@@ -584,6 +584,58 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
             K.u32(n), K.u32(c), K.u32(s), K.i32(flags), self.maf, self.eps, F32(corr)))
         return True
 
+    _identity_bufs = None
+
+    def remake_chain_top(self):
+        """Write the chain's top again from the kept normalized copy
+        (caffeplus.memory.recompute.remake): the forward's normalize pass
+        with identity statistics (mean 0, deviation sqrt(1 + 0) = 1), so its
+        t = (xn - 0) / 1 is xn exactly and the top is cp_chain(xn, s, b), the
+        bits the fused forward wrote. False where the last forward did not
+        run the chain fused."""
+        K = _kernels
+        ch = self._chain
+        if ch is None or not isinstance(ch, _Chain) or not ch.fwd_done or not K.active() or \
+                self._x_norm is None:
+            return False
+        n, c, s_ = self._cfg
+        arrays, dtype = K.maps((self._chain_blob, False))
+        sc = ch.scale
+        s = K.flat(sc.blobs[0])
+        bid = sc.bias_param_id
+        b = K.flat(sc.blobs[bid]) if bid is not None else None
+        if arrays is None or s is None or (bid is not None and b is None):
+            return False
+        y, = arrays
+        xn = self._x_norm.reshape(-1)
+        flags = K.BN_SCALE | (K.BN_BIAS if b is not None else 0) | \
+            (K.BN_RELU if ch.relu is not None else 0)
+        b = b if b is not None else s
+        ids = self._identity_bufs
+        if ids is None or ids[0].size < c or not K.is_device(ids[0]):
+            ids = self._identity_bufs = (K.empty(c), K.empty(c), K.empty(c))
+            ids[0].fill(0)
+            ids[1].fill(1)
+        zeros, ones, std = (a[:c] for a in ids)
+        if self._nhwc:
+            vec, _, _, _, _, _, passes = self._nhwc_plan(xn, y)
+            K.kernel('cp_bn_apply_nhwc' + ('_vec' if vec else ''), dtype)(*passes, (
+                xn, y, y, zeros, ones, s, b, K.u32(n), K.u32(c), K.i32(flags)))
+            return True
+        # (The stored-statistics branch: mean = 0 * 1 / 1, var = 1, eps 0;
+        # the deviation goes to a buffer of its own, not the layer's.)
+        args = (F32(0), F32(0), F32(1))
+        split = self._split_kernels(('cp_bn_stats_part', 'cp_bn_fwd_apply'), dtype)
+        if split is not None:
+            _, ka, P, part, kv, block = split
+            ka((c * P,), block, (xn, y, y, zeros, ones, ones, std, s, b, part, kv, K.u32(n),
+                                 K.u32(c), K.u32(s_), K.u32(P), K.i32(flags)) + args)
+            return True
+        K.kernel('cp_bn_fwd', dtype)((c,), (K.channel_block(n * s_),), (
+            xn, y, y, zeros, ones, ones, std, s, b, K.u32(n), K.u32(c), K.u32(s_),
+            K.i32(flags)) + args)
+        return True
+
     def _nhwc_plan(self, *maps):
         """The channels-last kernels' launch for `maps`: (vec, P, partials,
         K values, means, sums' grid and block, per-value passes' grid and

@@ -270,6 +270,49 @@ def test_batchnorm_chain_forward_and_backward(half, s):
 
 
 
+@pytest.mark.parametrize('s', [48, 50])
+def test_the_identity_statistics_pass_remakes_the_chains_top(half, half_extra, s):
+    """A normalized chain's top made again from the kept copy
+    (fused_chain.GPUBatchNormLayer.remake_chain_top): the normalize pass with
+    mean 0 and deviation sqrt(1 + 0) reads the copy as its input and writes
+    the forward's top bit for bit, through each kernel the layer launches:
+    cp_bn_fwd, cp_bn_fwd_apply (P blocks a channel), cp_bn_apply_nhwc and
+    its vector form on the channels-last order of the same values."""
+    r = numpy.random.RandomState(17)
+    n, c, P = 4, 8, 3
+    u32, i32 = numpy.uint32, numpy.int32
+    x = _maps(r, n, c, s, scale=30)
+    x[0, 0, :3] = (-0.0, numpy.inf, -numpy.inf)
+    sc = r.standard_normal(c).astype(F32)
+    bi = r.standard_normal(c).astype(F32)
+    chain = kernels.BN_SCALE | kernels.BN_BIAS | kernels.BN_RELU
+    y, xn, _, _ = _bn_forward(half, x, kernels.BN_BATCH | kernels.BN_KEEP | chain, sc, bi)
+    assert (y == 0).any() and (y > 0).any() and numpy.isnan(y.astype(F32)).any()
+    zeros, ones, std = numpy.zeros(c, F32), numpy.ones(c, F32), numpy.empty(c, F32)
+    identity = (zeros, ones, ones, std, sc, bi)
+
+    def same(got, want):
+        assert got.view(numpy.uint16).tobytes() == want.view(numpy.uint16).tobytes()
+    got = numpy.full_like(y, numpy.nan)
+    half.kernel('cp_bn_fwd')((c,), (64,), (xn, got, got) + identity + (
+        u32(n), u32(c), u32(s), i32(chain), F32(0), F32(0), F32(1)))
+    same(got, y)
+    assert (std == 1).all()
+    got[...] = numpy.nan
+    part, kv = numpy.zeros(2 * c * P, numpy.float64), numpy.zeros(c, F32)
+    half_extra.kernel('cp_bn_fwd_apply')((c * P,), (64,), (xn, got, got) + identity + (
+        part, kv, u32(n), u32(c), u32(s), u32(P), i32(chain), F32(0), F32(0), F32(1)))
+    same(got, y)
+    last = lambda a: numpy.ascontiguousarray(a.transpose(0, 2, 1))
+    xl, yl, m = last(xn), last(y), n * s
+    for name, grid, block in (('cp_bn_apply_nhwc', (7,), (64,)),
+                              ('cp_bn_apply_nhwc_vec', (2,), (8,))):
+        got = numpy.full_like(yl, numpy.nan)
+        half_extra.kernel(name)(grid, block, (xl, got, got, zeros, ones, sc, bi, u32(m), u32(c),
+                                              i32(chain)))
+        same(got, yl)
+
+
 @pytest.mark.parametrize('in_place', [False, True])
 def test_scale_forward_and_backward_on_16_bit_maps(half, in_place):
     """An unchained Scale (no BatchNorm before it) on 16-bit maps: the

@@ -479,6 +479,9 @@ class AppliedPlan:
             if ws is not None:
                 ws.again = recompute.again_view(life.start)
             try:
+                if recompute.is_remake(e.producer):
+                    recompute.remake(net, recompute.layers_of(e.producer))
+                    continue
                 chain = list(e.producer)
                 if _bias_relu_pair(net, chain) and net.layers[chain[0]].forward_then_relu(
                         net.bottom_vecs[chain[0]], net.top_vecs[chain[0]]):
@@ -700,7 +703,7 @@ class AppliedPlan:
                 e.reasons['between'] = (
                     "released by memory plan '%s' after its last forward use (layer %s); layer "
                     "%s makes it again for backward (layer %s); %s"
-                    % (self.name, where(first.end)[1], net._layer_names[e.producer[0]],
+                    % (self.name, where(first.end)[1], net._layer_names[recompute.layers_of(e.producer)[0]],
                        where(back)[1], KEEP_HINT))
             elif back is not None:
                 e.reasons['between'] = (
@@ -970,7 +973,7 @@ class AppliedPlan:
         self._check_start(start, end, what)
         self._unmark(start)
         for e in self.entries:
-            if e.producer is not None and start <= e.producer[0]:
+            if e.producer is not None and start <= recompute.layers_of(e.producer)[0]:
                 e.storage.array = e.lives[0].view       # forward writes its first life
         if self.runtime is not None:
             self.runtime.begin_forward(start, end)

@@ -607,7 +607,8 @@ def _conv_prefixes(space, offloaded, cheap):
     sizes = dict((b.key, b.nbytes) for b in bufs)
     steps = space.timing[max(space.timing)][0]
     heads = sorted({chain[0]: recompute.extra_seconds(net, bufs, {key: chain}, steps) /
-                    sizes[key] for key, chain in every.items() if key not in cheap}.items(),
+                    sizes[key] for key, chain in every.items()
+                    if key not in cheap and not recompute.is_remake(chain)}.items(),
                    key=lambda kv: kv[1])
     n = len(heads)
     cuts = sorted({n} | {int(math.ceil(n * f / CONV_PREFIXES))

@@ -169,8 +169,12 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     # moves stays its own).
     from caffeplus.memory import recompute as recompute_mod
     convs = True if recompute == 'convs' else recompute if isinstance(recompute, tuple) else False
-    again = recompute_mod.choose(net, whole, training, offloaded, convs=convs) \
-        if recompute and recompute_mod.enabled(name) else {}
+    if not recompute:
+        again = {}
+    elif recompute_mod.enabled(name):
+        again = recompute_mod.choose(net, whole, training, offloaded, convs=convs)
+    else:       # `shared`: the normalized chains' tops alone
+        again = recompute_mod.choose(net, whole, training, offloaded, remakes_only=True)
     split = tuple(recompute_mod.splittable(net, whole, again)) if recompute_mod.split_always() \
         else tuple(k for k in recompute_split if k in again)
     bufs = recompute_mod.shorten(bufs, again, net, split)

@@ -30,12 +30,25 @@ A map is made again only when
 Under plan `offload` the maps its policy offloads are chosen first: they
 are neither made again nor inputs to what is.
 
-Which plans: `offload` and `auto`. Not `shared`: it promises `arena`'s
-iteration time, and a forward run again is time (AlexNet's norm1 and norm2:
-2.6%). The recompute setting (caffeplus.config: --recompute,
-caffeplus_param.recompute, CAFFEPLUS_RECOMPUTE) 'on' makes maps again in
-`shared` too, 'off' in no plan; 'convs' runs convolutions again in every
-reusing plan, not only where `auto`'s search finds it pays.
+Normalized chains. In a residual net a convolution's top is normalized,
+scaled and rectified in place (BatchNorm -> Scale -> ReLU) and read in
+backward by the next convolution's filter call; BatchNorm keeps its
+normalized copy for its own backward anyway, and the top is
+relu(copy * scale + bias) of it. Such a top (writers ending in a
+BatchNorm that keeps its copy, then at most a per-channel Scale and a
+ReLU, each in place) is made again from that copy with one elementwise
+pass (REMAKE, caffeplus.memory.apply): no input but what backward keeps,
+the same arithmetic as the forward that wrote it, so the same bits.
+ResNet-50 at batch 256 in FLOAT16 gives back 1.7 GB this way.
+
+Which plans: `offload` and `auto`; in `shared` only the normalized chains.
+`shared` promises `arena`'s iteration time, and a forward run again is time
+(AlexNet's norm1 and norm2: 2.6%); a chain's pass is one read of the copy
+and one write of the top. The recompute setting (caffeplus.config:
+--recompute, caffeplus_param.recompute, CAFFEPLUS_RECOMPUTE) 'on' makes
+every map again in `shared` too, 'off' none in any plan; 'convs' runs
+convolutions again in every reusing plan, not only where `auto`'s search
+finds it pays.
 
 A convolution run again needs its forward workspace at that backward step:
 workspace_buffers gives it a buffer of its own there ('again'), which the
@@ -53,6 +66,9 @@ CONV_TYPES = ('Convolution',)
 # would move twice).
 IN_PLACE_AFTER = ('ReLU',)
 MIN_SHARE = 0.02
+# A normalized chain's pass costs its bytes' time and one launch: a tenth
+# of MIN_SHARE (ResNet-50's stage-5 tops at batch 64, 3 MB each, qualify).
+REMAKE_SHARE = 0.1
 # Pooling methods whose forward is a function of its input (STOCHASTIC draws).
 _POOL_METHODS = (0, 1)          # PoolingParameter.MAX, AVE
 
@@ -68,6 +84,12 @@ def enabled(plan_name=None):
     if setting == 'off':
         return False
     return plan_name != 'shared' or setting != 'plan'
+
+
+def remakes_enabled():
+    """Whether the reusing plans make normalized chains' tops again (every
+    setting but 'off')."""
+    return _setting() != 'off'
 
 
 def convs_always():
@@ -122,7 +144,51 @@ def _producer(net, writers, blobs, convs):
     return tuple(writers)
 
 
-def choose(net, bufs, training=True, offloaded=(), convs=False):
+# The marker heading a normalized chain's producer: (REMAKE, BatchNorm, Scale?, ReLU?).
+REMAKE = 'remake'
+
+
+def is_remake(chain):
+    """Whether a producer is a normalized chain made again from its copy."""
+    return bool(chain) and chain[0] == REMAKE
+
+
+def layers_of(chain):
+    """A producer's layer indices, in forward order."""
+    return tuple(chain[1:]) if is_remake(chain) else tuple(chain)
+
+
+def _normalized_chain(net, writers, blobs):
+    """The layer indices (BatchNorm, Scale?, ReLU?) whose last forward leaves
+    the map as relu(scale * normalized + bias) of the BatchNorm's kept copy
+    (the module docstring), or None."""
+    names = set(blobs)
+    layers = net.layers
+    at = [k for k, i in enumerate(writers) if layers[i].layer_param.type == 'BatchNorm']
+    if not at:
+        return None
+    chain = tuple(writers[at[-1]:])
+    bn = layers[chain[0]]
+    if bn.scale_bias or not bn.keeps_normalized or len(net.top_id_vecs[chain[0]]) != 1 or \
+            net._blob_names[net.top_id_vecs[chain[0]][0]] not in names:
+        return None
+    kinds = [layers[i].layer_param.type for i in chain[1:]]
+    if kinds not in ([], ['Scale'], ['ReLU'], ['Scale', 'ReLU']):
+        return None
+    for i in chain[1:]:
+        ids = net.bottom_id_vecs[i]
+        if len(ids) != 1 or list(net.top_id_vecs[i]) != list(ids) or \
+                net._blob_names[ids[0]] not in names:
+            return None
+        layer = layers[i]
+        if layer.layer_param.type == 'Scale' and not (
+                getattr(layer, '_per_channel', False) and
+                (layer.bias_param_id is None or layer.bias_dims == layer.dims)):
+            return None
+    return chain
+
+
+def choose(net, bufs, training=True, offloaded=(), convs=False, remakes_only=False):
     """{buffer key: producer layer indices} for the data buffers of `bufs`
     (liveness.buffers; what must stay readable there, `keep` included, lives
     the whole iteration) that are made again in backward (the module
@@ -130,10 +196,11 @@ def choose(net, bufs, training=True, offloaded=(), convs=False):
     `offloaded`: keys of the buffers an offload plan moves to the host,
     which are neither made again nor inputs to what is. `convs`:
     convolutions (and their in-place ReLUs) may run again too (True: any;
-    a collection of layer indices: those)."""
-    if not training or not enabled():
+    a collection of layer indices: those). `remakes_only`: only normalized
+    chains' tops (plan `shared`)."""
+    if not training or not (remakes_enabled() if remakes_only else enabled()):
         return {}
-    if convs_always():
+    if convs_always() and not remakes_only:
         convs = True
     gone = set(offloaded)
     gone_blobs = {n for b in bufs if b.key in gone for n in b.blobs}
@@ -147,9 +214,19 @@ def choose(net, bufs, training=True, offloaded=(), convs=False):
         return sorted({i for n in names for i in writers_of.get(n, ())})
     producers = {}
     for key, buf in data.items():
-        if key in gone or buf.nbytes < least or (buf.start <= 0 and buf.end >= 2 * L):
-            continue        # offloaded, small, or kept readable the whole iteration
-        chain = _producer(net, writers(buf.blobs), buf.blobs, convs)
+        if key in gone or (buf.start <= 0 and buf.end >= 2 * L):
+            continue        # offloaded, or kept readable the whole iteration
+        normalized = _normalized_chain(net, writers(buf.blobs), buf.blobs)
+        if buf.nbytes < (least * REMAKE_SHARE if normalized is not None else least):
+            continue        # small
+        if normalized is not None:
+            fwd, bwd = _uses(net, buf)
+            if bwd and max(fwd) + 1 < min(bwd):
+                # (Its one input, the kept copy, lives to BatchNorm's backward,
+                # after every reader of the top.)
+                producers[key] = ((REMAKE,) + normalized, ())
+            continue
+        chain = None if remakes_only else _producer(net, writers(buf.blobs), buf.blobs, convs)
         if chain is None:
             continue
         p = chain[0]
@@ -209,7 +286,8 @@ def again_lives(net, buf, chain, split=False):
     backward; one more forward of conv1_1 and relu1_1 for 3.3 GB of room
     at b256)."""
     bwd = sorted(set(_uses(net, buf)[1]))
-    split = split and (len(chain) > 1 or net.layers[chain[0]].layer_param.type in CONV_TYPES)
+    split = split and not is_remake(chain) and \
+        (len(chain) > 1 or net.layers[chain[0]].layer_param.type in CONV_TYPES)
     lives, start = [], bwd[0] - FILTER_FIRST
     for u, nxt in zip(bwd, bwd[1:] + [None]):
         if nxt is not None and split and _filter_only(net, buf, u):
@@ -258,8 +336,35 @@ def extra_seconds(net, bufs, chosen, step_seconds, split=()):
         chain = chosen.get(buf.key)
         if chain is not None:
             runs = len(again_lives(net, buf, chain, buf.key in split))
-            out += runs * sum(step_seconds[p] for p in chain)
+            out += runs * (remake_seconds(buf) if is_remake(chain) else
+                           sum(step_seconds[p] for p in chain))
     return out
+
+
+def remake(net, chain):
+    """Write a normalized chain's top (`chain`: BatchNorm, Scale?, ReLU?)
+    from BatchNorm's kept copy as its forward did: the GPU's fused pass
+    where forward ran the chain fused, else the copy as BatchNorm's top and
+    the other layers' own forwards in place (their 16-bit rounding
+    emulated on the CPU as after each layer's forward)."""
+    bn = net.layers[chain[0]]
+    fused = getattr(bn, 'remake_chain_top', None)
+    if fused is not None and fused():
+        return
+    top = net.top_vecs[chain[0]][0]
+    top.data[...] = bn._x_norm.reshape(top.data.shape)
+    precision = getattr(net, 'precision', None)
+    for i in chain[1:]:
+        net.layers[i].forward(net.bottom_vecs[i], net.top_vecs[i])
+        if precision is not None:
+            precision.round_forward(i)
+
+
+def remake_seconds(buf):
+    """A normalized chain's pass on the GPU: the copy read, the top written
+    (caffeplus.memory.workspace_model's elementwise model)."""
+    from caffeplus.memory import workspace_model as wm
+    return 2.0 * buf.nbytes / wm.MEASURED_BANDWIDTH + wm.OWN_CALL_SECONDS
 
 
 def workspace_buffers(net, lives, chosen, sizes):
@@ -281,7 +386,8 @@ def reruns(net, lives, chosen):
     convolution of a chosen chain, at the start of each of its map's
     backward lives (`lives`: shorten's buffers)."""
     for b in lives:
-        if str(b.key[-1]).startswith('again') and b.key[:-1] in chosen:
+        if str(b.key[-1]).startswith('again') and b.key[:-1] in chosen and \
+                not is_remake(chosen[b.key[:-1]]):
             for p in chosen[b.key[:-1]]:
                 if net.layers[p].layer_param.type in CONV_TYPES:
                     yield p, b
