@@ -586,6 +586,17 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
 
     _identity_bufs = None
 
+    def _identity(self, c):
+        """Identity statistics for c channels (means 0, deviations 1, and a
+        deviation buffer of their own for the kernels that write one)."""
+        K = _kernels
+        ids = self._identity_bufs
+        if ids is None or ids[0].size < c or not K.is_device(ids[0]):
+            ids = self._identity_bufs = (K.empty(c), K.empty(c), K.empty(c))
+            ids[0].fill(0)
+            ids[1].fill(1)
+        return tuple(a[:c] for a in ids)
+
     def remake_chain_top(self):
         """Write the chain's top again from the kept normalized copy
         (caffeplus.memory.recompute.remake): the forward's normalize pass
@@ -611,12 +622,7 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         flags = K.BN_SCALE | (K.BN_BIAS if b is not None else 0) | \
             (K.BN_RELU if ch.relu is not None else 0)
         b = b if b is not None else s
-        ids = self._identity_bufs
-        if ids is None or ids[0].size < c or not K.is_device(ids[0]):
-            ids = self._identity_bufs = (K.empty(c), K.empty(c), K.empty(c))
-            ids[0].fill(0)
-            ids[1].fill(1)
-        zeros, ones, std = (a[:c] for a in ids)
+        zeros, ones, std = self._identity(c)
         if self._nhwc:
             vec, _, _, _, _, _, passes = self._nhwc_plan(xn, y)
             K.kernel('cp_bn_apply_nhwc' + ('_vec' if vec else ''), dtype)(*passes, (
@@ -1046,6 +1052,49 @@ class GPUEltwiseLayer(_FusedMixin, EltwiseLayer):
             k(grid, block, (y, a, y, K.u32(n), F32(1), F32(ci), K.i32(0)))
         if relu:
             ch.fwd_done = True          # the ReLU after us has nothing left to do
+        return True
+
+    def paired_branch(self):
+        """The BatchNorm of the branch chain this Eltwise SUM's fused pass
+        can take (_SumChain.branch), or None."""
+        ch = self._chain
+        return ch.branch.bn if isinstance(ch, _SumChain) and ch.branch is not None else None
+
+    def remake_with_branch(self):
+        """Write the sum's top again (caffeplus.memory.recompute.remake_sum)
+        in one channels-last pass from the paired branch's kept copy and the
+        other bottom: the normalize-and-add kernel the forward runs, with
+        identity statistics (remake_chain_top), so the forward's bits where
+        its Eltwise ran fused with its ReLU. False (nothing done) elsewhere."""
+        K = _kernels
+        ch = self._chain
+        if not isinstance(ch, _SumChain) or ch.branch is None or not ch.fwd_done or \
+                not ch.branch.fwd_done or not K.active():
+            return False
+        bn, sc = ch.branch.bn, ch.branch.scale
+        n = ch.top._count
+        if not bn._nhwc or bn._x_norm is None or not 0 < n <= K.MAX_COUNT:
+            return False
+        other = ch.bottoms[1 - ch.branch_bottom]
+        arrays, dtype = K.maps((other, False), (ch.top, False))
+        s = K.flat(sc.blobs[0])
+        bid = sc.bias_param_id
+        b = K.flat(sc.blobs[bid]) if bid is not None else None
+        if arrays is None or s is None or (bid is not None and b is None):
+            return False
+        xn = bn._x_norm.reshape(-1)
+        vec, _, _, _, _, _, passes = bn._nhwc_plan(xn, *arrays)
+        if not vec:
+            return False
+        m, c, _ = bn._cfg
+        zeros, ones, _ = bn._identity(c)
+        flags = K.BN_SCALE | (K.BN_BIAS if b is not None else 0) | \
+            (K.BN_RELU if ch.branch.relu is not None else 0)
+        coeffs = self.coeffs
+        K.kernel('cp_bn_apply_add_nhwc_vec', dtype)(*passes, (
+            xn, arrays[1], arrays[1], zeros, ones, s, b if b is not None else s, K.u32(m),
+            K.u32(c), K.i32(flags), arrays[0], arrays[1], F32(coeffs[1 - ch.branch_bottom]),
+            F32(coeffs[ch.branch_bottom]), K.i32(2)))
         return True
 
     def _fast_backward(self, top, propagate_down, bottom):

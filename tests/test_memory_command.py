@@ -16,7 +16,7 @@ from caffeplus import config, precision
 from caffeplus import cli
 from caffeplus.blob import Blob
 from caffeplus.errors import CaffeplusError
-from caffeplus.memory import budget, liveness, measure, shapes, workspace_model as wm
+from caffeplus.memory import budget, cublas_pool, liveness, measure, shapes, workspace_model as wm
 from caffeplus.memory.plan import CATEGORIES, PLANS, make_plan
 from caffeplus.proto import caffe_pb2
 
@@ -167,11 +167,11 @@ def test_batch_override_scales_activations_proportionally(capsys):
     shared32, shared64 = (d['plans']['shared']['breakdown'] for d in (b32, b64))
     # (The arena's shares at its peak: at b32 that is fc1000's forward step,
     # where cuBLAS's workspace lies beside the maps.)
-    # The two peaks fall at different steps, so within the fixed 32 MiB of
-    # cuBLAS's workspace that b32's holds (1.4% of its arena share).
-    ratio = (shared64['activations'] + shared64['activation_diffs'] + shared64['workspace']) / \
-        float(shared32['activations'] + shared32['activation_diffs'] + shared32['workspace'])
-    assert abs(ratio - 2) < 0.02
+    # The two peaks may fall at different steps, so within twice the fixed
+    # bytes of cuBLAS's workspace that either may hold.
+    total32, total64 = (s['activations'] + s['activation_diffs'] + s['workspace']
+                        for s in (shared32, shared64))
+    assert abs(total64 - 2 * total32) <= 2 * cublas_pool.modelled_arena_bytes('shared')
     # The override gives what the b64 file itself gives, and Caffe's b64 figure.
     file64 = memory_json(capsys, '-model', bench('resnet50_b64'), '--plans', 'stock,shared')
     assert file64['plans'] == b64['plans']
@@ -601,6 +601,14 @@ MEASURED = {net: [path for path in (os.path.join(_MEMORY, folder, '%s_memory_%s_
             for net in ('alexnet_b128', 'resnet50_b64', 'vgg16_b64', 'googlenet_b64')}
 # Known misses, (net, plan): error; a miss listed here must stay no worse.
 MISSED = {}
+# Nets whose recorded runs predate the reusing plans' remade BatchNorm
+# chains and residual sums (caffeplus.memory.recompute): their estimates
+# are checked as those runs planned, with the remakes off.
+BEFORE_REMAKES = {'resnet50_b64', 'resnet50_b256'}
+
+
+def _as_recorded(net):
+    return ('--recompute', 'off') if net in BEFORE_REMAKES else ()
 
 
 def _recorded(net):
@@ -618,7 +626,7 @@ def test_estimates_within_five_percent_of_the_recorded_measurements(capsys, net)
     (MEASURED): every plan within 5% (offload 'free': of its steady peak)."""
     measured = _recorded(net)
     doc = memory_json(capsys, '-model', bench(net), '--plans', 'stock,arena,shared,offload',
-                      '--offload', 'free')
+                      '--offload', 'free', *_as_recorded(net))
     for name, entry in doc['plans'].items():
         real = measured[name].get('steady_peak_bytes') or measured[name]['peak_bytes']
         error = (entry['peak_bytes'] - real) / float(real)
@@ -661,7 +669,7 @@ def test_fp16_estimates_within_five_percent_of_the_recorded_measurements(capsys,
     real = json.load(open(os.path.join(_MEMORY, name)))['plans']['shared']
     real = real.get('steady_peak_bytes') or real['peak_bytes']
     doc = memory_json(capsys, '-model', bench(net), '--plans', 'shared',
-                      '--precision', 'fp16', '--masks', masks)
+                      '--precision', 'fp16', '--masks', masks, *_as_recorded(net))
     error = (doc['plans']['shared']['peak_bytes'] - real) / float(real)
     assert abs(error) <= 0.05, round(100 * error, 2)
 
@@ -684,7 +692,8 @@ def test_channels_last_fp16_estimates_within_five_percent_of_the_recorded_runs(c
     assert real['plan'] == 'shared:timed/fp16'
     model, batch = CHANNELS_LAST_NETS[net]
     doc = memory_json(capsys, '-model', bench(model), '--plans', 'shared', '--precision', 'fp16',
-                      '--layout', 'nhwc', *(('--batch', batch) if batch else ()))
+                      '--layout', 'nhwc', *(('--batch', batch) if batch else ()),
+                      *_as_recorded(net))
     measured = real['peak_used_mib'] * 2 ** 20
     error = (doc['plans']['shared']['peak_bytes'] - measured) / measured
     assert abs(error) <= 0.05, round(100 * error, 2)
@@ -799,10 +808,15 @@ def test_free_offload_estimate_moves_only_what_hides(capsys):
     some maps move, no time is added, and the peak is below `shared`'s but
     above what offloading every convolution input reaches."""
     path = bench('resnet50_b32')
+    # (With its chains and sums made again nothing is left that moving
+    # would lower the peak for: the offload plan then moves nothing.)
     free = memory_json(capsys, '-model', path, '--plans', 'shared,offload', '--offload',
-                       'free')['plans']
+                       'free', '--recompute', 'off')['plans']
     conv = memory_json(capsys, '-model', path, '--plans', 'offload', '--offload',
-                       'all')['plans']['offload']
+                       'all', '--recompute', 'off')['plans']['offload']
+    remade = memory_json(capsys, '-model', path, '--plans', 'offload', '--offload',
+                         'free')['plans']['offload']
+    assert not remade['offloaded'] and remade['recomputed']
     shared, off = free['shared'], free['offload']
     assert off['offloaded'] and len(off['offloaded']) < len(conv['offloaded'])
     # (A map offloaded is not made again: no more time than shared's.)

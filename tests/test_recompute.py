@@ -476,7 +476,7 @@ def test_gpu_a_convolution_and_its_relu_run_again_in_one_pass_give_the_same_bits
     ReLU's, bit for bit."""
     import caffeplus
     from caffeplus import backend
-    from caffeplus.memory.apply import _bias_relu_pair
+    from caffeplus.memory.recompute import bias_relu_pair
     param = param_of(CONV_NET.replace('dim: 4 dim: 3 dim: 14 dim: 14',
                                       'dim: 8 dim: 3 dim: 32 dim: 32').replace(
                                           'shape { dim: 4 }', 'shape { dim: 8 }'))
@@ -484,7 +484,7 @@ def test_gpu_a_convolution_and_its_relu_run_again_in_one_pass_give_the_same_bits
     try:
         net = caffeplus.Net(param, caffeplus.TRAIN, memory='stock')
         conv, relu = net._layer_names.index('conv1'), net._layer_names.index('relu1')
-        assert _bias_relu_pair(net, [conv, relu])
+        assert bias_relu_pair(net, [conv, relu])
         net.layers[conv].blobs[1].data[...] = backend.xp().linspace(-1, 1, 16, dtype='float32')
         net.forward()
         top = net.top_vecs[conv][0]

@@ -382,7 +382,11 @@ class AppliedPlan:
         `step`; False where every life of it ends by then (reading it later
         raises), so a fused kernel need not store it."""
         entry = self._planned.get(id(storage))
-        return entry is None or any(life.end > step for life in entry.lives)
+        if entry is None:
+            return True
+        # (A later life of a map made again holds what its producer writes then.)
+        lives = entry.lives[:1] if entry.producer is not None else entry.lives
+        return any(life.end > step for life in lives)
 
     # -- parameter gradients applied in backward (caffeplus.solver.update_in_backward) ----
     def _param_name(self, k):
@@ -447,6 +451,9 @@ class AppliedPlan:
             if e.producer is not None and len(e.lives) >= 2:
                 for life in e.lives[1:]:
                     at.setdefault(int(math.ceil(life.start)), []).append((e, life))
+        for todo in at.values():
+            # In forward order: a residual sum after the maps it adds.
+            todo.sort(key=lambda item: recompute.layers_of(item[0].producer)[0])
         self.recompute_at = at
         if not at:
             return
@@ -468,29 +475,10 @@ class AppliedPlan:
             net.before_layer_backward.remove(hook)
 
     def _recompute_before(self, i):
-        """Before backward step 2L-1-i: run the producers of the maps first
-        read there again, into those lives (a convolution's call takes its
-        own 'again@step' workspace view)."""
-        net = self.net
-        ws = self.workspace
-        for e, life in self.recompute_at.get(2 * self.L - 1 - i, ()):
-            e.storage.array = life.view
-            e.storage.released_reason = None
-            if ws is not None:
-                ws.again = recompute.again_view(life.start)
-            try:
-                if recompute.is_remake(e.producer):
-                    recompute.remake(net, recompute.layers_of(e.producer))
-                    continue
-                chain = list(e.producer)
-                if _bias_relu_pair(net, chain) and net.layers[chain[0]].forward_then_relu(
-                        net.bottom_vecs[chain[0]], net.top_vecs[chain[0]]):
-                    chain = chain[2:]       # the convolution and its ReLU, in one pass
-                for p in chain:
-                    net.layers[p].forward(net.bottom_vecs[p], net.top_vecs[p])
-            finally:
-                if ws is not None:
-                    ws.again = None
+        """Before backward step 2L-1-i: the maps first read there made again
+        into those lives (recompute.make_again)."""
+        recompute.make_again(self.net, self.recompute_at.get(2 * self.L - 1 - i, ()),
+                             self.workspace)
 
     # -- the convolution workspace, placed with the buffers ----------------------------
     @property
@@ -670,6 +658,7 @@ class AppliedPlan:
         L = self.L
 
         def where(step):
+            step = int(math.ceil(step))     # (a branch top made again lives half a step)
             if step < L:
                 return 'forward', net._layer_names[step]
             return 'backward', net._layer_names[2 * L - 1 - step]
@@ -1085,18 +1074,6 @@ def _apply_workspace(net, plan, limit):
         # left 10 GiB of workspace at the peak, 7 GiB more than planned).
         manager.headroom_slowdown = float('inf')
     return manager
-
-
-def _bias_relu_pair(net, chain):
-    """Whether a chain run again starts with a cuDNN convolution and a ReLU
-    (negative slope 0) in place on its top: one pass for the bias and the
-    ReLU (layers/cudnn_conv.py forward_then_relu)."""
-    if len(chain) < 2 or not hasattr(net.layers[chain[0]], 'forward_then_relu'):
-        return False
-    relu = net.layers[chain[1]]
-    return relu.layer_param.type == 'ReLU' and \
-        relu.layer_param.relu_param.negative_slope == 0 and \
-        net.top_id_vecs[chain[1]] == net.bottom_id_vecs[chain[1]] == net.top_id_vecs[chain[0]]
 
 
 def apply_plan(net, plan, keep=(), training=None, workspace_limit=None, lookahead=None,

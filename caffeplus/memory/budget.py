@@ -268,10 +268,17 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
         bufs = liveness.buffers(net, keep=keep, training=training)
         stall = offload_stall_seconds(net, bufs, plan.offloaded, steps_s)
     seconds = iteration_seconds(net, choice, solver_type, stall) + \
-        recompute.extra_seconds(net, liveness.buffers(net, keep=keep, training=training),
-                                plan.recomputed, steps_s, getattr(plan, 'recompute_split', ()))
+        again_seconds(net, liveness.buffers(net, keep=keep, training=training),
+                      plan.recomputed, steps_s, getattr(plan, 'recompute_split', ()))
     return _finish(plan, net, name, workspace,
                    other if placing else wm.other_bytes(net, name), seconds, choice)
+
+
+def again_seconds(net, bufs, chosen, steps_s, split=()):
+    """What the maps made again add to an iteration: the forwards run again
+    and the elementwise passes of the remakes."""
+    return recompute.extra_seconds(net, bufs, chosen, steps_s, split) + \
+        wm.remake_seconds(*recompute.remake_passes(bufs, chosen))
 
 
 # -- auto -----------------------------------------------------------------------------
@@ -416,8 +423,7 @@ def _options_of(space, offloaded, caps=None):
                         lent[redo] = live(shortened, redo)
                     by_step, reruns = lent[redo]
                 r, split = redo
-                extra = recompute.extra_seconds(net, bufs, again[r], steps_s, split) \
-                    if r else 0.0
+                extra = again_seconds(net, bufs, again[r], steps_s, split) if r else 0.0
                 if space.budget is None:
                     busiest = max(a + w for a, w in zip(by_step, ws))
                     total = seconds
@@ -743,7 +749,7 @@ def _placed_seconds(net, option, choice, factors, solver_type, keep, again, hold
                                                holds=holds)[1]
         else:
             seconds += offload_stall_seconds(net, bufs, option.offloaded, steps_s)
-    return seconds + recompute.extra_seconds(net, bufs, again, steps_s, option.split)
+    return seconds + again_seconds(net, bufs, again, steps_s, option.split)
 
 
 # Placed plans tried before giving up on a budget (each is a best-fit placement).

@@ -41,7 +41,22 @@ pass (REMAKE, caffeplus.memory.apply): no input but what backward keeps,
 the same arithmetic as the forward that wrote it, so the same bits.
 ResNet-50 at batch 256 in FLOAT16 gives back 1.7 GB this way.
 
-Which plans: `offload` and `auto`; in `shared` only the normalized chains.
+Residual sums. An Eltwise SUM of two maps, then a ReLU in place on its
+top (a residual block's output), is read again in backward by the next
+block's first convolutions and its own ReLU. Its top is made again
+(REMAKE_SUM) by the Eltwise's and the ReLU's own forwards from its two
+bottoms, each of which is then either
+  * a normalized chain's top that backward does not read (the branch's
+    BatchNorm -> Scale), made again from its copy just before, for that
+    step alone;
+  * another residual sum made again, made again first (so a stage's sums
+    come back together, when backward reaches its last block);
+  * a map still kept at that step.
+ResNet-50 at batch 256 in FLOAT16 gives back another 1.7 GB at the peak,
+for about three elementwise passes over each block's output.
+
+Which plans: `offload` and `auto`; in `shared` only the normalized chains
+and residual sums.
 `shared` promises `arena`'s iteration time, and a forward run again is time
 (AlexNet's norm1 and norm2: 2.6%); a chain's pass is one read of the copy
 and one write of the top. The recompute setting (caffeplus.config:
@@ -58,6 +73,9 @@ same algorithm runs and gives the same bits.
 
 from caffeplus.memory.liveness import FILTER_FIRST, Buffer, live_bytes_by_step
 from caffeplus.memory.offload import _uses
+from caffeplus.proto import caffe_pb2
+
+_ELTWISE_SUM = caffe_pb2.EltwiseParameter.SUM
 
 RECOMPUTE_TYPES = ('LRN', 'Pooling')
 CONV_TYPES = ('Convolution',)
@@ -148,9 +166,17 @@ def _producer(net, writers, blobs, convs):
 REMAKE = 'remake'
 
 
+REMAKE_SUM = 'remake-sum'
+
+
 def is_remake(chain):
-    """Whether a producer is a normalized chain made again from its copy."""
-    return bool(chain) and chain[0] == REMAKE
+    """Whether a producer is an elementwise pass from kept values: a
+    normalized chain made again from its copy, or a residual sum."""
+    return bool(chain) and chain[0] in (REMAKE, REMAKE_SUM)
+
+
+def is_sum(chain):
+    return bool(chain) and chain[0] == REMAKE_SUM
 
 
 def layers_of(chain):
@@ -186,6 +212,98 @@ def _normalized_chain(net, writers, blobs):
                 (layer.bias_param_id is None or layer.bias_dims == layer.dims)):
             return None
     return chain
+
+
+def _sum_chain(net, writers, blobs):
+    """The layer indices (Eltwise, ReLU?) whose forward wrote the map: an
+    Eltwise SUM of two other maps into it, then at most a ReLU in place; or None."""
+    if not writers:
+        return None
+    names = set(blobs)
+    e = writers[0]
+    layer = net.layers[e]
+    if layer.layer_param.type != 'Eltwise' or \
+            layer.layer_param.eltwise_param.operation != _ELTWISE_SUM or \
+            len(net.bottom_id_vecs[e]) != 2 or len(net.top_id_vecs[e]) != 1 or \
+            {net._blob_names[b] for b in net.bottom_id_vecs[e]} & names:
+        return None
+    for i in writers[1:]:
+        ids = net.bottom_id_vecs[i]
+        if net.layers[i].layer_param.type != 'ReLU' or len(writers) > 2 or len(ids) != 1 or \
+                list(net.top_id_vecs[i]) != list(ids) or net._blob_names[ids[0]] not in names:
+            return None
+    return tuple(writers)
+
+
+def _choose_sums(net, data, writers, chosen, inputs, gone, least):
+    """Add the residual sums made again (the module docstring) and the
+    branch tops they make again for their step to `chosen`."""
+    L = len(net.layers)
+    by_blob = {n: b for b in data.values() for n in b.blobs}
+    picked = {}         # sum key -> (chain, [(bottom key, 'branch' | 'sum' | 'live')])
+    branch_of = {}      # branch key -> its normalized chain
+    for key in sorted(data, key=lambda k: data[k].start):
+        buf = data[key]
+        if key in chosen or key in gone or buf.nbytes < least or \
+                set(buf.blobs) & inputs or (buf.start <= 0 and buf.end >= 2 * L):
+            continue
+        chain = _sum_chain(net, writers(buf.blobs), buf.blobs)
+        if chain is None:
+            continue
+        fwd, bwd = _uses(net, buf)
+        if not bwd or max(fwd) + 1 >= min(bwd):
+            continue
+        e = chain[0]
+        sources = []
+        for b in net.bottom_id_vecs[e]:
+            src = by_blob.get(net._blob_names[b])
+            if src is None or src.key in gone or any(w > e for w in writers(src.blobs)):
+                break
+            if src.key in picked:
+                sources.append((src.key, 'sum'))
+                continue
+            normalized = _normalized_chain(net, writers(src.blobs), src.blobs)
+            if normalized is not None and src.key not in chosen and src.key not in branch_of \
+                    and not _uses(net, src)[1] and src.end <= e:
+                sources.append((src.key, 'branch'))
+                continue
+            if src.key not in chosen and src.end >= min(bwd) - FILTER_FIRST:
+                sources.append((src.key, 'live'))
+                continue
+            break
+        else:
+            picked[key] = (chain, sources)
+            for k, kind in sources:
+                if kind == 'branch':
+                    branch_of[k] = _normalized_chain(net, writers(data[k].blobs), data[k].blobs)
+    for key, (chain, _) in picked.items():
+        chosen[key] = (REMAKE_SUM,) + chain
+    for key, normalized in branch_of.items():
+        chosen[key] = (REMAKE,) + normalized
+
+
+def sum_lives(net, bufs, chosen):
+    """{key: (start, end)} of the device life in backward of each residual
+    sum made again and each branch top made again for one: a sum from half
+    a step before its first backward use, or before the sum that reads it
+    if that comes first, to its last use; a branch top at its sum's start alone."""
+    sums = [b for b in bufs if is_sum(chosen.get(b.key))]
+    if not sums:
+        return {}
+    by_blob = {n: b for b in bufs if b.kind == 'data' for n in b.blobs}
+    start = {b.key: min(_uses(net, b)[1]) - FILTER_FIRST for b in sums}
+    out = {}
+    # Latest first: a sum's start is known before the sums it reads.
+    for b in sorted(sums, key=lambda b: -chosen[b.key][1]):
+        e = chosen[b.key][1]
+        out[b.key] = (start[b.key], b.end)
+        for blob_id in net.bottom_id_vecs[e]:
+            src = by_blob[net._blob_names[blob_id]]
+            if src.key in start:
+                start[src.key] = min(start[src.key], start[b.key])
+            elif is_remake(chosen.get(src.key)):
+                out[src.key] = (start[b.key], start[b.key])
+    return out
 
 
 def choose(net, bufs, training=True, offloaded=(), convs=False, remakes_only=False):
@@ -256,6 +374,7 @@ def choose(net, bufs, training=True, offloaded=(), convs=False, remakes_only=Fal
         chosen[key] = chain
         taken.update(data[key].blobs)
         inputs.update(bottoms)
+    _choose_sums(net, data, writers, chosen, inputs, gone, least * REMAKE_SHARE)
     return chosen
 
 
@@ -300,7 +419,7 @@ def again_lives(net, buf, chain, split=False):
 def splittable(net, bufs, chosen):
     """Keys of `chosen` whose maps could leave again between backward uses
     (again_lives with split), largest first."""
-    out = [b for b in bufs if b.key in chosen and
+    out = [b for b in bufs if b.key in chosen and not is_remake(chosen[b.key]) and
            len(again_lives(net, b, chosen[b.key], split=True)) > 1]
     return [b.key for b in sorted(out, key=lambda b: (-b.nbytes, b.key))]
 
@@ -313,6 +432,7 @@ def shorten(bufs, chosen, net, split=()):
     if not chosen:
         return list(bufs)
     split = set(split)
+    fixed = sum_lives(net, bufs, chosen)
     out = []
     for buf in bufs:
         if buf.key not in chosen:
@@ -321,7 +441,8 @@ def shorten(bufs, chosen, net, split=()):
         fwd, bwd = _uses(net, buf)
         out.append(Buffer(buf.key + ('forward',), buf.kind, buf.blobs, buf.nbytes,
                           buf.start, max(fwd)))
-        lives = again_lives(net, buf, chosen[buf.key], buf.key in split)
+        lives = [fixed[buf.key]] if buf.key in fixed else \
+            again_lives(net, buf, chosen[buf.key], buf.key in split)
         for k, (start, end) in enumerate(lives):
             out.append(Buffer(buf.key + ('again' + (str(k + 1) if k else ''),), buf.kind,
                               buf.blobs, buf.nbytes, start, end))
@@ -334,10 +455,9 @@ def extra_seconds(net, bufs, chosen, step_seconds, split=()):
     split = set(split)
     for buf in bufs:
         chain = chosen.get(buf.key)
-        if chain is not None:
+        if chain is not None and not is_remake(chain):     # (remakes: remake_passes)
             runs = len(again_lives(net, buf, chain, buf.key in split))
-            out += runs * (remake_seconds(buf) if is_remake(chain) else
-                           sum(step_seconds[p] for p in chain))
+            out += runs * sum(step_seconds[p] for p in chain)
     return out
 
 
@@ -360,11 +480,93 @@ def remake(net, chain):
             precision.round_forward(i)
 
 
-def remake_seconds(buf):
-    """A normalized chain's pass on the GPU: the copy read, the top written
-    (caffeplus.memory.workspace_model's elementwise model)."""
-    from caffeplus.memory import workspace_model as wm
-    return 2.0 * buf.nbytes / wm.MEASURED_BANDWIDTH + wm.OWN_CALL_SECONDS
+def remake_sum(net, chain, branches=()):
+    """Write a residual sum's top (`chain`: Eltwise, ReLU?) again from its
+    bottoms, first making the branch tops among them again (`branches`:
+    their normalized chains): on the GPU, where the forward ran so, the
+    paired branch's normalize pass with the sum and its ReLU in one
+    (fused_chain's remake_with_branch); else by the layers' own forwards (a
+    fused Eltwise -> ReLU chain takes its one pass again), with their
+    16-bit rounding emulated on the CPU."""
+    eltwise = net.layers[chain[0]]
+    paired = getattr(eltwise, 'paired_branch', lambda: None)()
+    fusable = [b for b in branches if net.layers[b[0]] is paired]
+    for b in branches:
+        if b not in fusable:
+            remake(net, b)
+    if fusable and eltwise.remake_with_branch():
+        return
+    for b in fusable:
+        remake(net, b)
+    precision = getattr(net, 'precision', None)
+    for i in chain:
+        net.layers[i].forward(net.bottom_vecs[i], net.top_vecs[i])
+        if precision is not None:
+            precision.round_forward(i)
+
+
+def remake_passes(bufs, chosen):
+    """(bytes moved, launches) of the elementwise passes that make maps
+    again: a normalized chain's top written from its copy (two passes over
+    the map), a residual sum's from its bottoms (three)."""
+    moved = launches = 0
+    for buf in bufs:
+        chain = chosen.get(buf.key)
+        if is_remake(chain):
+            moved += buf.nbytes * (3 if is_sum(chain) else 2)
+            launches += 1
+    return moved, launches
+
+
+def make_again(net, todo, workspace=None):
+    """Before a backward step: write the maps first read there again into
+    their lives (`todo`: [(planned storage, life)], producers in forward
+    order). Branch tops that live for this step alone are made by the sum
+    that reads them; a convolution's call takes its own 'again@step'
+    view of the placed `workspace`."""
+    branches = {id(e.storage): layers_of(e.producer) for e, life in todo
+                if is_remake(e.producer) and not is_sum(e.producer) and life.end <= life.start}
+    for e, life in todo:
+        e.storage.array = life.view
+        e.storage.released_reason = None
+        if id(e.storage) in branches:
+            continue
+        if workspace is not None:
+            workspace.again = again_view(life.start)
+        try:
+            _run_again(net, e.producer, branches)
+        finally:
+            if workspace is not None:
+                workspace.again = None
+
+
+def _run_again(net, producer, branches):
+    chain = list(layers_of(producer))
+    if is_sum(producer):
+        bottoms = net.bottom_vecs[chain[0]]
+        remake_sum(net, chain, [branches[id(b.data_storage)] for b in bottoms
+                                if id(b.data_storage) in branches])
+        return
+    if is_remake(producer):
+        remake(net, chain)
+        return
+    if bias_relu_pair(net, chain) and net.layers[chain[0]].forward_then_relu(
+            net.bottom_vecs[chain[0]], net.top_vecs[chain[0]]):
+        chain = chain[2:]       # the convolution and its ReLU, in one pass
+    for p in chain:
+        net.layers[p].forward(net.bottom_vecs[p], net.top_vecs[p])
+
+
+def bias_relu_pair(net, chain):
+    """Whether a chain run again starts with a cuDNN convolution and a ReLU
+    (negative slope 0) in place on its top: one pass for the bias and the
+    ReLU (layers/cudnn_conv.py forward_then_relu)."""
+    if len(chain) < 2 or not hasattr(net.layers[chain[0]], 'forward_then_relu'):
+        return False
+    relu = net.layers[chain[1]]
+    return relu.layer_param.type == 'ReLU' and \
+        relu.layer_param.relu_param.negative_slope == 0 and \
+        net.top_id_vecs[chain[1]] == net.bottom_id_vecs[chain[1]] == net.top_id_vecs[chain[0]]
 
 
 def workspace_buffers(net, lives, chosen, sizes):

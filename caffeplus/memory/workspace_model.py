@@ -554,6 +554,12 @@ BATCHNORM_CHAIN_PASSES = (2.7, 3.6)
 OVERLAPPING_POOL_BACKWARD_PASSES = 5.4
 
 
+def remake_seconds(moved, launches):
+    """The elementwise passes that make maps again (caffeplus.memory.recompute:
+    `moved` bytes over `launches` kernels) on the GPU: the fitted model above."""
+    return moved / MEASURED_BANDWIDTH + launches * OWN_CALL_SECONDS
+
+
 def _moved_bytes(net, i):
     return sum(b.count * _itemsize(b) for b in net.bottom_vecs[i]) + \
         sum(b.count * _itemsize(b) for b in net.top_vecs[i])
