@@ -9,8 +9,9 @@ see Caffe's blob; only the order of the values in memory changes.
 A blob can be stored channels-last only where every layer that touches it
 reads and writes it so. Pointwise layers (ReLU, Dropout, Split, Eltwise)
 do whatever the layout, and per-channel ones (BatchNorm, a per-channel
-Scale, a max pooling on caffeplus's kernels) read either order; each ties
-its bottoms' and tops' layouts together. A layer that can read or write
+Scale, a max pooling on caffeplus's kernels) and a Concat along the
+channels read either order; each ties its bottoms' and tops' layouts
+together. A layer that can read or write
 channels-last maps on either side (cuDNN's convolution and pooling,
 `channels_last_ok`) lets the layout change across it. Blobs tied together are stored channels-last when all
 are 4-D, every layer touching them can, a convolution reads or writes one

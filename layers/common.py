@@ -263,6 +263,20 @@ class ConcatLayer(Layer):
     min_num_bottom = 1
     exact_num_top = 1
     backward_reads = _NOTHING
+    # caffeplus.layout: along the channels of 4-D maps either order, the
+    # bottoms and the top alike (channels-last: rows of channels side by side).
+    layout_role = 'tied'
+    _four_d = False
+
+    def channels_last_ok(self):
+        return self._four_d and getattr(self, 'axis', None) == 1
+
+    def _rows(self, blob):
+        """The blob's values as (rows, channels) where it is channels-last
+        (Caffe's concat axis is then the last in memory), else None."""
+        if blob.layout != 'NHWC':
+            return None
+        return blob.count // blob.shape[1], blob.shape[1]
 
     def layer_setup(self, bottom, top):
         _check_not_both(self, self.layer_param.concat_param, 'concat_param', 'concat_dim')
@@ -282,6 +296,7 @@ class ConcatLayer(Layer):
                                 b.shape_string()))
             shape[axis] += b.shape[axis]
         self.axis = axis
+        self._four_d = len(shape) == 4
         top[0].reshape(tuple(shape))
         if len(bottom) == 1:
             top[0].share_data(bottom[0])
@@ -290,22 +305,29 @@ class ConcatLayer(Layer):
     def _forward(self, bottom, top):
         if len(bottom) == 1:
             return
-        out = top[0].data
+        rows = self._rows(top[0])
+        out = top[0].data if rows is None else top[0].data.reshape(rows)
         offset = 0
         for b in bottom:
             n = b.shape[self.axis]
-            out[_along(self.axis, offset, offset + n)] = b.data
+            if rows is None:
+                out[_along(self.axis, offset, offset + n)] = b.data
+            else:
+                out[:, offset:offset + n] = b.data.reshape(rows[0], n)
             offset += n
 
     def _backward(self, top, propagate_down, bottom):
         if len(bottom) == 1:
             return
-        diff = top[0].diff
+        rows = self._rows(top[0])
+        diff = top[0].diff if rows is None else top[0].diff.reshape(rows)
         offset = 0
         for b, prop in zip(bottom, propagate_down):
             n = b.shape[self.axis]
-            if prop:
+            if prop and rows is None:
                 b.diff[...] = diff[_along(self.axis, offset, offset + n)]
+            elif prop:
+                b.diff.reshape(rows[0], n)[...] = diff[:, offset:offset + n]
             offset += n
 
 

@@ -23,8 +23,11 @@ class GPUConcatLayer(ConcatLayer):
         y = K.flat(top[0], diff=backward, any_dtype=True)
         if y is None:
             return False
-        outer = _prod(shape[:axis])
-        inner = _prod(shape[axis + 1:]) * y.dtype.itemsize
+        if top[0].layout == 'NHWC':     # (rows of channels: the concat axis is the last)
+            outer, inner = _prod(shape) // int(shape[axis]), y.dtype.itemsize
+        else:
+            outer = _prod(shape[:axis])
+            inner = _prod(shape[axis + 1:]) * y.dtype.itemsize
         pitch = int(shape[axis]) * inner
         ends = []
         for i, b in enumerate(bottom):

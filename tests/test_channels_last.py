@@ -16,7 +16,7 @@ from caffeplus.proto import caffe_pb2
 # top alike); the CPU's convolutions take none.
 GPU_ROLES = {'Convolution': 'channels_last', 'Pooling': 'channels_last', 'ReLU': 'pointwise',
              'Dropout': 'pointwise', 'Split': 'pointwise', 'Eltwise': 'pointwise',
-             'BatchNorm': 'tied', 'Scale': 'tied'}
+             'BatchNorm': 'tied', 'Scale': 'tied', 'Concat': 'tied'}
 
 HEAD = '''name: "t"
 layer { name: "data" type: "DummyData" top: "data" top: "label"
@@ -124,17 +124,54 @@ def test_the_nets_outputs_keep_caffes_order():
     assert _channels_last(text) == set()
 
 
-def test_maps_between_two_layout_changes_keep_caffes_order():
-    """GoogLeNet's inception: a 1x1 reduction's map, read by a 3x3
-    convolution whose map goes to a Concat (Caffe's order), would cost a
-    transpose on both sides and gain nothing; so would a convolution's map
-    that only a pooling into an InnerProduct reads."""
-    text = (HEAD + _layer('pool0', 'Pooling', ['data'], ['pool0'], POOL)
-            + _conv('reduce', 'pool0') + _layer('relu_r', 'ReLU', ['reduce'], ['reduce'])
-            + _conv('conv3x3', 'reduce') + _conv('conv1x1', 'pool0')
-            + _layer('concat', 'Concat', ['conv3x3', 'conv1x1'], ['concat'])
-            + _layer('pool2', 'Pooling', ['concat'], ['pool2'], POOL) + IP_LOSS)
-    assert _channels_last(text) == set()
+def test_an_inceptions_branches_and_their_concat_go_channels_last_together():
+    """GoogLeNet's inception: a Concat along the channels ties its bottoms
+    and its top (channels-last, rows of channels side by side), so the
+    branches' convolutions run channels-last; where the Concat's map is
+    read in Caffe's order (an InnerProduct), the convolutions writing it
+    would change the layout, and the whole inception stays."""
+    inception = (HEAD + _layer('pool0', 'Pooling', ['data'], ['pool0'], POOL)
+                 + _conv('reduce', 'pool0') + _layer('relu_r', 'ReLU', ['reduce'], ['reduce'])
+                 + _conv('conv3x3', 'reduce') + _conv('conv1x1', 'pool0')
+                 + _layer('concat', 'Concat', ['conv3x3', 'conv1x1'], ['concat']))
+    text = inception + _layer('pool2', 'Pooling', ['concat'], ['pool2'], POOL) + IP_LOSS
+    assert _channels_last(text) == {'reduce', 'conv3x3', 'conv1x1', 'concat'}
+    read_so = inception + IP_LOSS.replace('bottom: "pool2"', 'bottom: "concat"')
+    assert 'bottom: "concat"' in read_so
+    assert _channels_last(read_so) == set()
+
+
+def test_concat_on_channels_last_blobs_computes_caffes_values():
+    """The generic Concat (what the CPU runs, and the GPU falls back on)
+    over channels-last bottoms and top: the values and gradients of the
+    same layer in Caffe's order, transposed."""
+    from caffeplus.layer import create_layer
+    lp = text_format.Parse('name: "c" type: "Concat" bottom: "a" bottom: "b" top: "y"',
+                           caffe_pb2.LayerParameter())
+    r = numpy.random.default_rng(8)
+    xs = [r.standard_normal((2, c, 3, 4)).astype(numpy.float32) for c in (3, 5)]
+    dy = r.standard_normal((2, 8, 3, 4)).astype(numpy.float32)
+    last = lambda a: numpy.ascontiguousarray(a.transpose(0, 2, 3, 1))
+    runs = {}
+    for name in ('NCHW', 'NHWC'):
+        layer = create_layer(lp)
+        bottom, top = [Blob(x.shape, name=n) for x, n in zip(xs, 'ab')], [Blob(name='y')]
+        for b in bottom + top:
+            b.layout = name
+        layer.setup(bottom, top)
+        assert layer.channels_last_ok()
+        order = (lambda a: a) if name == 'NCHW' else last
+        for b, x in zip(bottom, xs):
+            b.data[...] = order(x).reshape(x.shape)
+        layer.forward(bottom, top)
+        top[0].diff[...] = order(dy).reshape(dy.shape)
+        layer.backward(top, [True, True], bottom)
+        runs[name] = (top[0].data.copy(), [b.diff.copy() for b in bottom])
+    (y, dxs), (y_cl, dxs_cl) = runs['NCHW'], runs['NHWC']
+    assert numpy.array_equal(y, numpy.concatenate(xs, axis=1))
+    assert numpy.array_equal(y_cl.reshape(-1), last(y).reshape(-1))
+    for dx, dx_cl in zip(dxs, dxs_cl):
+        assert numpy.array_equal(dx_cl.reshape(-1), last(dx).reshape(-1))
 
 
 def test_the_cpus_layers_move_nothing():

@@ -193,6 +193,29 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip1" bottom: "label" top: 
 """)
 
 
+def _both_layouts(text, sixteen):
+    """The net of `text` in Caffe's order and channels-last, the second
+    with the first's weights."""
+    nets = {}
+    for layout in ('nchw', 'nhwc'):
+        with precision.setting(sixteen), config.using(layout=layout):
+            nets[layout] = caffeplus.Net(text_format.Parse(text, caffe_pb2.NetParameter()),
+                                         caffe_pb2.TRAIN)
+    for p, q in zip(nets['nhwc'].learnable_params, nets['nchw'].learnable_params):
+        p.data = q.data.get()
+    return nets
+
+
+def _one_pass(n, x, label):
+    """Forward and backward once: the loss and the parameter gradients."""
+    n.blobs['data'].data[...] = x
+    n.blobs['label'].data[...] = label
+    n.clear_param_diffs()
+    n.forward_prefilled()
+    n.backward_all()
+    return float(n.blobs['loss'].data), [p.diff.get().copy() for p in n.learnable_params]
+
+
 @pytest.mark.parametrize('sixteen', ['fp16', 'bf16'])
 def test_a_channels_last_residual_net_computes_what_caffes_order_does(gpu, sixteen, monkeypatch):
     """BatchNorm (its statistics, the moving sums, the fused chain with
@@ -204,14 +227,8 @@ def test_a_channels_last_residual_net_computes_what_caffes_order_does(gpu, sixte
         pytest.importorskip('ml_dtypes')
     from caffeplus import layout as layout_module
     monkeypatch.setattr(layout_module, 'CHANNELS_LAST_BATCHNORM', True)
-    nets = {}
-    for layout in ('nchw', 'nhwc'):
-        with precision.setting(sixteen), config.using(layout=layout):
-            nets[layout] = caffeplus.Net(text_format.Parse(RESNET_LIKE, caffe_pb2.NetParameter()),
-                                         caffe_pb2.TRAIN)
+    nets = _both_layouts(RESNET_LIKE, sixteen)
     ref, net = nets['nchw'], nets['nhwc']
-    for p, q in zip(net.learnable_params, ref.learnable_params):
-        p.data = q.data.get()
     moved = {n for n, b in net._blob_dict.items() if b.layout == 'NHWC'}
     assert {'conv1', 'pool1', 'a', 'b', 'c', 'sum', 'd'} <= moved
     assert not {'data', 'pool2', 'ip1'} & moved
@@ -220,16 +237,9 @@ def test_a_channels_last_residual_net_computes_what_caffes_order_does(gpu, sixte
     label = r.randint(0, 5, size=8).astype(numpy.float32)
     out = {}
     for name, n in nets.items():
-        n.blobs['data'].data[...] = x
-        n.blobs['label'].data[...] = label
-        n.clear_param_diffs()
-        n.forward_prefilled()
-        n.backward_all()
-        out[name] = (float(n.blobs['loss'].data),
-                     [p.diff.get().copy() for p in n.learnable_params],
-                     [b.data.get().copy() for l in n.layers if l.type == 'BatchNorm'
-                      for b in l.blobs],
-                     n.blobs['data'].diff.copy(), n.blobs['sum'].data.copy())
+        out[name] = _one_pass(n, x, label) + (
+            [b.data.get().copy() for l in n.layers if l.type == 'BatchNorm' for b in l.blobs],
+            n.blobs['data'].diff.copy(), n.blobs['sum'].data.copy())
     tol = RESIDUAL_TOLERANCE[sixteen]
     (loss, grads, stats, ddata, sums), (loss_cl, grads_cl, stats_cl, ddata_cl, sums_cl) = \
         out['nchw'], out['nhwc']
@@ -363,4 +373,77 @@ def test_residual_sums_fused_with_their_neighbours_change_no_bit(gpu, sixteen, p
                            [b.data.get().tobytes() for l in net.layers
                             if l.type == 'BatchNorm' for b in l.blobs])
     assert runs[True] == runs[False]
+    assert not kernels.failures()
+
+
+# GoogLeNet's inception: four branches (a 1x1 convolution, 1x1 -> 3x3, 1x1
+# -> 5x5 and a 3x3 max pooling -> 1x1) joined by a Concat along the channels,
+# twice; average pooling into the InnerProduct.
+INCEPTION_LIKE = """
+name: "inception_like" force_backward: true
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 8 dim: 3 dim: 16 dim: 16 } shape { dim: 8 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 16 kernel_size: 3 pad: 1
+    weight_filler { type: "gaussian" std: 0.2 } bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+""" + ''.join("""
+layer { name: "%(m)s/1x1" type: "Convolution" bottom: "%(b)s" top: "%(m)s/1x1"
+  convolution_param { num_output: 8 kernel_size: 1 weight_filler { type: "gaussian" std: 0.2 } } }
+layer { name: "%(m)s/3x3_reduce" type: "Convolution" bottom: "%(b)s" top: "%(m)s/3x3_reduce"
+  convolution_param { num_output: 8 kernel_size: 1 weight_filler { type: "gaussian" std: 0.2 } } }
+layer { name: "%(m)s/relu_r" type: "ReLU" bottom: "%(m)s/3x3_reduce" top: "%(m)s/3x3_reduce" }
+layer { name: "%(m)s/3x3" type: "Convolution" bottom: "%(m)s/3x3_reduce" top: "%(m)s/3x3"
+  convolution_param { num_output: 16 kernel_size: 3 pad: 1
+    weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "%(m)s/5x5" type: "Convolution" bottom: "%(m)s/3x3_reduce" top: "%(m)s/5x5"
+  convolution_param { num_output: 8 kernel_size: 5 pad: 2
+    weight_filler { type: "gaussian" std: 0.05 } } }
+layer { name: "%(m)s/pool" type: "Pooling" bottom: "%(b)s" top: "%(m)s/pool"
+  pooling_param { pool: MAX kernel_size: 3 stride: 1 pad: 1 } }
+layer { name: "%(m)s/pool_proj" type: "Convolution" bottom: "%(m)s/pool" top: "%(m)s/pool_proj"
+  convolution_param { num_output: 8 kernel_size: 1 weight_filler { type: "gaussian" std: 0.2 } } }
+layer { name: "%(m)s/output" type: "Concat" top: "%(m)s/output" bottom: "%(m)s/1x1"
+  bottom: "%(m)s/3x3" bottom: "%(m)s/5x5" bottom: "%(m)s/pool_proj" }
+layer { name: "%(m)s/relu" type: "ReLU" bottom: "%(m)s/output" top: "%(m)s/output" }
+""" % {'m': m, 'b': b} for m, b in (('i1', 'conv1'), ('i2', 'i1/output'))) + """
+layer { name: "pool5" type: "Pooling" bottom: "i2/output" top: "pool5"
+  pooling_param { pool: AVE kernel_size: 4 stride: 4 } }
+layer { name: "ip1" type: "InnerProduct" bottom: "pool5" top: "ip1"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip1" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize('sixteen', ['fp16', 'bf16'])
+def test_a_channels_last_inception_computes_what_caffes_order_does(gpu, sixteen):
+    """Concat along the channels of channels-last maps (one 2-D copy a
+    bottom, rows of channels side by side): the inceptions' convolutions
+    and their Concats channels-last, the loss, every gradient and the
+    Concats' maps (pycaffe's views) those of Caffe's order within the
+    type's rounding."""
+    if sixteen == 'bf16':
+        pytest.importorskip('ml_dtypes')
+    nets = _both_layouts(INCEPTION_LIKE, sixteen)
+    ref, net = nets['nchw'], nets['nhwc']
+    moved = {n for n, b in net._blob_dict.items() if b.layout == 'NHWC'}
+    assert {'conv1', 'i1/output', 'i1/3x3', 'i1/pool', 'i2/output', 'i2/pool_proj'} <= moved
+    assert not {'data', 'pool5', 'ip1'} & moved
+    r = numpy.random.RandomState(21)
+    x = r.standard_normal((8, 3, 16, 16)).astype(numpy.float32)
+    label = r.randint(0, 5, size=8).astype(numpy.float32)
+    out = {}
+    for name, n in nets.items():
+        out[name] = _one_pass(n, x, label) + (
+            [n.blobs[b].data.copy() for b in ('i1/output', 'i2/output')],
+            n.blobs['data'].diff.copy())
+    tol = TOLERANCE[sixteen]
+    (loss, grads, maps, ddata), (loss_cl, grads_cl, maps_cl, ddata_cl) = out['nchw'], out['nhwc']
+    assert loss_cl == pytest.approx(loss, rel=tol)
+    for p, g, g_cl in zip(ref.learnable_params, grads, grads_cl):
+        assert _relative(g_cl, g) < tol, p.name
+    for m, m_cl in zip(maps, maps_cl):
+        assert _relative(m_cl, m) < tol
+    assert _relative(ddata_cl, ddata) < tol
+    from caffeplus import kernels
     assert not kernels.failures()
