@@ -103,19 +103,27 @@ class _Chain:
         return sc.dims == self.bn._cfg and (sc.bias_param_id is None or
                                             sc.bias_dims == sc.dims)
 
-    def forward(self, x, y):
-        """BatchNorm's fused forward for the whole chain (called by BatchNorm)."""
+    def scale_bias_flags(self):
+        """(scale, bias or None, cp_bn_fwd's chain flags) of the chain's
+        Scale and ReLU on the device; None where a parameter is not there."""
         K = _kernels
         sc = self.scale
         s = K.flat(sc.blobs[0])
         b = K.flat(sc.blobs[sc.bias_param_id]) if sc.bias_param_id is not None else None
         if s is None or (sc.bias_param_id is not None and b is None):
-            return False
-        flags = K.BN_SCALE | (K.BN_BIAS if b is not None else 0) | \
+            return None
+        return s, b, K.BN_SCALE | (K.BN_BIAS if b is not None else 0) | \
             (K.BN_RELU if self.relu is not None else 0)
+
+    def forward(self, x, y):
+        """BatchNorm's fused forward for the whole chain (called by BatchNorm)."""
+        params = self.scale_bias_flags()
+        if params is None:
+            return False
+        s, b, flags = params
         if not self.bn._launch_forward(x, y, flags, s, b, defer=self.defer_apply):
             return False
-        sc._bottom_copy = self.bn._x_norm           # Scale's bottom: the normalized x
+        self.scale._bottom_copy = self.bn._x_norm   # Scale's bottom: the normalized x
         self.fwd_done = True
         return True
 
@@ -611,16 +619,12 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
             return False
         n, c, s_ = self._cfg
         arrays, dtype = K.maps((self._chain_blob, False))
-        sc = ch.scale
-        s = K.flat(sc.blobs[0])
-        bid = sc.bias_param_id
-        b = K.flat(sc.blobs[bid]) if bid is not None else None
-        if arrays is None or s is None or (bid is not None and b is None):
+        params = ch.scale_bias_flags()
+        if arrays is None or params is None:
             return False
         y, = arrays
         xn = self._x_norm.reshape(-1)
-        flags = K.BN_SCALE | (K.BN_BIAS if b is not None else 0) | \
-            (K.BN_RELU if ch.relu is not None else 0)
+        s, b, flags = params
         b = b if b is not None else s
         zeros, ones, std = self._identity(c)
         if self._nhwc:
@@ -689,15 +693,12 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
         """The normalize pass _launch_forward deferred; with `other`, the
         Eltwise SUM's in it: total = c_other * other + c_own * top (its ReLU:
         add_flags & 2; the top itself stored only with add_flags & 1)."""
-        K = _kernels
         passes, args = self._deferred_apply
         self._deferred_apply = None
-        dtype = args[0].dtype
         if other is None:
-            K.kernel('cp_bn_apply_nhwc_vec', dtype)(*passes, args)
+            _kernels.kernel('cp_bn_apply_nhwc_vec', args[0].dtype)(*passes, args)
         else:
-            K.kernel('cp_bn_apply_add_nhwc_vec', dtype)(*passes, args + (
-                other, total, F32(c_other), F32(c_own), K.i32(add_flags)))
+            _apply_add(passes, args, other, total, c_other, c_own, add_flags)
 
     def _backward_nhwc(self, dy, xn, std, dx, sc, bi, dsc, dbi, flags):
         K = _kernels
@@ -986,6 +987,15 @@ class _FusedReLUMixin:
         return True
 
 
+def _apply_add(passes, args, other, total, c_other, c_own, add_flags):
+    """cp_bn_apply_add_nhwc_vec: a BatchNorm chain's channels-last normalize
+    pass (`args` as cp_bn_apply_nhwc_vec's) with an Eltwise SUM in it, total
+    = c_other * other + c_own * top (GPUBatchNormLayer.apply_deferred)."""
+    K = _kernels
+    K.kernel('cp_bn_apply_add_nhwc_vec', args[0].dtype)(*passes, args + (
+        other, total, F32(c_other), F32(c_own), K.i32(add_flags)))
+
+
 def _pieces(n, most, *arrays):
     """(count, the arrays' views) of consecutive pieces of n values, each at
     most `most`; one piece (every blob below 2**31 values) passes the
@@ -1071,16 +1081,14 @@ class GPUEltwiseLayer(_FusedMixin, EltwiseLayer):
         if not isinstance(ch, _SumChain) or ch.branch is None or not ch.fwd_done or \
                 not ch.branch.fwd_done or not K.active():
             return False
-        bn, sc = ch.branch.bn, ch.branch.scale
+        bn = ch.branch.bn
         n = ch.top._count
         if not bn._nhwc or bn._x_norm is None or not 0 < n <= K.MAX_COUNT:
             return False
         other = ch.bottoms[1 - ch.branch_bottom]
-        arrays, dtype = K.maps((other, False), (ch.top, False))
-        s = K.flat(sc.blobs[0])
-        bid = sc.bias_param_id
-        b = K.flat(sc.blobs[bid]) if bid is not None else None
-        if arrays is None or s is None or (bid is not None and b is None):
+        arrays, _ = K.maps((other, False), (ch.top, False))
+        params = ch.branch.scale_bias_flags()
+        if arrays is None or params is None:
             return False
         xn = bn._x_norm.reshape(-1)
         vec, _, _, _, _, _, passes = bn._nhwc_plan(xn, *arrays)
@@ -1088,13 +1096,13 @@ class GPUEltwiseLayer(_FusedMixin, EltwiseLayer):
             return False
         m, c, _ = bn._cfg
         zeros, ones, _ = bn._identity(c)
-        flags = K.BN_SCALE | (K.BN_BIAS if b is not None else 0) | \
-            (K.BN_RELU if ch.branch.relu is not None else 0)
+        s, b, flags = params
         coeffs = self.coeffs
-        K.kernel('cp_bn_apply_add_nhwc_vec', dtype)(*passes, (
-            xn, arrays[1], arrays[1], zeros, ones, s, b if b is not None else s, K.u32(m),
-            K.u32(c), K.i32(flags), arrays[0], arrays[1], F32(coeffs[1 - ch.branch_bottom]),
-            F32(coeffs[ch.branch_bottom]), K.i32(2)))
+        # (The branch's top itself not stored.)
+        _apply_add(passes, (xn, arrays[1], arrays[1], zeros, ones, s, b if b is not None else s,
+                            K.u32(m), K.u32(c), K.i32(flags)),
+                   arrays[0], arrays[1], coeffs[1 - ch.branch_bottom], coeffs[ch.branch_bottom],
+                   2)
         return True
 
     def _fast_backward(self, top, propagate_down, bottom):

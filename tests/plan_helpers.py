@@ -20,3 +20,9 @@ def sgd_run(net, iters=4, lr=0.05):
         for p in net.learnable_params:
             p.data[...] -= numpy.float32(lr) * p.diff
     return losses, [p.data.copy() for p in net.learnable_params]
+
+
+def assert_same_run(a, b):
+    """Two sgd_run results: the same losses, and weights bit for bit."""
+    assert a[0] == b[0]
+    assert all(numpy.array_equal(x, y) for x, y in zip(a[1], b[1]))

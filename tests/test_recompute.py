@@ -13,7 +13,7 @@ from caffeplus import log
 from caffeplus.errors import CaffeplusError
 from caffeplus.memory import budget, liveness, recompute, shapes
 from caffeplus.memory.plan import make_plan
-from plan_helpers import param_of, sgd_run
+from plan_helpers import assert_same_run, param_of, sgd_run
 from conftest import ROOT, SHARED
 
 sys.path.insert(0, ROOT)
@@ -178,8 +178,7 @@ def test_training_with_maps_made_again_is_bit_identical_to_stock():
     net = build(memory='shared')
     assert net.applied_plan.plan.recomputed
     shared = sgd_run(net)
-    assert stock[0] == shared[0]
-    assert all(numpy.array_equal(a, b) for a, b in zip(stock[1], shared[1]))
+    assert_same_run(stock, shared)
 
 
 def test_a_map_made_again_is_released_in_between_and_says_so():
@@ -375,8 +374,7 @@ def test_training_with_convolutions_run_again_is_bit_identical_to_stock(monkeypa
     net = build(CONV_NET, memory='shared')
     assert net.applied_plan.plan.recomputed_names() == ['conv1', 'pool']
     shared = sgd_run(net)
-    assert stock[0] == shared[0]
-    assert all(numpy.array_equal(a, b) for a, b in zip(stock[1], shared[1]))
+    assert_same_run(stock, shared)
     net.forward()
     with pytest.raises(CaffeplusError, match='layer conv1 makes it again'):
         net.blobs['conv1'].data

@@ -6,7 +6,6 @@ which tops, the memory they give back, and training bit-identical to
 import os
 import re
 
-import numpy
 import pytest
 
 import caffeplus
@@ -15,7 +14,7 @@ from caffeplus.errors import CaffeplusError
 from caffeplus.memory import budget, recompute, shapes
 from caffeplus.memory.plan import make_plan
 from conftest import SHARED, emulating
-from plan_helpers import param_of, sgd_run
+from plan_helpers import assert_same_run, param_of, sgd_run
 
 # conv1 -> bn1 -> sc1 -> relu1 (in place): conv2's filter call reads it in
 # backward; conv2 -> bn2 -> relu2 (no Scale): conv3's; conv3 -> bn3 -> sc3
@@ -231,8 +230,7 @@ def test_training_with_chains_made_again_is_bit_identical_to_stock(types):
     net = _build(param, memory='shared')
     assert _remade(net.applied_plan.plan) == ['conv1', 'conv2']
     shared = sgd_run(net)
-    assert stock[0] == shared[0]
-    assert all(numpy.array_equal(a, b) for a, b in zip(stock[1], shared[1]))
+    assert_same_run(stock, shared)
 
 
 def test_a_chain_top_made_again_is_released_in_between_and_says_so():
@@ -291,8 +289,7 @@ def test_fused_chains_made_again_give_the_forwards_bits_emulated(emulator, nhwc)
         shared = _train_emulated('shared', nhwc)
     assert shared[3] == stock[3] and shared[3][0] == (True, True)
     assert shared[2] == [('bn2', False), ('bn1', True)] * 3 and stock[2] == []
-    assert stock[0] == shared[0]
-    assert all(numpy.array_equal(a, b) for a, b in zip(stock[1], shared[1]))
+    assert_same_run(stock, shared)
 
 
 @pytest.mark.parametrize('types', [None, 'fp16', 'bf16'])
@@ -302,8 +299,7 @@ def test_training_with_sums_made_again_is_bit_identical_to_stock(types):
     net = _build(param, memory='shared')
     assert _remade_chains(net, net.applied_plan.plan) == SUM_REMADE
     shared = sgd_run(net)
-    assert stock[0] == shared[0]
-    assert all(numpy.array_equal(a, b) for a, b in zip(stock[1], shared[1]))
+    assert_same_run(stock, shared)
     net.forward()
     with pytest.raises(CaffeplusError, match='layer sum1 makes it again'):
         net.blobs['sum1'].data
@@ -325,8 +321,7 @@ def test_fused_sums_made_again_give_the_forwards_bits_emulated(emulator, nhwc):
         else [('bn1', True), ('sum1', False), ('bnp', True), ('sum2', False), ('bn2', True),
               ('bn0', True)]
     assert shared[2] == per_iteration * 3 and stock[2] == []
-    assert stock[0] == shared[0]
-    assert all(numpy.array_equal(a, b) for a, b in zip(stock[1], shared[1]))
+    assert_same_run(stock, shared)
 
 
 def test_unfused_chains_are_made_again_by_their_layers_emulated(emulator):
@@ -338,8 +333,7 @@ def test_unfused_chains_are_made_again_by_their_layers_emulated(emulator):
         return sgd_run(net, iters=3)
     with emulating(emulator):
         stock, shared = train(None), train('shared')
-    assert stock[0] == shared[0]
-    assert all(numpy.array_equal(a, b) for a, b in zip(stock[1], shared[1]))
+    assert_same_run(stock, shared)
 
 
 def _with_convolutions(text, channels=32):

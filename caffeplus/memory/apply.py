@@ -689,11 +689,11 @@ class AppliedPlan:
                 % (self.name, phase, layer, KEEP_HINT))
             back = int(math.ceil(e.lives[1].start)) if len(e.lives) > 1 else None
             if back is not None and e.producer is not None:
+                maker = net._layer_names[recompute.layers_of(e.producer)[0]]
                 e.reasons['between'] = (
                     "released by memory plan '%s' after its last forward use (layer %s); layer "
                     "%s makes it again for backward (layer %s); %s"
-                    % (self.name, where(first.end)[1], net._layer_names[recompute.layers_of(e.producer)[0]],
-                       where(back)[1], KEEP_HINT))
+                    % (self.name, where(first.end)[1], maker, where(back)[1], KEEP_HINT))
             elif back is not None:
                 e.reasons['between'] = (
                     "offloaded to host memory by memory plan '%s' between its last forward use "

@@ -173,7 +173,7 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
         again = {}
     elif recompute_mod.enabled(name):
         again = recompute_mod.choose(net, whole, training, offloaded, convs=convs)
-    else:       # `shared`: the normalized chains' tops alone
+    else:       # `shared`: the normalized chains' tops and residual sums alone
         again = recompute_mod.choose(net, whole, training, offloaded, remakes_only=True)
     split = tuple(recompute_mod.splittable(net, whole, again)) if recompute_mod.split_always() \
         else tuple(k for k in recompute_split if k in again)

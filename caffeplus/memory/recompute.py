@@ -162,10 +162,10 @@ def _producer(net, writers, blobs, convs):
     return tuple(writers)
 
 
-# The marker heading a normalized chain's producer: (REMAKE, BatchNorm, Scale?, ReLU?).
+# The markers heading the producers made by elementwise passes: a normalized
+# chain's (REMAKE, BatchNorm, Scale?, ReLU?), a residual sum's (REMAKE_SUM,
+# Eltwise, ReLU?).
 REMAKE = 'remake'
-
-
 REMAKE_SUM = 'remake-sum'
 
 
@@ -240,7 +240,7 @@ def _choose_sums(net, data, writers, chosen, inputs, gone, least):
     branch tops they make again for their step to `chosen`."""
     L = len(net.layers)
     by_blob = {n: b for b in data.values() for n in b.blobs}
-    picked = {}         # sum key -> (chain, [(bottom key, 'branch' | 'sum' | 'live')])
+    picked = {}         # sum key -> its chain (Eltwise, ReLU?)
     branch_of = {}      # branch key -> its normalized chain
     for key in sorted(data, key=lambda k: data[k].start):
         buf = data[key]
@@ -254,29 +254,25 @@ def _choose_sums(net, data, writers, chosen, inputs, gone, least):
         if not bwd or max(fwd) + 1 >= min(bwd):
             continue
         e = chain[0]
-        sources = []
+        branches = {}
         for b in net.bottom_id_vecs[e]:
             src = by_blob.get(net._blob_names[b])
             if src is None or src.key in gone or any(w > e for w in writers(src.blobs)):
                 break
             if src.key in picked:
-                sources.append((src.key, 'sum'))
-                continue
+                continue            # a sum made again first
             normalized = _normalized_chain(net, writers(src.blobs), src.blobs)
             if normalized is not None and src.key not in chosen and src.key not in branch_of \
                     and not _uses(net, src)[1] and src.end <= e:
-                sources.append((src.key, 'branch'))
+                branches[src.key] = normalized
                 continue
             if src.key not in chosen and src.end >= min(bwd) - FILTER_FIRST:
-                sources.append((src.key, 'live'))
-                continue
+                continue            # still kept at that step
             break
         else:
-            picked[key] = (chain, sources)
-            for k, kind in sources:
-                if kind == 'branch':
-                    branch_of[k] = _normalized_chain(net, writers(data[k].blobs), data[k].blobs)
-    for key, (chain, _) in picked.items():
+            picked[key] = chain
+            branch_of.update(branches)
+    for key, chain in picked.items():
         chosen[key] = (REMAKE_SUM,) + chain
     for key, normalized in branch_of.items():
         chosen[key] = (REMAKE,) + normalized
@@ -473,8 +469,14 @@ def remake(net, chain):
         return
     top = net.top_vecs[chain[0]][0]
     top.data[...] = bn._x_norm.reshape(top.data.shape)
+    _forwards(net, chain[1:])
+
+
+def _forwards(net, layers):
+    """Run the layers' forwards again, in place, each followed by its
+    emulated 16-bit rounding on the CPU (what the net's hooks do in a pass)."""
     precision = getattr(net, 'precision', None)
-    for i in chain[1:]:
+    for i in layers:
         net.layers[i].forward(net.bottom_vecs[i], net.top_vecs[i])
         if precision is not None:
             precision.round_forward(i)
@@ -498,11 +500,7 @@ def remake_sum(net, chain, branches=()):
         return
     for b in fusable:
         remake(net, b)
-    precision = getattr(net, 'precision', None)
-    for i in chain:
-        net.layers[i].forward(net.bottom_vecs[i], net.top_vecs[i])
-        if precision is not None:
-            precision.round_forward(i)
+    _forwards(net, chain)
 
 
 def remake_passes(bufs, chosen):
