@@ -208,6 +208,24 @@ def empty(count, dtype=numpy.float32):
     return cupy.empty(max(int(count), 1), dtype=dtype)
 
 
+_EMULATED_SCRATCH = {}
+
+
+def scratch(slot, count, dtype):
+    """`count` values of `dtype` from one buffer per slot (grown to the largest
+    asked for; caffeplus.backend.device_scratch), for kernels of different
+    layers that take turns with it on one stream: a buffer each would hold
+    bytes every layer needs only for the moment of its own call."""
+    if _state['emulator'] is None:
+        from caffeplus import backend
+        return backend.device_scratch(slot, count, dtype)
+    key = (slot, numpy.dtype(dtype))
+    buf = _EMULATED_SCRATCH.get(key)
+    if buf is None or buf.size < count:
+        buf = _EMULATED_SCRATCH[key] = numpy.empty(max(int(count), 1), dtype=dtype)
+    return buf[:count]
+
+
 # -- compiling and launching ------------------------------------------------------
 # NVRTC compiles in JIT mode, where a function without an execution space is
 # host code and refused; the channel loops' lambdas have none (NVRTC 13 asks

@@ -2,6 +2,8 @@
 """What holds the device at a plan's steady peak, allocation by allocation.
 
     python dev/pool_census.py .gpu_carry/bench/alexnet_b128.prototxt --plan offload --offload free
+    python dev/pool_census.py .gpu_carry/bench/resnet50_b64.prototxt --plan shared \
+        --precision fp16 --batch 256
 
 Builds the net as `caffeplus memory -gpu` does (TRAIN, SGD solver, the
 estimated plan applied, its algorithm search), runs iterations until the
@@ -39,12 +41,14 @@ def main(argv=None):
     ap.add_argument('--offload', default='free')
     ap.add_argument('--iterations', type=int, default=3)
     ap.add_argument('--top', type=int, default=25)
+    ap.add_argument('--batch', type=int, default=None, help="as `caffeplus memory --batch`")
+    ap.add_argument('--precision', default=None, help="as `caffeplus memory --precision`")
     args = ap.parse_args(argv)
     # The algorithms `caffeplus memory` measures with (its child's setting):
     # another search picks other workspaces, and another arena.
     os.environ.setdefault('CAFFEPLUS_CUDNN_SEARCH', 'auto')
     import cupy
-    from caffeplus import backend
+    from caffeplus import backend, precision
     from caffeplus.memory import budget, measure, shapes
     from caffeplus.proto import caffe_pb2
     backend.set_mode_gpu(0)
@@ -78,7 +82,9 @@ def main(argv=None):
             if old:
                 state['now'] -= old[0]
 
-    param = shapes.load_net_param(args.model, phase=caffe_pb2.TRAIN)
+    param = shapes.load_net_param(args.model, batch=args.batch, phase=caffe_pb2.TRAIN)
+    if args.precision:
+        precision.override(param, args.precision)
     with Census(), shapes.quiet():
         solver = measure._solver(param, 'SGD', args.iterations + 8)
         net = solver.net

@@ -500,6 +500,16 @@ def _row_chunks(m):
     return int(max(1, min(NHWC_TILE_ROW_CHUNKS, -(-m // (NHWC_THREADS // 32)))))
 
 
+# The per-block partial sums of a BatchNorm's statistics or gradient sums:
+# read back within the same layer's next kernel, so one buffer serves every
+# layer (ResNet-50 b256 in FP16 held 273 MiB of them, a buffer per layer).
+PARTIAL_SUMS = 'batchnorm partial sums'
+
+
+def _partial_sums(count):
+    return _kernels.scratch(PARTIAL_SUMS, count, numpy.float64)
+
+
 def nhwc_vec_launch(m, c, width):
     """(block, sums' blocks P, per-value passes' blocks) of the vector
     kernels (cp_bn_*_nhwc_vec) over m rows of c channels, `width` channels a
@@ -664,9 +674,9 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
             sums = ((tiles * P,), (NHWC_THREADS,))
             passes = ((tiles * _row_chunks(m),), (NHWC_THREADS,))
         b = self._nhwc_bufs
-        if b is None or b[0].size < 2 * c * P or b[1].size < 2 * c or not K.is_device(b[0]):
-            b = self._nhwc_bufs = (K.empty(2 * c * P, numpy.float64), K.empty(2 * c))
-        return vec, P, b[0], b[1][:c], b[1], sums, passes
+        if b is None or b.size < 2 * c or not K.is_device(b):
+            b = self._nhwc_bufs = K.empty(2 * c)
+        return vec, P, _partial_sums(2 * c * P), b[:c], b, sums, passes
 
     _deferred_apply = None
 
@@ -735,9 +745,9 @@ class GPUBatchNormLayer(_FusedMixin, BatchNormLayer):
             K.note_failure('BatchNorm split kernels (%s maps)' % dtype, exc)
             return None
         b = self._split_bufs
-        if b is None or b[0].size < 2 * c * P or not K.is_device(b[0]):
-            b = self._split_bufs = (K.empty(2 * c * P, numpy.float64), K.empty(c))
-        return (ks[0], ks[1], P, b[0], b[1], (K.channel_block(n * s // P),))
+        if b is None or b.size < c or not K.is_device(b):
+            b = self._split_bufs = K.empty(c)
+        return (ks[0], ks[1], P, _partial_sums(2 * c * P), b, (K.channel_block(n * s // P),))
 
     def _launch_backward(self, dy, xn, std, dx, sc, bi, dsc, dbi, flags):
         K = _kernels

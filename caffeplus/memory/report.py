@@ -55,7 +55,7 @@ OTHER_LEGEND = ('other = runtime (CUDA context, CuPy, cuDNN, cuBLAS workspace, k
                 '      + cuDNN handles (stock Caffe\'s: 3 per convolution group, 1 per other '
                 'cuDNN layer)\n'
                 '      + layer buffers (pooling indices, dropout masks, BatchNorm/Scale '
-                'copies, 16-bit weight copies; stock: Caffe 1.0\'s own)')
+                'copies, 16-bit weight copies, shared scratch; stock: Caffe 1.0\'s own)')
 OTHER_PART_LABELS = (('runtime', 'runtime'), ('cudnn_handles', 'cuDNN handles'),
                      ('layer_buffers', 'layer buffers'))
 

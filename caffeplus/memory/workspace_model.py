@@ -468,9 +468,37 @@ def internals(net, plan_name=None):
 def other_bytes(net, plan_name):
     """The estimate's "other": the runtime's fixed cost, stock's per-layer
     handles, and the layers' internal buffers (for stock, Caffe 1.0's) with
-    their 16-bit weight copies."""
+    their 16-bit weight copies and the scratch they share."""
     return runtime_bytes(plan_name) + handle_bytes(net, plan_name) + \
-        internals(net, plan_name) + weight_copy_bytes(net)
+        internals(net, plan_name) + weight_copy_bytes(net) + shared_scratch_bytes(net, plan_name)
+
+
+def shared_scratch_bytes(net, plan_name):
+    """The device buffers GPU layers take turns with, one per purpose, each
+    as large as its largest call (caffeplus.backend.device_scratch): a
+    channels-last convolution's bottom relaid from Caffe's order (with its
+    diff where backward writes one), the float32 draw a 16-bit DummyData
+    top is rounded from, and cuBLAS's workspace for the convolutions that
+    run as GEMMs with none placed (blas.FALLBACK_BYTES)."""
+    relaid = relaid_diff = staged = 0
+    gemm = False
+    for i, layer in enumerate(net.layers):
+        bottom, top = net.bottom_vecs[i], net.top_vecs[i]
+        if is_conv(layer) and bottom and bottom[0].layout != top[0].layout:
+            pad = 4 if top[0].layout == 'NHWC' and layer.channels < 4 and layer.group == 1 \
+                and not layer.reverse else 0
+            count = bottom[0].count // bottom[0].shape[1] * pad if pad else bottom[0].count
+            nbytes = _itemsize(bottom[0]) * count
+            relaid = max(relaid, nbytes)
+            if net.bottom_need_backward[i][0]:
+                relaid_diff = max(relaid_diff, nbytes)
+        if plan_name != 'stock' and is_conv(layer) and ConvShape(layer).is_1x1:
+            gemm = True
+        if layer.layer_param.type == 'DummyData':
+            staged = max([FLOAT_BYTES * t.count for t, refill in zip(top, layer.refill)
+                          if refill and _itemsize(t) < FLOAT_BYTES] + [staged])
+    from caffeplus.backend.blas import FALLBACK_BYTES
+    return relaid + relaid_diff + staged + (FALLBACK_BYTES if gemm else 0)
 
 
 def weight_copy_bytes(net):
