@@ -83,15 +83,19 @@ if has tests; then
 fi
 
 if has memory; then
-  for n in ${MEMORY_NETS:-alexnet_b128 googlenet_b64 vgg16_b64 resnet50_b64}; do
-    stamp "memory $n"
+  # MEMORY_NETS: bench nets, each optionally NAME@BATCH (resnet50_b64@256:
+  # the net at batch 256, as `caffeplus memory --batch 256`).
+  for spec in ${MEMORY_NETS:-alexnet_b128 googlenet_b64 vgg16_b64 resnet50_b64}; do
+    n=${spec%@*}; batch=; [ "$spec" != "$n" ] && batch=${spec#*@}
+    out="$OUT/memory_${n}${batch:+_batch$batch}"
+    stamp "memory $spec"
     GLOG_minloglevel=2 timeout "${MEMORY_S:-280}" python3 -m caffeplus memory -model .gpu_carry/bench/$n.prototxt \
       -gpu 0 --plans ${MEMORY_PLANS:-stock,arena,shared,offload} --offload ${MEMORY_OFFLOAD:-conv} \
-      ${MEMORY_PRECISION:+--precision $MEMORY_PRECISION} \
-      --iterations ${MEMORY_ITERS:-3} --json > "$OUT/memory_$n.json" 2> "$OUT/memory_$n.err"
-    echo "rc=$?" >> "$OUT/memory_$n.err"
-    python3 dev/memory_summary.py "$OUT/memory_$n.json"
-    tail -n 3 "$OUT/memory_$n.err"
+      ${MEMORY_PRECISION:+--precision $MEMORY_PRECISION} ${batch:+--batch $batch} \
+      --iterations ${MEMORY_ITERS:-3} --json > "$out.json" 2> "$out.err"
+    echo "rc=$?" >> "$out.err"
+    python3 dev/memory_summary.py "$out.json"
+    tail -n 3 "$out.err"
   done
 fi
 
