@@ -433,6 +433,36 @@ def test_net_split_batchnorm_emulated(emulated, monkeypatch):
     _check_net(gpu=False)
 
 
+def test_batchnorm_layers_share_one_partial_sums_buffer_emulated(emulated, monkeypatch):
+    """Split over blocks, each BatchNorm keeps only its per-channel values;
+    the per-block partial sums, read back by the layer's next kernel, are
+    one buffer for all of them, as large as the largest layer asks."""
+    from layers import fused_chain
+    monkeypatch.setattr(kernels, 'SPLIT_CHANNELS', 32)
+    monkeypatch.setattr(kernels, 'SPLIT_MIN_VALUES', 20)
+    monkeypatch.setattr(kernels, '_EMULATED_SCRATCH', {})
+    net, _, _ = _train(gpu=False, fused=True)
+    bns = [layer for layer in net.layers if layer.layer_param.type == 'BatchNorm']
+    assert len(bns) >= 2
+    asked = []
+    for bn in bns:
+        n, c, s = bn._cfg
+        assert bn._split_bufs.size == c
+        asked.append(2 * c * kernels.blocks_per_channel(c, n * s))
+    shared = kernels._EMULATED_SCRATCH[(fused_chain.PARTIAL_SUMS, numpy.dtype(numpy.float64))]
+    assert shared.size == max(asked) and min(asked) > 2
+
+
+def test_scratch_grows_to_the_largest_ask_and_hands_out_its_start(emulated):
+    first = kernels.scratch('test slot', 5, numpy.float64)
+    first[:] = 1
+    bigger = kernels.scratch('test slot', 9, numpy.float64)
+    again = kernels.scratch('test slot', 3, numpy.float64)
+    assert (first.size, bigger.size, again.size) == (5, 9, 3)
+    assert again.base is bigger.base and again.dtype == numpy.float64
+    assert kernels.scratch('test slot', 3, numpy.float32).base is not bigger.base
+
+
 @pytest.mark.gpu
 def test_net_split_batchnorm_gpu(monkeypatch):
     monkeypatch.setattr(kernels, 'SPLIT_CHANNELS', 32)
