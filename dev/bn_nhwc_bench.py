@@ -69,7 +69,7 @@ def main(argv=None):
     from caffeplus import kernels
     from caffeplus.kernel_sources import COMMON
     from caffeplus.kernel_sources_extra import EXTRA
-    from layers import fused_chain
+    from caffeplus.layers import fused_chain
     chunk_values = [int(v) for v in (args.row_chunks or str(fused_chain.NHWC_ROW_CHUNKS)).split(',')]
     lane_values = [int(v) for v in (args.lane_rows or str(fused_chain.NHWC_LANE_ROWS)).split(',')]
     launches = [(ch, lr) for ch in chunk_values for lr in lane_values]

@@ -894,7 +894,7 @@ class ImageList(Target):
         import caffeplus
         from caffeplus.io import prototxt
         from caffeplus.proto import caffe_pb2
-        import layers.data as data_layers
+        from caffeplus.layers import data as data_layers
         path = ctx.write('list.txt', data)
         lines = data_layers.read_image_list(path, 'fuzz')
         h = int(hashlib.md5(data).hexdigest(), 16)

@@ -437,7 +437,7 @@ def test_batchnorm_layers_share_one_partial_sums_buffer_emulated(emulated, monke
     """Split over blocks, each BatchNorm keeps only its per-channel values;
     the per-block partial sums, read back by the layer's next kernel, are
     one buffer for all of them, as large as the largest layer asks."""
-    from layers import fused_chain
+    from caffeplus.layers import fused_chain
     monkeypatch.setattr(kernels, 'SPLIT_CHANNELS', 32)
     monkeypatch.setattr(kernels, 'SPLIT_MIN_VALUES', 20)
     monkeypatch.setattr(kernels, '_EMULATED_SCRATCH', {})

@@ -54,3 +54,38 @@ def test_no_module_over_max_lines(folder):
                 over.add(os.path.relpath(path, ROOT).replace(os.sep, '/'))
     expected = {p for p in OVERSIZE if p.startswith(folder + '/')}
     assert over == expected
+
+
+def _top_level_layers_imports(path):
+    import ast
+    with open(path, encoding='utf-8') as f:
+        tree = ast.parse(f.read(), path)
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and not node.level else []
+        for name in names:
+            if name == 'layers' or (name or '').startswith('layers.'):
+                yield node.lineno, name
+
+
+def test_code_imports_the_layers_as_caffeplus_layers():
+    """`layers/` is installed as caffeplus.layers; importing it as the
+    top-level `layers` too makes a second copy of each module, whose classes
+    register again and replace the package's for every later net."""
+    found = []
+    for folder in ('caffeplus', 'layers', 'tests', 'tools', 'benchmarks', 'dev'):
+        for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, folder)):
+            dirnames[:] = [d for d in dirnames if d != '__pycache__']
+            for name in filenames:
+                if name.endswith('.py'):
+                    path = os.path.join(dirpath, name)
+                    found += [(os.path.relpath(path, ROOT), line, module)
+                              for line, module in _top_level_layers_imports(path)]
+    assert found == []
+
+
+def test_the_layers_import_check_sees_both_forms(tmp_path):
+    path = tmp_path / 'm.py'
+    path.write_text('import layers.data\nfrom layers import fused_chain\n'
+                    'from caffeplus.layers import data\nfrom . import layers\n')
+    assert list(_top_level_layers_imports(str(path))) == [(1, 'layers.data'), (2, 'layers')]
