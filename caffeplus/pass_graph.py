@@ -31,8 +31,10 @@ Memory made during the capture comes from a pool of the graph's own, kept
 while the graph lives: CuPy's pool could otherwise hand bytes the graph
 uses to something else; so the graph also keeps the multi-array kernels'
 device tables it reads (caffeplus.kernels.holding_tables), which their
-cache may drop. A capturable layer keeps the device buffers it reuses
-across iterations for as long as their sizes stay (a replaced one would
+cache may drop, and the scratch buffers layers share
+(caffeplus.backend.device_scratch), which a larger ask replaces. A
+capturable layer keeps the device buffers it reuses across iterations for
+as long as their sizes stay (a replaced one would
 leave the graph reading freed memory). cuBLAS runs on caffeplus's handle over a workspace
 of the graph's (CuPy refuses its own cuBLAS calls during a capture), of
 the size an eager call without workspace gets (caffeplus.backend.blas),
@@ -123,6 +125,7 @@ class PassGraph:
         self._terms = ()
         self._tables = ()           # the kernels' device tables the graph reads
         self._arrays = ()
+        self._scratch = ()
         self._host_views = None
         self._reports = []
 
@@ -267,6 +270,10 @@ class PassGraph:
         self._arrays = tuple((e.storage, e.storage.array) for e in plan.entries) \
             if plan is not None else ()
         self.graph, self._terms, self._tables = graph, tuple(loss.terms), tables
+        # The scratch layers share (backend.device_scratch) as the capture
+        # read it: another net's larger ask replaces a buffer, and the graph
+        # must not read freed memory.
+        self._scratch = backend.scratch_buffers()
         self.captures += 1
         log.info('CUDA graphs: captured the %s from layer %s on (%d layers)', self.name,
                  net._layer_names[self.first], len(net.layers) - self.first)

@@ -155,6 +155,30 @@ def test_replayed_iterations_train_as_the_eager_ones_bit_for_bit(gpu, precision,
 
 
 @pytest.mark.gpu
+def test_a_replay_keeps_the_scratch_it_captured_when_another_ask_replaces_it(gpu):
+    """After the capture every shared scratch buffer (BatchNorm's partial
+    sums among them) is replaced by a larger one, as another net's larger
+    ask would, and the old one's memory scribbled over by new allocations:
+    the replays still train as the eager run does."""
+    import cupy
+    from caffeplus import backend
+    runs = {}
+    for graphs in (False, True):
+        solver = _solver(graphs, 'fp16')    # channels-last BatchNorm: partial sums
+        first = _train(solver, 4)
+        if graphs:
+            g = _graph_of(solver)
+            assert g.captures == 1 and len(g._scratch) > 0
+            for key, buf in list(backend._SCRATCH.items()):
+                backend.device_scratch(key[0], 2 * buf.size + 1024, key[2])
+            noise = [cupy.full(buf.size, 7, buf.dtype) for buf in g._scratch]
+        second = _train(solver, 4)
+        runs[graphs] = (first, second)
+    assert runs[True] == runs[False]
+    assert noise
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize('precision', ['', 'bf16'])     # (FP16's loss scaler keeps gradients)
 @pytest.mark.parametrize('solver_type', ['SGD', 'Adam'])
 def test_updates_in_backward_are_replayed_with_their_learning_rate(gpu, precision,

@@ -111,3 +111,9 @@ def device_scratch(slot, count, dtype):
     if buf is None or buf.size < count:
         buf = _SCRATCH[key] = cupy.empty(max(int(count), 1), dtype)
     return buf[:count]
+
+
+def scratch_buffers():
+    """The device_scratch buffers as they are now (a captured CUDA graph
+    keeps them: caffeplus.pass_graph)."""
+    return tuple(_SCRATCH.values())
