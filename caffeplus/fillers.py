@@ -278,10 +278,12 @@ def draw_into(recipe, out, gen):
         raise ValueError('unknown device filler recipe %r' % (recipe,))
 
 
-def fill_device(recipe, out):
+def fill_device(recipe, out, staging=None):
     """Fill the CuPy array `out` in place as `recipe` (device_recipe) says;
     False when this cannot be done on the device (no recipe, an array that
-    is not contiguous, no cuRAND): the caller then fills on the host."""
+    is not contiguous, no cuRAND): the caller then fills on the host.
+    `staging`: float32 values at least out's count, for a 16-bit `out`'s
+    draw (else a scratch buffer shared by all, backend.device_scratch)."""
     if recipe is None or not type(out).__module__.startswith('cupy') or \
             not out.flags.c_contiguous or out.data.ptr % 16:
         return False
@@ -290,7 +292,8 @@ def fill_device(recipe, out):
         # of its own and rounded into the top.
         if out.dtype.kind != 'f':
             return False
-        staged = backend.device_scratch('fill staging', out.size, numpy.float32)
+        staged = staging[:out.size] if staging is not None and staging.size >= out.size \
+            else backend.device_scratch('fill staging', out.size, numpy.float32)
         if not fill_device(recipe, staged):
             return False
         out.ravel()[...] = staged

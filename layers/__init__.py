@@ -4,7 +4,7 @@ Importing this package registers every layer type with caffeplus.layer.
 """
 import importlib
 
-_FAMILIES = ('data', 'window_data', 'common', 'neuron', 'vision', 'normalization', 'loss',
+_FAMILIES = ('data', 'hdf5_data', 'window_data', 'common', 'neuron', 'vision', 'normalization', 'loss',
              'recurrent', 'python', 'cudnn_conv', 'cudnn_pooling', 'cudnn_lrn', 'cudnn_softmax',
              'cudnn_activations', 'fused_chain', 'fused_loss', 'fused_inner_product',
              'fused_concat')

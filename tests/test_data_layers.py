@@ -801,7 +801,7 @@ def test_dummy_data_gpu_mode_refills_in_place_without_host_draws(monkeypatch):
     arrays = [t.data for t in tops]
     calls = []
 
-    def fill_device(recipe, out):
+    def fill_device(recipe, out, staging=None):
         calls.append(recipe)
         if recipe is None:
             return False
@@ -818,6 +818,40 @@ def test_dummy_data_gpu_mode_refills_in_place_without_host_draws(monkeypatch):
     assert host == ['gaussian']                           # the sparse one only
     assert (2 <= tops[0].data).all() and (tops[0].data <= 3).all()
     assert numpy.shares_memory(tops[0].data, arrays[0])  # drawn into the top's own array
+
+
+def test_dummy_data_declares_the_float32_draw_of_its_16_bit_tops(monkeypatch):
+    """A 16-bit top drawn on the device is drawn in float32 first: the
+    layer declares that buffer, as large as its largest such top, for its
+    forward alone (a reusing plan places it: caffeplus.memory.scratch) and
+    hands the plan's view to the fill; constant tops and FP32 tops need
+    none, nor does the CPU."""
+    from caffeplus.layers import data as data_mod
+    from caffeplus import backend
+    from caffeplus.memory import scratch
+    text = ('name: "d" type: "DummyData" top: "a" top: "b" top: "c" dummy_data_param { '
+            'shape { dim: 4 dim: 6 } shape { dim: 5 dim: 7 } shape { dim: 9 dim: 9 } '
+            'data_filler { type: "gaussian" std: 1 } data_filler { type: "uniform" } '
+            'data_filler { type: "constant" value: 1 } }')
+    lp = text_format.Parse(text, caffe_pb2.LayerParameter())
+    lp.phase = caffe_pb2.TRAIN
+    layer = create_layer(lp)
+    tops = [Blob(name='t%d' % i) for i in range(3)]
+    for t in tops[1:]:
+        t.set_storage_dtype(numpy.float16)          # b (refilled) and c (constant)
+    layer.setup([], tops)
+    assert layer.internal_buffers() == {}                   # the CPU draws on the host
+    assert layer.gpu_internal_bytes() == 4 * 35             # b's draw; a is FP32, c constant
+    seen = []
+    monkeypatch.setattr(data_mod, 'fill_device',
+                        lambda recipe, out, staging=None: seen.append(staging) or False)
+    monkeypatch.setattr(backend, 'mode', lambda: backend.GPU)
+    assert layer.internal_buffers() == {'fill staging': (35, numpy.float32)}
+    placed = numpy.zeros(64, numpy.float32)
+    scratch.set_views(layer, {'fill staging': placed})
+    layer.forward([], tops)
+    assert len(seen) == 2 and all(numpy.shares_memory(s, placed) and s.size == 35
+                                  for s in seen)
 
 
 @pytest.mark.gpu

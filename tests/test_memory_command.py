@@ -678,8 +678,10 @@ def test_fp16_resnet50_b256_estimate_with_maps_made_again(capsys):
     """ResNet-50 b256 in FLOAT16 under `shared`, BatchNorm chains and
     residual sums made again, against its run on one H100 (`caffeplus
     memory -gpu 0 --precision fp16 --plans shared --batch 256`, channels-last
-    maps): the estimate counts the scratch layers share (the image's float32
-    draw, cuBLAS's buffer for the 1 x 1 convolutions; 5.6% under without)."""
+    maps): the estimate counts cuBLAS's buffer for the 1 x 1 convolutions
+    (the run also held DummyData's float32 draw of the 16-bit image through
+    the iteration, 147 MiB, which the plan now places at the data layer's
+    step alone; the estimate was 5.6% under before either)."""
     path = os.path.join(_MEMORY, '2026-12-05-h100', '4d3e1f3_memory_fp16_resnet50_b256.json')
     real = json.load(open(path))['plans']['shared']
     real = real.get('steady_peak_bytes') or real['peak_bytes']

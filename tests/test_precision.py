@@ -494,6 +494,25 @@ def test_the_memory_estimate_counts_16_bit_maps_at_two_bytes(capsys):
     assert sizes['fp16']['other'] - sizes['fp32']['other'] == 2 * 138357544 + staged
 
 
+def test_the_16_bit_images_float32_draw_is_placed_for_its_forward_alone():
+    """VGG-16 in FLOAT16: DummyData's float32 draw of the 16-bit image
+    (64 x 3 x 224 x 224 values) lives at the data layer's step only, so
+    `shared` lends its bytes on and its peak does not hold it; `arena`,
+    which places nothing, holds it in other."""
+    from caffeplus.memory import budget, shapes, workspace_model as wm
+    param = shapes.load_net_param(_bench_model('vgg16_b64'))
+    precision.override(param, 'fp16')
+    with shapes.quiet():
+        net = shapes.build_net(param)
+    staged = 4 * 64 * 3 * 224 * 224
+    shared = budget.estimate_plan(net, 'shared')
+    draw = [b for b in shared.buffers if b.key == ('internal', 'data', 'kept')]
+    assert [(b.nbytes, b.start, b.end) for b in draw] == [(staged, 0, 0)]
+    arena = budget.estimate_plan(net, 'arena')
+    assert wm.internals(net, 'arena') >= staged
+    assert arena.breakdown['other'] >= staged
+
+
 def test_batchnorm_keeps_its_normalized_copy_in_the_maps_type(capsys):
     """ResNet-50 in FLOAT16: BatchNorm's kept normalized copies count at two
     bytes a value, as the GPU keeps them, beside the 16-bit weight copies."""

@@ -477,10 +477,9 @@ def shared_scratch_bytes(net, plan_name):
     """The device buffers GPU layers take turns with, one per purpose, each
     as large as its largest call (caffeplus.backend.device_scratch): a
     channels-last convolution's bottom relaid from Caffe's order (with its
-    diff where backward writes one), the float32 draw a 16-bit DummyData
-    top is rounded from, and cuBLAS's workspace for the convolutions that
-    run as GEMMs with none placed (blas.FALLBACK_BYTES)."""
-    relaid = relaid_diff = staged = 0
+    diff where backward writes one), and cuBLAS's workspace for the
+    convolutions that run as GEMMs with none placed (blas.FALLBACK_BYTES)."""
+    relaid = relaid_diff = 0
     gemm = False
     for i, layer in enumerate(net.layers):
         bottom, top = net.bottom_vecs[i], net.top_vecs[i]
@@ -494,11 +493,8 @@ def shared_scratch_bytes(net, plan_name):
                 relaid_diff = max(relaid_diff, nbytes)
         if plan_name != 'stock' and is_conv(layer) and ConvShape(layer).is_1x1:
             gemm = True
-        if layer.layer_param.type == 'DummyData':
-            staged = max([FLOAT_BYTES * t.count for t, refill in zip(top, layer.refill)
-                          if refill and _itemsize(t) < FLOAT_BYTES] + [staged])
     from caffeplus.backend.blas import FALLBACK_BYTES
-    return relaid + relaid_diff + staged + (FALLBACK_BYTES if gemm else 0)
+    return relaid + relaid_diff + (FALLBACK_BYTES if gemm else 0)
 
 
 def weight_copy_bytes(net):
