@@ -150,10 +150,9 @@ class DummyDataLayer(Layer):
 
     def _forward(self, bottom, top):
         on_device = self._draws_on_device()
-        staging = None
-        if on_device and self._staged_count():
-            staging = scratch.get(self, 'fill staging', self._staged_count(), numpy.float32,
-                                  backend.xp())
+        staged = self._staged_count() if on_device else 0
+        staging = scratch.get(self, 'fill staging', staged, numpy.float32, backend.xp()) \
+            if staged else None
         for t, f, refill in zip(top, self.fillers, self.refill):
             if not refill:
                 continue

@@ -55,8 +55,8 @@ TOLERANCE = {'fp16': 2e-2, 'bf16': 6e-2}
 RESIDUAL_TOLERANCE = {'fp16': 4e-2, 'bf16': 6e-2}
 
 
-def _net(sixteen, layout, weights=None):
-    param = text_format.Parse(NET, caffe_pb2.NetParameter())
+def _net(sixteen, layout, weights=None, text=NET):
+    param = text_format.Parse(text, caffe_pb2.NetParameter())
     with precision.setting(sixteen), config.using(layout=layout):
         net = caffeplus.Net(param, caffe_pb2.TRAIN)
     if weights is not None:
@@ -66,16 +66,11 @@ def _net(sixteen, layout, weights=None):
 
 
 def _run(net, x, label):
-    net.blobs['data'].data[...] = x
-    net.blobs['label'].data[...] = label
-    net.clear_param_diffs()
-    net.forward_prefilled()
-    net.backward_all()
+    loss, grads = _one_pass(net, x, label)
     maps = {n: net.blobs[n].data.copy() for n in CHANNELS_LAST + ('pool2',)}
     maps['data diff'] = net.blobs['data'].diff.copy()
     maps['conv2 diff'] = net.blobs['conv2'].diff.copy()
-    return float(net.blobs['loss'].data), [p.diff.get().copy() for p in net.learnable_params], \
-        maps
+    return loss, grads, maps
 
 
 def _relative(a, b):
@@ -196,14 +191,9 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip1" bottom: "label" top: 
 def _both_layouts(text, sixteen):
     """The net of `text` in Caffe's order and channels-last, the second
     with the first's weights."""
-    nets = {}
-    for layout in ('nchw', 'nhwc'):
-        with precision.setting(sixteen), config.using(layout=layout):
-            nets[layout] = caffeplus.Net(text_format.Parse(text, caffe_pb2.NetParameter()),
-                                         caffe_pb2.TRAIN)
-    for p, q in zip(nets['nhwc'].learnable_params, nets['nchw'].learnable_params):
-        p.data = q.data.get()
-    return nets
+    nchw = _net(sixteen, 'nchw', text=text)
+    return {'nchw': nchw, 'nhwc': _net(sixteen, 'nhwc', [q.data.get() for q in
+                                                          nchw.learnable_params], text=text)}
 
 
 def _one_pass(n, x, label):

@@ -109,6 +109,7 @@ internal-buffer table until the estimates are within 5%.
 """
 import collections
 
+from caffeplus.backend.blas import FALLBACK_BYTES
 from caffeplus.memory import caffe1, calibration, cublas_pool, thread_stack
 from caffeplus.memory.fixed_cost import RUNTIME_BYTES  # measured (see "Fixed cost" above)
 from caffeplus.memory.liveness import FLOAT_BYTES
@@ -481,19 +482,18 @@ def shared_scratch_bytes(net, plan_name):
     convolutions that run as GEMMs with none placed (blas.FALLBACK_BYTES)."""
     relaid = relaid_diff = 0
     gemm = False
-    for i, layer in enumerate(net.layers):
+    for i, layer in conv_layers(net):
+        gemm = gemm or (plan_name != 'stock' and ConvShape(layer).is_1x1)
         bottom, top = net.bottom_vecs[i], net.top_vecs[i]
-        if is_conv(layer) and bottom and bottom[0].layout != top[0].layout:
-            pad = 4 if top[0].layout == 'NHWC' and layer.channels < 4 and layer.group == 1 \
-                and not layer.reverse else 0
-            count = bottom[0].count // bottom[0].shape[1] * pad if pad else bottom[0].count
-            nbytes = _itemsize(bottom[0]) * count
-            relaid = max(relaid, nbytes)
-            if net.bottom_need_backward[i][0]:
-                relaid_diff = max(relaid_diff, nbytes)
-        if plan_name != 'stock' and is_conv(layer) and ConvShape(layer).is_1x1:
-            gemm = True
-    from caffeplus.backend.blas import FALLBACK_BYTES
+        if not bottom or bottom[0].layout == top[0].layout:
+            continue        # (always so on a net built on the CPU)
+        # The channels the GPU layer pads an image to (layers/cudnn_conv.py).
+        pad = getattr(layer, 'padded_channels', 0)
+        count = bottom[0].count // bottom[0].shape[1] * pad if pad else bottom[0].count
+        nbytes = _itemsize(bottom[0]) * count
+        relaid = max(relaid, nbytes)
+        if net.bottom_need_backward[i][0]:
+            relaid_diff = max(relaid_diff, nbytes)
     return relaid + relaid_diff + (FALLBACK_BYTES if gemm else 0)
 
 
