@@ -112,6 +112,33 @@ def channels_last_blobs(layers, bottom_ids, top_ids, shapes, fixed=(), roles=Non
     return {b for b in shapes if find(b) in chosen}
 
 
+def modelled_role(layer):
+    """The role `layer` has on a GPU (layout_role), for a net built
+    anywhere: what the estimate models."""
+    role = getattr(layer, 'gpu_layout_role', None)
+    if callable(role):
+        return role()
+    role = getattr(layer, 'layout_role', None)
+    if callable(role):
+        role = role()
+    ok = getattr(layer, 'gpu_channels_last_ok', None) or getattr(layer, 'channels_last_ok', None)
+    if role is not None and ok is not None and not ok():
+        return None
+    return role
+
+
+def modelled_blobs(net):
+    """The ids of the blobs `apply` would store channels-last on a GPU
+    (the `layout` setting 'nhwc'), for a net built anywhere."""
+    if config.get('layout') != 'nhwc':
+        return set()
+    shapes = {i: b.shape for i, b in enumerate(net._blobs)}
+    fixed = set(net.input_blob_indices) | set(net.output_blob_indices)
+    roles = {i: modelled_role(layer) for i, layer in enumerate(net.layers)}
+    return channels_last_blobs(net.layers, net.bottom_id_vecs, net.top_id_vecs, shapes, fixed,
+                               roles)
+
+
 def apply(net):
     """Store the net's maps as the `layout` setting says ('nchw': Caffe's
     order everywhere; 'nhwc': channels-last where channels_last_blobs

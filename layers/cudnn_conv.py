@@ -38,6 +38,10 @@ def _conv_forward_calls(cd, conv, algo, reverse, x, w, y, b, ws, nbytes, relu=Fa
         _bias_add_calls(cd, b, y, relu)
 
 
+# A 16-bit image convolution runs channels-last even where its top stays in
+# Caffe's order (_CudnnConvolutionMixin.calls_channels_last). Off until
+# measured on a GPU (tests/test_channels_last_gpu.py turns it on).
+IMAGE_CHANNELS_LAST = False
 _bias_nhwc_ok = [True]
 
 
@@ -164,6 +168,11 @@ class _CudnnConvolutionMixin(_CudnnMixin):
     # is copied into it first (a net's first convolution reads Caffe's order).
     compute_nhwc = False
     _bottom_relaid = False
+    # An image convolution whose top stays in Caffe's order (an LRN reads it:
+    # BVLC's AlexNet) still runs channels-last in 16 bits (calls_channels_last):
+    # its calls write a channels-last scratch that is transposed into the top,
+    # and the top's diff is transposed into it before backward.
+    _top_relaid = False
     # An image input of fewer than 4 channels relaid channels-last is padded
     # to 4 (a zero channel, and zero filter taps for it): cuDNN's 16-bit
     # channels-last kernels for a net's first layer take 4 channels, and
@@ -222,9 +231,49 @@ class _CudnnConvolutionMixin(_CudnnMixin):
     def channels_last_ok(self):
         """Whether the calls can run channels-last: a 16-bit 2-D convolution
         (not a Deconvolution) of one group and one bottom, through cuDNN."""
-        return self._gpu_mode() and cudnn_available() and not self.reverse and \
-            self.group == 1 and self.num_spatial == 2 and self._sixteen_bit() and \
-            len(self.layer_param.bottom) == 1 and self._cudnn_geometry_ok()
+        return self._gpu_mode() and cudnn_available() and self.gpu_channels_last_ok()
+
+    def gpu_channels_last_ok(self):
+        """channels_last_ok() on a GPU with cuDNN (caffeplus.layout.modelled_blobs)."""
+        return not self.reverse and self.group == 1 and self.num_spatial == 2 and \
+            self._sixteen_bit() and len(self.layer_param.bottom) == 1 and \
+            self._cudnn_geometry_ok()
+
+    def calls_channels_last(self, bottom_nhwc, top_nhwc, modelled=False):
+        """Whether the calls run channels-last, given how the bottom and top
+        are stored: where the top is, and for a 16-bit image input (at most
+        layout.IMAGE_CHANNELS channels, padded to 4) under the `layout`
+        setting 'nhwc' even where the top stays in Caffe's order (an LRN
+        reads it: BVLC's AlexNet, GoogLeNet): cuDNN's first-layer kernels
+        take channels-last images of 4 channels; over 3 channels in Caffe's
+        order its 16-bit calls fell to generic kernels, slower than FP32's.
+        `modelled`: as on a GPU, for a net built anywhere (the estimate)."""
+        if top_nhwc:
+            return True
+        from caffeplus import config
+        from caffeplus import layout
+        ok = self.gpu_channels_last_ok() if modelled else self.channels_last_ok()
+        return IMAGE_CHANNELS_LAST and not bottom_nhwc and len(self.layer_param.top) == 1 and \
+            self.channels <= layout.IMAGE_CHANNELS and config.get('layout') == 'nhwc' and ok
+
+    def _relaid_top(self, top, diff=False):
+        """The scratch the channels-last calls write the top into (or, with
+        `diff`, read its diff from: the top's diff transposed into it).
+        Forward and backward take turns with one buffer."""
+        import cupy
+        n, k, h, w = top.shape
+        out = backend.device_scratch('relaid top', top.count, self.activation_dtype)
+        if diff:
+            own = _kernels.flat(top, True, any_dtype=True)
+            cupy.copyto(out.reshape(n, h, w, k), own.reshape(n, k, h, w).transpose(0, 2, 3, 1))
+        return out
+
+    def _top_from_relaid(self, top, scratch):
+        """The channels-last calls' output copied into the top (Caffe's order)."""
+        import cupy
+        n, k, h, w = top.shape
+        own = _kernels.flat(top, any_dtype=True)
+        cupy.copyto(own.reshape(n, k, h, w), scratch.reshape(n, h, w, k).transpose(0, 3, 1, 2))
 
     def _relaid(self, blob, diff=False, into=None):
         """The bottom's values (or diff) in the calls' layout, in a scratch
@@ -427,8 +476,10 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         super().reshape(bottom, top)
         self.activation_dtype = storage_dtype(bottom[0])
         self._dtypes_agree = _same_storage_dtype(bottom, top)
-        self.compute_nhwc = top[0].layout == 'NHWC'
-        self._bottom_relaid = bottom[0].layout != top[0].layout
+        nhwc_top = top[0].layout == 'NHWC'
+        self.compute_nhwc = self.calls_channels_last(bottom[0].layout == 'NHWC', nhwc_top)
+        self._bottom_relaid = (bottom[0].layout == 'NHWC') != self.compute_nhwc
+        self._top_relaid = self.compute_nhwc and not nhwc_top
         self.padded_channels = 4 if self.compute_nhwc and self._bottom_relaid and \
             self.channels < 4 and self.group == 1 and not self.reverse else 0
         if self._gpu_mode() and self._cudnn_geometry_ok() and cudnn_available():
@@ -527,9 +578,10 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         # _ConvReLUChain, active when nothing looks at the top between them).
         ch = self._chain
         relu = bool(b) and cd.nhwc and _bias_nhwc_ok[0] and ch is not None and \
-            ch.fwd_active and not ch.relu.masked
+            ch.fwd_active and not ch.relu.masked and not self._top_relaid
         for bb, tt in zip(bottom, top):
-            x, y = self._bottom_ptr(bb), _dptr(tt)
+            ys = self._relaid_top(tt) if self._top_relaid else None
+            x, y = self._bottom_ptr(bb), _dptr(tt) if ys is None else int(ys.data.ptr)
             if gemm is not None:
                 with mgr.checkout(self, kind) as (ws, nbytes):
                     self._check_gemm_workspace(kind, ws, nbytes)
@@ -537,11 +589,14 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                 if b:
                     cd.replays.run(('bias', x, y, b, relu), functools.partial(
                         _bias_add_calls, cd, b, y, relu))
-                continue
-            with mgr.checkout(self, kind) as (ws, nbytes):
-                cd.replays.run((kind, x, w, y, b, ws, nbytes, c.algo, c.math, c.variant, relu),
-                               functools.partial(_conv_forward_calls, cd, conv, c.algo,
-                                                 self.reverse, x, w, y, b, ws, nbytes, relu))
+            else:
+                with mgr.checkout(self, kind) as (ws, nbytes):
+                    cd.replays.run((kind, x, w, y, b, ws, nbytes, c.algo, c.math, c.variant,
+                                    relu),
+                                   functools.partial(_conv_forward_calls, cd, conv, c.algo,
+                                                     self.reverse, x, w, y, b, ws, nbytes, relu))
+            if ys is not None:
+                self._top_from_relaid(tt, ys)
         if relu and _bias_nhwc_ok[0]:
             ch.fwd_done = True          # the ReLU's forward has nothing left to do
 
@@ -577,7 +632,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         dc = self._sites[dkind].choice
         dcd = self._descs_for(dc)
         for i, (bb, tt) in enumerate(zip(bottom, top)):
-            dtop = _dptr(tt, True)
+            dys = self._relaid_top(tt, diff=True) if self._top_relaid else None
+            dtop = _dptr(tt, True) if dys is None else int(dys.data.ptr)
             if dw and gemm_filter:
                 x = self._bottom_ptr(bb)
                 if db:
@@ -611,8 +667,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             elif dw16 is not None:
                 _kernels.accumulate(dw16, _dptr(wblob, True), wblob.count, dtype)
             if bias16:
-                g = tt.diff
-                c = g.shape[1]
+                g = tt.diff if dys is None else dys
+                c = tt.shape[1]
                 sums = g.reshape(-1, c).sum(axis=0, dtype=numpy.float32) if self.compute_nhwc \
                     else g.reshape(g.shape[0], c, -1).sum(axis=2, dtype=numpy.float32).sum(axis=0)
                 self.blobs[1].diff += sums

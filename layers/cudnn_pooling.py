@@ -17,6 +17,12 @@ from caffeplus.layers.vision import AVE, MAX, PoolingLayer
 from caffeplus.memory import scratch
 
 
+# Max pooling on the argmax kernels may store its top in the other order than
+# its bottom (CuDNNPoolingLayer.layout_role; off: one order both sides). Off
+# until measured on a GPU (tests/test_channels_last_gpu.py turns it on).
+ARGMAX_BETWEEN_ORDERS = False
+
+
 def cudnn_pool_size(size, kernel, stride, pad):
     """cuDNN's output size (floor rule)."""
     return 1 + (size + 2 * pad - kernel) // stride
@@ -76,15 +82,27 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
     def layout_role(self):
         """caffeplus.layout: where cuDNN's windows are Caffe's, cuDNN reads
         and writes either order, each side its own ('channels_last'); else
-        MAX pooling on caffeplus's argmax kernels reads either order, both
-        sides alike ('tied')."""
-        if not (self._gpu_mode() and self._dtypes_agree and self.pool is not None and
-                len(self.pool.x_shape) == 4):
+        MAX pooling on caffeplus's argmax kernels, which read and write one
+        order: where the top is stored in the other, they write a scratch in
+        the bottom's order that is transposed into the top (GoogLeNet's
+        pool2, from its stem's LRN in Caffe's order into channels-last
+        inceptions; 19 MiB at b64 in FP16)."""
+        if not self._gpu_mode():
             return None
-        if cudnn_available() and self.cudnn_agrees():
+        return self._role(cudnn_available(), _kernels.active())
+
+    def gpu_layout_role(self):
+        """layout_role() on a GPU with cuDNN and caffeplus's kernels
+        (caffeplus.layout.modelled_blobs)."""
+        return self._role(True, True)
+
+    def _role(self, cudnn, kernels):
+        if not (self._dtypes_agree and self.pool is not None and len(self.pool.x_shape) == 4):
+            return None
+        if cudnn and self.cudnn_agrees():
             return 'channels_last'
-        if _kernels.active() and self._argmax_geometry():
-            return 'tied'
+        if kernels and self._argmax_geometry():
+            return 'channels_last' if ARGMAX_BETWEEN_ORDERS else 'tied'
         return None
 
     def _argmax_kernels(self):
@@ -94,7 +112,38 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         Caffe's order; dev/nhwc_layout_probe.py)."""
         if not _kernels.active():
             return False
-        return self.masked or (self._layouts == ('NHWC', 'NHWC') and self.can_mask())
+        if self.masked:
+            return True
+        if not self._argmax_geometry():
+            return False
+        return self._layouts == ('NHWC', 'NHWC') or self._top_relaid()
+
+    def _top_relaid(self):
+        """Top and bottom stored in different orders, cuDNN's windows not
+        Caffe's: the argmax kernels run in the bottom's order into a scratch."""
+        return self._layouts[0] != self._layouts[1] and not self.cudnn_agrees()
+
+    def _relaid_top(self, top, diff=False):
+        """The scratch holding the top (or, with `diff`, its diff copied in)
+        in the bottom's order: the argmax kernels' output (and input in
+        backward); one buffer, shared with the convolutions' (cudnn_conv)."""
+        import cupy
+        n, c, oh, ow = self.pool.out_shape
+        own = _kernels.flat(top, diff, any_dtype=True)
+        out = backend.device_scratch('relaid top', own.size, own.dtype)
+        if diff:
+            src = own.reshape(n, oh, ow, c).transpose(0, 3, 1, 2) if not self._nhwc() \
+                else own.reshape(n, c, oh, ow).transpose(0, 2, 3, 1)
+            cupy.copyto(out.reshape(src.shape), src)
+        return out
+
+    def _top_from_relaid(self, top, scratch):
+        import cupy
+        n, c, oh, ow = self.pool.out_shape
+        own = _kernels.flat(top, any_dtype=True)
+        src = scratch.reshape(n, c, oh, ow).transpose(0, 2, 3, 1) if not self._nhwc() \
+            else scratch.reshape(n, oh, ow, c).transpose(0, 3, 1, 2)
+        cupy.copyto(own.reshape(src.shape), src)
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
@@ -213,12 +262,16 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
     def _masked_forward(self, bottom, top):
         K = _kernels
         count = _prod(self.pool.out_shape)
-        x, y = K.flat(bottom[0], any_dtype=True), K.flat(top[0], any_dtype=True)
+        relaid = not self.masked and self._top_relaid()
+        x = K.flat(bottom[0], any_dtype=True)
+        y = self._relaid_top(top[0]) if relaid else K.flat(top[0], any_dtype=True)
         self._arg8 = arg = scratch.get(self, 'argmax8', count, numpy.uint8, K.array_module())
         name, args = ('cp_mpool_fwd_nhwc', self._channel_arg()) if self._nhwc() \
             else ('cp_mpool_fwd', ())
         K.kernel(name, x.dtype)(self._grid(count, x.dtype), (K.ELEMENTWISE_THREADS,),
                                 (x, y, arg, numpy.uint64(count)) + args + self._window_args())
+        if relaid:
+            self._top_from_relaid(top[0], y)
 
     def _nhwc(self):
         return self._layouts[0] == 'NHWC'
@@ -238,7 +291,8 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
             raise CaffeplusError("layer '%s': backward before forward (its argmax mask is not "
                                  "there)" % self.name)
         pool = self.pool
-        dy = K.flat(top[0], diff=True, any_dtype=True)
+        dy = self._relaid_top(top[0], diff=True) if not self.masked and self._top_relaid() \
+            else K.flat(top[0], diff=True, any_dtype=True)
         dx = K.flat(bottom[0], diff=True, any_dtype=True)
         (kh, kw), (sh, sw), (ph, pw) = pool.geom
         (h, w), (oh, ow) = pool.x_shape[2:], pool.out_shape[2:]

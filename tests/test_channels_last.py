@@ -1,14 +1,18 @@
 """caffeplus.layout: which maps a net stores channels-last, and pycaffe's
 view of such a blob (Caffe's order). The GPU's calls over them are checked
 in tests/test_gpu_layers.py."""
+import os
+
 import numpy
 import pytest
 from google.protobuf import text_format
 
 import caffeplus
-from caffeplus import config, layout
+from caffeplus import config, layout, precision
 from caffeplus.blob import Blob, HostBlob
 from caffeplus.proto import caffe_pb2
+
+from conftest import SHARED
 
 # The roles the GPU's layers take in a 16-bit net (cuDNN's convolution and
 # pooling read and write either order; ReLU, Dropout, Split and Eltwise are
@@ -271,3 +275,66 @@ def test_channels_last_batchnorm_kernels_build_in_a_module_of_their_own():
     assert kernels._group('cp_bn_fwd') == 'core'
     assert {'nhwc', 'nhwc16', 'nhwcbf16'} <= set(kernels.SOURCES)
     assert 'cp_bn_dx_nhwc_vec' not in kernels.SOURCES['extra']
+
+
+def _bench_fp16(path):
+    from caffeplus.memory import shapes
+    param = shapes.load_net_param(path, phase=caffe_pb2.TRAIN)
+    precision.override(param, 'fp16')
+    return shapes.build_net(param)
+
+
+@pytest.mark.parametrize('net_name, between, count, kept', [
+    # (Caffe's order: the data, the map an InnerProduct reads, the losses')
+    ('resnet50_b64', False, 102, {'data', 'pool5', 'fc1000'}),
+    ('vgg16_b64', False, 17, {'data', 'pool5', 'fc6'}),
+    # the LRN reads conv1's map; grouped convolutions read the rest
+    ('alexnet_b128', True, 0, {'data', 'conv1', 'norm1', 'pool1', 'conv2'}),
+    # pool2, a ceil-rule max pooling on the argmax kernels, ties the
+    # inceptions to the stem's LRN in Caffe's order; where it may write its
+    # top in the other order (transposed after its kernels), the inceptions
+    # go channels-last and the stem and the auxiliary classifiers' maps stay
+    ('googlenet_b64', False, 0, {'conv1/7x7_s2', 'pool2/3x3_s2', 'inception_3a/output'}),
+    ('googlenet_b64', True, 113, {'conv1/7x7_s2', 'pool1/norm1', 'conv2/norm2',
+                                  'loss1/ave_pool'})])
+def test_the_gpus_layout_is_modelled_on_a_net_built_on_the_cpu(net_name, between, count, kept,
+                                                               monkeypatch):
+    """caffeplus.layout.modelled_blobs, what the estimate reads: the blobs
+    a GPU build stores channels-last (layout.apply), from the GPU layers'
+    roles, on a net built here, where nothing is moved."""
+    from caffeplus.layers import cudnn_pooling
+    monkeypatch.setattr(cudnn_pooling, 'ARGMAX_BETWEEN_ORDERS', between)
+    net = _bench_fp16(os.path.join(SHARED, 'bench', net_name + '.prototxt'))
+    assert all(b.layout == 'NCHW' for b in net._blobs)
+    with config.using(layout='nhwc'):
+        moved = {net._blob_names[i] for i in layout.modelled_blobs(net)}
+    assert len(moved) == count and not moved & kept
+    with config.using(layout='nchw'):
+        assert layout.modelled_blobs(net) == set()
+
+
+def test_the_estimate_counts_an_image_convolutions_relaid_maps(monkeypatch):
+    """A 16-bit image convolution with a channels-last top runs channels-last
+    on the GPU, its image padded to 4 channels (VGG-16's conv1_1); where its
+    top stays in Caffe's order (BVLC AlexNet's conv1, read by an LRN) it
+    runs so where IMAGE_CHANNELS_LAST, its top written channels-last first:
+    the estimate's shared scratch counts those buffers, and none under
+    `--layout nchw`."""
+    from caffeplus.layers import cudnn_conv
+    from caffeplus.memory import workspace_model as wm
+    net = _bench_fp16(os.path.join(SHARED, 'bench', 'alexnet_b128.prototxt'))
+    image = net.blobs['data']
+    top = net.blobs['conv1']
+    n, c, h, w = image.shape
+    assert c == 3 and tuple(top.shape) == (128, 96, 55, 55)
+    with config.using(layout='nhwc'):
+        monkeypatch.setattr(cudnn_conv, 'IMAGE_CHANNELS_LAST', False)
+        assert wm.shared_scratch_bytes(net, 'shared') == 0
+        monkeypatch.setattr(cudnn_conv, 'IMAGE_CHANNELS_LAST', True)
+        assert wm.shared_scratch_bytes(net, 'shared') == 2 * n * 4 * h * w + 2 * top.count
+    with config.using(layout='nchw'):
+        assert wm.shared_scratch_bytes(net, 'shared') == 0
+    vgg = _bench_fp16(os.path.join(SHARED, 'bench', 'vgg16_b64.prototxt'))
+    n, c, h, w = vgg.blobs['data'].shape
+    with config.using(layout='nhwc'):      # (conv1_1's top goes channels-last itself)
+        assert wm.shared_scratch_bytes(vgg, 'shared') == 2 * n * 4 * h * w

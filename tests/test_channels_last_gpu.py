@@ -437,3 +437,125 @@ def test_a_channels_last_inception_computes_what_caffes_order_does(gpu, sixteen)
     assert _relative(ddata_cl, ddata) < tol
     from caffeplus import kernels
     assert not kernels.failures()
+
+
+def _assert_layouts_agree(nets, x, label, sixteen, maps):
+    """Two passes of each of `nets` ('nchw', 'nhwc'; the second replays the
+    captured calls): the loss, every parameter gradient, the data's gradient
+    and the maps `maps` (pycaffe's views) agree within the type's rounding."""
+    out = {}
+    for name, n in nets.items():
+        for _ in range(2):
+            loss, grads = _one_pass(n, x, label)
+        out[name] = (loss, grads, [n.blobs[b].data.copy() for b in maps],
+                     n.blobs['data'].diff.copy())
+    tol = TOLERANCE[sixteen]
+    (loss, grads, values, ddata), (loss_cl, grads_cl, values_cl, ddata_cl) = \
+        out['nchw'], out['nhwc']
+    assert loss_cl == pytest.approx(loss, rel=tol)
+    for p, g, g_cl in zip(nets['nchw'].learnable_params, grads, grads_cl):
+        assert _relative(g_cl, g) < tol, p.name
+    for b, v, v_cl in zip(maps, values, values_cl):
+        assert (v > 0).any() and _relative(v_cl, v) < tol, b
+    assert _relative(ddata_cl, ddata) < tol
+    from caffeplus import kernels
+    assert not kernels.failures()
+
+
+# BVLC AlexNet's first layer: an image convolution whose top an LRN reads in
+# Caffe's order. Its calls still run channels-last (the image padded to 4
+# channels, the top transposed after them and its diff before backward).
+ALEXNET_STEM = """
+name: "alexnet_stem" force_backward: true
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 8 dim: 3 dim: 39 dim: 39 } shape { dim: 8 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 16 kernel_size: 11 stride: 4
+    weight_filler { type: "gaussian" std: 0.05 } bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "norm1" type: "LRN" bottom: "conv1" top: "norm1"
+  lrn_param { local_size: 5 alpha: 0.0001 beta: 0.75 } }
+layer { name: "pool1" type: "Pooling" bottom: "norm1" top: "pool1"
+  pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "ip1" type: "InnerProduct" bottom: "pool1" top: "ip1"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip1" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize('sixteen', ['fp16', 'bf16'])
+def test_an_image_convolution_runs_channels_last_where_its_top_cannot(gpu, sixteen,
+                                                                     monkeypatch):
+    """Every blob stays in Caffe's order, yet the first convolution's calls
+    run channels-last on its padded image; its top, every gradient and the
+    data's gradient (through the relaid bottom's diff) are Caffe's order's
+    within the type's rounding."""
+    if sixteen == 'bf16':
+        pytest.importorskip('ml_dtypes')
+    from caffeplus.layers import cudnn_conv
+    monkeypatch.setattr(cudnn_conv, 'IMAGE_CHANNELS_LAST', True)
+    nets = _both_layouts(ALEXNET_STEM, sixteen)
+    ref, net = nets['nchw'], nets['nhwc']
+    assert all(b.layout == 'NCHW' for b in net._blobs)
+    conv = {l.layer_param.name: l for l in net.layers}['conv1']
+    assert conv.compute_nhwc and conv._top_relaid and conv._cd.nhwc and \
+        conv.padded_channels == 4
+    assert not {l.layer_param.name: l for l in ref.layers}['conv1'].compute_nhwc
+    r = numpy.random.RandomState(23)
+    x = r.standard_normal((8, 3, 39, 39)).astype(numpy.float32)
+    label = r.randint(0, 5, size=8).astype(numpy.float32)
+    _assert_layouts_agree(nets, x, label, sixteen, ['conv1'])
+
+
+# GoogLeNet's stem into its inceptions: an LRN in Caffe's order, then a max
+# pooling whose ceil-rule windows cuDNN's do not give (20 -> 10, 3x3 stride
+# 2): its argmax kernels run in the bottom's order and their output is
+# transposed into the channels-last top the convolutions after it read.
+STEM_INTO_INCEPTION = """
+name: "googlenet_stem" force_backward: true
+layer { name: "data" type: "Input" top: "data" top: "label"
+  input_param { shape { dim: 8 dim: 3 dim: 20 dim: 20 } shape { dim: 8 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+  convolution_param { num_output: 16 kernel_size: 3 pad: 1
+    weight_filler { type: "gaussian" std: 0.2 } bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "norm1" type: "LRN" bottom: "conv1" top: "norm1"
+  lrn_param { local_size: 5 alpha: 0.0001 beta: 0.75 } }
+layer { name: "pool2" type: "Pooling" bottom: "norm1" top: "pool2"
+  pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "conv2" type: "Convolution" bottom: "pool2" top: "conv2"
+  convolution_param { num_output: 16 kernel_size: 1
+    weight_filler { type: "gaussian" std: 0.2 } bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
+layer { name: "conv3" type: "Convolution" bottom: "conv2" top: "conv3"
+  convolution_param { num_output: 16 kernel_size: 3 pad: 1
+    weight_filler { type: "gaussian" std: 0.1 } bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "pool3" type: "Pooling" bottom: "conv3" top: "pool3"
+  pooling_param { pool: AVE kernel_size: 2 stride: 2 } }
+layer { name: "ip1" type: "InnerProduct" bottom: "pool3" top: "ip1"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip1" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize('sixteen', ['fp16', 'bf16'])
+def test_a_ceil_rule_max_pooling_changes_the_order_between_its_maps(gpu, sixteen, monkeypatch):
+    """pool2 reads the LRN's map in Caffe's order and writes channels-last
+    (its argmax kernels' output transposed, and its top's diff before
+    backward); the loss, every gradient, pool2's map and the data's gradient
+    are Caffe's order's within the type's rounding."""
+    if sixteen == 'bf16':
+        pytest.importorskip('ml_dtypes')
+    from caffeplus.layers import cudnn_pooling
+    monkeypatch.setattr(cudnn_pooling, 'ARGMAX_BETWEEN_ORDERS', True)
+    nets = _both_layouts(STEM_INTO_INCEPTION, sixteen)
+    net = nets['nhwc']
+    moved = {n for n, b in net._blob_dict.items() if b.layout == 'NHWC'}
+    assert moved == {'pool2', 'conv2', 'conv3'}
+    pool2 = {l.layer_param.name: l for l in net.layers}['pool2']
+    assert pool2._top_relaid() and pool2._argmax_kernels()
+    r = numpy.random.RandomState(29)
+    x = r.standard_normal((8, 3, 20, 20)).astype(numpy.float32)
+    label = r.randint(0, 5, size=8).astype(numpy.float32)
+    assert nets['nchw'].blobs['pool2'].shape == (8, 16, 10, 10)
+    _assert_layouts_agree(nets, x, label, sixteen, ['pool2'])

@@ -489,9 +489,11 @@ def test_the_memory_estimate_counts_16_bit_maps_at_two_bytes(capsys):
         assert sizes['fp16'][key] == sizes['fp32'][key], key
     # The convolutions and InnerProducts keep 16-bit copies of their
     # weights and biases: VGG-16's 138,357,544 values at two bytes, in other;
-    # and the 16-bit image DummyData draws is drawn in float32 first.
+    # the 16-bit image DummyData draws is drawn in float32 first; and the
+    # first convolution reads it channels-last, padded to 4 channels.
     staged = 4 * 64 * 3 * 224 * 224
-    assert sizes['fp16']['other'] - sizes['fp32']['other'] == 2 * 138357544 + staged
+    relaid = 2 * 64 * 4 * 224 * 224
+    assert sizes['fp16']['other'] - sizes['fp32']['other'] == 2 * 138357544 + staged + relaid
 
 
 def test_the_16_bit_images_float32_draw_is_placed_for_its_forward_alone():
@@ -525,7 +527,8 @@ def test_batchnorm_keeps_its_normalized_copy_in_the_maps_type(capsys):
     copies = sum(b.count for layer in net.layers
                  if layer.layer_param.type in ('Convolution', 'InnerProduct') for b in layer.blobs)
     staged = 4 * 64 * 3 * 224 * 224         # the 16-bit image's float32 draw
-    assert other['fp32'] - other['fp16'] == 2 * normalized - 2 * copies - staged
+    relaid = 2 * 64 * 4 * 224 * 224         # and that image channels-last, 4 channels
+    assert other['fp32'] - other['fp16'] == 2 * normalized - 2 * copies - staged - relaid
 
 
 def test_an_unchained_scale_keeps_its_bottom_copy_in_the_maps_type():

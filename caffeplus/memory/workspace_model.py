@@ -478,23 +478,53 @@ def shared_scratch_bytes(net, plan_name):
     """The device buffers GPU layers take turns with, one per purpose, each
     as large as its largest call (caffeplus.backend.device_scratch): a
     channels-last convolution's bottom relaid from Caffe's order (with its
-    diff where backward writes one), and cuBLAS's workspace for the
+    diff where backward writes one), a top written in the other order than
+    it is stored in (an image convolution's channels-last calls, a ceil-rule
+    max pooling between orders), and cuBLAS's workspace for the
     convolutions that run as GEMMs with none placed (blas.FALLBACK_BYTES)."""
-    relaid = relaid_diff = 0
+    from caffeplus import layout
+    # (A net built on the CPU stores every map in Caffe's order: the GPU's
+    # layout modelled.)
+    nhwc = {i for i, b in enumerate(net._blobs) if b.layout == layout.NHWC} or \
+        layout.modelled_blobs(net)
+    relaid = relaid_diff = relaid_top = 0
     gemm = False
-    for i, layer in conv_layers(net):
-        gemm = gemm or (plan_name != 'stock' and ConvShape(layer).is_1x1)
+    for i, layer in enumerate(net.layers):
         bottom, top = net.bottom_vecs[i], net.top_vecs[i]
-        if not bottom or bottom[0].layout == top[0].layout:
-            continue        # (always so on a net built on the CPU)
-        # The channels the GPU layer pads an image to (layers/cudnn_conv.py).
-        pad = getattr(layer, 'padded_channels', 0)
-        count = bottom[0].count // bottom[0].shape[1] * pad if pad else bottom[0].count
-        nbytes = _itemsize(bottom[0]) * count
-        relaid = max(relaid, nbytes)
-        if net.bottom_need_backward[i][0]:
-            relaid_diff = max(relaid_diff, nbytes)
-    return relaid + relaid_diff + (FALLBACK_BYTES if gemm else 0)
+        if not bottom or not top:
+            continue
+        if layer.layer_param.type == 'Pooling' and hasattr(layer, '_argmax_geometry'):
+            if (net.bottom_id_vecs[i][0] in nhwc) != (net.top_id_vecs[i][0] in nhwc) and \
+                    layer._argmax_geometry() and not layer.cudnn_agrees():
+                relaid_top = max(relaid_top, _itemsize(top[0]) * top[0].count)
+            continue
+        if not is_conv(layer):
+            continue
+        gemm = gemm or (plan_name != 'stock' and ConvShape(layer).is_1x1)
+        bottom_relaid, top_relaid, pad = _conv_sides(net, i, layer, nhwc)
+        if bottom_relaid:
+            count = bottom[0].count // bottom[0].shape[1] * pad if pad else bottom[0].count
+            nbytes = _itemsize(bottom[0]) * count
+            relaid = max(relaid, nbytes)
+            if net.bottom_need_backward[i][0]:
+                relaid_diff = max(relaid_diff, nbytes)
+        if top_relaid:
+            relaid_top = max(relaid_top, _itemsize(top[0]) * top[0].count)
+    return relaid + relaid_diff + relaid_top + (FALLBACK_BYTES if gemm else 0)
+
+
+def _conv_sides(net, i, layer, nhwc):
+    """(bottom relaid, top relaid, channels an image is padded to) of
+    convolution i on a GPU that stores the blobs `nhwc` channels-last, as
+    layers/cudnn_conv.py decides."""
+    bottom_nhwc = net.bottom_id_vecs[i][0] in nhwc
+    top_nhwc = net.top_id_vecs[i][0] in nhwc
+    decide = getattr(layer, 'calls_channels_last', None)
+    compute_nhwc = decide(bottom_nhwc, top_nhwc, modelled=True) if decide else top_nhwc
+    bottom_relaid = bottom_nhwc != compute_nhwc
+    pad = 4 if compute_nhwc and bottom_relaid and layer.channels < 4 and layer.group == 1 and \
+        not getattr(layer, 'reverse', False) else 0
+    return bottom_relaid, compute_nhwc and not top_nhwc, pad
 
 
 def weight_copy_bytes(net):
