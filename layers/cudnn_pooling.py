@@ -19,7 +19,8 @@ from caffeplus.memory import scratch
 
 # Max pooling on the argmax kernels may store its top in the other order than
 # its bottom (CuDNNPoolingLayer.layout_role; off: one order both sides). Off
-# until measured on a GPU (tests/test_channels_last_gpu.py turns it on).
+# by default until GoogLeNet, whose inceptions it makes channels-last, is
+# measured (docs/precision.md, Channels-last maps).
 ARGMAX_BETWEEN_ORDERS = False
 
 

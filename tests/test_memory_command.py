@@ -692,6 +692,26 @@ def test_fp16_resnet50_b256_estimate_with_maps_made_again(capsys):
     assert abs(error) <= 0.05, round(100 * error, 2)
 
 
+
+def test_fp16_alexnet_estimate_with_its_image_convolution_channels_last(capsys, monkeypatch):
+    """BVLC AlexNet b128 in FLOAT16 under `shared` with
+    layers/cudnn_conv.IMAGE_CHANNELS_LAST on (its conv1 runs channels-last
+    on the image padded to 4 channels, into a scratch transposed into its
+    top) against its run on one H100 (`dev/layout_switches.py on -m
+    caffeplus memory -gpu 0 --precision fp16 --plans shared`): the estimate
+    counts both relaid buffers (121 MiB) from the modelled layout."""
+    from caffeplus.layers import cudnn_conv
+    path = os.path.join(_MEMORY, '2026-12-05-h100',
+                        'a11e461_memory_fp16_image_nhwc_alexnet_b128.json')
+    real = json.load(open(path))['plans']['shared']
+    real = real.get('steady_peak_bytes') or real['peak_bytes']
+    monkeypatch.setattr(cudnn_conv, 'IMAGE_CHANNELS_LAST', True)
+    doc = memory_json(capsys, '-model', bench('alexnet_b128'), '--plans', 'shared',
+                      '--precision', 'fp16')
+    error = (doc['plans']['shared']['peak_bytes'] - real) / float(real)
+    assert abs(error) <= 0.05, round(100 * error, 2)
+
+
 # bench_gpu's FLOAT16 runs under `shared` with channels-last maps (H200, the
 # whole process's peak, nvidia-smi's used memory): net -> (prototxt, batch).
 CHANNELS_LAST_RUNS = os.path.join(ROOT, 'benchmarks', 'gpu_16bit_shared_0dbdbcd.json')
