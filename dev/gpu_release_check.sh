@@ -173,6 +173,10 @@ if has layouts; then
   # their GPU tests, bench_gpu's FP16 `shared` with them on against off in one
   # run, and `caffeplus memory -gpu` with them on (the estimate's records).
   stamp "layout switches: tests, on against off, memory"
+  for sw in on off; do
+    GLOG_minloglevel=2 timeout 60 python3 dev/layout_switches.py $sw dev/layout_census.py \
+      --bench-dir .gpu_carry/bench $(echo "${LAYOUT_NETS:-alexnet_b128,googlenet_b64}" | tr , ' ') 2>&1 | tail -n 4
+  done
   timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
     tests/test_channels_last_gpu.py -k 'image_convolution or ceil_rule' > "$OUT/pytest_layouts.log" 2>&1
   tail -n 4 "$OUT/pytest_layouts.log"
