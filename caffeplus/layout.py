@@ -34,15 +34,22 @@ CHANNELS_LAST_BATCHNORM = True
 IMAGE_CHANNELS = 4
 
 
-def layout_role(layer):
+def layout_role(layer, modelled=False):
     """'pointwise' or 'tied' (the layer reads and writes either order, its
     bottoms and tops alike), 'channels_last' (either order on each side),
     or None (Caffe's order only). A layer whose reading depends on its
-    configuration says so in channels_last_ok()."""
+    configuration says so in channels_last_ok(). `modelled`: the role the
+    layer has on a GPU, for a net built anywhere (what the estimate models:
+    gpu_layout_role and gpu_channels_last_ok where a layer's role depends on
+    the device)."""
+    role = getattr(layer, 'gpu_layout_role', None) if modelled else None
+    if callable(role):
+        return role()
     role = getattr(layer, 'layout_role', None)
     if callable(role):
         role = role()
-    ok = getattr(layer, 'channels_last_ok', None)
+    ok = (modelled and getattr(layer, 'gpu_channels_last_ok', None)) or \
+        getattr(layer, 'channels_last_ok', None)
     if role is not None and ok is not None and not ok():
         return None
     return role
@@ -112,21 +119,6 @@ def channels_last_blobs(layers, bottom_ids, top_ids, shapes, fixed=(), roles=Non
     return {b for b in shapes if find(b) in chosen}
 
 
-def modelled_role(layer):
-    """The role `layer` has on a GPU (layout_role), for a net built
-    anywhere: what the estimate models."""
-    role = getattr(layer, 'gpu_layout_role', None)
-    if callable(role):
-        return role()
-    role = getattr(layer, 'layout_role', None)
-    if callable(role):
-        role = role()
-    ok = getattr(layer, 'gpu_channels_last_ok', None) or getattr(layer, 'channels_last_ok', None)
-    if role is not None and ok is not None and not ok():
-        return None
-    return role
-
-
 def modelled_blobs(net):
     """The ids of the blobs `apply` would store channels-last on a GPU
     (the `layout` setting 'nhwc'), for a net built anywhere."""
@@ -134,7 +126,7 @@ def modelled_blobs(net):
         return set()
     shapes = {i: b.shape for i, b in enumerate(net._blobs)}
     fixed = set(net.input_blob_indices) | set(net.output_blob_indices)
-    roles = {i: modelled_role(layer) for i, layer in enumerate(net.layers)}
+    roles = {i: layout_role(layer, modelled=True) for i, layer in enumerate(net.layers)}
     return channels_last_blobs(net.layers, net.bottom_id_vecs, net.top_id_vecs, shapes, fixed,
                                roles)
 

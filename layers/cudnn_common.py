@@ -164,6 +164,33 @@ def padded_count(blob, channels):
     return blob.count // blob.shape[1] * channels if channels else blob.count
 
 
+def relaid_top(top, top_nhwc, diff=False):
+    """The scratch a layer writes its top into in the other order than the
+    top is stored in (its calls' or kernels' order; one buffer shared by
+    every such layer, in turn); with `diff`, the top's diff copied into it
+    in that order, for backward to read."""
+    out = backend.device_scratch('relaid top', top.count, storage_dtype(top))
+    if diff:
+        _copy_between_orders(out, _kernels.flat(top, True, any_dtype=True), top.shape, top_nhwc)
+    return out
+
+
+def top_from_relaid(top, scratch, top_nhwc):
+    """relaid_top's scratch copied into the top, in the order the top is stored in."""
+    _copy_between_orders(_kernels.flat(top, any_dtype=True), scratch, top.shape, not top_nhwc)
+
+
+def _copy_between_orders(dst, src, shape, src_nhwc):
+    """Flat `src`, an (N, C, H, W) map channels-last if `src_nhwc` (else in
+    Caffe's order), copied into flat `dst` in the other order."""
+    import cupy
+    n, c, h, w = shape
+    if src_nhwc:
+        cupy.copyto(dst.reshape(n, c, h, w), src.reshape(n, h, w, c).transpose(0, 3, 1, 2))
+    else:
+        cupy.copyto(dst.reshape(n, h, w, c), src.reshape(n, c, h, w).transpose(0, 2, 3, 1))
+
+
 def sixteen_bit_copy(copies, name, blob, dtype, reuse=False, channels_last=False,
                      pad_channels=0):
     """The values of the FP32 parameter `blob` in `dtype`, kept in

@@ -18,7 +18,8 @@ from caffeplus.layers import cudnn_common as _common
 from caffeplus.layers.conv_gemm import _GemmConv
 from caffeplus.layers.cudnn_common import (NHWC_WEIGHTS, _CudnnMixin, _dptr, _prod,
                                            _same_storage_dtype, batch_slices, cudnn_available,
-                                           padded_count, sixteen_bit_copy, storage_dtype)
+                                           padded_count, relaid_top, sixteen_bit_copy,
+                                           storage_dtype, top_from_relaid)
 from caffeplus.layers.vision import ConvolutionLayer, DeconvolutionLayer
 from caffeplus.proto import caffe_pb2
 
@@ -257,24 +258,11 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         return IMAGE_CHANNELS_LAST and not bottom_nhwc and len(self.layer_param.top) == 1 and \
             self.channels <= layout.IMAGE_CHANNELS and config.get('layout') == 'nhwc' and ok
 
-    def _relaid_top(self, top, diff=False):
-        """The scratch the channels-last calls write the top into (or, with
-        `diff`, read its diff from: the top's diff transposed into it).
-        Forward and backward take turns with one buffer."""
-        import cupy
-        n, k, h, w = top.shape
-        out = backend.device_scratch('relaid top', top.count, self.activation_dtype)
-        if diff:
-            own = _kernels.flat(top, True, any_dtype=True)
-            cupy.copyto(out.reshape(n, h, w, k), own.reshape(n, k, h, w).transpose(0, 2, 3, 1))
-        return out
-
-    def _top_from_relaid(self, top, scratch):
-        """The channels-last calls' output copied into the top (Caffe's order)."""
-        import cupy
-        n, k, h, w = top.shape
-        own = _kernels.flat(top, any_dtype=True)
-        cupy.copyto(own.reshape(n, k, h, w), scratch.reshape(n, h, w, k).transpose(0, 3, 1, 2))
+    def image_padding(self, compute_nhwc, bottom_relaid):
+        """The channels an image input is padded to where the calls run
+        channels-last on it relaid (see padded_channels); 0: none."""
+        return 4 if compute_nhwc and bottom_relaid and self.channels < 4 and \
+            self.group == 1 and not self.reverse else 0
 
     def _relaid(self, blob, diff=False, into=None):
         """The bottom's values (or diff) in the calls' layout, in a scratch
@@ -481,8 +469,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         self.compute_nhwc = self.calls_channels_last(bottom[0].layout == 'NHWC', nhwc_top)
         self._bottom_relaid = (bottom[0].layout == 'NHWC') != self.compute_nhwc
         self._top_relaid = self.compute_nhwc and not nhwc_top
-        self.padded_channels = 4 if self.compute_nhwc and self._bottom_relaid and \
-            self.channels < 4 and self.group == 1 and not self.reverse else 0
+        self.padded_channels = self.image_padding(self.compute_nhwc, self._bottom_relaid)
         if self._gpu_mode() and self._cudnn_geometry_ok() and cudnn_available():
             self._build_cudnn()
 
@@ -581,7 +568,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         relu = bool(b) and cd.nhwc and _bias_nhwc_ok[0] and ch is not None and \
             ch.fwd_active and not ch.relu.masked and not self._top_relaid
         for bb, tt in zip(bottom, top):
-            ys = self._relaid_top(tt) if self._top_relaid else None
+            ys = relaid_top(tt, False) if self._top_relaid else None
             x, y = self._bottom_ptr(bb), _dptr(tt) if ys is None else int(ys.data.ptr)
             if gemm is not None:
                 with mgr.checkout(self, kind) as (ws, nbytes):
@@ -597,7 +584,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                                    functools.partial(_conv_forward_calls, cd, conv, c.algo,
                                                      self.reverse, x, w, y, b, ws, nbytes, relu))
             if ys is not None:
-                self._top_from_relaid(tt, ys)
+                top_from_relaid(tt, ys, False)
         if relu and _bias_nhwc_ok[0]:
             ch.fwd_done = True          # the ReLU's forward has nothing left to do
 
@@ -633,7 +620,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         dc = self._sites[dkind].choice
         dcd = self._descs_for(dc)
         for i, (bb, tt) in enumerate(zip(bottom, top)):
-            dys = self._relaid_top(tt, diff=True) if self._top_relaid else None
+            dys = relaid_top(tt, False, diff=True) if self._top_relaid else None
             dtop = _dptr(tt, True) if dys is None else int(dys.data.ptr)
             if dw and gemm_filter:
                 x = self._bottom_ptr(bb)

@@ -12,7 +12,8 @@ from caffeplus.errors import CaffeplusError
 from caffeplus.layer import register_engine
 from caffeplus.layers.cudnn_common import (READS_BOTH, _CudnnMixin, _MaskableMixin, _dptr,
                                            _fused, _prod, _same_storage_dtype, batch_slices,
-                                           cudnn_available, storage_dtype)
+                                           cudnn_available, relaid_top, storage_dtype,
+                                           top_from_relaid)
 from caffeplus.layers.vision import AVE, MAX, PoolingLayer
 from caffeplus.memory import scratch
 
@@ -123,28 +124,6 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         """Top and bottom stored in different orders, cuDNN's windows not
         Caffe's: the argmax kernels run in the bottom's order into a scratch."""
         return self._layouts[0] != self._layouts[1] and not self.cudnn_agrees()
-
-    def _relaid_top(self, top, diff=False):
-        """The scratch holding the top (or, with `diff`, its diff copied in)
-        in the bottom's order: the argmax kernels' output (and input in
-        backward); one buffer, shared with the convolutions' (cudnn_conv)."""
-        import cupy
-        n, c, oh, ow = self.pool.out_shape
-        own = _kernels.flat(top, diff, any_dtype=True)
-        out = backend.device_scratch('relaid top', own.size, own.dtype)
-        if diff:
-            src = own.reshape(n, oh, ow, c).transpose(0, 3, 1, 2) if not self._nhwc() \
-                else own.reshape(n, c, oh, ow).transpose(0, 2, 3, 1)
-            cupy.copyto(out.reshape(src.shape), src)
-        return out
-
-    def _top_from_relaid(self, top, scratch):
-        import cupy
-        n, c, oh, ow = self.pool.out_shape
-        own = _kernels.flat(top, any_dtype=True)
-        src = scratch.reshape(n, c, oh, ow).transpose(0, 2, 3, 1) if not self._nhwc() \
-            else scratch.reshape(n, oh, ow, c).transpose(0, 3, 1, 2)
-        cupy.copyto(own.reshape(src.shape), src)
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
@@ -265,14 +244,14 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
         count = _prod(self.pool.out_shape)
         relaid = not self.masked and self._top_relaid()
         x = K.flat(bottom[0], any_dtype=True)
-        y = self._relaid_top(top[0]) if relaid else K.flat(top[0], any_dtype=True)
+        y = relaid_top(top[0], not self._nhwc()) if relaid else K.flat(top[0], any_dtype=True)
         self._arg8 = arg = scratch.get(self, 'argmax8', count, numpy.uint8, K.array_module())
         name, args = ('cp_mpool_fwd_nhwc', self._channel_arg()) if self._nhwc() \
             else ('cp_mpool_fwd', ())
         K.kernel(name, x.dtype)(self._grid(count, x.dtype), (K.ELEMENTWISE_THREADS,),
                                 (x, y, arg, numpy.uint64(count)) + args + self._window_args())
         if relaid:
-            self._top_from_relaid(top[0], y)
+            top_from_relaid(top[0], y, not self._nhwc())
 
     def _nhwc(self):
         return self._layouts[0] == 'NHWC'
@@ -292,8 +271,8 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
             raise CaffeplusError("layer '%s': backward before forward (its argmax mask is not "
                                  "there)" % self.name)
         pool = self.pool
-        dy = self._relaid_top(top[0], diff=True) if not self.masked and self._top_relaid() \
-            else K.flat(top[0], diff=True, any_dtype=True)
+        dy = relaid_top(top[0], not self._nhwc(), diff=True) \
+            if not self.masked and self._top_relaid() else K.flat(top[0], diff=True, any_dtype=True)
         dx = K.flat(bottom[0], diff=True, any_dtype=True)
         (kh, kw), (sh, sw), (ph, pw) = pool.geom
         (h, w), (oh, ow) = pool.x_shape[2:], pool.out_shape[2:]

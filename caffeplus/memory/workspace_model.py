@@ -522,8 +522,7 @@ def _conv_sides(net, i, layer, nhwc):
     decide = getattr(layer, 'calls_channels_last', None)
     compute_nhwc = decide(bottom_nhwc, top_nhwc, modelled=True) if decide else top_nhwc
     bottom_relaid = bottom_nhwc != compute_nhwc
-    pad = 4 if compute_nhwc and bottom_relaid and layer.channels < 4 and layer.group == 1 and \
-        not getattr(layer, 'reverse', False) else 0
+    pad = layer.image_padding(compute_nhwc, bottom_relaid) if decide else 0
     return bottom_relaid, compute_nhwc and not top_nhwc, pad
 
 
