@@ -40,10 +40,10 @@ def _conv_forward_calls(cd, conv, algo, reverse, x, w, y, b, ws, nbytes, relu=Fa
 
 
 # A 16-bit image convolution runs channels-last even where its top stays in
-# Caffe's order (_CudnnConvolutionMixin.calls_channels_last). Off by default:
-# BVLC AlexNet b128 FP16 gained 5% for 5% more memory, GoogLeNet (whose conv1
-# it changes too) is not measured yet (docs/precision.md, Channels-last maps).
-IMAGE_CHANNELS_LAST = False
+# Caffe's order (_CudnnConvolutionMixin.calls_channels_last): cuDNN's 16-bit
+# calls over 3 channels in Caffe's order are slower than FP32's
+# (docs/precision.md, Channels-last maps).
+IMAGE_CHANNELS_LAST = True
 _bias_nhwc_ok = [True]
 
 

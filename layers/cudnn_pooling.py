@@ -19,10 +19,10 @@ from caffeplus.memory import scratch
 
 
 # Max pooling on the argmax kernels may store its top in the other order than
-# its bottom (CuDNNPoolingLayer.layout_role; off: one order both sides). Off
-# by default until GoogLeNet, whose inceptions it makes channels-last, is
-# measured (docs/precision.md, Channels-last maps).
-ARGMAX_BETWEEN_ORDERS = False
+# its bottom (CuDNNPoolingLayer.layout_role; off: one order both sides), so a
+# ceil-rule pooling does not tie the maps after it to Caffe's order
+# (GoogLeNet's inceptions; docs/precision.md, Channels-last maps).
+ARGMAX_BETWEEN_ORDERS = True
 
 
 def cudnn_pool_size(size, kernel, stride, pad):
