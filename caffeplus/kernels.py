@@ -418,23 +418,36 @@ def channel_sums(dy, part, db, n, c, s, p, dtype=None):
                                    (_arg(part), _arg(db), u32(c), u32(p)))
 
 
-def nhwc_sum_blocks(m):
-    """P of cp_channel_sum_part_nhwc for m rows: at least 256 rows a block,
-    at most 4096 blocks."""
-    return int(max(1, min(4096, m // 256)))
+# cp_channel_sum_part_nhwc's blocks: each thread adds about NHWC_SUM_ROWS
+# rows (enough blocks to fill the device for 7 x 7 maps), at most
+# NHWC_SUM_BLOCKS blocks and NHWC_SUM_PARTIALS partials in all (the shared
+# scratch they are written to; the estimate counts it).
+NHWC_SUM_ROWS = 16
+NHWC_SUM_BLOCKS = 4096
+NHWC_SUM_PARTIALS = 2 ** 19
+NHWC_SUM_SLOT = 'convolution bias partial sums'
+
+
+def nhwc_sum_blocks(m, c):
+    """P of cp_channel_sum_part_nhwc for m rows of c channels (SUM_THREADS
+    threads a block, R = SUM_THREADS // min(c, SUM_THREADS) of them a row)."""
+    rows = SUM_THREADS // max(1, min(c, SUM_THREADS))
+    return int(max(1, min(NHWC_SUM_BLOCKS, m // (NHWC_SUM_ROWS * rows),
+                          NHWC_SUM_PARTIALS // max(c, 1))))
 
 
 APPLY_WARPS = 32        # cp_channel_sum_apply_rows's warps a block (at most 32)
 
 
-def channel_sums_nhwc(dy, part, db, m, c, p, dtype=None):
+def channel_sums_nhwc(dy, db, m, c, dtype=None):
     """db[:c] += dy (m rows of c, channels-last maps) summed over the rows
-    (float32; double partials in `part`, at least c * p of them)."""
-    threads = min(SUM_THREADS, -(-c // 32) * 32)
-    kernel('cp_channel_sum_part_nhwc', dtype)((p,), (threads,),
-                                              (_arg(dy), _arg(part), u32(m), u32(c), u32(p)))
+    (float32; double partials in the shared scratch NHWC_SUM_SLOT)."""
+    p = nhwc_sum_blocks(m, c)
+    part = scratch(NHWC_SUM_SLOT, c * p, numpy.float64)
+    kernel('cp_channel_sum_part_nhwc', dtype)((p,), (SUM_THREADS,),
+                                              (_arg(dy), part, u32(m), u32(c), u32(p)))
     kernel('cp_channel_sum_apply_rows')(((c + 31) // 32,), (32 * APPLY_WARPS,),
-                                        (_arg(part), _arg(db), u32(c), u32(p)))
+                                        (part, _arg(db), u32(c), u32(p)))
 
 
 def channels_grid(count, c, dtype=None):
@@ -450,6 +463,37 @@ def bias_nhwc(y, b, m, c, dtype=None, relu=False):
     maps' type. `relu`: then max(y, 0), the in-place ReLU after it."""
     kernel('cp_bias_nhwc', dtype)(channels_grid(m * c, c, dtype), (ELEMENTWISE_THREADS,),
                                   (_arg(y), _arg(b), numpy.uint64(m), u32(c), u32(bool(relu))))
+
+
+TRANSPOSE_THREADS = 256     # cp_transpose2/4: a 32 x 32 tile, 8 rows of threads
+
+
+def transpose(src, dst, n, a, b, lds=None, ldd=None, pad=False):
+    """dst[i][j][k] = src[i][k][j] for i < n, k < a, j < b: src n blocks of a
+    rows lds values apart (b by default), dst n blocks of b rows ldd apart
+    (a by default), both flat arrays of 2- or 4-byte values (moved as bits);
+    `pad`: dst's values past a in each row (up to ldd) written 0."""
+    lds, ldd = lds or b, ldd or a
+    size = numpy.dtype(src.dtype).itemsize
+    if size not in (2, 4) or numpy.dtype(dst.dtype).itemsize != size:
+        raise TypeError('transpose moves 2- or 4-byte values, not %s into %s'
+                        % (src.dtype, dst.dtype))
+    cols = ldd if pad else a
+    blocks = n * (-(-cols // 32)) * (-(-b // 32))
+    if blocks:
+        kernel('cp_transpose%d' % size)((blocks,), (TRANSPOSE_THREADS,), (
+            src, dst, u32(a), u32(b), u32(lds), u32(ldd), u32(bool(pad))))
+
+
+def copy_rows(src, src_off, src_pitch, dst, dst_off, dst_pitch, width, rows):
+    """`rows` rows of `width` bytes from the array src, `src_off` bytes in
+    (rows `src_pitch` bytes apart), to dst from `dst_off` (`dst_pitch` apart)."""
+    if rows * (width // 1) >= 2 ** 32:
+        raise ValueError('copy_rows: %d rows of %d bytes is too many' % (rows, width))
+    if rows and width:
+        kernel('cp_copy_rows')(elementwise_grid(rows * width // 16 or 1), (ELEMENTWISE_THREADS,), (
+            src, numpy.uint64(src_off), numpy.uint64(src_pitch), dst, numpy.uint64(dst_off),
+            numpy.uint64(dst_pitch), numpy.uint64(width), u32(rows)))
 
 
 def accumulate_krsc(g, acc, k, c, rs, dtype=None):

@@ -171,24 +171,44 @@ def relaid_top(top, top_nhwc, diff=False):
     in that order, for backward to read."""
     out = backend.device_scratch('relaid top', top.count, storage_dtype(top))
     if diff:
-        _copy_between_orders(out, _kernels.flat(top, True, any_dtype=True), top.shape, top_nhwc)
+        copy_between_orders(out, _kernels.flat(top, True, any_dtype=True), top.shape, top_nhwc)
     return out
 
 
 def top_from_relaid(top, scratch, top_nhwc):
     """relaid_top's scratch copied into the top, in the order the top is stored in."""
-    _copy_between_orders(_kernels.flat(top, any_dtype=True), scratch, top.shape, not top_nhwc)
+    copy_between_orders(_kernels.flat(top, any_dtype=True), scratch, top.shape, not top_nhwc)
 
 
-def _copy_between_orders(dst, src, shape, src_nhwc):
+_transpose_ok = [True]
+
+
+def copy_between_orders(dst, src, shape, src_nhwc, channels=0):
     """Flat `src`, an (N, C, H, W) map channels-last if `src_nhwc` (else in
-    Caffe's order), copied into flat `dst` in the other order."""
-    import cupy
+    Caffe's order), copied into flat `dst` in the other order. `channels`:
+    the channels-last side's values a pixel where it is padded past C (an
+    image relaid to 4 channels); the padding it writes is 0."""
     n, c, h, w = shape
+    cs = channels or c
+    if _transpose_ok[0]:
+        try:
+            if src_nhwc:
+                _kernels.transpose(src, dst, n, h * w, c, lds=cs)
+            else:
+                _kernels.transpose(src, dst, n, c, h * w, ldd=cs, pad=cs > c)
+            return
+        except Exception as exc:
+            _transpose_ok[0] = False
+            _kernels.note_failure('relayout between orders (cp_transpose)', exc)
+    import cupy
     if src_nhwc:
-        cupy.copyto(dst.reshape(n, c, h, w), src.reshape(n, h, w, c).transpose(0, 3, 1, 2))
+        cupy.copyto(dst[:n * c * h * w].reshape(n, c, h, w),
+                    src[:n * h * w * cs].reshape(n, h, w, cs)[..., :c].transpose(0, 3, 1, 2))
     else:
-        cupy.copyto(dst.reshape(n, h, w, c), src.reshape(n, c, h, w).transpose(0, 2, 3, 1))
+        out = dst[:n * h * w * cs].reshape(n, h, w, cs)
+        if cs > c:
+            out[..., c:] = 0
+        cupy.copyto(out[..., :c], src[:n * c * h * w].reshape(n, c, h, w).transpose(0, 2, 3, 1))
 
 
 def sixteen_bit_copy(copies, name, blob, dtype, reuse=False, channels_last=False,

@@ -18,8 +18,8 @@ from caffeplus.layers import cudnn_common as _common
 from caffeplus.layers.conv_gemm import _GemmConv
 from caffeplus.layers.cudnn_common import (NHWC_WEIGHTS, _CudnnMixin, _dptr, _prod,
                                            _same_storage_dtype, batch_slices, cudnn_available,
-                                           padded_count, relaid_top, sixteen_bit_copy,
-                                           storage_dtype, top_from_relaid)
+                                           copy_between_orders, padded_count, relaid_top,
+                                           sixteen_bit_copy, storage_dtype, top_from_relaid)
 from caffeplus.layers.vision import ConvolutionLayer, DeconvolutionLayer
 from caffeplus.proto import caffe_pb2
 
@@ -78,11 +78,8 @@ def _bias_gradient(cd, dtop, db, dtype=None):
         # Channels-last: rows of C values, the channels across each block's
         # threads (cp_channel_sum_part walks a channel's values C apart).
         m, c = _prod(cd.top_full) // cd.top_full[1], cd.top_full[1]
-        p = _kernels.nhwc_sum_blocks(m)
-        if cd.bias_part is None or cd.bias_part.size < c * p:
-            cd.bias_part = _kernels.empty(c * p, numpy.float64)
         try:
-            _kernels.channel_sums_nhwc(dtop, cd.bias_part, db, m, c, p, dtype)
+            _kernels.channel_sums_nhwc(dtop, db, m, c, dtype)
             return
         except Exception as exc:
             _channel_sums_ok[0] = False
@@ -269,23 +266,13 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         buffer (channels-last: padded to padded_channels with zeros); with
         `into` (the scratch holding the calls' dx), that copied back into the
         bottom's own layout instead."""
-        import cupy
-        n, c, h, w = blob.shape
         own = _kernels.flat(blob, diff, any_dtype=True)
-        cp = self.padded_channels or c
-        if into is not None:
-            src = into.reshape(n, h, w, cp)[..., :c].transpose(0, 3, 1, 2) \
-                if self.compute_nhwc else into.reshape(n, c, h, w).transpose(0, 2, 3, 1)
-            cupy.copyto(own.reshape(src.shape), src)
+        pad = self.padded_channels if self.compute_nhwc else 0
+        if into is not None:        # (the calls' order is the other one)
+            copy_between_orders(own, into, blob.shape, self.compute_nhwc, pad)
             return own
         out = self._relaid_scratch(blob, diff)
-        if self.compute_nhwc:
-            out4 = out.reshape(n, h, w, cp)
-            if cp > c:
-                out4[..., c:] = 0
-            cupy.copyto(out4[..., :c], own.reshape(n, c, h, w).transpose(0, 2, 3, 1))
-        else:
-            cupy.copyto(out.reshape(n, c, h, w), own.reshape(n, h, w, c).transpose(0, 3, 1, 2))
+        copy_between_orders(out, own, blob.shape, not self.compute_nhwc, pad)
         return out
 
     def _relaid_scratch(self, blob, diff):

@@ -1,4 +1,4 @@
-"""Concat on the GPU as one 2-D copy per bottom each way.
+"""Concat on the GPU as one row copy per bottom each way.
 """
 from caffeplus import kernels as _kernels
 from caffeplus.layer import register_engine
@@ -6,12 +6,32 @@ from caffeplus.layers.common import ConcatLayer
 from caffeplus.layers.cudnn_common import _fused, _prod
 
 
+_copy_rows_ok = [True]
+
+
+def _copy_rows(src, src_off, src_pitch, dst, dst_off, dst_pitch, width, rows):
+    """`rows` rows of `width` bytes from the device array `src`, `src_off`
+    bytes in, to `dst` (caffeplus.kernels.copy_rows, else cudaMemcpy2DAsync)."""
+    if _copy_rows_ok[0]:
+        try:
+            _kernels.copy_rows(src, src_off, src_pitch, dst, dst_off, dst_pitch, width, rows)
+            return
+        except Exception as exc:
+            _copy_rows_ok[0] = False
+            _kernels.note_failure('Concat (cp_copy_rows)', exc)
+    import cupy
+    runtime = cupy.cuda.runtime
+    runtime.memcpy2DAsync(int(dst.data.ptr) + dst_off, dst_pitch, int(src.data.ptr) + src_off,
+                          src_pitch, width, rows,
+                          runtime.memcpyDeviceToDevice, cupy.cuda.get_current_stream().ptr)
+
+
 @register_engine('CUDNN')
 class GPUConcatLayer(ConcatLayer):
-    """Concat on the GPU: one cudaMemcpy2DAsync per bottom each way (the
-    bottom's rows into their column range of the top), instead of a strided
-    CuPy copy through sliced views. The copies move bytes, so 16-bit maps
-    take the same path."""
+    """Concat on the GPU: one row copy per bottom each way (the bottom's rows
+    into their column range of the top; caffeplus.kernels.copy_rows), instead
+    of a strided CuPy copy through sliced views. The copies move bytes, so
+    16-bit maps take the same path."""
     engine = 'FUSED'
 
     def _copies(self, bottom, top, backward):
@@ -38,20 +58,15 @@ class GPUConcatLayer(ConcatLayer):
             # A byte copy cannot convert: every bottom must share the top's type.
             if a is None or a.dtype != y.dtype:
                 return False
-            ends.append(int(a.data.ptr))
-        import cupy
-        runtime = cupy.cuda.runtime
-        stream = cupy.cuda.get_current_stream().ptr
-        base, off = int(y.data.ptr), 0
-        for b, p in zip(bottom, ends):
+            ends.append(a)
+        off = 0
+        for b, a in zip(bottom, ends):
             width = int(b.shape[axis]) * inner
-            if p is not None and width and outer:
+            if a is not None and width and outer:
                 if backward:
-                    runtime.memcpy2DAsync(p, width, base + off, pitch, width, outer,
-                                          runtime.memcpyDeviceToDevice, stream)
+                    _copy_rows(y, off, pitch, a, 0, width, width, outer)
                 else:
-                    runtime.memcpy2DAsync(base + off, pitch, p, width, width, outer,
-                                          runtime.memcpyDeviceToDevice, stream)
+                    _copy_rows(a, 0, width, y, off, pitch, width, outer)
             off += width
         return True
 

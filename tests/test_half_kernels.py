@@ -510,14 +510,16 @@ def test_bias_gradient_sums_and_filter_accumulation_read_16_bit_maps(half_extra,
     numpy.testing.assert_array_equal(out, acc + g.astype(F32))
 
 
-@pytest.mark.parametrize('m, c, p, threads', [(37, 5, 4, 32), (600, 70, 3, 64), (9, 3, 9, 32)])
+@pytest.mark.parametrize('m, c, p, threads', [(37, 5, 4, 32), (600, 70, 3, 64), (9, 3, 9, 32),
+                                              (1000, 40, 3, 256)])
 def test_channels_last_bias_gradient_sums_each_channel_over_the_rows(
         half_extra, float_extra, m, c, p, threads):
     """cp_channel_sum_part_nhwc: a channels-last top diff (m rows of c)
     summed per channel into FP32, a block's threads across the channels
     (fewer threads than channels too), within float32's rounding of a
     float64 sum; the 16-bit build gives the float32 build's bits on the
-    same values, as Caffe's order's kernel does."""
+    same values, as Caffe's order's kernel does. With fewer channels than
+    threads (40 of 256) a block adds 6 rows at once."""
     r = numpy.random.RandomState(m + c)
     dy = _maps(r, m, c, scale=50)
     db0 = r.standard_normal(c).astype(F32)

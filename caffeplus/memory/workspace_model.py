@@ -109,6 +109,7 @@ internal-buffer table until the estimates are within 5%.
 """
 import collections
 
+from caffeplus import kernels
 from caffeplus.backend.blas import FALLBACK_BYTES
 from caffeplus.memory import caffe1, calibration, cublas_pool, thread_stack
 from caffeplus.memory.fixed_cost import RUNTIME_BYTES  # measured (see "Fixed cost" above)
@@ -480,14 +481,16 @@ def shared_scratch_bytes(net, plan_name):
     channels-last convolution's bottom relaid from Caffe's order (with its
     diff where backward writes one), a top written in the other order than
     it is stored in (an image convolution's channels-last calls, a ceil-rule
-    max pooling between orders), and cuBLAS's workspace for the
-    convolutions that run as GEMMs with none placed (blas.FALLBACK_BYTES)."""
+    max pooling between orders), the double partial sums of a channels-last
+    convolution's bias gradient (caffeplus.kernels.channel_sums_nhwc), and
+    cuBLAS's workspace for the convolutions that run as GEMMs with none
+    placed (blas.FALLBACK_BYTES)."""
     from caffeplus import layout
     # (A net built on the CPU stores every map in Caffe's order: the GPU's
     # layout modelled.)
     nhwc = {i for i, b in enumerate(net._blobs) if b.layout == layout.NHWC} or \
         layout.modelled_blobs(net)
-    relaid = relaid_diff = relaid_top = 0
+    relaid = relaid_diff = relaid_top = bias_partials = 0
     gemm = False
     for i, layer in enumerate(net.layers):
         bottom, top = net.bottom_vecs[i], net.top_vecs[i]
@@ -501,7 +504,12 @@ def shared_scratch_bytes(net, plan_name):
         if not is_conv(layer):
             continue
         gemm = gemm or (plan_name != 'stock' and ConvShape(layer).is_1x1)
-        bottom_relaid, top_relaid, pad = _conv_sides(net, i, layer, nhwc)
+        bottom_relaid, top_relaid, pad, compute_nhwc = _conv_sides(net, i, layer, nhwc)
+        if compute_nhwc and len(layer.blobs) > 1 and net.layer_need_backward[i] and \
+                layer.param_needs_backward(1):
+            c = top[0].shape[1]
+            bias_partials = max(bias_partials,
+                                8 * c * kernels.nhwc_sum_blocks(top[0].count // c, c))
         if bottom_relaid:
             count = bottom[0].count // bottom[0].shape[1] * pad if pad else bottom[0].count
             nbytes = _itemsize(bottom[0]) * count
@@ -510,20 +518,20 @@ def shared_scratch_bytes(net, plan_name):
                 relaid_diff = max(relaid_diff, nbytes)
         if top_relaid:
             relaid_top = max(relaid_top, _itemsize(top[0]) * top[0].count)
-    return relaid + relaid_diff + relaid_top + (FALLBACK_BYTES if gemm else 0)
+    return relaid + relaid_diff + relaid_top + bias_partials + (FALLBACK_BYTES if gemm else 0)
 
 
 def _conv_sides(net, i, layer, nhwc):
-    """(bottom relaid, top relaid, channels an image is padded to) of
-    convolution i on a GPU that stores the blobs `nhwc` channels-last, as
-    layers/cudnn_conv.py decides."""
+    """(bottom relaid, top relaid, channels an image is padded to, calls
+    channels-last) of convolution i on a GPU that stores the blobs `nhwc`
+    channels-last, as layers/cudnn_conv.py decides."""
     bottom_nhwc = net.bottom_id_vecs[i][0] in nhwc
     top_nhwc = net.top_id_vecs[i][0] in nhwc
     decide = getattr(layer, 'calls_channels_last', None)
     compute_nhwc = decide(bottom_nhwc, top_nhwc, modelled=True) if decide else top_nhwc
     bottom_relaid = bottom_nhwc != compute_nhwc
     pad = layer.image_padding(compute_nhwc, bottom_relaid) if decide else 0
-    return bottom_relaid, compute_nhwc and not top_nhwc, pad
+    return bottom_relaid, compute_nhwc and not top_nhwc, pad, compute_nhwc
 
 
 def weight_copy_bytes(net):
