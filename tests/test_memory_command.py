@@ -649,22 +649,25 @@ def test_vgg16_b256_shared_estimate_within_five_percent_of_the_recorded_run(caps
     assert abs(error) <= 0.05, round(100 * error, 2)
 
 
-# The recorded FLOAT16 runs of `shared` (H200, `caffeplus memory -gpu 0
-# --precision fp16 --plans shared --json`): net -> (folder/file, the masks setting
-# the run had). GoogLeNet's run predates masks for 16-bit nets.
+# The recorded FLOAT16 runs of `shared` (`caffeplus memory -gpu 0 --precision
+# fp16 --plans shared --json`; H200, AlexNet's and GoogLeNet's on one H100,
+# with their 16-bit image convolution and ceil-rule max pooling channels-last):
+# net -> (folder/file, the masks setting the run had).
 FP16_RUNS = {
     'vgg16_b64': ('2026-12-03/1c5df3c_memory_fp16_vgg16_b64.json', 'plan'),
-    'alexnet_b128': ('2026-12-03/1c5df3c_memory_fp16_alexnet_b128.json', 'plan'),
+    'alexnet_b128': ('2026-12-05-h100/93f2bc9_memory_fp16_alexnet_b128.json', 'plan'),
     'resnet50_b64': ('2026-12-04/9d55be5_memory_fp16_resnet50_b64.json', 'plan'),
-    'googlenet_b64': ('2026-12-03/a29b337_memory_fp16_googlenet_b64.json', 'off'),
+    'googlenet_b64': ('2026-12-05-h100/93f2bc9_memory_fp16_googlenet_b64.json', 'plan'),
 }
 
 
 @pytest.mark.parametrize('net', sorted(FP16_RUNS))
 def test_fp16_estimates_within_five_percent_of_the_recorded_measurements(capsys, net):
-    """FLOAT16 `shared` against its recorded H200 peak. The convolutions'
+    """FLOAT16 `shared` against its recorded peak. The convolutions'
     workspace is modelled on their 16-bit maps (a model that priced them
-    as FP32's transforms was 8.9% over on VGG-16 and 8.7% on AlexNet)."""
+    as FP32's transforms was 8.9% over on VGG-16 and 8.7% on AlexNet); the
+    maps relaid for AlexNet's and GoogLeNet's conv1 (121 MiB at AlexNet
+    b128) from the modelled layout."""
     name, masks = FP16_RUNS[net]
     real = json.load(open(os.path.join(_MEMORY, name)))['plans']['shared']
     real = real.get('steady_peak_bytes') or real['peak_bytes']
@@ -692,43 +695,26 @@ def test_fp16_resnet50_b256_estimate_with_maps_made_again(capsys):
     assert abs(error) <= 0.05, round(100 * error, 2)
 
 
-
-def test_fp16_alexnet_estimate_with_its_image_convolution_channels_last(capsys, monkeypatch):
-    """BVLC AlexNet b128 in FLOAT16 under `shared` with
-    layers/cudnn_conv.IMAGE_CHANNELS_LAST on (its conv1 runs channels-last
-    on the image padded to 4 channels, into a scratch transposed into its
-    top) against its run on one H100 (`dev/layout_switches.py on -m
-    caffeplus memory -gpu 0 --precision fp16 --plans shared`): the estimate
-    counts both relaid buffers (121 MiB) from the modelled layout."""
-    from caffeplus.layers import cudnn_conv
-    path = os.path.join(_MEMORY, '2026-12-05-h100',
-                        'a11e461_memory_fp16_image_nhwc_alexnet_b128.json')
-    real = json.load(open(path))['plans']['shared']
-    real = real.get('steady_peak_bytes') or real['peak_bytes']
-    monkeypatch.setattr(cudnn_conv, 'IMAGE_CHANNELS_LAST', True)
-    doc = memory_json(capsys, '-model', bench('alexnet_b128'), '--plans', 'shared',
-                      '--precision', 'fp16')
-    error = (doc['plans']['shared']['peak_bytes'] - real) / float(real)
-    assert abs(error) <= 0.05, round(100 * error, 2)
-
-
-# bench_gpu's FLOAT16 runs under `shared` with channels-last maps (H200, the
-# whole process's peak, nvidia-smi's used memory): net -> (prototxt, batch).
+# bench_gpu's FLOAT16 runs under `shared` with channels-last maps (the whole
+# process's peak, nvidia-smi's used memory; H200, AlexNet's and GoogLeNet's on
+# one H100 with both layout switches on): net -> (prototxt, batch, run).
 CHANNELS_LAST_RUNS = os.path.join(ROOT, 'benchmarks', 'gpu_16bit_shared_0dbdbcd.json')
-CHANNELS_LAST_NETS = {'resnet50_b256': ('resnet50_b64', '256'),
-                      'resnet50_b64': ('resnet50_b64', None), 'vgg16_b64': ('vgg16_b64', None),
-                      'googlenet_b64': ('googlenet_b64', None),
-                      'alexnet_b128': ('alexnet_b128', None)}
+LAYOUT_RUNS = os.path.join(ROOT, 'benchmarks', 'gpu_16bit_layouts_622dbfa_h100.json')
+CHANNELS_LAST_NETS = {'resnet50_b256': ('resnet50_b64', '256', CHANNELS_LAST_RUNS),
+                      'resnet50_b64': ('resnet50_b64', None, CHANNELS_LAST_RUNS),
+                      'vgg16_b64': ('vgg16_b64', None, CHANNELS_LAST_RUNS),
+                      'googlenet_b64': ('googlenet_b64', None, LAYOUT_RUNS),
+                      'alexnet_b128': ('alexnet_b128', None, LAYOUT_RUNS)}
 
 
 @pytest.mark.parametrize('net', sorted(CHANNELS_LAST_NETS))
 def test_channels_last_fp16_estimates_within_five_percent_of_the_recorded_runs(capsys, net):
     """`--precision fp16 --layout nhwc`, plan `shared`, against the recorded
     whole-process peak of the same net, batch, precision, layout and plan."""
-    real = next(r for r in json.load(open(CHANNELS_LAST_RUNS))
-                if r['net'] == net and r['framework'] == 'caffeplus')
-    assert real['plan'] == 'shared:timed/fp16'
-    model, batch = CHANNELS_LAST_NETS[net]
+    model, batch, runs = CHANNELS_LAST_NETS[net]
+    real = next(r for r in json.load(open(runs))
+                if r['net'] == net and r['framework'] == 'caffeplus' and
+                r['plan'] == 'shared:timed/fp16')
     doc = memory_json(capsys, '-model', bench(model), '--plans', 'shared', '--precision', 'fp16',
                       '--layout', 'nhwc', *(('--batch', batch) if batch else ()),
                       *_as_recorded(net))
