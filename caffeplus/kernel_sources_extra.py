@@ -789,8 +789,8 @@ extern "C" __global__ void cp_channel_sum_part_nhwc(const CP_A* dy, double* part
             }
             for (; r < hi; r += R) a += (double)(float)dy[(size_t)r * C + c];
         }
-        if (R == 1) {
-            if (c < C) part[(size_t)blockIdx.x * C + c] = a;
+        if (R == 1) {       /* (threads past R W, rl 1, are idle) */
+            if (rl == 0 && c < C) part[(size_t)blockIdx.x * C + c] = a;
             continue;
         }
         sh[threadIdx.x] = a;

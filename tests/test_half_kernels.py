@@ -511,7 +511,7 @@ def test_bias_gradient_sums_and_filter_accumulation_read_16_bit_maps(half_extra,
 
 
 @pytest.mark.parametrize('m, c, p, threads', [(37, 5, 4, 32), (600, 70, 3, 64), (9, 3, 9, 32),
-                                              (1000, 40, 3, 256)])
+                                              (1000, 40, 3, 256), (500, 192, 3, 256)])
 def test_channels_last_bias_gradient_sums_each_channel_over_the_rows(
         half_extra, float_extra, m, c, p, threads):
     """cp_channel_sum_part_nhwc: a channels-last top diff (m rows of c)
@@ -519,7 +519,8 @@ def test_channels_last_bias_gradient_sums_each_channel_over_the_rows(
     (fewer threads than channels too), within float32's rounding of a
     float64 sum; the 16-bit build gives the float32 build's bits on the
     same values, as Caffe's order's kernel does. With fewer channels than
-    threads (40 of 256) a block adds 6 rows at once."""
+    threads (40 of 256) a block adds 6 rows at once; with 192 the 64
+    threads past them stay idle (and write nothing)."""
     r = numpy.random.RandomState(m + c)
     dy = _maps(r, m, c, scale=50)
     db0 = r.standard_normal(c).astype(F32)

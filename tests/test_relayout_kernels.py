@@ -98,8 +98,9 @@ def test_rows_are_copied_into_their_columns_and_nothing_else(emulator, case):
 
 
 # (m rows, c channels): fewer channels than a block's threads (several rows
-# a thread at once, added across the block), more (two passes), one row.
-NHWC_SUMS = [(1000, 40), (203, 300), (37, 5), (1, 7), (5000, 16)]
+# a thread at once, added across the block), more (two passes), one row,
+# and 192 (one row at a time, 64 threads idle).
+NHWC_SUMS = [(1000, 40), (203, 300), (37, 5), (1, 7), (5000, 16), (2000, 192)]
 
 
 def _nhwc_sums_case(xp, m, c):
