@@ -23,7 +23,7 @@
 #  10. (STEPS=accuracy) benchmarks/precision_accuracy.py: digits LeNet and CIFAR10-full (on the
 #      digits; ACCURACY_SOLVERS) in FP32 and 16 bits (ACCURACY_PRECISIONS).
 #  11. (STEPS=nvcaffe) dev/nvcaffe_time.sh: NVCaffe's FP16 model files, `caffeplus time`.
-#  13. (STEPS=layouts) the layout switches, off by default (dev/layout_switches.py):
+#  13. (STEPS=layouts) the two layout switches, on by default (dev/layout_switches.py):
 #      their GPU tests, FP16 `shared` on against off (LAYOUT_NETS), memory with them on.
 #  12. (STEPS=profile) dev/profile_gpu.py on PROFILE_NETS in PROFILE_PRECISION (fp16) with timed search
 #      (PROFILE_LAYOUT, one or more of nchw nhwc nhwcbn: the convolution maps channels-last,
@@ -169,7 +169,7 @@ if has amp; then
   tail -n 20 "$OUT/amp.log"
 fi
 if has layouts; then
-  # The layout switches, off by default (dev/layout_switches.py):
+  # The two layout switches, on by default (dev/layout_switches.py):
   # their GPU tests, bench_gpu's FP16 `shared` with them on against off in one
   # run, and `caffeplus memory -gpu` with them on (the estimate's records).
   stamp "layout switches: tests, on against off, memory"

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Run a script or module with the two layout switches that are off by
-default set, in its process and in every Python process it spawns:
+"""Run a script or module with the two layout switches (on by default) set
+on or off, in its process and in every Python process it spawns:
 layers/cudnn_conv.IMAGE_CHANNELS_LAST (a 16-bit image convolution runs
 channels-last where its top stays in Caffe's order) and
 layers/cudnn_pooling.ARGMAX_BETWEEN_ORDERS (a ceil-rule max pooling stores

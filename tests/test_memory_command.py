@@ -650,14 +650,14 @@ def test_vgg16_b256_shared_estimate_within_five_percent_of_the_recorded_run(caps
 
 
 # The recorded FLOAT16 runs of `shared` (`caffeplus memory -gpu 0 --precision
-# fp16 --plans shared --json`; H200, AlexNet's and GoogLeNet's on one H100,
-# with their 16-bit image convolution and ceil-rule max pooling channels-last):
-# net -> (folder/file, the masks setting the run had).
+# fp16 --plans shared --json`, H200; AlexNet's and GoogLeNet's with their
+# 16-bit image convolution and ceil-rule max pooling channels-last): net ->
+# (folder/file, the masks setting the run had).
 FP16_RUNS = {
     'vgg16_b64': ('2026-12-03/1c5df3c_memory_fp16_vgg16_b64.json', 'plan'),
-    'alexnet_b128': ('2026-12-05-h100/93f2bc9_memory_fp16_alexnet_b128.json', 'plan'),
+    'alexnet_b128': ('2026-12-05/811ffcc_memory_fp16_alexnet_b128.json', 'plan'),
     'resnet50_b64': ('2026-12-04/9d55be5_memory_fp16_resnet50_b64.json', 'plan'),
-    'googlenet_b64': ('2026-12-05-h100/93f2bc9_memory_fp16_googlenet_b64.json', 'plan'),
+    'googlenet_b64': ('2026-12-05/811ffcc_memory_fp16_googlenet_b64.json', 'plan'),
 }
 
 
