@@ -485,15 +485,22 @@ def transpose(src, dst, n, a, b, lds=None, ldd=None, pad=False):
             src, dst, u32(a), u32(b), u32(lds), u32(ldd), u32(bool(pad))))
 
 
+COPY_ROWS_BYTES = 2 ** 32 - 1      # cp_copy_rows counts in 32 bits
+
+
 def copy_rows(src, src_off, src_pitch, dst, dst_off, dst_pitch, width, rows):
     """`rows` rows of `width` bytes from the array src, `src_off` bytes in
-    (rows `src_pitch` bytes apart), to dst from `dst_off` (`dst_pitch` apart)."""
-    if rows * (width // 1) >= 2 ** 32:
-        raise ValueError('copy_rows: %d rows of %d bytes is too many' % (rows, width))
-    if rows and width:
-        kernel('cp_copy_rows')(elementwise_grid(rows * width // 16 or 1), (ELEMENTWISE_THREADS,), (
-            src, numpy.uint64(src_off), numpy.uint64(src_pitch), dst, numpy.uint64(dst_off),
-            numpy.uint64(dst_pitch), numpy.uint64(width), u32(rows)))
+    (rows `src_pitch` bytes apart), to dst from `dst_off` (`dst_pitch` apart);
+    in launches of at most COPY_ROWS_BYTES bytes."""
+    if not (rows and width):
+        return
+    per_launch = max(1, COPY_ROWS_BYTES // width)
+    for r in range(0, rows, per_launch):
+        n = min(per_launch, rows - r)
+        kernel('cp_copy_rows')(elementwise_grid(n * width // 16 or 1), (ELEMENTWISE_THREADS,), (
+            src, numpy.uint64(src_off + r * src_pitch), numpy.uint64(src_pitch), dst,
+            numpy.uint64(dst_off + r * dst_pitch), numpy.uint64(dst_pitch), numpy.uint64(width),
+            u32(n)))
 
 
 def accumulate_krsc(g, acc, k, c, rs, dtype=None):

@@ -97,6 +97,26 @@ def test_rows_are_copied_into_their_columns_and_nothing_else(emulator, case):
         _row_copy_case(numpy, *case)
 
 
+def test_rows_past_the_kernels_count_are_copied_in_pieces(emulator, monkeypatch):
+    """A copy of 2**32 bytes or more runs in launches of fewer (the kernel
+    counts in 32 bits); here the bound is cut to two rows of 16 bytes."""
+    monkeypatch.setattr(kernels, 'COPY_ROWS_BYTES', 32)
+    launches = []
+    real = kernels.kernel
+
+    def counted(name, dtype=None):
+        k = real(name, dtype)
+
+        def launch(grid, block, args):
+            launches.append(int(args[7]))
+            return k(grid, block, args)
+        return launch
+    with emulating(emulator):
+        monkeypatch.setattr(kernels, 'kernel', counted)
+        _row_copy_case(numpy, 5, 16, 0, 16, 8, 40)
+    assert launches == [2, 2, 1]
+
+
 # (m rows, c channels): fewer channels than a block's threads (several rows
 # a thread at once, added across the block), more (two passes), one row,
 # and 192 (one row at a time, 64 threads idle).
