@@ -3,6 +3,7 @@ caffeplus.kernel_sources' COMMON helpers): pooling with Caffe's windows,
 masks, SoftmaxWithLoss, BatchNorm over several blocks a channel, im2col, the
 convolution bias's channel sums and the 16-bit filter gradient's
 accumulation."""
+from caffeplus.kernel_sources_layout import LAYOUT
 
 EXTRA = r'''
 #define CP_FLT_MAX 3.402823466e+38f
@@ -1079,87 +1080,7 @@ extern "C" __global__ void cp_dropout_bwd(const CP_A* dy, const unsigned char* m
     for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
         dx[i] = __fmul_rn(__fmul_rn((float)dy[i], mask[i] ? 1.0f : 0.0f), scale);
 }
-
-/* Maps between Caffe's order and channels-last: dst[n][b][a] = src[n][a][b]
-   for a < A, b < B, src's rows lds values apart (>= B), dst's ldd apart (>=
-   A); with `pad`, dst's a in [A, ldd) are written 0 (an image padded to 4
-   channels). One 32 x 32 tile a block of 256 threads, through shared
-   memory, so that both the reads and the writes are of consecutive
-   addresses: CuPy's copy through a transposed view, which strides one of
-   them, took 0.9 ms of GoogLeNet's FP16 iteration. The values are moved as
-   bits (T: unsigned short for 16-bit maps, unsigned for float32). */
-template <class T>
-__device__ __forceinline__ void cp_transpose_tile(const T* src, T* dst, unsigned A, unsigned B,
-                                                  unsigned lds, unsigned ldd, unsigned pad)
-{
-    __shared__ T tile[32][33];
-    const unsigned Ae = pad ? ldd : A;
-    const unsigned ta = (Ae + 31) / 32, tb = (B + 31) / 32;
-    unsigned q = blockIdx.x;
-    const unsigned jb = q % tb;
-    q /= tb;
-    const unsigned ja = q % ta, n = q / ta;
-    const unsigned tx = threadIdx.x & 31u, ty = threadIdx.x >> 5;
-    const unsigned a0 = ja * 32, b0 = jb * 32;
-    const T* s = src + (size_t)n * A * lds;
-    T* d = dst + (size_t)n * B * ldd;
-    for (unsigned k = ty; k < 32; k += 8) {
-        const unsigned a = a0 + k, b = b0 + tx;
-        tile[k][tx] = (a < A && b < B) ? s[(size_t)a * lds + b] : (T)0;
-    }
-    __syncthreads();
-    for (unsigned k = ty; k < 32; k += 8) {
-        const unsigned b = b0 + k, a = a0 + tx;
-        if (b < B && a < Ae) d[(size_t)b * ldd + a] = tile[tx][k];
-    }
-}
-
-extern "C" __global__ void cp_transpose2(const unsigned short* src, unsigned short* dst,
-    const unsigned A, const unsigned B, const unsigned lds, const unsigned ldd, const unsigned pad)
-{
-    cp_transpose_tile<unsigned short>(src, dst, A, B, lds, ldd, pad);
-}
-
-extern "C" __global__ void cp_transpose4(const unsigned* src, unsigned* dst,
-    const unsigned A, const unsigned B, const unsigned lds, const unsigned ldd, const unsigned pad)
-{
-    cp_transpose_tile<unsigned>(src, dst, A, B, lds, ldd, pad);
-}
-
-/* `rows` rows of `width` bytes from src + src_off (rows src_pitch apart)
-   to dst + dst_off (dst_pitch apart): Concat's bottoms into their column
-   ranges of its top, and back. In the widest of 16, 8, 4, 2 or 1 bytes
-   that divides every address, pitch and the width. cudaMemcpy2D moved
-   channels-last rows of 64 to 256 bytes at a quarter of the memory's
-   bandwidth (GoogLeNet's inceptions: 0.95 ms of an FP16 iteration). */
-template <class V>
-__device__ __forceinline__ void cp_copy_rows_as(const unsigned char* src, unsigned long long sp,
-                                                unsigned char* dst, unsigned long long dp,
-                                                unsigned long long width, unsigned rows)
-{
-    const unsigned wv = (unsigned)(width / sizeof(V));
-    const unsigned total = rows * wv;
-    for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-        const unsigned r = i / wv, k = i - r * wv;
-        *(V*)(dst + r * dp + (unsigned long long)k * sizeof(V)) =
-            *(const V*)(src + r * sp + (unsigned long long)k * sizeof(V));
-    }
-}
-
-struct alignas(16) cp_bytes16 { unsigned long long a, b; };
-
-extern "C" __global__ void cp_copy_rows(const unsigned char* src, const unsigned long long src_off,
-    const unsigned long long src_pitch, unsigned char* dst, const unsigned long long dst_off,
-    const unsigned long long dst_pitch, const unsigned long long width, const unsigned rows)
-{
-    const unsigned char* s = src + src_off;
-    unsigned char* d = dst + dst_off;
-    const unsigned long long all = (unsigned long long)s | (unsigned long long)d | src_pitch |
-                                   dst_pitch | width;
-    if ((all & 15ull) == 0) cp_copy_rows_as<cp_bytes16>(s, src_pitch, d, dst_pitch, width, rows);
-    else if ((all & 7ull) == 0) cp_copy_rows_as<unsigned long long>(s, src_pitch, d, dst_pitch, width, rows);
-    else if ((all & 3ull) == 0) cp_copy_rows_as<unsigned>(s, src_pitch, d, dst_pitch, width, rows);
-    else if ((all & 1ull) == 0) cp_copy_rows_as<unsigned short>(s, src_pitch, d, dst_pitch, width, rows);
-    else cp_copy_rows_as<unsigned char>(s, src_pitch, d, dst_pitch, width, rows);
-}
 '''
+
+# The channels-last LRN and the relayout kernels (after the LRN helpers above).
+EXTRA += LAYOUT

@@ -71,7 +71,8 @@ MAP_KERNELS = frozenset(('cp_bn_fwd', 'cp_bn_bwd', 'cp_relu_fwd', 'cp_relu_bwd',
                          'cp_bn_bwd_part_nhwc', 'cp_bn_dx_nhwc', 'cp_bn_stats_part_nhwc_vec',
                          'cp_bn_apply_nhwc_vec', 'cp_bn_apply_add_nhwc_vec',
                          'cp_bn_bwd_part_nhwc_vec', 'cp_bn_dx_nhwc_vec', 'cp_bias_nhwc',
-                         'cp_dropout_fwd', 'cp_dropout_bwd'))
+                         'cp_dropout_fwd', 'cp_dropout_bwd', 'cp_lrn_fwd_nhwc',
+                         'cp_lrn_bwd_nhwc'))
 SOURCE = COMMON + CORE + EXTRA + CHANNELS_LAST_BATCHNORM
 
 # Flags of cp_bn_fwd / cp_bn_bwd.

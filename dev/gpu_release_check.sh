@@ -23,15 +23,16 @@
 #  10. (STEPS=accuracy) benchmarks/precision_accuracy.py: digits LeNet and CIFAR10-full (on the
 #      digits; ACCURACY_SOLVERS) in FP32 and 16 bits (ACCURACY_PRECISIONS).
 #  11. (STEPS=nvcaffe) dev/nvcaffe_time.sh: NVCaffe's FP16 model files, `caffeplus time`.
-#  13. (STEPS=layouts) the two layout switches, on by default (dev/layout_switches.py):
-#      their GPU tests, FP16 `shared` on against off (LAYOUT_NETS), memory with them on.
+#  13. (STEPS=layouts) the layout switches (dev/layout_switches.py): LAYOUT_NEW
+#      (lrn=on,grouped=on) against LAYOUT_BASE (default): census, GPU tests, FP16
+#      `shared` (LAYOUT_NETS), memory with LAYOUT_NEW.
 #  12. (STEPS=profile) dev/profile_gpu.py on PROFILE_NETS in PROFILE_PRECISION (fp16) with timed search
 #      (PROFILE_LAYOUT, one or more of nchw nhwc nhwcbn: the convolution maps channels-last,
 #      nhwcbn BatchNorm's too).
 # Prefer running it through dev/gpu_snapshot.sh (the committed tree only).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
 # (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
-# env: LAYOUT_NETS, LAYOUT_S, ACCURACY_SOLVERS, ACCURACY_PRECISIONS, ACCURACY_SEEDS, PROFILE_PRECISION, PROFILE_LAYOUT, MEMORY_PRECISION, STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp,accuracy,nvcaffe,profile), PROFILE_NETS, AMP_TORCH, TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
+# env: LAYOUT_NEW, LAYOUT_BASE, LAYOUT_NETS, LAYOUT_S, ACCURACY_SOLVERS, ACCURACY_PRECISIONS, ACCURACY_SEEDS, PROFILE_PRECISION, PROFILE_LAYOUT, MEMORY_PRECISION, STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp,accuracy,nvcaffe,profile), PROFILE_NETS, AMP_TORCH, TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
 #      MEMORY_ITERS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S
 set -u
 OUT=${OUT:-/tmp/gpu_out}
@@ -169,26 +170,30 @@ if has amp; then
   tail -n 20 "$OUT/amp.log"
 fi
 if has layouts; then
-  # The two layout switches, on by default (dev/layout_switches.py):
-  # their GPU tests, bench_gpu's FP16 `shared` with them on against off in one
-  # run, and `caffeplus memory -gpu` with them on (the estimate's records).
-  stamp "layout switches: tests, on against off, memory"
-  for sw in on off; do
-    GLOG_minloglevel=2 timeout 60 python3 dev/layout_switches.py $sw dev/layout_census.py \
+  # The layout switches (dev/layout_switches.py): LAYOUT_NEW (the ones off by
+  # default, on) against LAYOUT_BASE (as the code has them): the GPU's
+  # channels-last maps beside the model, the switches' GPU tests, bench_gpu's
+  # FP16 `shared` for each in one run, and `caffeplus memory -gpu` with LAYOUT_NEW.
+  new=${LAYOUT_NEW:-lrn=on,grouped=on}; base=${LAYOUT_BASE:-default}
+  stamp "layout switches $new against $base: census, tests, speed, memory"
+  for sw in "$new" "$base"; do
+    GLOG_minloglevel=2 timeout 60 python3 dev/layout_switches.py "$sw" dev/layout_census.py \
       --bench-dir .gpu_carry/bench $(echo "${LAYOUT_NETS:-alexnet_b128,googlenet_b64}" | tr , ' ') 2>&1 | tail -n 4
   done
   timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m gpu \
-    tests/test_channels_last_gpu.py -k 'image_convolution or ceil_rule' > "$OUT/pytest_layouts.log" 2>&1
+    tests/test_channels_last_gpu.py -k 'image_convolution or ceil_rule or lrns_and_grouped' \
+    > "$OUT/pytest_layouts.log" 2>&1
   tail -n 4 "$OUT/pytest_layouts.log"
-  for sw in on off; do
-    GLOG_minloglevel=2 timeout "${LAYOUT_S:-200}" python3 dev/layout_switches.py $sw benchmarks/bench_gpu.py \
+  for sw in "$new" "$base"; do
+    tag=$(echo "$sw" | tr ',=' '_-')
+    GLOG_minloglevel=2 timeout "${LAYOUT_S:-200}" python3 dev/layout_switches.py "$sw" benchmarks/bench_gpu.py \
       --bench-dir .gpu_carry/bench --nets "${LAYOUT_NETS:-alexnet_b128,googlenet_b64}" \
       --plans shared:timed/fp16 --tf32 on --iters 20 --warmup 5 --timeout 150 \
-      --json "$OUT/layouts_$sw.json" > "$OUT/layouts_$sw.log" 2>&1
-    tail -n 3 "$OUT/layouts_$sw.log"
+      --json "$OUT/layouts_$tag.json" > "$OUT/layouts_$tag.log" 2>&1
+    tail -n 3 "$OUT/layouts_$tag.log"
   done
   for net in $(echo "${LAYOUT_NETS:-alexnet_b128,googlenet_b64}" | tr , ' '); do
-    GLOG_minloglevel=2 timeout 90 python3 dev/layout_switches.py on -m caffeplus memory \
+    GLOG_minloglevel=2 timeout 90 python3 dev/layout_switches.py "$new" -m caffeplus memory \
       -model .gpu_carry/bench/$net.prototxt -gpu 0 --precision fp16 --plans shared --json \
       > "$OUT/memory_fp16_layouts_$net.json" 2> "$OUT/memory_layouts.err"
     python3 dev/memory_summary.py "$OUT/memory_fp16_layouts_$net.json" 2>&1 | tail -n 2

@@ -44,6 +44,12 @@ def _conv_forward_calls(cd, conv, algo, reverse, x, w, y, b, ws, nbytes, relu=Fa
 # calls over 3 channels in Caffe's order are slower than FP32's
 # (docs/precision.md, Channels-last maps).
 IMAGE_CHANNELS_LAST = True
+# A grouped 16-bit convolution may run channels-last too (cuDNN's group count
+# over channels-last descriptors; BVLC AlexNet's conv2, conv4 and conv5), but
+# not Caffe's per-group calls (the `stock` plan) or the per-group timed
+# variant, whose offsets are Caffe's order's. Off by default: not yet
+# measured on the GPU (docs/precision.md, Channels-last maps).
+GROUPED_CHANNELS_LAST = False
 _bias_nhwc_ok = [True]
 
 
@@ -229,12 +235,14 @@ class _CudnnConvolutionMixin(_CudnnMixin):
 
     def channels_last_ok(self):
         """Whether the calls can run channels-last: a 16-bit 2-D convolution
-        (not a Deconvolution) of one group and one bottom, through cuDNN."""
+        (not a Deconvolution) of one group (or several, GROUPED_CHANNELS_LAST)
+        and one bottom, through cuDNN."""
         return self._gpu_mode() and cudnn_available() and self.gpu_channels_last_ok()
 
     def gpu_channels_last_ok(self):
         """channels_last_ok() on a GPU with cuDNN (caffeplus.layout.modelled_blobs)."""
-        return not self.reverse and self.group == 1 and self.num_spatial == 2 and \
+        groups_ok = self.group == 1 or (GROUPED_CHANNELS_LAST and not self._split_groups())
+        return not self.reverse and groups_ok and self.num_spatial == 2 and \
             self._sixteen_bit() and len(self.layer_param.bottom) == 1 and \
             self._cudnn_geometry_ok()
 
@@ -327,6 +335,12 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             return
         workspace = _workspace()
         slices = self._batch_slices()
+        if self.compute_nhwc and self._split_groups():
+            # (the layout was chosen at the net's build, the plan after it)
+            raise CaffeplusError('layer %s: a grouped convolution over channels-last maps '
+                                 '(GROUPED_CHANNELS_LAST) cannot run the stock plan\'s per-group '
+                                 'calls; use --layout nchw with --plans stock'
+                                 % self.layer_param.name)
         cd = _ConvDescs(self, self._split_groups(), slices)
         timed = self._timed_search()
         self._built_timed = timed
@@ -336,7 +350,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         # candidate too (cuDNN's grouped kernels are often slower, in TF32
         # mode especially); the fastest of both wins per call site.
         per_group = _ConvDescs(self, True) if timed and cd.loops == 1 and self.group > 1 and \
-            _per_group_search() else None
+            not cd.nhwc and _per_group_search() else None
         gemm, chunked = self._timed_variants(cd, slices) if timed else (None, {})
         sites = {}
         for kind in workspace.KINDS:

@@ -1,5 +1,6 @@
 """ACROSS_CHANNELS LRN through cuDNN; for BFLOAT16 maps, which cuDNN's LRN
-does not take, caffeplus.kernels' cp_lrn_fwd/cp_lrn_bwd.
+does not take, caffeplus.kernels' cp_lrn_fwd/cp_lrn_bwd; over channels-last
+16-bit maps, their channels-last forms.
 """
 import functools
 
@@ -11,6 +12,7 @@ from caffeplus.cudnn import api
 from caffeplus.layer import register_engine
 from caffeplus.layers.cudnn_common import (READS_BOTH, _as4d, _CudnnMixin, _dptr, _fits,
                                            _same_storage_dtype, cudnn_available, storage_dtype)
+from caffeplus.errors import CaffeplusError
 from caffeplus.layers.vision import LRNLayer
 from caffeplus.proto import caffe_pb2
 
@@ -24,6 +26,12 @@ KERNEL_MAX_SIZE = 15
 # Channels a cp_lrn_* thread walks: enough threads to fill the device, few
 # window re-reads at a chunk's start (2 * pre channels in backward).
 KERNEL_CHANNEL_CHUNK = 16
+# A 16-bit LRN across channels may read and write channels-last maps, its
+# bottom and top alike (cp_lrn_fwd_nhwc/cp_lrn_bwd_nhwc), so that the
+# convolutions around it need not keep Caffe's order (BVLC AlexNet's,
+# GoogLeNet's stem). Off by default: not yet measured on the GPU
+# (docs/precision.md, Channels-last maps).
+CHANNELS_LAST = False
 
 
 def _math_dtype(dtype):
@@ -52,6 +60,20 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
     def gpu_backward_reads(self):
         return READS_BOTH           # cuDNN's LRN backward reads x and y
 
+    # caffeplus.layout: where channels_last_ok, either order, bottom and top alike.
+    layout_role = 'tied'
+
+    def channels_last_ok(self):
+        return self._gpu_mode() and _kernels.active() and self.gpu_channels_last_ok()
+
+    def gpu_channels_last_ok(self):
+        """channels_last_ok() on a GPU with caffeplus's kernels (the estimate's
+        model, caffeplus.layout.modelled_blobs)."""
+        return CHANNELS_LAST and self.region == caffe_pb2.LRNParameter.ACROSS_CHANNELS and \
+            self.size <= KERNEL_MAX_SIZE and self._dtypes_agree and \
+            getattr(self, '_sixteen_bit_maps', False) and \
+            0 < getattr(self, '_count', 0) <= _kernels.MAX_COUNT
+
     def layer_setup(self, bottom, top):
         super().layer_setup(bottom, top)
         self._desc = None
@@ -65,6 +87,8 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
         self._dtypes_agree = _same_storage_dtype(bottom, top)
+        self._sixteen_bit_maps = storage_dtype(bottom[0]).itemsize == 2
+        self._count = bottom[0].count
         if self._gpu_mode() and cudnn_available() and self._cudnn_ok(bottom[0].shape):
             self._build(bottom[0].shape, storage_dtype(bottom[0]))
 
@@ -132,7 +156,24 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
                                      (_kernels.ELEMENTWISE_THREADS,), tuple(arrays) + args)
         return True
 
+    def _run_channels_last(self, name, blob, *blob_diffs):
+        """cp_lrn_fwd_nhwc or cp_lrn_bwd_nhwc (`name`) over channels-last maps
+        (the layout put them there only where channels_last_ok)."""
+        arrays, dtype = _kernels.maps(*blob_diffs)
+        if arrays is None:
+            raise CaffeplusError('layer %s: its channels-last maps need caffeplus\'s LRN kernels'
+                                 % self.layer_param.name)
+        count = blob.count
+        args = (numpy.uint32(count), numpy.int32(blob.shape[1]), numpy.int32(self.size),
+                numpy.float32(numpy.float32(self.alpha) / numpy.float32(self.size)),
+                numpy.float32(self.k), numpy.float32(self.beta))
+        _kernels.kernel(name, dtype)(_kernels.elementwise_grid(count),
+                                     (_kernels.ELEMENTWISE_THREADS,), tuple(arrays) + args)
+
     def _forward(self, bottom, top):
+        if bottom[0].layout == 'NHWC':
+            return self._run_channels_last('cp_lrn_fwd_nhwc', bottom[0], (bottom[0], False),
+                                           (top[0], False))
         if not self._ready(bottom[0].data):
             return super()._forward(bottom, top)
         lrn, xd = self._desc
@@ -153,6 +194,9 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
     def _backward(self, top, propagate_down, bottom):
         if not propagate_down[0]:
             return
+        if bottom[0].layout == 'NHWC':
+            return self._run_channels_last('cp_lrn_bwd_nhwc', bottom[0], (bottom[0], False),
+                                           (top[0], False), (top[0], True), (bottom[0], True))
         if not self._ready(bottom[0].data):
             return super()._backward(top, propagate_down, bottom)
         lrn, xd = self._desc

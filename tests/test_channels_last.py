@@ -313,6 +313,38 @@ def test_the_gpus_layout_is_modelled_on_a_net_built_on_the_cpu(net_name, between
         assert layout.modelled_blobs(net) == set()
 
 
+@pytest.mark.parametrize('grouped, lrn, count', [(False, False, 0), (True, False, 4),
+                                                  (False, True, 0), (True, True, 9)])
+def test_lrn_and_grouped_convolutions_channels_last_where_their_switches_allow(
+        grouped, lrn, count, monkeypatch):
+    """layers/cudnn_lrn.CHANNELS_LAST (an LRN on caffeplus's channels-last
+    kernels, bottom and top in one order) and
+    layers/cudnn_conv.GROUPED_CHANNELS_LAST: BVLC AlexNet goes channels-last
+    from conv1 to pool5's bottom with both (from pool2's top with the
+    grouped one alone: norm2 holds its bottom), none with the LRN one alone
+    (its grouped convolutions tie the rest); GoogLeNet's stem joins its
+    inceptions. Under the stock plan a grouped convolution runs Caffe's
+    per-group calls, in Caffe's order only."""
+    from caffeplus.layers import cudnn_conv, cudnn_lrn
+    monkeypatch.setattr(cudnn_conv, 'GROUPED_CHANNELS_LAST', grouped)
+    monkeypatch.setattr(cudnn_lrn, 'CHANNELS_LAST', lrn)
+    net = _bench_fp16(os.path.join(SHARED, 'bench', 'alexnet_b128.prototxt'))
+    with config.using(layout='nhwc'):
+        moved = {net._blob_names[i] for i in layout.modelled_blobs(net)}
+    assert len(moved) == count
+    if count == 9:
+        assert moved == {'conv1', 'norm1', 'pool1', 'conv2', 'norm2', 'pool2', 'conv3',
+                         'conv4', 'conv5'}
+        google = _bench_fp16(os.path.join(SHARED, 'bench', 'googlenet_b64.prototxt'))
+        with config.using(layout='nhwc'):
+            stem = {google._blob_names[i] for i in layout.modelled_blobs(google)}
+        assert len(stem) == 119 and {'conv1/7x7_s2', 'pool1/norm1', 'conv2/norm2'} <= stem
+    conv2 = net.layers[net._layer_names.index('conv2')]
+    assert conv2.group == 2 and conv2.gpu_channels_last_ok() == grouped
+    conv2.memory_plan = 'stock'
+    assert not conv2.gpu_channels_last_ok()
+
+
 def test_the_estimate_counts_an_image_convolutions_relaid_maps(monkeypatch):
     """A 16-bit image convolution with a channels-last top runs channels-last
     on the GPU, its image padded to 4 channels (VGG-16's conv1_1); where its
@@ -341,3 +373,33 @@ def test_the_estimate_counts_an_image_convolutions_relaid_maps(monkeypatch):
     n, c, h, w = vgg.blobs['data'].shape
     with config.using(layout='nhwc'):      # (conv1_1's top goes channels-last itself)
         assert wm.shared_scratch_bytes(vgg, 'shared') == 2 * n * 4 * h * w + 8 * 2 ** 19
+
+
+@pytest.mark.parametrize('spec, settings', [
+    ('on', dict(image=True, argmax=True, lrn=True, grouped=True)),
+    ('off', dict(image=False, argmax=False, lrn=False, grouped=False)),
+    ('lrn=on,grouped=on', dict(lrn=True, grouped=True)), ('image=off', dict(image=False)),
+    ('default', {})])
+def test_the_layout_switches_reach_the_script_they_run(spec, settings):
+    """dev/layout_switches.py sets the switches a SPEC names in the Python
+    process it starts (through a sitecustomize module, so processes that one
+    spawns too), the others as the code has them; an unknown name fails."""
+    import subprocess
+    import sys
+    from caffeplus.layers import cudnn_conv, cudnn_lrn, cudnn_pooling
+    want = dict(image=cudnn_conv.IMAGE_CHANNELS_LAST, argmax=cudnn_pooling.ARGMAX_BETWEEN_ORDERS,
+                lrn=cudnn_lrn.CHANNELS_LAST, grouped=cudnn_conv.GROUPED_CHANNELS_LAST)
+    want.update(settings)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, 'dev', 'layout_switches.py')
+    code = ('from caffeplus.layers import cudnn_conv as c, cudnn_lrn as l, cudnn_pooling as p; '
+            'print(c.IMAGE_CHANNELS_LAST, p.ARGMAX_BETWEEN_ORDERS, l.CHANNELS_LAST, '
+            'c.GROUPED_CHANNELS_LAST)')
+    out = subprocess.run([sys.executable, script, spec, '-c', code], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split('\n')[-2] == ' '.join(
+        str(want[k]) for k in ('image', 'argmax', 'lrn', 'grouped'))
+    bad = subprocess.run([sys.executable, script, 'lrm=on', '-c', 'pass'], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown switch setting 'lrm=on'" in bad.stderr

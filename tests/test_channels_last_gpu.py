@@ -559,3 +559,44 @@ def test_a_ceil_rule_max_pooling_changes_the_order_between_its_maps(gpu, sixteen
     label = r.randint(0, 5, size=8).astype(numpy.float32)
     assert nets['nchw'].blobs['pool2'].shape == (8, 16, 10, 10)
     _assert_layouts_agree(nets, x, label, sixteen, ['pool2'])
+
+
+# BVLC AlexNet's pattern: LRNs after the image convolution and after a grouped
+# one. With layers/cudnn_lrn.CHANNELS_LAST and
+# layers/cudnn_conv.GROUPED_CHANNELS_LAST every map from conv1 to pool2's
+# bottom is channels-last (pool1, a ceil-rule max pooling, on the argmax
+# kernels; pool2 on cuDNN's, its top in Caffe's order for the InnerProduct).
+ALEXNET_GROUPED = ALEXNET_STEM.replace('name: "alexnet_stem"', 'name: "alexnet_grouped"').replace(
+    'layer { name: "ip1" type: "InnerProduct" bottom: "pool1"', '''
+layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
+  convolution_param { num_output: 32 kernel_size: 3 pad: 1 group: 2
+    weight_filler { type: "gaussian" std: 0.1 } bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
+layer { name: "norm2" type: "LRN" bottom: "conv2" top: "norm2"
+  lrn_param { local_size: 5 alpha: 0.0001 beta: 0.75 } }
+layer { name: "pool2" type: "Pooling" bottom: "norm2" top: "pool2"
+  pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "ip1" type: "InnerProduct" bottom: "pool2"''')
+
+
+@pytest.mark.parametrize('sixteen', ['fp16', 'bf16'])
+def test_lrns_and_grouped_convolutions_run_channels_last(gpu, sixteen, monkeypatch):
+    """The LRNs on their channels-last kernels and the grouped convolution
+    through cuDNN's group count over channels-last descriptors: the loss,
+    every gradient, the maps and the data's gradient are Caffe's order's
+    within the type's rounding, over two passes (the second replayed)."""
+    if sixteen == 'bf16':
+        pytest.importorskip('ml_dtypes')
+    from caffeplus.layers import cudnn_conv, cudnn_lrn
+    monkeypatch.setattr(cudnn_conv, 'GROUPED_CHANNELS_LAST', True)
+    monkeypatch.setattr(cudnn_lrn, 'CHANNELS_LAST', True)
+    nets = _both_layouts(ALEXNET_GROUPED, sixteen)
+    net = nets['nhwc']
+    moved = {n for n, b in net._blob_dict.items() if b.layout == 'NHWC'}
+    assert moved == {'conv1', 'norm1', 'pool1', 'conv2', 'norm2'}
+    conv2 = {l.layer_param.name: l for l in net.layers}['conv2']
+    assert conv2.compute_nhwc and conv2._cd.nhwc and conv2._cd.loops == 1
+    r = numpy.random.RandomState(31)
+    x = r.standard_normal((8, 3, 39, 39)).astype(numpy.float32)
+    label = r.randint(0, 5, size=8).astype(numpy.float32)
+    _assert_layouts_agree(nets, x, label, sixteen, ['norm1', 'conv2', 'norm2'])

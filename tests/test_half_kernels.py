@@ -1031,3 +1031,77 @@ def test_division_by_a_channels_reciprocal_rounds_as_a_division(sixteen):
                      want[tiny].view(numpy.int32).astype(numpy.int64))
     assert ulps.max() <= 2
     assert numpy.signbit(q[a == 0]).tolist() == numpy.signbit(want[a == 0]).tolist()
+
+
+@pytest.mark.parametrize('n, c', [(5, 37), (1, 3), (3, 16), (15, 20)])
+def test_the_channels_last_lrn_gives_caffes_orders_bits(half_extra, float_extra, n, c):
+    """cp_lrn_fwd_nhwc / cp_lrn_bwd_nhwc (a thread a value, its window read
+    from its pixel's consecutive channels) against cp_lrn_fwd / cp_lrn_bwd
+    over the same maps in Caffe's order: the same bits, in the 16-bit
+    build and the float32 one (windows cut by both ends of the channels;
+    windows wider than the channels)."""
+    r = numpy.random.RandomState(n * 100 + c)
+    shape = (2, c, 3, 5)
+    hw = 15
+    alpha_n, k, beta = F32(0.7 / n), F32(1.5), F32(0.75)
+    for emu, dtype in ((half_extra, F16), (float_extra, F32)):
+        x = (2 * r.standard_normal(shape)).astype(dtype)
+        dy = r.standard_normal(shape).astype(dtype)
+        chunks = -(-c // 16)
+        y, dx = numpy.empty_like(x), numpy.empty_like(x)
+        emu.kernel('cp_lrn_fwd')((4,), (64,), (x, y, numpy.uint32(2 * chunks * hw), numpy.int32(c),
+                                             numpy.uint32(hw), numpy.int32(n), alpha_n, k, beta,
+                                             numpy.int32(16)))
+        emu.kernel('cp_lrn_bwd')((4,), (64,), (x, y, dy, dx, numpy.uint32(2 * chunks * hw),
+                                               numpy.int32(c), numpy.uint32(hw), numpy.int32(n),
+                                               alpha_n, k, beta, numpy.int32(16)))
+
+        def nhwc(a):
+            return numpy.ascontiguousarray(a.transpose(0, 2, 3, 1))
+        xl, dyl = nhwc(x), nhwc(dy)
+        yl, dxl = numpy.empty_like(xl), numpy.empty_like(xl)
+        total = numpy.uint32(x.size)
+        emu.kernel('cp_lrn_fwd_nhwc')((3,), (64,), (xl, yl, total, numpy.int32(c), numpy.int32(n),
+                                                    alpha_n, k, beta))
+        emu.kernel('cp_lrn_bwd_nhwc')((3,), (64,), (xl, yl, dyl, dxl, total, numpy.int32(c),
+                                                    numpy.int32(n), alpha_n, k, beta))
+        assert yl.tobytes() == nhwc(y).tobytes()
+        assert dxl.tobytes() == nhwc(dx).tobytes()
+
+
+def test_the_lrn_layer_runs_channels_last_maps_on_its_kernels(float_extra):
+    """CuDNNLRNLayer over channels-last blobs (caffeplus.layout stores them
+    so where its CHANNELS_LAST rule allows), the kernels emulated: the
+    generic layer's top and bottom gradient, in the blobs' order."""
+    from caffeplus.blob import Blob
+    from caffeplus.layers.cudnn_lrn import CuDNNLRNLayer
+    from caffeplus.layers.vision import LRNLayer
+    from caffeplus.proto import caffe_pb2
+    param = caffe_pb2.LayerParameter(name='norm', type='LRN')
+    param.lrn_param.local_size = 5
+    param.lrn_param.alpha = 0.5
+    shape = (2, 21, 3, 4)
+    r = numpy.random.RandomState(23)
+    x = (2 * r.standard_normal(shape)).astype(F32)
+    dy = r.standard_normal(shape).astype(F32)
+    want = LRNLayer(param)
+    bottom, top = Blob(shape), Blob()
+    want.setup([bottom], [top])
+    bottom.data[...] = x
+    want.forward([bottom], [top])
+    top.diff[...] = dy
+    want.backward([top], [True], [bottom])
+    layer = CuDNNLRNLayer(param)
+    b, t = Blob(shape), Blob()
+    layer.setup([b], [t])
+    b.layout = t.layout = 'NHWC'
+
+    def stored(a):      # a map's values as a channels-last blob stores them
+        return a.transpose(0, 2, 3, 1).reshape(shape)
+    b.data[...] = stored(x)
+    with emulating(float_extra):
+        layer.forward([b], [t])
+        t.diff[...] = stored(dy)
+        layer.backward([t], [True], [b])
+    numpy.testing.assert_allclose(t.data, stored(top.data), rtol=1e-5, atol=1e-6)
+    numpy.testing.assert_allclose(b.diff, stored(bottom.diff), rtol=1e-4, atol=1e-5)

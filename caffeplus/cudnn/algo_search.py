@@ -64,9 +64,10 @@ class _ConvDescs:
         # keeps, are described as such; cuDNN accumulates in float32.
         dtype = self.dtype = numpy.dtype(getattr(layer, 'activation_dtype', numpy.float32))
         size = dtype.itemsize
-        # Channels-last maps (caffeplus.layout; one group, no split): their
-        # strides, and filters in cuDNN's channels-last order (K, kh, kw, C),
-        # which its channels-last backward calls need.
+        # Channels-last maps (caffeplus.layout; groups by cuDNN's group count,
+        # never split into calls): their strides, and filters in cuDNN's
+        # channels-last order (K, kh, kw, C), which its channels-last
+        # backward calls need.
         self.nhwc = nhwc = bool(getattr(layer, 'compute_nhwc', False))
         strides = api.nhwc_strides if nhwc else _contiguous_strides
         self.x = api.TensorDesc((nc, cx // G) + tuple(xsp), strides(x_full), dtype)
