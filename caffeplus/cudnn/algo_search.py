@@ -106,7 +106,7 @@ class _ConvDescs:
         self.top = self.x if layer.reverse else self.y
         self.top_off = self.x_off if layer.reverse else self.y_off
         self.top_full = x_full if layer.reverse else y_full
-        self.bias_part = None       # _bias_gradient's partial sums
+        self.bias_part = None       # _bias_gradient's partial sums in Caffe's order
         self.replays = api.Replays()
 
     def conv_for(self, math):
