@@ -180,7 +180,37 @@ def top_from_relaid(top, scratch, top_nhwc):
     copy_between_orders(_kernels.flat(top, any_dtype=True), scratch, top.shape, not top_nhwc)
 
 
-_transpose_ok = [True]
+class KernelPath:
+    """A path through caffeplus's kernels that a layer takes until it first
+    fails: the failure is noted (kernels.note_failure) and from then on the
+    caller's fallback runs (a kernel that did not build or launch once
+    would not the next time)."""
+
+    def __init__(self, what):
+        self.what = what
+        self.ok = True
+
+    def run(self, fn, *args):
+        """fn(*args); whether it ran (False: it failed, now or before)."""
+        if not self.ok:
+            return False
+        try:
+            fn(*args)
+            return True
+        except Exception as exc:
+            self.ok = False
+            _kernels.note_failure(self.what, exc)
+            return False
+
+
+_TRANSPOSE = KernelPath('relayout between orders (cp_transpose)')
+
+
+def _transpose_between_orders(dst, src, n, c, hw, cs, src_nhwc):
+    if src_nhwc:
+        _kernels.transpose(src, dst, n, hw, c, lds=cs)
+    else:
+        _kernels.transpose(src, dst, n, c, hw, ldd=cs, pad=cs > c)
 
 
 def copy_between_orders(dst, src, shape, src_nhwc, channels=0):
@@ -190,16 +220,8 @@ def copy_between_orders(dst, src, shape, src_nhwc, channels=0):
     image relaid to 4 channels); the padding it writes is 0."""
     n, c, h, w = shape
     cs = channels or c
-    if _transpose_ok[0]:
-        try:
-            if src_nhwc:
-                _kernels.transpose(src, dst, n, h * w, c, lds=cs)
-            else:
-                _kernels.transpose(src, dst, n, c, h * w, ldd=cs, pad=cs > c)
-            return
-        except Exception as exc:
-            _transpose_ok[0] = False
-            _kernels.note_failure('relayout between orders (cp_transpose)', exc)
+    if _TRANSPOSE.run(_transpose_between_orders, dst, src, n, c, h * w, cs, src_nhwc):
+        return
     import cupy
     if src_nhwc:
         cupy.copyto(dst[:n * c * h * w].reshape(n, c, h, w),

@@ -16,7 +16,7 @@ from caffeplus.errors import CaffeplusError
 from caffeplus.layer import register_engine
 from caffeplus.layers import cudnn_common as _common
 from caffeplus.layers.conv_gemm import _GemmConv
-from caffeplus.layers.cudnn_common import (NHWC_WEIGHTS, _CudnnMixin, _dptr, _prod,
+from caffeplus.layers.cudnn_common import (NHWC_WEIGHTS, KernelPath, _CudnnMixin, _dptr, _prod,
                                            _same_storage_dtype, batch_slices, cudnn_available,
                                            copy_between_orders, padded_count, relaid_top,
                                            sixteen_bit_copy, storage_dtype, top_from_relaid)
@@ -50,28 +50,24 @@ IMAGE_CHANNELS_LAST = True
 # variant, whose offsets are Caffe's order's. Off by default: not yet
 # measured on the GPU (docs/precision.md, Channels-last maps).
 GROUPED_CHANNELS_LAST = False
-_bias_nhwc_ok = [True]
+_BIAS_NHWC = KernelPath('convolution bias (cp_bias_nhwc)')
 
 
 def _bias_add_calls(cd, b, y, relu=False):
     """The bias added to the top; `relu` (channels-last only): and the
     in-place ReLU after it, in the same pass. Where cp_bias_nhwc fails
-    (_bias_nhwc_ok turns False) the ReLU is left to its layer."""
-    if cd.nhwc and _bias_nhwc_ok[0]:
+    (_BIAS_NHWC.ok turns False) the ReLU is left to its layer."""
+    if cd.nhwc:
         # Channels-last 16-bit maps: one pass over the whole top (every batch
         # slice; one group) with caffeplus.kernels' cp_bias_nhwc.
         c = cd.top_full[1]
-        try:
-            _kernels.bias_nhwc(y, b, _prod(cd.top_full) // c, c, cd.dtype, relu)
+        if _BIAS_NHWC.run(_kernels.bias_nhwc, y, b, _prod(cd.top_full) // c, c, cd.dtype, relu):
             return
-        except Exception as exc:
-            _bias_nhwc_ok[0] = False
-            _kernels.note_failure('convolution bias (cp_bias_nhwc)', exc)
     for g in range(cd.loops):
         api.add_tensor(cd.bias, b + g * cd.b_off, cd.top, y + g * cd.top_off)
 
 
-_channel_sums_ok = [True]
+_CHANNEL_SUMS = KernelPath('convolution bias gradient (cp_channel_sum)')
 
 
 def _bias_gradient(cd, dtop, db, dtype=None):
@@ -80,17 +76,13 @@ def _bias_gradient(cd, dtop, db, dtype=None):
     group and batch slice at once. cudnnConvolutionBackwardBias's kernel
     (calc_bias_diff) took 2.1 of AlexNet's 9.2 ms a TF32 iteration on the
     H100 (dev/kernel_profile.py); it stays as the fallback."""
-    if _channel_sums_ok[0] and cd.nhwc:
+    if cd.nhwc:
         # Channels-last: rows of C values, the channels across each block's
         # threads (cp_channel_sum_part walks a channel's values C apart).
         m, c = _prod(cd.top_full) // cd.top_full[1], cd.top_full[1]
-        try:
-            _kernels.channel_sums_nhwc(dtop, db, m, c, dtype)
+        if _CHANNEL_SUMS.run(_kernels.channel_sums_nhwc, dtop, db, m, c, dtype):
             return
-        except Exception as exc:
-            _channel_sums_ok[0] = False
-            _kernels.note_failure('convolution bias gradient (cp_channel_sum_part_nhwc)', exc)
-    elif _channel_sums_ok[0]:
+    elif _CHANNEL_SUMS.ok:
         # A top too large for one call is summed slice by slice (the kernel
         # indexes with 32-bit ints); each slice adds to db.
         pieces = cd.batch_chunks if _prod(cd.top_full) > _common.MAX_CUDNN_COUNT else 1
@@ -99,14 +91,13 @@ def _bias_gradient(cd, dtop, db, dtype=None):
         p = _kernels.sum_blocks_per_channel(c, n * s)
         if cd.bias_part is None or cd.bias_part.size < c * p:
             cd.bias_part = _kernels.empty(c * p, numpy.float64)
-        try:
+
+        def slices():
             for g in range(pieces):
                 _kernels.channel_sums(dtop + g * cd.top_off, cd.bias_part, db,
                                       n, c, s, p, dtype)
+        if _CHANNEL_SUMS.run(slices):
             return
-        except Exception as exc:        # the extra module did not build here
-            _channel_sums_ok[0] = False
-            _kernels.note_failure('convolution bias gradient (cp_channel_sum)', exc)
     for g in range(cd.loops):
         api.conv_backward_bias(cd.top, dtop + g * cd.top_off, cd.bias, db + g * cd.b_off,
                                beta=1.0)
@@ -566,7 +557,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         # The in-place ReLU after it, in the bias pass (fused_chain's
         # _ConvReLUChain, active when nothing looks at the top between them).
         ch = self._chain
-        relu = bool(b) and cd.nhwc and _bias_nhwc_ok[0] and ch is not None and \
+        relu = bool(b) and cd.nhwc and _BIAS_NHWC.ok and ch is not None and \
             ch.fwd_active and not ch.relu.masked and not self._top_relaid
         for bb, tt in zip(bottom, top):
             ys = relaid_top(tt, False) if self._top_relaid else None
@@ -586,7 +577,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                                                      self.reverse, x, w, y, b, ws, nbytes, relu))
             if ys is not None:
                 top_from_relaid(tt, ys, False)
-        if relu and _bias_nhwc_ok[0]:
+        if relu and _BIAS_NHWC.ok:
             ch.fwd_done = True          # the ReLU's forward has nothing left to do
 
     def _backward(self, top, propagate_down, bottom):
@@ -614,7 +605,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                 dw16 = backend.device_scratch(
                     'filter gradient', padded_count(wblob, self.padded_channels), dtype)
                 dw, beta = int(dw16.data.ptr), 0.0
-            if db and not _channel_sums_ok[0]:
+            if db and not _CHANNEL_SUMS.ok:
                 bias16, db = True, 0
         fcd = self._descs_for(fc)
         dkind = 'fwd' if self.reverse else 'bwd_data'

@@ -129,16 +129,19 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
                 descs[key] = api.TensorDesc(_as4d(key), dtype=numpy.float32)
             yield lo, hi, descs[key]
 
+    def _window_args(self):
+        """(size, alpha/size, k, beta) as every cp_lrn_* kernel takes them."""
+        return (numpy.int32(self.size),
+                numpy.float32(numpy.float32(self.alpha) / numpy.float32(self.size)),
+                numpy.float32(self.k), numpy.float32(self.beta))
+
     def _kernel_args(self, shape):
         """(threads, C, HW, size, alpha/size, k, beta, chunk) as cp_lrn_* take them."""
         n, c = int(shape[0]), int(shape[1])
         hw = int(numpy.prod(shape[2:]))
         chunks = -(-c // KERNEL_CHANNEL_CHUNK)
-        return (numpy.uint32(n * chunks * hw), numpy.int32(c), numpy.uint32(hw),
-                numpy.int32(self.size),
-                numpy.float32(numpy.float32(self.alpha) / numpy.float32(self.size)),
-                numpy.float32(self.k), numpy.float32(self.beta),
-                numpy.int32(KERNEL_CHANNEL_CHUNK))
+        return (numpy.uint32(n * chunks * hw), numpy.int32(c), numpy.uint32(hw)) + \
+            self._window_args() + (numpy.int32(KERNEL_CHANNEL_CHUNK),)
 
     def _kernel_ok(self, shape):
         return _kernels.active() and self.size <= KERNEL_MAX_SIZE and \
@@ -164,9 +167,7 @@ class CuDNNLRNLayer(_CudnnMixin, LRNLayer):
             raise CaffeplusError('layer %s: its channels-last maps need caffeplus\'s LRN kernels'
                                  % self.layer_param.name)
         count = blob.count
-        args = (numpy.uint32(count), numpy.int32(blob.shape[1]), numpy.int32(self.size),
-                numpy.float32(numpy.float32(self.alpha) / numpy.float32(self.size)),
-                numpy.float32(self.k), numpy.float32(self.beta))
+        args = (numpy.uint32(count), numpy.int32(blob.shape[1])) + self._window_args()
         _kernels.kernel(name, dtype)(_kernels.elementwise_grid(count),
                                      (_kernels.ELEMENTWISE_THREADS,), tuple(arrays) + args)
 

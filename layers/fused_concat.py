@@ -3,22 +3,18 @@
 from caffeplus import kernels as _kernels
 from caffeplus.layer import register_engine
 from caffeplus.layers.common import ConcatLayer
-from caffeplus.layers.cudnn_common import _fused, _prod
+from caffeplus.layers.cudnn_common import KernelPath, _fused, _prod
 
 
-_copy_rows_ok = [True]
+_COPY_ROWS = KernelPath('Concat (cp_copy_rows)')
 
 
 def _copy_rows(src, src_off, src_pitch, dst, dst_off, dst_pitch, width, rows):
     """`rows` rows of `width` bytes from the device array `src`, `src_off`
     bytes in, to `dst` (caffeplus.kernels.copy_rows, else cudaMemcpy2DAsync)."""
-    if _copy_rows_ok[0]:
-        try:
-            _kernels.copy_rows(src, src_off, src_pitch, dst, dst_off, dst_pitch, width, rows)
-            return
-        except Exception as exc:
-            _copy_rows_ok[0] = False
-            _kernels.note_failure('Concat (cp_copy_rows)', exc)
+    if _COPY_ROWS.run(_kernels.copy_rows, src, src_off, src_pitch, dst, dst_off, dst_pitch,
+                      width, rows):
+        return
     import cupy
     runtime = cupy.cuda.runtime
     runtime.memcpy2DAsync(int(dst.data.ptr) + dst_off, dst_pitch, int(src.data.ptr) + src_off,

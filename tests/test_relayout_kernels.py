@@ -182,3 +182,46 @@ def test_channels_last_bias_sums_on_the_gpu(gpu, m, c):
     import cupy
     kernels.reset_kernels()
     _nhwc_sums_case(cupy, m, c)
+
+
+def test_a_kernel_path_falls_back_for_good_after_its_first_failure():
+    """layers/cudnn_common.KernelPath, which the relayouts, Concat's rows and
+    the convolution's bias kernels take: the kernel runs while it works; its
+    first failure is noted once and from then on the caller's fallback runs
+    without trying the kernel again."""
+    from caffeplus.layers.cudnn_common import KernelPath
+    calls = []
+
+    def works(x):
+        calls.append(x)
+
+    def fails(x):
+        calls.append(x)
+        raise RuntimeError('no module')
+    before = len(kernels.failures())
+    path = KernelPath('a test kernel (cp_test)')
+    assert path.run(works, 1) and path.ok
+    assert not path.run(fails, 2) and not path.ok
+    assert not path.run(works, 3)
+    assert calls == [1, 2]
+    assert kernels.failures()[before:] == [('a test kernel (cp_test)', 'RuntimeError: no module')]
+
+
+@pytest.mark.parametrize('nhwc', [True, False])
+def test_the_convolutions_bias_gradient_takes_the_channel_sums(emulator, nhwc):
+    """layers/cudnn_conv._bias_gradient over a top in either order (the
+    kernels emulated): db gains the top diff's per-channel sums."""
+    from types import SimpleNamespace
+    from caffeplus.layers import cudnn_conv
+    n, c, h, w = 3, 5, 4, 2
+    rng = numpy.random.default_rng(5)
+    dy = rng.standard_normal((n, c, h, w)).astype(numpy.float32)
+    stored = dy.transpose(0, 2, 3, 1) if nhwc else dy
+    cd = SimpleNamespace(nhwc=nhwc, top_full=(n, c, h, w), batch_chunks=1, top_off=0,
+                         bias_part=None)
+    db0 = rng.standard_normal(c).astype(numpy.float32)
+    db = db0.copy()
+    with emulating(emulator):
+        cudnn_conv._bias_gradient(cd, numpy.ascontiguousarray(stored).reshape(-1), db)
+    numpy.testing.assert_allclose(db, db0 + dy.astype(numpy.float64).sum(axis=(0, 2, 3)),
+                                  rtol=1e-6)
