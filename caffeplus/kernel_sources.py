@@ -704,7 +704,8 @@ extern "C" __global__ void cp_cast_many(const unsigned long long* src,
 
 /* cp_cast_many into cuDNN's channels-last filter order: array t's source
    holds (K, C, S) float32 values (S = kh kw, Caffe's order), its copy
-   (K, S, C); cs[t] = C << 32 | S. */
+   (K, S, P), P >= C channels, those past C zero (an image convolution's
+   filters padded to 4 channels); cs[t] = C << 40 | P << 20 | S. */
 extern "C" __global__ void cp_cast_many_krsc(const unsigned long long* src,
     const unsigned long long* dst, const unsigned long long* cs, const long long* offsets,
     const int n, const long long total)
@@ -715,10 +716,11 @@ extern "C" __global__ void cp_cast_many_krsc(const unsigned long long* src,
          w += stride) {
         lo = cp_array_next(offsets, n, w, lo);
         const long long i = w - offsets[lo];
-        const long long C = (long long)(cs[lo] >> 32), S = (long long)(cs[lo] & 0xffffffffull);
-        const long long c = i % C, t = i / C;
-        reinterpret_cast<CP_A*>(dst[lo])[i] =
-            reinterpret_cast<const float*>(src[lo])[((t / S) * C + c) * S + t % S];
+        const long long C = (long long)(cs[lo] >> 40), P = (long long)((cs[lo] >> 20) & 0xfffff),
+                        S = (long long)(cs[lo] & 0xfffff);
+        const long long c = i % P, t = i / P;
+        reinterpret_cast<CP_A*>(dst[lo])[i] = c < C
+            ? reinterpret_cast<const float*>(src[lo])[((t / S) * C + c) * S + t % S] : 0.0f;
     }
 }
 '''

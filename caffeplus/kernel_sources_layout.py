@@ -1,8 +1,8 @@
 """CUDA C source of the kernels that move maps between layouts or work on
 channels-last ones, appended to caffeplus.kernel_sources_extra's EXTRA
 (whose LRN helpers the channels-last LRN uses): tiled transposes between
-Caffe's order and channels-last, Concat's row copies, and the LRN over
-channels-last maps."""
+Caffe's order and channels-last, Concat's row copies, the LRN over
+channels-last maps, and space-to-depth images and filters."""
 
 LAYOUT = r'''
 /* Maps between Caffe's order and channels-last: dst[n][b][a] = src[n][a][b]
@@ -173,6 +173,83 @@ extern "C" __global__ void cp_lrn_bwd_nhwc(const CP_A* x, const CP_A* y, const C
 #undef CP_LRN_BWD_NHWC_CASE
         default: return;
         }
+    }
+}
+/* Space-to-depth (layers/conv_s2d.py): a convolution of stride s over C
+   channels is a stride-1 convolution of ceil(kh/s) x ceil(kw/s) taps over
+   C s^2 channels of s x s pixel blocks. x2 (N, C s^2, H2, W2), channels-last
+   (nhwc) or in Caffe's order, channel q = (by s + bx) C + c holding
+   x[n][c][s Y + by - ph][s X + bx - pw] (0 outside the image); x's element
+   (n, c, h, w) at n sn + c sc + h sh + w sw (either order). */
+extern "C" __global__ void cp_space_to_depth(const CP_A* x, CP_A* x2,
+    const unsigned long long total, const int C, const int H, const int W, const int s,
+    const int ph, const int pw, const int H2, const int W2, const unsigned long long sn,
+    const unsigned long long sc, const unsigned long long sh, const unsigned long long sw,
+    const int nhwc)
+{
+    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long Q = (unsigned long long)C * s * s;
+    const unsigned long long HW2 = (unsigned long long)H2 * W2;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < total; i += step) {
+        unsigned long long q, p, n;
+        if (nhwc) {
+            q = i % Q;
+            p = (i / Q) % HW2;
+            n = i / (Q * HW2);
+        } else {
+            p = i % HW2;
+            q = (i / HW2) % Q;
+            n = i / (Q * HW2);
+        }
+        const int X = (int)(p % W2), Y = (int)(p / W2);
+        const int c = (int)(q % C), b = (int)(q / C), by = b / s, bx = b - by * s;
+        const int h = s * Y + by - ph, w = s * X + bx - pw;
+        CP_A v = (CP_A)0.0f;
+        if (h >= 0 && h < H && w >= 0 && w < W)
+            v = x[n * sn + c * sc + h * sh + w * sw];
+        x2[i] = v;
+    }
+}
+
+/* The filters of that convolution: w2 (K, C s^2, KH2, KW2), channels-last
+   (nhwc: K KH2 KW2 C s^2) or in Caffe's order, w2[k][(by s + bx) C + c][a][b]
+   = w[k][c][s a + by][s b + bx] (0 past the kernel); w's element (k, c, i, j)
+   at k wk + c wc + i wi + j wj. */
+extern "C" __global__ void cp_s2d_filter(const CP_A* w, CP_A* w2, const unsigned total,
+    const int C, const int KH, const int KW, const int s, const int KH2, const int KW2,
+    const unsigned wk, const unsigned wc, const unsigned wi, const unsigned wj, const int nhwc)
+{
+    const unsigned Q = (unsigned)(C * s * s), T = (unsigned)(KH2 * KW2);
+    for (unsigned t = blockIdx.x * blockDim.x + threadIdx.x; t < total;
+         t += gridDim.x * blockDim.x) {
+        const unsigned q = nhwc ? t % Q : (t / T) % Q, p = nhwc ? (t / Q) % T : t % T;
+        const int b = (int)(p % KW2), a = (int)(p / KW2), k = (int)(t / (Q * T));
+        const int c = (int)(q % C), blk = (int)(q / C), by = blk / s, bx = blk - by * s;
+        const int i = s * a + by, j = s * b + bx;
+        CP_A v = (CP_A)0.0f;
+        if (i < KH && j < KW)
+            v = w[k * wk + c * wc + i * wi + j * wj];
+        w2[t] = v;
+    }
+}
+
+/* dw (K, C, KH, KW) float32 += the filter gradient of that convolution,
+   dw2 as cp_s2d_filter lays it out (the taps past the kernel dropped). */
+extern "C" __global__ void cp_s2d_filter_grad(const CP_A* dw2, float* dw, const unsigned total,
+    const int C, const int KH, const int KW, const int s, const int KH2, const int KW2,
+    const int nhwc)
+{
+    const unsigned Q = (unsigned)(C * s * s);
+    for (unsigned t = blockIdx.x * blockDim.x + threadIdx.x; t < total;
+         t += gridDim.x * blockDim.x) {
+        const int j = (int)(t % KW), i = (int)((t / KW) % KH), c = (int)((t / (KW * KH)) % C);
+        const unsigned k = t / (unsigned)(KW * KH * C);
+        const int a = i / s, by = i - a * s, b = j / s, bx = j - b * s;
+        const unsigned q = (unsigned)((by * s + bx) * C + c);
+        const unsigned at = nhwc ? ((k * KH2 + a) * KW2 + b) * Q + q
+                                 : ((k * Q + q) * KH2 + a) * KW2 + b;
+        dw[t] = __fadd_rn(dw[t], (float)dw2[at]);
     }
 }
 '''

@@ -72,7 +72,8 @@ MAP_KERNELS = frozenset(('cp_bn_fwd', 'cp_bn_bwd', 'cp_relu_fwd', 'cp_relu_bwd',
                          'cp_bn_apply_nhwc_vec', 'cp_bn_apply_add_nhwc_vec',
                          'cp_bn_bwd_part_nhwc_vec', 'cp_bn_dx_nhwc_vec', 'cp_bias_nhwc',
                          'cp_dropout_fwd', 'cp_dropout_bwd', 'cp_lrn_fwd_nhwc',
-                         'cp_lrn_bwd_nhwc'))
+                         'cp_lrn_bwd_nhwc', 'cp_space_to_depth', 'cp_s2d_filter',
+                         'cp_s2d_filter_grad'))
 SOURCE = COMMON + CORE + EXTRA + CHANNELS_LAST_BATCHNORM
 
 # Flags of cp_bn_fwd / cp_bn_bwd.
@@ -619,13 +620,19 @@ def cast_many(arrays, dtype):
     kernel('cp_cast_many', dtype)(_many_grid(tables[-1]), (ELEMENTWISE_THREADS,), tables)
 
 
+KRSC_LIMITS = (1 << 24, 1 << 20, 1 << 20)    # C, kh kw, P in cp_cast_many_krsc's packing
+
+
 def cast_many_krsc(arrays, dtype):
     """cast_many into cuDNN's channels-last filter order, for every (src
-    address of (K, C, kh, kw) float32 values, dst address, count, C, kh kw)
-    of `arrays`, in one launch of cp_cast_many_krsc."""
+    address of (K, C, kh, kw) float32 values, dst address of (K, kh, kw, P)
+    values, dst count, C, kh kw, P) of `arrays` (P >= C, the channels past C
+    zeroed), in one launch of cp_cast_many_krsc. C below 2**24, P and kh kw
+    below 2**20 (KRSC_LIMITS)."""
     arrays = [a for a in arrays if a[2]]
     if not arrays:
         return
     tables = _tables('cast_krsc', [[a[0] for a in arrays], [a[1] for a in arrays],
-                                   [(a[3] << 32) | a[4] for a in arrays]], [a[2] for a in arrays])
+                                   [(a[3] << 40) | (a[5] << 20) | a[4] for a in arrays]],
+                     [a[2] for a in arrays])
     kernel('cp_cast_many_krsc', dtype)(_many_grid(tables[-1]), (ELEMENTWISE_THREADS,), tables)

@@ -5,7 +5,8 @@ import numpy
 
 from caffeplus import kernels as _kernels
 from caffeplus.backend import blas
-from caffeplus.cudnn.algo_search import FLOAT_BYTES, _gemm_1x1_search, _gemm_search, _prod
+from caffeplus.cudnn.algo_search import (FLOAT_BYTES, _gemm_1x1_search, _gemm_search, _prod,
+                                         median_ms)
 
 
 GEMM_MAX_CHANNELS = 4           # input channels up to which it is timed (image layers)
@@ -207,13 +208,4 @@ class _GemmConv:
 
             def run():
                 self.backward_filter(x, y, dwp, wsp)
-        run()
-        times = []
-        for _ in range(3):
-            e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-            e0.record()
-            run()
-            e1.record()
-            e1.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(e0, e1))
-        return sorted(times)[1]
+        return median_ms(run)

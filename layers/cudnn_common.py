@@ -279,19 +279,34 @@ def _refresh_weight_copies(net, start, end, backward):
         if not copies:
             continue
         for name, (c, _, _, blob) in copies.items():
-            master = _kernels.flat(blob)
-            if master is None or c.size != blob.count:
+            job = _copy_job(name, c, blob)
+            if job is None:
                 continue            # (the layer copies it itself)
-            job = (int(master.data.ptr), int(c.data.ptr), c.size)
-            if name == NHWC_WEIGHTS:    # (K, C, kh, kw) copied as (K, kh, kw, C)
-                shape = blob.shape
-                job += (shape[1], c.size // (shape[0] * shape[1]))
             jobs.setdefault((c.dtype, name == NHWC_WEIGHTS), []).append(job)
             marks.append((copies, name, c, blob))
     for (dtype, krsc), arrays in jobs.items():
         (_kernels.cast_many_krsc if krsc else _kernels.cast_many)(arrays, dtype)
     for copies, name, c, blob in marks:
         copies[name] = (c, now, True, blob)
+
+
+def _copy_job(name, copy, blob):
+    """(src, dst, count) for kernels.cast_many, or for a channels-last copy
+    ((K, C, kh, kw) as (K, kh, kw, P), P >= C: an image convolution's
+    filters padded) (src, dst, count, C, kh kw, P) for cast_many_krsc; None
+    where the kernels cannot write this copy."""
+    master = _kernels.flat(blob)
+    if master is None:
+        return None
+    job = (int(master.data.ptr), int(copy.data.ptr), copy.size)
+    if name != NHWC_WEIGHTS:
+        return job if copy.size == blob.count else None
+    k, c = blob.shape[:2]
+    s, p = blob.count // (k * c), copy.shape[-1]
+    if copy.size != k * s * p or p < c or \
+            any(v >= limit for v, limit in zip((c, s, p), _kernels.KRSC_LIMITS)):
+        return None
+    return job + (c, s, p)
 
 
 _kernels.add_pass_hook(_refresh_weight_copies)

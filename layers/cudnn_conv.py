@@ -1,5 +1,5 @@
-"""Convolution and Deconvolution through cuDNN (or the im2col + cuBLAS
-variant where timed search picks it): descriptors per shape, workspace
+"""Convolution and Deconvolution through cuDNN (or the im2col + cuBLAS or
+space-to-depth variant where timed search picks it): descriptors per shape, workspace
 from the layer's workspace manager, calls replayed as CUDA graphs.
 """
 import functools
@@ -10,12 +10,13 @@ from caffeplus import backend
 from caffeplus import kernels as _kernels
 from caffeplus.backend import mathmode
 from caffeplus.cudnn import api
-from caffeplus.cudnn.algo_search import (CHUNK_VARIANTS, _ConvDescs, _chunk_search,
-                                         _per_group_search, search_default)
+from caffeplus.cudnn.algo_search import (CHUNK_VARIANTS, S2D_VARIANT, _ConvDescs,
+                                         _chunk_search, _per_group_search, search_default)
 from caffeplus.errors import CaffeplusError
 from caffeplus.layer import register_engine
 from caffeplus.layers import cudnn_common as _common
 from caffeplus.layers.conv_gemm import _GemmConv
+from caffeplus.layers.conv_s2d import _SpaceToDepthConv
 from caffeplus.layers.cudnn_common import (NHWC_WEIGHTS, KernelPath, _CudnnMixin, _dptr, _prod,
                                            _same_storage_dtype, batch_slices, cudnn_available,
                                            copy_between_orders, padded_count, relaid_top,
@@ -193,6 +194,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         self._cd_groups = None
         self._cd_chunks = {}
         self._gemm = None
+        self._s2d = None
         self._cd_key = None
         self._sites = {}
         self._ws = None
@@ -342,24 +344,25 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         # mode especially); the fastest of both wins per call site.
         per_group = _ConvDescs(self, True) if timed and cd.loops == 1 and self.group > 1 and \
             not cd.nhwc and _per_group_search() else None
-        gemm, chunked = self._timed_variants(cd, slices) if timed else (None, {})
+        gemm, chunked, s2d = self._timed_variants(cd, slices) if timed else (None, {}, None)
         sites = {}
         for kind in workspace.KINDS:
             sites[kind] = workspace.Site(kind, cd.candidates(kind), timer=cd.timer(
-                kind, gkey, per_group, gemm, chunked) if timed else None)
+                kind, gkey, per_group, gemm, chunked, s2d) if timed else None)
         self._cd, self._cd_groups, self._sites, self._cd_key = cd, per_group, sites, key
         self._cd_chunks = chunked
-        self._gemm = gemm
+        self._gemm, self._s2d = gemm, s2d
         mgr = self._manager()
         mgr.register(self, list(sites.values()))
         if self.memory_plan == 'stock':
             mgr.plan()          # Caffe allocates its workspace in Reshape
 
     def _timed_variants(self, cd, slices):
-        """(cuBLAS variant or None, {variant: batch-sliced descriptors}): the
-        calls timed search weighs beside cuDNN's own for descriptors `cd`."""
+        """(cuBLAS variant or None, {variant: batch-sliced descriptors},
+        space-to-depth variant or None): the calls timed search weighs beside
+        cuDNN's own for descriptors `cd`."""
         if cd.loops != 1:
-            return None, {}
+            return None, {}, None
         # Few input channels (an image net's first layer): im2col + GEMM too
         # (over maps in Caffe's order only); a 1x1 convolution in either order.
         gemm = _GemmConv(self, self.activation_dtype, nhwc=cd.nhwc) \
@@ -369,14 +372,14 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         chunked = {v: _ConvDescs(self, False, k) for v, k in CHUNK_VARIANTS.items()
                    if slices == 1 and self.num % k == 0 and self.num >= 2 * k and
                    _chunk_search()}
-        return gemm, chunked
+        s2d = _SpaceToDepthConv(self, cd) if _SpaceToDepthConv.eligible(self, cd) else None
+        return gemm, chunked, s2d
 
-    def _check_gemm_workspace(self, kind, ws, nbytes):
-        need = self._gemm.memory(kind)
+    def _check_variant_workspace(self, kind, need, ws, nbytes, what='cuBLAS'):
         if need and (not ws or nbytes < need):
-            raise CaffeplusError('layer %s: the workspace (%d bytes) is smaller than the cuBLAS '
+            raise CaffeplusError('layer %s: the workspace (%d bytes) is smaller than the %s '
                                  'variant of its %s call needs (%d)'
-                                 % (self.layer_param.name, nbytes, kind, need))
+                                 % (self.layer_param.name, nbytes, what, kind, need))
 
     def _descs_for(self, choice):
         """The descriptors an algorithm choice runs with (per group or not)."""
@@ -420,8 +423,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                 not self._ready(_kernels.flat(bottom[0]), _kernels.flat(self.blobs[0])):
             return False
         self._ensure_planned(self._manager())
-        if self._sites['fwd'].choice.variant == 2:
-            return False                # the cuBLAS variant: its own bias path
+        if self._sites['fwd'].choice.variant in (2, S2D_VARIANT):
+            return False                # cuBLAS or space-to-depth: their own bias path
         self._forward_calls(bottom, top, bias=False)
         t = top[0].data
         _bias_relu()(self.blobs[1].data, numpy.int64(t[0, 0].size),
@@ -436,8 +439,9 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         weighs measured algorithms)."""
         slices = self._batch_slices()
         cd = _ConvDescs(self, False, slices)
-        gemm, chunked = self._timed_variants(cd, slices)
-        return {kind: cd.timer(kind, self._geometry_key(), None, gemm, chunked)(ws_ptr, ws_bytes)
+        gemm, chunked, s2d = self._timed_variants(cd, slices)
+        return {kind: cd.timer(kind, self._geometry_key(), None, gemm, chunked, s2d)(ws_ptr,
+                                                                                   ws_bytes)
                 for kind in _workspace().KINDS}
 
     def _ensure_planned(self, mgr):
@@ -554,6 +558,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             w = _dptr(self.blobs[0])
             b = _dptr(self.blobs[1]) if self.bias_term and bias else 0
         gemm = self._gemm if c.variant == 2 else None
+        s2d = self._s2d if c.variant == S2D_VARIANT else None
         # The in-place ReLU after it, in the bias pass (fused_chain's
         # _ConvReLUChain, active when nothing looks at the top between them).
         ch = self._chain
@@ -562,10 +567,15 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         for bb, tt in zip(bottom, top):
             ys = relaid_top(tt, False) if self._top_relaid else None
             x, y = self._bottom_ptr(bb), _dptr(tt) if ys is None else int(ys.data.ptr)
-            if gemm is not None:
+            if gemm is not None or s2d is not None:
                 with mgr.checkout(self, kind) as (ws, nbytes):
-                    self._check_gemm_workspace(kind, ws, nbytes)
-                    gemm.forward(x, w, y, ws)
+                    if gemm is not None:
+                        self._check_variant_workspace(kind, gemm.memory(kind), ws, nbytes)
+                        gemm.forward(x, w, y, ws)
+                    else:
+                        self._check_variant_workspace(kind, c.memory, ws, nbytes,
+                                                      'space-to-depth')
+                        s2d.forward(x, w, y, ws, nbytes, c)
                 if b:
                     cd.replays.run(('bias', x, y, b, relu), functools.partial(
                         _bias_add_calls, cd, b, y, relu))
@@ -597,11 +607,12 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         # 16-bit top diff into the FP32 bias gradient.
         fc = self._sites['bwd_filter'].choice
         gemm_filter = fc.variant == 2 and self._gemm is not None
+        s2d_filter = fc.variant == S2D_VARIANT and self._s2d is not None
         dw16, beta, dtype = None, 1.0, self.activation_dtype
         bias16 = False          # summed by CuPy, without the channel-sum kernels
         if self._sixteen_bit():
             w, _ = self._sixteen_bit_params(reuse=True)
-            if dw and not gemm_filter:
+            if dw and not (gemm_filter or s2d_filter):
                 dw16 = backend.device_scratch(
                     'filter gradient', padded_count(wblob, self.padded_channels), dtype)
                 dw, beta = int(dw16.data.ptr), 0.0
@@ -614,15 +625,21 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         for i, (bb, tt) in enumerate(zip(bottom, top)):
             dys = relaid_top(tt, False, diff=True) if self._top_relaid else None
             dtop = _dptr(tt, True) if dys is None else int(dys.data.ptr)
-            if dw and gemm_filter:
+            if dw and (gemm_filter or s2d_filter):
                 x = self._bottom_ptr(bb)
                 if db:
                     self._cd.replays.run(('bias', dtop, db), functools.partial(
                         _conv_params_calls, self._cd, None, 0, self.reverse, 0, dtop, 0, db, 0, 0,
                         beta, dtype))
                 with mgr.checkout(self, 'bwd_filter') as (ws, nbytes):
-                    self._check_gemm_workspace('bwd_filter', ws, nbytes)
-                    self._gemm.backward_filter(x, dtop, dw, ws)
+                    if gemm_filter:
+                        self._check_variant_workspace('bwd_filter', self._gemm.memory(
+                            'bwd_filter'), ws, nbytes)
+                        self._gemm.backward_filter(x, dtop, dw, ws)
+                    else:
+                        self._check_variant_workspace('bwd_filter', fc.memory, ws, nbytes,
+                                                      'space-to-depth')
+                        self._s2d.backward_filter(x, dtop, dw, ws, nbytes, fc)
             elif dw:
                 x = self._bottom_ptr(bb)
                 with mgr.checkout(self, 'bwd_filter') as (ws, nbytes):

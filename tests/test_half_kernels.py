@@ -655,21 +655,29 @@ def test_one_launch_zeroes_many_arrays_whatever_their_sizes(half, grid, threads)
 
 def test_one_launch_casts_filters_into_channels_last_order(half):
     """cp_cast_many_krsc: (K, C, kh, kw) float32 filters of different shapes
-    rounded into (K, kh, kw, C) 16-bit copies in one launch (what cuDNN's
-    channels-last convolutions read): NumPy's transpose and astype; nothing
-    written past a copy's end."""
+    rounded into (K, kh, kw, P) 16-bit copies in one launch (what cuDNN's
+    channels-last convolutions read; P > C for an image convolution's
+    filters padded to 4 channels, the channels past C zero): NumPy's
+    transpose, zero padding and astype; nothing written past a copy's end."""
     r = numpy.random.RandomState(16)
-    shapes = [(4, 3, 3, 3), (2, 5, 1, 1), (3, 2, 2, 3), (1, 1, 1, 1)]
+    shapes = [(4, 3, 3, 3), (2, 5, 1, 1), (3, 2, 2, 3), (1, 1, 1, 1), (6, 3, 5, 5)]
+    padded = [3, 5, 2, 1, 4]
     src = [r.standard_normal(s).astype(F32) for s in shapes]
-    dst = [numpy.full(a.size + 1, 7, F16) for a in src]
+    want = []
+    for a, p in zip(src, padded):
+        w = numpy.zeros(a.shape[:1] + a.shape[2:] + (p,), F32)
+        w[..., :a.shape[1]] = a.transpose(0, 2, 3, 1)
+        want.append(w.astype(F16))
+    dst = [numpy.full(w.size + 1, 7, F16) for w in want]
     ptrs = lambda arrays: numpy.array([a.ctypes.data for a in arrays], numpy.uint64)  # noqa: E731
-    cs = numpy.array([(s[1] << 32) | (s[2] * s[3]) for s in shapes], numpy.uint64)
-    sizes = [a.size for a in src]
+    cs = numpy.array([(s[1] << 40) | (p << 20) | (s[2] * s[3]) for s, p in zip(shapes, padded)],
+                     numpy.uint64)
+    sizes = [w.size for w in want]
     offsets = numpy.concatenate([[0], numpy.cumsum(sizes)]).astype(numpy.int64)
     half.kernel('cp_cast_many_krsc')((2,), (32,), (
         ptrs(src), ptrs(dst), cs, offsets, numpy.int32(len(sizes)), numpy.int64(offsets[-1])))
-    for a, d in zip(src, dst):
-        assert d[:-1].tobytes() == a.transpose(0, 2, 3, 1).astype(F16).tobytes()
+    for w, d in zip(want, dst):
+        assert d[:-1].tobytes() == w.tobytes()
         assert d[-1] == 7
 
 

@@ -18,6 +18,21 @@ def _prod(shape):
     return n
 
 
+def median_ms(run):
+    """Device milliseconds of run() (the median of 3 calls, after one more)."""
+    import cupy
+    run()
+    times = []
+    for _ in range(3):
+        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        e0.record()
+        run()
+        e1.record()
+        e1.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(e0, e1))
+    return sorted(times)[1]
+
+
 def _contiguous_strides(shape):
     strides, acc = [], 1
     for d in reversed(shape):
@@ -124,7 +139,7 @@ class _ConvDescs:
     def candidates(self, kind):
         return api.heuristic_algorithms(kind, self.x, self.w, self.conv, self.y, self.conv_for)
 
-    def timer(self, kind, geometry_key=None, per_group=None, gemm=None, chunked=None):
+    def timer(self, kind, geometry_key=None, per_group=None, gemm=None, chunked=None, s2d=None):
         """A callable that times `kind` with FindEx on scratch arrays. With a
         geometry key, results are shared by every layer of that geometry
         (ResNet-50 repeats most of its convolutions), as cudnn.benchmark does.
@@ -132,7 +147,8 @@ class _ConvDescs:
         candidates, variant 1, timed as one call per group; `gemm` (a
         _GemmConv) adds cuBLAS, variant 2, for the calls it makes;
         `chunked` ({variant: batch-sliced descriptors}) adds each slicing's
-        candidates, timed as one call per slice."""
+        candidates, timed as one call per slice; `s2d` (a _SpaceToDepthConv)
+        adds its candidates, variant S2D_VARIANT."""
         chunked = chunked or {}
         # A sliced call touches its first slice only: scratch of one slice
         # (a batch too large for one call would double its bytes). (The
@@ -146,7 +162,7 @@ class _ConvDescs:
             key = None if geometry_key is None else \
                 geometry_key + (kind, int(ws_bytes), mathmode.cudnn_math_type(),
                                 self.batch_chunks, per_group is not None, gemm is not None,
-                                tuple(sorted(chunked)))
+                                tuple(sorted(chunked)), s2d is not None)
             if key is not None:
                 found = _timed_within(key, len(geometry_key) + 1)
                 if found is not None:
@@ -180,6 +196,9 @@ class _ConvDescs:
                     found = sorted(found + [api.AlgoChoice(kind, GEMM_ALGO, gemm.memory(kind), t,
                                                            True, self.math, variant=2)],
                                    key=lambda c: c.time)
+                if s2d is not None and kind in s2d.kinds() and s2d.memory(kind) <= ws_bytes:
+                    found = sorted(found + s2d.time(kind, xa, wa, ya, ws_ptr, ws_bytes),
+                                   key=lambda c: c.time)
             finally:
                 del xa, ya, wa
             if key is not None and found:
@@ -191,11 +210,17 @@ class _ConvDescs:
         if gemm is not None and kind == 'bwd_filter':
             run.scratch_bytes += FLOAT_BYTES * _prod(self.w_shape)     # its filter gradient
         # The workspace the cuBLAS variant is timed in (within the search's).
-        run.variant_bytes = gemm.memory(kind) if gemm is not None and kind in gemm.kinds() else 0
+        run.variant_bytes = max(
+            gemm.memory(kind) if gemm is not None and kind in gemm.kinds() else 0,
+            s2d.memory(kind) if s2d is not None and kind in s2d.kinds() else 0)
         return run
 
 
 GEMM_ALGO = 100                 # AlgoChoice.algo of the im2col + GEMM variant
+# The space-to-depth variant (layers/conv_s2d.py): its AlgoChoice.algo is
+# S2D_ALGO plus cuDNN's algorithm of its inner stride-1 call.
+S2D_VARIANT = 6
+S2D_ALGO = 200
 
 
 # Timed search weighs cuBLAS for 1x1 stride-1 convolutions (_GemmConv.direct).
@@ -208,6 +233,11 @@ GEMM_1X1_SEARCH = True
 # chosen variant's column buffer (up to GEMM_CHUNK_BYTES) enlarges the arena.
 GEMM_SEARCH = False
 GEMM_SEARCH_SIXTEEN_BIT = False
+# Timed search also times a strided convolution over few input channels as a
+# stride-1 convolution over space-to-depth blocks (FP32 layers: S2D_SEARCH;
+# 16-bit ones: S2D_SEARCH_SIXTEEN_BIT).
+S2D_SEARCH = True
+S2D_SEARCH_SIXTEEN_BIT = True
 # Timed search also times each call over halves, quarters and eighths of the
 # batch (CHUNK_VARIANTS).
 CHUNK_SEARCH = True
@@ -227,6 +257,10 @@ def _gemm_search(sixteen_bit=False):
     if setting != 'plan':
         return setting == 'on'
     return GEMM_SEARCH_SIXTEEN_BIT if sixteen_bit else GEMM_SEARCH
+
+
+def _s2d_search(sixteen_bit=False):
+    return S2D_SEARCH_SIXTEEN_BIT if sixteen_bit else S2D_SEARCH
 
 
 # FindEx results by geometry (see _ConvDescs.timer).

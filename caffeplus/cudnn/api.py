@@ -227,8 +227,9 @@ class AlgoChoice:
     the math type cuDNN ran it with (the convolution descriptor must carry
     that type when the algorithm runs) and the variant: 0 for one call over
     all groups, 1 for one call per group (a grouped convolution), 2 for
-    caffeplus's cuBLAS GEMM (after im2col but for 1x1) instead of cuDNN, 3 and 4 for one call
-    per half and per quarter of the batch (algo_search.py)."""
+    caffeplus's cuBLAS GEMM (after im2col but for 1x1) instead of cuDNN, 3, 4 and 5 for one
+    call per half, quarter and eighth of the batch, 6 for a stride-1 call over
+    space-to-depth blocks (algo_search.py)."""
     __slots__ = ('kind', 'algo', 'memory', 'time', 'deterministic', 'math', 'variant')
 
     def __init__(self, kind, algo, memory, time, deterministic, math, variant=0):
@@ -239,6 +240,8 @@ class AlgoChoice:
     def name(self):
         if self.variant == 2:
             return 'CUBLAS_GEMM'        # im2col + GEMM, or GEMM alone for 1x1 (layers/conv_gemm.py)
+        if self.variant == 6:           # layers/conv_s2d.py: its inner call's algorithm
+            return _KIND[self.kind][4][self.algo % 100]
         return _KIND[self.kind][4][self.algo]
 
     def __repr__(self):
@@ -247,7 +250,8 @@ class AlgoChoice:
             self.memory, self.time)
 
 
-_VARIANT_NAMES = {1: '/per-group', 3: '/halves', 4: '/quarters', 5: '/eighths'}
+_VARIANT_NAMES = {1: '/per-group', 3: '/halves', 4: '/quarters', 5: '/eighths',
+                  6: '/space-to-depth'}
 
 
 def _descs(kind, x, w, conv, y):
