@@ -51,6 +51,42 @@ extern "C" __global__ void cp_transpose4(const unsigned* src, unsigned* dst,
     cp_transpose_tile<unsigned>(src, dst, A, B, lds, ldd, pad);
 }
 
+/* The same with dst's rows short (ldd <= NARROW_ROWS values: an image of 3
+   channels relaid to 4): a thread a dst row, its a values read from a rows
+   (consecutive threads, consecutive addresses) and its ldd values written
+   together. One 32 x 32 tile a block left 7 of 8 threads idle there and
+   took 0.4 ms to relay AlexNet's b128 image. */
+template <class T>
+__device__ __forceinline__ void cp_transpose_narrow(const T* src, T* dst, unsigned A, unsigned B,
+                                                    unsigned lds, unsigned ldd, unsigned pad,
+                                                    unsigned long long total)
+{
+    const unsigned Ae = pad ? ldd : A;
+    for (unsigned long long t = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         t < total; t += (unsigned long long)gridDim.x * blockDim.x) {
+        const unsigned long long n = t / B;
+        const unsigned b = (unsigned)(t - n * B);
+        const T* s = src + n * A * lds + b;
+        T* d = dst + (n * B + b) * ldd;
+        for (unsigned a = 0; a < Ae; ++a)
+            d[a] = a < A ? s[(size_t)a * lds] : (T)0;
+    }
+}
+
+extern "C" __global__ void cp_transpose_narrow2(const unsigned short* src, unsigned short* dst,
+    const unsigned A, const unsigned B, const unsigned lds, const unsigned ldd, const unsigned pad,
+    const unsigned long long total)
+{
+    cp_transpose_narrow<unsigned short>(src, dst, A, B, lds, ldd, pad, total);
+}
+
+extern "C" __global__ void cp_transpose_narrow4(const unsigned* src, unsigned* dst,
+    const unsigned A, const unsigned B, const unsigned lds, const unsigned ldd, const unsigned pad,
+    const unsigned long long total)
+{
+    cp_transpose_narrow<unsigned>(src, dst, A, B, lds, ldd, pad, total);
+}
+
 /* `rows` rows of `width` bytes from src + src_off (rows src_pitch apart)
    to dst + dst_off (dst_pitch apart): Concat's bottoms into their column
    ranges of its top, and back. In the widest of 16, 8, 4, 2 or 1 bytes

@@ -468,6 +468,7 @@ def bias_nhwc(y, b, m, c, dtype=None, relu=False):
 
 
 TRANSPOSE_THREADS = 256     # cp_transpose2/4: a 32 x 32 tile, 8 rows of threads
+NARROW_ROWS = 8             # dst rows up to this many values: cp_transpose_narrow2/4
 
 
 def transpose(src, dst, n, a, b, lds=None, ldd=None, pad=False):
@@ -481,6 +482,12 @@ def transpose(src, dst, n, a, b, lds=None, ldd=None, pad=False):
         raise TypeError('transpose moves 2- or 4-byte values, not %s into %s'
                         % (src.dtype, dst.dtype))
     cols = ldd if pad else a
+    if ldd <= NARROW_ROWS:
+        total = n * b
+        if total:
+            kernel('cp_transpose_narrow%d' % size)(elementwise_grid(total), (ELEMENTWISE_THREADS,), (
+                src, dst, u32(a), u32(b), u32(lds), u32(ldd), u32(bool(pad)), numpy.uint64(total)))
+        return
     blocks = n * (-(-cols // 32)) * (-(-b // 32))
     if blocks:
         kernel('cp_transpose%d' % size)((blocks,), (TRANSPOSE_THREADS,), (

@@ -29,13 +29,14 @@ class _DeviceOps:
         return _kernels.kernel(name, dtype)
 
     @classmethod
-    def space_to_depth(cls, x, x2, g):
+    def space_to_depth(cls, x, x2, g, own_order=False):
         total = g.n * g.h2 * g.w2 * g.c2
         cls.kernel('cp_space_to_depth', g.kernel_dtype)(
             _kernels.elementwise_grid(total), (_kernels.ELEMENTWISE_THREADS,),
             (_pointer(x), _pointer(x2), numpy.uint64(total)) +
             tuple(_kernels.i32(v) for v in (g.c, g.h, g.w, g.s, g.ph, g.pw, g.h2, g.w2)) +
-            tuple(numpy.uint64(v) for v in g.x_strides) + (_kernels.i32(g.nhwc),))
+            tuple(numpy.uint64(v) for v in (g.own_strides if own_order else g.x_strides)) +
+            (_kernels.i32(g.nhwc),))
 
     @classmethod
     def filters(cls, w, w2, g):
@@ -98,6 +99,10 @@ class _SpaceToDepthConv:
         cx = cd.x_full[1]
         hw = self.h * self.w
         self.x_strides = (hw * cx, 1, self.w * cx, cx) if cd.nhwc else (cx * hw, hw, self.w, 1)
+        # The bottom in its own order, where the layer would relay it for
+        # cuDNN (the other order, c channels): read as it is, no relay.
+        c = self.c
+        self.own_strides = (c * hw, hw, self.w, 1) if cd.nhwc else (hw * c, 1, self.w * c, c)
         # The filters as the layer keeps them for cuDNN: (K, kh, kw, cx)
         # channels-last, or Caffe's (K, C, kh, kw).
         khw = self.kh * self.kw
@@ -163,19 +168,20 @@ class _SpaceToDepthConv:
         ops.filters(w, w2, self)
         return w2
 
-    def forward(self, x, w, y, ws, nbytes, choice, ops=_DeviceOps):
-        """y = conv(x, w) (no bias) on device pointers, in the workspace ws."""
+    def forward(self, x, w, y, ws, nbytes, choice, own_order=False, ops=_DeviceOps):
+        """y = conv(x, w) (no bias) on device pointers, in the workspace ws;
+        x in the calls' order, or (`own_order`) in the bottom's own."""
         x2, wdesc = self.descriptors()
         w2 = self.filters(w, ops)
-        ops.space_to_depth(x, ws, self)
+        ops.space_to_depth(x, ws, self, own_order)
         inner = ws + self.x2_bytes
         api.conv_forward(x2, ws, wdesc, w2, self.conv(choice.math),
                          choice.algo - S2D_ALGO, inner, nbytes - self.x2_bytes, self.y, y)
 
-    def backward_filter(self, x, dy, dw, ws, nbytes, choice, ops=_DeviceOps):
-        """dw (float32) += the filter gradient, in the workspace ws."""
+    def backward_filter(self, x, dy, dw, ws, nbytes, choice, own_order=False, ops=_DeviceOps):
+        """dw (float32) += the filter gradient, in the workspace ws (x as forward's)."""
         x2, wdesc = self.descriptors()
-        ops.space_to_depth(x, ws, self)
+        ops.space_to_depth(x, ws, self, own_order)
         dw2 = ws + self.x2_bytes
         inner = dw2 + self.dw2_bytes
         api.conv_backward_filter(x2, ws, self.y, dy, self.conv(choice.math),

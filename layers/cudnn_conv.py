@@ -566,7 +566,10 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             ch.fwd_active and not ch.relu.masked and not self._top_relaid
         for bb, tt in zip(bottom, top):
             ys = relaid_top(tt, False) if self._top_relaid else None
-            x, y = self._bottom_ptr(bb), _dptr(tt) if ys is None else int(ys.data.ptr)
+            # (space-to-depth reads a relaid bottom in its own order)
+            own = s2d is not None and self._bottom_relaid
+            x = _dptr(bb) if own else self._bottom_ptr(bb)
+            y = _dptr(tt) if ys is None else int(ys.data.ptr)
             if gemm is not None or s2d is not None:
                 with mgr.checkout(self, kind) as (ws, nbytes):
                     if gemm is not None:
@@ -575,7 +578,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                     else:
                         self._check_variant_workspace(kind, c.memory, ws, nbytes,
                                                       'space-to-depth')
-                        s2d.forward(x, w, y, ws, nbytes, c)
+                        s2d.forward(x, w, y, ws, nbytes, c, own)
                 if b:
                     cd.replays.run(('bias', x, y, b, relu), functools.partial(
                         _bias_add_calls, cd, b, y, relu))
@@ -626,7 +629,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             dys = relaid_top(tt, False, diff=True) if self._top_relaid else None
             dtop = _dptr(tt, True) if dys is None else int(dys.data.ptr)
             if dw and (gemm_filter or s2d_filter):
-                x = self._bottom_ptr(bb)
+                own = s2d_filter and self._bottom_relaid
+                x = _dptr(bb) if own else self._bottom_ptr(bb)
                 if db:
                     self._cd.replays.run(('bias', dtop, db), functools.partial(
                         _conv_params_calls, self._cd, None, 0, self.reverse, 0, dtop, 0, db, 0, 0,
@@ -639,7 +643,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                     else:
                         self._check_variant_workspace('bwd_filter', fc.memory, ws, nbytes,
                                                       'space-to-depth')
-                        self._s2d.backward_filter(x, dtop, dw, ws, nbytes, fc)
+                        self._s2d.backward_filter(x, dtop, dw, ws, nbytes, fc, own)
             elif dw:
                 x = self._bottom_ptr(bb)
                 with mgr.checkout(self, 'bwd_filter') as (ws, nbytes):

@@ -103,6 +103,12 @@ def test_blocks_convolved_at_stride_one_give_the_strided_convolution(typed, case
     w2 = numpy.full(g.w2_shape, 7, dtype)                   # every value written
     ops.space_to_depth(xs.ravel(), x2.ravel(), g)
     ops.filters(ws.ravel(), w2.ravel(), g)
+    # The bottom read in its own order (the other one, c channels) where
+    # the layer would relay it: the same blocks.
+    own = numpy.ascontiguousarray(x if nhwc else x.transpose(0, 2, 3, 1))
+    x2_own = numpy.full(x2.shape, 7, dtype)
+    ops.space_to_depth(own.ravel(), x2_own.ravel(), g, own_order=True)
+    assert x2_own.tobytes() == x2.tobytes()
     x2_64 = x2.astype(numpy.float64).transpose(order)       # (N, C s^2, H2, W2)
     w2_64 = w2.astype(numpy.float64).transpose(order)
     want, xp = _strided_conv(x.astype(numpy.float64), wt.astype(numpy.float64), s, p)

@@ -33,6 +33,10 @@ TRANSPOSES = [
     (3, 3, 50, None, 4, True),          # an image padded to 4 channels
     (2, 50, 3, 4, None, False),         # the padded image's diff back
     (1, 1, 1, None, None, False),
+    # dst rows of up to kernels.NARROW_ROWS values (cp_transpose_narrow):
+    (2, 5, 40, None, 8, False),         # past a left as it was
+    (2, 6, 33, 40, None, False),        # src rows longer than b
+    (2, 9, 33, None, None, False),      # just past it: tiles
 ]
 
 
