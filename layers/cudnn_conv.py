@@ -48,8 +48,8 @@ IMAGE_CHANNELS_LAST = True
 # A grouped 16-bit convolution may run channels-last too (cuDNN's group count
 # over channels-last descriptors; BVLC AlexNet's conv2, conv4 and conv5), but
 # not Caffe's per-group calls (the `stock` plan) or the per-group timed
-# variant, whose offsets are Caffe's order's. Off by default: not yet
-# measured on the GPU (docs/precision.md, Channels-last maps).
+# variant, whose offsets are Caffe's order's. Off by default: slower on
+# BVLC AlexNet (cudnn_lrn.CHANNELS_LAST; docs/precision.md, Channels-last maps).
 GROUPED_CHANNELS_LAST = False
 _BIAS_NHWC = KernelPath('convolution bias (cp_bias_nhwc)')
 
