@@ -9,6 +9,7 @@ from caffeplus.cudnn import api
 from caffeplus.cudnn.algo_search import S2D_ALGO, S2D_VARIANT, _prod, _s2d_search, median_ms
 
 S2D_MAX_CHANNELS = 4            # input channels up to which it is timed (image layers)
+SLICINGS = (1, 2, 4, 8)         # the batch slicings timed (algo: S2D_ALGO + 10 * index)
 _ALIGN = 256
 
 
@@ -29,8 +30,8 @@ class _DeviceOps:
         return _kernels.kernel(name, dtype)
 
     @classmethod
-    def space_to_depth(cls, x, x2, g, own_order=False):
-        total = g.n * g.h2 * g.w2 * g.c2
+    def space_to_depth(cls, x, x2, g, own_order=False, images=None):
+        total = (images or g.n) * g.h2 * g.w2 * g.c2
         cls.kernel('cp_space_to_depth', g.kernel_dtype)(
             _kernels.elementwise_grid(total), (_kernels.ELEMENTWISE_THREADS,),
             (_pointer(x), _pointer(x2), numpy.uint64(total)) +
@@ -61,9 +62,10 @@ class _SpaceToDepthConv:
     stride-1 convolution over blocks of s x s pixels: x2 holds each block's
     C s^2 values as channels (in the layer's calling order), the filters
     are regrouped the same way into ceil(kh/s) x ceil(kw/s) taps (those
-    past the kernel zero), and cuDNN runs that convolution. cuDNN's kernels are slow on
-    the 3 channels of an image net's first layer and fast on 48 (AlexNet's
-    conv1: 11x11, stride 4 becomes 3x3 over 48 channels, the same top).
+    past the kernel zero), and cuDNN runs that convolution. cuDNN's kernels
+    are slow on the 3 channels of an image net's first layer and fast on 48
+    (AlexNet's conv1: 11x11, stride 4 becomes 3x3 over 48 channels, the
+    same top).
 
     Forward: x2 into the workspace, the filters into a buffer of the
     variant's own (a few KiB), cuDNN's forward into the layer's top (the
@@ -73,9 +75,12 @@ class _SpaceToDepthConv:
     data gradient (an image layer's bottom needs none; the data-gradient
     site keeps cuDNN's algorithms).
 
-    A choice's `algo` is S2D_ALGO plus cuDNN's algorithm of the inner call,
-    its `memory` x2's bytes (and the inner filter gradient's) plus that
-    algorithm's workspace."""
+    Over the batch in 1, 2, 4 or 8 slices (SLICINGS), one slice's x2 in the
+    workspace at a time: a small net's search room may not hold the whole
+    batch's (torchvision's AlexNet b128: 40 MiB against 35). A choice's
+    `algo` is S2D_ALGO + 10 log2(slices) + cuDNN's algorithm of the inner
+    call (api.s2d_parts), its `memory` one slice's x2 (and the inner filter
+    gradient) plus that algorithm's workspace."""
 
     def __init__(self, layer, cd):
         self.dtype = cd.dtype
@@ -108,26 +113,47 @@ class _SpaceToDepthConv:
         khw = self.kh * self.kw
         self.w_strides = (khw * cx, 1, self.kw * cx, cx) if cd.nhwc else (self.c * khw, khw,
                                                                            self.kw, 1)
-        E = self.dtype.itemsize
-        self.x2_bytes = _aligned(self.n * self.h2 * self.w2 * self.c2 * E)
         self.w2_shape = (self.m, self.kh2, self.kw2, self.c2) if self.nhwc else \
             (self.m, self.c2, self.kh2, self.kw2)
-        self.dw2_bytes = _aligned(_prod(self.w2_shape) * E)
-        self.y = cd.y
+        self.dw2_bytes = _aligned(_prod(self.w2_shape) * self.dtype.itemsize)
+        self.slicings = tuple(k for k in SLICINGS if self.n % k == 0 and
+                              (k == 1 or self.n >= 2 * k))
         self.math = cd.math
         self._convs = {}
         self._w2 = None
-        self._x2 = self._wdesc = None
+        self._descs = {}
+        self._wdesc = None
 
-    def descriptors(self):
-        """(x2's, the regrouped filters') cuDNN descriptors, made at first use."""
-        if self._x2 is None:
-            shape = (self.n, self.c2, self.h2, self.w2)
-            self._x2 = api.TensorDesc(shape, api.nhwc_strides(shape) if self.nhwc else None,
-                                      self.dtype)
+    def x2_bytes(self, slices=1):
+        """One slice's blocks."""
+        return _aligned(self.n // slices * self.h2 * self.w2 * self.c2 * self.dtype.itemsize)
+
+    def need(self, kind, slices=1):
+        """The workspace besides the inner call's own, over `slices` slices."""
+        return self.x2_bytes(slices) + (self.dw2_bytes if kind == 'bwd_filter' else 0)
+
+    def memory(self, kind):
+        """The most workspace besides the inner call's: the whole batch at once."""
+        return self.need(kind, 1)
+
+    def least_memory(self, kind):
+        return self.need(kind, self.slicings[-1])
+
+    def descriptors(self, slices=1):
+        """(x2's, the top's, the regrouped filters') cuDNN descriptors for
+        one slice of the batch, made at first use."""
+        if self._wdesc is None:
             self._wdesc = api.FilterDesc((self.m, self.c2, self.kh2, self.kw2), self.dtype,
                                          layout=api.NHWC if self.nhwc else api.NCHW)
-        return self._x2, self._wdesc
+        descs = self._descs.get(slices)
+        if descs is None:
+            nb = self.n // slices
+            x2 = (nb, self.c2, self.h2, self.w2)
+            y = (nb, self.m, self.oh, self.ow)
+            strides = api.nhwc_strides if self.nhwc else (lambda shape: None)
+            descs = self._descs[slices] = (api.TensorDesc(x2, strides(x2), self.dtype),
+                                           api.TensorDesc(y, strides(y), self.dtype))
+        return descs + (self._wdesc,)
 
     @staticmethod
     def eligible(layer, cd):
@@ -143,10 +169,6 @@ class _SpaceToDepthConv:
 
     def kinds(self):
         return ('fwd', 'bwd_filter')
-
-    def memory(self, kind):
-        """The workspace besides the inner call's own."""
-        return self.x2_bytes + (self.dw2_bytes if kind == 'bwd_filter' else 0)
 
     def conv(self, math):
         """The stride-1 convolution's descriptor under `math` (FMA in strict
@@ -168,49 +190,73 @@ class _SpaceToDepthConv:
         ops.filters(w, w2, self)
         return w2
 
+    def slices(self, slices, own_order=False):
+        """(images a slice, bytes from one slice's bottom to the next's, and
+        its top's)."""
+        nb, E = self.n // slices, self.dtype.itemsize
+        strides = self.own_strides if own_order else self.x_strides
+        return nb, nb * strides[0] * E, nb * self.m * self.oh * self.ow * E
+
     def forward(self, x, w, y, ws, nbytes, choice, own_order=False, ops=_DeviceOps):
         """y = conv(x, w) (no bias) on device pointers, in the workspace ws;
         x in the calls' order, or (`own_order`) in the bottom's own."""
-        x2, wdesc = self.descriptors()
+        k, algo = api.s2d_parts(choice.algo)
+        x2, yd, wdesc = self.descriptors(k)
         w2 = self.filters(w, ops)
-        ops.space_to_depth(x, ws, self, own_order)
-        inner = ws + self.x2_bytes
-        api.conv_forward(x2, ws, wdesc, w2, self.conv(choice.math),
-                         choice.algo - S2D_ALGO, inner, nbytes - self.x2_bytes, self.y, y)
+        nb, x_step, y_step = self.slices(k, own_order)
+        base = self.need('fwd', k)
+        for i in range(k):
+            ops.space_to_depth(x + i * x_step, ws, self, own_order, nb)
+            api.conv_forward(x2, ws, wdesc, w2, self.conv(choice.math), algo, ws + base,
+                             nbytes - base, yd, y + i * y_step)
 
     def backward_filter(self, x, dy, dw, ws, nbytes, choice, own_order=False, ops=_DeviceOps):
-        """dw (float32) += the filter gradient, in the workspace ws (x as forward's)."""
-        x2, wdesc = self.descriptors()
-        ops.space_to_depth(x, ws, self, own_order)
-        dw2 = ws + self.x2_bytes
-        inner = dw2 + self.dw2_bytes
-        api.conv_backward_filter(x2, ws, self.y, dy, self.conv(choice.math),
-                                 choice.algo - S2D_ALGO, inner, nbytes - self.memory('bwd_filter'),
-                                 wdesc, dw2, beta=0.0)
-        ops.filter_gradient(dw2, dw, self)
+        """dw (float32) += the filter gradient, in the workspace ws (x as
+        forward's); each slice's added to dw as it comes."""
+        k, algo = api.s2d_parts(choice.algo)
+        x2, yd, wdesc = self.descriptors(k)
+        nb, x_step, y_step = self.slices(k, own_order)
+        dw2 = ws + self.x2_bytes(k)
+        base = self.need('bwd_filter', k)
+        for i in range(k):
+            ops.space_to_depth(x + i * x_step, ws, self, own_order, nb)
+            api.conv_backward_filter(x2, ws, yd, dy + i * y_step, self.conv(choice.math), algo,
+                                     ws + base, nbytes - base, wdesc, dw2, beta=0.0)
+            ops.filter_gradient(dw2, dw, self)
 
     def time(self, kind, xa, wa, ya, wsp, ws_bytes):
-        """The variant's candidates for `kind` (cuDNN's inner algorithms timed
-        by FindEx in what the workspace leaves, plus the regrouping's own
-        time), as AlgoChoices of variant S2D_VARIANT."""
+        """The variant's candidates for `kind` over each slicing whose blocks
+        fit `ws_bytes` (cuDNN's inner algorithms timed by FindEx on one slice
+        in what the workspace leaves, plus the regrouping's own time, times
+        the slices), as AlgoChoices of variant S2D_VARIANT."""
         import cupy
-        wsp, base = int(wsp), self.memory(kind)
+        wsp = int(wsp)
         x, w, y = int(xa.data.ptr), int(wa.data.ptr), int(ya.data.ptr)
         w2 = self.filters(w)
-        dw2 = wsp + self.x2_bytes
-
-        def regroup():
-            _DeviceOps.space_to_depth(x, wsp, self)
-            if kind == 'fwd':
-                _DeviceOps.filters(w, w2, self)
-            else:
-                _DeviceOps.filter_gradient(dw2, dw, self)
         dw_array = cupy.zeros(self.m * self.c * self.kh * self.kw, numpy.float32) \
             if kind == 'bwd_filter' else None
         dw = None if dw_array is None else int(dw_array.data.ptr)
-        extra = median_ms(regroup)
-        x2, wdesc = self.descriptors()
-        found = api.timed_algorithms(kind, x2, wdesc, self.conv(self.math), self.y, wsp,
-                                     w2 if kind == 'fwd' else dw2, y, wsp + base, ws_bytes - base)
-        return [api.AlgoChoice(kind, S2D_ALGO + c.algo, base + c.memory, c.time + extra,
-                               c.deterministic, c.math, variant=S2D_VARIANT) for c in found]
+        out = []
+        for k in self.slicings:
+            base = self.need(kind, k)
+            if base > ws_bytes:
+                continue
+            nb = self.n // k
+            dw2 = wsp + self.x2_bytes(k)
+
+            def regroup():
+                _DeviceOps.space_to_depth(x, wsp, self, False, nb)
+                if kind == 'fwd':
+                    _DeviceOps.filters(w, w2, self)
+                else:
+                    _DeviceOps.filter_gradient(dw2, dw, self)
+            extra = median_ms(regroup)
+            x2, yd, wdesc = self.descriptors(k)
+            found = api.timed_algorithms(kind, x2, wdesc, self.conv(self.math), yd, wsp,
+                                         w2 if kind == 'fwd' else dw2, y, wsp + base,
+                                         ws_bytes - base)
+            j = SLICINGS.index(k)
+            out += [api.AlgoChoice(kind, S2D_ALGO + 10 * j + c.algo, base + c.memory,
+                                   (c.time + extra) * k, c.deterministic, c.math,
+                                   variant=S2D_VARIANT) for c in found]
+        return out

@@ -133,6 +133,39 @@ def test_blocks_convolved_at_stride_one_give_the_strided_convolution(typed, case
     numpy.testing.assert_allclose(acc, 0.5 + dw, rtol=0, atol=4 * half_ulp * scale + 1e-6)
 
 
+@pytest.mark.parametrize('nhwc', [False, True], ids=['caffe_order', 'channels_last'])
+def test_a_slice_of_the_batch_gives_its_share_of_the_blocks(typed, nhwc):
+    """The variant over the batch in slices: each slice's blocks, made from
+    the bottom at the slice's offset (either order), are the whole batch's
+    for those images."""
+    emu, dtype, _ = typed
+    ops = _ops(emu)
+    n, c, h, w, m, k, s, p = 8, 3, 23, 19, 5, 11, 4, 0
+    layer = _layer(n, c, h, w, m, k, s, p)
+    g = conv_s2d._SpaceToDepthConv(layer, _descs(layer, dtype, nhwc, 4 if nhwc else c))
+    assert g.slicings == (1, 2, 4)
+    x = numpy.random.RandomState(5).standard_normal((n, c, h, w)).astype(dtype)
+    calls = numpy.zeros((n, h, w, 4), dtype) if nhwc else x
+    if nhwc:
+        calls[..., :c] = x.transpose(0, 2, 3, 1)
+    own = numpy.ascontiguousarray(x.transpose(0, 2, 3, 1) if not nhwc else x)
+    per_image = g.h2 * g.w2 * g.c2
+    whole = numpy.zeros(n * per_image, dtype)
+    ops.space_to_depth(calls.ravel(), whole, g)
+    for slices in (2, 4):
+        for own_order, bottom in ((False, calls), (True, own)):
+            nb, x_step, y_step = g.slices(slices, own_order)
+            assert nb == n // slices and y_step == nb * m * g.oh * g.ow * x.itemsize
+            flat = bottom.ravel()
+            for i in range(slices):
+                part = numpy.full(nb * per_image, 7, dtype)
+                ops.space_to_depth(flat[i * x_step // x.itemsize:], part, g, own_order, nb)
+                assert part.tobytes() == whole[i * nb * per_image:(i + 1) * nb * per_image].tobytes()
+        assert g.x2_bytes(slices) >= nb * per_image * x.itemsize
+        assert g.need('bwd_filter', slices) == g.x2_bytes(slices) + g.dw2_bytes
+    assert g.memory('fwd') == g.x2_bytes(1) and g.least_memory('fwd') == g.x2_bytes(4)
+
+
 def test_timed_search_offers_it_to_strided_image_convolutions(monkeypatch):
     from caffeplus.cudnn import algo_search
     eligible = conv_s2d._SpaceToDepthConv.eligible
@@ -157,10 +190,15 @@ def test_timed_search_offers_it_to_strided_image_convolutions(monkeypatch):
     assert not eligible(layer, sliced)
 
 
-def test_its_choices_carry_the_inner_algorithm():
-    """A variant's choice names cuDNN's algorithm of its inner call."""
+def test_its_choices_carry_the_slicing_and_the_inner_algorithm():
+    """A variant's choice names cuDNN's algorithm of its inner call and the
+    batch slicing."""
     from caffeplus.cudnn import algo_search, api
-    c = api.AlgoChoice('fwd', algo_search.S2D_ALGO + 1, 1024, 0.1, True, api.TENSOR_OP_MATH,
-                       variant=algo_search.S2D_VARIANT)
-    assert c.name == 'IMPLICIT_PRECOMP_GEMM'
-    assert '/space-to-depth' in repr(c)
+    for j, slices, suffix in ((0, 1, '/space-to-depth '), (1, 2, '/space-to-depth/halves'),
+                              (3, 8, '/space-to-depth/eighths')):
+        c = api.AlgoChoice('fwd', algo_search.S2D_ALGO + 10 * j + 1, 1024, 0.1, True,
+                           api.TENSOR_OP_MATH, variant=algo_search.S2D_VARIANT)
+        assert api.s2d_parts(c.algo) == (slices, 1)
+        assert c.name == 'IMPLICIT_PRECOMP_GEMM'
+        assert suffix in repr(c)
+        assert conv_s2d.SLICINGS[j] == slices

@@ -3,7 +3,8 @@ timed search times it beside cuDNN's algorithms for a strided image
 convolution; forced to it, the forward and the filter gradient give the
 convolution's values (the CPU's float32 layer, and cuDNN's own calls over
 the same 16-bit values), in float32 and the 16-bit types, the image in
-Caffe's order or channels-last, and the same bits every pass."""
+Caffe's order or channels-last, the batch whole or in halves, and the same
+bits every pass."""
 import numpy
 import pytest
 
@@ -17,10 +18,12 @@ pytestmark = pytest.mark.gpu
 S2D = 6
 
 
-def _round(lp, x, dy, params, dtype, variant):
+def _round(lp, x, dy, params, dtype, variant, slices=1):
     """Two forward and backward passes of the layer over `dtype` maps, its
     forward and filter gradient forced to the space-to-depth variant
-    (`variant` 6) or to cuDNN's fastest that the arena holds (0)."""
+    (`variant` 6) over the batch in `slices`, or to cuDNN's fastest that
+    the arena holds (0)."""
+    from caffeplus.cudnn import api
     from caffeplus.memory import workspace
     caffeplus.set_mode_gpu()
     old_search = workspace.set_search('timed')
@@ -40,8 +43,12 @@ def _round(lp, x, dy, params, dtype, variant):
         need = mgr.nbytes
         for kind in ('fwd', 'bwd_filter'):
             site = layer._sites[kind]
-            pick = [c for c in site.candidates if (c.variant == S2D) == (variant == S2D) and
-                    (variant == S2D or c.memory <= mgr.nbytes)]
+            if variant == S2D:
+                pick = [c for c in site.candidates if c.variant == S2D and
+                        api.s2d_parts(c.algo)[0] == slices]
+            else:
+                pick = [c for c in site.candidates if c.variant != S2D and
+                        c.memory <= mgr.nbytes]
             assert pick, site.candidates
             site.choice = pick[0]
             need = max(need, pick[0].memory)
@@ -53,13 +60,14 @@ def _round(lp, x, dy, params, dtype, variant):
     return got, again
 
 
+@pytest.mark.parametrize('slices', [1, 2])
 @pytest.mark.parametrize('type_name, channels_last', [
     ('float32', False), ('float16', False), ('float16', True), ('bfloat16', True)])
 @pytest.mark.parametrize('conv, shape', [
     ('num_output: 8 kernel_size: 11 stride: 4', (4, 3, 39, 35)),
-    ('num_output: 6 kernel_size: 7 stride: 2 pad: 3', (3, 3, 20, 21))])
+    ('num_output: 6 kernel_size: 7 stride: 2 pad: 3', (4, 3, 20, 21))])
 def test_space_to_depth_variant_follows_the_convolution(type_name, channels_last, conv, shape,
-                                                       monkeypatch):
+                                                       slices, monkeypatch):
     from caffeplus.backend import mathmode
     from caffeplus.layers import cudnn_conv
     monkeypatch.setattr(cudnn_conv, 'IMAGE_CHANNELS_LAST', channels_last)
@@ -79,7 +87,7 @@ def test_space_to_depth_variant_follows_the_convolution(type_name, channels_last
     _, y_cpu, dx_cpu, dp_cpu, _, _ = _run(lp, x, dy, params, gpu=False)
     old_math = mathmode.set_math_mode('strict')
     try:
-        s2d, s2d_again = _round(lp, x, dy, params, dtype, S2D)
+        s2d, s2d_again = _round(lp, x, dy, params, dtype, S2D, slices)
         cudnn, _ = _round(lp, x, dy, params, dtype, 0)
     finally:
         mathmode.set_math_mode(old_math)

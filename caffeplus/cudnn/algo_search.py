@@ -196,7 +196,8 @@ class _ConvDescs:
                     found = sorted(found + [api.AlgoChoice(kind, GEMM_ALGO, gemm.memory(kind), t,
                                                            True, self.math, variant=2)],
                                    key=lambda c: c.time)
-                if s2d is not None and kind in s2d.kinds() and s2d.memory(kind) <= ws_bytes:
+                if s2d is not None and kind in s2d.kinds() and \
+                        s2d.least_memory(kind) <= ws_bytes:
                     found = sorted(found + s2d.time(kind, xa, wa, ya, ws_ptr, ws_bytes),
                                    key=lambda c: c.time)
             finally:
@@ -218,7 +219,8 @@ class _ConvDescs:
 
 GEMM_ALGO = 100                 # AlgoChoice.algo of the im2col + GEMM variant
 # The space-to-depth variant (layers/conv_s2d.py): its AlgoChoice.algo is
-# S2D_ALGO plus cuDNN's algorithm of its inner stride-1 call.
+# S2D_ALGO plus its batch slicing and cuDNN's algorithm of its inner
+# stride-1 call (api.s2d_parts).
 S2D_VARIANT = 6
 S2D_ALGO = 200
 

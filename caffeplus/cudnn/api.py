@@ -241,17 +241,27 @@ class AlgoChoice:
         if self.variant == 2:
             return 'CUBLAS_GEMM'        # im2col + GEMM, or GEMM alone for 1x1 (layers/conv_gemm.py)
         if self.variant == 6:           # layers/conv_s2d.py: its inner call's algorithm
-            return _KIND[self.kind][4][self.algo % 100]
+            return _KIND[self.kind][4][s2d_parts(self.algo)[1]]
         return _KIND[self.kind][4][self.algo]
 
     def __repr__(self):
+        variant = _VARIANT_NAMES.get(self.variant, '')
+        if self.variant == 6:
+            variant += _SLICE_NAMES.get(s2d_parts(self.algo)[0], '')
         return '<%s %s%s math=%d ws=%d t=%.3fms>' % (
-            self.kind, self.name, _VARIANT_NAMES.get(self.variant, ''), self.math,
-            self.memory, self.time)
+            self.kind, self.name, variant, self.math, self.memory, self.time)
+
+
+def s2d_parts(algo):
+    """(batch slices, cuDNN's algorithm of the inner call) of a space-to-depth
+    choice's algo, S2D_ALGO + 10 log2(slices) + the algorithm (layers/conv_s2d.py)."""
+    j, inner = divmod(int(algo) % 100, 10)
+    return 2 ** j, inner
 
 
 _VARIANT_NAMES = {1: '/per-group', 3: '/halves', 4: '/quarters', 5: '/eighths',
                   6: '/space-to-depth'}
+_SLICE_NAMES = {2: '/halves', 4: '/quarters', 8: '/eighths'}
 
 
 def _descs(kind, x, w, conv, y):
