@@ -11,7 +11,8 @@
 #      deterministic math with Caffe's 8 MiB per call (as tests/test_memory_apply.py's GoogLeNet
 #      and ResNet-50 cases), naming the calls whose algorithms differ.
 #   9. (STEPS=amp) benchmarks/bench_gpu.py with TF32 on, PyTorch's AMP FP16/BF16 runs beside
-#      caffeplus TF32, FP16 and BF16 (AMP_PLANS) and PyTorch TF32 (the 16-bit work's peers).
+#      caffeplus strict FP32, TF32, FP16 and BF16 under `shared`, `caffeplus train`'s plan
+#      (AMP_PLANS), and PyTorch TF32 (the 16-bit work's peers).
 #      The caffeplus rows search cuDNN's algorithms by timing them (':timed'), as `caffeplus
 #      train` does on a GPU (cudnn_search auto) and PyTorch's cudnn.benchmark does.
 #      Each net's AMP peer is PyTorch's model of the same architecture: BVLC's AlexNet
@@ -161,7 +162,7 @@ fi
 if has amp; then
   stamp "PyTorch AMP peers, TF32 on"
   GLOG_minloglevel=2 timeout "${AMP_S:-400}" python3 benchmarks/bench_gpu.py --bench-dir .gpu_carry/bench \
-    --nets "${AMP_NETS:-alexnet_b128,alexnettv_b128,googlenet_b64,vgg16_b64,resnet50_b64}" --plans "${AMP_PLANS:-arena:timed/strict,arena:timed,arena:timed/fp16,arena:timed/bf16}" \
+    --nets "${AMP_NETS:-alexnet_b128,alexnettv_b128,googlenet_b64,vgg16_b64,resnet50_b64}" --plans "${AMP_PLANS:-shared:timed/strict,shared:timed,shared:timed/fp16,shared:timed/bf16}" \
     --torch --torch-models torchvision,bvlc --torch-amp "${AMP_TORCH:-fp16,bf16}" \
     --torch-plain "${AMP_TORCH_PLAIN:-off}" \
     --tf32 on --iters 20 --warmup 5 --timeout 150 \
