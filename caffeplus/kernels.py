@@ -438,6 +438,11 @@ def nhwc_sum_blocks(m, c):
                           NHWC_SUM_PARTIALS // max(c, 1))))
 
 
+def nhwc_sum_scratch_bytes(m, c):
+    """Bytes of the double partials channel_sums_nhwc writes into NHWC_SUM_SLOT."""
+    return 8 * c * nhwc_sum_blocks(m, c)
+
+
 APPLY_WARPS = 32        # cp_channel_sum_apply_rows's warps a block (at most 32)
 
 

@@ -156,6 +156,10 @@ def test_the_bias_partials_fill_the_device_within_their_cap():
     assert kernels.nhwc_sum_blocks(64 * 112 * 112, 64) == 4096
     assert kernels.nhwc_sum_blocks(64 * 28 * 28, 512) == 2 ** 19 // 512
     assert kernels.nhwc_sum_blocks(3, 1000) == 1
+    # The scratch the estimate counts: a double partial a channel a block,
+    # 4 MiB at the cap.
+    assert kernels.nhwc_sum_scratch_bytes(64 * 7 * 7, 384) == 8 * 384 * 196
+    assert kernels.nhwc_sum_scratch_bytes(64 * 28 * 28, 512) == 8 * 2 ** 19
 
 
 @pytest.mark.gpu

@@ -509,7 +509,7 @@ def shared_scratch_bytes(net, plan_name):
                 layer.param_needs_backward(1):
             c = top[0].shape[1]
             bias_partials = max(bias_partials,
-                                8 * c * kernels.nhwc_sum_blocks(top[0].count // c, c))
+                                kernels.nhwc_sum_scratch_bytes(top[0].count // c, c))
         if bottom_relaid:
             count = bottom[0].count // bottom[0].shape[1] * pad if pad else bottom[0].count
             nbytes = _itemsize(bottom[0]) * count
