@@ -6,7 +6,8 @@ import numpy
 
 from caffeplus import kernels as _kernels
 from caffeplus.cudnn import api
-from caffeplus.cudnn.algo_search import S2D_ALGO, S2D_VARIANT, _prod, _s2d_search, median_ms
+from caffeplus.cudnn.algo_search import (S2D_ALGO, S2D_VARIANT, _prod, _s2d_search,
+                                         batch_slices_ok, median_ms)
 
 S2D_MAX_CHANNELS = 4            # input channels up to which it is timed (image layers)
 SLICINGS = (1, 2, 4, 8)         # the batch slicings timed (algo: S2D_ALGO + 10 * index)
@@ -30,31 +31,36 @@ class _DeviceOps:
         return _kernels.kernel(name, dtype)
 
     @classmethod
+    def _launch(cls, name, g, total, src, dst, *rest):
+        """`name`'s g-typed build over `total` values, src and dst first."""
+        cls.kernel(name, g.kernel_dtype)(
+            _kernels.elementwise_grid(total), (_kernels.ELEMENTWISE_THREADS,),
+            (_pointer(src), _pointer(dst)) + rest)
+
+    @classmethod
     def space_to_depth(cls, x, x2, g, own_order=False, images=None):
         total = (images or g.n) * g.h2 * g.w2 * g.c2
-        cls.kernel('cp_space_to_depth', g.kernel_dtype)(
-            _kernels.elementwise_grid(total), (_kernels.ELEMENTWISE_THREADS,),
-            (_pointer(x), _pointer(x2), numpy.uint64(total)) +
-            tuple(_kernels.i32(v) for v in (g.c, g.h, g.w, g.s, g.ph, g.pw, g.h2, g.w2)) +
-            tuple(numpy.uint64(v) for v in (g.own_strides if own_order else g.x_strides)) +
-            (_kernels.i32(g.nhwc),))
+        cls._launch('cp_space_to_depth', g, total, x, x2, numpy.uint64(total),
+                    *(_kernels.i32(v) for v in (g.c, g.h, g.w, g.s, g.ph, g.pw, g.h2, g.w2)),
+                    *(numpy.uint64(v) for v in (g.own_strides if own_order else g.x_strides)),
+                    _kernels.i32(g.nhwc))
 
     @classmethod
     def filters(cls, w, w2, g):
         total = g.m * g.kh2 * g.kw2 * g.c2
-        cls.kernel('cp_s2d_filter', g.kernel_dtype)(
-            _kernels.elementwise_grid(total), (_kernels.ELEMENTWISE_THREADS,),
-            (_pointer(w), _pointer(w2), _kernels.u32(total)) +
-            tuple(_kernels.i32(v) for v in (g.c, g.kh, g.kw, g.s, g.kh2, g.kw2)) +
-            tuple(_kernels.u32(v) for v in g.w_strides) + (_kernels.i32(g.nhwc),))
+        cls._launch('cp_s2d_filter', g, total, w, w2, _kernels.u32(total), *_taps(g),
+                    *(_kernels.u32(v) for v in g.w_strides), _kernels.i32(g.nhwc))
 
     @classmethod
     def filter_gradient(cls, dw2, dw, g):
         total = g.m * g.c * g.kh * g.kw
-        cls.kernel('cp_s2d_filter_grad', g.kernel_dtype)(
-            _kernels.elementwise_grid(total), (_kernels.ELEMENTWISE_THREADS,),
-            (_pointer(dw2), _pointer(dw), _kernels.u32(total)) +
-            tuple(_kernels.i32(v) for v in (g.c, g.kh, g.kw, g.s, g.kh2, g.kw2, g.nhwc)))
+        cls._launch('cp_s2d_filter_grad', g, total, dw2, dw, _kernels.u32(total), *_taps(g),
+                    _kernels.i32(g.nhwc))
+
+
+def _taps(g):
+    """(C, KH, KW, s, KH2, KW2) as the filter kernels take them."""
+    return tuple(_kernels.i32(v) for v in (g.c, g.kh, g.kw, g.s, g.kh2, g.kw2))
 
 
 class _SpaceToDepthConv:
@@ -116,8 +122,7 @@ class _SpaceToDepthConv:
         self.w2_shape = (self.m, self.kh2, self.kw2, self.c2) if self.nhwc else \
             (self.m, self.c2, self.kh2, self.kw2)
         self.dw2_bytes = _aligned(_prod(self.w2_shape) * self.dtype.itemsize)
-        self.slicings = tuple(k for k in SLICINGS if self.n % k == 0 and
-                              (k == 1 or self.n >= 2 * k))
+        self.slicings = tuple(k for k in SLICINGS if k == 1 or batch_slices_ok(self.n, k))
         self.math = cd.math
         self._convs = {}
         self._w2 = None

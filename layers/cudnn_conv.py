@@ -11,7 +11,8 @@ from caffeplus import kernels as _kernels
 from caffeplus.backend import mathmode
 from caffeplus.cudnn import api
 from caffeplus.cudnn.algo_search import (CHUNK_VARIANTS, S2D_VARIANT, _ConvDescs,
-                                         _chunk_search, _per_group_search, search_default)
+                                         _chunk_search, _per_group_search, batch_slices_ok,
+                                         search_default)
 from caffeplus.errors import CaffeplusError
 from caffeplus.layer import register_engine
 from caffeplus.layers import cudnn_common as _common
@@ -370,16 +371,19 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             (not cd.nhwc or _GemmConv.is_direct(self)) else None
         # The batch in halves, quarters and eighths: less workspace at about the speed.
         chunked = {v: _ConvDescs(self, False, k) for v, k in CHUNK_VARIANTS.items()
-                   if slices == 1 and self.num % k == 0 and self.num >= 2 * k and
-                   _chunk_search()}
+                   if slices == 1 and batch_slices_ok(self.num, k) and _chunk_search()}
         s2d = _SpaceToDepthConv(self, cd) if _SpaceToDepthConv.eligible(self, cd) else None
         return gemm, chunked, s2d
 
-    def _check_variant_workspace(self, kind, need, ws, nbytes, what='cuBLAS'):
+    def _check_variant_workspace(self, choice, ws, nbytes):
+        """The workspace checked out for a cuBLAS or space-to-depth choice
+        holds what the choice needs (its memory, as timed)."""
+        need = choice.memory
         if need and (not ws or nbytes < need):
+            what = 'cuBLAS' if choice.variant == 2 else 'space-to-depth'
             raise CaffeplusError('layer %s: the workspace (%d bytes) is smaller than the %s '
                                  'variant of its %s call needs (%d)'
-                                 % (self.layer_param.name, nbytes, what, kind, need))
+                                 % (self.layer_param.name, nbytes, what, choice.kind, need))
 
     def _descs_for(self, choice):
         """The descriptors an algorithm choice runs with (per group or not)."""
@@ -559,6 +563,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             b = _dptr(self.blobs[1]) if self.bias_term and bias else 0
         gemm = self._gemm if c.variant == 2 else None
         s2d = self._s2d if c.variant == S2D_VARIANT else None
+        own = s2d is not None and self._bottom_relaid  # (space-to-depth reads it as it is)
         # The in-place ReLU after it, in the bias pass (fused_chain's
         # _ConvReLUChain, active when nothing looks at the top between them).
         ch = self._chain
@@ -566,18 +571,14 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             ch.fwd_active and not ch.relu.masked and not self._top_relaid
         for bb, tt in zip(bottom, top):
             ys = relaid_top(tt, False) if self._top_relaid else None
-            # (space-to-depth reads a relaid bottom in its own order)
-            own = s2d is not None and self._bottom_relaid
             x = _dptr(bb) if own else self._bottom_ptr(bb)
             y = _dptr(tt) if ys is None else int(ys.data.ptr)
             if gemm is not None or s2d is not None:
                 with mgr.checkout(self, kind) as (ws, nbytes):
+                    self._check_variant_workspace(c, ws, nbytes)
                     if gemm is not None:
-                        self._check_variant_workspace(kind, gemm.memory(kind), ws, nbytes)
                         gemm.forward(x, w, y, ws)
                     else:
-                        self._check_variant_workspace(kind, c.memory, ws, nbytes,
-                                                      'space-to-depth')
                         s2d.forward(x, w, y, ws, nbytes, c, own)
                 if b:
                     cd.replays.run(('bias', x, y, b, relu), functools.partial(
@@ -611,6 +612,7 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         fc = self._sites['bwd_filter'].choice
         gemm_filter = fc.variant == 2 and self._gemm is not None
         s2d_filter = fc.variant == S2D_VARIANT and self._s2d is not None
+        own = s2d_filter and self._bottom_relaid    # (space-to-depth reads it as it is)
         dw16, beta, dtype = None, 1.0, self.activation_dtype
         bias16 = False          # summed by CuPy, without the channel-sum kernels
         if self._sixteen_bit():
@@ -629,20 +631,16 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             dys = relaid_top(tt, False, diff=True) if self._top_relaid else None
             dtop = _dptr(tt, True) if dys is None else int(dys.data.ptr)
             if dw and (gemm_filter or s2d_filter):
-                own = s2d_filter and self._bottom_relaid
                 x = _dptr(bb) if own else self._bottom_ptr(bb)
                 if db:
                     self._cd.replays.run(('bias', dtop, db), functools.partial(
                         _conv_params_calls, self._cd, None, 0, self.reverse, 0, dtop, 0, db, 0, 0,
                         beta, dtype))
                 with mgr.checkout(self, 'bwd_filter') as (ws, nbytes):
+                    self._check_variant_workspace(fc, ws, nbytes)
                     if gemm_filter:
-                        self._check_variant_workspace('bwd_filter', self._gemm.memory(
-                            'bwd_filter'), ws, nbytes)
                         self._gemm.backward_filter(x, dtop, dw, ws)
                     else:
-                        self._check_variant_workspace('bwd_filter', fc.memory, ws, nbytes,
-                                                      'space-to-depth')
                         self._s2d.backward_filter(x, dtop, dw, ws, nbytes, fc, own)
             elif dw:
                 x = self._bottom_ptr(bb)

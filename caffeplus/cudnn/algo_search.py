@@ -290,6 +290,12 @@ def _timed_within(key, at):
     return list(same[-1][1]) if same else None
 
 
+def batch_slices_ok(n, k):
+    """Whether a batch of n images splits into k equal slices of at least
+    two images (the batch slicings timed search weighs)."""
+    return n % k == 0 and n >= 2 * k
+
+
 # Batch slicings timed as variants of a call site: variant -> slices.
 # Eighths (5): VGG-16's conv1_2 filter gradient, the arena's largest call
 # within 3% of its fastest, needs 883 MiB over quarters of b64.
