@@ -155,8 +155,8 @@ SETTINGS = {s.name: s for s in (
             "Shapes, logs and pycaffe's views stay Caffe's.",
             flag='--layout', commands=('train', 'time', 'memory')),
     Setting('calibration', _path, '',
-            "A table of measured cuDNN algorithms (JSON, written by `dev/dump_algorithms.py "
-            "--calibration`) that plan auto plans with.",
+            "A table of measured cuDNN algorithms (JSON, written on a GPU by "
+            "`tools/dump_algorithms.py --calibration FILE`) that plan auto plans with.",
             env='CAFFEPLUS_CALIBRATION', solver_field='calibration', flag='--calibration',
             commands=('train', 'memory'), unset=(None, '')),
     Setting('cudnn_library', _path, '',

@@ -1,4 +1,5 @@
-"""Data layers: Input, DummyData, Data, ImageData, HDF5Data, HDF5Output, MemoryData.
+"""Data layers: Input, DummyData, Data, ImageData, MemoryData (HDF5Data and
+HDF5Output: layers/hdf5_data.py).
 
 Data and ImageData load their batches ahead in a background thread, the
 prefetch coordinator (Caffe's prefetch: data_param.prefetch batches, default

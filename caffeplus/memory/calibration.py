@@ -12,8 +12,8 @@ it has them:
   plans (measure_net; MEASURE_BEFORE_PLANNING = False turns that off), and every
   call site the runtime times (FindEx, caffeplus.memory.workspace) is
   recorded for the rest of the process;
-* a table saved with `save` (tools/dump_algorithms.py --calibration, or
-  `caffeplus memory -gpu --calibration FILE`) can be loaded anywhere,
+* a table saved with `save` (tools/dump_algorithms.py --calibration FILE)
+  can be loaded anywhere,
   including the CPU-only machine (the calibration setting, caffeplus.config:
   `--calibration FILE`, caffeplus_param.calibration or CAFFEPLUS_CALIBRATION).
 

@@ -9,8 +9,7 @@ smaller limit is safe; it only reserves up front what the kernels caffeplus
 runs were seen to need (THREAD_STACK_BYTES).
 
 `stock` keeps CUDA's default: it is Caffe 1.0's footprint, and Caffe does
-not touch the limit. CAFFEPLUS_THREAD_STACK=BYTES sets another limit for
-the other plans ('default' leaves CUDA's).
+not touch the limit.
 """
 
 from caffeplus.errors import CaffeplusError
