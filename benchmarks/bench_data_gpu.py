@@ -21,7 +21,12 @@ The images are smooth random fields plus noise, so that their JPEGs are the
 size of photographs' (about 25 KB at quality 90), not of white noise.
 
     python3 benchmarks/bench_data_gpu.py [--nets alexnet_b128,resnet50_b64]
-        [--images 2048] [--workers N] [--json out.json]
+        [--images 2048] [--workers N] [--math tf32] [--precision fp16] [--json out.json]
+
+A 16-bit net (--precision fp16 or bf16) takes a batch in about half FP32's
+time, so the input pipeline must deliver twice the images a second:
+`--precision` shows whether it does. Nets: the bench set's, and
+torchvision's AlexNet (alexnettv_b128, benchmarks/nets/).
 """
 import argparse
 import io
@@ -37,9 +42,16 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, 'tests', 'data', 'bench')
+OWN_NETS = os.path.join(ROOT, 'benchmarks', 'nets')
 CROP = {'alexnet_b128': 227}
 MEANS = (104, 117, 123)
 STAMP = re.compile(r'^I\d{4,8} (\d\d):(\d\d):(\d\d\.\d+) .*Iteration (\d+)[ ,]')
+
+
+def net_file(net):
+    """A bench net's prototxt: the bench set's, else benchmarks/nets/'s."""
+    path = os.path.join(BENCH, net + '.prototxt')
+    return path if os.path.exists(path) else os.path.join(OWN_NETS, net + '.prototxt')
 
 
 def smooth_images(n, seed=0, size=256):
@@ -149,6 +161,8 @@ def run_train(folder, name, net_text, args, on_host=False):
         cmd += ['--data_workers', str(args.workers)]
     if args.math:
         cmd += ['--math', args.math]
+    if args.precision:
+        cmd += ['--precision', args.precision]
     t = time.time()
     p = subprocess.run(cmd, cwd=folder, capture_output=True, text=True)
     log = p.stdout + p.stderr
@@ -168,6 +182,8 @@ def main(argv=None):
     ap.add_argument('--first', type=int, default=20)
     ap.add_argument('--last', type=int, default=50)
     ap.add_argument('--math', help='--math of caffeplus train (strict, the default; tf32)')
+    ap.add_argument('--precision', choices=('fp32', 'tf32', 'fp16', 'bf16'),
+                    help='--precision of caffeplus train (the nets as written, FP32, by default)')
     ap.add_argument('--json')
     ap.add_argument('--logs', help='folder for the training logs')
     args = ap.parse_args(argv)
@@ -182,7 +198,7 @@ def main(argv=None):
         print('| net | input | ms / iteration | images / s | of constant |')
         print('|---|---|---|---|---|')
         for net in args.nets.split(','):
-            with open(os.path.join(BENCH, net + '.prototxt')) as f:
+            with open(net_file(net)) as f:
                 text = f.read()
             batch, crop = batch_of(text), CROP.get(net, 224)
             base = None
@@ -208,7 +224,8 @@ def main(argv=None):
     if args.json:
         with open(args.json, 'w') as f:
             json.dump({'images': args.images, 'jpeg_kb': jpeg_size / 1024, 'math': args.math or 'strict',
-                       'results': results}, f, indent=1)
+                       'precision': args.precision or 'as written', 'results': results}, f,
+                      indent=1)
     return 0
 
 

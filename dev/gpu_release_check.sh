@@ -6,6 +6,7 @@
 #   4. (STEPS=stock) benchmarks/bench_stock_memory.py: the `stock` plan against stock Caffe's peaks,
 #   5. (STEPS=time) benchmarks/time_plans.py: `shared` against `offload --offload free`, interleaved.
 #   6. (STEPS=speed) benchmarks/bench_data_gpu.py --inputs constant, strict and TF32 math,
+#      (STEPS=data16) the same from raw and JPEG LMDBs in 16 bits (DATA16_NETS, DATA16_PRECISION),
 #   7. (STEPS=bits) dev/check_plans_equal.py: every plan bit-identical to `stock`, all nets,
 #   8. (STEPS=stockbits) dev/check_plans_equal.py: `stock` against `shared` and `arena` under
 #      deterministic math with Caffe's 8 MiB per call (as tests/test_memory_apply.py's GoogLeNet
@@ -33,8 +34,9 @@
 # Prefer running it through dev/gpu_snapshot.sh (the committed tree only).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
 # (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
-# env: LAYOUT_NEW, LAYOUT_BASE, LAYOUT_NETS, LAYOUT_S, ACCURACY_SOLVERS, ACCURACY_PRECISIONS, ACCURACY_SEEDS, PROFILE_PRECISION, PROFILE_LAYOUT, MEMORY_PRECISION, STEPS (tests,memory,probe,bench,stock,time,speed,bits,stockbits,amp,accuracy,nvcaffe,profile), PROFILE_NETS, AMP_TORCH, TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
-#      MEMORY_ITERS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S
+# env: LAYOUT_NEW, LAYOUT_BASE, LAYOUT_NETS, LAYOUT_S, ACCURACY_SOLVERS, ACCURACY_PRECISIONS, ACCURACY_SEEDS, PROFILE_PRECISION, PROFILE_LAYOUT, MEMORY_PRECISION, STEPS (tests,memory,probe,bench,stock,time,speed,data16,bits,stockbits,amp,accuracy,nvcaffe,profile), PROFILE_NETS, AMP_TORCH, TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
+#      MEMORY_ITERS, BENCH_NETS, TEST_S, MEMORY_S, BENCH_S, DATA16_NETS, DATA16_PRECISION,
+#      DATA16_INPUTS, DATA16_S
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -149,6 +151,18 @@ if has speed; then
       --json "$OUT/speed_$m.json" > "$OUT/speed_$m.log" 2>&1
     echo "rc=$?" >> "$OUT/speed_$m.log"
     cat "$OUT/speed_$m.log"
+  done
+fi
+if has data16; then
+  # 16-bit nets from LMDBs: whether the input pipeline keeps up with a batch
+  # in half FP32's time (bench_data_gpu --precision; needs the lmdb wheel).
+  for n in ${DATA16_NETS:-alexnet_b128 resnet50_b64}; do
+    stamp "caffeplus train $n from LMDBs, precision ${DATA16_PRECISION:-fp16}"
+    timeout "${DATA16_S:-300}" python3 benchmarks/bench_data_gpu.py --nets $n \
+      --inputs ${DATA16_INPUTS:-constant,raw,jpeg} --precision ${DATA16_PRECISION:-fp16} \
+      --json "$OUT/data16_$n.json" > "$OUT/data16_$n.log" 2>&1
+    echo "rc=$?" >> "$OUT/data16_$n.log"
+    cat "$OUT/data16_$n.log"
   done
 fi
 if has bits; then
