@@ -525,7 +525,8 @@ def markdown(results, args):
 def sixteen_bit_targets(results):
     """Issue 37's ratios for each caffeplus 16-bit row ('/fp16', '/bf16'):
     its speed against PyTorch AMP in the same type on the same architecture
-    and against caffeplus's own '/strict' FP32 row of the same plan, its
+    and against caffeplus's own '/strict' FP32 row of the same plan (and
+    its TF32 row, the plan with no variant, where the run has one), its
     peak against AMP's; all measured in this run."""
     ok = [r for r in results if 'error' not in r]
     # The peer of the same architecture: BVLC's AlexNet (LRN, groups) against
@@ -547,20 +548,25 @@ def sixteen_bit_targets(results):
         base = r['plan'].partition('/')[0]
         fp32 = next((q for q in ok if q['framework'] == 'caffeplus' and q['net'] == r['net'] and
                      q['plan'] == base + '/strict'), None)
+        tf32 = next((q for q in ok if q['framework'] == 'caffeplus' and q['net'] == r['net'] and
+                     q['plan'] == base and q.get('tf32')), None)
         a = amp.get((r['net'], kind))
-        rows.append('| %s | %s | %.1f | %s | %s | %s | %s | %s | %s |' % (
+        rows.append('| %s | %s | %.1f | %s | %s | %s | %s | %s | %s | %s | %s |' % (
             r['net'], r['plan'], r['median_ms'], a['plan'] if a else '-',
             '%.1f' % a['median_ms'] if a else '-',
             '%.2fx' % (a['median_ms'] / r['median_ms']) if a else '-',
             '%.1f' % fp32['median_ms'] if fp32 else '-',
             '%.2fx' % (fp32['median_ms'] / r['median_ms']) if fp32 else '-',
+            '%.1f' % tf32['median_ms'] if tf32 else '-',
+            '%.2fx' % (tf32['median_ms'] / r['median_ms']) if tf32 else '-',
             '%.2fx' % (r['peak_used_mib'] / a['peak_used_mib']) if a else '-'))
     if not rows:
         return []
     return ['', '16-bit targets (issue 37: speed >= 1.1x AMP of the same type and >= 1.8x '
             'caffeplus FP32, peak <= 0.6x AMP):', '',
             '| net | plan | ms/iter | AMP peer | AMP ms | speed vs AMP | caffeplus FP32 ms | '
-            'speed vs FP32 | peak vs AMP |', '|---|---|---|---|---|---|---|---|---|'] + rows
+            'speed vs FP32 | caffeplus TF32 ms | speed vs TF32 | peak vs AMP |',
+            '|---|---|---|---|---|---|---|---|---|---|---|'] + rows
 
 
 def main(argv=None):

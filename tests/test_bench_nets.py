@@ -53,7 +53,7 @@ def test_the_benchmark_prints_issue_37s_ratios_from_rows_of_one_run():
             dict(framework='caffeplus', net='m', plan='arena/fp16', error='boom')]
     table = bench_gpu.sixteen_bit_targets(rows)
     assert table[-1] == \
-        '| n | arena/fp16 | 10.0 | -/amp-fp16 | 12.0 | 1.20x | 25.0 | 2.50x | 0.50x |'
+        '| n | arena/fp16 | 10.0 | -/amp-fp16 | 12.0 | 1.20x | 25.0 | 2.50x | - | - | 0.50x |'
     assert sum(line.startswith('| n |') or line.startswith('| m |') for line in table) == 1
     assert bench_gpu.sixteen_bit_targets(rows[1:3]) == []
     # BVLC's AlexNet is weighed against PyTorch's model of BVLC's form where
@@ -62,15 +62,24 @@ def test_the_benchmark_prints_issue_37s_ratios_from_rows_of_one_run():
                 peak_used_mib=1500.0)
     for order in (rows + [bvlc], [bvlc] + rows):
         assert bench_gpu.sixteen_bit_targets(order)[-1] == \
-            '| n | arena/fp16 | 10.0 | bvlc/amp-fp16 | 20.0 | 2.00x | 25.0 | 2.50x | 0.40x |'
+            '| n | arena/fp16 | 10.0 | bvlc/amp-fp16 | 20.0 | 2.00x | 25.0 | 2.50x | - | - | 0.40x |'
     # A BFLOAT16 row is weighed against AMP in BFLOAT16, not FP16.
     bf16 = [dict(framework='caffeplus', net='n', plan='arena/bf16', tf32=1, median_ms=8.0,
                  peak_used_mib=600.0),
             dict(framework='pytorch', net='n', plan='-/amp-bf16', tf32=1, median_ms=16.0,
                  peak_used_mib=1000.0)]
     assert bench_gpu.sixteen_bit_targets(rows + bf16)[-2:] == [
-        '| n | arena/fp16 | 10.0 | -/amp-fp16 | 12.0 | 1.20x | 25.0 | 2.50x | 0.50x |',
-        '| n | arena/bf16 | 8.0 | -/amp-bf16 | 16.0 | 2.00x | 25.0 | 3.12x | 0.60x |']
+        '| n | arena/fp16 | 10.0 | -/amp-fp16 | 12.0 | 1.20x | 25.0 | 2.50x | - | - | 0.50x |',
+        '| n | arena/bf16 | 8.0 | -/amp-bf16 | 16.0 | 2.00x | 25.0 | 3.12x | - | - | 0.60x |']
+    # The plan's TF32 row (no variant, TF32 on) gives its own column; a
+    # strict-math row of that plan is not it.
+    tf32 = [dict(framework='caffeplus', net='n', plan='arena', tf32=0, median_ms=30.0,
+                 peak_used_mib=900.0),
+            dict(framework='caffeplus', net='n', plan='arena', tf32=1, median_ms=16.0,
+                 peak_used_mib=900.0)]
+    assert bench_gpu.sixteen_bit_targets(rows + tf32[:1])[-1].endswith('| - | - | 0.50x |')
+    assert bench_gpu.sixteen_bit_targets(rows + tf32)[-1] == \
+        '| n | arena/fp16 | 10.0 | -/amp-fp16 | 12.0 | 1.20x | 25.0 | 2.50x | 16.0 | 1.60x | 0.50x |'
 
 
 def test_a_batch_without_its_own_prototxt_takes_the_architectures_file():
