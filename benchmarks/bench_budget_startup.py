@@ -31,7 +31,10 @@ from caffeplus.memory.budget import parse_bytes  # noqa: E402
 from caffeplus.memory.sampler import MiB, NvidiaSmiSampler, read_used_mib  # noqa: E402
 
 SHARED = os.environ.get('CAFFEPLUS_SHARED', os.path.join(os.path.dirname(ROOT), 'shared'))
+# The bench set: ../shared's where it is, else the copy the tests keep.
 DEFAULT_MODEL = os.path.join(SHARED, 'bench', 'vgg16_b256.prototxt')
+if not os.path.exists(DEFAULT_MODEL):
+    DEFAULT_MODEL = os.path.join(ROOT, 'tests', 'data', 'bench', 'vgg16_b256.prototxt')
 FIRST_ITERATION = re.compile(r'Iteration \d+ \(.*\), loss')
 
 

@@ -25,7 +25,7 @@ def _log(per_iter_s, ngpu, iters=60, display=10, first=5.0):
                      'ranks (nccl): batch 64 per rank, %d in all (x iter_size 1)'
                      % (ngpu, 64 * ngpu))
         lines.append('I1122 10:00:00.000000  1 sync.py:284] Gradient all-reduce: 32 parameters '
-                     '(527.8 MB) in 6 buckets (largest 392.0 MB) overlapped with backward')
+                     '(527.8 MiB) in 6 buckets (largest 392.0 MiB) overlapped with backward')
     for it in range(0, iters + 1, display):
         lapse = 0.001 if it == 0 else (first if it == display else per_iter_s * display)
         lines.append('I1122 10:00:01.000000  1 solver.py:392] Iteration %d (%g iter/s, %gs/%d '

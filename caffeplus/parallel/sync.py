@@ -286,7 +286,7 @@ def describe_buckets(sync):
     """Log the plan; returns the bucket sizes in floats."""
     sizes = [b.size for b in sync.buckets]
     largest = max(sizes) * 4 / 2 ** 20 if sizes else 0.0
-    log.info('Gradient all-reduce: %d parameters (%.1f MB) in %d buckets (largest %.1f MB)%s',
+    log.info('Gradient all-reduce: %d parameters (%.1f MiB) in %d buckets (largest %.1f MiB)%s',
              len(sync.params), sync.total * 4 / 2 ** 20, len(sizes), largest,
              ' overlapped with backward' if sync.layer_wise else ' after backward')
     return sizes
