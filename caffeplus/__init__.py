@@ -30,6 +30,11 @@ _LAZY = {
     'Classifier': ('caffeplus.classifier', 'Classifier'),
     'Detector': ('caffeplus.detector', 'Detector'),
 }
+# pycaffe's process-wide functions (caffeplus.pycaffe_runtime).
+for _name in ('init_log', 'Timer', 'NCCL', 'has_nccl', 'solver_count', 'set_solver_count',
+              'solver_rank', 'set_solver_rank', 'set_multiprocess'):
+    _LAZY[_name] = ('caffeplus.pycaffe_runtime', _name)
+del _name
 _SUBMODULES = ('io', 'layers', 'draw', 'net_spec', 'classifier', 'detector', 'proto',
                'solver', 'pycaffe')
 

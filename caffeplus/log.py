@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import time
+import types
 
 _LEVEL_CHAR = {logging.DEBUG: 'I', logging.INFO: 'I', logging.WARNING: 'W',
                logging.ERROR: 'E', logging.CRITICAL: 'F'}
@@ -62,3 +63,15 @@ def set_level(level):
 info = logger.info
 warning = logger.warning
 error = logger.error
+
+
+class _CallableModule(types.ModuleType):
+    """pycaffe's caffe.log(message) is a function (an INFO line), while this
+    module is caffeplus.log, which every module imports: calling the module
+    logs the message."""
+
+    def __call__(self, message):
+        logger.info('%s', message, stacklevel=2)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -703,16 +703,30 @@ class NCCLComm(Communicator):
     kind = 'nccl'
 
     def __init__(self, host, device):
-        import cupy
         nccl = import_nccl()
+        uid = nccl.get_unique_id() if host.rank == 0 else None
+        uid = host.bcast_obj(uid, root=0)
+        if isinstance(uid, list):       # a tuple id comes back from JSON as a list;
+            uid = tuple(uid)            # CuPy 14's id is bytes and stays bytes
+        self._connect(nccl, host, uid, device)
+
+    @classmethod
+    def from_uid(cls, uid, rank, world, device):
+        """The rank-th of `world` processes that share NCCL session id `uid`
+        (made by one of them and handed to the others, as pycaffe's
+        caffe.NCCL does); objects are not exchanged (no host channel)."""
+        host = Communicator()
+        host.rank, host.world = int(rank), int(world)
+        comm = cls.__new__(cls)
+        comm._connect(import_nccl(), host, uid, device)
+        return comm
+
+    def _connect(self, nccl, host, uid, device):
+        import cupy
         self.nccl = nccl
         self.host = host
         self.rank, self.world = host.rank, host.world
         self.device = int(device)
-        uid = nccl.get_unique_id() if self.rank == 0 else None
-        uid = host.bcast_obj(uid, root=0)
-        if isinstance(uid, list):       # a tuple id comes back from JSON as a list;
-            uid = tuple(uid)            # CuPy 14's id is bytes and stays bytes
         with cupy.cuda.Device(self.device):
             try:
                 self._comm = nccl.NcclCommunicator(self.world, uid, self.rank)
