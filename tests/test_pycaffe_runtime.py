@@ -43,9 +43,10 @@ def records():
 
 
 def _solver_file(tmp_path, **fields):
-    param = caffe_pb2.SolverParameter(net=LENET, base_lr=0.01, momentum=0.9, lr_policy='fixed',
-                                      display=0, max_iter=2, snapshot=0, random_seed=1701,
-                                      snapshot_prefix=str(tmp_path / 'lenet'), **fields)
+    values = dict(net=LENET, base_lr=0.01, momentum=0.9, lr_policy='fixed', display=0,
+                  max_iter=2, snapshot=0, random_seed=1701, snapshot_prefix=str(tmp_path / 'lenet'))
+    values.update(fields)
+    param = caffe_pb2.SolverParameter(**values)
     path = tmp_path / 'solver.prototxt'
     path.write_text(text_format.MessageToString(param))
     return str(path)
@@ -233,3 +234,19 @@ def test_timer_and_one_solvers_nccl_on_the_gpu(tmp_path, monkeypatch, ranks):
         assert solver.iter == 2 and numpy.isfinite(float(solver.net.blobs['loss'].data))
     finally:
         caffe.set_mode_cpu()
+
+
+def test_only_the_root_solver_logs_its_iterations(tmp_path, monkeypatch, ranks, records):
+    """Caffe's LOG_IF(INFO, Caffe::root_solver()) on the display lines."""
+    monkeypatch.chdir(REFERENCE)
+    shown = {}
+    for rank in (0, 1):
+        caffe.set_solver_count(2)
+        caffe.set_solver_rank(rank)
+        solver = caffe.SGDSolver(_solver_file(tmp_path, display=1))
+        del records[:]
+        solver.step(2)
+        shown[rank] = [r.getMessage() for r in records if r.getMessage().startswith('Iteration')]
+    assert 'Iteration 0, lr = 0.01' in shown[0]
+    assert sum(', loss = ' in m for m in shown[0]) == 2
+    assert shown[1] == []

@@ -95,7 +95,7 @@ class SGDSolver(Solver):
     def apply_update(self):
         p = self.param
         rate = self.get_learning_rate()
-        if p.display and self.iter % p.display == 0:
+        if p.display and self.iter % p.display == 0 and self.rank == 0:    # Caffe's root solver
             log.info('Iteration %d, lr = %g', self.iter, rate)
         in_backward = getattr(self, 'in_backward', None)
         if in_backward is not None and in_backward.pending:

@@ -483,10 +483,12 @@ class Solver:
         # Caffe's CPU timer counts whole milliseconds.
         lapse = F32(int((time.perf_counter() - self._timer_start) * 1000) / 1000.0)
         per_s = F32(self.iter - self.iterations_last) / (lapse if lapse else F32(1))
-        log.info('Iteration %d (%g iter/s, %gs/%d iters), loss = %g', self.iter, per_s, lapse,
-                 self.param.display, self.smoothed_loss)
         self._timer_start = time.perf_counter()
         self.iterations_last = self.iter
+        if self.rank != 0:      # as Caffe, only the root solver logs them
+            return
+        log.info('Iteration %d (%g iter/s, %gs/%d iters), loss = %g', self.iter, per_s, lapse,
+                 self.param.display, self.smoothed_loss)
         self._log_outputs(self.net, '    Train net output #%d: %s = %g%s')
 
     @staticmethod
