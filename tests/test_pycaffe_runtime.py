@@ -117,8 +117,9 @@ def test_a_solver_of_several_reads_its_ranks_records(tmp_path, monkeypatch, rank
     caffe.set_solver_count(2)
     caffe.set_solver_rank(1)
     caffe.set_multiprocess(True)
-    solver = caffe.SGDSolver(_solver_file(tmp_path))
+    solver = caffe.SGDSolver(_solver_file(tmp_path, test_iter=[2], test_interval=10))
     assert (solver.rank, solver.solver_count) == (1, 2)
+    assert solver.test_nets == []           # Caffe's root solver alone builds them
     solver.net.forward()
     labels = list(solver.net.blobs['label'].data.astype(int))
     # Caffe's DataLayer::Skip: of every 2 records the second (rank 1)

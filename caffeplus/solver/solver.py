@@ -143,7 +143,8 @@ class Solver:
             with workers.setting(workers.proto_value(param), 'caffeplus_param.data_workers'), \
                     precision.setting(param.caffeplus_param.precision):
                 self._init_train_net()
-                self._init_test_nets()
+                if self.rank == 0:      # as Caffe: only the root solver tests
+                    self._init_test_nets()
             log.info('Solver scaffolding done.')
             self.iter = 0
             self.current_step = 0
