@@ -294,20 +294,21 @@ def _net_backward_range(self, start, end):
     return self.backward_from_to(start, end)
 
 
-def _net_callback(hooks_name):
-    """pycaffe's Net.before_forward(fn) and kin: fn(layer index) runs at
-    every layer of every pass, where Caffe's Net runs its callbacks."""
+def _net_callback(name, hooks_name):
+    """pycaffe's Net.`name`(fn) (before_forward and kin): fn(layer index)
+    runs at every layer of every pass, where Caffe's Net runs its callbacks
+    (the net's list `hooks_name`)."""
     def add(self, callback):
         getattr(self, hooks_name).append(callback)
-    add.__name__ = hooks_name
+    add.__name__ = add.__qualname__ = name
     return add
 
 
 _NET_HELPERS = {
-    'before_forward': _net_callback('before_layer_forward'),
-    'after_forward': _net_callback('after_layer_forward'),
-    'before_backward': _net_callback('before_layer_backward'),
-    'after_backward': _net_callback('on_layer_backward_done'),
+    'before_forward': _net_callback('before_forward', 'before_layer_forward'),
+    'after_forward': _net_callback('after_forward', 'after_layer_forward'),
+    'before_backward': _net_callback('before_backward', 'before_layer_backward'),
+    'after_backward': _net_callback('after_backward', 'on_layer_backward_done'),
     '_batch': _net_batch,
     'forward_all': _net_forward_all,
     'forward_backward_all': _net_forward_backward_all,
