@@ -547,8 +547,9 @@ class Net:
         blobs = list(blobs or [])
         start_ind = self.layer_index(start) if start is not None else 0
         if end is not None:
+            # pycaffe's: the end layer's tops (whatever the layer is named)
             end_ind = self.layer_index(end)
-            outputs = unique_names([end] + blobs)
+            outputs = unique_names(self.top_names[end] + blobs)
         else:
             end_ind = len(self.layers) - 1
             outputs = unique_names(self.outputs + blobs)
@@ -567,8 +568,9 @@ class Net:
         diffs = list(diffs or [])
         start_ind = self.layer_index(start) if start is not None else len(self.layers) - 1
         if end is not None:
+            # pycaffe's: the diffs of the end layer's bottoms, where backward ends
             end_ind = self.layer_index(end)
-            outputs = unique_names([end] + diffs)
+            outputs = unique_names(self.bottom_names[end] + diffs)
         else:
             end_ind = 0
             outputs = unique_names(self.inputs + diffs)

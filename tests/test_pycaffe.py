@@ -814,3 +814,41 @@ def test_python_data_layer_trains_with_the_solver(pymodule, tmp_path):
     # setup's reshape, then one reshape per forward: a new batch each iteration.
     assert data_layer.reshapes == 41 and data_layer.idx == 41 * 16
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
+
+
+PARTIAL_NET = """\
+name: "partial"
+force_backward: true
+layer { name: "data" type: "Input" top: "data"
+        input_param { shape { dim: 2 dim: 1 dim: 4 dim: 4 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 3 kernel_size: 3
+                            weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip_blob"
+        inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.5 }
+                              bias_filler { type: "gaussian" std: 0.5 } } }
+"""
+
+
+def test_forward_and_backward_between_layers_return_their_blobs(tmp_path):
+    """pycaffe's forward(start, end) gives the end layer's tops and
+    backward(start, end) the diffs of its bottoms, whatever the layers are
+    named (BVLC's test_net: layer 'ip' writes 'ip_blob' from 'conv')."""
+    net = caffe.Net(_write(tmp_path / 'partial.prototxt', PARTIAL_NET), caffe.TRAIN)
+    conv, ip = net.blobs['conv'], net.blobs['ip_blob']
+    rng = np.random.default_rng(3)
+    conv.data[...] = rng.uniform(size=conv.data.shape).astype(np.float32)
+    out = net.forward(start='ip', end='ip')
+    assert set(out) == {'ip_blob'}
+    w, b = net.params['ip'][0].data.astype(np.float64), net.params['ip'][1].data
+    want = conv.data.reshape(2, -1).astype(np.float64) @ w.T + b
+    np.testing.assert_allclose(ip.data, want, rtol=1e-5, atol=1e-6)
+    top_diff = rng.uniform(size=ip.diff.shape).astype(np.float32)
+    ip.diff[...] = top_diff
+    back = net.backward(start='ip', end='ip')
+    assert set(back) == {'conv'}
+    np.testing.assert_allclose(back['conv'].reshape(2, -1), top_diff.astype(np.float64) @ w,
+                               rtol=1e-5, atol=1e-6)
+    # with extra blobs asked for, and over the whole net
+    assert set(net.forward(blobs=['conv'], end='ip')) == {'conv', 'ip_blob'}
+    assert set(net.backward(diffs=['conv'])) == {'data', 'conv'}
