@@ -32,6 +32,10 @@ class PythonLayerError(CaffeplusError):
     """A Python layer's own code raised an exception."""
 
 
+# Its exception type -> the PythonLayerError that is also of that type.
+_error_kinds = {}
+
+
 def _search_path():
     entries = [p if p else '(current directory)' for p in sys.path]
     text = ', '.join(entries)
@@ -146,9 +150,27 @@ class PythonLayer(Layer):
 
     # -- the layer protocol -----------------------------------------------------
     def _error(self, what, exc):
-        return PythonLayerError("Python layer '%s' (%s.%s) raised an error in %s: %s: %s"
-                                % (self.layer_param.name, self.module_name, self.class_name,
-                                   what, type(exc).__name__, exc))
+        """The error naming the layer, of the layer's own exception type too:
+        pycaffe lets a layer's exception through as it is, so scripts catch
+        it by its type (`except RuntimeError`), while caffeplus's commands
+        report a CaffeplusError in one line."""
+        message = ("Python layer '%s' (%s.%s) raised an error in %s: %s: %s"
+                   % (self.layer_param.name, self.module_name, self.class_name,
+                      what, type(exc).__name__, exc))
+        kind = _error_kinds.get(type(exc))
+        if kind is None:
+            try:
+                kind = type('PythonLayerError', (PythonLayerError, type(exc)),
+                            {'__module__': __name__, '__str__': Exception.__str__})
+            except TypeError:       # a type that cannot be mixed in (its layout, final)
+                kind = PythonLayerError
+            _error_kinds[type(exc)] = kind
+        try:
+            error = kind(message)
+        except Exception:           # its constructor wants other arguments
+            error = PythonLayerError(message)
+        error.layer_error = exc
+        return error
 
     def _call(self, what, *args):
         try:

@@ -580,6 +580,21 @@ class Broken(caffe.Layer):
 
     def forward(self, bottom, top):
         raise ValueError('boom in forward')
+
+
+class NeedsArgs(Exception):
+    def __init__(self, code, why):
+        super().__init__(code, why)
+
+
+class BrokenSetup(caffe.Layer):
+    def setup(self, bottom, top):
+        kind = self.param_str
+        if kind == 'runtime':
+            raise RuntimeError('cannot set up')
+        if kind == 'file':
+            raise FileNotFoundError(2, 'no such list', 'list.txt')
+        raise NeedsArgs(7, 'its own arguments')
 """
 
 PYNET = """
@@ -626,6 +641,21 @@ def test_python_layer_that_raises_names_the_layer(pymodule, tmp_path):
     assert "'scale'" in text and 'pyparam_layers.Broken' in text
     assert 'ValueError: boom in forward' in text
     assert isinstance(info.value.__cause__, ValueError)
+    # As in pycaffe, the layer's own exception type comes through: a script
+    # catches it by that type (BVLC's test_python_layer: RuntimeError).
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize('kind, caught', [('runtime', RuntimeError), ('file', OSError),
+                                          ('args', Exception)])
+def test_a_python_layers_exception_is_caught_by_its_type(pymodule, tmp_path, kind, caught):
+    pymodule('pyparam_layers', PYPARAM)
+    proto = _write(tmp_path / 'py.prototxt', (PYNET % ('pyparam_layers', 'BrokenSetup')).replace(
+        '\'{"init": 2.5}\'', '"%s"' % kind))
+    with pytest.raises(caught) as info:
+        caffe.Net(proto, caffe.TEST)
+    assert isinstance(info.value, caffe.CaffeplusError)     # one line from the commands
+    assert "'scale'" in str(info.value) and 'in setup' in str(info.value)
 
 
 def test_python_layer_module_not_found_names_module_and_path(tmp_path):
