@@ -9,7 +9,7 @@ through them (pycaffe's `blob.data[...] = x`) reach the net.
 import numpy
 
 from caffeplus import backend
-from caffeplus.errors import CaffeplusError, FormatError
+from caffeplus.errors import CaffeplusError, FormatError, ValueCountError
 
 MAX_BLOB_AXES = 32
 # A bound for shapes read from files, so a corrupt header cannot make us
@@ -483,6 +483,6 @@ def proto_array(proto, which, count, required=True):
     if values.size != count:
         if not required and values.size == 0:
             return None
-        raise FormatError('blob holds %d %s values but its shape needs %d'
-                          % (values.size, which, count))
+        raise ValueCountError('blob holds %d %s values but its shape needs %d'
+                              % (values.size, which, count))
     return values

@@ -13,6 +13,11 @@ class FormatError(CaffeplusError):
     """A file that cannot be read as what it claims to be."""
 
 
+class ValueCountError(FormatError, ValueError):
+    """A blob whose values do not fill its shape (a ValueError too, as
+    NumPy's reshape raises it in pycaffe's caffe.io.blobproto_to_array)."""
+
+
 class NetError(CaffeplusError):
     """A net definition that cannot be built."""
 

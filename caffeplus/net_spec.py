@@ -64,6 +64,10 @@ class NetSpecError(CaffeplusError, AttributeError):
     """A NetSpec parameter that does not fit the schema."""
 
 
+class NetSpecInputError(CaffeplusError, TypeError):
+    """A layer function given a bottom that no layer function made."""
+
+
 def _repeated(field):
     is_repeated = getattr(field, 'is_repeated', None)
     if is_repeated is not None:           # protobuf >= 5.29 (label is gone in 7)
@@ -166,8 +170,9 @@ class Function:
         self.type_name = type_name
         for i, inp in enumerate(inputs):
             if not isinstance(inp, Top):
-                raise NetSpecError('L.%s: bottom %d is %r, not a top made by a layer function'
-                                   % (type_name, i, inp))
+                # pycaffe's TypeError and message
+                raise NetSpecInputError('%s input %d is not a Top (type is %s)'
+                                        % (type_name, i, type(inp)))
         self.inputs = inputs
         self.params = dict(params)
         self.ntop = self.params.pop('ntop', 1)

@@ -882,3 +882,26 @@ def test_forward_and_backward_between_layers_return_their_blobs(tmp_path):
     # with extra blobs asked for, and over the whole net
     assert set(net.forward(blobs=['conv'], end='ip')) == {'conv', 'ip_blob'}
     assert set(net.backward(diffs=['conv'])) == {'data', 'conv'}
+
+
+def test_netspec_and_caffe_io_raise_pycaffes_exception_types():
+    """As pycaffe (BVLC's test_net_spec.test_type_error, test_io's
+    test_no_shape): a bottom that is not a Top is a TypeError with
+    pycaffe's message; a BlobProto whose values do not fill its shape is a
+    ValueError (NumPy's reshape in pycaffe)."""
+    import re
+    n = caffe.NetSpec()
+    n.data, n.label = L.DummyData(ntop=2, shape=dict(dim=[2, 3]))
+    with pytest.raises(TypeError) as info:
+        L.Silence((n.data, n.label), ntop=0)
+    assert re.match(r"^Silence input 0 is not a Top \(type is <class 'tuple'>\)$",
+                    str(info.value))
+    assert isinstance(info.value, caffe.CaffeplusError)
+    from caffeplus.proto import caffe_pb2
+    blob = caffe_pb2.BlobProto()
+    blob.data.extend([1.0] * 100)
+    with pytest.raises(ValueError, match='100 data values'):
+        caffe.io.blobproto_to_array(blob)
+    scalar = caffe_pb2.BlobProto()
+    scalar.data.append(123.0)
+    assert caffe.io.blobproto_to_array(scalar) == 123
