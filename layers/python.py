@@ -126,7 +126,9 @@ class PythonLayer(Layer):
     def _prepare(self):
         py = self.py
         self._py_blobs = HostBlobVec(self.blobs)
-        for attr, value in (('param_str', self.layer_param.python_param.param_str),
+        param_str = self.layer_param.python_param.param_str
+        # param_str_: the name before Caffe 1.0, which py-faster-rcnn's layers read.
+        for attr, value in (('param_str', param_str), ('param_str_', param_str),
                             ('phase', self.phase), ('blobs', self._py_blobs),
                             ('layer_param', self.layer_param), ('type', 'Python')):
             try:

@@ -614,6 +614,7 @@ def test_python_layer_param_str_blobs_and_phase(pymodule, tmp_path):
     net = caffe.Net(proto, caffe.TRAIN)
     layer = net.layer_dict['scale']
     assert layer.seen_phase == caffe.TRAIN and layer.param_str == '{"init": 2.5}'
+    assert layer.param_str_ == layer.param_str      # pre-1.0 layers read param_str_
     assert list(net.params) == ['scale'] and net.params['scale'][0].data[0] == 2.5
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     out = net.forward(data=x)
