@@ -36,7 +36,7 @@ for _name in ('init_log', 'Timer', 'NCCL', 'has_nccl', 'solver_count', 'set_solv
     _LAZY[_name] = ('caffeplus.pycaffe_runtime', _name)
 del _name
 _SUBMODULES = ('io', 'layers', 'draw', 'net_spec', 'classifier', 'detector', 'proto',
-               'solver', 'pycaffe')
+               'solver', 'pycaffe', 'coord_map')
 
 
 def _solver_attr(name):

@@ -358,7 +358,7 @@ attach_net_helpers()
 
 # -- `import caffe` for unmodified modules -------------------------------------
 CAFFE_SUBMODULES = ('io', 'proto', 'proto.caffe_pb2', 'draw', 'net_spec', 'classifier',
-                    'detector', 'pycaffe')
+                    'detector', 'pycaffe', 'coord_map')
 
 
 def _package():

@@ -261,14 +261,15 @@ def caffe_modules_restored():
 
 def test_layer_module_importing_a_missing_caffe_submodule_says_so(tmp_path, monkeypatch,
                                                                   caffe_modules_restored):
-    (tmp_path / 'needs_coord_map.py').write_text('import caffe.coord_map\n')
+    # (SSD's fork ships caffe.model_libs; BVLC's pycaffe has no such module)
+    (tmp_path / 'needs_model_libs.py').write_text('import caffe.model_libs\n')
     monkeypatch.syspath_prepend(str(tmp_path))
-    (tmp_path / 'net.prototxt').write_text(PY_LOSS_NET % 'needs_coord_map')
+    (tmp_path / 'net.prototxt').write_text(PY_LOSS_NET % 'needs_model_libs')
     try:
-        with pytest.raises(caffeplus.CaffeplusError, match=r"no module 'caffe\.coord_map'"):
+        with pytest.raises(caffeplus.CaffeplusError, match=r"no module 'caffe\.model_libs'"):
             caffeplus.Net(str(tmp_path / 'net.prototxt'), caffeplus.TRAIN)
     finally:
-        sys.modules.pop('needs_coord_map', None)
+        sys.modules.pop('needs_model_libs', None)
 
 
 # -- 8. smaller differences ---------------------------------------------------------------
