@@ -150,9 +150,12 @@ class NCCL:
 
     @staticmethod
     def new_uid():
-        """An NCCL session id for the processes of one training."""
+        """An NCCL session id for the processes of one training: bytes, as
+        pycaffe gives it under Python 3 (a CuPy that gives a tuple of
+        signed chars has it packed)."""
         from caffeplus.parallel.comm import import_nccl
-        return import_nccl().get_unique_id()
+        uid = import_nccl().get_unique_id()
+        return uid if isinstance(uid, bytes) else bytes(v & 0xFF for v in uid)
 
     def _layer_wise(self):
         return bool(self.solver.param.layer_wise_reduce)

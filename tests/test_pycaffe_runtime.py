@@ -251,3 +251,28 @@ def test_only_the_root_solver_logs_its_iterations(tmp_path, monkeypatch, ranks, 
     assert 'Iteration 0, lr = 0.01' in shown[0]
     assert sum(', loss = ' in m for m in shown[0]) == 2
     assert shown[1] == []
+
+
+def test_nccl_uids_are_bytes_as_pycaffes(monkeypatch):
+    """BVLC's test_nccl: under Python 3 caffe.NCCL.new_uid() is bytes; a
+    CuPy whose NCCL ids are tuples of signed chars gets its own form back."""
+    import types
+    from caffeplus.parallel import comm
+    made = []
+    tuple_id = tuple(range(-128, 0))
+
+    class FakeCommunicator:
+        def __init__(self, world, uid, rank):
+            made.append((world, uid, rank))
+
+    fake = types.SimpleNamespace(get_unique_id=lambda: tuple_id,
+                                 NcclCommunicator=FakeCommunicator)
+    monkeypatch.setattr(comm, 'import_nccl', lambda: fake)
+    uid = caffe.NCCL.new_uid()
+    assert isinstance(uid, bytes) and uid == bytes(range(128, 256))
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=lambda d: __import__('contextlib').nullcontext(),
+        Stream=lambda **k: None))
+    monkeypatch.setitem(__import__('sys').modules, 'cupy', cupy)
+    comm.NCCLComm.from_uid(uid, 1, 2, 0)
+    assert made == [(2, tuple_id, 1)]

@@ -717,8 +717,11 @@ class NCCLComm(Communicator):
         caffe.NCCL does); objects are not exchanged (no host channel)."""
         host = Communicator()
         host.rank, host.world = int(rank), int(world)
+        nccl = import_nccl()
+        if isinstance(uid, bytes) and not isinstance(nccl.get_unique_id(), bytes):
+            uid = tuple(b - 256 if b > 127 else b for b in uid)     # CuPy's signed chars
         comm = cls.__new__(cls)
-        comm._connect(import_nccl(), host, uid, device)
+        comm._connect(nccl, host, uid, device)
         return comm
 
     def _connect(self, nccl, host, uid, device):
