@@ -42,16 +42,11 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, 'tests', 'data', 'bench')
-OWN_NETS = os.path.join(ROOT, 'benchmarks', 'nets')
+sys.path.insert(0, ROOT)
+from benchmarks.bench_gpu import net_path  # noqa: E402  (bench set, else benchmarks/nets)
 CROP = {'alexnet_b128': 227}
 MEANS = (104, 117, 123)
 STAMP = re.compile(r'^I\d{4,8} (\d\d):(\d\d):(\d\d\.\d+) .*Iteration (\d+)[ ,]')
-
-
-def net_file(net):
-    """A bench net's prototxt: the bench set's, else benchmarks/nets/'s."""
-    path = os.path.join(BENCH, net + '.prototxt')
-    return path if os.path.exists(path) else os.path.join(OWN_NETS, net + '.prototxt')
 
 
 def smooth_images(n, seed=0, size=256):
@@ -198,7 +193,7 @@ def main(argv=None):
         print('| net | input | ms / iteration | images / s | of constant |')
         print('|---|---|---|---|---|')
         for net in args.nets.split(','):
-            with open(net_file(net)) as f:
+            with open(net_path(BENCH, net)) as f:
                 text = f.read()
             batch, crop = batch_of(text), CROP.get(net, 224)
             base = None

@@ -708,12 +708,14 @@ SIXTEEN_BIT_MISSED = {('alexnettv_b128', 'fp16'): 0.059, ('alexnettv_b128', 'bf1
 
 
 def _bench_model(net):
-    """(prototxt, --batch) of a bench_gpu net name (bench_gpu.net_source)."""
-    if net == 'alexnettv_b128':
-        return os.path.join(ROOT, 'benchmarks', 'nets', net + '.prototxt'), None
-    if net == 'resnet50_b256':
-        return bench('resnet50_b64'), '256'
-    return bench(net), None
+    """(prototxt, --batch) of a bench_gpu net name, by bench_gpu.net_source's
+    rule: its own file, else its architecture's at another batch."""
+    from benchmarks import bench_gpu
+    path = bench_gpu._kept_prototxt(BENCH, net)
+    if path is not None:
+        return path, None
+    arch, batch = bench_gpu.parse_net(net)
+    return bench(arch + '_b64'), str(batch)
 
 
 @pytest.mark.parametrize('kind', ['fp16', 'bf16'])
