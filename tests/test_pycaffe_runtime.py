@@ -263,6 +263,8 @@ def test_nccl_uids_are_bytes_as_pycaffes(monkeypatch):
 
     class FakeCommunicator:
         def __init__(self, world, uid, rank):
+            if not isinstance(uid, tuple):      # as CuPy's typed `tuple commId`
+                raise TypeError('commId must be a tuple')
             made.append((world, uid, rank))
 
     fake = types.SimpleNamespace(get_unique_id=lambda: tuple_id,

@@ -696,6 +696,17 @@ def _comm_stream(cupy):
         return cupy.cuda.Stream(non_blocking=True)
 
 
+def _communicator(nccl, world, uid, rank):
+    """CuPy's NcclCommunicator for id `uid`: as given, or, for a CuPy whose
+    ids are tuples of signed chars, a bytes id (pycaffe's) unpacked."""
+    try:
+        return nccl.NcclCommunicator(world, uid, rank)
+    except TypeError:
+        if not isinstance(uid, bytes):
+            raise
+        return nccl.NcclCommunicator(world, tuple(b - 256 if b > 127 else b for b in uid), rank)
+
+
 class NCCLComm(Communicator):
     """NCCL over CuPy arrays on this process's GPU; objects over `host`
     (an MPIComm or TCPComm of the same ranks), which also carries rank 0's
@@ -717,11 +728,8 @@ class NCCLComm(Communicator):
         caffe.NCCL does); objects are not exchanged (no host channel)."""
         host = Communicator()
         host.rank, host.world = int(rank), int(world)
-        nccl = import_nccl()
-        if isinstance(uid, bytes) and not isinstance(nccl.get_unique_id(), bytes):
-            uid = tuple(b - 256 if b > 127 else b for b in uid)     # CuPy's signed chars
         comm = cls.__new__(cls)
-        comm._connect(nccl, host, uid, device)
+        comm._connect(import_nccl(), host, uid, device)
         return comm
 
     def _connect(self, nccl, host, uid, device):
@@ -732,7 +740,7 @@ class NCCLComm(Communicator):
         self.device = int(device)
         with cupy.cuda.Device(self.device):
             try:
-                self._comm = nccl.NcclCommunicator(self.world, uid, self.rank)
+                self._comm = _communicator(nccl, self.world, uid, self.rank)
             except Exception as exc:
                 raise RankFailure('NCCL initialisation failed on rank %d (GPU %d): %s'
                                   % (self.rank, self.device, exc))
