@@ -168,11 +168,9 @@ class PythonLayer(Layer):
                 kind = PythonLayerError
             _error_kinds[type(exc)] = kind
         try:
-            error = kind(message)
+            return kind(message)
         except Exception:           # its constructor wants other arguments
-            error = PythonLayerError(message)
-        error.layer_error = exc
-        return error
+            return PythonLayerError(message)
 
     def _call(self, what, *args):
         try:
