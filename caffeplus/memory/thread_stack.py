@@ -34,6 +34,11 @@ THREAD_STACK_BYTES = 208
 # again. For the estimate: the most the four benchmark nets' chosen kernels
 # needed.
 SETTLED_MODEL_BYTES = 160
+# The same for a net whose convolutions run in 16 bits: their kernels need
+# less (`thread_stack_bytes` of `caffeplus memory -gpu 0 --precision fp16
+# --plans shared`: AlexNet 112 bytes, torchvision's AlexNet and ResNet-50 48,
+# GoogLeNet 32, VGG-16 16), the most of them.
+SETTLED_MODEL_BYTES_16BIT = 112
 # False: the limit stays where the timed search left it.
 SETTLE = True
 # Threads an H100 holds at once: what the estimate (made without a GPU) scales by.
@@ -67,16 +72,18 @@ def settles(plan_name):
     return SETTLE
 
 
-def modelled_bytes(plan_name):
-    """The limit the estimate assumes a plan runs at."""
+def modelled_bytes(plan_name, sixteen_bit=False):
+    """The limit the estimate assumes a plan runs at (`sixteen_bit`: for a
+    net whose convolutions run in 16 bits)."""
     if settles(plan_name):
-        return min(SETTLED_MODEL_BYTES, wanted_bytes(plan_name))
+        settled = SETTLED_MODEL_BYTES_16BIT if sixteen_bit else SETTLED_MODEL_BYTES
+        return min(settled, wanted_bytes(plan_name))
     return wanted_bytes(plan_name)
 
 
-def saved_bytes(plan_name, threads=H100_THREADS):
+def saved_bytes(plan_name, threads=H100_THREADS, sixteen_bit=False):
     """Device memory a plan's limit saves against CUDA's default (for the estimate)."""
-    return max(CUDA_DEFAULT_BYTES - modelled_bytes(plan_name), 0) * threads
+    return max(CUDA_DEFAULT_BYTES - modelled_bytes(plan_name, sixteen_bit), 0) * threads
 
 
 def apply(plan_name):

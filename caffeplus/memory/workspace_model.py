@@ -77,7 +77,8 @@ kernels and the captured CUDA graphs. It is MEASURED: the "other" of the
 and ResNet-50; mean 660 MiB), at CUDA's default per-thread stack and cuBLAS's default
 workspace pool; the plans but `stock` lower that limit and keep one cuBLAS
 buffer instead of two, and hold less (caffeplus.memory.thread_stack,
-caffeplus.memory.cublas_pool).
+caffeplus.memory.cublas_pool); a net whose convolutions run in 16 bits
+settles on a smaller stack than an FP32 one (thread_stack.SETTLED_MODEL_BYTES_16BIT).
 
 For `stock`, Caffe's per-layer cuDNN handles add HANDLE_BYTES each: 3 per
 group per convolution layer (with a CUDA stream each) and one per other
@@ -471,7 +472,7 @@ def other_bytes(net, plan_name):
     """The estimate's "other": the runtime's fixed cost, stock's per-layer
     handles, and the layers' internal buffers (for stock, Caffe 1.0's) with
     their 16-bit weight copies and the scratch they share."""
-    return runtime_bytes(plan_name) + handle_bytes(net, plan_name) + \
+    return runtime_bytes(plan_name, net) + handle_bytes(net, plan_name) + \
         internals(net, plan_name) + weight_copy_bytes(net) + shared_scratch_bytes(net, plan_name)
 
 
@@ -549,9 +550,11 @@ def weight_copy_bytes(net):
     return total
 
 
-def runtime_bytes(plan_name):
-    """The runtime's fixed cost under `plan_name` (see "Fixed cost" above)."""
-    return RUNTIME_BYTES - thread_stack.saved_bytes(plan_name) - \
+def runtime_bytes(plan_name, net=None):
+    """The runtime's fixed cost under `plan_name` (see "Fixed cost" above);
+    for `net`, whose 16-bit convolutions' kernels need a smaller stack."""
+    sixteen_bit = net is not None and weight_copy_bytes(net) > 0
+    return RUNTIME_BYTES - thread_stack.saved_bytes(plan_name, sixteen_bit=sixteen_bit) - \
         cublas_pool.saved_bytes(plan_name)
 
 
@@ -570,7 +573,7 @@ def other_parts(net, plan_name, other):
     """{part: bytes} of an estimated plan's "other" (`other` bytes): the
     runtime, stock's cuDNN handles, and the rest, the layers' own buffers
     (for the placing plans their share of the arena at its peak)."""
-    runtime = min(runtime_bytes(plan_name), other)
+    runtime = min(runtime_bytes(plan_name, net), other)
     handles = min(handle_bytes(net, plan_name), other - runtime)
     return collections.OrderedDict(zip(OTHER_PARTS, (runtime, handles,
                                                       other - runtime - handles)))
