@@ -522,6 +522,27 @@ def markdown(results, args):
     return '\n'.join(lines + sixteen_bit_targets(results)) + '\n'
 
 
+def amp_peers(rows):
+    """{(net, 'fp16'|'bf16'): PyTorch's AMP row} of the runs' rows: each
+    net's peer of the same architecture, BVLC's AlexNet (LRN, groups)
+    against the PyTorch model of BVLC's ('bvlc/amp-fp16') where the run has
+    one, else torchvision's model ('-/amp-fp16')."""
+    amp = {}
+    for r in rows:
+        for kind in ('fp16', 'bf16'):
+            if r['framework'] == 'pytorch' and r.get('plan', '').endswith('/amp-' + kind):
+                if r['plan'].startswith('bvlc') or (r['net'], kind) not in amp:
+                    amp[r['net'], kind] = r
+    return amp
+
+
+def caffeplus_row(rows, net, plan, tf32=None):
+    """caffeplus's row of `net` under `plan` (with TF32 on or off where
+    `tf32` says), or None."""
+    return next((r for r in rows if r['framework'] == 'caffeplus' and r['net'] == net and
+                 r['plan'] == plan and (tf32 is None or bool(r.get('tf32')) == tf32)), None)
+
+
 def sixteen_bit_targets(results):
     """Issue 37's ratios for each caffeplus 16-bit row ('/fp16', '/bf16'):
     its speed against PyTorch AMP in the same type on the same architecture
@@ -529,15 +550,7 @@ def sixteen_bit_targets(results):
     its TF32 row, the plan with no variant, where the run has one), its
     peak against AMP's; all measured in this run."""
     ok = [r for r in results if 'error' not in r]
-    # The peer of the same architecture: BVLC's AlexNet (LRN, groups) against
-    # the PyTorch model of BVLC's ('bvlc/amp-fp16') where the run has one,
-    # else torchvision's model ('-/amp-fp16').
-    amp = {}
-    for r in ok:
-        for kind in ('fp16', 'bf16'):
-            if r['framework'] == 'pytorch' and r.get('plan', '').endswith('/amp-' + kind):
-                if r['plan'].startswith('bvlc') or (r['net'], kind) not in amp:
-                    amp[r['net'], kind] = r
+    amp = amp_peers(ok)
     rows = []
     for r in ok:
         variants = r['plan'].partition('/')[2].split('+') if r['framework'] == 'caffeplus' \
@@ -546,10 +559,8 @@ def sixteen_bit_targets(results):
         if kind is None:
             continue
         base = r['plan'].partition('/')[0]
-        fp32 = next((q for q in ok if q['framework'] == 'caffeplus' and q['net'] == r['net'] and
-                     q['plan'] == base + '/strict'), None)
-        tf32 = next((q for q in ok if q['framework'] == 'caffeplus' and q['net'] == r['net'] and
-                     q['plan'] == base and q.get('tf32')), None)
+        fp32 = caffeplus_row(ok, r['net'], base + '/strict')
+        tf32 = caffeplus_row(ok, r['net'], base, tf32=True)
         a = amp.get((r['net'], kind))
         rows.append('| %s | %s | %.1f | %s | %s | %s | %s | %s | %s | %s | %s |' % (
             r['net'], r['plan'], r['median_ms'], a['plan'] if a else '-',

@@ -12,25 +12,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_gpu import parse_net  # noqa: E402
+from benchmarks.bench_gpu import amp_peers, caffeplus_row, parse_net  # noqa: E402
 
 NAMES = {'alexnet_b128': "AlexNet b128 (BVLC's)", 'alexnettv_b128': "AlexNet b128 (torchvision's)",
          'googlenet_b64': 'GoogLeNet b64', 'vgg16_b64': 'VGG-16 b64',
          'resnet50_b64': 'ResNet-50 b64', 'resnet50_b256': 'ResNet-50 b256'}
-
-
-def _amp(rows, net, kind):
-    """PyTorch's AMP row of `kind` for `net`: the BVLC model where the run has
-    one (BVLC's AlexNet), else torchvision's (bench_gpu.sixteen_bit_targets's rule)."""
-    found = [r for r in rows if r['framework'] == 'pytorch' and r['net'] == net and
-             r.get('plan', '').endswith('/amp-' + kind)]
-    bvlc = [r for r in found if r['plan'].startswith('bvlc')]
-    return (bvlc or found or [None])[0]
-
-
-def _mine(rows, net, plan, tf32=None):
-    return next((r for r in rows if r['framework'] == 'caffeplus' and r['net'] == net and
-                 r['plan'] == plan and (tf32 is None or bool(r.get('tf32')) == tf32)), None)
 
 
 def table(rows, plan):
@@ -40,12 +26,13 @@ def table(rows, plan):
     out = ['| net | caffeplus FP16 | AMP FP16 | speed, peak against AMP | caffeplus BF16 | '
            'AMP BF16 | speed, peak against AMP | FP32 | TF32 | FP16, BF16 against FP32 | '
            'FP16, BF16 against TF32 |', '|' + '---|' * 11]
+    amp = amp_peers(ok)
     for net in nets:
-        fp32, tf32 = _mine(ok, net, plan + '/strict'), _mine(ok, net, plan, True)
+        fp32, tf32 = caffeplus_row(ok, net, plan + '/strict'), caffeplus_row(ok, net, plan, True)
         cells = [NAMES.get(net, net)]
         mine = {}
         for kind in ('fp16', 'bf16'):
-            r, a = _mine(ok, net, plan + '/' + kind), _amp(ok, net, kind)
+            r, a = caffeplus_row(ok, net, plan + '/' + kind), amp.get((net, kind))
             mine[kind] = r
             cells.append('%.1f ms, %s MiB' % (r['median_ms'], format(round(r['peak_used_mib']), ','))
                          if r else '-')
