@@ -11,7 +11,7 @@ import pytest
 import caffeplus
 from caffeplus import backend, config, kernels, log, precision
 from caffeplus.errors import CaffeplusError
-from caffeplus.memory import budget, recompute, shapes
+from caffeplus.memory import budget, liveness, placement, recompute, shapes
 from caffeplus.memory.plan import make_plan
 from conftest import SHARED, emulating
 from plan_helpers import assert_same_run, param_of, sgd_run
@@ -103,8 +103,13 @@ SUM_REMADE = {'x0': ['bn0', 'sc0', 'relu0'], 'a': ['bn1', 'sc1'], 'b': ['bnp', '
 
 
 @pytest.fixture(autouse=True)
-def _quiet():
+def _quiet(request, monkeypatch):
     config.set('recompute', '')         # the default: `shared` remakes chains only
+    if 'prune' not in request.node.name:
+        # These nets are small enough that keeping any one map would not
+        # raise their peak, so `shared` would make none again
+        # (recompute.prune, tested on its own below).
+        monkeypatch.setattr(recompute, 'prunes', lambda: False)
     level = log.logger.level
     log.logger.setLevel(30)
     yield
@@ -220,6 +225,66 @@ def test_resnet50_remakes_every_chain_and_sum_it_can():
     config.set('recompute', '0')
     off = budget.estimate_plan(net, 'shared').peak_bytes
     assert off - on > 3.4e9 and on < 0.7 * off
+
+
+def test_prune_keeps_each_group_whose_remaking_does_not_lower_the_peak():
+    """recompute.prune, with a peak given as a function of what is made
+    again: sum2 goes with a2 (made again only for it), sum1 with a and b;
+    largest first, a group stays made again only where dropping it would
+    raise the peak."""
+    net = _build(_param(SUM_NET))
+    bufs = liveness.buffers(net)
+    chosen = recompute.choose(net, bufs, remakes_only=True)
+    name = {key: key[1][0] for key in chosen}
+    groups = [sorted(name[k] for k in g) for g in recompute.groups(net, bufs, chosen)]
+    assert sorted(groups) == [['a', 'b', 'sum1'], ['a2', 'sum2'], ['x0']]
+    # Only sum2's group lowers the peak; x0's dropped raises it by nothing.
+    tried = []
+
+    def peak_of(c):
+        tried.append(sorted(name[k] for k in chosen if k not in c))
+        return 100 - 10 * any(name[k] == 'sum2' for k in c)
+    kept = recompute.prune(net, bufs, chosen, peak_of)
+    assert sorted(name[k] for k in kept) == ['a2', 'sum2']
+    # The whole choice first, then each group largest first (sum1's three maps).
+    assert tried[0] == [] and tried[1] == ['a', 'b', 'sum1']
+    assert recompute.prune(net, bufs, {}, peak_of) == {}
+
+
+def test_prune_keeps_resnet50s_maps_that_are_not_at_its_peak():
+    """ResNet-50 b256 in FLOAT16 (shapes only, the estimate's plan: its
+    workspace and BatchNorm's kept copies placed too): stage 5's chains and
+    sums are made again at no gain in peak and stay kept; three of stage
+    4's sums made again come back together in backward above the forward's
+    peak and stay kept too. The peak falls by more than 300 MB, fewer bytes
+    are written again, and each group that stays made again is one whose
+    keeping would raise the placed bytes' bound."""
+    param = shapes.load_net_param(_bench('resnet50_b64'), batch=256)
+    precision.override(param, 'fp16')
+    net = shapes.build_net(param)
+    pruned = budget.estimate_plan(net, 'shared')
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(recompute, 'prunes', lambda: False)
+        every = budget.estimate_plan(net, 'shared')
+    assert set(pruned.recomputed) < set(every.recomputed)
+    made = {key[1][0] for key in pruned.recomputed}
+    assert not any(n.startswith('res5') for n in made)
+    assert {'conv1', 'res2c', 'res3d', 'res4a_branch2a'} <= made
+    assert every.peak_bytes - pruned.peak_bytes > 300e6
+    whole = liveness.buffers(net)
+    assert recompute.remake_passes(whole, pruned.recomputed)[0] < \
+        0.9 * recompute.remake_passes(whole, every.recomputed)[0]
+    assert pruned.est_iter_ms < every.est_iter_ms
+    bound = lambda plan: placement.live_bound(plan.buffers)
+    for group in recompute.groups(net, whole, pruned.recomputed):
+        names = {k[1][0] for k in group}
+        if not names & {'conv1', 'res2c', 'res3d', 'res4a_branch2a'}:
+            continue        # (a sample: each estimate takes a second)
+        less = {k: v for k, v in pruned.recomputed.items() if k not in group}
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(recompute, 'choose', lambda *a, **k: less)
+            mp.setattr(recompute, 'prunes', lambda: False)
+            assert bound(budget.estimate_plan(net, 'shared')) > bound(pruned), names
 
 
 # -- running ---------------------------------------------------------------------------------

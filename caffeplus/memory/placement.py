@@ -81,9 +81,18 @@ def _place_in_order(order, placed=None):
 
 def live_bound(buffers):
     """The most aligned bytes live at one time: no placement's arena is smaller."""
-    events = sorted({b.start for b in buffers})
-    return max([sum(_align(b.nbytes) for b in buffers if b.start <= t <= b.end)
-                for t in events] + [0])
+    # One sweep: at equal times a buffer starting comes before one ending
+    # (a life includes both its ends).
+    events = sorted([(b.start, 0, _align(b.nbytes)) for b in buffers] +
+                    [(b.end, 1, _align(b.nbytes)) for b in buffers])
+    live = most = 0
+    for _, ends, size in events:
+        if ends:
+            live -= size
+        else:
+            live += size
+            most = max(most, live)
+    return most
 
 
 class _Meets:

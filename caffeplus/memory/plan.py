@@ -175,17 +175,28 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
         again = recompute_mod.choose(net, whole, training, offloaded, convs=convs)
     else:       # `shared`: the normalized chains' tops and residual sums alone
         again = recompute_mod.choose(net, whole, training, offloaded, remakes_only=True)
-    split = tuple(recompute_mod.splittable(net, whole, again)) if recompute_mod.split_always() \
-        else tuple(k for k in recompute_split if k in again)
-    bufs = recompute_mod.shorten(bufs, again, net, split)
-    if workspace is not None:
-        bufs = bufs + liveness.workspace_buffers(net, workspace, training) + \
-            recompute_mod.workspace_buffers(net, bufs, again, workspace) + \
-            liveness.gemm_workspace_buffers(net, gemm_workspace, training)
-    if internals is not None:
-        bufs = bufs + liveness.internal_buffers(net, internals, training)
     placed_diffs = liveness.param_diff_buffers(net) if param_diffs and training else []
-    bufs = bufs + placed_diffs
+
+    def splits(again):
+        return tuple(recompute_mod.splittable(net, whole, again)) \
+            if recompute_mod.split_always() else tuple(k for k in recompute_split if k in again)
+
+    def assemble(again):
+        out = recompute_mod.shorten(bufs, again, net, splits(again))
+        if workspace is not None:
+            out = out + liveness.workspace_buffers(net, workspace, training) + \
+                recompute_mod.workspace_buffers(net, out, again, workspace) + \
+                liveness.gemm_workspace_buffers(net, gemm_workspace, training)
+        if internals is not None:
+            out = out + liveness.internal_buffers(net, internals, training)
+        return out + placed_diffs
+    if name == 'shared' and recompute_mod.prunes():
+        # `shared` promises `arena`'s time: a map is made again only where
+        # that lowers the peak.
+        again = recompute_mod.prune(net, whole, again,
+                                    lambda chosen: placement.live_bound(assemble(chosen)))
+    split = splits(again)
+    bufs = assemble(again)
     offsets, arena = placement.place(bufs, ('workspace',) if workspace_last else ())
     shares = shares_at_peak(bufs, steps)
     breakdown['activations'] = int(arena * shares['data'])

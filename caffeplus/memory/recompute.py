@@ -56,7 +56,7 @@ ResNet-50 at batch 256 in FLOAT16 gives back another 1.7 GB at the peak,
 for about three elementwise passes over each block's output.
 
 Which plans: `offload` and `auto`; in `shared` only the normalized chains
-and residual sums.
+and residual sums, and of those only the ones that lower its peak (prune).
 `shared` promises `arena`'s iteration time, and a forward run again is time
 (AlexNet's norm1 and norm2: 2.6%); a chain's pass is one read of the copy
 and one write of the top. The recompute setting (caffeplus.config:
@@ -108,6 +108,12 @@ def remakes_enabled():
     """Whether the reusing plans make normalized chains' tops again (every
     setting but 'off')."""
     return _setting() != 'off'
+
+
+def prunes():
+    """Whether `shared` keeps the maps whose making again would not lower its
+    peak (the default 'plan'; 'on' makes every map it can again)."""
+    return _setting() == 'plan'
 
 
 def convs_always():
@@ -371,6 +377,46 @@ def choose(net, bufs, training=True, offloaded=(), convs=False, remakes_only=Fal
         taken.update(data[key].blobs)
         inputs.update(bottoms)
     _choose_sums(net, data, writers, chosen, inputs, gone, least * REMAKE_SHARE)
+    return chosen
+
+
+def groups(net, bufs, chosen):
+    """The maps of `chosen` that stay or go together, largest bytes first:
+    a residual sum with the branch tops made again for its step alone
+    (they are made only for it), every other map alone."""
+    data = {b.key: b for b in bufs if b.kind == 'data'}
+    by_blob = {n: b for b in data.values() for n in b.blobs}
+    out, served = [], set()
+    for key, chain in chosen.items():
+        if is_sum(chain):
+            group = {key}
+            for blob_id in net.bottom_id_vecs[chain[1]]:
+                src = by_blob[net._blob_names[blob_id]]
+                if is_remake(chosen.get(src.key)) and not is_sum(chosen[src.key]) and \
+                        not _uses(net, src)[1]:
+                    group.add(src.key)
+            served |= group
+            out.append(group)
+    out += [{key} for key in chosen if key not in served]
+    return sorted(out, key=lambda g: (-sum(data[k].nbytes for k in g), sorted(g)))
+
+
+def prune(net, bufs, chosen, peak_of):
+    """`chosen` less the maps whose making again does not lower the peak:
+    each group (groups(), largest first) stays kept instead wherever
+    `peak_of(chosen)` (the plan's bytes live at its busiest moment) is no
+    higher without it. Making maps again lowers the peak only where they
+    are live at the busiest moment; elsewhere it is time spent for nothing
+    (ResNet-50's stage-5 maps), and a stage's sums made again together can
+    even raise it (stage 4 at batch 256: 380 MB above keeping three)."""
+    if not chosen:
+        return chosen
+    best = peak_of(chosen)
+    for group in groups(net, bufs, chosen):
+        trial = {k: v for k, v in chosen.items() if k not in group}
+        peak = peak_of(trial)
+        if peak <= best:
+            chosen, best = trial, peak
     return chosen
 
 
