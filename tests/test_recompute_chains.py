@@ -389,6 +389,38 @@ def test_fused_sums_made_again_give_the_forwards_bits_emulated(emulator, nhwc):
     assert_same_run(stock, shared)
 
 
+def _keeping(monkeypatch, kept):
+    """`shared`'s prune keeps the groups holding the maps named in `kept`
+    and makes the rest again (the mixes a real net's peak leads to)."""
+    monkeypatch.setattr(recompute, 'prunes', lambda: True)
+
+    def prune(net, bufs, chosen, peak_of):
+        drop = {k for g in recompute.groups(net, bufs, chosen) for k in g
+                if any(key[1][0] in kept for key in g)}
+        return {k: v for k, v in chosen.items() if k not in drop}
+    monkeypatch.setattr(recompute, 'prune', prune)
+
+
+@pytest.mark.parametrize('kept', ['sum1', 'sum2', 'x0'])
+def test_prune_mixes_of_kept_and_remade_sums_train_as_stock(monkeypatch, emulator, kept):
+    """sum2 made again from sum1 kept, sum1 made again with sum2 kept, or
+    x0's chain kept: on the host and through the fused kernels
+    channels-last, training stays bit for bit `stock`'s."""
+    param = _param(SUM_NET)
+    stock = sgd_run(_build(param))
+    _keeping(monkeypatch, {kept})
+    net = _build(param, memory='shared')
+    made = _remade_chains(net, net.applied_plan.plan)
+    group = {'sum1': {'sum1', 'a', 'b'}, 'sum2': {'sum2', 'a2'}, 'x0': {'x0'}}[kept]
+    assert set(made) == set(SUM_REMADE) - group
+    assert_same_run(stock, sgd_run(net))
+    with emulating(emulator):
+        fused_stock = _train_emulated('stock', True, text=SUM_NET)
+        fused = _train_emulated('shared', True, text=SUM_NET)
+    assert fused[2] and all(done == (True, True) for done in fused[3])
+    assert_same_run(fused_stock, fused)
+
+
 def test_unfused_chains_are_made_again_by_their_layers_emulated(emulator):
     """A hook that watches the layers keeps the chains unfused: the remake
     then runs the layers' own forwards, with the same bits."""
