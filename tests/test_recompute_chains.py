@@ -267,6 +267,10 @@ def test_prune_keeps_resnet50s_maps_that_are_not_at_its_peak():
         mp.setattr(recompute, 'prunes', lambda: False)
         every = budget.estimate_plan(net, 'shared')
     assert set(pruned.recomputed) < set(every.recomputed)
+    # The runtime's plan (no kept buffers given: it places them itself)
+    # weighs them as the model does, and chooses as the estimate.
+    assert set(make_plan(net, 'shared').recomputed) == set(pruned.recomputed)
+    assert set(make_plan(net, 'shared', param_diffs=True).recomputed) == set(pruned.recomputed)
     made = {key[1][0] for key in pruned.recomputed}
     assert not any(n.startswith('res5') for n in made)
     assert {'conv1', 'res2c', 'res3d', 'res4b_branch2a'} <= made

@@ -50,6 +50,7 @@ import re
 from caffeplus.errors import CaffeplusError
 from caffeplus.memory import calibration, cublas_pool, liveness, masks, placement, offload, \
     offload_timing, recompute, workspace_model as wm
+from caffeplus.memory.kept_model import model_internals
 from caffeplus.memory.plan import HISTORY_COPIES, make_plan, persistent_bytes
 from caffeplus.memory.offload_timing import PCIE_BANDWIDTH
 from caffeplus.solver import update_in_backward
@@ -120,18 +121,6 @@ def iteration_seconds(net, choice=None, solver_type='SGD', stall=0.0):
 
 
 # -- estimated plans --------------------------------------------------------------
-def model_internals(net):
-    """{layer index: {'kept': bytes}}: the model's buffers each layer keeps
-    from forward to backward (workspace_model.internal_bytes), for
-    make_plan to place with their lifetimes."""
-    out = {}
-    for i in range(len(net.layers)):
-        n = wm.internal_bytes(net, i)
-        if n:
-            out[i] = {'kept': n}
-    return out
-
-
 # The model's candidates in the terms of cuDNN's (caffeplus.cudnn.api.AlgoChoice),
 # for the rule both choose by (workspace.within_headroom).
 _Modelled = collections.namedtuple('_Modelled', 'memory time deterministic')

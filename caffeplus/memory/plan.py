@@ -18,6 +18,7 @@ import json
 
 from caffeplus.errors import CaffeplusError
 from caffeplus.memory import liveness, masks, placement
+from caffeplus.memory.kept_model import model_internals
 
 PLANS = ('stock', 'arena', 'shared', 'offload', 'auto')
 # The plans that place buffers in one arena (the others keep Caffe's own blobs).
@@ -192,9 +193,18 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
         return out + placed_diffs
     if name == 'shared' and recompute_mod.prunes():
         # `shared` promises `arena`'s time: a map is made again only where
-        # that lowers the peak.
-        again = recompute_mod.prune(net, whole, again,
-                                    lambda chosen: placement.live_bound(assemble(chosen)))
+        # that lowers the peak of the maps and the layers' kept buffers
+        # (BatchNorm's copies: most of a residual net's), the model's where
+        # the caller places them later (the runtime's AppliedPlan). The
+        # workspace, fitted into the holes below that peak, is left out, so
+        # that the estimate and the runtime choose alike.
+        kept = liveness.internal_buffers(
+            net, model_internals(net) if internals is None else internals, training)
+
+        def peak_of(chosen):
+            return placement.live_bound(recompute_mod.shorten(bufs, chosen, net, splits(chosen)) +
+                                        kept + placed_diffs)
+        again = recompute_mod.prune(net, whole, again, peak_of)
     split = splits(again)
     bufs = assemble(again)
     offsets, arena = placement.place(bufs, ('workspace',) if workspace_last else ())
