@@ -33,7 +33,7 @@
 #      nhwcbn BatchNorm's too).
 # Prefer running it through dev/gpu_snapshot.sh (the committed tree only).
 # Run from the repository root on the device (the `run` tool) with carry=[".gpu_carry"]
-# (.gpu_carry: wheels in whl/, copies of ../shared's reference/, zoo/ and bench/).
+# (.gpu_carry: wheels in whl/ (lmdb, simplejpeg), copies of ../shared's reference/, zoo/ and bench/).
 # env: LAYOUT_NEW, LAYOUT_BASE, LAYOUT_NETS, LAYOUT_S, ACCURACY_SOLVERS, ACCURACY_PRECISIONS, ACCURACY_SEEDS, PROFILE_PRECISION, PROFILE_LAYOUT, MEMORY_PRECISION, STEPS (tests,memory,probe,bench,stock,time,speed,data16,bits,stockbits,amp,accuracy,nvcaffe,profile), PROFILE_NETS, AMP_TORCH, TEST_PATHS, AMP_NETS, AMP_PLANS, TIME_NETS, MEMORY_NETS, MEMORY_PLANS, MEMORY_OFFLOAD (policy),
 #      MEMORY_ITERS, BENCH_NETS, TEST_S, KERNEL_COMPILE, MEMORY_S, BENCH_S, DATA16_NETS, DATA16_PRECISION,
 #      DATA16_INPUTS, DATA16_S
@@ -160,7 +160,10 @@ if has speed; then
 fi
 if has data16; then
   # 16-bit nets from LMDBs: whether the input pipeline keeps up with a batch
-  # in half FP32's time (bench_data_gpu --precision; needs the lmdb wheel).
+  # in half FP32's time (bench_data_gpu --precision; needs the lmdb wheel,
+  # and simplejpeg's, or the JPEG rows time Pillow's decoder instead).
+  python3 -c "import simplejpeg" 2>/dev/null || \
+    echo "WARNING: simplejpeg is not installed: the JPEG rows decode with Pillow (carry its wheel in .gpu_carry/whl)"
   for n in ${DATA16_NETS:-alexnet_b128 resnet50_b64}; do
     stamp "caffeplus train $n from LMDBs, precision ${DATA16_PRECISION:-fp16}"
     timeout "${DATA16_S:-300}" python3 benchmarks/bench_data_gpu.py --nets $n \
