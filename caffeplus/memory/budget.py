@@ -228,7 +228,7 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
     grads = training and update_in_backward.places_gradients(name, net=net)
 
     def placed(hidden):
-        sizes = None
+        sizes = again = None
         if placing:
             bare = make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
                              offload_policy=offload_policy, internals=kept,
@@ -237,10 +237,11 @@ def estimate_plan(net, name, solver_type='SGD', keep=(), training=True, offload_
             sizes = placed_workspace_sizes(net, bare.buffers, bare.steps, training, cap=cap,
                                            slowdown=headroom_slowdown(name),
                                            trade_share=trade_time_share(name))
+            again = bare.recomputed
         return make_plan(net, name, solver_type=solver_type, keep=keep, training=training,
                          offload_policy=offload_policy, workspace=sizes,
                          internals=kept, other_bytes=other, offload_hidden=hidden,
-                         param_diffs=grads,
+                         param_diffs=grads, recomputed=again,
                          gemm_workspace=cublas_pool.modelled_arena_bytes(name))
     plan = placed(hidden)
     if hidden:

@@ -103,7 +103,7 @@ def _arena_workspace(net):
 def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_policy='conv',
               other_bytes=0, workspace=None, internals=None, offload_hidden=None,
               recompute=True, offload_holds=None, recompute_split=(), workspace_last=False,
-              param_diffs=False, gemm_workspace=0):
+              param_diffs=False, gemm_workspace=0, recomputed=None):
     """Compute plan `name` for a built net. `workspace`: {layer index:
     (forward bytes, backward bytes)} of the convolutions' workspace; the
     reusing plans then place it in the arena beside the activations, live
@@ -129,7 +129,9 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     from their first backward write to that update (liveness.param_diff_spans).
     `gemm_workspace`: with `workspace`, the bytes of cuBLAS's workspace each
     InnerProduct call gets placed in the arena (caffeplus.memory.cublas_pool;
-    liveness.gemm_workspace_buffers)."""
+    liveness.gemm_workspace_buffers). `recomputed`: the maps made again as a
+    plan of the same net and settings chose them (its `recomputed`; the
+    choice does not depend on `workspace`), not chosen anew."""
     check_plan_name(name)
     if name == 'auto':
         raise CaffeplusError("plan 'auto' needs a budget: use caffeplus.memory.budget.plan_for_budget")
@@ -170,43 +172,41 @@ def make_plan(net, name, solver_type='SGD', keep=(), training=True, offload_poli
     # moves stays its own).
     from caffeplus.memory import recompute as recompute_mod
     convs = True if recompute == 'convs' else recompute if isinstance(recompute, tuple) else False
-    if not recompute:
+    if recomputed is not None:
+        again = dict(recomputed)
+    elif not recompute:
         again = {}
     elif recompute_mod.enabled(name):
         again = recompute_mod.choose(net, whole, training, offloaded, convs=convs)
     else:       # `shared`: the normalized chains' tops and residual sums alone
         again = recompute_mod.choose(net, whole, training, offloaded, remakes_only=True)
     placed_diffs = liveness.param_diff_buffers(net) if param_diffs and training else []
+    kept = liveness.internal_buffers(net, internals, training) if internals is not None else []
 
     def splits(again):
         return tuple(recompute_mod.splittable(net, whole, again)) \
             if recompute_mod.split_always() else tuple(k for k in recompute_split if k in again)
-
-    def assemble(again):
-        out = recompute_mod.shorten(bufs, again, net, splits(again))
-        if workspace is not None:
-            out = out + liveness.workspace_buffers(net, workspace, training) + \
-                recompute_mod.workspace_buffers(net, out, again, workspace) + \
-                liveness.gemm_workspace_buffers(net, gemm_workspace, training)
-        if internals is not None:
-            out = out + liveness.internal_buffers(net, internals, training)
-        return out + placed_diffs
-    if name == 'shared' and recompute_mod.prunes():
+    if recomputed is None and name == 'shared' and recompute_mod.prunes():
         # `shared` promises `arena`'s time: a map is made again only where
         # that lowers the peak of the maps and the layers' kept buffers
         # (BatchNorm's copies: most of a residual net's), the model's where
         # the caller places them later (the runtime's AppliedPlan). The
         # workspace, fitted into the holes below that peak, is left out, so
         # that the estimate and the runtime choose alike.
-        kept = liveness.internal_buffers(
-            net, model_internals(net) if internals is None else internals, training)
+        weighed = kept if internals is not None else \
+            liveness.internal_buffers(net, model_internals(net), training)
 
         def peak_of(chosen):
             return placement.live_bound(recompute_mod.shorten(bufs, chosen, net, splits(chosen)) +
-                                        kept + placed_diffs)
+                                        weighed + placed_diffs)
         again = recompute_mod.prune(net, whole, again, peak_of)
     split = splits(again)
-    bufs = assemble(again)
+    bufs = recompute_mod.shorten(bufs, again, net, split)
+    if workspace is not None:
+        bufs = bufs + liveness.workspace_buffers(net, workspace, training) + \
+            recompute_mod.workspace_buffers(net, bufs, again, workspace) + \
+            liveness.gemm_workspace_buffers(net, gemm_workspace, training)
+    bufs = bufs + kept + placed_diffs
     offsets, arena = placement.place(bufs, ('workspace',) if workspace_last else ())
     shares = shares_at_peak(bufs, steps)
     breakdown['activations'] = int(arena * shares['data'])
