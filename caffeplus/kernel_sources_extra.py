@@ -711,6 +711,42 @@ extern "C" __global__ void cp_im2col(const CP_A* x, CP_A* col, const unsigned lo
     }
 }
 
+/* im2row of images n0 .. of x (N, C, H, W), Caffe's order, for an image
+   layer's channels-last GEMM: row r = b*P + p (an output pixel) holds its
+   window's KP values, taps[k] = c << 16 | (i*DH) << 8 | (j*DW) for k < K
+   (Caffe's (c, i, j) order) and -1 past K (zeros: KP is K rounded up to 8,
+   so every row starts 16-byte aligned for cuBLAS's tensor-core kernels).
+   A thread writes 8 consecutive values of a row in 16-byte stores: the
+   writes are the cost, each value's index math a division or two. */
+extern "C" __global__ void cp_im2row(const CP_A* x, CP_A* rows, const int nrows, const int n0,
+    const int C, const int H, const int W, const int OW, const int P, const int SH,
+    const int SW, const int PH, const int PW, const int KP, const int* taps)
+{
+    const int G = KP / 8;
+    const long long total = (long long)nrows * G;
+    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < total;
+         t += (long long)gridDim.x * blockDim.x) {
+        const int r = (int)(t / G), g = (int)(t - (long long)r * G);
+        const int p = r % P, b = r / P;
+        const int y0 = (p / OW) * SH - PH, x0 = (p % OW) * SW - PW;
+        const CP_A* img = x + (size_t)(n0 + b) * C * H * W;
+        union { CP_A v[8]; uint4 u[sizeof(CP_A) / 2]; } pack;
+        for (int q = 0; q < 8; ++q) {
+            const int e = taps[g * 8 + q];
+            CP_A v = (CP_A)0.0f;
+            if (e >= 0) {
+                const int yy = y0 + ((e >> 8) & 255), xx = x0 + (e & 255);
+                if (yy >= 0 && yy < H && xx >= 0 && xx < W)
+                    v = img[((e >> 16) * H + yy) * W + xx];
+            }
+            pack.v[q] = v;
+        }
+        uint4* out = reinterpret_cast<uint4*>(rows + (size_t)r * KP) + g * (sizeof(CP_A) / 2);
+        for (int q = 0; q < (int)(sizeof(CP_A) / 2); ++q)
+            out[q] = pack.u[q];
+    }
+}
+
 /* The loss layer's report to the host, out[0..4] = normalizer, label error
    flag and value, loss, loss weight (top diff; 0 without one). `out` is
    pinned host memory the kernel writes directly: a read-back through a copy

@@ -36,6 +36,7 @@ PRELUDE = r'''
 #include <thread>
 #include <vector>
 struct cp_dim3 { unsigned x, y, z; };
+struct uint4 { unsigned x, y, z, w; };       /* CUDA's 16-byte vector */
 static thread_local cp_dim3 threadIdx;
 static cp_dim3 blockIdx, blockDim, gridDim;
 static std::barrier<>* cp_block_barrier;

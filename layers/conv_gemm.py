@@ -1,16 +1,22 @@
-"""Convolution as im2col + cuBLAS: the variant timed search weighs beside
-cuDNN's algorithms (variant 2 of a call site).
+"""Convolution as im2col (or im2row) + cuBLAS: the variant timed search
+weighs beside cuDNN's algorithms (variant 2 of a call site).
 """
 import numpy
 
 from caffeplus import kernels as _kernels
 from caffeplus.backend import blas
 from caffeplus.cudnn.algo_search import (FLOAT_BYTES, _gemm_1x1_search, _gemm_search, _prod,
-                                         median_ms)
+                                         _rows_search, median_ms)
 
 
 GEMM_MAX_CHANNELS = 4           # input channels up to which it is timed (image layers)
 GEMM_CHUNK_BYTES = 256 << 20    # column buffer of one batch chunk, at most
+# im2row's buffer of one batch chunk, at most: within the room a site is
+# timed in (caffeplus.memory.workspace), at about the whole batch's speed
+# (AlexNet's conv1 at b128 on the H100, dev/im2row_probe.py: 0.44 ms
+# forward over chunks of 16 images or the whole batch).
+ROWS_CHUNK_BYTES = 32 << 20
+ROWS_ALIGN = 8                  # values a row is padded to (16 bytes of 16-bit values)
 
 
 class _DeviceOps:
@@ -26,6 +32,17 @@ class _DeviceOps:
              _kernels.i32(g.kh), _kernels.i32(g.kw), _kernels.i32(g.oh), _kernels.i32(g.ow),
              _kernels.i32(g.sh), _kernels.i32(g.sw), _kernels.i32(g.ph), _kernels.i32(g.pw),
              _kernels.i32(g.dh), _kernels.i32(g.dw)))
+
+    @staticmethod
+    def im2row(x, rows, n0, nb, g):
+        nrows = nb * g.P
+        threads = nrows * (g.KP // ROWS_ALIGN)
+        i32 = _kernels.i32
+        _kernels.kernel('cp_im2row', g.dtype)(
+            (max(1, min(-(-threads // 256), 4096)),), (256,),
+            (numpy.uint64(x), numpy.uint64(rows), i32(nrows), i32(n0), i32(g.c), i32(g.h),
+             i32(g.w), i32(g.ow), i32(g.P), i32(g.sh), i32(g.sw), i32(g.ph), i32(g.pw),
+             i32(g.KP), numpy.uint64(g.taps_ptr())))
 
     @staticmethod
     def gemm_strided_batched(*args, **kw):
@@ -66,12 +83,22 @@ class _GemmConv:
     float32, on the tensor cores); the per-image partial filter gradients
     are float32, summed into the FP32 master's gradient as in FP32.
 
-    Over channels-last maps (`nhwc`; direct only) the whole batch is one
+    Over channels-last maps (`nhwc`) a 1x1 convolution's whole batch is one
     matrix of N*H*W rows of C values, and each call one GEMM: y = x W^T,
     dx = dy W, dW += dy^T x (the sums float32 into the master's gradient;
     a 1x1 filter's channels-last copy is its Caffe-order one). cuDNN's
     channels-last algorithms took 3-5x cuBLAS's time on ResNet-50's 1x1
-    convolutions (timed search's records, b64: 0.32 ms against 0.076)."""
+    convolutions (timed search's records, b64: 0.32 ms against 0.076).
+
+    An image layer writing channels-last maps from an image in Caffe's order
+    (`rows`: nhwc, not 1x1) runs im2row: row b*P + p of a chunk holds output
+    pixel p's window, KP values (Caffe's (c, i, j) order, zero past K), and
+    y (B*P x M, channels-last) = rows W^T, one GEMM a chunk, W the (M x KP)
+    copy of the weights in the maps' type (row_weights); the filter
+    gradient dW (float32, Caffe's order) += dy^T rows, a GEMM a chunk. In
+    BFLOAT16 cuDNN took 0.77 ms over AlexNet's conv1 forward at b128 (its
+    space-to-depth blocks), im2row and cuBLAS 0.44 (H100,
+    dev/im2row_probe.py)."""
 
     def __init__(self, layer, dtype=numpy.float32, nhwc=False):
         self.dtype = numpy.dtype(dtype)
@@ -90,9 +117,18 @@ class _GemmConv:
         self.K = self.c * self.kh * self.kw
         self.P = self.oh * self.ow
         self.direct = self.is_direct(layer)
-        if self.nhwc and not self.direct:
-            raise ValueError('channels-last maps: 1x1 stride-1 convolutions only')
-        if self.nhwc:       # one GEMM a call: no columns, no partials
+        self.rows = self.nhwc and not self.direct
+        self.KP = -(-self.K // ROWS_ALIGN) * ROWS_ALIGN
+        self._taps = self._wrows = None
+        if self.rows:
+            if not self.rows_ok(layer):
+                raise ValueError('channels-last maps: 1x1 stride-1 convolutions, or image '
+                                 'layers im2row can index')
+            per_image = self.KP * self.P * E
+            chunks = -(-self.n // max(1, min(self.n, ROWS_CHUNK_BYTES // per_image)))
+            self.B = -(-self.n // chunks)           # chunks as even as they go
+            self.col_bytes = -(-self.B * per_image // 256) * 256
+        elif self.nhwc:     # one GEMM a call: no columns, no partials
             self.B, self.col_bytes = self.n, 0
         elif self.direct:   # no columns; partial filter gradients of B images
             self.B = max(1, min(self.n, GEMM_CHUNK_BYTES // max(1, self.m * self.K *
@@ -111,14 +147,50 @@ class _GemmConv:
             tuple(g.pad) == (0, 0) and tuple(g.dilation) == (1, 1)
 
     @staticmethod
-    def eligible(layer):
+    def rows_ok(layer):
+        """Whether im2row's taps (c << 16 | i*DH << 8 | j*DW) index `layer`."""
+        g = layer.geom
+        return layer.channels < (1 << 15) and all(
+            (int(k) - 1) * int(d) < 256 for k, d in zip(g.kernel, g.dilation))
+
+    def taps_ptr(self):
+        """Device address of im2row's taps (made once)."""
+        if self._taps is None:
+            import cupy
+            taps = numpy.full(self.KP, -1, numpy.int32)
+            c, i, j = numpy.unravel_index(numpy.arange(self.K), (self.c, self.kh, self.kw))
+            taps[:self.K] = c << 16 | (i * self.dh) << 8 | j * self.dw
+            self._taps = cupy.asarray(taps)
+        return int(self._taps.data.ptr)
+
+    def row_weights(self, master=None):
+        """Device address of the (M x KP) weights im2row's forward reads, in
+        the maps' type, refreshed from the FP32 master `master` (a device
+        array of the layer's weights; None: as they are, zeros at first)."""
+        if self._wrows is None:
+            import cupy
+            self._wrows = cupy.zeros((self.m, self.KP), self.dtype)
+        if master is not None:
+            import cupy
+            cupy.copyto(self._wrows[:, :self.K], master.reshape(self.m, self.K),
+                        casting='same_kind')
+        return int(self._wrows.data.ptr)
+
+    @staticmethod
+    def eligible(layer, rows=False):
+        """Whether timed search weighs this variant for `layer` (`rows`: as
+        im2row over an image in Caffe's order, writing channels-last maps)."""
         if layer.reverse or layer.group != 1 or layer.num_spatial != 2 or layer.num <= 0 or \
                 _prod(layer.out_spatial) <= 0:
             return False
         if _GemmConv.is_direct(layer):
             return _gemm_1x1_search()
+        if layer.channels > GEMM_MAX_CHANNELS:
+            return False
+        if rows:
+            return _rows_search() and _GemmConv.rows_ok(layer)
         sixteen_bit = getattr(layer, 'activation_dtype', numpy.dtype(numpy.float32)).itemsize != 4
-        return _gemm_search(sixteen_bit) and layer.channels <= GEMM_MAX_CHANNELS
+        return _gemm_search(sixteen_bit)
 
     def kinds(self):
         """The calls this variant can make."""
@@ -136,8 +208,15 @@ class _GemmConv:
             yield n0, min(self.B, self.n - n0)
 
     def forward(self, x, w, y, ws, tf32=None, ops=_DeviceOps):
-        """y = conv(x, w) (no bias) on device pointers; ws: the column buffer."""
+        """y = conv(x, w) (no bias) on device pointers; ws: the column buffer
+        (`rows`: w is row_weights())."""
         M, K, P, t = self.m, self.K, self.P, self.type_name
+        if self.rows:       # (column-major: y is M x BP, the rows KP x BP, w KP x M)
+            for n0, nb in self.chunks():
+                ops.im2row(x, ws, n0, nb, self)
+                ops.gemm(blas.T, blas.N, M, nb * P, self.KP, w, self.KP, ws, self.KP,
+                         y + n0 * M * P * self.itemsize, M, tf32=tf32, ab_type=t, c_type=t)
+            return
         if self.nhwc:       # (column-major: y is M x NP, x K x NP, w K x M)
             ops.gemm(blas.T, blas.N, M, self.n * P, K, w, K, x, K, y, M, tf32=tf32, ab_type=t,
                      c_type=t)
@@ -172,6 +251,13 @@ class _GemmConv:
         """dw (float32) += the filter gradient on device pointers; ws: columns,
         then the float32 partials."""
         M, K, P, t = self.m, self.K, self.P, self.type_name
+        if self.rows:       # dW^T (K x M, column-major) += the rows' first K of each x dy
+            for n0, nb in self.chunks():
+                ops.im2row(x, ws, n0, nb, self)
+                ops.gemm(blas.N, blas.T, K, M, nb * P, ws, self.KP,
+                         dy + n0 * M * P * self.itemsize, M, dw, K, beta=1.0, tf32=tf32,
+                         ab_type=t, c_type='float32')
+            return
         if self.nhwc:
             ops.gemm(blas.N, blas.T, K, M, self.n * P, x, K, dy, M, dw, K, beta=1.0, tf32=tf32,
                      ab_type=t, c_type='float32')
@@ -196,6 +282,8 @@ class _GemmConv:
         import cupy
         wsp = int(wsp or 0)
         x, w, y = int(xa.data.ptr), int(wa.data.ptr), int(ya.data.ptr)
+        if self.rows:
+            w = self.row_weights()
         if kind == 'fwd':
             def run():
                 self.forward(x, w, y, wsp)

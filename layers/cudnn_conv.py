@@ -365,10 +365,15 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         if cd.loops != 1:
             return None, {}, None
         # Few input channels (an image net's first layer): im2col + GEMM too
-        # (over maps in Caffe's order only); a 1x1 convolution in either order.
-        gemm = _GemmConv(self, self.activation_dtype, nhwc=cd.nhwc) \
-            if _GemmConv.eligible(self) and not self._bottom_relaid and \
-            (not cd.nhwc or _GemmConv.is_direct(self)) else None
+        # over maps in Caffe's order, or im2row from an image in Caffe's
+        # order into channels-last maps (read as it is, like space-to-depth);
+        # a 1x1 convolution in either order.
+        direct = _GemmConv.is_direct(self)
+        if not cd.nhwc or direct:
+            ok = not self._bottom_relaid and _GemmConv.eligible(self)
+        else:
+            ok = self._bottom_relaid and _GemmConv.eligible(self, rows=True)
+        gemm = _GemmConv(self, self.activation_dtype, nhwc=cd.nhwc) if ok else None
         # The batch in halves, quarters and eighths: less workspace at about the speed.
         chunked = {v: _ConvDescs(self, False, k) for v, k in CHUNK_VARIANTS.items()
                    if slices == 1 and batch_slices_ok(self.num, k) and _chunk_search()}
@@ -563,7 +568,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
             b = _dptr(self.blobs[1]) if self.bias_term and bias else 0
         gemm = self._gemm if c.variant == 2 else None
         s2d = self._s2d if c.variant == S2D_VARIANT else None
-        own = s2d is not None and self._bottom_relaid  # (space-to-depth reads it as it is)
+        # (space-to-depth and im2row read it as it is)
+        own = (s2d is not None or (gemm is not None and gemm.rows)) and self._bottom_relaid
         # The in-place ReLU after it, in the bias pass (fused_chain's
         # _ConvReLUChain, active when nothing looks at the top between them).
         ch = self._chain
@@ -577,7 +583,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
                 with mgr.checkout(self, kind) as (ws, nbytes):
                     self._check_variant_workspace(c, ws, nbytes)
                     if gemm is not None:
-                        gemm.forward(x, w, y, ws)
+                        gemm.forward(x, gemm.row_weights(self.blobs[0].data) if gemm.rows
+                                     else w, y, ws)
                     else:
                         s2d.forward(x, w, y, ws, nbytes, c, own)
                 if b:
@@ -612,7 +619,8 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         fc = self._sites['bwd_filter'].choice
         gemm_filter = fc.variant == 2 and self._gemm is not None
         s2d_filter = fc.variant == S2D_VARIANT and self._s2d is not None
-        own = s2d_filter and self._bottom_relaid    # (space-to-depth reads it as it is)
+        # (space-to-depth and im2row read it as it is)
+        own = (s2d_filter or (gemm_filter and self._gemm.rows)) and self._bottom_relaid
         dw16, beta, dtype = None, 1.0, self.activation_dtype
         bias16 = False          # summed by CuPy, without the channel-sum kernels
         if self._sixteen_bit():

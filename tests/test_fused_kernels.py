@@ -763,9 +763,13 @@ def test_gemm_1x1_convolution_plan_on_channels_last_maps(n, c, hw, m, type_name,
     numpy.testing.assert_allclose(
         mem.get(DW, w.size).reshape(w.shape),
         dw0 + numpy.einsum('nmhw,nchw->mc', dy64, x64)[:, :, None, None], rtol=1e-5, atol=1e-5)
+    # Any other channels-last convolution is im2row from an image in Caffe's
+    # order (tests/test_conv_rows.py), where its taps can be indexed.
+    assert L._GemmConv(_FakeConvLayer(n, c, hw, m, (3, 3), (1, 1), (1, 1), (1, 1)), dtype,
+                       nhwc=True).rows
     with pytest.raises(ValueError):
-        L._GemmConv(_FakeConvLayer(n, c, hw, m, (3, 3), (1, 1), (1, 1), (1, 1)), dtype,
-                    nhwc=True)
+        L._GemmConv(_FakeConvLayer(n, c, (600, 600), m, (3, 3), (1, 1), (1, 1), (200, 200)),
+                    dtype, nhwc=True)
 
 
 def _train_plan(plan, **options):

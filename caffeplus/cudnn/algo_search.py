@@ -235,6 +235,11 @@ GEMM_1X1_SEARCH = True
 # chosen variant's column buffer (up to GEMM_CHUNK_BYTES) enlarges the arena.
 GEMM_SEARCH = False
 GEMM_SEARCH_SIXTEEN_BIT = False
+# Timed search also times im2row + GEMM (layers/conv_gemm.py, `rows`) for an
+# image layer that writes channels-last maps from an image in Caffe's order
+# (a 16-bit net's first convolution): no relay of the image, and in
+# BFLOAT16 faster than cuDNN's forward on AlexNet's conv1.
+GEMM_ROWS_SEARCH = True
 # Timed search also times a strided convolution over few input channels as a
 # stride-1 convolution over space-to-depth blocks (FP32 layers: S2D_SEARCH;
 # 16-bit ones: S2D_SEARCH_SIXTEEN_BIT).
@@ -259,6 +264,13 @@ def _gemm_search(sixteen_bit=False):
     if setting != 'plan':
         return setting == 'on'
     return GEMM_SEARCH_SIXTEEN_BIT if sixteen_bit else GEMM_SEARCH
+
+
+def _rows_search():
+    # The gemm_search setting 'on' or 'off' overrides it too.
+    from caffeplus import config
+    setting = config.get('gemm_search')
+    return GEMM_ROWS_SEARCH if setting == 'plan' else setting == 'on'
 
 
 def _s2d_search(sixteen_bit=False):

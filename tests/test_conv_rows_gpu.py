@@ -1,0 +1,89 @@
+"""An image layer's convolution as im2row + cuBLAS (layers/conv_gemm.py,
+`rows`) on the GPU: timed search times it for a 16-bit image layer that
+writes channels-last maps from an image in Caffe's order; forced to it, the
+forward and the filter gradient give the convolution's values (the CPU's
+float32 layer, and cuDNN's own calls over the same 16-bit values), the
+same bits every pass."""
+import numpy
+import pytest
+
+import caffeplus
+from caffeplus.blob import Blob
+from caffeplus.layer import create_layer
+from test_gpu_layers import _assert_close, _conv_round, _param, _run
+
+pytestmark = pytest.mark.gpu
+
+GEMM = 2
+
+
+def _round(lp, x, dy, params, dtype, variant):
+    """Two forward and backward passes of the layer over `dtype` maps, its
+    forward and filter gradient forced to im2row + cuBLAS (`variant` 2) or
+    to cuDNN's fastest that the arena holds (0)."""
+    from caffeplus.memory import workspace
+    caffeplus.set_mode_gpu()
+    old_search = workspace.set_search('timed')
+    try:
+        layer = create_layer(lp)
+        bottom, top = [Blob(x.shape, name='x')], [Blob(name='y')]
+        for b in bottom + top:
+            b.set_storage_dtype(dtype)
+        bottom[0].data = x
+        layer.setup(bottom, top)
+        for b, v in zip(layer.blobs, params):
+            b.data = v
+        layer.forward(bottom, top)
+        assert layer._gemm is not None and layer._gemm.rows
+        mgr = layer._manager()
+        need = mgr.nbytes
+        for kind in ('fwd', 'bwd_filter'):
+            site = layer._sites[kind]
+            if variant == GEMM:
+                pick = [c for c in site.candidates if c.variant == GEMM]
+            else:       # cuDNN's own calls (not space-to-depth's)
+                pick = [c for c in site.candidates if c.variant not in (GEMM, 6) and
+                        c.memory <= mgr.nbytes]
+            assert pick, site.candidates
+            site.choice = pick[0]
+            need = max(need, pick[0].memory)
+        mgr._buffer.resize(need, layer, 'arena')
+        got = _conv_round(layer, bottom, top, dy)
+        again = _conv_round(layer, bottom, top, dy)
+    finally:
+        workspace.set_search(old_search)
+    return got, again
+
+
+@pytest.mark.parametrize('type_name', ['float16', 'bfloat16'])
+@pytest.mark.parametrize('conv, shape', [
+    ('num_output: 8 kernel_size: 11 stride: 4', (4, 3, 39, 35)),
+    ('num_output: 6 kernel_size: 7 stride: 2 pad: 3', (5, 3, 20, 21)),
+    ('num_output: 16 kernel_size: 3 pad: 1', (3, 4, 12, 10))])
+def test_rows_variant_follows_the_convolution(type_name, conv, shape, monkeypatch):
+    from caffeplus.backend import mathmode
+    from caffeplus.layers import cudnn_conv
+    monkeypatch.setattr(cudnn_conv, 'IMAGE_CHANNELS_LAST', True)
+    if type_name == 'bfloat16':
+        dtype, tol = pytest.importorskip('ml_dtypes').bfloat16, 3e-2
+    else:
+        dtype, tol = numpy.float16, 4e-3
+    lp = _param('type: "Convolution" convolution_param { %s }' % conv)
+    rng = numpy.random.default_rng(43)
+    # Values the type holds exactly, so every path reads the same inputs.
+    x = rng.standard_normal(shape).astype(dtype).astype(numpy.float32)
+    _, _, _, _, params, dy = _run(lp, x, None, None, gpu=False)
+    params = [p.astype(dtype).astype(numpy.float32) for p in params]
+    dy = dy.astype(dtype).astype(numpy.float32)
+    _, y_cpu, dx_cpu, dp_cpu, _, _ = _run(lp, x, dy, params, gpu=False)
+    old_math = mathmode.set_math_mode('strict')
+    try:
+        rows, rows_again = _round(lp, x, dy, params, dtype, GEMM)
+        cudnn, _ = _round(lp, x, dy, params, dtype, 0)
+    finally:
+        mathmode.set_math_mode(old_math)
+    for a, b, c, what in zip(rows, cudnn, [y_cpu, dx_cpu] + dp_cpu, ['top', 'dx', 'dw', 'db']):
+        _assert_close(a, b, tol, '%s im2row against cuDNN, %s' % (type_name, what))
+        _assert_close(a, c, tol, '%s im2row against the CPU, %s' % (type_name, what))
+    for i in (0, 2):        # the variant's own calls: the top and the filter gradient
+        numpy.testing.assert_array_equal(rows[i], rows_again[i])
