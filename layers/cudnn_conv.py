@@ -257,6 +257,17 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         return IMAGE_CHANNELS_LAST and not bottom_nhwc and len(self.layer_param.top) == 1 and \
             self.channels <= layout.IMAGE_CHANNELS and config.get('layout') == 'nhwc' and ok
 
+    def reads_image_as_is(self):
+        """Whether timed search weighs, for both this 16-bit image layer's
+        forward and its filter gradient, calls that read its bottom in Caffe's
+        order (space-to-depth, im2row): chosen, they leave the bottom's
+        channels-last relay unmade (the estimate takes them to be chosen)."""
+        import types
+        if self.reverse or not self._sixteen_bit():
+            return False
+        descs = types.SimpleNamespace(loops=1, dtype=self.activation_dtype)
+        return _SpaceToDepthConv.eligible(self, descs) or _GemmConv.eligible(self, rows=True)
+
     def image_padding(self, compute_nhwc, bottom_relaid):
         """The channels an image input is padded to where the calls run
         channels-last on it relaid (see padded_channels); 0: none."""

@@ -713,12 +713,10 @@ SIXTEEN_BIT_RUN = os.path.join(ROOT, 'benchmarks', 'gpu_16bit_prune_321eb4c_h100
 SIXTEEN_BIT_NETS = ('alexnet_b128', 'alexnettv_b128', 'googlenet_b64', 'resnet50_b256',
                     'resnet50_b64', 'vgg16_b64')
 # Known misses of those runs, (net, type): error; a miss must stay no worse.
-# Torchvision's AlexNet: `caffeplus memory -gpu` on the same net and type
-# measures what the estimate says (FP16_RUNS); bench_gpu's process holds less.
-# BVLC's AlexNet in BFLOAT16: the same code's bench peak fell 40 MiB from run
-# to run (1,637 to 1,597 MiB), and torchvision's in BFLOAT16 58 MiB.
-SIXTEEN_BIT_MISSED = {('alexnettv_b128', 'fp16'): 0.056, ('alexnettv_b128', 'bf16'): 0.100,
-                      ('alexnet_b128', 'bf16'): 0.058}
+# Torchvision's AlexNet in BFLOAT16: its process holds 40-50 MiB less beside
+# the plan than the runtime's fixed cost (fitted on the larger nets), and its
+# bench peak moved 58 MiB from run to run.
+SIXTEEN_BIT_MISSED = {('alexnettv_b128', 'bf16'): 0.063}
 
 
 def _bench_model(net):

@@ -426,7 +426,9 @@ def shared_scratch_bytes(net, plan_name):
     """The device buffers GPU layers take turns with, one per purpose, each
     as large as its largest call (caffeplus.backend.device_scratch): a
     channels-last convolution's bottom relaid from Caffe's order (with its
-    diff where backward writes one), a top written in the other order than
+    diff where backward writes one; none for a 16-bit image layer whose
+    timed search weighs calls that read the image as it is: the bench
+    nets' 16-bit runs choose them for the calls that dominate), a top written in the other order than
     it is stored in (an image convolution's channels-last calls, a ceil-rule
     max pooling between orders), the double partial sums of a channels-last
     convolution's bias gradient (caffeplus.kernels.channel_sums_nhwc), and
@@ -460,7 +462,9 @@ def shared_scratch_bytes(net, plan_name):
         if bottom_relaid:
             count = bottom[0].count // bottom[0].shape[1] * pad if pad else bottom[0].count
             nbytes = _itemsize(bottom[0]) * count
-            relaid = max(relaid, nbytes)
+            reads_as_is = getattr(layer, 'reads_image_as_is', None)
+            if not (compute_nhwc and reads_as_is is not None and reads_as_is()):
+                relaid = max(relaid, nbytes)
             if net.bottom_need_backward[i][0]:
                 relaid_diff = max(relaid_diff, nbytes)
         if top_relaid:
