@@ -712,38 +712,44 @@ extern "C" __global__ void cp_im2col(const CP_A* x, CP_A* col, const unsigned lo
 }
 
 /* im2row of images n0 .. of x (N, C, H, W), Caffe's order, for an image
-   layer's channels-last GEMM: row r = b*P + p (an output pixel) holds its
-   window's KP values, taps[k] = c << 16 | (i*DH) << 8 | (j*DW) for k < K
+   layer's channels-last GEMM: row (b*OH + oy)*OW + ox (an output pixel)
+   holds its window's KP values, taps[k] = c << 16 | i << 8 | j*DW for k < K
    (Caffe's (c, i, j) order) and -1 past K (zeros: KP is K rounded up to 8,
    so every row starts 16-byte aligned for cuBLAS's tensor-core kernels).
-   A thread writes 8 consecutive values of a row in 16-byte stores: the
-   writes are the cost, each value's index math a division or two. */
-extern "C" __global__ void cp_im2row(const CP_A* x, CP_A* rows, const int nrows, const int n0,
-    const int C, const int H, const int W, const int OW, const int P, const int SH,
-    const int SW, const int PH, const int PW, const int KP, const int* taps)
+   A block makes one output row of one image: it first reads the C x KH
+   input rows the row's windows cover into shared memory, coalesced, the
+   padding as zeros (WP = W + 2*PW values a row), then writes the OW rows
+   it makes as one contiguous run, 8 values a thread in 16-byte stores. */
+#define CP_IM2ROW_TILE 12288
+extern "C" __global__ void cp_im2row(const CP_A* x, CP_A* rows, const int n0, const int C,
+    const int H, const int W, const int KH, const int OH, const int OW, const int SH,
+    const int SW, const int PH, const int PW, const int DH, const int WP, const int KP,
+    const int* taps)
 {
+    __shared__ CP_A tile[CP_IM2ROW_TILE];
+    const int oy = blockIdx.x % OH, b = blockIdx.x / OH;
+    const CP_A* img = x + (size_t)(n0 + b) * C * H * W;
+    for (int t = threadIdx.x; t < C * KH * WP; t += blockDim.x) {
+        const int ci = t / WP, xx = t - ci * WP - PW;
+        const int yy = oy * SH - PH + (ci % KH) * DH;
+        CP_A v = (CP_A)0.0f;
+        if (yy >= 0 && yy < H && xx >= 0 && xx < W)
+            v = img[((ci / KH) * H + yy) * W + xx];
+        tile[t] = v;
+    }
+    __syncthreads();
     const int G = KP / 8;
-    const long long total = (long long)nrows * G;
-    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < total;
-         t += (long long)gridDim.x * blockDim.x) {
-        const int r = (int)(t / G), g = (int)(t - (long long)r * G);
-        const int p = r % P, b = r / P;
-        const int y0 = (p / OW) * SH - PH, x0 = (p % OW) * SW - PW;
-        const CP_A* img = x + (size_t)(n0 + b) * C * H * W;
+    uint4* out = reinterpret_cast<uint4*>(rows + ((size_t)b * OH + oy) * OW * KP);
+    for (int t = threadIdx.x; t < OW * G; t += blockDim.x) {
+        const int ox = t / G, g = t - ox * G;
         union { CP_A v[8]; uint4 u[sizeof(CP_A) / 2]; } pack;
         for (int q = 0; q < 8; ++q) {
             const int e = taps[g * 8 + q];
-            CP_A v = (CP_A)0.0f;
-            if (e >= 0) {
-                const int yy = y0 + ((e >> 8) & 255), xx = x0 + (e & 255);
-                if (yy >= 0 && yy < H && xx >= 0 && xx < W)
-                    v = img[((e >> 16) * H + yy) * W + xx];
-            }
-            pack.v[q] = v;
+            pack.v[q] = e < 0 ? (CP_A)0.0f
+                : tile[((e >> 16) * KH + ((e >> 8) & 255)) * WP + ox * SW + (e & 255)];
         }
-        uint4* out = reinterpret_cast<uint4*>(rows + (size_t)r * KP) + g * (sizeof(CP_A) / 2);
         for (int q = 0; q < (int)(sizeof(CP_A) / 2); ++q)
-            out[q] = pack.u[q];
+            out[t * (int)(sizeof(CP_A) / 2) + q] = pack.u[q];
     }
 }
 

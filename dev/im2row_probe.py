@@ -1,118 +1,43 @@
 #!/usr/bin/env python3
-"""Whether an image layer's 16-bit convolution runs faster as im2row + one
-cuBLAS GEMM a batch chunk, writing a channels-last top, than cuDNN does.
+"""How fast an image layer's 16-bit convolution runs as im2row + cuBLAS
+(layers/conv_gemm.py, `rows`), beside PyTorch's cuDNN on the same shapes.
 
-    python3 dev/im2row_probe.py [--chunks 16,32,64,128]
+    python3 dev/im2row_probe.py [--chunks 16,32,128] [--nets bvlc_conv1,tv_conv1]
 
-For the AlexNets' conv1 (BVLC's 227 px, 96 filters; torchvision's 224 px,
-pad 2, 64 filters) at b128, FLOAT16 and BFLOAT16: the image (Caffe's
-order) is written as rows of (c, kh, kw) patches, one row an output pixel
-(im2row), then y (N*P x M, channels-last) = rows W^T, and the filter
-gradient dW (float32, Caffe's order) += dy^T rows, chunk by chunk; beside
-PyTorch's cuDNN (channels_last, cudnn.benchmark) on the same shapes.
-Milliseconds, medians of 20 timed calls (CUDA events).
+For each layer (AlexNet's conv1 in BVLC's and torchvision's forms at b128,
+ResNet-50's stem at b64 and b256, VGG-16's conv1_1 at b64), FLOAT16 and
+BFLOAT16, and each chunk of images: cp_im2row alone, the forward (im2row
+and one GEMM a chunk, channels-last top) and the filter gradient (float32,
+Caffe's order), then PyTorch's channels_last conv2d and its weight
+gradient under cudnn.benchmark. Milliseconds, medians of 20 timed calls
+(CUDA events); the forward checked against float32 math on the same values.
 """
 import argparse
 import os
 import statistics
 import sys
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import numpy  # noqa: E402
 
-SOURCE = r'''
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-template <typename T>
-__device__ void im2row(const T* x, T* rows, const int nrows, const int n0, const int C,
-    const int H, const int W, const int OW, const int P, const int SH, const int SW,
-    const int PH, const int PW, const int KP, const int* taps)
-{
-    /* One row (an output pixel) per threadIdx.y, its KP values across
-       threadIdx.x; taps[k] = c << 16 | i << 8 | j (-1: padding). */
-    for (int r = blockIdx.x * blockDim.y + threadIdx.y; r < nrows; r += gridDim.x * blockDim.y) {
-        const int p = r % P, b = r / P;
-        const int y0 = (p / OW) * SH - PH, x0 = (p % OW) * SW - PW;
-        const T* img = x + (size_t)(n0 + b) * C * H * W;
-        T* out = rows + (size_t)r * KP;
-        for (int k = threadIdx.x; k < KP; k += blockDim.x) {
-            const int e = taps[k];
-            T v = (T)0.0f;
-            if (e >= 0) {
-                const int yy = y0 + ((e >> 8) & 255), xx = x0 + (e & 255);
-                if (yy >= 0 && yy < H && xx >= 0 && xx < W)
-                    v = img[((e >> 16) * H + yy) * W + xx];
-            }
-            out[k] = v;
-        }
-    }
-}
-template <typename T>
-__device__ void im2row8(const T* x, T* rows, const int nrows, const int n0, const int C,
-    const int H, const int W, const int OW, const int P, const int SH, const int SW,
-    const int PH, const int PW, const int KP, const int* taps)
-{
-    /* A thread writes 8 consecutive values of a row as one 16-byte store. */
-    const int G = KP / 8;
-    const long long total = (long long)nrows * G;
-    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < total;
-         t += (long long)gridDim.x * blockDim.x) {
-        const int r = (int)(t / G), g = (int)(t - (long long)r * G);
-        const int p = r % P, b = r / P;
-        const int y0 = (p / OW) * SH - PH, x0 = (p % OW) * SW - PW;
-        const T* img = x + (size_t)(n0 + b) * C * H * W;
-        union { T v[8]; uint4 u; } pack;
-        #pragma unroll
-        for (int q = 0; q < 8; ++q) {
-            const int e = __ldg(taps + g * 8 + q);
-            T v = (T)0.0f;
-            if (e >= 0) {
-                const int yy = y0 + ((e >> 8) & 255), xx = x0 + (e & 255);
-                if (yy >= 0 && yy < H && xx >= 0 && xx < W)
-                    v = img[((e >> 16) * H + yy) * W + xx];
-            }
-            pack.v[q] = v;
-        }
-        reinterpret_cast<uint4*>(rows + (size_t)r * KP)[g] = pack.u;
-    }
-}
-#define IM2ROW_ARGS const int nrows, const int n0, const int C, const int H, const int W, \
-    const int OW, const int P, const int SH, const int SW, const int PH, const int PW, \
-    const int KP, const int* taps
-extern "C" __global__ void im2row_h(const __half* x, __half* rows, IM2ROW_ARGS)
-{ im2row<__half>(x, rows, nrows, n0, C, H, W, OW, P, SH, SW, PH, PW, KP, taps); }
-extern "C" __global__ void im2row_b(const __nv_bfloat16* x, __nv_bfloat16* rows, IM2ROW_ARGS)
-{ im2row<__nv_bfloat16>(x, rows, nrows, n0, C, H, W, OW, P, SH, SW, PH, PW, KP, taps); }
-extern "C" __global__ void im2row8_h(const __half* x, __half* rows, IM2ROW_ARGS)
-{ im2row8<__half>(x, rows, nrows, n0, C, H, W, OW, P, SH, SW, PH, PW, KP, taps); }
-extern "C" __global__ void im2row8_b(const __nv_bfloat16* x, __nv_bfloat16* rows, IM2ROW_ARGS)
-{ im2row8<__nv_bfloat16>(x, rows, nrows, n0, C, H, W, OW, P, SH, SW, PH, PW, KP, taps); }
-'''
-
-SHAPES = {      # name: (N, C, H, M, k, s, pad)
+LAYERS = {      # name: (N, C, H, M, k, s, pad)
     'bvlc_conv1': (128, 3, 227, 96, 11, 4, 0),
     'tv_conv1': (128, 3, 224, 64, 11, 4, 2),
+    'resnet50_conv1_b64': (64, 3, 224, 64, 7, 2, 3),
+    'resnet50_conv1_b256': (256, 3, 224, 64, 7, 2, 3),
+    'vgg16_conv1_1': (64, 3, 224, 64, 3, 1, 1),
 }
 
 
-def launch(kern, x, rows, nrows, n0, C, H, OW, P, s, pad, KP, taps):
-    i = numpy.int32
-    if VECTOR[0]:
-        blocks = min((nrows * (KP // 8) + 255) // 256, 132 * 32)
-        kern((blocks,), (256,),
-             (x, rows, i(nrows), i(n0), i(C), i(H), i(H), i(OW), i(P), i(s), i(s), i(pad),
-              i(pad), i(KP), taps))
-        return
-    per_block = 4
-    blocks = min((nrows + per_block - 1) // per_block, 65535 * 8)
-    kern((blocks,), (128, per_block),
-         (x, rows, i(nrows), i(n0), i(C), i(H), i(H), i(OW), i(P), i(s), i(s), i(pad), i(pad),
-          i(KP), taps))
-
-
-VECTOR = [False]    # whether the 8-values-a-thread kernels run
+def _layer(N, C, H, M, k, s, pad):
+    from caffeplus.im2col import ConvGeometry
+    geom = ConvGeometry((k, k), (s, s), (pad, pad), (1, 1))
+    return types.SimpleNamespace(geom=geom, num=N, channels=C, in_spatial=(H, H),
+                                 num_output=M, out_spatial=geom.conv_out_shape((H, H)),
+                                 reverse=False, group=1, num_spatial=2)
 
 
 def timed(fn, reps=20):
@@ -131,96 +56,69 @@ def timed(fn, reps=20):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    ap.add_argument('--chunks', default='16,32,64,128')
-    ap.add_argument('--vector', action='store_true', help='8 values a thread, one 16-byte store')
+    ap.add_argument('--chunks', default='16,32,128', help='images a chunk')
+    ap.add_argument('--nets', default=','.join(LAYERS))
     args = ap.parse_args()
     import cupy
     from caffeplus import backend
-    from caffeplus.backend import blas
+    from caffeplus.layers import conv_gemm
     from caffeplus.precision import bfloat16_dtype
     backend.set_mode_gpu(0)
-    module = cupy.RawModule(code=SOURCE, options=('--std=c++14',))
-    VECTOR[0] = args.vector
-    types = {'fp16': (numpy.float16, 'float16', 'im2row_h'),
-             'bf16': (bfloat16_dtype(), 'bfloat16', 'im2row_b')}
-    for name, (N, C, H, M, k, s, pad) in SHAPES.items():
-        OH = (H + 2 * pad - k) // s + 1
-        P, K = OH * OH, C * k * k
-        K = -(-K // 8) * 8      # rows padded to 16 bytes: cuBLAS's aligned kernels
-        KR = C * k * k
-        taps = numpy.full(K, -1, numpy.int32)
-        c_, i_, j_ = numpy.unravel_index(numpy.arange(KR), (C, k, k))
-        taps[:KR] = c_ << 16 | i_ << 8 | j_
-        taps = cupy.asarray(taps)
-        for tname, (dtype, cublas_type, fname) in types.items():
-            kern = module.get_function(fname.replace('im2row', 'im2row8') if args.vector
-                                       else fname)
+    for name in args.nets.split(','):
+        shape = LAYERS[name]
+        layer = _layer(*shape)
+        N, C, H, M = shape[:4]
+        for tname, dtype in (('fp16', numpy.dtype(numpy.float16)), ('bf16', bfloat16_dtype())):
             x = cupy.random.standard_normal((N, C, H, H), dtype=numpy.float32).astype(dtype)
-            w = cupy.random.standard_normal((M, K), dtype=numpy.float32)
-            w[:, KR:] = 0
-            w = w.astype(dtype)
-            y = cupy.empty((N * P, M), dtype)
-            dy = cupy.random.standard_normal((N * P, M), dtype=numpy.float32).astype(dtype)
-            dw = cupy.zeros((M, K), numpy.float32)
-            for B in (int(b) for b in args.chunks.split(',')):
-                rows = cupy.empty((B * P, K), dtype)
+            master = cupy.random.standard_normal((M, C * shape[4] ** 2), dtype=numpy.float32)
+            for chunk in (int(c) for c in args.chunks.split(',')):
+                g0 = conv_gemm._GemmConv(layer, dtype, nhwc=True)
+                conv_gemm.ROWS_CHUNK_BYTES = chunk * g0.KP * g0.P * dtype.itemsize
+                g = conv_gemm._GemmConv(layer, dtype, nhwc=True)
+                ws = cupy.empty(g.memory('fwd'), numpy.uint8)
+                y = cupy.empty((N * g.P, M), dtype)
+                dy = cupy.random.standard_normal((N * g.P, M), dtype=numpy.float32).astype(dtype)
+                dw = cupy.zeros((M, g.K), numpy.float32)
+                w = g.row_weights(master)
+                xp, yp, wsp = int(x.data.ptr), int(y.data.ptr), int(ws.data.ptr)
 
-                def make(n0, B=B, rows=rows):
-                    launch(kern, x, rows, B * P, n0, C, H, OH, P, s, pad, K, taps)
-
-                def fwd(B=B, rows=rows):
-                    for n0 in range(0, N, B):
-                        make(n0)
-                        blas.gemm(blas.T, blas.N, M, B * P, K, int(w.data.ptr), K,
-                                  int(rows.data.ptr), K,
-                                  int(y.data.ptr) + n0 * P * M * y.itemsize, M,
-                                  ab_type=cublas_type, c_type=cublas_type)
-
-                def filt(B=B, rows=rows):
-                    for n0 in range(0, N, B):
-                        make(n0)
-                        blas.gemm(blas.N, blas.T, K, M, B * P, int(rows.data.ptr), K,
-                                  int(dy.data.ptr) + n0 * P * M * dy.itemsize, M,
-                                  int(dw.data.ptr), K, beta=1.0, ab_type=cublas_type,
-                                  c_type='float32')
-
-                def only_rows(B=B):
-                    for n0 in range(0, N, B):
-                        make(n0)
-                print('%s %s chunk %3d (%5.1f MiB rows): im2row %.3f ms, fwd %.3f ms, '
-                      'filter %.3f ms' % (name, tname, B, rows.nbytes / 2 ** 20,
-                                          timed(only_rows), timed(fwd), timed(filt)))
-                del rows
-            # Correctness of the forward against float32 math on the same values.
-            B = 16
-            rows = cupy.empty((B * P, K), dtype)
-            fwd_ref = _reference(x[:2].astype(numpy.float32), w[:, :KR].astype(numpy.float32), k, s,
-                                 pad)
-            launch(kern, x, rows, 2 * P, 0, C, H, OH, P, s, pad, K, taps)
-            got = rows[:2 * P].astype(numpy.float32) @ w.astype(numpy.float32).T
-            print('  rows reproduce the convolution: max |diff| %.2e' %
-                  float(abs(got - fwd_ref).max()))
-            _torch(name, tname, N, C, H, M, k, s, pad)
+                def rows_only():
+                    for n0, nb in g.chunks():
+                        conv_gemm._DeviceOps.im2row(xp, wsp, n0, nb, g)
+                fwd = timed(lambda: g.forward(xp, w, yp, wsp))
+                filt = timed(lambda: g.backward_filter(xp, int(dy.data.ptr), int(dw.data.ptr),
+                                                       wsp))
+                print('%s %s chunk %3d (%5.1f MiB): im2row %.3f ms, fwd %.3f ms, filter %.3f ms'
+                      % (name, tname, g.B, ws.nbytes / 2 ** 20, timed(rows_only), fwd, filt))
+            _check(layer, g, x, master, y, dtype)
+            _torch(name, tname, shape)
 
 
-def _reference(x, w, k, s, pad):
-    """float32 convolution of x (n, C, H, H) by w (M, C*k*k), channels-last rows."""
+def _check(layer, g, x, master, y, dtype):
+    """The forward's top against float32 math on the same 16-bit values."""
     import cupy
-    n, C, H, _ = x.shape
-    xp = cupy.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
-    OH = (H + 2 * pad - k) // s + 1
+    k, s, p = layer.geom.kernel[0], layer.geom.stride[0], layer.geom.pad[0]
+    x2 = x[:2].astype(numpy.float32)
+    n, C, H, _ = x2.shape
+    xp = cupy.pad(x2, ((0, 0), (0, 0), (p, p), (p, p)))
+    OH = layer.out_spatial[0]
     cols = cupy.empty((n, OH, OH, C, k, k), numpy.float32)
     for i in range(k):
         for j in range(k):
             cols[..., i, j] = xp[:, :, i:i + s * OH:s, j:j + s * OH:s].transpose(0, 2, 3, 1)
-    return cols.reshape(n * OH * OH, -1) @ w.T
+    w = master.astype(dtype).astype(numpy.float32)
+    want = cols.reshape(n * OH * OH, -1) @ w.T
+    got = y[:n * OH * OH].astype(numpy.float32)
+    print('  forward against float32 math: max |diff| %.2e of max |y| %.2e' %
+          (float(abs(got - want).max()), float(abs(want).max())))
 
 
-def _torch(name, tname, N, C, H, M, k, s, pad):
+def _torch(name, tname, shape):
     try:
         import torch
     except ImportError:
         return
+    N, C, H, M, k, s, pad = shape
     torch.backends.cudnn.benchmark = True
     dt = {'fp16': torch.float16, 'bf16': torch.bfloat16}[tname]
     x = torch.randn(N, C, H, H, device='cuda', dtype=dt).to(memory_format=torch.channels_last)

@@ -17,6 +17,7 @@ GEMM_CHUNK_BYTES = 256 << 20    # column buffer of one batch chunk, at most
 # forward over chunks of 16 images or the whole batch).
 ROWS_CHUNK_BYTES = 32 << 20
 ROWS_ALIGN = 8                  # values a row is padded to (16 bytes of 16-bit values)
+ROWS_TILE = 12288               # cp_im2row's shared tile, values (CP_IM2ROW_TILE)
 
 
 class _DeviceOps:
@@ -35,14 +36,12 @@ class _DeviceOps:
 
     @staticmethod
     def im2row(x, rows, n0, nb, g):
-        nrows = nb * g.P
-        threads = nrows * (g.KP // ROWS_ALIGN)
         i32 = _kernels.i32
         _kernels.kernel('cp_im2row', g.dtype)(
-            (max(1, min(-(-threads // 256), 4096)),), (256,),
-            (numpy.uint64(x), numpy.uint64(rows), i32(nrows), i32(n0), i32(g.c), i32(g.h),
-             i32(g.w), i32(g.ow), i32(g.P), i32(g.sh), i32(g.sw), i32(g.ph), i32(g.pw),
-             i32(g.KP), numpy.uint64(g.taps_ptr())))
+            (nb * g.oh,), (256,),
+            (numpy.uint64(x), numpy.uint64(rows), i32(n0), i32(g.c), i32(g.h), i32(g.w),
+             i32(g.kh), i32(g.oh), i32(g.ow), i32(g.sh), i32(g.sw), i32(g.ph), i32(g.pw),
+             i32(g.dh), i32(g.w + 2 * g.pw), i32(g.KP), numpy.uint64(g.taps_ptr())))
 
     @staticmethod
     def gemm_strided_batched(*args, **kw):
@@ -148,10 +147,14 @@ class _GemmConv:
 
     @staticmethod
     def rows_ok(layer):
-        """Whether im2row's taps (c << 16 | i*DH << 8 | j*DW) index `layer`."""
+        """Whether im2row can make `layer`'s rows: its taps (c << 16 | i << 8
+        | j*DW) index the window, and the input rows one output row covers
+        (C x KH rows of W + 2*PW values) fit its shared tile."""
         g = layer.geom
-        return layer.channels < (1 << 15) and all(
-            (int(k) - 1) * int(d) < 256 for k, d in zip(g.kernel, g.dilation))
+        (kh, kw), (dw,), pw = (int(k) for k in g.kernel), (int(g.dilation[1]),), int(g.pad[1])
+        width = int(layer.in_spatial[1]) + 2 * pw
+        return layer.channels < (1 << 15) and kh < 256 and (kw - 1) * dw < 256 and \
+            layer.channels * kh * width <= ROWS_TILE
 
     def taps_ptr(self):
         """Device address of im2row's taps (made once)."""
@@ -159,7 +162,7 @@ class _GemmConv:
             import cupy
             taps = numpy.full(self.KP, -1, numpy.int32)
             c, i, j = numpy.unravel_index(numpy.arange(self.K), (self.c, self.kh, self.kw))
-            taps[:self.K] = c << 16 | (i * self.dh) << 8 | j * self.dw
+            taps[:self.K] = c << 16 | i << 8 | j * self.dw
             self._taps = cupy.asarray(taps)
         return int(self._taps.data.ptr)
 

@@ -48,7 +48,7 @@ def _want_rows(x, layer, n0, nb, kp):
 def _taps(g):
     taps = numpy.full(g.KP, -1, numpy.int32)
     c, i, j = numpy.unravel_index(numpy.arange(g.K), (g.c, g.kh, g.kw))
-    taps[:g.K] = c << 16 | (i * g.dh) << 8 | j * g.dw
+    taps[:g.K] = c << 16 | i << 8 | j * g.dw
     return taps
 
 
@@ -64,9 +64,10 @@ def test_im2row_kernel_writes_each_pixels_window(typed, geom):
     i32 = numpy.int32
     for n0, nb in [(0, layer.num), (1, layer.num - 1)]:
         rows = numpy.full(nb * g.P * g.KP, 7, dtype)      # every value written
-        emu.kernel('cp_im2row')((3,), (32,), (
-            x.reshape(-1), rows, i32(nb * g.P), i32(n0), i32(g.c), i32(g.h), i32(g.w),
-            i32(g.ow), i32(g.P), i32(g.sh), i32(g.sw), i32(g.ph), i32(g.pw), i32(g.KP), taps))
+        emu.kernel('cp_im2row')((nb * g.oh,), (32,), (
+            x.reshape(-1), rows, i32(n0), i32(g.c), i32(g.h), i32(g.w), i32(g.kh), i32(g.oh),
+            i32(g.ow), i32(g.sh), i32(g.sw), i32(g.ph), i32(g.pw), i32(g.dh),
+            i32(g.w + 2 * g.pw), i32(g.KP), taps))
         want = _want_rows(x, layer, n0, nb, g.KP)
         assert rows.astype(numpy.float32).tobytes() == want.tobytes()
 
@@ -133,10 +134,15 @@ def test_which_layers_take_rows():
     assert conv_gemm._GemmConv.eligible(stem, rows=True)
     wide = _FakeConvLayer(2, 16, (9, 9), 4, (3, 3), (1, 1), (1, 1), (1, 1))
     assert not conv_gemm._GemmConv.eligible(wide, rows=True)
-    far = _FakeConvLayer(2, 3, (600, 600), 4, (3, 3), (1, 1), (0, 0), (128, 128))
+    far = _FakeConvLayer(2, 3, (600, 600), 4, (3, 3), (1, 1), (0, 0), (1, 128))
     assert not conv_gemm._GemmConv.eligible(far, rows=True)
     with pytest.raises(ValueError):
         conv_gemm._GemmConv(far, numpy.float16, nhwc=True)
+    # The input rows one output row covers must fit the kernel's shared tile:
+    # a 3-channel 11x11 filter over rows of 372 values, not 373.
+    for width, ok in ((372, True), (373, False)):
+        wide_image = _FakeConvLayer(1, 3, (20, width), 4, (11, 11), (4, 4), (0, 0), (1, 1))
+        assert conv_gemm._GemmConv.eligible(wide_image, rows=True) == ok, width
     grouped = _FakeConvLayer(*GEOMS[0])
     grouped.group = 3
     assert not conv_gemm._GemmConv.eligible(grouped, rows=True)

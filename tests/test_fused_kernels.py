@@ -768,7 +768,7 @@ def test_gemm_1x1_convolution_plan_on_channels_last_maps(n, c, hw, m, type_name,
     assert L._GemmConv(_FakeConvLayer(n, c, hw, m, (3, 3), (1, 1), (1, 1), (1, 1)), dtype,
                        nhwc=True).rows
     with pytest.raises(ValueError):
-        L._GemmConv(_FakeConvLayer(n, c, (600, 600), m, (3, 3), (1, 1), (1, 1), (200, 200)),
+        L._GemmConv(_FakeConvLayer(n, c, (600, 600), m, (3, 3), (1, 1), (1, 1), (1, 200)),
                     dtype, nhwc=True)
 
 
