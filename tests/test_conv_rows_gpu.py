@@ -34,7 +34,7 @@ def _round(lp, x, dy, params, dtype, variant):
         for b, v in zip(layer.blobs, params):
             b.data = v
         layer.forward(bottom, top)
-        assert layer._gemm is not None and layer._gemm.rows
+        assert layer.compute_nhwc and layer._bottom_relaid and layer._gemm.rows
         mgr = layer._manager()
         need = mgr.nbytes
         for kind in ('fwd', 'bwd_filter'):
@@ -68,7 +68,8 @@ def test_rows_variant_follows_the_convolution(type_name, conv, shape, monkeypatc
         dtype, tol = pytest.importorskip('ml_dtypes').bfloat16, 3e-2
     else:
         dtype, tol = numpy.float16, 4e-3
-    lp = _param('type: "Convolution" convolution_param { %s }' % conv)
+    # (one bottom and one top named: an image layer runs channels-last)
+    lp = _param('type: "Convolution" bottom: "x" top: "y" convolution_param { %s }' % conv)
     rng = numpy.random.default_rng(43)
     # Values the type holds exactly, so every path reads the same inputs.
     x = rng.standard_normal(shape).astype(dtype).astype(numpy.float32)
