@@ -12,9 +12,9 @@ from caffeplus.cudnn.algo_search import (FLOAT_BYTES, _gemm_1x1_search, _gemm_se
 GEMM_MAX_CHANNELS = 4           # input channels up to which it is timed (image layers)
 GEMM_CHUNK_BYTES = 256 << 20    # column buffer of one batch chunk, at most
 # im2row's buffer of one batch chunk, at most: within the room a site is
-# timed in (caffeplus.memory.workspace), at about the whole batch's speed
-# (AlexNet's conv1 at b128 on the H100, dev/im2row_probe.py: 0.44 ms
-# forward over chunks of 16 images or the whole batch).
+# timed in (caffeplus.memory.workspace), near the whole batch's speed
+# (AlexNet's conv1 at b128 in BFLOAT16 on the H100, dev/im2row_probe.py:
+# forward 0.54 ms over chunks of 16 images, 0.46 over the whole batch).
 ROWS_CHUNK_BYTES = 32 << 20
 ROWS_ALIGN = 8                  # values a row is padded to (16 bytes of 16-bit values)
 ROWS_TILE = 12288               # cp_im2row's shared tile, values (CP_IM2ROW_TILE)
@@ -95,9 +95,8 @@ class _GemmConv:
     y (B*P x M, channels-last) = rows W^T, one GEMM a chunk, W the (M x KP)
     copy of the weights in the maps' type (row_weights); the filter
     gradient dW (float32, Caffe's order) += dy^T rows, a GEMM a chunk. In
-    BFLOAT16 cuDNN took 0.77 ms over AlexNet's conv1 forward at b128 (its
-    space-to-depth blocks), im2row and cuBLAS 0.44 (H100,
-    dev/im2row_probe.py)."""
+    BFLOAT16 PyTorch's cuDNN took 0.98 ms over AlexNet's conv1 forward at
+    b128, im2row and cuBLAS 0.46-0.54 (H100, dev/im2row_probe.py)."""
 
     def __init__(self, layer, dtype=numpy.float32, nhwc=False):
         self.dtype = numpy.dtype(dtype)
