@@ -143,9 +143,9 @@ SETTINGS = {s.name: s for s in (
             commands=('train', 'time', 'memory')),
     Setting('gemm_search', _choice('plan', 'off', 'on', aliases=_PLAN_SWITCH), 'plan',
             "Whether timed search also times im2col + cuBLAS for convolutions over few "
-            "input channels: 'plan' (caffeplus.cudnn.algo_search's switches: off over "
-            "maps in Caffe's order, FP32 and 16-bit alike; on as im2row for an image "
-            "layer writing channels-last maps), 'on', 'off'.",
+            "input channels (as im2row for a 16-bit image layer writing channels-last "
+            "maps): 'plan' (caffeplus.cudnn.algo_search's switches, all off), 'on', "
+            "'off'.",
             env='CAFFEPLUS_GEMM_SEARCH'),
     Setting('layout', _choice('nchw', 'nhwc'), 'nhwc',
             "How a 16-bit net's convolution maps are stored on the GPU: 'nhwc' "

@@ -8,6 +8,7 @@ import numpy
 import pytest
 
 from caffeplus import config
+from caffeplus.cudnn import algo_search
 from caffeplus.kernel_sources import COMMON
 from caffeplus.kernel_sources_extra import EXTRA
 from caffeplus.layers import conv_gemm
@@ -127,9 +128,16 @@ def test_rows_convolution_plan(geom, type_name, rtol, chunk, monkeypatch):
                                   atol=1e-5)
 
 
-def test_which_layers_take_rows():
+@pytest.fixture
+def rows_weighed():
+    with config.using(gemm_search='on'):
+        yield
+
+
+def test_which_layers_take_rows(rows_weighed):
     """Image layers (at most GEMM_MAX_CHANNELS channels, group 1, not 1x1)
-    whose taps fit im2row's packing; the gemm_search setting 'off' stops it."""
+    whose taps fit im2row's packing; the gemm_search setting 'off' stops it,
+    and 'plan' leaves it to algo_search.GEMM_ROWS_SEARCH (off)."""
     stem = _FakeConvLayer(*GEOMS[0])
     assert conv_gemm._GemmConv.eligible(stem, rows=True)
     wide = _FakeConvLayer(2, 16, (9, 9), 4, (3, 3), (1, 1), (1, 1), (1, 1))
@@ -148,5 +156,6 @@ def test_which_layers_take_rows():
     assert not conv_gemm._GemmConv.eligible(grouped, rows=True)
     with config.using(gemm_search='off'):
         assert not conv_gemm._GemmConv.eligible(stem, rows=True)
-    with config.using(gemm_search='on'):
-        assert conv_gemm._GemmConv.eligible(stem, rows=True)
+    with config.using(gemm_search='plan'):
+        assert conv_gemm._GemmConv.eligible(stem, rows=True) == \
+            bool(algo_search.GEMM_ROWS_SEARCH)

@@ -1,6 +1,7 @@
 """An image layer's convolution as im2row + cuBLAS (layers/conv_gemm.py,
-`rows`) on the GPU: timed search times it for a 16-bit image layer that
-writes channels-last maps from an image in Caffe's order; forced to it, the
+`rows`) on the GPU: timed search times it (switched on) for a 16-bit image
+layer that writes channels-last maps from an image in Caffe's order; forced
+to it, the
 forward and the filter gradient give the convolution's values (the CPU's
 float32 layer, and cuDNN's own calls over the same 16-bit values), the
 same bits every pass."""
@@ -62,8 +63,10 @@ def _round(lp, x, dy, params, dtype, variant):
     ('num_output: 16 kernel_size: 3 pad: 1', (3, 4, 12, 10))])
 def test_rows_variant_follows_the_convolution(type_name, conv, shape, monkeypatch):
     from caffeplus.backend import mathmode
+    from caffeplus.cudnn import algo_search
     from caffeplus.layers import cudnn_conv
     monkeypatch.setattr(cudnn_conv, 'IMAGE_CHANNELS_LAST', True)
+    monkeypatch.setattr(algo_search, 'GEMM_ROWS_SEARCH', True)
     if type_name == 'bfloat16':
         dtype, tol = pytest.importorskip('ml_dtypes').bfloat16, 3e-2
     else:

@@ -490,14 +490,14 @@ def test_the_memory_estimate_counts_16_bit_maps_at_two_bytes(capsys):
     # The convolutions and InnerProducts keep 16-bit copies of their
     # weights and biases: VGG-16's 138,357,544 values at two bytes, in other;
     # the 16-bit image DummyData draws is drawn in float32 first; the
-    # first convolution reads it as it is (im2row, layers/conv_gemm.py; no
-    # channels-last copy); and the channels-last bias gradients' double
-    # partial sums fill their scratch's cap (2**19: the 512-channel
-    # convolutions).
+    # first convolution reads it channels-last, padded to 4 channels; and the
+    # channels-last bias gradients' double partial sums fill their scratch's
+    # cap (2**19: the 512-channel convolutions).
     staged = 4 * 64 * 3 * 224 * 224
+    relaid = 2 * 64 * 4 * 224 * 224
     partials = 8 * 2 ** 19
     assert sizes['fp16']['other'] - sizes['fp32']['other'] == \
-        2 * 138357544 + staged + partials
+        2 * 138357544 + staged + relaid + partials
 
 
 def test_the_16_bit_images_float32_draw_is_placed_for_its_forward_alone():
@@ -530,7 +530,9 @@ def test_batchnorm_keeps_its_normalized_copy_in_the_maps_type(capsys):
     assert normalized > 0
     copies = sum(b.count for layer in net.layers
                  if layer.layer_param.type in ('Convolution', 'InnerProduct') for b in layer.blobs)
-    staged = 4 * 64 * 3 * 224 * 224         # the 16-bit image's float32 draw (read as it is)
+    # The 16-bit image's float32 draw; the stem reads the image as it is
+    # (space-to-depth), so no channels-last copy of it.
+    staged = 4 * 64 * 3 * 224 * 224
     partials = 8 * 64 * 4096                # conv1's bias gradient, 64 channels, 4096 blocks
     assert other['fp32'] - other['fp16'] == \
         2 * normalized - 2 * copies - staged - partials

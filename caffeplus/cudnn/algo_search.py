@@ -237,9 +237,12 @@ GEMM_SEARCH = False
 GEMM_SEARCH_SIXTEEN_BIT = False
 # Timed search also times im2row + GEMM (layers/conv_gemm.py, `rows`) for an
 # image layer that writes channels-last maps from an image in Caffe's order
-# (a 16-bit net's first convolution): no relay of the image, and in
-# BFLOAT16 faster than cuDNN's forward on AlexNet's conv1.
-GEMM_ROWS_SEARCH = True
+# (a 16-bit net's first convolution). Off: on BVLC's AlexNet in BFLOAT16
+# (H100) search took it for conv1's forward (0.59 ms timed, against 0.77-0.79
+# over pixel blocks), yet the step took 6.6 and 6.5 ms against 6.2 and 6.5
+# without it, peaking 30-40 MiB higher with its rows' workspace
+# (benchmarks/gpu_16bit_alexnet_rows_ab_9372dc2_h100.json).
+GEMM_ROWS_SEARCH = False
 # Timed search also times a strided convolution over few input channels as a
 # stride-1 convolution over space-to-depth blocks (FP32 layers: S2D_SEARCH;
 # 16-bit ones: S2D_SEARCH_SIXTEEN_BIT).

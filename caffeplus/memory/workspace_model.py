@@ -427,8 +427,10 @@ def shared_scratch_bytes(net, plan_name):
     as large as its largest call (caffeplus.backend.device_scratch): a
     channels-last convolution's bottom relaid from Caffe's order (with its
     diff where backward writes one; none for a 16-bit image layer whose
-    timed search weighs calls that read the image as it is: the bench
-    nets' 16-bit runs choose them for the calls that dominate), a top written in the other order than
+    timed search weighs calls that read the image as it is for both its
+    forward and filter gradient, taken to be chosen: the AlexNets' BFLOAT16
+    runs take space-to-depth for both, their FLOAT16 runs cuDNN's forward
+    over the relaid image, which this then leaves out), a top written in the other order than
     it is stored in (an image convolution's channels-last calls, a ceil-rule
     max pooling between orders), the double partial sums of a channels-last
     convolution's bias gradient (caffeplus.kernels.channel_sums_nhwc), and
