@@ -3,6 +3,7 @@ space-to-depth variant where timed search picks it): descriptors per shape, work
 from the layer's workspace manager, calls replayed as CUDA graphs.
 """
 import functools
+import types
 
 import numpy
 
@@ -262,7 +263,6 @@ class _CudnnConvolutionMixin(_CudnnMixin):
         forward and its filter gradient, calls that read its bottom in Caffe's
         order (space-to-depth, im2row): chosen, they leave the bottom's
         channels-last relay unmade (the estimate takes them to be chosen)."""
-        import types
         if self.reverse or not self._sixteen_bit():
             return False
         descs = types.SimpleNamespace(loops=1, dtype=self.activation_dtype)
