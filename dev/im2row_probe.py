@@ -23,6 +23,7 @@ sys.path.insert(0, ROOT)
 
 import numpy  # noqa: E402
 
+REPS = 20       # timed calls a median is taken of
 LAYERS = {      # name: (N, C, H, M, k, s, pad)
     'bvlc_conv1': (128, 3, 227, 96, 11, 4, 0),
     'tv_conv1': (128, 3, 224, 64, 11, 4, 2),
@@ -40,20 +41,6 @@ def _layer(N, C, H, M, k, s, pad):
                                  reverse=False, group=1, num_spatial=2)
 
 
-def timed(fn, reps=20):
-    import cupy
-    fn()
-    out = []
-    for _ in range(reps):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(cupy.cuda.get_elapsed_time(a, b))
-    return statistics.median(out)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--chunks', default='16,32,128', help='images a chunk')
@@ -61,6 +48,7 @@ def main():
     args = ap.parse_args()
     import cupy
     from caffeplus import backend
+    from caffeplus.cudnn.algo_search import median_ms
     from caffeplus.layers import conv_gemm
     from caffeplus.precision import bfloat16_dtype
     backend.set_mode_gpu(0)
@@ -85,11 +73,12 @@ def main():
                 def rows_only():
                     for n0, nb in g.chunks():
                         conv_gemm._DeviceOps.im2row(xp, wsp, n0, nb, g)
-                fwd = timed(lambda: g.forward(xp, w, yp, wsp))
-                filt = timed(lambda: g.backward_filter(xp, int(dy.data.ptr), int(dw.data.ptr),
-                                                       wsp))
+                fwd = median_ms(lambda: g.forward(xp, w, yp, wsp), REPS)
+                filt = median_ms(lambda: g.backward_filter(xp, int(dy.data.ptr), int(dw.data.ptr),
+                                                           wsp), REPS)
                 print('%s %s chunk %3d (%5.1f MiB): im2row %.3f ms, fwd %.3f ms, filter %.3f ms'
-                      % (name, tname, g.B, ws.nbytes / 2 ** 20, timed(rows_only), fwd, filt))
+                      % (name, tname, g.B, ws.nbytes / 2 ** 20, median_ms(rows_only, REPS), fwd,
+                         filt))
             _check(layer, g, x, master, y, dtype)
             _torch(name, tname, shape)
 

@@ -15,7 +15,6 @@ backward: x, y, dy read, dx written) over its time.
 """
 import argparse
 import os
-import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,25 +22,12 @@ sys.path.insert(0, ROOT)
 
 import numpy  # noqa: E402
 
+REPS = 20       # timed calls a median is taken of
 SHAPES = {      # set: [(name, (N, C, H, W))]; local_size 5, alpha 1e-4, beta 0.75
     'alexnet': [('alexnet norm1', (128, 96, 55, 55)), ('alexnet norm2', (128, 256, 27, 27))],
     'googlenet': [('googlenet pool1/norm1', (64, 64, 56, 56)),
                   ('googlenet conv2/norm2', (64, 192, 56, 56))],
 }
-
-
-def timed(fn, reps=20):
-    import cupy
-    fn()
-    out = []
-    for _ in range(reps):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(cupy.cuda.get_elapsed_time(a, b))
-    return statistics.median(out)
 
 
 def _layer(shape, dtype, layout, on_kernels):
@@ -74,6 +60,7 @@ def main():
     ap.add_argument('--shapes', default='alexnet,googlenet')
     args = ap.parse_args()
     import caffeplus
+    from caffeplus.cudnn.algo_search import median_ms
     from caffeplus.precision import bfloat16_dtype
     caffeplus.set_mode_gpu()
     fp16, bf16 = numpy.dtype(numpy.float16), bfloat16_dtype()
@@ -86,8 +73,8 @@ def main():
             count = int(numpy.prod(shape))
             for what, dtype, layout, on_kernels in runs:
                 layer, bottom, top = _layer(shape, dtype, layout, on_kernels)
-                fwd = timed(lambda: layer.forward(bottom, top))
-                bwd = timed(lambda: layer.backward(top, [True], bottom))
+                fwd = median_ms(lambda: layer.forward(bottom, top), REPS)
+                bwd = median_ms(lambda: layer.backward(top, [True], bottom), REPS)
                 moved_f, moved_b = 2 * count * dtype.itemsize, 4 * count * dtype.itemsize
                 print('%-22s %-31s forward %.3f ms (%4.0f GB/s), backward %.3f ms (%4.0f GB/s)'
                       % (name, what, fwd, moved_f / fwd / 1e6, bwd, moved_b / bwd / 1e6))

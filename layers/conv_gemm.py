@@ -150,8 +150,9 @@ class _GemmConv:
         | j*DW) index the window, and the input rows one output row covers
         (C x KH rows of W + 2*PW values) fit its shared tile."""
         g = layer.geom
-        (kh, kw), (dw,), pw = (int(k) for k in g.kernel), (int(g.dilation[1]),), int(g.pad[1])
-        width = int(layer.in_spatial[1]) + 2 * pw
+        kh, kw = (int(k) for k in g.kernel)
+        dw = int(g.dilation[1])
+        width = int(layer.in_spatial[1]) + 2 * int(g.pad[1])
         return layer.channels < (1 << 15) and kh < 256 and (kw - 1) * dw < 256 and \
             layer.channels * kh * width <= ROWS_TILE
 
@@ -169,11 +170,10 @@ class _GemmConv:
         """Device address of the (M x KP) weights im2row's forward reads, in
         the maps' type, refreshed from the FP32 master `master` (a device
         array of the layer's weights; None: as they are, zeros at first)."""
+        import cupy
         if self._wrows is None:
-            import cupy
             self._wrows = cupy.zeros((self.m, self.KP), self.dtype)
         if master is not None:
-            import cupy
             cupy.copyto(self._wrows[:, :self.K], master.reshape(self.m, self.K),
                         casting='same_kind')
         return int(self._wrows.data.ptr)

@@ -3,6 +3,8 @@ heuristics or FindEx timings (shared by every layer of one geometry, as
 cudnn.benchmark does), the variants timed beside cuDNN's own calls (per
 group, batch slices, im2col + cuBLAS) and the switches that enable them.
 """
+import statistics
+
 import numpy
 
 from caffeplus.backend import mathmode
@@ -18,19 +20,19 @@ def _prod(shape):
     return n
 
 
-def median_ms(run):
-    """Device milliseconds of run() (the median of 3 calls, after one more)."""
+def median_ms(run, reps=3):
+    """Device milliseconds of run() (the median of `reps` calls, after one more)."""
     import cupy
     run()
     times = []
-    for _ in range(3):
+    for _ in range(reps):
         e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
         e0.record()
         run()
         e1.record()
         e1.synchronize()
         times.append(cupy.cuda.get_elapsed_time(e0, e1))
-    return sorted(times)[1]
+    return statistics.median(times)
 
 
 def _contiguous_strides(shape):
