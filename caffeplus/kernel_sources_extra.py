@@ -928,7 +928,11 @@ extern "C" __global__ void cp_accumulate(const CP_A* g, float* acc, const unsign
    c-pre..c+pre (pre = (n-1)/2, zero outside), y_c = x_c * scale_c^-beta.
    A thread walks `CB` channels of one pixel, float32 math, each sum taken
    whole in channel order (no running difference to drift); maps rounded
-   once where stored. The window is a shift register of N = n values, N a
+   once where stored. scale^-beta and the backward's ratio over scale take
+   the device's approximations (__powf, __fdividef: MUFU lg2, ex2, rcp),
+   a few float32 ulps off, far below a 16-bit map's rounding; powf and IEEE
+   division made the kernels bound by their instructions, not their bytes.
+   The window is a shift register of N = n values, N a
    template argument (Caffe's n is odd): every index is known when compiled,
    so the window stays in registers (a ring indexed at run time would live
    in local memory, with an integer division a step). total = N_batch *
@@ -974,6 +978,15 @@ __device__ __forceinline__ float cp_lrn_scale(const float* w, const float alpha_
     return __fadd_rn(k, __fmul_rn(alpha_n, sq));
 }
 
+/* Channel steps whose loads a thread issues together before it uses any:
+   a step's loads wait on memory, and one step's worth in flight a thread
+   left the kernels far below the memory's speed. 8 for Caffe's usual
+   window of 5 (72 registers); fewer for wider ones, whose registers would
+   otherwise set every size's (one kernel takes them all: 100 registers
+   with 4 and 2). The steps' math is unchanged: the same bits. */
+template <int N>
+__device__ constexpr int cp_lrn_steps() { return N <= 5 ? 8 : (N <= 9 ? 2 : 1); }
+
 template <int N>
 __device__ void cp_lrn_fwd_n(const CP_A* x, CP_A* y, const unsigned i, const int C,
     const unsigned HW, const float alpha_n, const float k, const float beta, const int CB)
@@ -984,10 +997,19 @@ __device__ void cp_lrn_fwd_n(const CP_A* x, CP_A* y, const unsigned i, const int
     float w[N];                             // channels c-pre..c+pre
 #pragma unroll
     for (int s = 1; s < N; ++s) w[s] = cp_lrn_x(x, base, c0 - pre - 1 + s, C, HW);
-    for (int c = c0; c < c1; ++c) {
-        cp_lrn_shift<N>(w, cp_lrn_x(x, base, c + pre, C, HW));
-        const float scale = cp_lrn_scale<N>(w, alpha_n, k);
-        y[base + (unsigned long long)c * HW] = __fmul_rn(w[pre], powf(scale, -beta));
+    constexpr int U = cp_lrn_steps<N>();
+    for (int cb = c0; cb < c1; cb += U) {
+        float next[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) next[u] = cp_lrn_x(x, base, cb + u + pre, C, HW);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = cb + u;
+            cp_lrn_shift<N>(w, next[u]);
+            if (c >= c1) break;
+            const float scale = cp_lrn_scale<N>(w, alpha_n, k);
+            y[base + (unsigned long long)c * HW] = __fmul_rn(w[pre], __powf(scale, -beta));
+        }
     }
 }
 
@@ -996,7 +1018,7 @@ __device__ void cp_lrn_fwd_n(const CP_A* x, CP_A* y, const unsigned i, const int
    Step t finds scale_t and that ratio (0 outside [0, C)), then dx of
    channel c = t - pre, whose window of ratios is complete by then; a chunk
    starts pre channels early. Registers: x of t-pre..t+pre, the ratios of
-   c-pre..c+pre, scale and dy of c..t. */
+   c-pre..c+pre, scale and dy of c..t, and the next steps' loads. */
 template <int N>
 __device__ void cp_lrn_bwd_n(const CP_A* x, const CP_A* y, const CP_A* dy, CP_A* dx,
     const unsigned i, const int C, const unsigned HW, const float alpha_n, const float k,
@@ -1005,7 +1027,7 @@ __device__ void cp_lrn_bwd_n(const CP_A* x, const CP_A* y, const CP_A* dy, CP_A*
     const int pre = (N - 1) / 2;
     int c0, c1;
     const unsigned long long base = cp_lrn_chunk(i, C, HW, CB, &c0, &c1);
-    const int t0 = c0 - pre;
+    const int t0 = c0 - pre, t1 = c1 + pre;
     float xw[N], ratio[N], sc[pre + 1], dyw[pre + 1];
 #pragma unroll
     for (int s = 1; s < N; ++s) xw[s] = cp_lrn_x(x, base, t0 - pre - 1 + s, C, HW);
@@ -1013,26 +1035,39 @@ __device__ void cp_lrn_bwd_n(const CP_A* x, const CP_A* y, const CP_A* dy, CP_A*
     for (int s = 0; s < N; ++s) ratio[s] = 0.0f;
 #pragma unroll
     for (int s = 0; s <= pre; ++s) sc[s] = dyw[s] = 0.0f;
-    for (int t = t0; t < c1 + pre; ++t) {
-        cp_lrn_shift<N>(xw, cp_lrn_x(x, base, t + pre, C, HW));
-        float r = 0.0f, scale = 0.0f, g = 0.0f;
-        if (t >= 0 && t < C) {
-            const unsigned long long o = base + (unsigned long long)t * HW;
-            scale = cp_lrn_scale<N>(xw, alpha_n, k);
-            g = (float)dy[o];
-            r = __fdiv_rn(__fmul_rn(g, (float)y[o]), scale);
-        }
-        cp_lrn_shift<N>(ratio, r);
-        cp_lrn_shift<pre + 1>(sc, scale);
-        cp_lrn_shift<pre + 1>(dyw, g);
-        const int c = t - pre;
-        if (c < c0) continue;
-        float acc = 0.0f;
+    constexpr int U = cp_lrn_steps<N>();
+    for (int tb = t0; tb < t1; tb += U) {
+        float xn[U], yn[U], dyn[U];
 #pragma unroll
-        for (int s = 0; s < N; ++s) acc = __fadd_rn(acc, ratio[s]);
-        const float own = __fmul_rn(dyw[0], powf(sc[0], -beta));
-        dx[base + (unsigned long long)c * HW] =
-            __fsub_rn(own, __fmul_rn(__fmul_rn(coef, xw[0]), acc));
+        for (int u = 0; u < U; ++u) {
+            const int t = tb + u;
+            xn[u] = cp_lrn_x(x, base, t + pre, C, HW);
+            yn[u] = cp_lrn_x(y, base, t, C, HW);
+            dyn[u] = cp_lrn_x(dy, base, t, C, HW);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t = tb + u;
+            if (t >= t1) break;
+            cp_lrn_shift<N>(xw, xn[u]);
+            float r = 0.0f, scale = 0.0f, g = 0.0f;
+            if (t >= 0 && t < C) {
+                scale = cp_lrn_scale<N>(xw, alpha_n, k);
+                g = dyn[u];
+                r = __fdividef(__fmul_rn(g, yn[u]), scale);
+            }
+            cp_lrn_shift<N>(ratio, r);
+            cp_lrn_shift<pre + 1>(sc, scale);
+            cp_lrn_shift<pre + 1>(dyw, g);
+            const int c = t - pre;
+            if (c < c0) continue;
+            float acc = 0.0f;
+#pragma unroll
+            for (int s = 0; s < N; ++s) acc = __fadd_rn(acc, ratio[s]);
+            const float own = __fmul_rn(dyw[0], __powf(sc[0], -beta));
+            dx[base + (unsigned long long)c * HW] =
+                __fsub_rn(own, __fmul_rn(__fmul_rn(coef, xw[0]), acc));
+        }
     }
 }
 

@@ -153,7 +153,7 @@ __device__ void cp_lrn_fwd_nhwc_n(const CP_A* x, CP_A* y, const unsigned long lo
     const int c = (int)(i % (unsigned)C);
     const unsigned long long base = i - (unsigned)c;
     const float scale = cp_lrn_scale_nhwc<N>(x, base, c, C, alpha_n, k);
-    y[i] = __fmul_rn((float)x[i], powf(scale, -beta));
+    y[i] = __fmul_rn((float)x[i], __powf(scale, -beta));
 }
 
 template <int N>
@@ -172,12 +172,12 @@ __device__ void cp_lrn_bwd_nhwc_n(const CP_A* x, const CP_A* y, const CP_A* dy, 
         if (t >= 0 && t < C) {
             const float scale = cp_lrn_scale_nhwc<N>(x, base, t, C, alpha_n, k);
             const unsigned long long o = base + (unsigned)t;
-            r = __fdiv_rn(__fmul_rn((float)dy[o], (float)y[o]), scale);
+            r = __fdividef(__fmul_rn((float)dy[o], (float)y[o]), scale);
             if (s == pre) own_scale = scale;
         }
         acc = __fadd_rn(acc, r);
     }
-    const float own = __fmul_rn((float)dy[i], powf(own_scale, -beta));
+    const float own = __fmul_rn((float)dy[i], __powf(own_scale, -beta));
     dx[i] = __fsub_rn(own, __fmul_rn(__fmul_rn(coef, (float)x[i]), acc));
 }
 

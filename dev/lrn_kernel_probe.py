@@ -2,7 +2,7 @@
 """How long the 16-bit LRN's kernels take against cuDNN's, per call, and
 how near the memory's speed they run.
 
-    python3 dev/lrn_kernel_probe.py [--shapes alexnet]
+    python3 dev/lrn_kernel_probe.py [--shapes alexnet] [--chunks 16,32] [--kernels-only]
 
 BFLOAT16 has no cuDNN LRN: a BFLOAT16 net's LRN runs caffeplus's
 cp_lrn_fwd/cp_lrn_bwd (Caffe's order) or cp_lrn_*_nhwc (channels-last),
@@ -58,25 +58,40 @@ def _layer(shape, dtype, layout, on_kernels):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     ap.add_argument('--shapes', default='alexnet,googlenet')
+    ap.add_argument('--chunks', default=None,
+                    help='channels a thread walks in Caffe\'s order (layers/cudnn_lrn.py '
+                         'KERNEL_CHANNEL_CHUNK), each timed; default: the layer\'s')
+    ap.add_argument('--kernels-only', action='store_true',
+                    help='leave out cuDNN\'s FLOAT16 LRN and the channels-last kernels')
     args = ap.parse_args()
     import caffeplus
     from caffeplus.cudnn.algo_search import median_ms
     from caffeplus.precision import bfloat16_dtype
     caffeplus.set_mode_gpu()
     fp16, bf16 = numpy.dtype(numpy.float16), bfloat16_dtype()
+    from caffeplus.layers import cudnn_lrn
     runs = [('FLOAT16 cuDNN', fp16, 'NCHW', False), ('FLOAT16 kernels', fp16, 'NCHW', True),
             ('BFLOAT16 kernels', bf16, 'NCHW', True),
             ('FLOAT16 kernels channels-last', fp16, 'NHWC', True),
             ('BFLOAT16 kernels channels-last', bf16, 'NHWC', True)]
+    if args.kernels_only:
+        runs = [r for r in runs if r[3] and r[2] == 'NCHW']
+    chunks = [int(c) for c in args.chunks.split(',')] if args.chunks \
+        else [cudnn_lrn.KERNEL_CHANNEL_CHUNK]
+    runs = [(what + (' chunk %d' % chunk if args.chunks and on and layout == 'NCHW' else ''),
+             dtype, layout, on, chunk) for chunk in chunks
+            for what, dtype, layout, on in runs
+            if chunk == chunks[0] or (on and layout == 'NCHW')]
     for group in args.shapes.split(','):
         for name, shape in SHAPES[group]:
             count = int(numpy.prod(shape))
-            for what, dtype, layout, on_kernels in runs:
+            for what, dtype, layout, on_kernels, chunk in runs:
+                cudnn_lrn.KERNEL_CHANNEL_CHUNK = chunk
                 layer, bottom, top = _layer(shape, dtype, layout, on_kernels)
                 fwd = median_ms(lambda: layer.forward(bottom, top), REPS)
                 bwd = median_ms(lambda: layer.backward(top, [True], bottom), REPS)
                 moved_f, moved_b = 2 * count * dtype.itemsize, 4 * count * dtype.itemsize
-                print('%-22s %-31s forward %.3f ms (%4.0f GB/s), backward %.3f ms (%4.0f GB/s)'
+                print('%-22s %-40s forward %.3f ms (%4.0f GB/s), backward %.3f ms (%4.0f GB/s)'
                       % (name, what, fwd, moved_f / fwd / 1e6, bwd, moved_b / bwd / 1e6))
 
 
