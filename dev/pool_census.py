@@ -12,7 +12,8 @@ plan settles (caffeplus.memory.measure.settle), then runs
 the pool and where it was taken (the innermost caffeplus frames). Prints the
 live blocks at the pool's busiest moment grouped by site, what the pool held
 cached but unused, and what the device holds outside the pool (context,
-cuBLAS, cuDNN): the three parts of `caffeplus memory`'s steady peak.
+cuBLAS, cuDNN; with the CUDA per-thread stack limit the kernels settled
+on): the three parts of `caffeplus memory`'s steady peak.
 """
 import argparse
 import collections
@@ -103,6 +104,8 @@ def main(argv=None):
         state['timed'] = False
     free, total = cupy.cuda.runtime.memGetInfo()
     used = total - free
+    from caffeplus.memory import thread_stack
+    print('CUDA per-thread stack limit %d bytes' % thread_stack.current_bytes())
     by_site = collections.defaultdict(lambda: [0, 0])
     for size, site in state['snapshot'].values():
         by_site[site][0] += size
