@@ -980,12 +980,14 @@ __device__ __forceinline__ float cp_lrn_scale(const float* w, const float alpha_
 
 /* Channel steps whose loads a thread issues together before it uses any:
    a step's loads wait on memory, and one step's worth in flight a thread
-   left the kernels far below the memory's speed. 8 for Caffe's usual
-   window of 5 (72 registers); fewer for wider ones, whose registers would
-   otherwise set every size's (one kernel takes them all: 100 registers
-   with 4 and 2). The steps' math is unchanged: the same bits. */
-template <int N>
-__device__ constexpr int cp_lrn_steps() { return N <= 5 ? 8 : (N <= 9 ? 2 : 1); }
+   left the kernels far below the memory's speed. For Caffe's usual window
+   of 5: 8 forward, 5 backward (a chunk's 16 + 4 steps in 4 rounds; 8 would
+   take 72 registers, and every kernel here must fit blocks of 1,024
+   threads, 64 registers). Fewer for wider windows, whose registers would
+   otherwise set every size's (one kernel takes them all). The steps' math
+   is unchanged: the same bits. */
+template <int N, int MOST>
+__device__ constexpr int cp_lrn_steps() { return N <= 5 ? MOST : (N <= 9 ? 2 : 1); }
 
 template <int N>
 __device__ void cp_lrn_fwd_n(const CP_A* x, CP_A* y, const unsigned i, const int C,
@@ -997,7 +999,7 @@ __device__ void cp_lrn_fwd_n(const CP_A* x, CP_A* y, const unsigned i, const int
     float w[N];                             // channels c-pre..c+pre
 #pragma unroll
     for (int s = 1; s < N; ++s) w[s] = cp_lrn_x(x, base, c0 - pre - 1 + s, C, HW);
-    constexpr int U = cp_lrn_steps<N>();
+    constexpr int U = cp_lrn_steps<N, 8>();
     for (int cb = c0; cb < c1; cb += U) {
         float next[U];
 #pragma unroll
@@ -1035,7 +1037,7 @@ __device__ void cp_lrn_bwd_n(const CP_A* x, const CP_A* y, const CP_A* dy, CP_A*
     for (int s = 0; s < N; ++s) ratio[s] = 0.0f;
 #pragma unroll
     for (int s = 0; s <= pre; ++s) sc[s] = dyw[s] = 0.0f;
-    constexpr int U = cp_lrn_steps<N>();
+    constexpr int U = cp_lrn_steps<N, 5>();
     for (int tb = t0; tb < t1; tb += U) {
         float xn[U], yn[U], dyn[U];
 #pragma unroll
