@@ -457,3 +457,31 @@ def emulator_64():
                          ids=[c[0] for c in LAYER_CASES if c[0].startswith('pool')])
 def test_masked_pooling_64_bit_indices_emulated(case, emulator_64):
     _check_layer(case)
+
+
+@pytest.mark.parametrize('precision_name', [None, 'fp16', 'bf16'])
+def test_a_pool_between_orders_is_not_masked_in_the_estimate(precision_name):
+    """A 16-bit VGG-16 on the GPU stores conv5_3 channels-last and pool5
+    in Caffe's order (fc6 reads it), so pool5 runs cuDNN between the orders
+    and cannot be masked (the masked kernels take one order). The estimate,
+    built on the host where every map is in Caffe's order, must choose as
+    the GPU does: a plan masking pool5 did not fit the GPU's net (conv5_3
+    read in pool5's backward outside its planned lives)."""
+    from caffeplus import layout, precision
+    path = os.path.join(SHARED, 'bench', 'vgg16_b64.prototxt')
+    param = shapes.load_net_param(path, phase=caffe_pb2.TRAIN)
+    if precision_name:
+        precision.override(param, precision_name)
+    net = shapes.build_net(param)
+    with config.using(layout='nhwc'):
+        nhwc = {net._blob_names[i] for i in layout.modelled_blobs(net)}
+        chosen = set(masks.choose(net, same_bits=True))
+    every = {'pool%d' % i for i in range(1, 6)} | \
+        {'relu1_2', 'relu2_2', 'relu3_3', 'relu4_3', 'relu5_3'}
+    if precision_name is None:
+        assert not nhwc and chosen == every
+    else:
+        assert 'conv5_3' in nhwc and 'pool5' not in nhwc
+        assert chosen == every - {'pool5', 'relu5_3'}
+    with config.using(layout='nchw'):
+        assert set(masks.choose(net, same_bits=True)) == every

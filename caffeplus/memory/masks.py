@@ -56,6 +56,23 @@ def _one_type(net, i):
     return len({s.dtype for b in blobs for s in (b.data_storage, b.diff_storage)}) == 1
 
 
+def _channels_last(net):
+    """The ids of the blobs stored channels-last: on a GPU's net as stored,
+    on a net built elsewhere (the estimate's) as a GPU would store them."""
+    from caffeplus import layout
+    return {k for k, b in enumerate(net._blobs) if b.layout == layout.NHWC} or \
+        layout.modelled_blobs(net)
+
+
+def _one_order(net, i, nhwc):
+    """Layer i reads and writes one order (the masked pooling's kernels
+    take one order both sides; a GPU's layer says so itself, a net built
+    elsewhere stores every map in Caffe's order): VGG-16's pool5 in 16 bits
+    reads channels-last maps and writes Caffe's order for fc6."""
+    ids = list(net.bottom_id_vecs[i]) + list(net.top_id_vecs[i])
+    return len({k in nhwc for k in ids}) == 1
+
+
 def _writer(net, i, blob_id):
     """The layer before i that last wrote blob `blob_id`, or None."""
     for j in range(i - 1, -1, -1):
@@ -98,9 +115,10 @@ def choose(net, same_bits=False):
     from caffeplus import kernels
     if not kernels.enabled():
         return ()
+    nhwc = _channels_last(net)
     maskable = {i for i, l in enumerate(net.layers)
                 if l.layer_param.type == 'Pooling' and _maskable(l) and _one_type(net, i) and
-                (not same_bits or l.masked_bits_unchanged())}
+                _one_order(net, i, nhwc) and (not same_bits or l.masked_bits_unchanged())}
     relus = set()
     for i, layer in enumerate(net.layers):
         if layer.layer_param.type != 'ReLU' or not _maskable(layer) or not _one_type(net, i):
