@@ -672,6 +672,16 @@ FP16_RUNS = {
 }
 
 
+def _recorded_error(capsys, net, kind, name, *flags):
+    """(estimate - recorded peak) / recorded peak of `shared` in `kind`
+    against the run recorded in `name` (its steady peak where it has one)."""
+    real = json.load(open(os.path.join(_MEMORY, name)))['plans']['shared']
+    real = real.get('steady_peak_bytes') or real['peak_bytes']
+    doc = memory_json(capsys, '-model', _bench_model(net)[0], '--plans', 'shared',
+                      '--precision', kind, *flags)
+    return (doc['plans']['shared']['peak_bytes'] - real) / float(real)
+
+
 @pytest.mark.parametrize('net', sorted(FP16_RUNS))
 def test_fp16_estimates_within_five_percent_of_the_recorded_measurements(capsys, net):
     """FLOAT16 `shared` against its recorded peak. The convolutions'
@@ -680,11 +690,28 @@ def test_fp16_estimates_within_five_percent_of_the_recorded_measurements(capsys,
     top AlexNet's and GoogLeNet's conv1 write channels-last and store in
     Caffe's order (71 MiB at AlexNet b128) from the modelled layout."""
     name, masks = FP16_RUNS[net]
-    real = json.load(open(os.path.join(_MEMORY, name)))['plans']['shared']
-    real = real.get('steady_peak_bytes') or real['peak_bytes']
-    doc = memory_json(capsys, '-model', _bench_model(net)[0], '--plans', 'shared',
-                      '--precision', 'fp16', '--masks', masks, *_as_recorded(net))
-    error = (doc['plans']['shared']['peak_bytes'] - real) / float(real)
+    error = _recorded_error(capsys, net, 'fp16', name, '--masks', masks, *_as_recorded(net))
+    assert abs(error) <= 0.05, round(100 * error, 2)
+
+
+# `caffeplus memory -gpu 0 --precision bf16 --plans shared` on one H100
+# (gpu_release_check.sh STEPS=memory MEMORY_PRECISION=bf16 MEMORY_PLANS=shared).
+BF16_RUNS = {
+    'alexnet_b128': '2026-12-06-h100/6194353_memory_bf16_alexnet_b128.json',
+    'alexnettv_b128': '2026-12-06-h100/6194353_memory_bf16_alexnettv_b128.json',
+    'googlenet_b64': '2026-12-06-h100/6194353_memory_bf16_googlenet_b64.json',
+    'resnet50_b64': '2026-12-06-h100/6194353_memory_bf16_resnet50_b64.json',
+    'vgg16_b64': '2026-12-06-h100/8768416_memory_bf16_vgg16_b64.json',
+}
+
+
+@pytest.mark.parametrize('net', sorted(BF16_RUNS))
+def test_bf16_estimates_within_five_percent_of_the_recorded_measurements(capsys, net):
+    """BFLOAT16 `shared` against its recorded peak, maps made again where
+    that lowers it. VGG-16's run could be measured only once the estimate
+    stopped masking pool5, a pooling between orders on the GPU
+    (caffeplus.memory.masks); before, its plan did not fit the GPU's net."""
+    error = _recorded_error(capsys, net, 'bf16', BF16_RUNS[net])
     assert abs(error) <= 0.05, round(100 * error, 2)
 
 
