@@ -485,3 +485,23 @@ def test_a_pool_between_orders_is_not_masked_in_the_estimate(precision_name):
         assert chosen == every - {'pool5', 'relu5_3'}
     with config.using(layout='nchw'):
         assert set(masks.choose(net, same_bits=True)) == every
+
+
+@pytest.mark.gpu
+def test_gpu_memory_measures_a_16_bit_pooling_between_orders(tmp_path, capsys):
+    """In FLOAT16 conv2_1's map is channels-last and pool2 writes Caffe's
+    order for the InnerProduct: the GPU cannot mask pool2 (its kernels take
+    one order), and `caffeplus memory -gpu` measures the plans the estimate
+    made on the host. A plan masking pool2 did not fit the GPU's net: each
+    plan came back estimated, with a measure_error."""
+    import json
+    from caffeplus import cli
+    model = tmp_path / 'vgg_like.prototxt'
+    model.write_text(VGG_LIKE % {'k2': 2, 'hw': 18})
+    assert cli.main(['memory', '-model', str(model), '-gpu', '0', '--precision', 'fp16',
+                     '--plans', 'shared,auto', '--iterations', '2', '--json']) == 0
+    plans = json.loads(capsys.readouterr().out)['plans']
+    for name in ('shared', 'auto'):
+        assert 'measure_error' not in plans[name], plans[name]['measure_error']
+        assert plans[name]['estimated'] is False and plans[name]['iter_ms'] > 0
+    assert plans['auto']['masked'] == ['relu1_2', 'pool1']
