@@ -930,10 +930,10 @@ extern "C" __global__ void cp_accumulate(const CP_A* g, float* acc, const unsign
    whole in channel order (no running difference to drift); maps rounded
    once where stored. scale^-beta and the backward's ratio over scale take
    the device's approximations (__powf, __fdividef: MUFU lg2, ex2, rcp),
-   a few float32 ulps off, far below a 16-bit map's rounding; powf and IEEE
-   division made the kernels bound by their instructions, not their bytes.
-   The window is a shift register of N = n values, N a
-   template argument (Caffe's n is odd): every index is known when compiled,
+   a few float32 ulps off, far below a 16-bit map's rounding (powf and IEEE
+   division took about a quarter of the kernels' time on AlexNet's LRNs).
+   The window is a shift register of N = n values, N a template argument
+   (Caffe's n is odd): every index is known when compiled,
    so the window stays in registers (a ring indexed at run time would live
    in local memory, with an integer division a step). total = N_batch *
    ceil(C/CB) * HW: consecutive threads take consecutive pixels (coalesced),
@@ -984,8 +984,8 @@ __device__ __forceinline__ float cp_lrn_scale(const float* w, const float alpha_
    of 5: 8 forward, 5 backward (a chunk's 16 + 4 steps in 4 rounds; 8 would
    take 72 registers, and every kernel here must fit blocks of 1,024
    threads, 64 registers). Fewer for wider windows, whose registers would
-   otherwise set every size's (one kernel takes them all). The steps' math
-   is unchanged: the same bits. */
+   otherwise set every size's (one kernel takes them all). Each step's math
+   is as it would be one step at a time: the same bits. */
 template <int N, int MOST>
 __device__ constexpr int cp_lrn_steps() { return N <= 5 ? MOST : (N <= 9 ? 2 : 1); }
 
