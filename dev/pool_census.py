@@ -4,6 +4,8 @@
     python dev/pool_census.py .gpu_carry/bench/alexnet_b128.prototxt --plan offload --offload free
     python dev/pool_census.py .gpu_carry/bench/resnet50_b64.prototxt --plan shared \
         --precision fp16 --batch 256
+    python dev/pool_census.py benchmarks/nets/alexnettv_b128.prototxt --plan shared \
+        --precision bf16 --plan-on net      # the plan train makes, not the estimate's
 
 Builds the net as `caffeplus memory -gpu` does (TRAIN, SGD solver, the
 estimated plan applied, its algorithm search), runs iterations until the
@@ -44,6 +46,10 @@ def main(argv=None):
     ap.add_argument('--top', type=int, default=25)
     ap.add_argument('--batch', type=int, default=None, help="as `caffeplus memory --batch`")
     ap.add_argument('--precision', default=None, help="as `caffeplus memory --precision`")
+    ap.add_argument('--plan-on', choices=('host', 'net'), default='host',
+                    help="host: the plan the estimate makes on a net built on the host, as "
+                         "`caffeplus memory -gpu` measures it; net: the plan made on the "
+                         "GPU's net, as `caffeplus train` and benchmarks/bench_gpu.py make it")
     args = ap.parse_args(argv)
     # The algorithms `caffeplus memory` measures with (its child's setting):
     # another search picks other workspaces, and another arena.
@@ -89,9 +95,16 @@ def main(argv=None):
     with Census(), shapes.quiet():
         solver = measure._solver(param, 'SGD', args.iterations + 8)
         net = solver.net
-        plan = budget.estimate_plan(shapes.build_net(param), args.plan,
-                                    offload_policy=args.offload)
-        measure.apply_plan(net, plan)
+        if args.plan_on == 'net':
+            from caffeplus.memory.apply import apply_named_plan
+            from caffeplus.solver import update_in_backward
+            apply_named_plan(net, args.plan, offload_policy=args.offload, training=True,
+                             param_diffs=getattr(solver, 'in_backward', None) is not None and
+                             update_in_backward.places_gradients(args.plan, solver))
+        else:
+            plan = budget.estimate_plan(shapes.build_net(param), args.plan,
+                                        offload_policy=args.offload)
+            measure.apply_plan(net, plan)
         pool.free_all_blocks()
         measure.settle(net, solver)
         cupy.cuda.Device().synchronize()
