@@ -131,6 +131,13 @@ def modelled_blobs(net):
                                roles)
 
 
+def gpu_blobs(net):
+    """The ids of the blobs stored channels-last on the GPU: a GPU's net's
+    as stored; a net built elsewhere stores every map in Caffe's order, so
+    as `apply` would store them there (modelled_blobs)."""
+    return {i for i, b in enumerate(net._blobs) if b.layout == NHWC} or modelled_blobs(net)
+
+
 def apply(net):
     """Store the net's maps as the `layout` setting says ('nchw': Caffe's
     order everywhere; 'nhwc': channels-last where channels_last_blobs

@@ -96,11 +96,10 @@ def main(argv=None):
         solver = measure._solver(param, 'SGD', args.iterations + 8)
         net = solver.net
         if args.plan_on == 'net':
-            from caffeplus.memory.apply import apply_named_plan
-            from caffeplus.solver import update_in_backward
-            apply_named_plan(net, args.plan, offload_policy=args.offload, training=True,
-                             param_diffs=getattr(solver, 'in_backward', None) is not None and
-                             update_in_backward.places_gradients(args.plan, solver))
+            # As `caffeplus train` applies it: the solver's caffeplus_param.
+            from caffeplus.solver.memory_plans import apply_solver_plans
+            solver.param.caffeplus_param.offload.append(args.offload)
+            apply_solver_plans(solver, default=args.plan)
         else:
             plan = budget.estimate_plan(shapes.build_net(param), args.plan,
                                         offload_policy=args.offload)

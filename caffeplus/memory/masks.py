@@ -56,14 +56,6 @@ def _one_type(net, i):
     return len({s.dtype for b in blobs for s in (b.data_storage, b.diff_storage)}) == 1
 
 
-def _channels_last(net):
-    """The ids of the blobs stored channels-last: on a GPU's net as stored,
-    on a net built elsewhere (the estimate's) as a GPU would store them."""
-    from caffeplus import layout
-    return {k for k, b in enumerate(net._blobs) if b.layout == layout.NHWC} or \
-        layout.modelled_blobs(net)
-
-
 def _one_order(net, i, nhwc):
     """Layer i reads and writes one order (the masked pooling's kernels
     take one order both sides; a GPU's layer says so itself, a net built
@@ -115,7 +107,8 @@ def choose(net, same_bits=False):
     from caffeplus import kernels
     if not kernels.enabled():
         return ()
-    nhwc = _channels_last(net)
+    from caffeplus import layout
+    nhwc = layout.gpu_blobs(net)
     maskable = {i for i, l in enumerate(net.layers)
                 if l.layer_param.type == 'Pooling' and _maskable(l) and _one_type(net, i) and
                 _one_order(net, i, nhwc) and (not same_bits or l.masked_bits_unchanged())}

@@ -437,10 +437,7 @@ def shared_scratch_bytes(net, plan_name):
     cuBLAS's workspace for the convolutions that run as GEMMs with none
     placed (blas.FALLBACK_BYTES)."""
     from caffeplus import layout
-    # (A net built on the CPU stores every map in Caffe's order: the GPU's
-    # layout modelled.)
-    nhwc = {i for i, b in enumerate(net._blobs) if b.layout == layout.NHWC} or \
-        layout.modelled_blobs(net)
+    nhwc = layout.gpu_blobs(net)
     relaid = relaid_diff = relaid_top = bias_partials = 0
     gemm = False
     for i, layer in enumerate(net.layers):
