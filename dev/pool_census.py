@@ -50,6 +50,8 @@ def main(argv=None):
                     help="host: the plan the estimate makes on a net built on the host, as "
                          "`caffeplus memory -gpu` measures it; net: the plan made on the "
                          "GPU's net, as `caffeplus train` and benchmarks/bench_gpu.py make it")
+    ap.add_argument('--layout-json', help="write the arena's placed buffers there, as "
+                                          "dev/arena_layout.py --json does")
     args = ap.parse_args(argv)
     # The algorithms `caffeplus memory` measures with (its child's setting):
     # another search picks other workspaces, and another arena.
@@ -161,6 +163,17 @@ def main(argv=None):
         info = applied.info()
         print('arena %.1f MiB, offloaded %s' % ((info.get('arena_bytes') or 0) / MiB,
                                                  info.get('offloaded')))
+        if args.layout_json:
+            import json
+            with open(args.layout_json, 'w') as f:
+                json.dump({'arena_bytes': applied.arena_bytes, 'steps': applied.steps,
+                           'layer_names': net._layer_names,
+                           'sites': {'%s %s' % (name, kind): repr(site.choice)
+                                     for layer, name in zip(net.layers, net._layer_names)
+                                     for kind, site in (getattr(layer, '_sites', None)
+                                                        or {}).items()},
+                           'buffers': [dict(zip(measure.LAYOUT_FIELDS, r))
+                                       for r in applied.placed_rows()]}, f, indent=1)
     return 0
 
 

@@ -107,23 +107,28 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
             return 'channels_last' if ARGMAX_BETWEEN_ORDERS else 'tied'
         return None
 
-    def _argmax_kernels(self):
+    def _argmax_kernels(self, layouts=None):
         """Whether the one-byte argmax kernels run (masked or not): a masked
         layer, and channels-last MAX pooling, whose cuDNN kernels are slow
         (VGG-16's pool1: 3.56 ms forward and backward, against 1.54 in
-        Caffe's order; dev/nhwc_layout_probe.py)."""
-        if not _kernels.active():
-            return False
+        Caffe's order; dev/nhwc_layout_probe.py). `layouts`: the (bottom,
+        top) orders a GPU would store, for a layer built elsewhere; the
+        answer is then the GPU's, kernels on."""
+        if layouts is None:
+            if not _kernels.active():
+                return False
+            layouts = self._layouts
         if self.masked:
             return True
         if not self._argmax_geometry():
             return False
-        return self._layouts == ('NHWC', 'NHWC') or self._top_relaid()
+        return layouts == ('NHWC', 'NHWC') or self._top_relaid(layouts)
 
-    def _top_relaid(self):
+    def _top_relaid(self, layouts=None):
         """Top and bottom stored in different orders, cuDNN's windows not
         Caffe's: the argmax kernels run in the bottom's order into a scratch."""
-        return self._layouts[0] != self._layouts[1] and not self.cudnn_agrees()
+        bottom, top = layouts or self._layouts
+        return bottom != top and not self.cudnn_agrees()
 
     def reshape(self, bottom, top):
         super().reshape(bottom, top)
@@ -209,16 +214,17 @@ class CuDNNPoolingLayer(_MaskableMixin, _CudnnMixin, PoolingLayer):
     # pooling keeps no argmax, so it does not run for a masked layer.
     _arg8 = None
 
-    def masked_bits_unchanged(self):
+    def masked_bits_unchanged(self, layouts=None):
         """Whether masking leaves the layer's results bit for bit: cuDNN's
         max pooling gives the masked kernels' bits where the windows do not
         overlap (dev/compare_pooling.py), and where cuDNN does not run the
-        kernels' int32 argmax computes what the masked one does."""
+        kernels' int32 argmax computes what the masked one does. `layouts`:
+        as _argmax_kernels."""
         pool = self.pool
         (kh, kw), (sh, sw), _ = pool.geom
         oh, ow = pool.out_shape[2:]
         overlapping = (kh > sh and oh > 1) or (kw > sw and ow > 1)
-        return not overlapping or not self.cudnn_agrees() or self._argmax_kernels()
+        return not overlapping or not self.cudnn_agrees() or self._argmax_kernels(layouts)
 
     def can_mask(self):
         """MAX pooling with one top and windows of at most 255 values."""

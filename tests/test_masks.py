@@ -487,6 +487,59 @@ def test_a_pool_between_orders_is_not_masked_in_the_estimate(precision_name):
         assert set(masks.choose(net, same_bits=True)) == every
 
 
+ALEXNET_TV = os.path.join(ROOT, 'benchmarks', 'nets', 'alexnettv_b128.prototxt')
+ALEXNET_TV_MASKED = ('relu1', 'pool1', 'relu2', 'pool2')
+
+
+@pytest.mark.parametrize('precision_name', [None, 'fp16', 'bf16'])
+def test_16_bit_overlapping_pools_on_channels_last_maps_are_masked_in_the_estimate(
+        precision_name):
+    """Torchvision's AlexNet: pool1's and pool2's 3 x 3 windows at stride 2
+    overlap, where cuDNN's max pooling routes gradients otherwise than the
+    masked kernels, so `shared` leaves them unmasked in FP32. In 16 bits
+    their maps are channels-last on the GPU, which runs them on the argmax
+    kernels (cuDNN's channels-last pooling is slow), and masking leaves every
+    bit: the GPU's plan masks them and the ReLUs before them. The estimate,
+    built on the host, must choose so too; unmasked, it kept conv1's and
+    conv2's maps to backward, 76 MiB over the arena of the GPU's BFLOAT16 plan."""
+    from caffeplus import precision
+    param = shapes.load_net_param(ALEXNET_TV, batch=8, phase=caffe_pb2.TRAIN)
+    if precision_name:
+        precision.override(param, precision_name)
+    net = shapes.build_net(param)
+    with config.using(layout='nhwc'):
+        assert masks.choose(net, same_bits=True) == \
+            (ALEXNET_TV_MASKED if precision_name else ())
+        # (every mask: pool5 too where it stays in one order, FP32)
+        assert masks.choose(net)[:4] == ALEXNET_TV_MASKED
+    with config.using(layout='nchw'):
+        assert masks.choose(net, same_bits=True) == ()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('precision_name', [None, 'fp16', 'bf16'])
+@pytest.mark.parametrize('model, batch', [(ALEXNET_TV, 4),
+                                          (os.path.join(SHARED, 'bench', 'vgg16_b64.prototxt'), 1),
+                                          (os.path.join(SHARED, 'bench', 'googlenet_b64.prototxt'), 2)])
+def test_gpu_nets_mask_what_the_estimate_masks(gpu, model, batch, precision_name):
+    """The estimate chooses its masks on a net built on the host; `caffeplus
+    train` on the GPU's own net, whose maps are stored in the orders the
+    estimate models and whose poolings run the kernels it models: both
+    choose the same layers, bit-for-bit masks and every mask alike."""
+    from caffeplus import precision
+    param = shapes.load_net_param(model, batch=batch, phase=caffe_pb2.TRAIN)
+    if precision_name:
+        precision.override(param, precision_name)
+    host = shapes.build_net(param)
+    device_net = caffeplus.Net(param, caffeplus.TRAIN)
+    for same_bits in (True, False):
+        assert masks.choose(host, same_bits=same_bits) == \
+            masks.choose(device_net, same_bits=same_bits)
+    if model == ALEXNET_TV:
+        assert masks.choose(device_net, same_bits=True) == \
+            (ALEXNET_TV_MASKED if precision_name else ())
+
+
 @pytest.mark.gpu
 def test_gpu_memory_measures_a_16_bit_pooling_between_orders(tmp_path, capsys):
     """In FLOAT16 conv2_1's map is channels-last and pool2 writes Caffe's
