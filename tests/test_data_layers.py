@@ -898,3 +898,54 @@ def test_dummy_data_on_the_gpu_draws_in_place_reproducibly():
         assert u.min() >= -1 and u.max() <= 5 and u.std() > 0
     finally:
         caffeplus.set_mode_cpu()
+
+
+def test_16_bit_tops_take_the_device_draw():
+    """FLOAT16 and BFLOAT16 tops are drawn in float32 on the device and
+    rounded there; BFLOAT16 is ml_dtypes' type, NumPy kind 'V' (a check
+    for kind 'f' sent it to the host every forward). Integer types are not."""
+    from caffeplus import precision
+    from caffeplus.fillers import rounds_on_device
+    assert rounds_on_device(numpy.float16)
+    if precision.bfloat16_dtype() is not None:
+        assert precision.bfloat16_dtype().kind == 'V'
+        assert rounds_on_device(precision.bfloat16_dtype())
+    assert not any(rounds_on_device(t) for t in (numpy.int16, numpy.uint16, numpy.float64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('sixteen', ['float16', 'bfloat16'])
+def test_dummy_data_on_the_gpu_draws_16_bit_tops_there(monkeypatch, sixteen):
+    """A 16-bit DummyData top is refilled on the device each forward, in
+    its own array: nothing drawn on the host (fill_array would be), the
+    values of the filler's distribution rounded to the top's type."""
+    import cupy
+    from caffeplus import precision
+    from caffeplus.layers import data as data_mod
+    dtype = numpy.float16 if sixteen == 'float16' else precision.bfloat16_dtype()
+    if dtype is None:
+        pytest.skip('no ml_dtypes')
+    monkeypatch.setattr(data_mod, 'fill_array', lambda f, s: pytest.fail('drawn on the host'))
+    caffeplus.set_mode_gpu(0)
+    try:
+        text = ('name: "d" type: "DummyData" top: "a" dummy_data_param { '
+                'shape { dim: 32 dim: 3 dim: 32 dim: 32 } '
+                'data_filler { type: "gaussian" std: 2 mean: 1 } }')
+        lp = text_format.Parse(text, caffe_pb2.LayerParameter())
+        lp.phase = caffe_pb2.TRAIN
+        layer = create_layer(lp)
+        top = Blob(name='a')
+        top.set_storage_dtype(dtype)
+        layer.setup([], [top])
+        ptr = top.data.data.ptr
+        draws = []
+        for _ in range(2):
+            layer.forward([], [top])
+            assert isinstance(top.data, cupy.ndarray) and top.data.dtype == dtype
+            assert top.data.data.ptr == ptr
+            draws.append(cupy.asnumpy(top.data.astype(cupy.float32)))
+        assert not numpy.array_equal(draws[0], draws[1])           # a new batch each forward
+        x = draws[1]
+        assert abs(x.mean() - 1) < 0.03 and abs(x.std() - 2) < 0.03
+    finally:
+        caffeplus.set_mode_cpu()
