@@ -8,10 +8,8 @@ same bits every pass."""
 import numpy
 import pytest
 
-import caffeplus
-from caffeplus.blob import Blob
-from caffeplus.layer import create_layer
-from test_gpu_layers import _assert_close, _conv_round, _param, _run
+from test_gpu_layers import (_assert_close, _exact_conv_inputs, _forced_conv_passes, _param,
+                             _type_and_tolerance)
 
 pytestmark = pytest.mark.gpu
 
@@ -22,38 +20,15 @@ def _round(lp, x, dy, params, dtype, variant):
     """Two forward and backward passes of the layer over `dtype` maps, its
     forward and filter gradient forced to im2row + cuBLAS (`variant` 2) or
     to cuDNN's fastest that the arena holds (0)."""
-    from caffeplus.memory import workspace
-    caffeplus.set_mode_gpu()
-    old_search = workspace.set_search('timed')
-    try:
-        layer = create_layer(lp)
-        bottom, top = [Blob(x.shape, name='x')], [Blob(name='y')]
-        for b in bottom + top:
-            b.set_storage_dtype(dtype)
-        bottom[0].data = x
-        layer.setup(bottom, top)
-        for b, v in zip(layer.blobs, params):
-            b.data = v
-        layer.forward(bottom, top)
+    def pick(site, arena):
+        if variant == GEMM:
+            return [c for c in site.candidates if c.variant == GEMM]
+        # cuDNN's own calls (not space-to-depth's)
+        return [c for c in site.candidates if c.variant not in (GEMM, 6) and c.memory <= arena]
+
+    def check(layer):
         assert layer.compute_nhwc and layer._bottom_relaid and layer._gemm.rows
-        mgr = layer._manager()
-        need = mgr.nbytes
-        for kind in ('fwd', 'bwd_filter'):
-            site = layer._sites[kind]
-            if variant == GEMM:
-                pick = [c for c in site.candidates if c.variant == GEMM]
-            else:       # cuDNN's own calls (not space-to-depth's)
-                pick = [c for c in site.candidates if c.variant not in (GEMM, 6) and
-                        c.memory <= mgr.nbytes]
-            assert pick, site.candidates
-            site.choice = pick[0]
-            need = max(need, pick[0].memory)
-        mgr._buffer.resize(need, layer, 'arena')
-        got = _conv_round(layer, bottom, top, dy)
-        again = _conv_round(layer, bottom, top, dy)
-    finally:
-        workspace.set_search(old_search)
-    return got, again
+    return _forced_conv_passes(lp, x, dy, params, dtype, pick, passes=2, check=check)[2]
 
 
 @pytest.mark.parametrize('type_name', ['float16', 'bfloat16'])
@@ -67,26 +42,17 @@ def test_rows_variant_follows_the_convolution(type_name, conv, shape, monkeypatc
     from caffeplus.layers import cudnn_conv
     monkeypatch.setattr(cudnn_conv, 'IMAGE_CHANNELS_LAST', True)
     monkeypatch.setattr(algo_search, 'GEMM_ROWS_SEARCH', True)
-    if type_name == 'bfloat16':
-        dtype, tol = pytest.importorskip('ml_dtypes').bfloat16, 3e-2
-    else:
-        dtype, tol = numpy.float16, 4e-3
+    dtype, tol = _type_and_tolerance(type_name)
     # (one bottom and one top named: an image layer runs channels-last)
     lp = _param('type: "Convolution" bottom: "x" top: "y" convolution_param { %s }' % conv)
-    rng = numpy.random.default_rng(43)
-    # Values the type holds exactly, so every path reads the same inputs.
-    x = rng.standard_normal(shape).astype(dtype).astype(numpy.float32)
-    _, _, _, _, params, dy = _run(lp, x, None, None, gpu=False)
-    params = [p.astype(dtype).astype(numpy.float32) for p in params]
-    dy = dy.astype(dtype).astype(numpy.float32)
-    _, y_cpu, dx_cpu, dp_cpu, _, _ = _run(lp, x, dy, params, gpu=False)
+    x, params, dy, cpu = _exact_conv_inputs(lp, shape, dtype, 43)
     old_math = mathmode.set_math_mode('strict')
     try:
         rows, rows_again = _round(lp, x, dy, params, dtype, GEMM)
         cudnn, _ = _round(lp, x, dy, params, dtype, 0)
     finally:
         mathmode.set_math_mode(old_math)
-    for a, b, c, what in zip(rows, cudnn, [y_cpu, dx_cpu] + dp_cpu, ['top', 'dx', 'dw', 'db']):
+    for a, b, c, what in zip(rows, cudnn, cpu, ['top', 'dx', 'dw', 'db']):
         _assert_close(a, b, tol, '%s im2row against cuDNN, %s' % (type_name, what))
         _assert_close(a, c, tol, '%s im2row against the CPU, %s' % (type_name, what))
     for i in (0, 2):        # the variant's own calls: the top and the filter gradient

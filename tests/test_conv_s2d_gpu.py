@@ -8,10 +8,8 @@ bits every pass."""
 import numpy
 import pytest
 
-import caffeplus
-from caffeplus.blob import Blob
-from caffeplus.layer import create_layer
-from test_gpu_layers import _assert_close, _conv_round, _param, _run
+from test_gpu_layers import (_assert_close, _exact_conv_inputs, _forced_conv_passes, _param,
+                             _type_and_tolerance)
 
 pytestmark = pytest.mark.gpu
 
@@ -24,40 +22,16 @@ def _round(lp, x, dy, params, dtype, variant, slices=1):
     (`variant` 6) over the batch in `slices`, or to cuDNN's fastest that
     the arena holds (0)."""
     from caffeplus.cudnn import api
-    from caffeplus.memory import workspace
-    caffeplus.set_mode_gpu()
-    old_search = workspace.set_search('timed')
-    try:
-        layer = create_layer(lp)
-        bottom, top = [Blob(x.shape, name='x')], [Blob(name='y')]
-        if dtype != numpy.float32:
-            for b in bottom + top:
-                b.set_storage_dtype(dtype)
-        bottom[0].data = x
-        layer.setup(bottom, top)
-        for b, v in zip(layer.blobs, params):
-            b.data = v
-        layer.forward(bottom, top)
+
+    def pick(site, arena):
+        if variant == S2D:
+            return [c for c in site.candidates if c.variant == S2D and
+                    api.s2d_parts(c.algo)[0] == slices]
+        return [c for c in site.candidates if c.variant != S2D and c.memory <= arena]
+
+    def check(layer):
         assert layer._s2d is not None
-        mgr = layer._manager()
-        need = mgr.nbytes
-        for kind in ('fwd', 'bwd_filter'):
-            site = layer._sites[kind]
-            if variant == S2D:
-                pick = [c for c in site.candidates if c.variant == S2D and
-                        api.s2d_parts(c.algo)[0] == slices]
-            else:
-                pick = [c for c in site.candidates if c.variant != S2D and
-                        c.memory <= mgr.nbytes]
-            assert pick, site.candidates
-            site.choice = pick[0]
-            need = max(need, pick[0].memory)
-        mgr._buffer.resize(need, layer, 'arena')
-        got = _conv_round(layer, bottom, top, dy)
-        again = _conv_round(layer, bottom, top, dy)
-    finally:
-        workspace.set_search(old_search)
-    return got, again
+    return _forced_conv_passes(lp, x, dy, params, dtype, pick, passes=2, check=check)[2]
 
 
 @pytest.mark.parametrize('slices', [1, 2])
@@ -71,27 +45,16 @@ def test_space_to_depth_variant_follows_the_convolution(type_name, channels_last
     from caffeplus.backend import mathmode
     from caffeplus.layers import cudnn_conv
     monkeypatch.setattr(cudnn_conv, 'IMAGE_CHANNELS_LAST', channels_last)
-    if type_name == 'bfloat16':
-        dtype, tol = pytest.importorskip('ml_dtypes').bfloat16, 3e-2
-    elif type_name == 'float16':
-        dtype, tol = numpy.float16, 4e-3
-    else:
-        dtype, tol = numpy.float32, 2e-4
+    dtype, tol = _type_and_tolerance(type_name)
     lp = _param('type: "Convolution" convolution_param { %s }' % conv)
-    rng = numpy.random.default_rng(41)
-    # Values the type holds exactly, so every path reads the same inputs.
-    x = rng.standard_normal(shape).astype(dtype).astype(numpy.float32)
-    _, _, _, _, params, dy = _run(lp, x, None, None, gpu=False)
-    params = [p.astype(dtype).astype(numpy.float32) for p in params]
-    dy = dy.astype(dtype).astype(numpy.float32)
-    _, y_cpu, dx_cpu, dp_cpu, _, _ = _run(lp, x, dy, params, gpu=False)
+    x, params, dy, cpu = _exact_conv_inputs(lp, shape, dtype, 41)
     old_math = mathmode.set_math_mode('strict')
     try:
         s2d, s2d_again = _round(lp, x, dy, params, dtype, S2D, slices)
         cudnn, _ = _round(lp, x, dy, params, dtype, 0)
     finally:
         mathmode.set_math_mode(old_math)
-    for a, b, c, what in zip(s2d, cudnn, [y_cpu, dx_cpu] + dp_cpu, ['top', 'dx', 'dw', 'db']):
+    for a, b, c, what in zip(s2d, cudnn, cpu, ['top', 'dx', 'dw', 'db']):
         _assert_close(a, b, tol, '%s space-to-depth against cuDNN, %s' % (type_name, what))
         _assert_close(a, c, tol, '%s space-to-depth against the CPU, %s' % (type_name, what))
     for i in (0, 2):        # the variant's own calls: the top and the filter gradient

@@ -460,38 +460,80 @@ def test_convolution_im2col_gemm_variant(math, monkeypatch):
         numpy.testing.assert_array_equal(got[i], got2[i])
 
 
-def _sixteen_bit_conv_round(lp, x, dy, params, dtype, gemm):
-    """One forward and backward of a convolution over `dtype` maps on the
-    GPU, its calls forced to the cuBLAS variant (`gemm`) or left to cuDNN."""
+def _type_and_tolerance(type_name):
+    """(dtype, tolerance) of a convolution's GPU values against the others
+    in `type_name` (float32, float16 or bfloat16)."""
+    if type_name == 'bfloat16':
+        return pytest.importorskip('ml_dtypes').bfloat16, 3e-2
+    if type_name == 'float16':
+        return numpy.float16, 4e-3
+    return numpy.float32, 2e-4
+
+
+def _exact_conv_inputs(lp, shape, dtype, seed):
+    """A convolution's image, parameters and top gradient as values `dtype`
+    holds exactly, so every path reads the same inputs, and the CPU's
+    float32 results over them: (x, params, dy, [y, dx, dw, db])."""
+    x = numpy.random.default_rng(seed).standard_normal(shape).astype(dtype).astype(numpy.float32)
+    _, _, _, _, params, dy = _run(lp, x, None, None, gpu=False)
+    params = [p.astype(dtype).astype(numpy.float32) for p in params]
+    dy = dy.astype(dtype).astype(numpy.float32)
+    _, y, dx, dparams, _, _ = _run(lp, x, dy, params, gpu=False)
+    return x, params, dy, [y, dx] + dparams
+
+
+def _forced_conv_passes(lp, x, dy, params, dtype, pick, kinds=('fwd', 'bwd_filter'),
+                        passes=1, check=None):
+    """Forward and backward passes of a convolution over `dtype` maps on
+    the GPU under timed search, each call in `kinds` (or kinds(layer))
+    forced to the first candidate of pick(site, arena bytes), which must
+    list one (None: the search's choice stays); the arena grows to hold
+    them. check(layer) runs after the first forward. Returns (layer, top,
+    [each pass's top, dx and parameter gradients])."""
     from caffeplus.memory import workspace
     caffeplus.set_mode_gpu()
     old_search = workspace.set_search('timed')
     try:
         layer = create_layer(lp)
         bottom, top = [Blob(x.shape, name='x')], [Blob(name='y')]
-        for b in bottom + top:
-            b.set_storage_dtype(dtype)
+        if numpy.dtype(dtype) != numpy.float32:
+            for b in bottom + top:
+                b.set_storage_dtype(dtype)
         bottom[0].data = x
         layer.setup(bottom, top)
         for b, v in zip(layer.blobs, params):
             b.data = v
         layer.forward(bottom, top)
+        if check is not None:
+            check(layer)
         mgr = layer._manager()
         need = mgr.nbytes
-        for kind in layer._gemm.kinds():
+        for kind in kinds(layer) if callable(kinds) else kinds:
             site = layer._sites[kind]
-            if (site.choice.variant == 2) == gemm:
+            chosen = pick(site, mgr.nbytes)
+            if chosen is None:
                 continue
-            # cuDNN's fastest that the arena holds, or the cuBLAS variant
-            pick = [c for c in site.candidates if (c.variant == 2) == gemm and
-                    (gemm or c.memory <= mgr.nbytes)]
-            assert pick, site.candidates
-            site.choice = pick[0]
-            need = max(need, pick[0].memory)
+            assert chosen, site.candidates
+            site.choice = chosen[0]
+            need = max(need, chosen[0].memory)
         mgr._buffer.resize(need, layer, 'arena')
-        got = _conv_round(layer, bottom, top, dy)
+        got = [_conv_round(layer, bottom, top, dy) for _ in range(passes)]
     finally:
         workspace.set_search(old_search)
+    return layer, top, got
+
+
+def _sixteen_bit_conv_round(lp, x, dy, params, dtype, gemm):
+    """One forward and backward of a convolution over `dtype` maps on the
+    GPU, its calls forced to the cuBLAS variant (`gemm`) or left to cuDNN."""
+    def pick(site, arena):
+        if (site.choice.variant == 2) == gemm:
+            return None
+        # cuDNN's fastest that the arena holds, or the cuBLAS variant
+        return [c for c in site.candidates if (c.variant == 2) == gemm and
+                (gemm or c.memory <= arena)]
+    layer, top, (got,) = _forced_conv_passes(lp, x, dy, params, dtype, pick,
+                                             kinds=lambda layer: layer._gemm.kinds())
     assert top[0].data_storage.array.dtype == numpy.dtype(dtype)
     assert all(b.diff.dtype == numpy.float32 for b in layer.blobs)     # the FP32 masters
     return got
@@ -508,22 +550,12 @@ def test_sixteen_bit_convolution_gemm_variant_follows_cudnn(type_name, conv, sha
     calls on the same values, and of the CPU's float32 convolution."""
     from caffeplus.cudnn import algo_search
     monkeypatch.setattr(algo_search, 'GEMM_SEARCH_SIXTEEN_BIT', True)
-    if type_name == 'bfloat16':
-        dtype, tol = pytest.importorskip('ml_dtypes').bfloat16, 3e-2
-    else:
-        dtype, tol = numpy.float16, 4e-3
+    dtype, tol = _type_and_tolerance(type_name)
     lp = _param('type: "Convolution" convolution_param { %s }' % conv)
-    rng = numpy.random.default_rng(29)
-    # Values the 16-bit type holds exactly, so every path reads the same inputs.
-    x = rng.standard_normal(shape).astype(dtype).astype(numpy.float32)
-    _, y_cpu, dx_cpu, dp_cpu, params, _ = _run(lp, x, None, None, gpu=False)
-    params = [p.astype(dtype).astype(numpy.float32) for p in params]
-    _, y_cpu, dx_cpu, dp_cpu, _, dy = _run(lp, x, None, params, gpu=False)
-    dy = dy.astype(dtype).astype(numpy.float32)
-    _, y_cpu, dx_cpu, dp_cpu, _, _ = _run(lp, x, dy, params, gpu=False)
+    x, params, dy, cpu = _exact_conv_inputs(lp, shape, dtype, 29)
     gemm = _sixteen_bit_conv_round(lp, x, dy, params, dtype, True)
     cudnn = _sixteen_bit_conv_round(lp, x, dy, params, dtype, False)
-    for a, b, c, what in zip(gemm, cudnn, [y_cpu, dx_cpu] + dp_cpu, ['top', 'dx', 'dw', 'db']):
+    for a, b, c, what in zip(gemm, cudnn, cpu, ['top', 'dx', 'dw', 'db']):
         _assert_close(a, b, tol, '%s cuBLAS against cuDNN, %s' % (type_name, what))
         _assert_close(a, c, tol, '%s cuBLAS against the CPU, %s' % (type_name, what))
 
