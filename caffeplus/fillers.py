@@ -22,6 +22,7 @@ import numpy
 from caffeplus import backend, rng
 from caffeplus.blob import is_virtual, virtual_allocation, virtual_array
 from caffeplus.errors import NetError
+from caffeplus.kernel_sources import CUDA_SIXTEEN_BIT_TYPES
 
 
 def _count(shape):
@@ -280,10 +281,10 @@ def draw_into(recipe, out, gen):
 
 def rounds_on_device(dtype):
     """Whether a draw in float32 rounds into an array of `dtype` on the
-    device: float16, and ml_dtypes' bfloat16 (NumPy kind 'V', not 'f'; a
-    BFLOAT16 DummyData top drawn on the host instead cost 0.2-0.4 s an
-    iteration on the bench nets)."""
-    return numpy.dtype(dtype).name in ('float16', 'bfloat16')
+    device: CUDA's 16-bit map types, float16 and ml_dtypes' bfloat16 (NumPy
+    kind 'V', not 'f'; a BFLOAT16 DummyData top drawn on the host instead
+    cost 0.2-0.4 s an iteration on the bench nets)."""
+    return numpy.dtype(dtype).name in CUDA_SIXTEEN_BIT_TYPES
 
 
 def fill_device(recipe, out, staging=None):
