@@ -78,11 +78,18 @@ def main(argv=None):
                             c.memory / MiB, c.time, c.time / best if best else 0, c))
     if args.json:
         with open(args.json, 'w') as f:
-            json.dump({'arena_bytes': applied.arena_bytes, 'steps': steps,
-                       'layer_names': names,
-                       'buffers': [dict(zip(measure.LAYOUT_FIELDS, r)) for r in rows]},
-                      f, indent=1)
+            json.dump(layout_record(net), f, indent=1)
     return 0
+
+
+def layout_record(net):
+    """What --json writes: the arena of the net's applied plan and every
+    buffer placed in it (name, kind, bytes, first and last step, offset)."""
+    from caffeplus.memory import measure
+    applied = net.applied_plan
+    return {'arena_bytes': applied.arena_bytes, 'steps': applied.steps,
+            'layer_names': net._layer_names,
+            'buffers': [dict(zip(measure.LAYOUT_FIELDS, r)) for r in applied.placed_rows()]}
 
 
 if __name__ == '__main__':

@@ -165,15 +165,13 @@ def main(argv=None):
                                                  info.get('offloaded')))
         if args.layout_json:
             import json
+            from dev.arena_layout import layout_record
+            record = layout_record(net)
+            record['sites'] = {'%s %s' % (name, kind): repr(site.choice)
+                               for layer, name in zip(net.layers, net._layer_names)
+                               for kind, site in (getattr(layer, '_sites', None) or {}).items()}
             with open(args.layout_json, 'w') as f:
-                json.dump({'arena_bytes': applied.arena_bytes, 'steps': applied.steps,
-                           'layer_names': net._layer_names,
-                           'sites': {'%s %s' % (name, kind): repr(site.choice)
-                                     for layer, name in zip(net.layers, net._layer_names)
-                                     for kind, site in (getattr(layer, '_sites', None)
-                                                        or {}).items()},
-                           'buffers': [dict(zip(measure.LAYOUT_FIELDS, r))
-                                       for r in applied.placed_rows()]}, f, indent=1)
+                json.dump(record, f, indent=1)
     return 0
 
 
