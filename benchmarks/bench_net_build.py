@@ -210,28 +210,32 @@ def stock_caffe_seconds(logs, which):
                              for path in paths)
 
 
-class _Stamps(logging.Handler):
+class _StampedDevnull:
+    """A stream that discards what is written, noting when each of the two
+    lines that bound stock Caffe's window is written."""
+    KEYS = ('Initializing net from parameters', 'Network initialization done')
+
     def __init__(self):
-        super().__init__(logging.INFO)
         self.times = {}
 
-    def emit(self, record):
-        msg = record.getMessage()
-        for key in ('Initializing net from parameters', 'Network initialization done'):
-            if msg.startswith(key):
+    def write(self, text):
+        for key in self.KEYS:
+            if key in text:
                 self.times[key] = time.perf_counter()
+        return len(text)
+
+    def flush(self):
+        pass
 
 
 def caffeplus_window_seconds(source, phase):
-    """caffeplus's build timed over the window stock Caffe's log shows
-    (logging at INFO, as Caffe's did: every line formatted and written, to
-    os.devnull, beside a handler that notes the two lines' times)."""
-    handler = _Stamps()
-    devnull = open(os.devnull, 'w')
-    lines = logging.StreamHandler(devnull)          # formatted and written, as glog's
-    lines.setFormatter(log.GlogFormatter())
+    """caffeplus's build timed over the window stock Caffe's log shows, with
+    logging as the command line sets it (INFO, every line formatted as
+    glog's and written by caffeplus's handler, to a stream that notes the
+    two lines' times)."""
+    stream = _StampedDevnull()
     handlers, level = log.logger.handlers[:], log.logger.level
-    log.logger.handlers = [lines, handler]
+    log.logger.handlers = [log.GlogHandler(stream)]
     log.logger.setLevel(logging.INFO)
     # A net left from the last round would otherwise be collected inside
     # this window, joining its prefetch threads: a cost stock's window lacks.
@@ -241,9 +245,8 @@ def caffeplus_window_seconds(source, phase):
     finally:
         log.logger.handlers = handlers
         log.logger.setLevel(level)
-        devnull.close()
     del net
-    t = handler.times
+    t = stream.times
     return t['Network initialization done'] - t['Initializing net from parameters']
 
 
