@@ -12,7 +12,9 @@ numpy.empty(n, float32) and Generator.standard_normal(out=) for gaussian
 and msra, Generator.random(out=) for uniform, xavier and positive_unitball,
 .fill() for constants and bilinear, numpy.zeros for the constant 0 of an
 absent filler, every array kept until the last is filled, as a net keeps
-them. Medians are printed, with build / NumPy (target <= 2.0).
+them. Medians are printed, with build / NumPy (target <= 2.0), and, for a
+net read from a file, the part of its build that protobuf's text parser
+takes (read alone, in the same rounds).
 
 Stock Caffe cannot run here. Its build times on record are LeNet's, in the
 stock-Caffe reference logs (the time from "Initializing net from parameters"
@@ -157,6 +159,17 @@ def numpy_draws(draws):
     return seconds
 
 
+def parse_seconds(source):
+    """Seconds reading the prototxt (protobuf's text parser, and the upgrade
+    check every build makes); None for a net given as a NetParameter."""
+    if not isinstance(source, str):
+        return None
+    from caffeplus.net import load_net_param
+    start = time.perf_counter()
+    load_net_param(source)
+    return time.perf_counter() - start
+
+
 def build_seconds(source, phase):
     start = time.perf_counter()
     net = caffeplus.Net(source, phase)
@@ -263,23 +276,26 @@ def main(argv=None):
     log.set_level(logging.WARNING)
     print('numpy %s, %d CPU(s), repeat %d (medians)' % (numpy.__version__, os.cpu_count(),
                                                        args.repeat))
-    print('| net | phase | filled values | build s | NumPy draws s | build / NumPy |')
-    print('|---|---|---|---|---|---|')
+    print('| net | phase | filled values | build s | of which parsing s | NumPy draws s '
+          '| build / NumPy |')
+    print('|---|---|---|---|---|---|---|')
     worst = 0.0
     for name in args.nets.split(','):
         make, phase = NETS[name]
         source = make()
         draws = census(source, phase)
-        builds, draws_s = [], []
+        builds, parses, draws_s = [], [], []
         for _ in range(args.repeat):
             builds.append(build_seconds(source, phase))
+            parses.append(parse_seconds(source))
             draws_s.append(numpy_draws(draws))
         build, base = statistics.median(builds), statistics.median(draws_s)
+        parse = '-' if parses[0] is None else '%.3f' % statistics.median(parses)
         ratio = build / base if base > 0 else float('inf')
         worst = max(worst, ratio)
-        print('| %s | %s | %s | %.3f | %.3f | %.2f |'
+        print('| %s | %s | %s | %.3f | %s | %.3f | %.2f |'
               % (name, caffe_pb2.Phase.Name(phase), '{:,}'.format(sum(c for _, c, _ in draws)),
-                 build, base, ratio))
+                 build, parse, base, ratio))
         sys.stdout.flush()
     print('worst build / NumPy: %.2f (target <= 2.0)' % worst)
 
