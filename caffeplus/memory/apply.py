@@ -315,7 +315,7 @@ class AppliedPlan:
             not self.options.get('runtime', {}).get('fused_chains', True)
         kept_bufs = self._internal_buffers(unfused)
         last = ('workspace',) if getattr(self.plan, 'call_workspace', None) else ()
-        offsets, arena_bytes = placement.place(bufs + ws_bufs + kept_bufs, last)
+        offsets, arena_bytes = placement.place_refitted(bufs + ws_bufs + kept_bufs, last)
         # What was placed and where, for dev/arena_layout.py: ('life', i) is placed[i].
         self.layout = (bufs + ws_bufs + kept_bufs, placed, offsets)
         if self._layout_limit is not None and arena_bytes > self._layout_limit:

@@ -194,6 +194,22 @@ def place(buffers, last=(), search=True):
     return offsets, max(arena, best[2]) if first else arena
 
 
+def place_refitted(buffers, last):
+    """place(buffers, last), or every buffer placed together where that
+    takes less. For buffers of the kinds in `last` sized to the holes of
+    another layout (plan auto's workspace, each call fitted to the holes
+    of the plan's own placement, free_at): the buffers applied to a net
+    leave other holes (an offloaded map's return copy starts half a step
+    early), and placed after them the calls may not fit (VGG-16 b256
+    under 12 GiB: 1.6 GB over the bytes live at the busiest step)."""
+    offsets, arena = place(buffers, last)
+    if last and any(b.kind in last for b in buffers):
+        together = place(buffers)
+        if together[1] < arena:
+            return together
+    return offsets, arena
+
+
 def _used_at(buffers, offsets, t, taken):
     """Sorted (lo, hi) byte ranges of the buffers live at time `t` and of
     `taken` ((offset, size) pairs)."""
