@@ -95,7 +95,77 @@ def _loud_measure_child(param_bytes, name, gpu, opts):
         _print_arena(net.applied_plan, opts.get('layout_json'))
         return info
     apply_module.apply_named_plan = traced
-    return command._measure_child(param_bytes, name, gpu, opts)
+    phases = _PhaseSampler()
+    phases.wrap()
+    try:
+        return command._measure_child(param_bytes, name, gpu, opts)
+    finally:
+        phases.stop()
+        phases.report()
+
+
+class _PhaseSampler:
+    """The device's used memory every 2 ms, its peak kept per phase of the
+    measuring process: construction, the algorithm timing, planning and
+    placing, each iteration."""
+
+    def __init__(self):
+        import threading
+        self.phase, self.peaks, self.order = 'construction', {}, ['construction']
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._started = False
+
+    def _run(self):
+        import cupy
+        cupy.cuda.Device(0).use()
+        while not self._stop.wait(0.002):
+            free, total = cupy.cuda.runtime.memGetInfo()
+            used = total - free
+            if used > self.peaks.get(self.phase, 0):
+                self.peaks[self.phase] = used
+
+    def set(self, phase):
+        if not self._started:
+            self._thread.start()
+            self._started = True
+        if phase not in self.peaks:
+            self.order.append(phase)
+        self.phase = phase
+
+    def wrap(self):
+        from caffeplus.memory import apply as apply_module, calibration, measure
+        real_measure, real_apply = calibration.measure_net, apply_module.apply_plan
+        real_iteration = measure.run_iteration
+        count = [0]
+
+        def measure_net(*args, **kwargs):
+            self.set('algorithm timing (calibration.measure_net)')
+            return real_measure(*args, **kwargs)
+
+        def apply_plan(*args, **kwargs):
+            self.set('planning and placing (apply_plan)')
+            return real_apply(*args, **kwargs)
+
+        def run_iteration(*args, **kwargs):
+            self.set('iteration %d' % count[0])
+            count[0] += 1
+            return real_iteration(*args, **kwargs)
+        calibration.measure_net = measure_net
+        apply_module.apply_plan = apply_plan
+        measure.run_iteration = run_iteration
+        self.set('construction')
+
+    def stop(self):
+        self._stop.set()
+        if self._started:
+            self._thread.join()
+
+    def report(self):
+        for phase in self.order:
+            if phase in self.peaks:
+                print('PHASE %-45s device peak %.0f MiB' % (phase, self.peaks[phase] / MiB))
+        sys.stdout.flush()
 
 
 def _print_arena(applied, layout_json=None):

@@ -648,10 +648,10 @@ def test_estimates_within_five_percent_of_the_recorded_measurements(capsys, net)
 
 def test_vgg16_b256_shared_estimate_within_five_percent_of_the_recorded_run(capsys):
     """At batch 256 (the budget benchmark's batch) too: VGG-16's `shared`
-    against its H200 run (a model that priced transforms sliced over 128
+    against its H100 run (a model that priced transforms sliced over 128
     images above the whole batch's would be 6.8% over)."""
-    path = os.path.join(_MEMORY, '2026-11-29-s22',
-                        '68f08d9_memory_vgg16_b256_shared_auto_12G.json')
+    path = os.path.join(_MEMORY, '2026-12-06-h100',
+                        'bb6a753_memory_vgg16_b256_shared_auto_12G.json')
     real = json.load(open(path))['plans']['shared']['steady_peak_bytes']
     doc = memory_json(capsys, '-model', bench('vgg16_b64'), '--batch', '256',
                       '--plans', 'shared')
