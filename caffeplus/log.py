@@ -86,7 +86,7 @@ def _sole_glog_handler(level):
     return handler
 
 
-def info(msg, *args):
+def info(msg, *args, **kwargs):
     """An INFO line from the caller's file and line. Where the line goes to
     caffeplus's GlogHandler alone (the command line's setting), it is
     formatted and written here, as glog does: through logging's record and
@@ -95,7 +95,8 @@ def info(msg, *args):
     write; anything else attached gets logging's records."""
     if not logger.isEnabledFor(logging.INFO):
         return
-    handler = _sole_glog_handler(logging.INFO)
+    # (exc_info, stack_info, extra, stacklevel: logging's own path.)
+    handler = None if kwargs else _sole_glog_handler(logging.INFO)
     if handler is not None:
         caller = sys._getframe(1)
         try:
@@ -112,7 +113,8 @@ def info(msg, *args):
             return
         except Exception:       # logging's own path reports it as logging does
             pass
-    logger.info(msg, *args, stacklevel=2)
+    kwargs['stacklevel'] = kwargs.get('stacklevel', 1) + 1
+    logger.info(msg, *args, **kwargs)
 
 
 _BASENAMES = {}

@@ -131,6 +131,22 @@ def test_a_bad_format_is_reported_as_logging_reports_it(logger_state, capsys):
     assert 'Logging error' in capsys.readouterr().err
 
 
+def test_logging_keywords_take_loggings_path(logger_state, monkeypatch):
+    made = _records_made(monkeypatch)
+    stream = io.StringIO()
+    log.logger.handlers = [log.GlogHandler(stream)]
+    log.logger.setLevel(logging.INFO)
+    try:
+        raise ValueError('bad')
+    except ValueError:
+        log.info('failed: %s', 'x', exc_info=True); here = _this_line()
+    (args,) = made
+    name, level, filename, lineno, msg, values, exc_info = args[:7]
+    assert exc_info[0] is ValueError and lineno == here and filename == __file__
+    (level, _, filename, number, text), = _lines(stream.getvalue())
+    assert (level, filename, number, text) == ('I', 'test_log.py', here, 'failed: x')
+
+
 def test_nothing_is_written_below_the_level(logger_state):
     stream = io.StringIO()
     log.logger.handlers = [log.GlogHandler(stream)]
