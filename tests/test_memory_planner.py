@@ -103,19 +103,31 @@ def test_random_intervals_place_without_overlap():
     assert arena >= peak
 
 
+def _random_buffers(seed, count, workspace_every=0):
+    """`count` buffers drawn from `seed`: lives starting within 20 steps and
+    up to 7 long, 512 B to 19.5 KiB; with `workspace_every`, every such one
+    a workspace of one step (a convolution call's)."""
+    rng = numpy.random.default_rng(seed)
+    bufs = []
+    for i in range(count):
+        start = int(rng.integers(0, 20))
+        nbytes = 512 * int(rng.integers(1, 40))
+        if workspace_every and i % workspace_every == 0:
+            bufs.append(liveness.Buffer(('b', i), 'workspace', ('b%d' % i,), nbytes, start,
+                                        start))
+        else:
+            bufs.append(liveness.Buffer(('b', i), 'data', ('b%d' % i,), nbytes, start,
+                                        start + int(rng.integers(0, 8))))
+    return bufs
+
+
 def test_placement_search_closes_gaps_the_fixed_orders_leave():
     """Where the best of the fixed orders is more than SEARCH_GAP above the
     bytes live at once, the search places no worse, never overlaps,
     gives the same layout every time, and beats the orders on some sets."""
     better = 0
     for seed in range(12):
-        rng = numpy.random.default_rng(seed)
-        bufs = []
-        for i in range(30):
-            s = int(rng.integers(0, 20))
-            bufs.append(liveness.Buffer(('b', i), 'data', ('b%d' % i,),
-                                        512 * int(rng.integers(1, 40)), s,
-                                        s + int(rng.integers(0, 8))))
+        bufs = _random_buffers(seed, 30)
         plain = placement.place(bufs, search=False)[1]
         offsets, arena = placement.place(bufs)
         placement.validate(bufs, offsets)
@@ -132,14 +144,7 @@ def test_refitted_workspace_is_placed_with_the_maps_where_that_takes_less():
     refitted placement never takes more than either, nor overlaps."""
     better = 0
     for seed in range(24):
-        rng = numpy.random.default_rng(seed)
-        bufs = []
-        for i in range(24):
-            s = int(rng.integers(0, 20))
-            kind = 'workspace' if i % 4 == 0 else 'data'
-            end = s if kind == 'workspace' else s + int(rng.integers(0, 8))
-            bufs.append(liveness.Buffer(('b', i), kind, ('b%d' % i,),
-                                        512 * int(rng.integers(1, 40)), s, end))
+        bufs = _random_buffers(seed, 24, workspace_every=4)
         after = placement.place(bufs, ('workspace',))[1]
         offsets, arena = placement.place_refitted(bufs, ('workspace',))
         placement.validate(bufs, offsets)
