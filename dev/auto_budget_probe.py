@@ -95,96 +95,68 @@ def _loud_measure_child(param_bytes, name, gpu, opts):
         _print_arena(net.applied_plan, opts.get('layout_json'))
         return info
     apply_module.apply_named_plan = traced
-    phases = _PhaseSampler()
-    phases.wrap()
-    try:
-        return command._measure_child(param_bytes, name, gpu, opts)
-    finally:
-        phases.stop()
-        phases.report()
+    with _phases_sampled() as sampler:
+        try:
+            return command._measure_child(param_bytes, name, gpu, opts)
+        finally:
+            for phase, peak in sampler.peaks.items():
+                print('PHASE %-45s device peak %.0f MiB' % (phase, peak / MiB))
+            sys.stdout.flush()
 
 
-class _PhaseSampler:
-    """The device's used memory every 2 ms, its peak kept per phase of the
-    measuring process: construction, the algorithm timing, planning and
-    placing, each iteration."""
+def _phases_sampled():
+    """A DeviceSampler (every 2 ms) whose phase follows the measuring
+    process: construction, the algorithm timing, planning and placing,
+    each iteration."""
+    from caffeplus.memory import apply as apply_module, calibration, measure
+    from caffeplus.memory.sampler import DeviceSampler
+    sampler = DeviceSampler(0, interval=0.002)
+    sampler.set_phase('construction')
+    count = [0]
 
-    def __init__(self):
-        import threading
-        self.phase, self.peaks, self.order = 'construction', {}, ['construction']
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._started = False
+    def entering(phase, real):
+        def run(*args, **kwargs):
+            sampler.set_phase(phase())
+            return real(*args, **kwargs)
+        return run
 
-    def _run(self):
-        import cupy
-        cupy.cuda.Device(0).use()
-        while not self._stop.wait(0.002):
-            free, total = cupy.cuda.runtime.memGetInfo()
-            used = total - free
-            if used > self.peaks.get(self.phase, 0):
-                self.peaks[self.phase] = used
-
-    def set(self, phase):
-        if not self._started:
-            self._thread.start()
-            self._started = True
-        if phase not in self.peaks:
-            self.order.append(phase)
-        self.phase = phase
-
-    def wrap(self):
-        from caffeplus.memory import apply as apply_module, calibration, measure
-        real_measure, real_apply = calibration.measure_net, apply_module.apply_plan
-        real_iteration = measure.run_iteration
-        count = [0]
-
-        def measure_net(*args, **kwargs):
-            self.set('algorithm timing (calibration.measure_net)')
-            return real_measure(*args, **kwargs)
-
-        def apply_plan(*args, **kwargs):
-            self.set('planning and placing (apply_plan)')
-            return real_apply(*args, **kwargs)
-
-        def run_iteration(*args, **kwargs):
-            self.set('iteration %d' % count[0])
-            count[0] += 1
-            return real_iteration(*args, **kwargs)
-        calibration.measure_net = measure_net
-        apply_module.apply_plan = apply_plan
-        measure.run_iteration = run_iteration
-        self.set('construction')
-
-    def stop(self):
-        self._stop.set()
-        if self._started:
-            self._thread.join()
-
-    def report(self):
-        for phase in self.order:
-            if phase in self.peaks:
-                print('PHASE %-45s device peak %.0f MiB' % (phase, self.peaks[phase] / MiB))
-        sys.stdout.flush()
+    def iteration():
+        count[0] += 1
+        return 'iteration %d' % (count[0] - 1)
+    calibration.measure_net = entering(lambda: 'algorithm timing (calibration.measure_net)',
+                                       calibration.measure_net)
+    apply_module.apply_plan = entering(lambda: 'planning and placing (apply_plan)',
+                                       apply_module.apply_plan)
+    measure.run_iteration = entering(iteration, measure.run_iteration)
+    return sampler
 
 
-def _print_arena(applied, layout_json=None):
-    """The plan's own arena beside the applied one, and what differs;
-    `layout_json`: write the applied buffers there (kind, bytes, life)."""
-    import json
-    from caffeplus.memory import placement
-    plan = applied.plan
-    bufs, placed, offsets = applied.layout
-    if layout_json:
-        with open(layout_json, 'w') as f:
-            json.dump({'arena_bytes': applied.arena_bytes,
-                       'buffers': [{'kind': b.kind if b.key[0] != 'life' else 'life',
-                                    'nbytes': b.nbytes, 'start': b.start, 'end': b.end}
-                                   for b in bufs]}, f)
+def _bytes_by_kind(bufs):
+    """{kind: MiB} of placed buffers ('life' for the applied plan's lives)."""
     kinds = {}
     for b in bufs:
         kind = 'life' if b.key[0] == 'life' else b.kind
         kinds[kind] = kinds.get(kind, 0) + b.nbytes
+    return {k: round(v / MiB) for k, v in kinds.items()}
+
+
+def _print_largest_workspace(label, bufs, count=6):
+    for b in sorted((b for b in bufs if b.kind == 'workspace'), key=lambda b: -b.nbytes)[:count]:
+        print('%s %s %.0f MiB steps %s-%s' % (label, b.key, b.nbytes / MiB, b.start, b.end))
+
+
+def _print_arena(applied, layout_json=None):
+    """The plan's own arena beside the applied one, and what differs;
+    `layout_json`: write the applied layout there (dev/arena_layout.py's
+    record, as pool_census.py --layout-json writes it)."""
+    import json
+    from caffeplus.memory import placement
+    plan = applied.plan
+    bufs = applied.layout[0]
+    if layout_json:
+        from dev.arena_layout import layout_record
+        with open(layout_json, 'w') as f:
+            json.dump(layout_record(applied.net), f)
     lives = [b for b in bufs if b.key[0] == 'life']
     print('PLAN peak %.0f MiB, arena %.0f MiB, breakdown %s'
           % (plan.peak_bytes / MiB, plan.arena_bytes / MiB,
@@ -192,24 +164,16 @@ def _print_arena(applied, layout_json=None):
     print('APPLIED arena %.0f MiB (limit %s), live bound %.0f; lives alone placed %.0f MiB; '
           'bytes by kind %s' % (applied.arena_bytes / MiB, applied.arena_limit,
                                 placement.live_bound(bufs) / MiB,
-                                placement.place(lives)[1] / MiB,
-                                {k: round(v / MiB) for k, v in kinds.items()}))
-    plan_kinds = {}
-    for b in plan.buffers:
-        plan_kinds[b.kind] = plan_kinds.get(b.kind, 0) + b.nbytes
+                                placement.place(lives)[1] / MiB, _bytes_by_kind(bufs)))
     print('PLAN bytes by kind %s; plan buffers placed %.0f MiB, bound %.0f'
-          % ({k: round(v / MiB) for k, v in plan_kinds.items()},
-             placement.place(plan.buffers)[1] / MiB, placement.live_bound(plan.buffers) / MiB))
+          % (_bytes_by_kind(plan.buffers), placement.place(plan.buffers)[1] / MiB,
+             placement.live_bound(plan.buffers) / MiB))
     for e in applied.entries:
         if e.offloaded:
             print('OFFLOADED %s: lives %s' % (e.name, [(life.start, life.end, round(
                 life.buf.nbytes / MiB)) for life in e.lives]))
-    ws = [b for b in bufs if b.kind == 'workspace']
-    for b in sorted(ws, key=lambda b: -b.nbytes)[:6]:
-        print('WORKSPACE %s %.0f MiB steps %s-%s' % (b.key, b.nbytes / MiB, b.start, b.end))
-    pws = [b for b in plan.buffers if b.kind == 'workspace']
-    for b in sorted(pws, key=lambda b: -b.nbytes)[:6]:
-        print('PLAN WORKSPACE %s %.0f MiB steps %s-%s' % (b.key, b.nbytes / MiB, b.start, b.end))
+    _print_largest_workspace('WORKSPACE', bufs)
+    _print_largest_workspace('PLAN WORKSPACE', plan.buffers)
     sys.stdout.flush()
 
 
